@@ -1,0 +1,317 @@
+"""batch_runner: run a tool-using LLM agent over a JSONL dataset and write ShareGPT trajectories.
+
+    python batch_runner.py --dataset_file=data/example.jsonl --batch_size=5 --run_name=example
+
+Data flows one way: dataset -> planned tasks (prompt + sampled toolsets) -> sessions in worker
+processes -> rows -> the single writer here -> batch files / checkpoint -> merge ->
+trajectories.jsonl + statistics.json. See README.md for every flag.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+import time
+from array import array
+from collections import Counter, defaultdict
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterator
+
+import fire
+
+import model_tools
+import toolset_distributions
+from batchrun import rows
+from batchrun.config import DEFAULT_MODEL, RunConfig, UsageError, build_config
+from batchrun.console import RunConsole
+from batchrun.dataset import DatasetError, DatasetPlan, check_dataset_file, iter_pending, plan_dataset
+from batchrun.environments.base import EnvironmentSettings
+from batchrun.run_dir import RunDirectory, RunDirectoryError, ScanResult
+from batchrun.security import Redactor
+from batchrun.session import Task
+from batchrun.stats import MergeStatistics, ThisRun, build_statistics
+from batchrun.workers import Fatal, Finished, WorkerPool, process_count
+
+CHECKPOINT_MIN_INTERVAL = 1.0     # seconds; coalesces checkpoint rewrites when batches are tiny
+MAX_CORRUPTED_LINES_SHOWN = 20
+EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 130
+
+
+class BatchRunner:
+    """Plans the work, feeds the worker pool, persists every row, checkpoints, merges, reports."""
+
+    def __init__(self, config: RunConfig, console: RunConsole) -> None:
+        self.config = config
+        self.console = console
+        self.run_dir = RunDirectory(config.run_dir)
+        self.this_run = ThisRun()
+        self.started = time.monotonic()
+        self.batch_stats: dict[str, Counter] = defaultdict(Counter)
+        self.done_indices = array("q")
+        self._checkpoint_due = False
+        self._last_checkpoint = 0.0
+
+    # -- the run --------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        try:
+            self.run_dir.acquire()
+        except RunDirectoryError as exc:
+            self._error(str(exc))
+            return EXIT_ERROR
+        try:
+            return self._run_locked()
+        finally:
+            self.run_dir.release()
+
+    def _error(self, message: str) -> None:
+        self.console.err.print(f"error: {self.console.redact(message)}", style="bold red", markup=False)
+
+    def _run_locked(self) -> int:
+        config = self.config
+        existing = self.run_dir.existing_results()
+        if existing and not config.resume:
+            self._error(f"{self.run_dir.path}/ already holds results ({', '.join(existing[:5])}"
+                        f"{', ...' if len(existing) > 5 else ''}). Pass --resume to continue that run, "
+                        "or choose a new --run_name to start fresh.")
+            return EXIT_ERROR
+        scan = self.run_dir.scan(rerun_corrupted=config.rerun_corrupted) if config.resume else ScanResult()
+        if config.resume:
+            self._warn_on_changed_arguments()
+        try:
+            plan = plan_dataset(config.dataset_file, max_samples=config.max_samples,
+                                done_counts=scan.done_counts, warn=self.console.warn)
+        except DatasetError as exc:
+            self._error(str(exc))
+            return EXIT_ERROR
+        self.done_indices.extend(plan.done_indices)
+        self._print_startup(plan, scan)
+        if plan.pending == 0:
+            self.console.print("All prompts have already been processed!", style="bold green")
+            self._write_checkpoint(plan)
+            self._finish(plan)
+            return EXIT_OK
+        return self._execute(plan)
+
+    def _execute(self, plan: DatasetPlan) -> int:
+        env_settings = self._environment_settings()
+        available = frozenset(model_tools.TOOL_NAMES) - set(model_tools.unavailable_tools())
+        pool = WorkerPool(self.config, env_settings, available)
+        self.console.start_progress(plan.total, plan.already_done, self.this_run)
+        exit_code, fatal = EXIT_OK, None
+        try:
+            fatal = self._feed(pool, self._planned_tasks(plan))
+        except KeyboardInterrupt:
+            exit_code = EXIT_INTERRUPTED
+        except RuntimeError as exc:   # a worker process died underneath us
+            fatal = Fatal(str(exc))
+        finally:
+            self.console.stop_progress()
+            pool.stop()
+            self.run_dir.sync()
+            self._write_checkpoint(plan)
+            if env_settings.work_root.exists() and not env_settings.keep_workdirs:
+                shutil.rmtree(env_settings.work_root, ignore_errors=True)
+        if fatal is not None:
+            self._error(f"{fatal.message}\nThe run stopped; finished prompts are saved. Fix the problem and "
+                        "continue with --resume.")
+            return EXIT_ERROR
+        self._finish(plan)
+        if exit_code == EXIT_INTERRUPTED:
+            self.console.print("Interrupted. Finished prompts are saved; run the same command with --resume "
+                               "to continue.", style="yellow")
+        return exit_code
+
+    def _feed(self, pool: WorkerPool, tasks: Iterator[Task]) -> Fatal | None:
+        """The scheduling loop: one task per free slot, every finished row persisted at once."""
+        exhausted = False
+        while True:
+            while not exhausted and pool.free_slots:
+                task = next(tasks, None)
+                if task is None:
+                    exhausted = True
+                else:
+                    pool.submit(task)
+            if pool.in_flight == 0:
+                return None
+            finished: list[Finished] = []
+            for message in pool.receive(timeout=1.0):
+                if isinstance(message, Fatal):
+                    return message
+                self.run_dir.append(message.batch_num, message.row)
+                finished.append(message)
+            self.run_dir.sync()    # durable before it is reported or counted as done
+            for message in finished:
+                self._record(message)
+            self._maybe_checkpoint()
+
+    def _record(self, finished: Finished) -> None:
+        self.this_run.record(finished.status, finished.usage, finished.api_calls, finished.error_type)
+        self.batch_stats[str(finished.batch_num)][finished.status] += 1
+        if finished.status != rows.FAILED:
+            self.done_indices.append(finished.prompt_index)
+        if self.this_run.processed % self.config.batch_size == 0:
+            self._checkpoint_due = True
+        self.console.prompt_finished(finished)
+
+    def _planned_tasks(self, plan: DatasetPlan) -> Iterator[Task]:
+        """Dataset records -> tasks with their sampled toolsets (reproducible per prompt with --seed)."""
+        for record in iter_pending(plan, max_samples=self.config.max_samples):
+            rng = toolset_distributions.rng_for_prompt(self.config.seed, f"{record.key}:{record.occurrence}")
+            yield Task(prompt_index=record.prompt_index, prompt=record.prompt, image=record.image, cwd=record.cwd,
+                       content_key=record.key,
+                       toolsets=tuple(toolset_distributions.sample_toolsets(self.config.distribution, rng)))
+
+    def _environment_settings(self) -> EnvironmentSettings:
+        work_root = Path(tempfile.gettempdir()) / "batch_runner" / self.config.run_name
+        if work_root.exists() and not self.config.keep_workdirs:
+            shutil.rmtree(work_root, ignore_errors=True)    # leftovers of a crashed run under this name
+        return EnvironmentSettings(work_root=work_root, run_label=self.config.run_name,
+                                   command_timeout=self.config.command_timeout,
+                                   keep_workdirs=self.config.keep_workdirs)
+
+    # -- persistence and reporting --------------------------------------------------------------
+
+    def _maybe_checkpoint(self) -> None:
+        if self._checkpoint_due and time.monotonic() - self._last_checkpoint >= CHECKPOINT_MIN_INTERVAL:
+            self._write_checkpoint(None)
+
+    def _write_checkpoint(self, plan: DatasetPlan | None) -> None:
+        previous = self.run_dir.read_checkpoint() or {}
+        batch_stats = {key: dict(value) for key, value in (previous.get("batch_stats") or {}).items()}
+        for key, counts in self.batch_stats.items():
+            merged = Counter(batch_stats.get(key, {}))
+            merged.update(counts)
+            batch_stats[key] = dict(merged)
+        self.batch_stats.clear()
+        self.run_dir.write_checkpoint({
+            "run_name": self.config.run_name,
+            "dataset_file": str(self.config.dataset_file),
+            "distribution": self.config.distribution,
+            "model": self.config.model,
+            "batch_size": self.config.batch_size,
+            "total_prompts": plan.total if plan else previous.get("total_prompts"),
+            "completed_prompts": sorted(self.done_indices),
+            "batch_stats": batch_stats,
+            "last_updated": datetime.now().isoformat(timespec="seconds"),
+        })
+        self._checkpoint_due = False
+        self._last_checkpoint = time.monotonic()
+
+    def _warn_on_changed_arguments(self) -> None:
+        previous = self.run_dir.read_checkpoint() or {}
+        for key in ("model", "distribution", "dataset_file"):
+            before, now = previous.get(key), str(getattr(self.config, key))
+            if before is not None and str(before) != now:
+                self.console.warn(f"resuming with --{key}={now}, but this run started with {before}")
+
+    def _finish(self, plan: DatasetPlan) -> None:
+        merge = MergeStatistics()
+
+        def on_corrupted(batch_file: str, row: dict, invented: list[str]) -> None:
+            merge.on_corrupted(batch_file, row, invented)
+            shown = len(merge.corrupted)
+            if shown <= MAX_CORRUPTED_LINES_SHOWN:
+                self.console.print(f"⚠️  left out of trajectories.jsonl: {batch_file} prompt "
+                                   f"{row.get('prompt_index')} calls invented tool(s) {', '.join(map(str, invented))}")
+
+        merge.batch_files = self.run_dir.merge(merge.on_row, on_corrupted)
+        if len(merge.corrupted) > MAX_CORRUPTED_LINES_SHOWN:
+            self.console.print(f"... and {len(merge.corrupted) - MAX_CORRUPTED_LINES_SHOWN} more corrupted rows")
+        statistics = build_statistics(run_name=self.config.run_name, distribution=self.config.distribution,
+                                      model=self.config.model, batch_size=self.config.batch_size,
+                                      total_prompts=plan.total, duration=time.monotonic() - self.started,
+                                      merge=merge, this_run=self.this_run)
+        self.run_dir.write_statistics(statistics)
+        self.console.summary(statistics, merge.batch_files)
+
+    def _print_startup(self, plan: DatasetPlan, scan: ScanResult) -> None:
+        config, out = self.config, self.console
+        processes = process_count(config.num_workers)
+        out.print(f"batch_runner · run {config.run_name} · model {config.model} · endpoint {config.base_url}")
+        out.print(f"distribution {config.distribution} · {config.num_workers} concurrent sessions in "
+                  f"{processes} worker process{'es' if processes > 1 else ''} · environment {config.terminal_env}")
+        unavailable = model_tools.unavailable_tools()
+        by_reason: dict[str, list[str]] = defaultdict(list)
+        for name, reason in unavailable.items():
+            by_reason[reason].append(name)
+        for reason, names in by_reason.items():
+            out.print(f"unavailable: {', '.join(names)} — {reason}")
+        if config.reasoning_disabled and config.discard_no_reasoning:
+            out.warn("--reasoning_disabled: the no-reasoning filter will discard every sample. "
+                     "Add --discard_no_reasoning=False to keep them.")
+        if config.resume:
+            out.print(f"resume: {plan.total} prompts in the dataset, {plan.already_done} already done, "
+                      f"{plan.pending} remaining"
+                      + (f" ({scan.rows_by_status[rows.FAILED]} earlier failure rows are retried)"
+                         if scan.rows_by_status[rows.FAILED] else ""))
+        else:
+            out.print(f"{plan.total} prompts · batch size {config.batch_size} · output {self.run_dir.path}/")
+
+
+_FLAG_NAMES = ("dataset_file", "batch_size", "run_name", "distribution", "model", "base_url", "api_key",
+               "max_turns", "num_workers", "resume", "verbose", "list_distributions", "max_samples", "max_tokens",
+               "providers_allowed", "providers_ignored", "providers_order", "provider_sort", "reasoning_effort",
+               "reasoning_disabled", "ephemeral_system_prompt", "log_prefix_chars", "prefill_messages_file", "seed",
+               "discard_no_reasoning", "rerun_corrupted", "max_retries", "prompt_timeout", "tool_timeout",
+               "command_timeout", "keep_workdirs")
+
+
+def main(dataset_file: str | None = None, batch_size: int | None = None, run_name: str | None = None,
+         distribution: str = "default", model: str = DEFAULT_MODEL, base_url: str | None = None,
+         api_key: str | None = None, max_turns: int = 10, num_workers: int = 4, resume: bool = False,
+         verbose: bool = False, list_distributions: bool = False, max_samples: int | None = None,
+         max_tokens: int | None = None, providers_allowed: Any = None, providers_ignored: Any = None,
+         providers_order: Any = None, provider_sort: str | None = None, reasoning_effort: str | None = None,
+         reasoning_disabled: bool = False, ephemeral_system_prompt: str | None = None, log_prefix_chars: int = 100,
+         prefill_messages_file: str | None = None, seed: int | None = None, discard_no_reasoning: bool = True,
+         rerun_corrupted: bool = False, max_retries: int = 6, prompt_timeout: float | None = None,
+         tool_timeout: float = 120, command_timeout: float = 60, keep_workdirs: bool = False,
+         **unknown_flags: Any) -> None:
+    """Run an agent over every prompt of DATASET_FILE and write data/RUN_NAME/ (see README.md).
+
+    Extra flags beyond the Hermes runner: --seed (reproducible toolset sampling),
+    --discard_no_reasoning=False (keep samples without reasoning), --rerun_corrupted (with --resume,
+    run prompts whose rows named invented tools again), --max_retries (transient endpoint errors),
+    --prompt_timeout / --tool_timeout / --command_timeout (seconds), --keep_workdirs.
+    """
+    flags = {name: value for name, value in locals().items() if name in _FLAG_NAMES}
+    sys.exit(run_cli(flags, unknown_flags))
+
+
+def run_cli(flags: dict[str, Any], unknown_flags: dict[str, Any]) -> int:
+    redact = Redactor.from_environment(str(flags.get("api_key") or ""))
+    console = RunConsole(redact, verbose=bool(flags.get("verbose")))
+    if unknown_flags:
+        import difflib
+        name = next(iter(unknown_flags))
+        close = difflib.get_close_matches(name, _FLAG_NAMES, n=1)
+        hint = f" — did you mean --{close[0]}?" if close else " — python batch_runner.py --help lists them"
+        console.err.print(f"error: unknown flag --{name}{hint}", style="bold red", markup=False)
+        return EXIT_ERROR
+    if flags["list_distributions"] is True:
+        console.out.print(toolset_distributions.format_distributions(), markup=False, highlight=False)
+        return EXIT_OK
+    try:
+        config = build_config(**{k: v for k, v in flags.items() if k != "list_distributions"})
+    except UsageError as exc:
+        console.err.print(str(exc) if str(exc).startswith("error:") else f"error: {exc}",
+                          style="bold red", markup=False)
+        return EXIT_ERROR
+    try:
+        check_dataset_file(config.dataset_file)
+    except DatasetError as exc:
+        console.err.print(f"error: {exc}", style="bold red", markup=False)
+        return EXIT_ERROR
+    console.redact = Redactor.from_environment(config.api_key)
+    return BatchRunner(config, console).run()
+
+
+def cli() -> None:
+    fire.Fire(main)
+
+
+if __name__ == "__main__":
+    cli()

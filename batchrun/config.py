@@ -1,0 +1,270 @@
+"""Command-line values -> one validated, immutable RunConfig (SPEC §2).
+
+Every check happens here, before the run directory is touched or a model is called, and each
+failure is one UsageError line that names the flag and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import toolset_distributions
+from batchrun.environments import ENVIRONMENT_KINDS
+
+DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
+DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+PROVIDER_SORTS = ("price", "throughput", "latency")
+PREFILL_ROLES = ("system", "user", "assistant")
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+NO_ENDPOINT_GUIDANCE = """\
+error: no API key and no endpoint. batch_runner needs an OpenAI-compatible endpoint; pick one:
+  OpenRouter (the default):  export OPENROUTER_API_KEY=sk-or-...   then run the same command again
+  OpenAI:                    export OPENAI_API_KEY=sk-...  and add --base_url=https://api.openai.com/v1 --model=gpt-4.1-mini
+  Ollama (local, no key):    ollama pull qwen3:8b  then add --base_url=http://localhost:11434/v1 --model=qwen3:8b
+  vLLM (local, no key):      vllm serve Qwen/Qwen3-8B --enable-auto-tool-choice --tool-call-parser hermes
+                             then add --base_url=http://localhost:8000/v1 --model=Qwen/Qwen3-8B
+  llama.cpp (local, no key): llama-server -m model.gguf --jinja --port 8080  then add --base_url=http://localhost:8080/v1 --model=local"""
+
+
+class UsageError(Exception):
+    """A flag or input value the run cannot start with; the message is shown as one line."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dataset_file: Path
+    batch_size: int
+    run_name: str
+    distribution: str
+    model: str
+    base_url: str
+    api_key: str = field(repr=False)
+    max_turns: int
+    num_workers: int
+    resume: bool
+    verbose: bool
+    max_samples: int | None
+    max_tokens: int | None
+    extra_body: dict
+    ephemeral_system_prompt: str | None
+    log_prefix_chars: int
+    prefill_messages: tuple[dict, ...]
+    seed: int | None
+    discard_no_reasoning: bool
+    rerun_corrupted: bool
+    max_retries: int
+    prompt_timeout: float | None
+    tool_timeout: float
+    command_timeout: float
+    terminal_env: str
+    keep_workdirs: bool
+    reasoning_disabled: bool
+
+    @property
+    def run_dir(self) -> Path:
+        return Path("data") / self.run_name
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def positive_int(flag: str, value: Any) -> int:
+    if _is_int(value) and value > 0:
+        return value
+    raise UsageError(f"--{flag} must be a positive integer, got {value!r}")
+
+
+def optional_positive_int(flag: str, value: Any) -> int | None:
+    return None if value is None else positive_int(flag, value)
+
+
+def non_negative_int(flag: str, value: Any) -> int:
+    if _is_int(value) and value >= 0:
+        return value
+    raise UsageError(f"--{flag} must be an integer >= 0, got {value!r}")
+
+
+def positive_seconds(flag: str, value: Any) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    raise UsageError(f"--{flag} must be a positive number of seconds, got {value!r}")
+
+
+def boolean(flag: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise UsageError(f"--{flag} is a switch: pass --{flag} or --{flag}=False, got {value!r}")
+
+
+def text(flag: str, value: Any, *, required: bool = False) -> str | None:
+    """Fire turns `--x=123` into an int and `--x=a,b` into a tuple; names and ids are text."""
+    if value is None or value == "":
+        if required:
+            raise UsageError(f"--{flag} is required")
+        return None
+    if isinstance(value, bool) or isinstance(value, (tuple, list, dict)):
+        raise UsageError(f"--{flag} must be a single value, got {value!r}")
+    return str(value)
+
+
+def choice(flag: str, value: Any, allowed: tuple[str, ...]) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str) and value in allowed:
+        return value
+    raise UsageError(f"--{flag} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def name_list(flag: str, value: Any) -> list[str] | None:
+    """Provider names: 'a,b' (fire may already have made it a tuple) -> ['a', 'b']."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else list(value) if isinstance(value, (tuple, list)) else None
+    if items is None or not all(isinstance(item, str) for item in items):
+        raise UsageError(f"--{flag} takes comma-separated provider names, got {value!r}")
+    names = [item.strip() for item in items if item.strip()]
+    if not names:
+        raise UsageError(f"--{flag} takes comma-separated provider names, got {value!r}")
+    return names
+
+
+def load_prefill(path_value: Any) -> tuple[dict, ...]:
+    path_text = text("prefill_messages_file", path_value)
+    if path_text is None:
+        return ()
+    path = Path(path_text)
+    if not path.is_file():
+        raise UsageError(f"--prefill_messages_file: file not found: {path}")
+    try:
+        messages = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--prefill_messages_file: {path} is not valid JSON ({exc})") from None
+    if not isinstance(messages, list):
+        raise UsageError(f"--prefill_messages_file: {path} must hold a JSON array of {{role, content}} messages")
+    for number, message in enumerate(messages, start=1):
+        if (not isinstance(message, dict) or message.get("role") not in PREFILL_ROLES
+                or not isinstance(message.get("content"), str)):
+            raise UsageError(f"--prefill_messages_file: message {number} in {path} must be "
+                             f"{{\"role\": one of {', '.join(PREFILL_ROLES)}, \"content\": \"text\"}}")
+    return tuple({"role": m["role"], "content": m["content"]} for m in messages)
+
+
+def is_openrouter(base_url: str) -> bool:
+    return (urlparse(base_url).hostname or "").endswith("openrouter.ai")
+
+
+def resolve_api_key(explicit: str | None, base_url: str, base_url_given: bool) -> str:
+    """SPEC §2/§12: --api_key, else the provider's variable; a local endpoint may need none."""
+    if explicit:
+        return explicit
+    candidates = ("OPENROUTER_API_KEY", "OPENAI_API_KEY") if is_openrouter(base_url) else ("OPENAI_API_KEY",)
+    for variable in candidates:
+        if os.environ.get(variable):
+            return os.environ[variable]
+    if not base_url_given:
+        raise UsageError(NO_ENDPOINT_GUIDANCE)
+    return "no-key"   # the openai client insists on some value; keyless local servers ignore it
+
+
+def build_extra_body(*, base_url: str, providers_allowed: list[str] | None, providers_ignored: list[str] | None,
+                     providers_order: list[str] | None, provider_sort: str | None,
+                     reasoning_effort: str | None, reasoning_disabled: bool) -> dict:
+    extra: dict[str, Any] = {}
+    provider = {key: value for key, value in (("only", providers_allowed), ("ignore", providers_ignored),
+                                              ("order", providers_order), ("sort", provider_sort)) if value}
+    if provider:
+        extra["provider"] = provider
+    if reasoning_disabled:
+        extra["reasoning"] = {"enabled": False}
+    elif reasoning_effort:
+        extra["reasoning"] = {"effort": reasoning_effort}
+    if is_openrouter(base_url):
+        extra["usage"] = {"include": True}    # OpenRouter reports cost only when asked
+    return extra
+
+
+def validate_base_url(value: Any) -> str:
+    url = text("base_url", value, required=True)
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise UsageError(f"--base_url must be an http(s) URL such as http://localhost:8000/v1, got {url!r}")
+    return url.rstrip("/")
+
+
+def validate_run_name(value: Any) -> str:
+    name = text("run_name", value, required=True)
+    if not _RUN_NAME.match(name) or name in (".", ".."):
+        raise UsageError(f"--run_name must be a plain name (letters, digits, '.', '_', '-'), got {name!r}")
+    return name
+
+
+def terminal_env_kind() -> str:
+    kind = os.environ.get("TERMINAL_ENV", "local").strip() or "local"
+    if kind not in ENVIRONMENT_KINDS:
+        raise UsageError(f"TERMINAL_ENV must be one of {', '.join(ENVIRONMENT_KINDS)}, got {kind!r}")
+    return kind
+
+
+def build_config(**flags: Any) -> RunConfig:
+    """Validate every flag value (names already checked by the CLI) and resolve the endpoint."""
+    dataset_text = text("dataset_file", flags["dataset_file"], required=True)
+    batch_size = positive_int("batch_size", flags["batch_size"]) if flags["batch_size"] is not None else None
+    if batch_size is None:
+        raise UsageError("--batch_size is required (prompts per output shard), e.g. --batch_size=10")
+    run_name = validate_run_name(flags["run_name"])
+    distribution = text("distribution", flags["distribution"], required=True)
+    try:
+        toolset_distributions.get_distribution(distribution)
+    except toolset_distributions.UnknownDistributionError as exc:
+        raise UsageError(f"--distribution: {exc}") from None
+    base_url_given = flags["base_url"] is not None
+    base_url = validate_base_url(flags["base_url"] if base_url_given else DEFAULT_BASE_URL)
+    reasoning_disabled = boolean("reasoning_disabled", flags["reasoning_disabled"])
+    reasoning_effort = choice("reasoning_effort", flags["reasoning_effort"], REASONING_EFFORTS)
+    prompt_timeout = flags["prompt_timeout"]
+    fields = dict(
+        dataset_file=Path(dataset_text),
+        batch_size=batch_size,
+        run_name=run_name,
+        distribution=distribution,
+        model=text("model", flags["model"], required=True),
+        base_url=base_url,
+        max_turns=positive_int("max_turns", flags["max_turns"]),
+        num_workers=positive_int("num_workers", flags["num_workers"]),
+        resume=boolean("resume", flags["resume"]),
+        verbose=boolean("verbose", flags["verbose"]),
+        max_samples=optional_positive_int("max_samples", flags["max_samples"]),
+        max_tokens=optional_positive_int("max_tokens", flags["max_tokens"]),
+        extra_body=build_extra_body(
+            base_url=base_url,
+            providers_allowed=name_list("providers_allowed", flags["providers_allowed"]),
+            providers_ignored=name_list("providers_ignored", flags["providers_ignored"]),
+            providers_order=name_list("providers_order", flags["providers_order"]),
+            provider_sort=choice("provider_sort", flags["provider_sort"], PROVIDER_SORTS),
+            reasoning_effort=reasoning_effort, reasoning_disabled=reasoning_disabled),
+        ephemeral_system_prompt=text("ephemeral_system_prompt", flags["ephemeral_system_prompt"]),
+        log_prefix_chars=non_negative_int("log_prefix_chars", flags["log_prefix_chars"]),
+        prefill_messages=load_prefill(flags["prefill_messages_file"]),
+        seed=None if flags["seed"] is None else non_negative_int("seed", flags["seed"]),
+        discard_no_reasoning=boolean("discard_no_reasoning", flags["discard_no_reasoning"]),
+        rerun_corrupted=boolean("rerun_corrupted", flags["rerun_corrupted"]),
+        max_retries=non_negative_int("max_retries", flags["max_retries"]),
+        prompt_timeout=None if prompt_timeout is None else positive_seconds("prompt_timeout", prompt_timeout),
+        tool_timeout=positive_seconds("tool_timeout", flags["tool_timeout"]),
+        command_timeout=positive_seconds("command_timeout", flags["command_timeout"]),
+        terminal_env=terminal_env_kind(),
+        keep_workdirs=boolean("keep_workdirs", flags["keep_workdirs"]),
+        reasoning_disabled=reasoning_disabled,
+    )
+    # Last, so that a bad flag is reported before the "no endpoint" guidance.
+    api_key = resolve_api_key(text("api_key", flags["api_key"]), base_url, base_url_given)
+    return RunConfig(**fields, api_key=api_key)

@@ -1,0 +1,157 @@
+"""Dataset loading (SPEC §3): validate once, remember only where the pending prompts are.
+
+A dataset may hold millions of lines, so nothing here keeps prompts in memory: the plan stores the
+byte offset of every pending line, and :func:`iter_pending` re-reads them one at a time as workers
+need work.
+"""
+
+from __future__ import annotations
+
+import json
+from array import array
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from batchrun.rows import content_key
+
+
+class DatasetError(Exception):
+    """The dataset cannot be used at all (missing file, no valid prompt)."""
+
+
+@dataclass(frozen=True)
+class DatasetRecord:
+    prompt_index: int
+    prompt: str
+    image: str | None
+    cwd: str | None
+    key: str
+    occurrence: int        # how many earlier valid lines had the same content key
+
+
+@dataclass
+class DatasetPlan:
+    path: Path
+    total: int                                   # valid prompts considered (after --max_samples)
+    already_done: int
+    skipped_lines: int
+    pending_offsets: array = field(default_factory=lambda: array("q"))
+    done_indices: array = field(default_factory=lambda: array("q"))
+
+    @property
+    def pending(self) -> int:
+        return len(self.pending_offsets)
+
+
+def parse_line(raw: bytes, line_number: int) -> tuple[dict | None, str | None]:
+    """(record fields, None) for a usable line, (None, warning) for a bad one, (None, None) if blank."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, f"line {line_number}: not valid UTF-8; skipped"
+    if not text.strip():
+        return None, None
+    try:
+        obj = json.loads(text)
+    except ValueError as exc:
+        return None, f"line {line_number}: not valid JSON ({exc.msg}); skipped"
+    if not isinstance(obj, dict):
+        return None, f"line {line_number}: expected a JSON object, got {type(obj).__name__}; skipped"
+    prompt = obj.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        return None, f'line {line_number}: needs a non-empty string "prompt"; skipped'
+    image = obj.get("image") if obj.get("image") is not None else obj.get("docker_image")
+    cwd = obj.get("cwd")
+    for name, value in (("image", image), ("cwd", cwd)):
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            return None, f'line {line_number}: "{name}" must be a non-empty string; skipped'
+    return {"prompt": prompt, "image": image, "cwd": cwd}, None
+
+
+def _lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
+    """(1-based line number, byte offset, raw line) without decoding the whole file."""
+    offset = 0
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            yield number, offset, raw
+            offset += len(raw)
+
+
+def check_dataset_file(path: Path) -> None:
+    if not path.exists():
+        raise DatasetError(f"dataset file not found: {path}. Pass an existing JSONL file with --dataset_file.")
+    if not path.is_file():
+        raise DatasetError(f"--dataset_file must be a file, but {path} is a directory.")
+
+
+def plan_dataset(path: Path, *, max_samples: int | None, done_counts: Counter,
+                 warn: Callable[[str], None]) -> DatasetPlan:
+    """One pass over the dataset: validate every line, count valid prompts, and decide per
+    occurrence what is pending. ``done_counts`` (content key -> finished rows) is consumed in
+    dataset order, so three copies of a prompt with two finished leave exactly one pending."""
+    check_dataset_file(path)
+    remaining_done = Counter(done_counts)
+    plan = DatasetPlan(path=path, total=0, already_done=0, skipped_lines=0)
+    for number, offset, raw in _lines(path):
+        if max_samples is not None and plan.total >= max_samples:
+            break
+        fields, warning = parse_line(raw, number)
+        if fields is None:
+            if warning:
+                plan.skipped_lines += 1
+                warn(warning)
+            continue
+        key = content_key(fields["prompt"], fields["image"], fields["cwd"])
+        if remaining_done[key] > 0:
+            remaining_done[key] -= 1
+            plan.already_done += 1
+            plan.done_indices.append(plan.total)
+        else:
+            plan.pending_offsets.append(offset)
+        plan.total += 1
+    if plan.total == 0:
+        raise DatasetError(f"no valid prompt in {path}: every line was blank or skipped "
+                           '(see the warnings above). Each line needs a JSON object with a "prompt" string.')
+    return plan
+
+
+def iter_records(path: Path, *, max_samples: int | None = None) -> Iterator[DatasetRecord]:
+    """Every valid record in order, with its prompt index and occurrence number (bad lines skipped)."""
+    occurrences: Counter = Counter()
+    index = 0
+    for number, _offset, raw in _lines(path):
+        if max_samples is not None and index >= max_samples:
+            return
+        fields, _warning = parse_line(raw, number)
+        if fields is None:
+            continue
+        key = content_key(fields["prompt"], fields["image"], fields["cwd"])
+        yield DatasetRecord(index, fields["prompt"], fields["image"], fields["cwd"], key, occurrences[key])
+        occurrences[key] += 1
+        index += 1
+
+
+def iter_pending(plan: DatasetPlan, *, max_samples: int | None) -> Iterator[DatasetRecord]:
+    """The pending records of a plan, streamed from disk in dataset order."""
+    wanted = iter(plan.pending_offsets)
+    next_offset = next(wanted, None)
+    if next_offset is None:
+        return
+    occurrences: Counter = Counter()
+    index = 0
+    for number, offset, raw in _lines(plan.path):
+        if max_samples is not None and index >= max_samples:
+            return
+        fields, _warning = parse_line(raw, number)
+        if fields is None:
+            continue
+        key = content_key(fields["prompt"], fields["image"], fields["cwd"])
+        if offset == next_offset:
+            yield DatasetRecord(index, fields["prompt"], fields["image"], fields["cwd"], key, occurrences[key])
+            next_offset = next(wanted, None)
+            if next_offset is None:
+                return
+        occurrences[key] += 1
+        index += 1

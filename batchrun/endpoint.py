@@ -1,0 +1,184 @@
+"""Talking to the OpenAI-compatible endpoint: one call with retries, and what each error means.
+
+The retry loop is our own rather than the client's because a 429 must pause *every* session of
+the run, across processes (:class:`RateGate`), not only the one that received it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import multiprocessing
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import openai
+
+from batchrun.rows import Usage
+
+BACKOFF_BASE = 1.0       # seconds before the first retry; doubles per attempt, with full jitter
+BACKOFF_CAP = 60.0
+REQUEST_TIMEOUT = 600.0  # one model call; long generations from slow self-hosted servers are legitimate
+
+
+class RunFatalError(Exception):
+    """The whole run cannot work (bad key, unknown model, no credit): stop instead of failing every prompt."""
+
+
+class PromptFailedError(Exception):
+    """This prompt cannot be completed now; it leaves a failure row and is retried on resume."""
+
+    def __init__(self, message: str, error_type: str) -> None:
+        super().__init__(message)
+        self.error_type = error_type
+
+
+class RateGate:
+    """A run-wide pause shared by all worker processes: after a 429, nobody sends until it passes."""
+
+    def __init__(self) -> None:
+        self._resume_at = multiprocessing.get_context("fork").Value("d", 0.0)
+
+    def pause(self, seconds: float) -> None:
+        with self._resume_at.get_lock():
+            self._resume_at.value = max(self._resume_at.value, time.monotonic() + seconds)
+
+    async def wait(self) -> None:
+        while (delay := self._resume_at.value - time.monotonic()) > 0:
+            await asyncio.sleep(delay)
+
+
+@dataclass
+class ModelReply:
+    message: dict
+    finish_reason: str | None
+    usage: Usage
+
+
+def make_client(base_url: str, api_key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=REQUEST_TIMEOUT)
+
+
+def retry_after_seconds(headers: Any) -> float | None:
+    """Seconds the server asked us to wait (Retry-After-Ms, Retry-After as seconds or HTTP date)."""
+    if headers is None:
+        return None
+    millis = headers.get("retry-after-ms")
+    if millis:
+        try:
+            return max(0.0, float(millis) / 1000)
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        parsed = email.utils.parsedate_to_datetime(value) if value else None
+        return max(0.0, parsed.timestamp() - time.time()) if parsed else None
+
+
+def _error_text(exc: openai.APIStatusError) -> str:
+    body = exc.body
+    if isinstance(body, dict):
+        inner = body.get("error")
+        message = inner.get("message") if isinstance(inner, dict) else body.get("message")
+        if message:
+            return str(message)
+    return str(exc.message)
+
+
+def classify(exc: Exception, *, model: str, base_url: str) -> float | None:
+    """Returns for a transient error (with the server's Retry-After, if any); raises RunFatalError
+    when the whole run cannot work and PromptFailedError when only this prompt cannot."""
+    if isinstance(exc, (openai.APITimeoutError, openai.APIConnectionError)):
+        return None
+    if not isinstance(exc, openai.APIStatusError):
+        raise PromptFailedError(f"{type(exc).__name__}: {exc}", "client_error")
+    status = exc.status_code
+    detail = _error_text(exc)
+    if status == 429 or status in (408, 409) or status >= 500:
+        return retry_after_seconds(exc.response.headers)
+    if status == 401:
+        raise RunFatalError(f"the endpoint {base_url} rejected the API key (HTTP 401: {detail}). "
+                            "Check --api_key, OPENROUTER_API_KEY or OPENAI_API_KEY.")
+    if status == 402:
+        raise RunFatalError(f"the endpoint {base_url} refused payment (HTTP 402: {detail}). "
+                            "Add credit to the account, or lower the cost with --max_samples.")
+    if status == 404:
+        raise RunFatalError(f"the endpoint {base_url} does not know model {model!r} or this API path "
+                            f"(HTTP 404: {detail}). Check --model and --base_url (it usually ends in /v1).")
+    lowered = detail.lower()
+    if status == 400 and "model" in lowered and any(
+            phrase in lowered for phrase in ("not a valid model", "does not exist", "invalid model", "unknown model")):
+        raise RunFatalError(f"the endpoint {base_url} does not accept model {model!r} (HTTP 400: {detail}).")
+    raise PromptFailedError(f"HTTP {status}: {detail}", f"http_{status}")
+
+
+def backoff_delay(attempt: int) -> float:
+    return random.uniform(0, min(BACKOFF_CAP, BACKOFF_BASE * 2 ** attempt))
+
+
+def _usage_from(data: dict) -> Usage:
+    usage = data.get("usage") or {}
+    completion_details = usage.get("completion_tokens_details") or {}
+    prompt_details = usage.get("prompt_tokens_details") or {}
+    return Usage(prompt_tokens=int(usage.get("prompt_tokens") or 0),
+                 completion_tokens=int(usage.get("completion_tokens") or 0),
+                 reasoning_tokens=int(completion_details.get("reasoning_tokens") or 0),
+                 cached_tokens=int(prompt_details.get("cached_tokens") or 0),
+                 cost=float(usage.get("cost") or 0.0))
+
+
+class BodyError(Exception):
+    """A 200 response that carries an error instead of a choice (some gateways do this)."""
+
+
+def parse_reply(raw: bytes) -> ModelReply:
+    data = json.loads(raw)
+    choices = data.get("choices") if isinstance(data, dict) else None
+    if not choices:
+        error = data.get("error") if isinstance(data, dict) else None
+        raise BodyError(f"response without choices: {json.dumps(error or data)[:300]}")
+    choice = choices[0]
+    return ModelReply(message=choice.get("message") or {}, finish_reason=choice.get("finish_reason"),
+                      usage=_usage_from(data))
+
+
+async def call_model(client: openai.AsyncOpenAI, gate: RateGate, *, request: dict, max_retries: int,
+                     base_url: str) -> ModelReply:
+    """One chat completion, retried on transient errors with back-off honouring Retry-After."""
+    attempt = 0
+    while True:
+        await gate.wait()
+        retry_after = None
+        try:
+            raw = await client.chat.completions.with_raw_response.create(**request)
+            return parse_reply(raw.content)
+        except openai.APIError as exc:
+            retry_after = classify(exc, model=request["model"], base_url=base_url)
+            failure: Exception = exc
+        except (BodyError, ValueError) as exc:   # an error body or undecodable JSON: a broken proxy
+            failure = exc
+        if attempt >= max_retries:
+            raise PromptFailedError(f"gave up after {attempt + 1} attempts: {failure}",
+                                    _exhausted_type(failure)) from None
+        delay = retry_after if retry_after is not None else backoff_delay(attempt)
+        if isinstance(failure, openai.RateLimitError):
+            gate.pause(delay)
+        attempt += 1
+        await asyncio.sleep(delay)
+
+
+def _exhausted_type(exc: Exception) -> str:
+    if isinstance(exc, openai.RateLimitError):
+        return "rate_limited"
+    if isinstance(exc, openai.APIStatusError):
+        return f"http_{exc.status_code}"
+    if isinstance(exc, (openai.APITimeoutError, openai.APIConnectionError)):
+        return "connection"
+    return "bad_response"

@@ -1,0 +1,105 @@
+"""The environment protocol: where one prompt's model-written commands and file edits happen.
+
+Every backend (local directory, bubblewrap sandbox, docker or singularity container) is a short
+class implementing :class:`Environment`. One instance serves exactly one prompt: it is started
+before the prompt's first model call, used by the terminal and file tools, and closed when the
+session ends — also on errors and cancellation — so no state leaks between prompts.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Variables a model-written command may see. Everything else in the user's environment (API keys,
+# tokens, cloud credentials) is withheld: an allow-list cannot leak a secret nobody thought of.
+ALLOWED_ENV_VARS = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TERM")
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def scrubbed_environment(home: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a tool process: the allow-listed variables plus a private HOME."""
+    env = {name: os.environ[name] for name in ALLOWED_ENV_VARS if name in os.environ}
+    env.setdefault("PATH", DEFAULT_PATH)
+    env.setdefault("LANG", "C.UTF-8")
+    env["HOME"] = home
+    env["TERM"] = env.get("TERM", "dumb")
+    if extra:
+        env.update(extra)
+    return env
+
+
+class EnvironmentSetupError(RuntimeError):
+    """The prompt's environment could not be created (missing image, no engine, ...).
+
+    The session fails the prompt with this message before making any model call.
+    """
+
+
+@dataclass
+class CommandResult:
+    """What one shell command produced. A non-zero exit code is a result, not a failure."""
+
+    output: str
+    exit_code: int | None
+    timed_out: bool = False
+    truncated: bool = False
+    error: str | None = None
+
+
+@dataclass
+class EnvironmentSettings:
+    """Run-wide settings every backend reads; one object shared by all prompts of a run."""
+
+    work_root: Path                      # parent of the per-prompt directories
+    run_label: str                       # identifies this run's containers/dirs for cleanup
+    command_timeout: float = 60.0        # default time limit of one terminal command (seconds)
+    max_output_chars: int = 50_000       # terminal output kept per command; the rest is cut with a note
+    max_file_bytes: int = 1_000_000      # largest file the file tools read or write
+    keep_workdirs: bool = False          # leave per-prompt directories behind for inspection
+    default_image: str = "python:3.11-slim"
+    allow_network: bool = False          # isolated backends: let commands reach the network
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+class Environment(abc.ABC):
+    """One prompt's sandbox. Subclasses are small; shared behaviour lives here."""
+
+    #: The name users select with TERMINAL_ENV and the start-up summary shows.
+    kind: str = ""
+
+    def __init__(self, settings: EnvironmentSettings, *, prompt_index: int,
+                 image: str | None = None, cwd: str | None = None) -> None:
+        self.settings = settings
+        self.prompt_index = prompt_index
+        self.image = image
+        self.cwd = cwd
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Create the environment. Raises EnvironmentSetupError when it cannot exist."""
+
+    @abc.abstractmethod
+    async def run(self, command: str, timeout: float | None = None) -> CommandResult:
+        """Run a shell command in the prompt's working directory and return its combined output."""
+
+    @abc.abstractmethod
+    async def read_file(self, path: str) -> bytes:
+        """Read a file, path relative to the working directory; raises ToolError on refusal."""
+
+    @abc.abstractmethod
+    async def write_file(self, path: str, data: bytes) -> str:
+        """Write a file (creating parents) and return the path as the model should refer to it."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Tear everything down. Idempotent; never raises."""
+
+    async def __aenter__(self) -> "Environment":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

@@ -1,0 +1,216 @@
+"""The run directory (SPEC §8–§10): durable appends, atomic checkpoint, resume scan, merge, lock.
+
+Only the parent process touches these files. Every read streams line by line, so the resume scan and
+the merge take linear time and memory bounded by the number of distinct prompts, not of rows.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Callable, Iterator
+
+from batchrun import rows
+
+BATCH_FILE = re.compile(r"^batch_(\d+)\.jsonl$")
+TRAJECTORIES = "trajectories.jsonl"
+CHECKPOINT = "checkpoint.json"
+STATISTICS = "statistics.json"
+LOCK = ".lock"
+
+
+class RunDirectoryError(Exception):
+    """The run directory cannot be used as asked (locked, or holds results without --resume)."""
+
+
+def atomic_write_json(path: Path, data: dict, *, indent: int | None = None) -> None:
+    """Write temp, fsync, rename: a reader (or a crash) sees the old file or the new one, never half."""
+    temp = path.with_name(path.name + ".tmp")
+    with temp.open("w", encoding="utf-8") as handle:
+        json.dump(data, handle, ensure_ascii=False, indent=indent)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def complete_lines(path: Path) -> Iterator[bytes]:
+    """Lines of a JSONL file, without a last line cut short by a crash (it has no newline)."""
+    with path.open("rb") as handle:
+        for line in handle:
+            if line.endswith(b"\n"):
+                yield line
+
+
+def parse_row(line: bytes) -> dict | None:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) and "prompt_index" in row else None
+
+
+@dataclass
+class ScanResult:
+    """What earlier runs left: finished rows per content key, and what counts as done."""
+
+    done_counts: Counter = field(default_factory=Counter)
+    rows_by_status: Counter = field(default_factory=Counter)
+    corrupted_rows: int = 0
+    unreadable_lines: int = 0
+
+
+class RunDirectory:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock_handle: IO | None = None
+        self._open: dict[int, IO[bytes]] = {}
+        self._dirty: set[int] = set()
+
+    # -- ownership ------------------------------------------------------------------------------
+
+    def acquire(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        handle = (self.path / LOCK).open("a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise RunDirectoryError(
+                f"{self.path} is in use by batch_runner (pid {holder}). Wait for that run to finish, "
+                "or start a separate one with a different --run_name.") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        self._lock_handle = handle
+
+    def release(self) -> None:
+        self.close_batches()
+        if self._lock_handle is not None:
+            self._lock_handle.close()
+            self._lock_handle = None
+
+    def batch_files(self) -> list[Path]:
+        found = [(int(m.group(1)), p) for p in self.path.glob("batch_*.jsonl") if (m := BATCH_FILE.match(p.name))]
+        return [path for _, path in sorted(found)]
+
+    def existing_results(self) -> list[str]:
+        """Names of result files with content, for the 'use --resume' message."""
+        candidates = self.batch_files() + [self.path / TRAJECTORIES]
+        return [p.name for p in candidates if p.exists() and p.stat().st_size > 0]
+
+    # -- resume ---------------------------------------------------------------------------------
+
+    def scan(self, *, rerun_corrupted: bool) -> ScanResult:
+        """Count finished prompts by content key (SPEC §9). Failed rows are not done; corrupted
+        rows are done unless the user asked to run them again."""
+        result = ScanResult()
+        for path in self.batch_files():
+            for line in complete_lines(path):
+                row = parse_row(line)
+                if row is None or "content_key" not in row:
+                    result.unreadable_lines += 1
+                    continue
+                status = rows.row_status(row)
+                result.rows_by_status[status] += 1
+                if status == rows.FAILED:
+                    continue
+                if status != rows.DISCARDED and rows.invented_tool_names(row):
+                    result.corrupted_rows += 1
+                    if rerun_corrupted:
+                        continue
+                result.done_counts[row["content_key"]] += 1
+        return result
+
+    # -- writing --------------------------------------------------------------------------------
+
+    def append(self, batch_num: int, line: bytes) -> None:
+        handle = self._open.get(batch_num)
+        if handle is None:
+            handle = self._open[batch_num] = (self.path / f"batch_{batch_num}.jsonl").open("ab")
+            self._terminate_partial_line(handle)
+        handle.write(line)
+        self._dirty.add(batch_num)
+
+    @staticmethod
+    def _terminate_partial_line(handle: IO[bytes]) -> None:
+        """A crash may have left half a line; end it so the next row starts on a line of its own."""
+        size = handle.seek(0, os.SEEK_END)
+        if size:
+            with open(handle.name, "rb") as reader:
+                reader.seek(size - 1)
+                if reader.read(1) != b"\n":
+                    handle.write(b"\n")
+
+    def sync(self) -> None:
+        """Make every appended row durable: one flush+fsync per touched file (group commit)."""
+        for batch_num in self._dirty:
+            handle = self._open[batch_num]
+            handle.flush()
+            os.fsync(handle.fileno())
+        self._dirty.clear()
+
+    def close_batches(self) -> None:
+        self.sync()
+        for handle in self._open.values():
+            handle.close()
+        self._open.clear()
+
+    def write_checkpoint(self, data: dict) -> None:
+        atomic_write_json(self.path / CHECKPOINT, data)
+
+    def read_checkpoint(self) -> dict | None:
+        try:
+            return json.loads((self.path / CHECKPOINT).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+
+    def write_statistics(self, data: dict) -> None:
+        atomic_write_json(self.path / STATISTICS, data, indent=2)
+
+    # -- merge ----------------------------------------------------------------------------------
+
+    def merge(self, on_row: Callable[[dict], None], on_corrupted: Callable[[str, dict, list[str]], None]) -> int:
+        """Stream every batch file into trajectories.jsonl (atomically replaced). Trajectory rows
+        that call no invented tool are kept; tombstones, failures, corrupted rows and broken lines
+        are left out. Returns the number of batch files read."""
+        self.close_batches()
+        files = self.batch_files()
+        temp = self.path / (TRAJECTORIES + ".tmp")
+        with temp.open("wb") as out:
+            for path in files:
+                for line in complete_lines(path):
+                    row = parse_row(line)
+                    if row is None:
+                        continue
+                    status = rows.row_status(row)
+                    if status in (rows.FAILED, rows.DISCARDED):
+                        on_row(row)
+                        continue
+                    invented = rows.invented_tool_names(row)
+                    if invented:
+                        on_corrupted(path.name, row, invented)
+                        continue
+                    on_row(row)
+                    out.write(line)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temp, self.path / TRAJECTORIES)
+        _fsync_dir(self.path)
+        return len(files)

@@ -1,0 +1,193 @@
+"""One agent session (SPEC §6): a prompt, its environment, the model/tool loop, the record.
+
+A session never writes anything; it returns a :class:`SessionResult` that the worker turns into a
+row and the parent persists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+import openai
+
+import model_tools
+from batchrun.config import RunConfig
+from batchrun.endpoint import PromptFailedError, RateGate, call_model
+from batchrun.environments import create_environment
+from batchrun.environments.base import Environment, EnvironmentSettings, EnvironmentSetupError
+from batchrun.rows import AssistantTurn, SessionResult, ToolCallRecord, Usage, split_reasoning
+from batchrun.security import Redactor
+from batchrun.tools import ToolContext, ToolError
+
+AGENT_PROMPT = (
+    "You are an autonomous agent completing the user's task with the tools you are given. "
+    "Work step by step, check what each tool call returns before relying on it, and finish with a "
+    "clear final answer once the task is done."
+)
+MAX_INVENTED_TURNS = 3       # consecutive turns calling tools that do not exist before giving up
+ENVIRONMENT_TOOLSETS = frozenset({"terminal", "file"})
+
+
+@dataclass(frozen=True)
+class Task:
+    """A planned unit of work: one dataset occurrence with its sampled toolsets."""
+
+    prompt_index: int
+    prompt: str
+    image: str | None
+    cwd: str | None
+    content_key: str
+    toolsets: tuple[str, ...]
+
+
+@dataclass
+class SessionServices:
+    """What every session of a worker process shares."""
+
+    config: RunConfig
+    client: openai.AsyncOpenAI
+    gate: RateGate
+    env_settings: EnvironmentSettings
+    available_tools: frozenset[str]
+    redact: Redactor
+
+
+def runtime_messages(config: RunConfig, prompt: str) -> list[dict]:
+    """What the model sees first; the ephemeral prompt and prefill never reach the trajectory."""
+    system = AGENT_PROMPT
+    if config.ephemeral_system_prompt:
+        system += "\n\n" + config.ephemeral_system_prompt
+    return [{"role": "system", "content": system}, *map(dict, config.prefill_messages),
+            {"role": "user", "content": prompt}]
+
+
+def _tool_calls_of(message: dict, turn_number: int) -> list[ToolCallRecord]:
+    calls = []
+    for position, call in enumerate(message.get("tool_calls") or ()):
+        function = call.get("function") or {}
+        arguments = function.get("arguments")
+        if not isinstance(arguments, str):   # a few servers send an object; the row wants text
+            arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
+        calls.append(ToolCallRecord(id=call.get("id") or f"call_{turn_number}_{position}",
+                                    name=str(function.get("name") or ""), arguments=arguments))
+    return calls
+
+
+def _assistant_message(message: dict, calls: list[ToolCallRecord]) -> dict:
+    # "" rather than None: some servers (llama.cpp) reject a null content beside tool_calls.
+    echoed: dict = {"role": "assistant", "content": message.get("content") or ""}
+    if calls:
+        echoed["tool_calls"] = [{"id": c.id, "type": "function",
+                                 "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+    return echoed
+
+
+class Session:
+    def __init__(self, task: Task, services: SessionServices) -> None:
+        self.task = task
+        self.services = services
+        self.config = services.config
+        self.offered_tools = [name for name in model_tools.tools_for_toolsets(task.toolsets)
+                              if name in services.available_tools]
+        self.turns: list[AssistantTurn] = []
+        self.usage = Usage()
+        self.api_calls = 0
+        self.env: Environment | None = None
+
+    async def run(self) -> SessionResult:
+        started = time.monotonic()
+        end_reason, error, error_type = "error", None, None
+        try:
+            await self._start_environment()
+            if self.config.prompt_timeout:
+                end_reason = await asyncio.wait_for(self._loop(), self.config.prompt_timeout)
+            else:
+                end_reason = await self._loop()
+        except PromptFailedError as exc:
+            error, error_type = str(exc), exc.error_type
+        except EnvironmentSetupError as exc:
+            error, error_type = f"environment: {exc}", "environment"
+        except asyncio.TimeoutError:   # keep what the paid-for turns produced, as a partial row
+            end_reason = "prompt_timeout"
+        finally:
+            if self.env is not None:
+                await self.env.close()
+        redact = self.services.redact
+        return SessionResult(
+            prompt_index=self.task.prompt_index, content_key=self.task.content_key, prompt=self.task.prompt,
+            toolsets=list(self.task.toolsets), offered_tools=self.offered_tools, turns=self.turns,
+            api_calls=self.api_calls, usage=self.usage, wall_time=time.monotonic() - started,
+            end_reason=end_reason, error=redact(error) if error else None, error_type=error_type)
+
+    async def _start_environment(self) -> None:
+        if not any(model_tools.TOOL_TO_TOOLSET_MAP[name] in ENVIRONMENT_TOOLSETS for name in self.offered_tools):
+            return
+        self.env = create_environment(self.config.terminal_env, self.services.env_settings,
+                                      prompt_index=self.task.prompt_index, image=self.task.image,
+                                      cwd=self.task.cwd)
+        await self.env.start()
+
+    def _request(self, messages: list[dict]) -> dict:
+        request: dict = {"model": self.config.model, "messages": messages}
+        if self.offered_tools:
+            request["tools"] = [model_tools.REGISTRY[name].schema for name in self.offered_tools]
+        if self.config.max_tokens:
+            request["max_tokens"] = self.config.max_tokens
+        if self.config.extra_body:
+            request["extra_body"] = self.config.extra_body
+        return request
+
+    async def _loop(self) -> str:
+        messages = runtime_messages(self.config, self.task.prompt)
+        invented_streak = 0
+        for turn_number in range(self.config.max_turns):
+            reply = await call_model(self.services.client, self.services.gate, request=self._request(messages),
+                                     max_retries=self.config.max_retries, base_url=self.config.base_url)
+            self.api_calls += 1
+            self.usage.add(reply.usage)
+            reasoning, visible = split_reasoning(reply.message)
+            calls = _tool_calls_of(reply.message, turn_number)
+            self.turns.append(AssistantTurn(reasoning=reasoning, content=visible, tool_calls=calls))
+            messages.append(_assistant_message(reply.message, calls))
+            if not calls:
+                return "truncated" if reply.finish_reason == "length" else "final_answer"
+            invented = False
+            for call in calls:
+                call.result, was_invented = await self._run_tool(call)
+                invented |= was_invented
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": call.result})
+            invented_streak = invented_streak + 1 if invented else 0
+            if invented_streak >= MAX_INVENTED_TURNS:
+                return "invented_tools"
+        return "max_turns"
+
+    async def _run_tool(self, call: ToolCallRecord) -> tuple[str, bool]:
+        """(result JSON text, whether the model invented the tool)."""
+        if call.name not in self.offered_tools:
+            available = ", ".join(self.offered_tools) or "none"
+            return _error(f"unknown tool {call.name!r}; the tools you can call are: {available}"), True
+        try:
+            args = json.loads(call.arguments) if call.arguments.strip() else {}
+        except ValueError as exc:
+            return _error(f"arguments are not valid JSON ({exc}); send a JSON object matching the "
+                          f"{call.name} schema"), False
+        if not isinstance(args, dict):
+            return _error(f"arguments must be a JSON object, got {type(args).__name__}"), False
+        ctx = ToolContext(env=self.env, settings=self.services.env_settings)
+        try:
+            result = await asyncio.wait_for(model_tools.dispatch(call.name, args, ctx), self.config.tool_timeout)
+            text = json.dumps(result, ensure_ascii=False)
+        except ToolError as exc:
+            text = _error(str(exc))
+        except asyncio.TimeoutError:
+            text = _error(f"{call.name} did not finish within {self.config.tool_timeout:g}s")
+        except Exception as exc:  # a tool bug must cost one tool call, not the whole prompt
+            text = _error(f"{call.name} failed: {type(exc).__name__}: {exc}")
+        return self.services.redact(text), False
+
+
+def _error(message: str) -> str:
+    return json.dumps({"error": message}, ensure_ascii=False)

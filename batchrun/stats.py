@@ -1,0 +1,140 @@
+"""Aggregate statistics (SPEC §11): built during the merge pass, plus this invocation's counters.
+
+Figures about the merged file and the run directory cover every run under the name; figures about
+this invocation live under ``this_run``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from batchrun import rows
+from model_tools import TOOL_NAMES
+
+USAGE_KEYS = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens", "cost")
+
+
+def _add_usage(total: dict, usage: dict | None) -> None:
+    for key in USAGE_KEYS:
+        total[key] += (usage or {}).get(key) or 0
+
+
+def _empty_usage() -> dict:
+    return {key: 0 for key in USAGE_KEYS}
+
+
+@dataclass
+class ThisRun:
+    """Counters of the current invocation, fed as rows arrive."""
+
+    statuses: Counter = field(default_factory=Counter)
+    failures_by_cause: Counter = field(default_factory=Counter)
+    usage: dict = field(default_factory=_empty_usage)
+    api_calls: int = 0
+
+    def record(self, status: str, usage: dict, api_calls: int, error_type: str | None) -> None:
+        self.statuses[status] += 1
+        _add_usage(self.usage, usage)
+        self.api_calls += api_calls
+        if status == rows.FAILED:
+            self.failures_by_cause[error_type or "unknown"] += 1
+
+    @property
+    def processed(self) -> int:
+        return sum(self.statuses.values())
+
+
+@dataclass
+class MergeStatistics:
+    """Everything counted while streaming the batch files into trajectories.jsonl."""
+
+    tool_counts: dict = field(default_factory=lambda: {n: {"count": 0, "success": 0, "failure": 0} for n in TOOL_NAMES})
+    turns_with_reasoning: int = 0
+    turns_without_reasoning: int = 0
+    merged: int = 0
+    merged_by_status: Counter = field(default_factory=Counter)
+    end_reasons: Counter = field(default_factory=Counter)
+    discarded: int = 0
+    failure_rows: int = 0
+    corrupted: list[tuple[str, int, list[str]]] = field(default_factory=list)
+    usage: dict = field(default_factory=_empty_usage)
+    batch_files: int = 0
+
+    def on_row(self, row: dict) -> None:
+        """Called for every readable row that is not corrupted; merged rows are trajectory rows."""
+        _add_usage(self.usage, row.get("usage"))
+        status = rows.row_status(row)
+        if status == rows.DISCARDED:
+            self.discarded += 1
+            return
+        if status == rows.FAILED:
+            self.failure_rows += 1
+            return
+        self.merged += 1
+        self.merged_by_status[status] += 1
+        self.end_reasons[row.get("end_reason", "unknown")] += 1
+        for name, entry in (row.get("tool_stats") or {}).items():
+            if name in self.tool_counts:
+                for key in ("count", "success", "failure"):
+                    self.tool_counts[name][key] += entry.get(key, 0)
+        with_reasoning, without = rows.reasoning_counts(row)
+        self.turns_with_reasoning += with_reasoning
+        self.turns_without_reasoning += without
+
+    def on_corrupted(self, batch_file: str, row: dict, invented: list[str]) -> None:
+        _add_usage(self.usage, row.get("usage"))
+        self.corrupted.append((batch_file, row.get("prompt_index", -1), invented))
+
+    def tool_statistics(self) -> dict:
+        table = {}
+        for name, entry in self.tool_counts.items():
+            count = entry["count"]
+            table[name] = {**entry,
+                           "success_rate": round(100 * entry["success"] / count, 2) if count else 0.0,
+                           "failure_rate": round(100 * entry["failure"] / count, 2) if count else 0.0}
+        return table
+
+    def reasoning_statistics(self) -> dict:
+        total = self.turns_with_reasoning + self.turns_without_reasoning
+        return {"total_assistant_turns": total, "turns_with_reasoning": self.turns_with_reasoning,
+                "turns_without_reasoning": self.turns_without_reasoning,
+                "coverage_percent": round(100 * self.turns_with_reasoning / total, 2) if total else 0.0}
+
+
+def build_statistics(*, run_name: str, distribution: str, model: str, batch_size: int, total_prompts: int,
+                     duration: float, merge: MergeStatistics, this_run: ThisRun) -> dict:
+    return {
+        "run_name": run_name,
+        "distribution": distribution,
+        "model": model,
+        "total_prompts": total_prompts,
+        "total_batches": merge.batch_files,
+        "batch_size": batch_size,
+        "completed_at": datetime.now().isoformat(timespec="seconds"),
+        "duration_seconds": round(duration, 3),
+        "trajectories_in_merged_file": merge.merged,
+        "completed_in_merged_file": merge.merged_by_status[rows.COMPLETED],
+        "partial_in_merged_file": merge.merged_by_status[rows.PARTIAL],
+        "end_reasons": dict(merge.end_reasons),
+        "tool_statistics": merge.tool_statistics(),
+        "reasoning_statistics": merge.reasoning_statistics(),
+        "discarded_no_reasoning": merge.discarded,
+        "failed_prompts": this_run.statuses[rows.FAILED],
+        "failures_by_cause": dict(this_run.failures_by_cause),
+        "filtered_corrupted": len(merge.corrupted),
+        "corrupted_entries": [{"batch_file": name, "prompt_index": index, "invented_tools": invented}
+                              for name, index, invented in merge.corrupted[:100]],
+        "usage": {key: round(value, 8) if key == "cost" else value for key, value in merge.usage.items()},
+        "this_run": {
+            "prompts_processed": this_run.processed,
+            "completed": this_run.statuses[rows.COMPLETED],
+            "partial": this_run.statuses[rows.PARTIAL],
+            "failed": this_run.statuses[rows.FAILED],
+            "discarded_no_reasoning": this_run.statuses[rows.DISCARDED],
+            "api_calls": this_run.api_calls,
+            "usage": {key: round(value, 8) if key == "cost" else value for key, value in this_run.usage.items()},
+            "duration_seconds": round(duration, 3),
+        },
+    }

@@ -1,0 +1,183 @@
+"""The tool registry: every tool's OpenAI function schema, its toolset, its handler, its availability.
+
+The registry is fixed: its key set defines the ``tool_stats`` columns of every row, whatever is
+installed on the machine, so every trajectory file has one Arrow schema. What is *available* on this
+machine is a separate question answered by :func:`unavailable_tools`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from batchrun.tools import ToolContext
+
+Handler = Callable[[dict, ToolContext], Awaitable[dict]]
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    toolset: str
+    description: str
+    parameters: dict
+    handler_path: str                       # "module:function", imported on first use
+    unavailable_reason: Callable[[], str | None] = lambda: None
+
+    @property
+    def schema(self) -> dict:
+        """The OpenAI ``tools`` entry for this tool."""
+        return {"type": "function",
+                "function": {"name": self.name, "description": self.description,
+                             "parameters": self.parameters}}
+
+
+def _params(properties: dict[str, Any], required: list[str]) -> dict:
+    return {"type": "object", "properties": properties, "required": required}
+
+
+def _not_built(issue: str) -> Callable[[], str | None]:
+    return lambda: f"not implemented in this version of batch_runner yet ({issue})"
+
+
+_STRING = {"type": "string"}
+_INT = {"type": "integer"}
+_REF = {"type": "string", "description": "Element reference from the latest browser_snapshot, e.g. 'e12'."}
+
+_BROWSER_LATER = _not_built("browser toolset: Playwright with the system Chromium")
+
+TOOLS: tuple[ToolSpec, ...] = (
+    ToolSpec("web_search", "web",
+             "Search the web. Returns a list of results, each with title, url and snippet.",
+             _params({"query": {**_STRING, "description": "What to search for."},
+                      "max_results": {**_INT, "description": "How many results (default 5)."}},
+                     ["query"]),
+             "batchrun.tools.web:web_search", _not_built("web toolset: search backends")),
+    ToolSpec("web_extract", "web",
+             "Fetch web pages and return the main text of each as markdown.",
+             _params({"urls": {"type": "array", "items": _STRING,
+                               "description": "http(s) URLs to fetch (at most 5)."}},
+                     ["urls"]),
+             "batchrun.tools.web:web_extract", _not_built("web toolset: page extraction")),
+    ToolSpec("terminal", "terminal",
+             "Run a shell command in your own working directory and return its output and exit code. "
+             "Each call starts in the working directory; chain commands with && when they depend on a cd.",
+             _params({"command": {**_STRING, "description": "The shell command to run (bash)."},
+                      "timeout": {**_INT, "description": "Seconds before the command is killed "
+                                                         "(optional; capped by the run's limit)."}},
+                     ["command"]),
+             "batchrun.tools.terminal:terminal"),
+    ToolSpec("read_file", "file",
+             "Read a text file from your working directory, optionally a window of lines.",
+             _params({"path": {**_STRING, "description": "Path relative to the working directory."},
+                      "offset": {**_INT, "description": "First line to return, 1-based (default 1)."},
+                      "limit": {**_INT, "description": "How many lines to return (default 500)."}},
+                     ["path"]),
+             "batchrun.tools.files:read_file"),
+    ToolSpec("write_file", "file",
+             "Write a text file in your working directory, creating directories as needed; "
+             "replaces the file if it exists.",
+             _params({"path": {**_STRING, "description": "Path relative to the working directory."},
+                      "content": {**_STRING, "description": "The complete new file content."}},
+                     ["path", "content"]),
+             "batchrun.tools.files:write_file"),
+    ToolSpec("patch", "file",
+             "Edit a file: replace an exact string (old_string -> new_string), or apply a unified diff.",
+             _params({"path": {**_STRING, "description": "File to edit (not needed for a diff that names "
+                                                        "its files)."},
+                      "old_string": {**_STRING, "description": "Exact text to replace; must occur once "
+                                                              "unless replace_all is true."},
+                      "new_string": {**_STRING, "description": "Replacement text."},
+                      "replace_all": {"type": "boolean", "description": "Replace every occurrence."},
+                      "diff": {**_STRING, "description": "A unified diff to apply instead of "
+                                                        "old_string/new_string."}},
+                     []),
+             "batchrun.tools.files:patch"),
+    ToolSpec("search_files", "file",
+             "Search your working directory: a regular expression over file contents, or a glob "
+             "over file names.",
+             _params({"pattern": {**_STRING, "description": "Regex (contents) or glob (names)."},
+                      "target": {"type": "string", "enum": ["content", "files"],
+                                 "description": "'content' (default) or 'files'."},
+                      "path": {**_STRING, "description": "Directory to search (default '.')."},
+                      "max_results": {**_INT, "description": "At most this many matches (default 50)."}},
+                     ["pattern"]),
+             "batchrun.tools.files:search_files"),
+    ToolSpec("browser_navigate", "browser", "Open a URL in the browser and return a snapshot of the page.",
+             _params({"url": {**_STRING, "description": "http(s) URL."}}, ["url"]),
+             "batchrun.tools.browser:navigate", _BROWSER_LATER),
+    ToolSpec("browser_snapshot", "browser",
+             "Return the current page as text with element references ([ref=eN]) for click and type.",
+             _params({}, []), "batchrun.tools.browser:snapshot", _BROWSER_LATER),
+    ToolSpec("browser_click", "browser", "Click the element with the given reference.",
+             _params({"ref": _REF}, ["ref"]), "batchrun.tools.browser:click", _BROWSER_LATER),
+    ToolSpec("browser_type", "browser", "Type text into the element with the given reference.",
+             _params({"ref": _REF, "text": {**_STRING, "description": "Text to type."}}, ["ref", "text"]),
+             "batchrun.tools.browser:type_text", _BROWSER_LATER),
+    ToolSpec("browser_scroll", "browser", "Scroll the page up or down.",
+             _params({"direction": {"type": "string", "enum": ["up", "down"]}}, ["direction"]),
+             "batchrun.tools.browser:scroll", _BROWSER_LATER),
+    ToolSpec("browser_back", "browser", "Go back to the previous page.",
+             _params({}, []), "batchrun.tools.browser:back", _BROWSER_LATER),
+    ToolSpec("browser_press", "browser", "Press a keyboard key (e.g. Enter, Tab, ArrowDown).",
+             _params({"key": {**_STRING, "description": "Key name."}}, ["key"]),
+             "batchrun.tools.browser:press", _BROWSER_LATER),
+    ToolSpec("browser_get_images", "browser", "List the images on the current page with their URLs and alt text.",
+             _params({}, []), "batchrun.tools.browser:get_images", _BROWSER_LATER),
+    ToolSpec("vision_analyze", "vision",
+             "Answer a question about an image given by URL or by a path in your working directory.",
+             _params({"image": {**_STRING, "description": "Image URL or file path."},
+                      "question": {**_STRING, "description": "What to find out about the image."}},
+                     ["image", "question"]),
+             "batchrun.tools.vision:vision_analyze", _not_built("vision toolset: multimodal model call")),
+    ToolSpec("image_generate", "image_gen",
+             "Generate an image from a text prompt; returns its URL or the saved file path.",
+             _params({"prompt": {**_STRING, "description": "Description of the image."}}, ["prompt"]),
+             "batchrun.tools.image_gen:image_generate", _not_built("image_gen toolset: images API")),
+)
+
+REGISTRY: dict[str, ToolSpec] = {tool.name: tool for tool in TOOLS}
+TOOL_NAMES: tuple[str, ...] = tuple(REGISTRY)
+TOOL_TO_TOOLSET_MAP: dict[str, str] = {tool.name: tool.toolset for tool in TOOLS}
+
+# A toolset named in a distribution -> the tools it enables. "search" is web_search on its own.
+TOOLSETS: dict[str, tuple[str, ...]] = {}
+for _tool in TOOLS:
+    TOOLSETS.setdefault(_tool.toolset, ())
+    TOOLSETS[_tool.toolset] += (_tool.name,)
+TOOLSETS["search"] = ("web_search",)
+
+
+def tools_for_toolsets(toolsets: list[str] | tuple[str, ...]) -> list[str]:
+    """Registry order, de-duplicated: the tools a prompt with these toolsets may be offered."""
+    wanted = {name for toolset in toolsets for name in TOOLSETS[toolset]}
+    return [name for name in TOOL_NAMES if name in wanted]
+
+
+def unavailable_tools() -> dict[str, str]:
+    """Tool name -> the one line that makes it available, for every tool this machine cannot run."""
+    reasons = {}
+    for tool in TOOLS:
+        reason = tool.unavailable_reason()
+        if reason:
+            reasons[tool.name] = reason
+    return reasons
+
+
+_handlers: dict[str, Handler] = {}
+
+
+def get_handler(name: str) -> Handler:
+    """The coroutine function implementing a tool (imported lazily: heavy tools cost nothing unused)."""
+    handler = _handlers.get(name)
+    if handler is None:
+        module_name, _, function_name = REGISTRY[name].handler_path.partition(":")
+        handler = getattr(importlib.import_module(module_name), function_name)
+        _handlers[name] = handler
+    return handler
+
+
+async def dispatch(name: str, args: dict, ctx: ToolContext) -> dict:
+    """Run one tool call. Unknown names are the session's job; ToolError propagates to it."""
+    return await get_handler(name)(args, ctx)

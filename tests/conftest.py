@@ -1,0 +1,71 @@
+"""Shared fixtures: a scripted OpenAI-compatible server on 127.0.0.1 and the real CLI as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from scripted_endpoint import ScriptedEndpoint  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+SECRET_VARIABLES = ("OPENROUTER_API_KEY", "OPENAI_API_KEY")
+
+
+@pytest.fixture
+def endpoint():
+    with ScriptedEndpoint() as server:
+        yield server
+
+
+def cli_environment(tmp_path: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in SECRET_VARIABLES}
+    env["TMPDIR"] = str(tmp_path / "tmp")
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def batch_runner_command(*args: str) -> list[str]:
+    return [sys.executable, str(REPO / "batch_runner.py"), *args]
+
+
+def run_cli(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the real CLI in tmp_path (so data/<run_name>/ lands there) and wait for it."""
+    return subprocess.run(batch_runner_command(*args), cwd=tmp_path, env=cli_environment(tmp_path, env),
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def endpoint_args(server: ScriptedEndpoint, **extra: object) -> list[str]:
+    flags = {"base_url": server.base_url, "model": "scripted-model", **extra}
+    return [f"--{name}={value}" for name, value in flags.items()]
+
+
+def write_dataset(path: Path, prompts: list[str | dict]) -> Path:
+    with path.open("w", encoding="utf-8") as handle:
+        for item in prompts:
+            handle.write(json.dumps(item if isinstance(item, dict) else {"prompt": item}) + "\n")
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    with path.open(encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def batch_rows(run_dir: Path) -> list[dict]:
+    rows = []
+    for path in sorted(run_dir.glob("batch_*.jsonl")):
+        rows.extend(read_jsonl(path))
+    return rows
+
+
+def human_prompt(row: dict) -> str:
+    return next(turn["value"] for turn in row["conversations"] if turn["from"] == "human")

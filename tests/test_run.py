@@ -1,0 +1,230 @@
+"""A whole run through the real CLI against the scripted endpoint: what lands in data/<run_name>/."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.json as paj
+
+from conftest import batch_rows, endpoint_args, human_prompt, read_jsonl, run_cli, write_dataset
+from model_tools import TOOL_NAMES
+
+TOOL_PROMPT = ('make a file [[call write_file {"path": "notes/a.txt", "content": "hello"}]] '
+               '[[call terminal {"command": "cat notes/a.txt && exit 3"}]]')
+
+
+def run_prompts(tmp_path, endpoint, prompts, *extra, batch_size=3, run_name="run", distribution="terminal_only",
+                env=None):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    return run_cli(tmp_path, f"--dataset_file={dataset}", f"--batch_size={batch_size}", f"--run_name={run_name}",
+                   f"--distribution={distribution}", *endpoint_args(endpoint), *extra, env=env)
+
+
+def test_full_run_writes_batches_checkpoint_statistics_and_merged_file(tmp_path, endpoint):
+    prompts = [f"question {i}" for i in range(6)] + [TOOL_PROMPT]
+    result = run_prompts(tmp_path, endpoint, prompts)
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "data" / "run"
+    assert sorted(p.name for p in run_dir.glob("batch_*.jsonl")) == ["batch_0.jsonl", "batch_1.jsonl", "batch_2.jsonl"]
+    for path in run_dir.glob("batch_*.jsonl"):
+        number = int(path.stem.split("_")[1])
+        assert all(row["prompt_index"] // 3 == number for row in read_jsonl(path))
+    merged = read_jsonl(run_dir / "trajectories.jsonl")
+    assert sorted(row["prompt_index"] for row in merged) == list(range(7))
+    checkpoint = json.loads((run_dir / "checkpoint.json").read_text())
+    assert checkpoint["completed_prompts"] == list(range(7))
+    assert checkpoint["run_name"] == "run"
+    statistics = json.loads((run_dir / "statistics.json").read_text())
+    assert statistics["total_prompts"] == 7
+    assert statistics["trajectories_in_merged_file"] == 7
+    assert statistics["tool_statistics"]["terminal"] == {"count": 1, "success": 1, "failure": 0,
+                                                         "success_rate": 100.0, "failure_rate": 0.0}
+    assert statistics["reasoning_statistics"]["coverage_percent"] == 100.0
+    assert "BATCH PROCESSING COMPLETE" in result.stdout
+
+
+def test_row_has_the_hermes_sharegpt_shape(tmp_path, endpoint):
+    assert run_prompts(tmp_path, endpoint, [TOOL_PROMPT]).returncode == 0
+    [row] = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
+    system, human, first, tool, second, tool2, final = row["conversations"]
+    assert [t["from"] for t in row["conversations"]] == ["system", "human", "gpt", "tool", "gpt", "tool", "gpt"]
+    assert "<tools>" in system["value"] and '"name": "terminal"' in system["value"]
+    assert '"name": "web_search"' not in system["value"]          # only the tools this prompt was offered
+    assert human["value"] == TOOL_PROMPT
+    assert first["value"].startswith("<think>\nReasoning for turn 0.\n</think>\n<tool_call>\n")
+    assert first["tool_calls"] == [{"id": "call_0_0", "name": "write_file",
+                                    "arguments": '{"path": "notes/a.txt", "content": "hello"}'}]
+    response = json.loads(tool2["value"].removeprefix("<tool_response>\n").removesuffix("\n</tool_response>"))
+    assert response["name"] == "terminal" and response["tool_call_id"] == "call_1_0"
+    assert response["content"]["exit_code"] == 3 and response["content"]["output"].startswith("hello")
+    assert final["value"] == "<think>\nReasoning for turn 2.\n</think>\nFinal answer."
+    assert row["completed"] is True and row["partial"] is False and row["api_calls"] == 3
+    assert row["toolsets_used"] == ["terminal", "file"]
+    assert set(row["tool_stats"]) == set(TOOL_NAMES) == set(row["tool_error_counts"])
+    assert row["tool_stats"]["write_file"] == {"count": 1, "success": 1, "failure": 0}
+    assert row["metadata"]["model"] == "scripted-model" and row["metadata"]["batch_num"] == 0
+    assert row["usage"] == {"prompt_tokens": 300, "completion_tokens": 60, "reasoning_tokens": 15,
+                            "cached_tokens": 30, "cost": 0.003}
+    assert row["end_reason"] == "final_answer" and row["wall_time_seconds"] > 0
+
+
+def test_merged_file_loads_into_one_arrow_schema_across_blocks(tmp_path, endpoint):
+    prompts = ["plain answer", TOOL_PROMPT, "another plain one", "[[invent]] invented then stop",
+               '[[call read_file {"path": "missing.txt"}]] a failing tool call']
+    assert run_prompts(tmp_path, endpoint, prompts, batch_size=2).returncode == 0
+    path = tmp_path / "data" / "run" / "trajectories.jsonl"
+    longest = max(len(line) for line in path.read_bytes().splitlines())
+    # Blocks of about one row each: every row must infer the same schema on its own.
+    table = paj.read_json(path, read_options=paj.ReadOptions(block_size=longest + 2))
+    assert table.num_rows == 4
+    assert pa.types.is_list(table.schema.field("conversations").type)
+
+
+def test_failing_tool_call_is_counted_as_failure(tmp_path, endpoint):
+    assert run_prompts(tmp_path, endpoint, ['[[call read_file {"path": "missing.txt"}]] read it']).returncode == 0
+    [row] = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
+    assert row["tool_stats"]["read_file"] == {"count": 1, "success": 0, "failure": 1}
+    assert row["tool_error_counts"]["read_file"] == 1
+
+
+def test_prompt_without_reasoning_leaves_a_tombstone_and_is_not_merged(tmp_path, endpoint):
+    result = run_prompts(tmp_path, endpoint, ["[[reasoning none]] no thoughts", "with thoughts"])
+    assert result.returncode == 0
+    rows = batch_rows(tmp_path / "data" / "run")
+    tombstone = next(row for row in rows if row.get("discarded"))
+    assert tombstone["discarded"] == "no_reasoning" and tombstone["prompt"] == "[[reasoning none]] no thoughts"
+    merged = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
+    assert [human_prompt(row) for row in merged] == ["with thoughts"]
+    assert json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())["discarded_no_reasoning"] == 1
+
+
+def test_discard_filter_can_be_turned_off(tmp_path, endpoint):
+    result = run_prompts(tmp_path, endpoint, ["[[reasoning none]] no thoughts"], "--discard_no_reasoning=False")
+    assert result.returncode == 0
+    assert len(read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")) == 1
+
+
+def test_every_reasoning_form_is_captured(tmp_path, endpoint):
+    forms = ["reasoning", "reasoning_content", "reasoning_details", "think", "scratchpad"]
+    result = run_prompts(tmp_path, endpoint, [f"[[reasoning {form}]] form {form}" for form in forms])
+    assert result.returncode == 0
+    merged = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
+    assert len(merged) == len(forms)
+    for row in merged:
+        final = row["conversations"][-1]["value"]
+        assert final == "<think>\nReasoning for turn 0.\n</think>\nFinal answer.", human_prompt(row)
+
+
+def test_corrupted_rows_are_filtered_from_merge_but_counted_and_reported(tmp_path, endpoint):
+    result = run_prompts(tmp_path, endpoint, ["[[invent]] make things up", "fine"])
+    assert result.returncode == 0
+    run_dir = tmp_path / "data" / "run"
+    assert [human_prompt(row) for row in read_jsonl(run_dir / "trajectories.jsonl")] == ["fine"]
+    assert any("made_up_tool" in json.dumps(row) for row in batch_rows(run_dir))   # raw row kept
+    statistics = json.loads((run_dir / "statistics.json").read_text())
+    assert statistics["filtered_corrupted"] == 1
+    assert "batch_0.jsonl" in result.stdout and "made_up_tool" in result.stdout
+
+
+def test_session_inventing_tools_three_turns_in_a_row_stops_partial(tmp_path, endpoint):
+    assert run_prompts(tmp_path, endpoint, ["[[invent]] keep inventing"]).returncode == 0
+    [row] = batch_rows(tmp_path / "data" / "run")
+    assert row["partial"] is True and row["completed"] is False
+    assert row["end_reason"] == "invented_tools" and row["api_calls"] == 3
+    tool_turn = row["conversations"][3]["value"]
+    assert "unknown tool" in tool_turn and "terminal" in tool_turn     # names the real tools
+
+
+def test_malformed_arguments_get_an_error_result_and_the_model_continues(tmp_path, endpoint):
+    assert run_prompts(tmp_path, endpoint, ["[[bad_json]] broken arguments"]).returncode == 0
+    [row] = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
+    assert "not valid JSON" in row["conversations"][3]["value"]
+    assert row["completed"] is True and row["tool_stats"]["terminal"]["failure"] == 1
+
+
+def test_max_turns_caps_model_calls(tmp_path, endpoint):
+    calls = " ".join('[[call terminal {"command": "true"}]]' for _ in range(5))
+    assert run_prompts(tmp_path, endpoint, [calls], "--max_turns=2").returncode == 0
+    [row] = batch_rows(tmp_path / "data" / "run")
+    assert row["api_calls"] == 2 and row["end_reason"] == "max_turns" and row["partial"] is True
+
+
+def test_burst_of_429s_is_absorbed(tmp_path, endpoint):
+    prompts = [f"[[fail 429 3 retry_after=0.05]] busy {i}" for i in range(4)]
+    result = run_prompts(tmp_path, endpoint, prompts)
+    assert result.returncode == 0, result.stderr
+    assert len(read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")) == 4
+    assert len(endpoint.requests) == 16
+
+
+def test_non_retryable_error_fails_prompt_with_a_failure_row(tmp_path, endpoint):
+    result = run_prompts(tmp_path, endpoint, ["[[fail 400 always]] rejected", "fine"])
+    assert result.returncode == 0
+    rows = batch_rows(tmp_path / "data" / "run")
+    failed = next(row for row in rows if row.get("failed"))
+    assert failed["error_type"] == "http_400" and "400" in failed["error"]
+    assert len(endpoint.chat_requests_for("rejected")) == 1          # not retried
+    statistics = json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())
+    assert statistics["failed_prompts"] == 1 and statistics["failures_by_cause"] == {"http_400": 1}
+    assert "will retry on resume" in result.stdout
+
+
+def test_bad_api_key_stops_the_run_with_one_clear_message_and_no_rows(tmp_path):
+    from scripted_endpoint import ScriptedEndpoint
+    with ScriptedEndpoint(api_key="right-key") as server:
+        result = run_prompts(tmp_path, server, [f"q{i}" for i in range(8)], "--api_key=wrong-key-123456")
+    assert result.returncode == 1
+    assert "rejected the API key" in result.stderr and "Traceback" not in result.stderr
+    assert "wrong-key-123456" not in result.stdout + result.stderr
+    assert batch_rows(tmp_path / "data" / "run") == []
+
+
+def test_unknown_model_stops_the_run(tmp_path):
+    from scripted_endpoint import ScriptedEndpoint
+    with ScriptedEndpoint(models={"real-model"}) as server:
+        result = run_prompts(tmp_path, server, ["q"])
+    assert result.returncode == 1 and "scripted-model" in result.stderr and "--model" in result.stderr
+
+
+def test_ephemeral_prompt_and_prefill_reach_the_model_but_not_the_trajectory(tmp_path, endpoint):
+    prefill = tmp_path / "prefill.json"
+    prefill.write_text(json.dumps([{"role": "user", "content": "EXAMPLE-Q"},
+                                   {"role": "assistant", "content": "EXAMPLE-A"}]))
+    result = run_prompts(tmp_path, endpoint, ["the real question"], "--ephemeral_system_prompt=SECRET-STYLE",
+                         f"--prefill_messages_file={prefill}")
+    assert result.returncode == 0
+    [request] = endpoint.requests
+    assert "SECRET-STYLE" in request["messages"][0]["content"]
+    assert [m["content"] for m in request["messages"][1:3]] == ["EXAMPLE-Q", "EXAMPLE-A"]
+    text = (tmp_path / "data" / "run" / "trajectories.jsonl").read_text()
+    assert "SECRET-STYLE" not in text and "EXAMPLE-Q" not in text
+
+
+def test_provider_and_reasoning_flags_reach_the_request_body(tmp_path, endpoint):
+    result = run_prompts(tmp_path, endpoint, ["q"], "--providers_allowed=a,b", "--providers_order=b",
+                         "--provider_sort=price", "--reasoning_effort=high", "--max_tokens=50")
+    assert result.returncode == 0, result.stderr
+    [request] = endpoint.requests
+    assert request["provider"] == {"only": ["a", "b"], "order": ["b"], "sort": "price"}
+    assert request["reasoning"] == {"effort": "high"} and request["max_tokens"] == 50
+
+
+def test_secrets_never_reach_tools_or_outputs(tmp_path, endpoint):
+    secret = "sk-test-SECRET-value-987654321"
+    result = run_prompts(tmp_path, endpoint, ['[[call terminal {"command": "env; echo $OPENAI_API_KEY"}]] show env'],
+                         env={"OPENAI_API_KEY": secret, "GITHUB_TOKEN": "ghp_anothersecret123"})
+    assert result.returncode == 0
+    everything = "".join(p.read_text() for p in (tmp_path / "data" / "run").iterdir() if p.is_file())
+    assert secret not in everything and "ghp_anothersecret123" not in everything
+    assert secret not in result.stdout + result.stderr
+    assert "HOME=" in everything     # the command did run and print its environment
+
+
+def test_workers_run_commands_in_their_own_directory_not_the_users(tmp_path, endpoint):
+    result = run_prompts(tmp_path, endpoint, ['[[call terminal {"command": "pwd; touch made-here"}]] where am i'])
+    assert result.returncode == 0
+    assert not (tmp_path / "made-here").exists()
+    [row] = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
+    assert str(tmp_path / "tmp" / "batch_runner" / "run") in row["conversations"][3]["value"]
+    assert list((tmp_path / "tmp" / "batch_runner").glob("run/*")) == []      # removed afterwards
