@@ -86,6 +86,25 @@ def check_dataset_file(path: Path) -> None:
         raise DatasetError(f"--dataset_file must be a file, but {path} is a directory.")
 
 
+def require_valid_prompt(path: Path, *, warn: Callable[[str], None]) -> None:
+    """Fail before the run directory is created when no line holds a usable prompt. Reads only up
+    to the first valid line; the skipped-line warnings are shown here only when there is none
+    (otherwise :func:`plan_dataset` shows them during its pass)."""
+    check_dataset_file(path)
+    warnings: list[str] = []
+    for number, _offset, raw in _lines(path):
+        fields, warning = parse_line(raw, number)
+        if fields is not None:
+            return
+        if warning:
+            warnings.append(warning)
+    for warning in warnings:
+        warn(warning)
+    raise DatasetError(f"no valid prompt in {path}: every line was blank or skipped"
+                       + (" (see the warnings above)" if warnings else "")
+                       + '. Each line needs a JSON object with a non-empty "prompt" string.')
+
+
 def plan_dataset(path: Path, *, max_samples: int | None, done_counts: Counter,
                  warn: Callable[[str], None]) -> DatasetPlan:
     """One pass over the dataset: validate every line, count valid prompts, and decide per

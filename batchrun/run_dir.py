@@ -86,8 +86,10 @@ class RunDirectory:
         self.path.mkdir(parents=True, exist_ok=True)
         handle = (self.path / LOCK).open("a+")
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            # A POSIX record lock belongs to this process alone: forked workers do not inherit it,
+            # so a killed runner frees the directory at once even while its workers wind down.
+            fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
             handle.seek(0)
             holder = handle.read().strip() or "another process"
             handle.close()

@@ -111,8 +111,12 @@ async def _serve(conn: Connection, services: SessionServices) -> None:
     await asyncio.gather(*running, return_exceptions=True)
 
 
-def _worker_main(conn: Connection, config: RunConfig, gate: RateGate, env_settings: EnvironmentSettings,
-                 available_tools: frozenset[str]) -> None:
+def _worker_main(conn: Connection, siblings: list[Connection], config: RunConfig, gate: RateGate,
+                 env_settings: EnvironmentSettings, available_tools: frozenset[str]) -> None:
+    # Fork copied the parent's ends of this worker's pipe and of earlier workers' pipes; they must
+    # close here, or a killed parent would never produce the end-of-file by which workers notice.
+    for inherited in siblings:
+        inherited.close()
     # Ctrl-C reaches the whole process group; the parent decides how to stop, workers follow it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     services = SessionServices(config=config, client=make_client(config.base_url, config.api_key), gate=gate,
@@ -139,7 +143,8 @@ class WorkerPool:
         for _ in range(count):
             parent_end, child_end = _FORK.Pipe(duplex=True)
             process = _FORK.Process(target=_worker_main, daemon=True,
-                                    args=(child_end, config, self.gate, env_settings, available_tools))
+                                    args=(child_end, [*self._conns, parent_end], config, self.gate, env_settings,
+                                          available_tools))
             process.start()
             child_end.close()
             self._conns.append(parent_end)

@@ -1,0 +1,191 @@
+"""Resume (SPEC §9): after kill -9, Ctrl-C or a normal end, every prompt is done exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+
+from conftest import (batch_rows, batch_runner_command, cli_environment, endpoint_args, human_prompt, read_jsonl,
+                      run_cli, write_dataset)
+
+
+def base_args(tmp_path: Path, endpoint, dataset: Path, *extra: str, batch_size: int = 3) -> list[str]:
+    return [f"--dataset_file={dataset}", f"--batch_size={batch_size}", "--run_name=run",
+            "--distribution=terminal_only", *endpoint_args(endpoint), *extra]
+
+
+def merged_prompts(tmp_path: Path) -> Counter:
+    return Counter(human_prompt(row) for row in read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl"))
+
+
+def finished_row_count(run_dir: Path) -> int:
+    return sum(path.read_bytes().count(b"\n") for path in run_dir.glob("batch_*.jsonl"))
+
+
+def wait_for(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.05)
+
+
+def test_kill_9_then_resume_runs_every_prompt_exactly_once_without_redoing_finished_ones(tmp_path, endpoint):
+    prompts = [f"[[sleep 0.4]] slow prompt {i}" for i in range(16)]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    run_dir = tmp_path / "data" / "run"
+    process = subprocess.Popen(batch_runner_command(*base_args(tmp_path, endpoint, dataset, "--num_workers=4")),
+                               cwd=tmp_path, env=cli_environment(tmp_path), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    wait_for(lambda: finished_row_count(run_dir) >= 5)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    done_before = {human_prompt(row) for row in batch_rows(run_dir)}
+    assert 5 <= len(done_before) < 16
+    endpoint.reset()
+
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--num_workers=4", "--resume"))
+    assert result.returncode == 0, result.stderr
+    assert merged_prompts(tmp_path) == Counter(prompts)
+    rerun = {human_prompt_of(request) for request in endpoint.requests}
+    assert not rerun & done_before
+    assert f"{len(done_before)} already done" in result.stdout
+
+
+def human_prompt_of(request: dict) -> str:
+    return [m for m in request["messages"] if m["role"] == "user"][-1]["content"]
+
+
+def test_workers_exit_when_the_parent_is_killed(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [f"[[sleep 5]] long {i}" for i in range(4)])
+    process = subprocess.Popen(batch_runner_command(*base_args(tmp_path, endpoint, dataset, "--num_workers=2")),
+                               cwd=tmp_path, env=cli_environment(tmp_path), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    wait_for(lambda: len(endpoint.requests) >= 2)
+    children = [int(pid) for pid in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()]
+    assert children
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() and "Z" not in _state(pid) for pid in children), 10)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]
+    except (OSError, IndexError):
+        return "Z"
+
+
+def test_ctrl_c_saves_finished_work_and_resume_completes(tmp_path, endpoint):
+    prompts = [f"[[sleep 0.3]] prompt {i}" for i in range(10)]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    run_dir = tmp_path / "data" / "run"
+    process = subprocess.Popen(batch_runner_command(*base_args(tmp_path, endpoint, dataset, "--num_workers=2")),
+                               cwd=tmp_path, env=cli_environment(tmp_path), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for(lambda: finished_row_count(run_dir) >= 2)
+    os.killpg(process.pid, signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert "--resume" in stdout and "Traceback" not in stderr
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
+    assert result.returncode == 0
+    assert merged_prompts(tmp_path) == Counter(prompts)
+
+
+def test_truncated_last_line_is_ignored_and_its_prompt_rerun(tmp_path, endpoint):
+    prompts = [f"prompt {i}" for i in range(3)]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset)).returncode == 0
+    batch = tmp_path / "data" / "run" / "batch_0.jsonl"
+    lines = batch.read_bytes().splitlines(keepends=True)
+    cut = json.loads(lines[-1])
+    batch.write_bytes(b"".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])   # died mid-write
+    endpoint.reset()
+
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
+    assert result.returncode == 0, result.stderr
+    assert [human_prompt_of(r) for r in endpoint.requests] == [human_prompt(cut)]
+    assert merged_prompts(tmp_path) == Counter(prompts)
+
+
+def test_duplicate_prompts_are_separate_units_of_work(tmp_path, endpoint):
+    first = write_dataset(tmp_path / "first.jsonl", ["same", "other"])
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, first)).returncode == 0
+    endpoint.reset()
+    second = write_dataset(tmp_path / "second.jsonl", ["same", "same", "other", "same"])
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, second, "--resume"))
+    assert result.returncode == 0
+    assert [human_prompt_of(r) for r in endpoint.requests] == ["same", "same"]
+    assert merged_prompts(tmp_path) == Counter({"same": 3, "other": 1})
+
+
+def test_reordered_dataset_resumes_by_content(tmp_path, endpoint):
+    prompts = [f"prompt {i}" for i in range(6)]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--max_samples=3")).returncode == 0
+    endpoint.reset()
+    reordered = write_dataset(tmp_path / "reordered.jsonl", list(reversed(prompts)))
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, reordered, "--resume"))
+    assert result.returncode == 0
+    assert sorted(human_prompt_of(r) for r in endpoint.requests) == prompts[3:]
+    assert merged_prompts(tmp_path) == Counter(prompts)
+
+
+def test_changed_batch_size_loses_and_duplicates_nothing(tmp_path, endpoint):
+    prompts = [f"prompt {i}" for i in range(7)]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--max_samples=4", batch_size=2)).returncode == 0
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume", batch_size=5))
+    assert result.returncode == 0
+    assert merged_prompts(tmp_path) == Counter(prompts)
+    assert len(batch_rows(tmp_path / "data" / "run")) == 7
+
+
+def test_all_done_makes_no_model_call_and_still_writes_outputs(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["a", "b"])
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset)).returncode == 0
+    run_dir = tmp_path / "data" / "run"
+    (run_dir / "trajectories.jsonl").unlink()
+    (run_dir / "statistics.json").unlink()
+    endpoint.reset()
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
+    assert result.returncode == 0
+    assert "All prompts have already been processed!" in result.stdout
+    assert endpoint.requests == []
+    assert merged_prompts(tmp_path) == Counter(["a", "b"])
+    assert json.loads((run_dir / "statistics.json").read_text())["trajectories_in_merged_file"] == 2
+
+
+def test_failed_prompts_are_retried_on_resume(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["[[fail 400 1]] flaky", "fine"])
+    first = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset))
+    assert first.returncode == 0 and merged_prompts(tmp_path) == Counter(["fine"])
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
+    assert result.returncode == 0
+    assert merged_prompts(tmp_path) == Counter(["[[fail 400 1]] flaky", "fine"])
+    statistics = json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())
+    assert statistics["failed_prompts"] == 0
+
+
+def test_discarded_prompts_are_not_rerun(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["[[reasoning none]] silent", "fine"])
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset)).returncode == 0
+    endpoint.reset()
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
+    assert result.returncode == 0 and endpoint.requests == []
+
+
+def test_corrupted_prompts_rerun_only_when_asked(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["[[invent]] inventive", "fine"])
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset)).returncode == 0
+    endpoint.reset()
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume")).returncode == 0
+    assert endpoint.requests == []
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume", "--rerun_corrupted"))
+    assert result.returncode == 0
+    assert {human_prompt_of(r) for r in endpoint.requests} == {"[[invent]] inventive"}
