@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 # Variables a model-written command may see. Everything else in the user's environment (API keys,
@@ -19,16 +19,19 @@ ALLOWED_ENV_VARS = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TERM")
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
-def scrubbed_environment(home: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+def scrubbed_environment(home: str) -> dict[str, str]:
     """The environment for a tool process: the allow-listed variables plus a private HOME."""
     env = {name: os.environ[name] for name in ALLOWED_ENV_VARS if name in os.environ}
     env.setdefault("PATH", DEFAULT_PATH)
     env.setdefault("LANG", "C.UTF-8")
     env["HOME"] = home
     env["TERM"] = env.get("TERM", "dumb")
-    if extra:
-        env.update(extra)
     return env
+
+
+class ToolError(Exception):
+    """A tool (or the environment on its behalf) could not do what the model asked; the message is
+    shown to the model as ``{"error": message}``."""
 
 
 class EnvironmentSetupError(RuntimeError):
@@ -61,7 +64,6 @@ class EnvironmentSettings:
     keep_workdirs: bool = False          # leave per-prompt directories behind for inspection
     default_image: str = "python:3.11-slim"
     allow_network: bool = False          # isolated backends: let commands reach the network
-    extra: dict[str, str] = field(default_factory=dict)
 
 
 class Environment(abc.ABC):

@@ -24,9 +24,9 @@ from batchrun.environments.base import (
     Environment,
     EnvironmentSettings,
     EnvironmentSetupError,
+    ToolError,
     scrubbed_environment,
 )
-from batchrun.tools import ToolError
 
 _READ_CHUNK_BYTES = 65536
 # After bash exits, a background child that inherited stdout can keep the pipe open for ever; its

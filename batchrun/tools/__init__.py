@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchrun.environments.base import Environment, EnvironmentSettings
+from batchrun.environments.base import Environment, EnvironmentSettings, ToolError
 
-
-class ToolError(Exception):
-    """The tool could not do what the model asked; the message is shown to the model."""
+__all__ = ["ToolContext", "ToolError"]
 
 
 @dataclass

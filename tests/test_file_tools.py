@@ -1,0 +1,334 @@
+"""The file tools against a real local environment: confinement, reading, writing, patching, searching."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Awaitable, Callable
+
+import pytest
+
+from batchrun.environments.base import EnvironmentSettings
+from batchrun.environments.local import LocalEnvironment
+from batchrun.tools import ToolContext, ToolError
+from batchrun.tools.files import patch, read_file, search_files, write_file
+
+Handler = Callable[[dict, ToolContext], Awaitable[dict]]
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    """A started environment whose directory the test fills directly; closed afterwards."""
+    settings = EnvironmentSettings(work_root=tmp_path / "work", run_label="test", max_file_bytes=10_000)
+    env = LocalEnvironment(settings, prompt_index=0)
+    asyncio.run(env.start())
+    yield env
+    asyncio.run(env.close())
+
+
+def call(env: LocalEnvironment, handler: Handler, **args: object) -> dict:
+    return asyncio.run(handler(args, ToolContext(env=env, settings=env.settings)))
+
+
+def put(env: LocalEnvironment, name: str, content: str | bytes) -> Path:
+    path = env.prompt_dir / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(content, str):
+        content = content.encode()
+    path.write_bytes(content)
+    return path
+
+
+# --- confinement ----------------------------------------------------------------------------------
+
+def test_read_refuses_parent_directory_escape(workspace, tmp_path):
+    (tmp_path / "work" / "x").write_text("outside")
+    with pytest.raises(ToolError, match="outside the working directory"):
+        call(workspace, read_file, path="../x")
+
+
+def test_read_refuses_absolute_path_outside(workspace):
+    with pytest.raises(ToolError, match="outside the working directory"):
+        call(workspace, read_file, path="/etc/passwd")
+
+
+def test_read_accepts_absolute_path_inside(workspace):
+    put(workspace, "in.txt", "inside\n")
+    assert call(workspace, read_file, path=str(workspace.prompt_dir / "in.txt"))["content"] == "inside\n"
+
+
+def test_read_refuses_symlink_to_outside_directory(workspace):
+    (workspace.prompt_dir / "etc").symlink_to("/etc")
+    with pytest.raises(ToolError, match="outside the working directory"):
+        call(workspace, read_file, path="etc/passwd")
+
+
+def test_write_refuses_symlinked_directory_outside(workspace, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (workspace.prompt_dir / "out").symlink_to(outside)
+    with pytest.raises(ToolError, match="outside the working directory"):
+        call(workspace, write_file, path="out/planted.txt", content="x")
+    assert not (outside / "planted.txt").exists()
+
+
+def test_write_refuses_parent_directory_escape(workspace, tmp_path):
+    with pytest.raises(ToolError, match="outside the working directory"):
+        call(workspace, write_file, path="../../escaped.txt", content="x")
+    assert not (tmp_path / "escaped.txt").exists()
+
+
+def test_read_refuses_a_directory(workspace):
+    (workspace.prompt_dir / "sub").mkdir()
+    with pytest.raises(ToolError, match="is a directory"):
+        call(workspace, read_file, path="sub")
+
+
+def test_read_refuses_a_file_over_the_size_limit(workspace):
+    put(workspace, "big.txt", "x" * 10_001)
+    with pytest.raises(ToolError, match="limit of 10000 bytes"):
+        call(workspace, read_file, path="big.txt")
+
+
+def test_write_refuses_content_over_the_size_limit(workspace):
+    with pytest.raises(ToolError, match="limit of 10000 bytes"):
+        call(workspace, write_file, path="big.txt", content="x" * 10_001)
+
+
+def test_read_of_a_missing_file_says_so(workspace):
+    with pytest.raises(ToolError, match="does not exist"):
+        call(workspace, read_file, path="nope.txt")
+
+
+# --- read_file / write_file ---------------------------------------------------------------------
+
+def test_read_returns_the_requested_window_of_lines(workspace):
+    put(workspace, "lines.txt", "".join(f"line {n}\n" for n in range(1, 11)))
+    assert call(workspace, read_file, path="lines.txt", offset=3, limit=2) == {
+        "path": "lines.txt", "content": "line 3\nline 4\n", "total_lines": 10, "offset": 3,
+        "lines_returned": 2, "truncated": True}
+
+
+def test_read_of_the_last_lines_is_not_truncated(workspace):
+    put(workspace, "lines.txt", "a\nb\nc")
+    result = call(workspace, read_file, path="lines.txt", offset=2)
+    assert (result["content"], result["truncated"], result["total_lines"]) == ("b\nc", False, 3)
+
+
+def test_read_offset_past_the_end_is_refused(workspace):
+    put(workspace, "short.txt", "one\n")
+    with pytest.raises(ToolError, match="past the end"):
+        call(workspace, read_file, path="short.txt", offset=5)
+
+
+def test_read_refuses_a_binary_file(workspace):
+    put(workspace, "blob.bin", b"\x89PNG\r\n\x1a\n\x00\x00")
+    with pytest.raises(ToolError, match="binary"):
+        call(workspace, read_file, path="blob.bin")
+
+
+@pytest.mark.parametrize("args", [{}, {"path": 3}, {"path": ""}, {"path": "a", "offset": 0},
+                                  {"path": "a", "limit": "10"}])
+def test_read_rejects_invalid_arguments(workspace, args):
+    with pytest.raises(ToolError):
+        call(workspace, read_file, **args)
+
+
+def test_write_creates_parent_directories_and_reports_the_relative_path(workspace):
+    assert call(workspace, write_file, path="pkg/mod/new.py", content="print('é')\n") == {
+        "path": "pkg/mod/new.py", "bytes_written": 12}
+    assert (workspace.prompt_dir / "pkg/mod/new.py").read_text() == "print('é')\n"
+
+
+def test_write_requires_content(workspace):
+    with pytest.raises(ToolError, match="'content'"):
+        call(workspace, write_file, path="a.txt")
+
+
+# --- patch: exact string ------------------------------------------------------------------------
+
+def test_patch_replaces_a_unique_string(workspace):
+    target = put(workspace, "app.py", "def f():\n    return 1\n")
+    result = call(workspace, patch, path="app.py", old_string="return 1", new_string="return 2")
+    assert result == {"path": "app.py", "replacements": 1}
+    assert target.read_text() == "def f():\n    return 2\n"
+
+
+def test_patch_refuses_an_ambiguous_string_and_says_how_often_it_occurs(workspace):
+    target = put(workspace, "app.py", "x = 1\nx = 1\n")
+    with pytest.raises(ToolError, match="occurs 2 times.*replace_all"):
+        call(workspace, patch, path="app.py", old_string="x = 1", new_string="x = 2")
+    assert target.read_text() == "x = 1\nx = 1\n"
+
+
+def test_patch_reports_a_missing_string(workspace):
+    put(workspace, "app.py", "x = 1\n")
+    with pytest.raises(ToolError, match="not found"):
+        call(workspace, patch, path="app.py", old_string="y = 1", new_string="y = 2")
+
+
+def test_patch_replace_all_replaces_every_occurrence(workspace):
+    target = put(workspace, "app.py", "x = 1\nx = 1\n")
+    result = call(workspace, patch, path="app.py", old_string="x", new_string="y", replace_all=True)
+    assert result["replacements"] == 2
+    assert target.read_text() == "y = 1\ny = 1\n"
+
+
+def test_patch_needs_either_a_diff_or_old_string(workspace):
+    with pytest.raises(ToolError, match="'path'"):
+        call(workspace, patch)
+
+
+# --- patch: unified diff ------------------------------------------------------------------------
+
+ORIGINAL = "".join(f"line {n}\n" for n in range(1, 21))
+
+
+def test_diff_modifies_a_file_and_creates_another(workspace):
+    target = put(workspace, "src/data.txt", ORIGINAL)
+    diff = (
+        "diff --git a/src/data.txt b/src/data.txt\n"
+        "index 1234567..89abcde 100644\n"
+        "--- a/src/data.txt\n"
+        "+++ b/src/data.txt\n"
+        "@@ -2,3 +2,3 @@\n"
+        " line 2\n"
+        "-line 3\n"
+        "+line three\n"
+        " line 4\n"
+        "@@ -18,3 +18,4 @@\n"
+        " line 18\n"
+        " line 19\n"
+        " line 20\n"
+        "+line 21\n"
+        "--- /dev/null\n"
+        "+++ b/notes/new.md\n"
+        "@@ -0,0 +1,2 @@\n"
+        "+# New\n"
+        "+text\n")
+    result = call(workspace, patch, diff=diff)
+    assert result == {"files": [{"path": "src/data.txt", "created": False},
+                                {"path": "notes/new.md", "created": True}]}
+    assert target.read_text() == ORIGINAL.replace("line 3\n", "line three\n") + "line 21\n"
+    assert (workspace.prompt_dir / "notes/new.md").read_text() == "# New\ntext\n"
+
+
+def test_diff_finds_a_hunk_whose_line_numbers_drifted(workspace):
+    target = put(workspace, "data.txt", "header\nheader\nheader\n" + ORIGINAL)
+    diff = "--- a/data.txt\n+++ b/data.txt\n@@ -9,3 +9,3 @@\n line 9\n-line 10\n+line ten\n line 11\n"
+    call(workspace, patch, diff=diff)
+    assert "line ten\nline 11\n" in target.read_text() and "line 10\n" not in target.read_text()
+
+
+def test_diff_with_a_failing_hunk_writes_nothing(workspace):
+    target = put(workspace, "data.txt", ORIGINAL)
+    diff = ("--- a/data.txt\n+++ b/data.txt\n"
+            "@@ -2,3 +2,3 @@\n line 2\n-line 3\n+line three\n line 4\n"
+            "@@ -10,3 +10,3 @@\n line 10\n-line 99\n+changed\n line 12\n")
+    with pytest.raises(ToolError, match="hunk 2 .*does not apply"):
+        call(workspace, patch, diff=diff)
+    assert target.read_text() == ORIGINAL
+
+
+def test_diff_without_headers_uses_the_path_argument(workspace):
+    target = put(workspace, "data.txt", ORIGINAL)
+    call(workspace, patch, path="data.txt", diff="@@ -1,2 +1,2 @@\n-line 1\n+first\n line 2\n")
+    assert target.read_text().startswith("first\nline 2\n")
+
+
+def test_diff_honours_no_newline_at_end_of_file(workspace):
+    target = put(workspace, "data.txt", "a\nb\n")
+    call(workspace, patch, diff="--- a/data.txt\n+++ b/data.txt\n@@ -1,2 +1,2 @@\n a\n-b\n+c\n"
+                                "\\ No newline at end of file\n")
+    assert target.read_bytes() == b"a\nc"
+
+
+def test_diff_creating_an_existing_file_is_refused(workspace):
+    put(workspace, "there.txt", "keep\n")
+    with pytest.raises(ToolError, match="already exists"):
+        call(workspace, patch, diff="--- /dev/null\n+++ b/there.txt\n@@ -0,0 +1 @@\n+new\n")
+    assert (workspace.prompt_dir / "there.txt").read_text() == "keep\n"
+
+
+def test_diff_with_a_line_outside_any_hunk_form_is_refused(workspace):
+    put(workspace, "data.txt", ORIGINAL)
+    with pytest.raises(ToolError, match="not a hunk line"):
+        call(workspace, patch, diff="--- a/data.txt\n+++ b/data.txt\n@@ -1,2 +1,2 @@\nline 1\n-line 2\n")
+
+
+def test_diff_cannot_escape_the_working_directory(workspace):
+    with pytest.raises(ToolError, match="outside the working directory"):
+        call(workspace, patch, diff="--- /dev/null\n+++ b/../../evil.txt\n@@ -0,0 +1 @@\n+x\n")
+
+
+# --- search_files -------------------------------------------------------------------------------
+
+def test_search_content_finds_matching_lines(workspace):
+    put(workspace, "src/a.py", "import os\ndef main():\n    pass\n")
+    put(workspace, "src/b.py", "def helper():\n    pass\n")
+    put(workspace, "blob.bin", b"def \x00binary")
+    assert call(workspace, search_files, pattern=r"^def \w+\(") == {
+        "matches": [{"path": "src/a.py", "line": 2, "text": "def main():"},
+                    {"path": "src/b.py", "line": 1, "text": "def helper():"}],
+        "truncated": False}
+
+
+def test_search_content_respects_max_results(workspace):
+    put(workspace, "many.txt", "hit\n" * 5)
+    result = call(workspace, search_files, pattern="hit", max_results=2)
+    assert len(result["matches"]) == 2 and result["truncated"]
+
+
+def test_search_files_matches_names_by_glob(workspace):
+    put(workspace, "src/a.py", "")
+    put(workspace, "src/deep/b.py", "")
+    put(workspace, "README.md", "")
+    assert call(workspace, search_files, pattern="*.py", target="files") == {
+        "files": ["src/a.py", "src/deep/b.py"], "truncated": False}
+
+
+def test_search_files_within_a_subdirectory(workspace):
+    put(workspace, "src/a.py", "")
+    put(workspace, "tests/t.py", "")
+    assert call(workspace, search_files, pattern="*.py", target="files", path="tests")["files"] == ["tests/t.py"]
+
+
+def test_search_with_no_match_returns_an_empty_list(workspace):
+    put(workspace, "a.txt", "nothing here\n")
+    assert call(workspace, search_files, pattern="absent") == {"matches": [], "truncated": False}
+
+
+def test_search_with_a_bad_regex_reports_greps_message(workspace):
+    put(workspace, "a.txt", "text\n")
+    with pytest.raises(ToolError, match="grep failed: grep: "):
+        call(workspace, search_files, pattern="(unclosed")
+
+
+@pytest.mark.parametrize("path", ["..", "../..", "/etc", "src/../../x"])
+def test_search_refuses_paths_outside_the_working_directory(workspace, path):
+    with pytest.raises(ToolError, match="relative to the working directory"):
+        call(workspace, search_files, pattern="root", path=path)
+
+
+def test_search_refuses_a_symlink_leading_outside(workspace):
+    (workspace.prompt_dir / "etc").symlink_to("/etc")
+    with pytest.raises(ToolError, match="outside the working directory"):
+        call(workspace, search_files, pattern="root", path="etc")
+
+
+def test_search_of_a_missing_path_says_so(workspace):
+    with pytest.raises(ToolError, match="does not exist"):
+        call(workspace, search_files, pattern="x", path="missing")
+
+
+def test_search_rejects_an_unknown_target(workspace):
+    with pytest.raises(ToolError, match="'target'"):
+        call(workspace, search_files, pattern="x", target="dirs")
+
+
+def test_search_pattern_is_passed_literally_to_the_shell(workspace):
+    put(workspace, "a.txt", "$(touch pwned)\n")
+    result = call(workspace, search_files, pattern="$(touch pwned)|;rm -rf x")
+    assert not os.path.exists(workspace.prompt_dir / "pwned")
+    assert result["matches"] == []

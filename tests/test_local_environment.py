@@ -1,0 +1,210 @@
+"""The local environment and the terminal tool, with real bash processes under tmp_path."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from batchrun.environments import ENVIRONMENT_KINDS, create_environment
+from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError
+from batchrun.environments.local import LocalEnvironment
+from batchrun.tools import ToolContext, ToolError
+from batchrun.tools.terminal import terminal
+
+
+def make_settings(tmp_path: Path, **overrides: object) -> EnvironmentSettings:
+    return EnvironmentSettings(work_root=tmp_path / "work", run_label="test", **overrides)
+
+
+async def started(settings: EnvironmentSettings, cwd: str | None = None) -> LocalEnvironment:
+    env = LocalEnvironment(settings, prompt_index=7, cwd=cwd)
+    await env.start()
+    return env
+
+
+def run_command(settings: EnvironmentSettings, command: str, timeout: float | None = None,
+                cwd: str | None = None):
+    """Start an environment, run one command, close it; returns (result, env)."""
+    async def scenario():
+        env = await started(settings, cwd)
+        try:
+            return await env.run(command, timeout=timeout), env
+        finally:
+            await env.close()
+    return asyncio.run(scenario())
+
+
+def process_alive(pid: int) -> bool:
+    """False once the process is gone or only a zombie waiting for a parent that never reaps it."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def wait_until_dead(pid: int, seconds: float = 3.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not process_alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_command_runs_in_the_prompt_directory_not_the_callers_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result, env = run_command(make_settings(tmp_path), "pwd -P")
+    assert result.output.strip() == str(env.prompt_dir)
+    assert env.prompt_dir.parent == (tmp_path / "work").resolve()
+    assert env.prompt_dir.name.startswith("prompt-7-")
+
+
+def test_rows_cwd_is_created_inside_the_prompt_directory(tmp_path):
+    result, env = run_command(make_settings(tmp_path, keep_workdirs=True), "pwd -P", cwd="/repo/src")
+    assert result.output.strip() == str(env.prompt_dir / "repo" / "src")
+
+
+def test_rows_cwd_escaping_the_prompt_directory_fails_setup_and_leaves_nothing(tmp_path):
+    env = LocalEnvironment(make_settings(tmp_path), prompt_index=0, cwd="../../elsewhere")
+    with pytest.raises(EnvironmentSetupError, match="outside"):
+        asyncio.run(env.start())
+    assert list((tmp_path / "work").iterdir()) == []
+
+
+def test_environment_is_scrubbed_of_secrets_and_home_is_the_prompt_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret-openai")
+    monkeypatch.setenv("GITHUB_TOKEN", "ghp-secret-github")
+    monkeypatch.setenv("MY_SECRET", "hunter2")
+    result, env = run_command(make_settings(tmp_path), "env")
+    for secret in ("sk-secret-openai", "ghp-secret-github", "hunter2",
+                   "OPENAI_API_KEY", "GITHUB_TOKEN", "MY_SECRET"):
+        assert secret not in result.output
+    assert f"HOME={env.prompt_dir}" in result.output.splitlines()
+
+
+def test_non_zero_exit_code_is_a_result(tmp_path):
+    result, _ = run_command(make_settings(tmp_path), "echo oops; exit 3")
+    assert (result.output, result.exit_code, result.timed_out, result.error) == ("oops\n", 3, False, None)
+
+
+def test_output_over_the_cap_is_cut_with_a_note(tmp_path):
+    result, _ = run_command(make_settings(tmp_path, max_output_chars=100), "head -c 300000 /dev/zero | tr '\\0' x")
+    assert result.truncated and result.exit_code == 0
+    assert result.output == "x" * 100 + "\n[output truncated: 299900 more characters not shown]"
+
+
+def test_invalid_utf8_output_is_replaced_not_fatal(tmp_path):
+    result, _ = run_command(make_settings(tmp_path), "printf 'a\\377b'")
+    assert result.output == "a\ufffdb"
+
+
+def test_time_out_kills_the_command_and_its_background_child(tmp_path):
+    result, env = run_command(make_settings(tmp_path, keep_workdirs=True),
+                              "echo begun; sleep 60 & echo $! > child.pid; wait", timeout=1)
+    assert result.timed_out and result.exit_code is None
+    assert result.output == "begun\n"
+    child = int((env.prompt_dir / "child.pid").read_text())
+    assert wait_until_dead(child)
+
+
+def test_background_process_holding_the_output_does_not_hang_the_call(tmp_path):
+    started_at = time.monotonic()
+    result, _ = run_command(make_settings(tmp_path), "sleep 30 & echo started", timeout=20)
+    assert time.monotonic() - started_at < 5
+    assert (result.output, result.exit_code, result.timed_out) == ("started\n", 0, False)
+
+
+def test_close_removes_the_directory_and_kills_leftover_processes(tmp_path):
+    async def scenario():
+        env = await started(make_settings(tmp_path))
+        await env.run("sleep 60 > /dev/null 2>&1 & echo $! > leftover.pid")
+        pid = int((env.prompt_dir / "leftover.pid").read_text())
+        assert process_alive(pid)
+        await env.close()
+        await env.close()   # idempotent
+        return env, pid
+    env, pid = asyncio.run(scenario())
+    assert not env.prompt_dir.exists()
+    assert wait_until_dead(pid)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+def test_close_removes_read_only_directories_a_command_left(tmp_path):
+    async def scenario():
+        env = await started(make_settings(tmp_path))
+        await env.run("mkdir -p cache/a/b && touch cache/a/b/f && chmod -R a-w cache && chmod 000 cache/a/b")
+        await env.close()
+        return env
+    assert not asyncio.run(scenario()).prompt_dir.exists()
+
+
+def test_keep_workdirs_leaves_the_directory(tmp_path):
+    result, env = run_command(make_settings(tmp_path, keep_workdirs=True), "echo kept > note.txt")
+    assert (env.prompt_dir / "note.txt").read_text() == "kept\n"
+
+
+def test_each_prompt_gets_a_fresh_directory(tmp_path):
+    async def scenario():
+        first, second = await started(make_settings(tmp_path)), await started(make_settings(tmp_path))
+        await first.run("echo private > mine.txt")
+        listing = await second.run("ls")
+        await first.close()
+        await second.close()
+        return first, second, listing
+    first, second, listing = asyncio.run(scenario())
+    assert first.prompt_dir != second.prompt_dir
+    assert listing.output == ""
+
+
+def test_create_environment_builds_a_local_environment(tmp_path):
+    env = create_environment("local", make_settings(tmp_path), prompt_index=2, cwd="/app")
+    assert isinstance(env, LocalEnvironment) and env.cwd == "/app" and env.prompt_index == 2
+    assert "local" in ENVIRONMENT_KINDS
+
+
+def test_create_environment_rejects_an_unknown_kind_naming_the_known_ones(tmp_path):
+    with pytest.raises(ValueError, match="'podman'.*known kinds: .*local"):
+        create_environment("podman", make_settings(tmp_path), prompt_index=0)
+
+
+def run_terminal(tmp_path: Path, args: dict, **overrides: object) -> dict:
+    async def scenario():
+        settings = make_settings(tmp_path, **overrides)
+        env = await started(settings)
+        try:
+            return await terminal(args, ToolContext(env=env, settings=settings))
+        finally:
+            await env.close()
+    return asyncio.run(scenario())
+
+
+def test_terminal_tool_reports_output_and_non_zero_exit_code_without_error(tmp_path):
+    assert run_terminal(tmp_path, {"command": "echo hi; false"}) == {
+        "output": "hi\n", "exit_code": 1, "error": None}
+
+
+def test_terminal_tool_time_out_is_an_error_with_partial_output(tmp_path):
+    result = run_terminal(tmp_path, {"command": "echo partial; sleep 30", "timeout": 1})
+    assert result == {"output": "partial\n", "exit_code": None,
+                      "error": "Command timed out after 1s and was killed"}
+
+
+def test_terminal_tool_timeout_is_capped_by_the_run_limit(tmp_path):
+    result = run_terminal(tmp_path, {"command": "sleep 30", "timeout": 600}, command_timeout=0.5)
+    assert result["error"] == "Command timed out after 0.5s and was killed"
+
+
+@pytest.mark.parametrize("args", [{}, {"command": ""}, {"command": 5},
+                                  {"command": "ls", "timeout": 0}, {"command": "ls", "timeout": "9"},
+                                  {"command": "ls", "timeout": True}])
+def test_terminal_tool_rejects_invalid_arguments(tmp_path, args):
+    with pytest.raises(ToolError):
+        run_terminal(tmp_path, args)
