@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +79,13 @@ class Environment(abc.ABC):
         self.prompt_index = prompt_index
         self.image = image
         self.cwd = cwd
+
+    @classmethod
+    def remove_leftovers(cls, settings: EnvironmentSettings) -> None:
+        """Called once in the parent before a run starts: remove what a crashed earlier run under the
+        same run label left behind (directories, containers). Backends extend this."""
+        if settings.work_root.exists() and not settings.keep_workdirs:
+            shutil.rmtree(settings.work_root, ignore_errors=True)
 
     @abc.abstractmethod
     async def start(self) -> None:
