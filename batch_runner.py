@@ -26,7 +26,8 @@ import toolset_distributions
 from batchrun import rows
 from batchrun.config import DEFAULT_MODEL, RunConfig, UsageError, build_config
 from batchrun.console import RunConsole
-from batchrun.dataset import DatasetError, DatasetPlan, check_dataset_file, iter_pending, plan_dataset
+from batchrun.dataset import DatasetError, DatasetPlan, iter_pending, plan_dataset, require_valid_prompt
+from batchrun.environments import environment_class
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.run_dir import RunDirectory, RunDirectoryError, ScanResult
 from batchrun.security import Redactor
@@ -165,12 +166,11 @@ class BatchRunner:
                        toolsets=tuple(toolset_distributions.sample_toolsets(self.config.distribution, rng)))
 
     def _environment_settings(self) -> EnvironmentSettings:
-        work_root = Path(tempfile.gettempdir()) / "batch_runner" / self.config.run_name
-        if work_root.exists() and not self.config.keep_workdirs:
-            shutil.rmtree(work_root, ignore_errors=True)    # leftovers of a crashed run under this name
-        return EnvironmentSettings(work_root=work_root, run_label=self.config.run_name,
-                                   command_timeout=self.config.command_timeout,
-                                   keep_workdirs=self.config.keep_workdirs)
+        settings = EnvironmentSettings(work_root=Path(tempfile.gettempdir()) / "batch_runner" / self.config.run_name,
+                                       run_label=self.config.run_name, command_timeout=self.config.command_timeout,
+                                       keep_workdirs=self.config.keep_workdirs)
+        environment_class(self.config.terminal_env).remove_leftovers(settings)
+        return settings
 
     # -- persistence and reporting --------------------------------------------------------------
 
@@ -258,6 +258,31 @@ _FLAG_NAMES = ("dataset_file", "batch_size", "run_name", "distribution", "model"
                "discard_no_reasoning", "rerun_corrupted", "max_retries", "prompt_timeout", "tool_timeout",
                "command_timeout", "keep_workdirs")
 
+# Free-text flags. Fire reads every value as a Python literal, so `--ephemeral_system_prompt="Hello, world"`
+# arrives as ('Hello', 'world') and `--run_name=1_000` as 1000; for these the text as typed is what counts.
+_TEXT_FLAGS = ("dataset_file", "run_name", "distribution", "model", "base_url", "api_key", "ephemeral_system_prompt",
+               "prefill_messages_file")
+
+
+def _typed_text_values(argv: list[str]) -> dict[str, str]:
+    """`--name=value` / `--name value` of the free-text flags, exactly as given on the command line."""
+    typed: dict[str, str] = {}
+    position = 0
+    while position < len(argv):
+        argument = argv[position]
+        if argument == "--":
+            break
+        name, equals, value = argument[2:].partition("=") if argument.startswith("--") else ("", "", "")
+        name = name.replace("-", "_")
+        if name in _TEXT_FLAGS:
+            if equals:
+                typed[name] = value
+            elif position + 1 < len(argv) and not argv[position + 1].startswith("-"):
+                typed[name] = argv[position + 1]
+                position += 1
+        position += 1
+    return typed
+
 
 def main(dataset_file: str | None = None, batch_size: int | None = None, run_name: str | None = None,
          distribution: str = "default", model: str = DEFAULT_MODEL, base_url: str | None = None,
@@ -278,6 +303,9 @@ def main(dataset_file: str | None = None, batch_size: int | None = None, run_nam
     --prompt_timeout / --tool_timeout / --command_timeout (seconds), --keep_workdirs.
     """
     flags = {name: value for name, value in locals().items() if name in _FLAG_NAMES}
+    for name, typed in _typed_text_values(sys.argv[1:]).items():
+        if flags[name] is not None and not isinstance(flags[name], str):
+            flags[name] = typed
     sys.exit(run_cli(flags, unknown_flags))
 
 
@@ -301,7 +329,7 @@ def run_cli(flags: dict[str, Any], unknown_flags: dict[str, Any]) -> int:
                           style="bold red", markup=False)
         return EXIT_ERROR
     try:
-        check_dataset_file(config.dataset_file)
+        require_valid_prompt(config.dataset_file, warn=console.warn)   # before data/<run_name>/ exists
     except DatasetError as exc:
         console.err.print(f"error: {exc}", style="bold red", markup=False)
         return EXIT_ERROR

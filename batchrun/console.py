@@ -42,6 +42,9 @@ class RunConsole:
     # -- plain output -----------------------------------------------------------------------------
 
     def print(self, text: str = "", style: str | None = None) -> None:
+        if not self.interactive:   # a log file: plain text, and no rendering cost per line
+            sys.stdout.write(self.redact(text) + "\n")
+            return
         target = self._progress.console if self._progress else self.out
         target.print(escape(self.redact(text)), style=style)
 

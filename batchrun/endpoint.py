@@ -157,8 +157,11 @@ async def call_model(client: openai.AsyncOpenAI, gate: RateGate, *, request: dic
         await gate.wait()
         retry_after = None
         try:
-            raw = await client.chat.completions.with_raw_response.create(**request)
-            return parse_reply(raw.content)
+            # The client's documented raw-post path: same HTTP, auth, errors and timeouts as
+            # chat.completions.create, without re-validating the whole conversation on every call
+            # (that walk cost more CPU than the rest of a session).
+            raw = await client.post("/chat/completions", cast_to=bytes, body=request)
+            return parse_reply(raw)
         except openai.APIError as exc:
             retry_after = classify(exc, model=request["model"], base_url=base_url)
             failure: Exception = exc

@@ -165,7 +165,7 @@ class RunDirectory:
         for batch_num in self._dirty:
             handle = self._open[batch_num]
             handle.flush()
-            os.fsync(handle.fileno())
+            os.fdatasync(handle.fileno())
         self._dirty.clear()
 
     def close_batches(self) -> None:

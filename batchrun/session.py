@@ -48,11 +48,16 @@ class SessionServices:
     """What every session of a worker process shares."""
 
     config: RunConfig
-    client: openai.AsyncOpenAI
+    clients: list[openai.AsyncOpenAI]
     gate: RateGate
     env_settings: EnvironmentSettings
     available_tools: frozenset[str]
     redact: Redactor
+
+    def client_for(self, prompt_index: int) -> openai.AsyncOpenAI:
+        # Several small connection pools: the HTTP pool scans its connections on every request,
+        # so one pool shared by hundreds of sessions would cost O(sessions) per call.
+        return self.clients[prompt_index % len(self.clients)]
 
 
 def runtime_messages(config: RunConfig, prompt: str) -> list[dict]:
@@ -92,6 +97,7 @@ class Session:
         self.config = services.config
         self.offered_tools = [name for name in model_tools.tools_for_toolsets(task.toolsets)
                               if name in services.available_tools]
+        self.tool_schemas = [model_tools.REGISTRY[name].schema for name in self.offered_tools]
         self.turns: list[AssistantTurn] = []
         self.usage = Usage()
         self.api_calls = 0
@@ -131,20 +137,19 @@ class Session:
         await self.env.start()
 
     def _request(self, messages: list[dict]) -> dict:
-        request: dict = {"model": self.config.model, "messages": messages}
+        """The JSON body of one chat-completions call (provider routing and reasoning included)."""
+        request: dict = {"model": self.config.model, "messages": messages, **self.config.extra_body}
         if self.offered_tools:
-            request["tools"] = [model_tools.REGISTRY[name].schema for name in self.offered_tools]
+            request["tools"] = self.tool_schemas
         if self.config.max_tokens:
             request["max_tokens"] = self.config.max_tokens
-        if self.config.extra_body:
-            request["extra_body"] = self.config.extra_body
         return request
 
     async def _loop(self) -> str:
         messages = runtime_messages(self.config, self.task.prompt)
         invented_streak = 0
         for turn_number in range(self.config.max_turns):
-            reply = await call_model(self.services.client, self.services.gate, request=self._request(messages),
+            reply = await call_model(self.services.client_for(self.task.prompt_index), self.services.gate, request=self._request(messages),
                                      max_retries=self.config.max_retries, base_url=self.config.base_url)
             self.api_calls += 1
             self.usage.add(reply.usage)

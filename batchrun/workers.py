@@ -8,9 +8,11 @@ slot, never a batch) and receives finished rows already encoded, so its own work
 from __future__ import annotations
 
 import asyncio
+import math
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -27,6 +29,7 @@ from batchrun.session import Session, SessionServices, Task
 
 _FORK = multiprocessing.get_context("fork")
 STOP_GRACE_SECONDS = 15.0
+SESSIONS_PER_CLIENT = 16
 
 
 @dataclass
@@ -71,8 +74,18 @@ def _crashed(task: Task, services: SessionServices) -> rows.SessionResult:
         error_type="internal_error")
 
 
+def _use_pidfd_child_watcher(loop: asyncio.AbstractEventLoop) -> None:
+    """Python 3.11 watches each tool subprocess with a new thread; a pidfd costs a file descriptor.
+    (3.12+ chooses pidfds by itself and deprecates watchers.)"""
+    if sys.version_info < (3, 12) and hasattr(asyncio, "PidfdChildWatcher"):
+        watcher = asyncio.PidfdChildWatcher()
+        watcher.attach_loop(loop)
+        asyncio.set_child_watcher(watcher)
+
+
 async def _serve(conn: Connection, services: SessionServices) -> None:
     loop = asyncio.get_running_loop()
+    _use_pidfd_child_watcher(loop)
     inbox: asyncio.Queue = asyncio.Queue()
 
     def read_parent() -> None:
@@ -111,7 +124,7 @@ async def _serve(conn: Connection, services: SessionServices) -> None:
     await asyncio.gather(*running, return_exceptions=True)
 
 
-def _worker_main(conn: Connection, siblings: list[Connection], config: RunConfig, gate: RateGate,
+def _worker_main(conn: Connection, siblings: list[Connection], slots: int, config: RunConfig, gate: RateGate,
                  env_settings: EnvironmentSettings, available_tools: frozenset[str]) -> None:
     # Fork copied the parent's ends of this worker's pipe and of earlier workers' pipes; they must
     # close here, or a killed parent would never produce the end-of-file by which workers notice.
@@ -119,7 +132,9 @@ def _worker_main(conn: Connection, siblings: list[Connection], config: RunConfig
         inherited.close()
     # Ctrl-C reaches the whole process group; the parent decides how to stop, workers follow it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    services = SessionServices(config=config, client=make_client(config.base_url, config.api_key), gate=gate,
+    client_count = max(1, math.ceil(slots / SESSIONS_PER_CLIENT))
+    services = SessionServices(config=config, clients=[make_client(config.base_url, config.api_key)
+                                                       for _ in range(client_count)], gate=gate,
                                env_settings=env_settings, available_tools=available_tools,
                                redact=Redactor.from_environment(config.api_key))
     asyncio.run(_serve(conn, services))
@@ -140,10 +155,10 @@ class WorkerPool:
         self._free = list(self._capacity)
         self._conns: list[Connection] = []
         self._processes: list[multiprocessing.Process] = []
-        for _ in range(count):
+        for capacity in self._capacity:
             parent_end, child_end = _FORK.Pipe(duplex=True)
             process = _FORK.Process(target=_worker_main, daemon=True,
-                                    args=(child_end, [*self._conns, parent_end], config, self.gate, env_settings,
+                                    args=(child_end, [*self._conns, parent_end], capacity, config, self.gate, env_settings,
                                           available_tools))
             process.start()
             child_end.close()

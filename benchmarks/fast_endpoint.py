@@ -1,0 +1,84 @@
+"""A lean OpenAI-compatible chat endpoint for benchmarks: asyncio, keep-alive, fixed script.
+
+Every conversation makes ``--tool-turns`` terminal calls and then answers; each reply waits
+``--latency`` seconds. It runs in its own process so that its CPU is not counted as the runner's
+and so it can serve thousands of requests per second on this machine (the threaded test fixture
+cannot). ``GET /stats`` returns the request count and the time (CLOCK_MONOTONIC) of the first one.
+
+    python benchmarks/fast_endpoint.py --latency 0.2 --tool-turns 2      # prints the port
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+FIRST_REQUEST: list[float] = []
+REQUESTS = [0]
+
+
+def reply_for(body: dict, tool_turns: int) -> dict:
+    turn = sum(1 for message in body.get("messages", ()) if message.get("role") == "assistant")
+    message: dict = {"role": "assistant", "content": "", "reasoning": f"Thinking about step {turn}."}
+    if turn < tool_turns:
+        message["tool_calls"] = [{"id": f"call_{turn}", "type": "function",
+                                  "function": {"name": "terminal",
+                                               "arguments": json.dumps({"command": f"echo step {turn}"})}}]
+        finish = "tool_calls"
+    else:
+        message["content"] = "Done."
+        finish = "stop"
+    return {"id": "bench", "object": "chat.completion", "created": int(time.time()), "model": body.get("model"),
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+            "usage": {"prompt_tokens": 50, "completion_tokens": 10, "total_tokens": 60}}
+
+
+async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, latency: float, tool_turns: int) -> None:
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            request_line, *header_lines = head.decode("latin-1").split("\r\n")
+            headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines if h)}
+            body = await reader.readexactly(int(headers.get("content-length", "0")))
+            if request_line.startswith("GET /stats"):
+                payload = {"requests": REQUESTS[0], "first_request": FIRST_REQUEST[0] if FIRST_REQUEST else None}
+            else:
+                if not FIRST_REQUEST:
+                    FIRST_REQUEST.append(time.monotonic())
+                REQUESTS[0] += 1
+                await asyncio.sleep(latency)
+                payload = reply_for(json.loads(body), tool_turns)
+            data = json.dumps(payload).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                         + str(len(data)).encode() + b"\r\n\r\n" + data)
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+
+async def serve(port: int, latency: float, tool_turns: int) -> None:
+    server = await asyncio.start_server(lambda r, w: handle(r, w, latency, tool_turns), "127.0.0.1", port,
+                                        backlog=1024)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--latency", type=float, default=0.2)
+    parser.add_argument("--tool-turns", type=int, default=2)
+    args = parser.parse_args()
+    try:
+        asyncio.run(serve(args.port, args.latency, args.tool_turns))
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,337 @@
+"""The command line (SPEC §2, §3, §8 lock, §9 existing results, §12 first run), through the real CLI.
+
+Every bad input ends with exit code 1 and one `error:` line that names the flag and what is allowed,
+before any model call and before data/<run_name>/ exists.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+
+from conftest import (batch_rows, batch_runner_command, cli_environment, endpoint_args, human_prompt, read_jsonl,
+                      run_cli, write_dataset)
+
+DISTRIBUTION_NAMES = ("default", "image_gen", "research", "science", "development", "safe", "balanced", "minimal",
+                      "terminal_only", "terminal_web", "creative", "reasoning", "browser_use", "browser_only",
+                      "browser_tasks", "terminal_tasks", "mixed_tasks")
+
+
+def good_args(tmp_path, endpoint, *extra, prompts=("q",), run_name="run"):
+    """A complete, valid command line; a later flag of the same name in `extra` wins (fire keeps the last)."""
+    dataset = write_dataset(tmp_path / "dataset.jsonl", list(prompts))
+    return [f"--dataset_file={dataset}", "--batch_size=2", f"--run_name={run_name}", "--distribution=terminal_only",
+            *endpoint_args(endpoint), *extra]
+
+
+def error_line(result) -> str:
+    """The run failed cleanly: exit 1, no traceback, and exactly one `error:` line on stderr."""
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr
+    return errors[0]
+
+
+def assert_rejected_before_anything(result, tmp_path, endpoint, *fragments: str) -> None:
+    line = error_line(result)
+    assert result.stderr.strip() == line          # nothing else: a single clear line
+    for fragment in fragments:
+        assert fragment in line, line
+    assert endpoint.requests == []
+    assert not (tmp_path / "data").exists()
+
+
+# -- bad flag values (SPEC §2) ------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["0", "-1", "1.5", "abc"])
+def test_batch_size_must_be_a_positive_integer(tmp_path, endpoint, value):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, f"--batch_size={value}"))
+    assert_rejected_before_anything(result, tmp_path, endpoint, "--batch_size", "positive integer")
+
+
+def test_batch_size_is_required(tmp_path, endpoint):
+    args = [arg for arg in good_args(tmp_path, endpoint) if not arg.startswith("--batch_size")]
+    result = run_cli(tmp_path, *args)
+    assert_rejected_before_anything(result, tmp_path, endpoint, "--batch_size", "required")
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "x"])
+def test_max_samples_must_be_a_positive_integer(tmp_path, endpoint, value):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, f"--max_samples={value}"))
+    assert_rejected_before_anything(result, tmp_path, endpoint, "--max_samples", "positive integer")
+
+
+@pytest.mark.parametrize("flag", ["num_workers", "max_turns", "max_tokens"])
+def test_count_flags_reject_zero(tmp_path, endpoint, flag):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, f"--{flag}=0"))
+    assert_rejected_before_anything(result, tmp_path, endpoint, f"--{flag}", "positive integer")
+
+
+def test_log_prefix_chars_rejects_a_negative_value(tmp_path, endpoint):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, "--log_prefix_chars=-1"))
+    assert_rejected_before_anything(result, tmp_path, endpoint, "--log_prefix_chars", ">= 0")
+
+
+def test_reasoning_effort_lists_the_allowed_levels(tmp_path, endpoint):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, "--reasoning_effort=bogus"))
+    assert_rejected_before_anything(result, tmp_path, endpoint, "--reasoning_effort", "bogus",
+                                    "none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def test_provider_sort_lists_the_allowed_orders(tmp_path, endpoint):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, "--provider_sort=bogus"))
+    assert_rejected_before_anything(result, tmp_path, endpoint, "--provider_sort", "price", "throughput", "latency")
+
+
+def test_unknown_distribution_lists_the_available_ones(tmp_path, endpoint):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, "--distribution=nope"))
+    assert_rejected_before_anything(result, tmp_path, endpoint, "--distribution", "nope", *DISTRIBUTION_NAMES)
+
+
+@pytest.mark.parametrize("value", ["ftp://example.com/v1", "localhost:8000/v1", "http://"])
+def test_base_url_must_be_http_or_https(tmp_path, endpoint, value):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, f"--base_url={value}"))
+    assert_rejected_before_anything(result, tmp_path, endpoint, "--base_url", "http(s)")
+
+
+@pytest.mark.parametrize("value", ["a/b", "../escape", "/abs"])
+def test_run_name_must_be_a_plain_name(tmp_path, endpoint, value):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, f"--run_name={value}"))
+    assert_rejected_before_anything(result, tmp_path, endpoint, "--run_name", "plain name")
+    assert not (tmp_path.parent / "escape").exists()
+
+
+@pytest.mark.parametrize("content, complaint", [
+    (None, "not found"),
+    ("{not json", "not valid JSON"),
+    ('{"role": "user", "content": "hi"}', "JSON array"),
+    ('[{"role": "robot", "content": "hi"}]', "system, user, assistant"),
+    ('[{"role": "user", "content": 5}]', "content"),
+], ids=["missing", "not-json", "not-an-array", "bad-role", "non-text-content"])
+def test_prefill_messages_file_must_be_a_json_array_of_role_content_messages(tmp_path, endpoint, content, complaint):
+    path = tmp_path / "prefill.json"
+    if content is not None:
+        path.write_text(content)
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, f"--prefill_messages_file={path}"))
+    assert_rejected_before_anything(result, tmp_path, endpoint, "--prefill_messages_file", complaint)
+
+
+@pytest.mark.parametrize("argument", ["--providers_allowed=", "--providers_allowed= , ", "--providers_allowed"],
+                         ids=["empty", "only-commas", "no-value"])
+def test_providers_allowed_needs_at_least_one_name(tmp_path, endpoint, argument):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, argument))
+    assert_rejected_before_anything(result, tmp_path, endpoint, "--providers_allowed", "comma-separated")
+
+
+@pytest.mark.parametrize("typo, meant", [("--num_worker=3", "--num_workers"), ("--batchsize=2", "--batch_size"),
+                                         ("--resmue", "--resume")])
+def test_unknown_flag_suggests_the_close_real_flag(tmp_path, endpoint, typo, meant):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, typo))
+    assert_rejected_before_anything(result, tmp_path, endpoint, typo.split("=")[0], f"did you mean {meant}?")
+
+
+def test_missing_dataset_file_is_a_clear_error(tmp_path, endpoint):
+    args = [arg for arg in good_args(tmp_path, endpoint) if not arg.startswith("--dataset_file")]
+    result = run_cli(tmp_path, *args, f"--dataset_file={tmp_path / 'nowhere.jsonl'}")
+    assert_rejected_before_anything(result, tmp_path, endpoint, "--dataset_file", "not found", "nowhere.jsonl")
+
+
+def test_dataset_without_a_valid_line_is_a_clear_error(tmp_path, endpoint):
+    args = good_args(tmp_path, endpoint)
+    (tmp_path / "dataset.jsonl").write_text('not json\n\n[1, 2]\n{"prompt": ""}\n')
+    result = run_cli(tmp_path, *args)
+    line = error_line(result)
+    assert "no valid prompt" in line and "dataset.jsonl" in line
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert [w.split(":")[1].strip() for w in warnings] == ["line 1", "line 3", "line 4"]
+    assert endpoint.requests == []
+    assert not (tmp_path / "data").exists()
+
+
+# -- fire quirks that must be accepted ----------------------------------------------------------
+
+def test_providers_allowed_given_as_a_comma_list_reaches_the_request(tmp_path, endpoint):
+    # fire turns a,b into the tuple ('a', 'b')
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, "--providers_allowed=a,b"))
+    assert result.returncode == 0, result.stderr
+    [request] = endpoint.requests
+    assert request["provider"] == {"only": ["a", "b"]}
+
+
+def test_numeric_run_name_is_accepted(tmp_path, endpoint):
+    # fire turns 123 into an int
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, run_name="123"))
+    assert result.returncode == 0, result.stderr
+    assert len(read_jsonl(tmp_path / "data" / "123" / "trajectories.jsonl")) == 1
+
+
+def test_run_name_that_reads_as_a_python_literal_keeps_its_spelling(tmp_path, endpoint):
+    # fire turns 1_000 into the int 1000; the directory must still be named as typed
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, run_name="1_000"))
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "data" / "1_000" / "trajectories.jsonl").exists()
+    assert not (tmp_path / "data" / "1000").exists()
+
+
+def test_free_text_with_a_comma_is_passed_through_as_typed(tmp_path, endpoint):
+    # fire turns "Hello, world" into the tuple ('Hello', 'world')
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, "--ephemeral_system_prompt=Hello, world"))
+    assert result.returncode == 0, result.stderr
+    [request] = endpoint.requests
+    assert "Hello, world" in request["messages"][0]["content"]
+
+
+def test_space_separated_flag_values_are_accepted(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["first", "second", "third"])
+    result = run_cli(tmp_path, "--dataset_file", str(dataset), "--batch_size", "2", "--run_name", "spaced",
+                     "--distribution", "terminal_only", "--base_url", endpoint.base_url, "--model", "scripted-model",
+                     "--max_samples", "2")
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "data" / "spaced"
+    assert [p.name for p in run_dir.glob("batch_*.jsonl")] == ["batch_0.jsonl"]
+    assert sorted(human_prompt(row) for row in read_jsonl(run_dir / "trajectories.jsonl")) == ["first", "second"]
+
+
+# -- dataset lines (SPEC §3) --------------------------------------------------------------------
+
+def run_dataset_lines(tmp_path, endpoint, lines: list[str], *extra: str):
+    args = good_args(tmp_path, endpoint, *extra)
+    (tmp_path / "dataset.jsonl").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return run_cli(tmp_path, *args)
+
+
+def test_blank_lines_are_ignored_silently(tmp_path, endpoint):
+    result = run_dataset_lines(tmp_path, endpoint, ['{"prompt": "one"}', "", "   ", '{"prompt": "two"}', ""])
+    assert result.returncode == 0, result.stderr
+    assert "warning" not in result.stderr
+    rows = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
+    assert sorted((row["prompt_index"], human_prompt(row)) for row in rows) == [(0, "one"), (1, "two")]
+
+
+@pytest.mark.parametrize("bad_line, complaint", [
+    ("this is not json", "not valid JSON"),
+    ('["prompt", "in an array"]', "JSON object"),
+    ('{"question": "no prompt key"}', '"prompt"'),
+    ('{"prompt": ""}', '"prompt"'),
+    ('{"prompt": "   "}', '"prompt"'),
+    ('{"prompt": 42}', '"prompt"'),
+    ('{"prompt": "with image", "image": 7}', '"image"'),
+], ids=["not-json", "array", "no-prompt", "empty-prompt", "blank-prompt", "non-string-prompt", "non-string-image"])
+def test_unusable_line_is_skipped_with_a_warning_naming_its_line_number(tmp_path, endpoint, bad_line, complaint):
+    result = run_dataset_lines(tmp_path, endpoint, ['{"prompt": "before"}', "", bad_line, '{"prompt": "after"}'])
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "line 3" in warnings[0] and complaint in warnings[0], result.stderr
+    rows = batch_rows(tmp_path / "data" / "run")
+    # the prompt index is the position among valid rows, so the bad line takes no index
+    assert sorted((row["prompt_index"], human_prompt(row)) for row in rows) == [(0, "before"), (1, "after")]
+    assert len(endpoint.requests) == 2
+
+
+def test_max_samples_uses_only_the_first_valid_prompts(tmp_path, endpoint):
+    lines = ["broken", '{"prompt": "p0"}', '{"prompt": "p1"}', '{"prompt": "p2"}', '{"prompt": "p3"}']
+    result = run_dataset_lines(tmp_path, endpoint, lines, "--max_samples=2")
+    assert result.returncode == 0, result.stderr
+    rows = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
+    assert sorted(human_prompt(row) for row in rows) == ["p0", "p1"]
+    assert len(endpoint.requests) == 2
+    statistics = json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())
+    assert statistics["total_prompts"] == 2
+
+
+# -- first run: no key, no endpoint (SPEC §12) --------------------------------------------------
+
+def test_no_key_and_no_base_url_stops_with_setup_guidance(tmp_path):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["q"])
+    result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=1", "--run_name=run",
+                     "--distribution=terminal_only")
+    line = error_line(result)
+    assert line.startswith("error:")
+    guidance = result.stderr
+    assert "OPENROUTER_API_KEY" in guidance and "OPENAI_API_KEY" in guidance
+    for server in ("Ollama", "vLLM", "llama.cpp"):
+        assert server in guidance
+    assert "--base_url=http://localhost" in guidance
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_keyless_local_endpoint_needs_no_api_key(tmp_path, endpoint):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint))     # cli_environment drops both key variables
+    assert result.returncode == 0, result.stderr
+    assert len(read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")) == 1
+
+
+# -- --list_distributions -----------------------------------------------------------------------
+
+def test_list_distributions_prints_every_distribution_with_probabilities(tmp_path):
+    result = run_cli(tmp_path, "--list_distributions")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    headers = [line.split(":")[0] for line in result.stdout.splitlines() if line and not line.startswith(" ")]
+    assert headers == list(DISTRIBUTION_NAMES)
+    assert "All available tools, all the time" in result.stdout
+    assert "97%  browser+search" in result.stdout
+    terminal_only = result.stdout.split("terminal_only:")[1].split("\n\n")[0]
+    assert [line.split() for line in terminal_only.splitlines()[1:]] == [["100%", "terminal"], ["100%", "file"]]
+    assert not (tmp_path / "data").exists()
+
+
+# -- an existing run directory (SPEC §9, last paragraph) ----------------------------------------
+
+def test_rerun_without_resume_refuses_and_leaves_results_untouched(tmp_path, endpoint):
+    args = good_args(tmp_path, endpoint, prompts=("one", "two"))
+    assert run_cli(tmp_path, *args).returncode == 0
+    batch = tmp_path / "data" / "run" / "batch_0.jsonl"
+    before = batch.read_bytes()
+    merged_before = (tmp_path / "data" / "run" / "trajectories.jsonl").read_bytes()
+    requests_before = len(endpoint.requests)
+    result = run_cli(tmp_path, *args)
+    line = error_line(result)
+    assert "batch_0.jsonl" in line and "--resume" in line and "--run_name" in line
+    assert batch.read_bytes() == before
+    assert (tmp_path / "data" / "run" / "trajectories.jsonl").read_bytes() == merged_before
+    assert len(endpoint.requests) == requests_before
+
+
+# -- two runs on one run name (SPEC §8) ---------------------------------------------------------
+
+def test_second_run_on_a_busy_run_directory_is_refused_and_the_first_finishes(tmp_path, endpoint):
+    args = good_args(tmp_path, endpoint, prompts=("[[sleep 3]] take your time",))
+    first = subprocess.Popen(batch_runner_command(*args), cwd=tmp_path, env=cli_environment(tmp_path),
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lock = tmp_path / "data" / "run" / ".lock"
+        deadline = time.monotonic() + 30
+        # the holder writes its pid once it holds the lock
+        while not (lock.exists() and lock.read_text().strip()):
+            assert first.poll() is None and time.monotonic() < deadline, "first run never took the lock"
+            time.sleep(0.05)
+        second = run_cli(tmp_path, *args)
+        line = error_line(second)
+        assert "in use" in line and "--run_name" in line
+        out, err = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.communicate()
+    assert first.returncode == 0, err
+    assert "Traceback" not in out + err
+    assert len(read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")) == 1
+    assert len(endpoint.requests) == 1
+
+
+# -- --reasoning_disabled -----------------------------------------------------------------------
+
+def test_reasoning_disabled_warns_about_the_filter_and_turns_reasoning_off(tmp_path, endpoint):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, "--reasoning_disabled", "--reasoning_effort=high"))
+    assert result.returncode == 0, result.stderr
+    warning = next(line for line in result.stderr.splitlines() if "--reasoning_disabled" in line)
+    assert warning.startswith("warning:") and "discard every sample" in warning
+    assert "--discard_no_reasoning=False" in warning
+    [request] = endpoint.requests
+    assert request["reasoning"] == {"enabled": False}      # wins over --reasoning_effort
