@@ -31,9 +31,10 @@ from batchrun.environments import environment_class
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.run_dir import RunDirectory, RunDirectoryError, ScanResult
 from batchrun.security import Redactor
-from batchrun.session import Task
+from batchrun.messages import Task
 from batchrun.stats import MergeStatistics, ThisRun, build_statistics
-from batchrun.workers import Fatal, Finished, WorkerPool, process_count
+from batchrun.messages import Fatal, Finished
+from batchrun.workers import WorkerPool, process_count
 
 CHECKPOINT_MIN_INTERVAL = 1.0     # seconds; coalesces checkpoint rewrites when batches are tiny
 MAX_CORRUPTED_LINES_SHOWN = 20

@@ -13,8 +13,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from batchrun import rows
+from batchrun.messages import Finished
 from batchrun.stats import ThisRun
-from batchrun.workers import Finished
 
 STATUS_MARK = {rows.COMPLETED: "✅", rows.PARTIAL: "⚠️ ", rows.FAILED: "❌", rows.DISCARDED: "🚫"}
 PLAIN_STATUS_EVERY = 30.0     # seconds between progress lines when output is a log file

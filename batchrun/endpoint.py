@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import json
-import multiprocessing
 import random
 import time
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from typing import Any
 
 import openai
 
+from batchrun.rate_limit import RateGate
 from batchrun.rows import Usage
 
 BACKOFF_BASE = 1.0       # seconds before the first retry; doubles per attempt, with full jitter
@@ -34,21 +34,6 @@ class PromptFailedError(Exception):
     def __init__(self, message: str, error_type: str) -> None:
         super().__init__(message)
         self.error_type = error_type
-
-
-class RateGate:
-    """A run-wide pause shared by all worker processes: after a 429, nobody sends until it passes."""
-
-    def __init__(self) -> None:
-        self._resume_at = multiprocessing.get_context("fork").Value("d", 0.0)
-
-    def pause(self, seconds: float) -> None:
-        with self._resume_at.get_lock():
-            self._resume_at.value = max(self._resume_at.value, time.monotonic() + seconds)
-
-    async def wait(self) -> None:
-        while (delay := self._resume_at.value - time.monotonic()) > 0:
-            await asyncio.sleep(delay)
 
 
 @dataclass

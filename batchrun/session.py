@@ -15,9 +15,11 @@ import openai
 
 import model_tools
 from batchrun.config import RunConfig
-from batchrun.endpoint import PromptFailedError, RateGate, call_model
+from batchrun.endpoint import PromptFailedError, call_model
+from batchrun.rate_limit import RateGate
 from batchrun.environments import create_environment
 from batchrun.environments.base import Environment, EnvironmentSettings, EnvironmentSetupError
+from batchrun.messages import Task
 from batchrun.rows import AssistantTurn, SessionResult, ToolCallRecord, Usage, split_reasoning
 from batchrun.security import Redactor
 from batchrun.tools import ToolContext, ToolError
@@ -29,18 +31,6 @@ AGENT_PROMPT = (
 )
 MAX_INVENTED_TURNS = 3       # consecutive turns calling tools that do not exist before giving up
 ENVIRONMENT_TOOLSETS = frozenset({"terminal", "file"})
-
-
-@dataclass(frozen=True)
-class Task:
-    """A planned unit of work: one dataset occurrence with its sampled toolsets."""
-
-    prompt_index: int
-    prompt: str
-    image: str | None
-    cwd: str | None
-    content_key: str
-    toolsets: tuple[str, ...]
 
 
 @dataclass

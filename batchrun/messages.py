@@ -1,0 +1,39 @@
+"""What crosses the boundary between the parent and the worker processes (pickled over pipes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Task:
+    """A planned unit of work: one dataset occurrence with its sampled toolsets."""
+
+    prompt_index: int
+    prompt: str
+    image: str | None
+    cwd: str | None
+    content_key: str
+    toolsets: tuple[str, ...]
+
+
+@dataclass
+class Finished:
+    """One prompt's outcome as the parent sees it: the encoded row plus what the console shows."""
+
+    prompt_index: int
+    batch_num: int
+    status: str
+    row: bytes
+    api_calls: int
+    usage: dict
+    wall_time: float
+    end_reason: str
+    error: str | None
+    error_type: str | None
+    prompt_preview: str
+
+
+@dataclass
+class Fatal:
+    message: str
