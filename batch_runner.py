@@ -121,6 +121,10 @@ class BatchRunner:
                         "continue with --resume.")
             return EXIT_ERROR
         self._finish(plan)
+        if (cap := self._budget_spent()) and self.this_run.processed < plan.pending:
+            self.console.print(f"Stopped admitting prompts: {cap}. {plan.pending - self.this_run.processed} "
+                               "prompts were not started; --resume continues them (the cap counts per invocation).",
+                               style="yellow")
         if exit_code == EXIT_INTERRUPTED:
             self.console.print("Interrupted. Finished prompts are saved; run the same command with --resume "
                                "to continue.", style="yellow")
@@ -131,7 +135,7 @@ class BatchRunner:
         exhausted = False
         while True:
             while not exhausted and pool.free_slots:
-                task = next(tasks, None)
+                task = None if self._budget_spent() else next(tasks, None)
                 if task is None:
                     exhausted = True
                 else:
@@ -148,6 +152,16 @@ class BatchRunner:
             for message in finished:
                 self._record(message)
             self._maybe_checkpoint()
+
+    def _budget_spent(self) -> str | None:
+        """Why no further prompt may start (--max_cost / --max_total_tokens reached), if so."""
+        usage, config = self.this_run.usage, self.config
+        if config.max_cost is not None and usage["cost"] >= config.max_cost:
+            return f"spending cap reached: ${usage['cost']:.4f} of --max_cost=${config.max_cost:g}"
+        tokens = usage["prompt_tokens"] + usage["completion_tokens"]
+        if config.max_total_tokens is not None and tokens >= config.max_total_tokens:
+            return f"token cap reached: {tokens:,} of --max_total_tokens={config.max_total_tokens:,}"
+        return None
 
     def _record(self, finished: Finished) -> None:
         self.this_run.record(finished.status, finished.usage, finished.api_calls, finished.error_type)
@@ -167,10 +181,12 @@ class BatchRunner:
                        toolsets=tuple(toolset_distributions.sample_toolsets(self.config.distribution, rng)))
 
     def _environment_settings(self) -> EnvironmentSettings:
-        settings = EnvironmentSettings(work_root=Path(tempfile.gettempdir()) / "batch_runner" / self.config.run_name,
-                                       run_label=self.config.run_name, command_timeout=self.config.command_timeout,
-                                       keep_workdirs=self.config.keep_workdirs)
-        environment_class(self.config.terminal_env).remove_leftovers(settings)
+        config = self.config
+        settings = EnvironmentSettings(work_root=Path(tempfile.gettempdir()) / "batch_runner" / config.run_name,
+                                       run_label=config.run_name, command_timeout=config.command_timeout,
+                                       keep_workdirs=config.keep_workdirs, default_image=config.default_image,
+                                       allow_network=config.allow_network)
+        environment_class(config.terminal_env).remove_leftovers(settings)
         return settings
 
     # -- persistence and reporting --------------------------------------------------------------
@@ -211,12 +227,11 @@ class BatchRunner:
     def _finish(self, plan: DatasetPlan) -> None:
         merge = MergeStatistics()
 
-        def on_corrupted(batch_file: str, row: dict, invented: list[str]) -> None:
+        def on_corrupted(batch_file: str, row: rows.StoredRow, invented: list[str]) -> None:
             merge.on_corrupted(batch_file, row, invented)
-            shown = len(merge.corrupted)
-            if shown <= MAX_CORRUPTED_LINES_SHOWN:
+            if len(merge.corrupted) <= MAX_CORRUPTED_LINES_SHOWN:
                 self.console.print(f"⚠️  left out of trajectories.jsonl: {batch_file} prompt "
-                                   f"{row.get('prompt_index')} calls invented tool(s) {', '.join(map(str, invented))}")
+                                   f"{row.prompt_index} calls invented tool(s) {', '.join(invented)}")
 
         merge.batch_files = self.run_dir.merge(merge.on_row, on_corrupted)
         if len(merge.corrupted) > MAX_CORRUPTED_LINES_SHOWN:
@@ -233,7 +248,9 @@ class BatchRunner:
         processes = process_count(config.num_workers)
         out.print(f"batch_runner · run {config.run_name} · model {config.model} · endpoint {config.base_url}")
         out.print(f"distribution {config.distribution} · {config.num_workers} concurrent sessions in "
-                  f"{processes} worker process{'es' if processes > 1 else ''} · environment {config.terminal_env}")
+                  f"{processes} worker process{'es' if processes > 1 else ''}")
+        out.print(f"environment {config.terminal_env} ({config.terminal_env_reason})"
+                  + (" · network allowed" if config.allow_network else ""))
         unavailable = model_tools.unavailable_tools()
         by_reason: dict[str, list[str]] = defaultdict(list)
         for name, reason in unavailable.items():
@@ -257,7 +274,7 @@ _FLAG_NAMES = ("dataset_file", "batch_size", "run_name", "distribution", "model"
                "providers_allowed", "providers_ignored", "providers_order", "provider_sort", "reasoning_effort",
                "reasoning_disabled", "ephemeral_system_prompt", "log_prefix_chars", "prefill_messages_file", "seed",
                "discard_no_reasoning", "rerun_corrupted", "max_retries", "prompt_timeout", "tool_timeout",
-               "command_timeout", "keep_workdirs")
+               "command_timeout", "keep_workdirs", "requests_per_minute", "max_cost", "max_total_tokens")
 
 # Free-text flags. Fire reads every value as a Python literal, so `--ephemeral_system_prompt="Hello, world"`
 # arrives as ('Hello', 'world') and `--run_name=1_000` as 1000; for these the text as typed is what counts.
@@ -295,13 +312,16 @@ def main(dataset_file: str | None = None, batch_size: int | None = None, run_nam
          prefill_messages_file: str | None = None, seed: int | None = None, discard_no_reasoning: bool = True,
          rerun_corrupted: bool = False, max_retries: int = 6, prompt_timeout: float | None = None,
          tool_timeout: float = 120, command_timeout: float = 60, keep_workdirs: bool = False,
+         requests_per_minute: int | None = None, max_cost: float | None = None, max_total_tokens: int | None = None,
          **unknown_flags: Any) -> None:
     """Run an agent over every prompt of DATASET_FILE and write data/RUN_NAME/ (see README.md).
 
     Extra flags beyond the Hermes runner: --seed (reproducible toolset sampling),
     --discard_no_reasoning=False (keep samples without reasoning), --rerun_corrupted (with --resume,
     run prompts whose rows named invented tools again), --max_retries (transient endpoint errors),
-    --prompt_timeout / --tool_timeout / --command_timeout (seconds), --keep_workdirs.
+    --prompt_timeout / --tool_timeout / --command_timeout (seconds), --keep_workdirs,
+    --requests_per_minute (shared by all workers), --max_cost (USD) / --max_total_tokens (this
+    invocation: stop admitting prompts once reached, let running ones finish).
     """
     flags = {name: value for name, value in locals().items() if name in _FLAG_NAMES}
     for name, typed in _typed_text_values(sys.argv[1:]).items():

@@ -15,7 +15,8 @@ from typing import Any
 from urllib.parse import urlparse
 
 import toolset_distributions
-from batchrun.environments import ENVIRONMENT_KINDS
+from batchrun.environments import ENVIRONMENT_KINDS, default_environment_kind
+from batchrun.environments.base import EnvironmentSettings
 
 DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
 DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
@@ -65,8 +66,14 @@ class RunConfig:
     tool_timeout: float
     command_timeout: float
     terminal_env: str
+    terminal_env_reason: str             # why this backend, for the start-up summary
+    allow_network: bool                  # TERMINAL_ALLOW_NETWORK: isolated backends may reach the network
+    default_image: str                   # TERMINAL_DEFAULT_IMAGE: containers for prompts without an image
     keep_workdirs: bool
     reasoning_disabled: bool
+    requests_per_minute: int | None
+    max_cost: float | None
+    max_total_tokens: int | None
 
     @property
     def run_dir(self) -> Path:
@@ -97,6 +104,14 @@ def positive_seconds(flag: str, value: Any) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
         return float(value)
     raise UsageError(f"--{flag} must be a positive number of seconds, got {value!r}")
+
+
+def optional_positive_number(flag: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    raise UsageError(f"--{flag} must be a positive number, got {value!r}")
 
 
 def boolean(flag: str, value: Any) -> bool:
@@ -207,11 +222,22 @@ def validate_run_name(value: Any) -> str:
     return name
 
 
-def terminal_env_kind() -> str:
-    kind = os.environ.get("TERMINAL_ENV", "local").strip() or "local"
+DEFAULT_IMAGE = EnvironmentSettings.default_image
+_TRUE_WORDS = ("1", "true", "yes", "on")
+
+
+def terminal_environment() -> tuple[str, str]:
+    """(kind, why) from TERMINAL_ENV; unset means the isolated sandbox where it works here."""
+    kind = os.environ.get("TERMINAL_ENV", "").strip()
+    if not kind:
+        return default_environment_kind()
     if kind not in ENVIRONMENT_KINDS:
         raise UsageError(f"TERMINAL_ENV must be one of {', '.join(ENVIRONMENT_KINDS)}, got {kind!r}")
-    return kind
+    if kind == "bubblewrap":
+        from batchrun.environments.bubblewrap import bubblewrap_problem
+        if problem := bubblewrap_problem():
+            raise UsageError(f"TERMINAL_ENV=bubblewrap: {problem}")
+    return kind, "chosen by TERMINAL_ENV"
 
 
 def build_config(**flags: Any) -> RunConfig:
@@ -231,6 +257,7 @@ def build_config(**flags: Any) -> RunConfig:
     reasoning_disabled = boolean("reasoning_disabled", flags["reasoning_disabled"])
     reasoning_effort = choice("reasoning_effort", flags["reasoning_effort"], REASONING_EFFORTS)
     prompt_timeout = flags["prompt_timeout"]
+    terminal_env, terminal_env_reason = terminal_environment()
     fields = dict(
         dataset_file=Path(dataset_text),
         batch_size=batch_size,
@@ -261,9 +288,15 @@ def build_config(**flags: Any) -> RunConfig:
         prompt_timeout=None if prompt_timeout is None else positive_seconds("prompt_timeout", prompt_timeout),
         tool_timeout=positive_seconds("tool_timeout", flags["tool_timeout"]),
         command_timeout=positive_seconds("command_timeout", flags["command_timeout"]),
-        terminal_env=terminal_env_kind(),
+        terminal_env=terminal_env,
+        terminal_env_reason=terminal_env_reason,
+        allow_network=os.environ.get("TERMINAL_ALLOW_NETWORK", "").strip().lower() in _TRUE_WORDS,
+        default_image=os.environ.get("TERMINAL_DEFAULT_IMAGE", "").strip() or DEFAULT_IMAGE,
         keep_workdirs=boolean("keep_workdirs", flags["keep_workdirs"]),
         reasoning_disabled=reasoning_disabled,
+        requests_per_minute=optional_positive_int("requests_per_minute", flags["requests_per_minute"]),
+        max_cost=optional_positive_number("max_cost", flags["max_cost"]),
+        max_total_tokens=optional_positive_int("max_total_tokens", flags["max_total_tokens"]),
     )
     # Last, so that a bad flag is reported before the "no endpoint" guidance.
     api_key = resolve_api_key(text("api_key", flags["api_key"]), base_url, base_url_given)

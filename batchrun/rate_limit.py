@@ -1,4 +1,4 @@
-"""A run-wide pause shared by every worker process (SPEC §13: rate limits honoured across workers)."""
+"""Rate limits shared by every worker process (SPEC §13: honoured across workers, not per session)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,21 @@ import asyncio
 import multiprocessing
 import time
 
+_FORK = multiprocessing.get_context("fork")
+
 
 class RateGate:
-    """A run-wide pause shared by all worker processes: after a 429, nobody sends until it passes."""
+    """Two run-wide limits in shared memory, consulted before every model request:
 
-    def __init__(self) -> None:
-        self._resume_at = multiprocessing.get_context("fork").Value("d", 0.0)
+    * a pause: after a 429, nobody sends until the server's Retry-After has passed;
+    * an optional requests-per-minute pace: each request takes the next free slot, so the
+      processes together never exceed it.
+    """
+
+    def __init__(self, requests_per_minute: int | None = None) -> None:
+        self._resume_at = _FORK.Value("d", 0.0)
+        self._next_slot = _FORK.Value("d", 0.0)
+        self._interval = 60.0 / requests_per_minute if requests_per_minute else 0.0
 
     def pause(self, seconds: float) -> None:
         with self._resume_at.get_lock():
@@ -20,3 +29,9 @@ class RateGate:
     async def wait(self) -> None:
         while (delay := self._resume_at.value - time.monotonic()) > 0:
             await asyncio.sleep(delay)
+        if self._interval:
+            with self._next_slot.get_lock():
+                slot = max(self._next_slot.value, time.monotonic())
+                self._next_slot.value = slot + self._interval
+            if (delay := slot - time.monotonic()) > 0:
+                await asyncio.sleep(delay)

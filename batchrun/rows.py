@@ -80,32 +80,6 @@ def split_reasoning(message: dict) -> tuple[str, str]:
     return "\n\n".join(found), content.strip()
 
 
-def has_reasoning(row: dict) -> bool:
-    """True when any gpt turn of a trajectory row carries reasoning (the no-reasoning filter)."""
-    return any(turn["from"] == "gpt" and _turn_reasoning(turn["value"])
-               for turn in row.get("conversations", ()))
-
-
-_RENDERED_THINK = re.compile(r"^<think>\n(.*?)\n</think>\n", re.DOTALL)
-
-
-def _turn_reasoning(value: str) -> str:
-    match = _RENDERED_THINK.match(value)
-    return match.group(1).strip() if match else ""
-
-
-def reasoning_counts(row: dict) -> tuple[int, int]:
-    """(gpt turns with reasoning, gpt turns without) of a trajectory row."""
-    with_reasoning = without = 0
-    for turn in row.get("conversations", ()):
-        if turn["from"] == "gpt":
-            if _turn_reasoning(turn["value"]):
-                with_reasoning += 1
-            else:
-                without += 1
-    return with_reasoning, without
-
-
 # ---------------------------------------------------------------------------------------------
 # The success rule
 
@@ -198,13 +172,17 @@ def _parsed_or_raw(text: str) -> Any:
         return text
 
 
+THINK_OPEN, THINK_CLOSE = "<think>\n", "\n</think>\n"
+EMPTY_THINK = THINK_OPEN + THINK_CLOSE     # how a gpt turn without reasoning starts
+
+
 def render_gpt_turn(turn: AssistantTurn) -> dict:
     parts = [turn.content] if turn.content else []
     for call in turn.tool_calls:
         payload = json.dumps({"name": call.name, "arguments": _parsed_or_raw(call.arguments)},
                              ensure_ascii=False)
         parts.append(f"<tool_call>\n{payload}\n</tool_call>")
-    rendered: dict[str, Any] = {"from": "gpt", "value": f"<think>\n{turn.reasoning}\n</think>\n" + "\n".join(parts)}
+    rendered: dict[str, Any] = {"from": "gpt", "value": THINK_OPEN + turn.reasoning + THINK_CLOSE + "\n".join(parts)}
     if turn.tool_calls:
         rendered["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments}
                                   for c in turn.tool_calls]
@@ -293,25 +271,26 @@ def tombstone_row(result: SessionResult) -> dict:
     return {"prompt_index": result.prompt_index, "content_key": result.content_key,
             "discarded": "no_reasoning", "prompt": result.prompt,
             "api_calls": result.api_calls, "usage": result.usage.as_dict(),
-            "wall_time_seconds": round(result.wall_time, 3)}
+            "wall_time_seconds": round(result.wall_time, 3), "end_reason": result.end_reason}
 
 
 def failure_row(result: SessionResult) -> dict:
     return {"prompt_index": result.prompt_index, "content_key": result.content_key,
             "failed": True, "error": result.error, "error_type": result.error_type,
             "prompt": result.prompt, "api_calls": result.api_calls,
-            "usage": result.usage.as_dict(), "wall_time_seconds": round(result.wall_time, 3)}
+            "usage": result.usage.as_dict(), "wall_time_seconds": round(result.wall_time, 3),
+            "end_reason": result.end_reason}
 
 
-def row_for(result: SessionResult, *, batch_num: int, model: str, timestamp: str,
-            discard_no_reasoning: bool) -> dict:
-    """The single decision of which kind of row a finished session becomes."""
+def encode_finished(result: SessionResult, *, batch_num: int, model: str, timestamp: str,
+                    discard_no_reasoning: bool) -> bytes:
+    """The single decision of which kind of row a finished session becomes, already encoded."""
     if result.end_reason == "error":
-        return failure_row(result)
-    row = trajectory_row(result, batch_num=batch_num, model=model, timestamp=timestamp)
-    if discard_no_reasoning and not has_reasoning(row):
-        return tombstone_row(result)
-    return row
+        return encode_row(failure_row(result))
+    line = encode_row(trajectory_row(result, batch_num=batch_num, model=model, timestamp=timestamp))
+    if discard_no_reasoning and read_stored_row(line).reasoning_counts()[0] == 0:
+        return encode_row(tombstone_row(result))
+    return line
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,25 +299,106 @@ def row_for(result: SessionResult, *, batch_num: int, model: str, timestamp: str
 COMPLETED, PARTIAL, DISCARDED, FAILED = "completed", "partial", "discarded", "failed"
 
 
-def row_status(row: dict) -> str:
-    if row.get("failed"):
-        return FAILED
-    if row.get("discarded"):
-        return DISCARDED
-    return COMPLETED if row.get("completed") else PARTIAL
-
-
-def invented_tool_names(row: dict) -> list[str]:
-    """Tools a trajectory row calls that the registry does not have (the corrupted-entry test)."""
-    names = []
-    for turn in row.get("conversations", ()):
-        for call in turn.get("tool_calls", ()) or ():
-            name = call.get("name")
-            if name not in REGISTRY and name not in names:
-                names.append(name)
-    return names
-
-
 def encode_row(row: dict) -> bytes:
-    """One JSONL line, always valid UTF-8 whatever bytes a tool produced (lone surrogates -> '?')."""
+    """One JSONL line, always valid UTF-8 whatever bytes a tool produced (lone surrogates -> '?').
+
+    The layout is fixed (json's default separators, ``prompt_index`` and ``content_key`` first,
+    ``end_reason`` last in every kind of row); :func:`read_stored_row` relies on it to classify a
+    line, and to tell a complete line from a fragment, without parsing all of it.
+    """
     return (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8", "replace")
+
+
+# Reading stored rows. A million-row resume scan or merge cannot afford to parse every row (most of
+# each is the conversation), so the few facts they need are read from the encoded line. Every pattern
+# matches structure only: inside a JSON string a quote is always escaped, so text a model or a tool
+# wrote can never look like these keys.
+_HEAD_START = b'{"prompt_index": '
+_HEAD = re.compile(rb'\{"prompt_index": (-?\d+), "content_key": "([0-9a-f]+)", "(conversations|discarded|failed)"')
+_COMPLETED = re.compile(rb'"completed": (true|false)')
+_TOOL_CALLS = b'"tool_calls": ['
+_CALL_NAME = re.compile(rb'(?:, )?\{"id": "(?:[^"\\]|\\.)*", "name": "((?:[^"\\]|\\.)*)", "arguments": "(?:[^"\\]|\\.)*"\}')
+# A used tool's entry in tool_stats; the literal start lets the search skip the zero entries fast.
+_USED_TOOL = re.compile(rb'\{"count": ([1-9]\d*), "success": (\d+), "failure": (\d+)\}')
+_USAGE = b'"usage": {'
+_END_REASON = re.compile(rb'"end_reason": "(\w+)"\}\n?$')
+_TAIL_BYTES = 64                      # the end_reason key is within the last bytes of a whole row
+_TOOL_STATS_START, _TOOL_STATS_END = b'"tool_stats": {', b'"tool_error_counts": {'
+_GPT_TURN = b'{"from": "gpt", "value": "'
+_GPT_TURN_WITHOUT_REASONING = _GPT_TURN + json.dumps(EMPTY_THINK).encode()[1:-1]
+
+
+@dataclass(frozen=True)
+class StoredRow:
+    """One line of a batch file, with what resume and merge need read straight from its bytes."""
+
+    line: bytes
+    prompt_index: int
+    content_key: str
+    status: str
+
+    def invented_tools(self) -> list[str]:
+        """Tools this row calls that the registry does not have (the corrupted-entry test)."""
+        names: list[str] = []
+        position = self.line.find(_TOOL_CALLS)
+        while position >= 0:
+            position += len(_TOOL_CALLS)
+            while call := _CALL_NAME.match(self.line, position):
+                raw = call.group(1)
+                name = json.loads(b'"' + raw + b'"') if b"\\" in raw else raw.decode("utf-8", "replace")
+                if name not in REGISTRY and name not in names:
+                    names.append(name)
+                position = call.end()
+            position = self.line.find(_TOOL_CALLS, position)
+        return names
+
+    def reasoning_counts(self) -> tuple[int, int]:
+        """(gpt turns with reasoning, gpt turns without)."""
+        turns = self.line.count(_GPT_TURN)
+        without = self.line.count(_GPT_TURN_WITHOUT_REASONING)
+        return turns - without, without
+
+    def tool_counts(self) -> list[tuple[str, int, int, int]]:
+        """(tool, count, success, failure) for every tool this row used."""
+        start = self.line.find(_TOOL_STATS_START)
+        if start < 0:
+            return []
+        end = self.line.find(_TOOL_STATS_END, start)
+        used = []
+        for entry in _USED_TOOL.finditer(self.line, start, end):
+            name_end = entry.start() - 3                     # '"name": {' -> the closing quote
+            name = self.line[self.line.rfind(b'"', start, name_end) + 1:name_end].decode()
+            used.append((name, int(entry.group(1)), int(entry.group(2)), int(entry.group(3))))
+        return used
+
+    def usage(self) -> dict:
+        start = self.line.rfind(_USAGE)     # near the end: the last top-level keys
+        if start < 0:
+            return {}
+        start += len(_USAGE) - 1
+        return json.loads(self.line[start:self.line.index(b"}", start) + 1])
+
+    def end_reason(self) -> str:
+        return _tail(self.line).group(1).decode()
+
+
+def _tail(line: bytes) -> re.Match | None:
+    return _END_REASON.search(line, max(0, len(line) - _TAIL_BYTES))
+
+
+def read_stored_row(line: bytes) -> StoredRow | None:
+    """The row on a complete line, or None for a line that is not one of ours (or is broken)."""
+    head = _HEAD.match(line)
+    if head is None or _tail(line) is None:   # not ours, or cut short by a crash
+        return None
+    if line.find(_HEAD_START, 1) >= 0:        # a fragment with the next row glued on
+        return None
+    kind = head.group(3)
+    if kind == b"failed":
+        status = FAILED
+    elif kind == b"discarded":
+        status = DISCARDED
+    else:
+        completed = _COMPLETED.search(line)
+        status = COMPLETED if completed and completed.group(1) == b"true" else PARTIAL
+    return StoredRow(line=line, prompt_index=int(head.group(1)), content_key=head.group(2).decode(), status=status)

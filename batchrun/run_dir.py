@@ -22,6 +22,7 @@ TRAJECTORIES = "trajectories.jsonl"
 CHECKPOINT = "checkpoint.json"
 STATISTICS = "statistics.json"
 LOCK = ".lock"
+MERGE_BUFFER_BYTES = 1 << 20
 
 
 class RunDirectoryError(Exception):
@@ -53,14 +54,6 @@ def complete_lines(path: Path) -> Iterator[bytes]:
         for line in handle:
             if line.endswith(b"\n"):
                 yield line
-
-
-def parse_row(line: bytes) -> dict | None:
-    try:
-        row = json.loads(line)
-    except ValueError:
-        return None
-    return row if isinstance(row, dict) and "prompt_index" in row else None
 
 
 @dataclass
@@ -125,19 +118,18 @@ class RunDirectory:
         result = ScanResult()
         for path in self.batch_files():
             for line in complete_lines(path):
-                row = parse_row(line)
-                if row is None or "content_key" not in row:
+                row = rows.read_stored_row(line)
+                if row is None:
                     result.unreadable_lines += 1
                     continue
-                status = rows.row_status(row)
-                result.rows_by_status[status] += 1
-                if status == rows.FAILED:
+                result.rows_by_status[row.status] += 1
+                if row.status == rows.FAILED:
                     continue
-                if status != rows.DISCARDED and rows.invented_tool_names(row):
+                if row.status != rows.DISCARDED and row.invented_tools():
                     result.corrupted_rows += 1
                     if rerun_corrupted:
                         continue
-                result.done_counts[row["content_key"]] += 1
+                result.done_counts[row.content_key] += 1
         return result
 
     # -- writing --------------------------------------------------------------------------------
@@ -188,24 +180,24 @@ class RunDirectory:
 
     # -- merge ----------------------------------------------------------------------------------
 
-    def merge(self, on_row: Callable[[dict], None], on_corrupted: Callable[[str, dict, list[str]], None]) -> int:
+    def merge(self, on_row: Callable[[rows.StoredRow], None],
+              on_corrupted: Callable[[str, rows.StoredRow, list[str]], None]) -> int:
         """Stream every batch file into trajectories.jsonl (atomically replaced). Trajectory rows
         that call no invented tool are kept; tombstones, failures, corrupted rows and broken lines
         are left out. Returns the number of batch files read."""
         self.close_batches()
         files = self.batch_files()
         temp = self.path / (TRAJECTORIES + ".tmp")
-        with temp.open("wb") as out:
+        with temp.open("wb", buffering=MERGE_BUFFER_BYTES) as out:
             for path in files:
                 for line in complete_lines(path):
-                    row = parse_row(line)
+                    row = rows.read_stored_row(line)
                     if row is None:
                         continue
-                    status = rows.row_status(row)
-                    if status in (rows.FAILED, rows.DISCARDED):
+                    if row.status in (rows.FAILED, rows.DISCARDED):
                         on_row(row)
                         continue
-                    invented = rows.invented_tool_names(row)
+                    invented = row.invented_tools()
                     if invented:
                         on_corrupted(path.name, row, invented)
                         continue

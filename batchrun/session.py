@@ -66,7 +66,7 @@ def _tool_calls_of(message: dict, turn_number: int) -> list[ToolCallRecord]:
         arguments = function.get("arguments")
         if not isinstance(arguments, str):   # a few servers send an object; the row wants text
             arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
-        calls.append(ToolCallRecord(id=call.get("id") or f"call_{turn_number}_{position}",
+        calls.append(ToolCallRecord(id=str(call.get("id") or f"call_{turn_number}_{position}"),
                                     name=str(function.get("name") or ""), arguments=arguments))
     return calls
 
@@ -106,8 +106,12 @@ class Session:
             error, error_type = str(exc), exc.error_type
         except EnvironmentSetupError as exc:
             error, error_type = f"environment: {exc}", "environment"
-        except asyncio.TimeoutError:   # keep what the paid-for turns produced, as a partial row
-            end_reason = "prompt_timeout"
+        except asyncio.TimeoutError:
+            if self.turns:    # keep what the paid-for turns produced, as a partial row
+                end_reason = "prompt_timeout"
+            else:
+                error = f"prompt time limit of {self.config.prompt_timeout:g}s reached before the first model reply"
+                error_type = "prompt_timeout"
         finally:
             if self.env is not None:
                 await self.env.close()

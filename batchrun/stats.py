@@ -62,30 +62,31 @@ class MergeStatistics:
     usage: dict = field(default_factory=_empty_usage)
     batch_files: int = 0
 
-    def on_row(self, row: dict) -> None:
+    def on_row(self, row: rows.StoredRow) -> None:
         """Called for every readable row that is not corrupted; merged rows are trajectory rows."""
-        _add_usage(self.usage, row.get("usage"))
-        status = rows.row_status(row)
-        if status == rows.DISCARDED:
+        _add_usage(self.usage, row.usage())
+        if row.status == rows.DISCARDED:
             self.discarded += 1
             return
-        if status == rows.FAILED:
+        if row.status == rows.FAILED:
             self.failure_rows += 1
             return
         self.merged += 1
-        self.merged_by_status[status] += 1
-        self.end_reasons[row.get("end_reason", "unknown")] += 1
-        for name, entry in (row.get("tool_stats") or {}).items():
-            if name in self.tool_counts:
-                for key in ("count", "success", "failure"):
-                    self.tool_counts[name][key] += entry.get(key, 0)
-        with_reasoning, without = rows.reasoning_counts(row)
+        self.merged_by_status[row.status] += 1
+        self.end_reasons[row.end_reason()] += 1
+        for name, count, success, failure in row.tool_counts():
+            entry = self.tool_counts.get(name)
+            if entry is not None:
+                entry["count"] += count
+                entry["success"] += success
+                entry["failure"] += failure
+        with_reasoning, without = row.reasoning_counts()
         self.turns_with_reasoning += with_reasoning
         self.turns_without_reasoning += without
 
-    def on_corrupted(self, batch_file: str, row: dict, invented: list[str]) -> None:
-        _add_usage(self.usage, row.get("usage"))
-        self.corrupted.append((batch_file, row.get("prompt_index", -1), invented))
+    def on_corrupted(self, batch_file: str, row: rows.StoredRow, invented: list[str]) -> None:
+        _add_usage(self.usage, row.usage())
+        self.corrupted.append((batch_file, row.prompt_index, invented))
 
     def tool_statistics(self) -> dict:
         table = {}

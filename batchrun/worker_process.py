@@ -28,11 +28,11 @@ SESSIONS_PER_CLIENT = 16
 
 def _finished(result: rows.SessionResult, config: RunConfig) -> Finished:
     batch_num = result.prompt_index // config.batch_size
-    row = rows.row_for(result, batch_num=batch_num, model=config.model,
-                       timestamp=datetime.now().isoformat(timespec="seconds"),
-                       discard_no_reasoning=config.discard_no_reasoning)
-    return Finished(prompt_index=result.prompt_index, batch_num=batch_num, status=rows.row_status(row),
-                    row=rows.encode_row(row), api_calls=result.api_calls, usage=result.usage.as_dict(),
+    line = rows.encode_finished(result, batch_num=batch_num, model=config.model,
+                                timestamp=datetime.now().isoformat(timespec="seconds"),
+                                discard_no_reasoning=config.discard_no_reasoning)
+    return Finished(prompt_index=result.prompt_index, batch_num=batch_num, status=rows.read_stored_row(line).status,
+                    row=line, api_calls=result.api_calls, usage=result.usage.as_dict(),
                     wall_time=result.wall_time, end_reason=result.end_reason, error=result.error,
                     error_type=result.error_type, prompt_preview=result.prompt[:config.log_prefix_chars])
 

@@ -36,7 +36,7 @@ class WorkerPool:
     """A fixed set of worker processes with a known number of free session slots each."""
 
     def __init__(self, config: RunConfig, env_settings: EnvironmentSettings, available_tools: frozenset[str]) -> None:
-        self.gate = RateGate()
+        self.gate = RateGate(config.requests_per_minute)
         count = process_count(config.num_workers)
         self._capacity = [config.num_workers // count + (1 if i < config.num_workers % count else 0)
                           for i in range(count)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pyarrow as pa
+import pytest
 import pyarrow.json as paj
 
 from conftest import batch_rows, endpoint_args, human_prompt, read_jsonl, run_cli, write_dataset
@@ -210,6 +211,18 @@ def test_provider_and_reasoning_flags_reach_the_request_body(tmp_path, endpoint)
     assert request["reasoning"] == {"effort": "high"} and request["max_tokens"] == 50
 
 
+def test_default_environment_is_the_bubblewrap_sandbox_when_it_works(tmp_path, endpoint):
+    from batchrun.environments.bubblewrap import bubblewrap_problem
+    if bubblewrap_problem():
+        pytest.skip(f"bubblewrap cannot sandbox here: {bubblewrap_problem()}")
+    result = run_prompts(tmp_path, endpoint, ['[[call terminal {"command": "pwd; touch made-here"}]] where am i'])
+    assert result.returncode == 0, result.stderr
+    assert "environment bubblewrap (isolated sandbox)" in result.stdout
+    [row] = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
+    assert '"output": "/workspace\\n"' in row["conversations"][3]["value"]
+    assert not (tmp_path / "made-here").exists()
+
+
 def test_secrets_never_reach_tools_or_outputs(tmp_path, endpoint):
     secret = "sk-test-SECRET-value-987654321"
     result = run_prompts(tmp_path, endpoint, ['[[call terminal {"command": "env; echo $OPENAI_API_KEY"}]] show env'],
@@ -221,8 +234,9 @@ def test_secrets_never_reach_tools_or_outputs(tmp_path, endpoint):
     assert "HOME=" in everything     # the command did run and print its environment
 
 
-def test_workers_run_commands_in_their_own_directory_not_the_users(tmp_path, endpoint):
-    result = run_prompts(tmp_path, endpoint, ['[[call terminal {"command": "pwd; touch made-here"}]] where am i'])
+def test_local_environment_runs_commands_in_a_fresh_directory_not_the_users(tmp_path, endpoint):
+    result = run_prompts(tmp_path, endpoint, ['[[call terminal {"command": "pwd; touch made-here"}]] where am i'],
+                         env={"TERMINAL_ENV": "local"})
     assert result.returncode == 0
     assert not (tmp_path / "made-here").exists()
     [row] = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")

@@ -9,6 +9,10 @@ from batchrun.environments.base import Environment, EnvironmentSettings
 # kind -> "module:Class". Imports are lazy so a backend's dependencies cost nothing unless it is used.
 ENVIRONMENT_KINDS: dict[str, str] = {
     "local": "batchrun.environments.local:LocalEnvironment",
+    "docker": "batchrun.environments.docker:DockerEnvironment",
+    "singularity": "batchrun.environments.singularity:SingularityEnvironment",
+    "apptainer": "batchrun.environments.singularity:ApptainerEnvironment",
+    "bubblewrap": "batchrun.environments.bubblewrap:BubblewrapEnvironment",
 }
 
 
@@ -19,6 +23,17 @@ def environment_class(kind: str) -> type[Environment]:
         raise ValueError(f"unknown environment kind {kind!r}; known kinds: {known}")
     module_name, _, class_name = target.partition(":")
     return getattr(importlib.import_module(module_name), class_name)
+
+
+def default_environment_kind() -> tuple[str, str]:
+    """(kind, why) for runs that leave TERMINAL_ENV unset: isolated where bubblewrap can sandbox here,
+    else local, with the reason, so the start-up summary can say what isolation the run gets."""
+    from batchrun.environments.bubblewrap import bubblewrap_problem   # runs bwrap once; only when asked
+
+    problem = bubblewrap_problem()
+    if problem is None:
+        return "bubblewrap", "isolated sandbox"
+    return "local", f"bubblewrap unavailable: {problem}"
 
 
 def create_environment(kind: str, settings: EnvironmentSettings, *, prompt_index: int,

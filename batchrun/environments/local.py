@@ -9,13 +9,8 @@ confined to the prompt's directory here.
 from __future__ import annotations
 
 import asyncio
-import codecs
-import contextlib
 import os
-import shutil
-import signal
 import stat
-import sys
 import tempfile
 from pathlib import Path
 
@@ -27,17 +22,11 @@ from batchrun.environments.base import (
     ToolError,
     scrubbed_environment,
 )
+from batchrun.environments.command_output import kill_group, run_merged
+from batchrun.environments.tree_removal import remove_tree
 
-_READ_CHUNK_BYTES = 65536
-# After bash exits, a background child that inherited stdout can keep the pipe open for ever; its
-# output is read for this long more, then the pipe is closed and the result returned without it.
-_EXIT_GRACE_SECONDS = 0.2
-# SIGKILL takes effect at once; this only bounds the wait should the kernel be slow to deliver it.
-_KILL_WAIT_SECONDS = 5.0
 # close() waits this long for killed commands, so asyncio reaps them while the loop still runs.
 _REAP_SECONDS = 2.0
-# Each rmtree pass can unlock one more level of directories a command made unreadable.
-_REMOVE_PASSES = 8
 
 
 class LocalEnvironment(Environment):
@@ -67,7 +56,7 @@ class LocalEnvironment(Environment):
             self.workdir = self._make_workdir(self.prompt_dir)
         except EnvironmentSetupError:
             # A failed start is not followed by close() (``async with`` skips __aexit__), so tidy up here.
-            _remove_tree(self.prompt_dir)
+            remove_tree(self.prompt_dir)
             raise
 
     def _make_workdir(self, prompt_dir: Path) -> Path:
@@ -84,46 +73,18 @@ class LocalEnvironment(Environment):
         return workdir
 
     async def run(self, command: str, timeout: float | None = None) -> CommandResult:
-        """Run ``bash -c command`` in its own process group; kill the whole group on time-out.
-
-        The output pipe is our own rather than ``stdout=PIPE``: on Python 3.11, Process.wait() waits
-        for asyncio's pipes to close too, which a background child holding stdout can postpone for
-        ever. Owning the read end also lets us close it once the command is done.
-        """
+        """Run ``bash -c command`` in its own process group; kill the whole group on time-out."""
         prompt_dir, workdir = self._require_started()
         limit = self.settings.command_timeout if timeout is None else timeout
-        read_fd, write_fd = os.pipe()
         try:
-            process = await asyncio.create_subprocess_exec(
-                "bash", "-c", command, cwd=workdir, env=scrubbed_environment(home=str(prompt_dir)),
-                stdin=asyncio.subprocess.DEVNULL, stdout=write_fd, stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True)
+            result = await run_merged(["bash", "-c", command], timeout=limit,
+                                      max_output_chars=self.settings.max_output_chars, cwd=workdir,
+                                      env=scrubbed_environment(home=str(prompt_dir)),
+                                      on_start=self._processes.append)
         except OSError as exc:
-            os.close(read_fd)
             return CommandResult(output="", exit_code=None, error=f"could not start bash: {exc}")
-        finally:
-            os.close(write_fd)
-        self._processes.append(process)
-        collector = _OutputCollector(self.settings.max_output_chars)
-        stream, transport = await _open_pipe_reader(read_fd)
-        reader = asyncio.create_task(_drain(stream, collector))
-        try:
-            exited = await _wait_for_exit(process, limit)
-            if not exited:
-                _kill_group(process.pid)
-                await _wait_for_exit(process, _KILL_WAIT_SECONDS)
-            await asyncio.wait({reader}, timeout=_EXIT_GRACE_SECONDS)
-        except asyncio.CancelledError:
-            _kill_group(process.pid)
-            raise
-        finally:
-            transport.close()   # ends the reader; a background child still writing gets EPIPE
-        await reader
         self._forget_finished_groups()
-        output, truncated = collector.finish()
-        if not exited:
-            return CommandResult(output=output, exit_code=None, timed_out=True, truncated=truncated)
-        return CommandResult(output=output, exit_code=process.returncode, truncated=truncated)
+        return result
 
     async def read_file(self, path: str) -> bytes:
         """The file's bytes; refuses escapes, directories, special files and files over the size limit."""
@@ -167,11 +128,11 @@ class LocalEnvironment(Environment):
             return
         self._closed = True
         for process in self._processes:
-            _kill_group(process.pid)
+            kill_group(process.pid)
         await _reap(self._processes)
         self._processes.clear()
         if self.prompt_dir is not None and not self.settings.keep_workdirs:
-            await asyncio.to_thread(_remove_tree, self.prompt_dir)
+            await asyncio.to_thread(remove_tree, self.prompt_dir)
 
     def _require_started(self) -> tuple[Path, Path]:
         """(prompt_dir, workdir); using an environment before start() or after close() is a bug."""
@@ -197,65 +158,6 @@ class LocalEnvironment(Environment):
         self._processes = [process for process in self._processes if _group_exists(process.pid)]
 
 
-class _OutputCollector:
-    """Keeps the first ``limit`` characters of a command's output and counts the rest.
-
-    Everything is still read and decoded, so the child never blocks on a full pipe, but only the
-    kept part is stored.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._parts: list[str] = []
-        self._kept = 0
-        self._dropped = 0
-
-    def feed(self, data: bytes, final: bool = False) -> None:
-        text = self._decoder.decode(data, final)
-        kept = text[:max(self._limit - self._kept, 0)]
-        if kept:
-            self._parts.append(kept)
-            self._kept += len(kept)
-        self._dropped += len(text) - len(kept)
-
-    def finish(self) -> tuple[str, bool]:
-        """(output, truncated); the output ends with a note when characters were dropped."""
-        self.feed(b"", final=True)
-        output = "".join(self._parts)
-        if self._dropped:
-            output += f"\n[output truncated: {self._dropped} more characters not shown]"
-        return output, bool(self._dropped)
-
-
-async def _drain(stream: asyncio.StreamReader, collector: _OutputCollector) -> None:
-    while chunk := await stream.read(_READ_CHUNK_BYTES):
-        collector.feed(chunk)
-
-
-async def _open_pipe_reader(read_fd: int) -> tuple[asyncio.StreamReader, asyncio.ReadTransport]:
-    """An asyncio stream over the read end of a pipe; closing the transport closes the descriptor."""
-    stream = asyncio.StreamReader()
-    transport, _ = await asyncio.get_running_loop().connect_read_pipe(
-        lambda: asyncio.StreamReaderProtocol(stream), os.fdopen(read_fd, "rb", buffering=0))
-    return stream, transport
-
-
-async def _wait_for_exit(process: asyncio.subprocess.Process, timeout: float) -> bool:
-    """True once bash has exited, False if it is still running after ``timeout`` seconds."""
-    try:
-        await asyncio.wait_for(process.wait(), timeout)
-    except asyncio.TimeoutError:    # not yet the built-in TimeoutError on Python 3.10
-        return False
-    return True
-
-
-def _kill_group(pgid: int) -> None:
-    """SIGKILL a process group; a group that is already gone is fine."""
-    with contextlib.suppress(OSError):
-        os.killpg(pgid, signal.SIGKILL)
-
-
 def _group_exists(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -277,27 +179,3 @@ async def _reap(processes: list[asyncio.subprocess.Process]) -> None:
 
 def _is_within(path: Path, root: Path) -> bool:
     return path == root or root in path.parents
-
-
-def _remove_tree(root: Path) -> None:
-    """Delete a prompt directory even where a command made parts of it read-only; never raises.
-
-    Read-only directories are common (Go's module cache under HOME, for one): each failure makes the
-    directories involved writable again, and the next pass removes what the previous could not.
-    """
-    top = os.fspath(root)
-
-    def loosen(_function: object, failed: str, _error: object) -> None:
-        for target in (os.path.dirname(failed), failed):
-            inside = target == top or target.startswith(top + os.sep)
-            if inside and not os.path.islink(target):
-                with contextlib.suppress(OSError):
-                    os.chmod(target, stat.S_IRWXU)
-
-    for _ in range(_REMOVE_PASSES):
-        if not os.path.lexists(top):
-            return
-        if sys.version_info >= (3, 12):
-            shutil.rmtree(top, onexc=loosen)
-        else:
-            shutil.rmtree(top, onerror=loosen)      # onexc does not exist before 3.12

@@ -1,0 +1,309 @@
+"""The bubblewrap backend: the local backend's per-prompt directory, seen from inside a sandbox.
+
+Commands run under bwrap and see the system read-only (/usr and the few /etc files programs need),
+the prompt's directory at /workspace as the only writable place that outlives the prompt, a private
+/tmp, no home directory, none of the user's environment, no capabilities, and, unless the run allows
+it, no network at all (not even the host's 127.0.0.1). The prompt's commands share one long-lived
+shell inside one sandbox, so a command costs what starting it costs (a few ms), not a new sandbox
+(about 10-30 ms more; benchmarks/environment_overhead.py measures both).
+
+The file tools act on the same directory from the host, with the local backend's confinement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import posixpath
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable
+
+from batchrun.environments.base import (
+    DEFAULT_PATH,
+    CommandResult,
+    EnvironmentSettings,
+    EnvironmentSetupError,
+    ToolError,
+    scrubbed_environment,
+)
+from batchrun.environments.command_output import OutputCollector, kill_group, wait_for_exit
+from batchrun.environments.local import LocalEnvironment
+
+#: Where the prompt's directory appears inside the sandbox; also the commands' HOME.
+MOUNT_POINT = "/workspace"
+# Top-level names that merged-/usr systems make symlinks into /usr (directories on older systems).
+_SYSTEM_LINKS = ("bin", "lib", "lib64", "sbin")
+# What of /etc programs need: the loader cache, alternatives, TLS roots, users and groups, the time
+# zone, localhost. Nothing else: /etc holds secrets (shadow, ssh keys, credentials of services).
+_ETC_ENTRIES = ("ld.so.cache", "alternatives", "ssl/certs", "ssl/openssl.cnf", "passwd", "group",
+                "nsswitch.conf", "localtime", "hosts")
+_NETWORK_ETC_ENTRIES = ("resolv.conf", "host.conf", "gai.conf")
+_STARTUP_SECONDS = 10.0
+# timeout(1) kills a command at its limit and the shell reports at once; a shell that stays silent
+# this much longer is stuck, and its sandbox is replaced.
+_SHELL_GRACE_SECONDS = 2.0
+_KILL_WAIT_SECONDS = 5.0
+_READ_CHUNK_BYTES = 65536
+# timeout -s KILL kills its own process group, itself included, so a time-out reads as this status.
+_KILLED_STATUS = 128 + signal.SIGKILL
+
+# The shell inside the sandbox: $1 is the working directory, $2 the token it prints when ready. It
+# reads one line per command, ``run MARKER SECONDS $'COMMAND'``, and answers with a MARKER line, the
+# command's merged output, then a line "MARKER STATUS" after a newline of its own. Its own stderr
+# (bash's "Killed" notes about timed-out commands) is not output of the command and goes nowhere.
+_SHELL = r"""
+workdir=$1
+exec 2>/dev/null
+run() {
+    printf '%s\n' "$1"
+    cd -- "$workdir" 2>&1 && timeout -s KILL "$2" bash -c "$3" </dev/null 2>&1
+    printf '\n%s %d\n' "$1" "$?"
+}
+printf '%s\n' "$2"
+while IFS= read -r line; do eval "$line"; done
+"""
+
+
+class BubblewrapEnvironment(LocalEnvironment):
+    """A LocalEnvironment whose commands run in a bwrap sandbox seeing only its directory."""
+
+    kind = "bubblewrap"
+
+    def __init__(self, settings: EnvironmentSettings, *, prompt_index: int,
+                 image: str | None = None, cwd: str | None = None) -> None:
+        # The row's cwd names a place inside the sandbox; the local backend takes it relative to the
+        # prompt directory, so /workspace/src must reach it as src.
+        inside = _under_mount(cwd) if cwd else None
+        super().__init__(settings, prompt_index=prompt_index, image=image,
+                         cwd=cwd if inside is None else inside)
+        self._shell: _Shell | None = None
+        self._lock = asyncio.Lock()     # one shell runs one command at a time
+
+    async def start(self) -> None:
+        """Create the prompt directory, then the sandbox and its shell around it."""
+        await super().start()
+        try:
+            self._shell = await self._launch()
+        except EnvironmentSetupError:
+            await self.close()   # a failed start is not followed by close()
+            raise
+
+    async def run(self, command: str, timeout: float | None = None) -> CommandResult:
+        """Send ``command`` to the sandbox's shell; a dead or stuck shell is replaced afterwards."""
+        self._require_started()
+        limit = self.settings.command_timeout if timeout is None else timeout
+        if "\0" in command:
+            return CommandResult(output="", exit_code=None, error="a command cannot contain a NUL byte")
+        async with self._lock:
+            if self._shell is None:
+                try:
+                    self._shell = await self._launch()
+                except EnvironmentSetupError as exc:
+                    return CommandResult(output="", exit_code=None, error=str(exc))
+            shell = self._shell
+            collector = OutputCollector(self.settings.max_output_chars)
+            started = time.monotonic()
+            try:
+                status = await asyncio.wait_for(shell.run(command, limit, collector.feed),
+                                                limit + _SHELL_GRACE_SECONDS)
+            except asyncio.TimeoutError:    # past timeout(1)'s kill: the shell itself is stuck
+                await self._discard_shell()
+                output, truncated = collector.finish()
+                return CommandResult(output=output, exit_code=None, timed_out=True, truncated=truncated)
+            except asyncio.CancelledError:
+                # Mid-command, the shell's next words belong to this command; close() reaps it.
+                self._shell = None
+                kill_group(shell.process.pid)
+                raise
+            output, truncated = collector.finish()
+            if status is None:
+                await self._discard_shell()
+                return CommandResult(output=output, exit_code=None, truncated=truncated,
+                                     error="the sandbox's shell died; the next command gets a new one "
+                                           f"(files in {MOUNT_POINT} are kept)")
+            if status == _KILLED_STATUS and time.monotonic() - started >= limit:
+                return CommandResult(output=output, exit_code=None, timed_out=True, truncated=truncated)
+            return CommandResult(output=output, exit_code=status, truncated=truncated)
+
+    def _resolve(self, path: str) -> Path:
+        """Relative paths as the local backend takes them; absolute ones only under MOUNT_POINT."""
+        if path.startswith("/"):
+            inside = _under_mount(path)
+            if inside is None:
+                raise ToolError(f"{path!r} is outside the working directory; the file tools only "
+                                f"reach files under {MOUNT_POINT}")
+            prompt_dir, _ = self._require_started()
+            path = str(prompt_dir / inside)     # '..' and symlinks are then judged on the host
+        return super()._resolve(path)
+
+    async def _launch(self) -> _Shell:
+        """Start bwrap with the shell inside and wait until the shell says it is ready."""
+        problem = await asyncio.to_thread(bubblewrap_problem)   # the first call starts a probe sandbox
+        if problem is not None:
+            raise EnvironmentSetupError(problem)
+        prompt_dir, workdir = self._require_started()
+        inside = posixpath.normpath(posixpath.join(MOUNT_POINT, os.path.relpath(workdir, prompt_dir)))
+        ready = secrets.token_hex(16)
+        argv = [*_sandbox_argv(self.settings.allow_network, workspace=prompt_dir),
+                "--", "bash", "--noprofile", "--norc", "-c", _SHELL, "batchrun-shell", inside, ready]
+        try:
+            # bwrap's own environment is the sandbox's too: inside, /proc/1/environ shows it.
+            process = await asyncio.create_subprocess_exec(
+                *argv, env=_sandbox_environment(), stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+        except OSError as exc:
+            raise EnvironmentSetupError(f"cannot start bubblewrap: {exc}") from exc
+        self._processes.append(process)     # LocalEnvironment.close() kills and reaps these
+        shell = _Shell(process)
+        said = bytearray()
+        try:
+            started = await asyncio.wait_for(shell.read_until(f"{ready}\n".encode(), said.extend),
+                                             _STARTUP_SECONDS)
+        except asyncio.TimeoutError:
+            started = False
+        if not started:
+            await self._stop(process)
+            message = said.decode("utf-8", errors="replace").strip() or "no message"
+            raise EnvironmentSetupError(f"the bubblewrap sandbox did not start: {message}")
+        return shell
+
+    async def _discard_shell(self) -> None:
+        shell, self._shell = self._shell, None
+        if shell is not None:
+            await self._stop(shell.process)
+
+    async def _stop(self, process: asyncio.subprocess.Process) -> None:
+        """Kill a sandbox: its bwrap dies, and with it (--die-with-parent) everything inside."""
+        kill_group(process.pid)
+        await wait_for_exit(process, _KILL_WAIT_SECONDS)
+        self._processes.remove(process)
+
+
+class _Shell:
+    """The shell in one sandbox, and a buffer over its output so markers may straddle reads."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        assert process.stdin is not None and process.stdout is not None   # started with pipes
+        self.process = process
+        self._stdin = process.stdin
+        self._stdout = process.stdout
+        self._buffer = bytearray()
+
+    async def run(self, command: str, limit: float, sink: Callable[[bytes], None]) -> int | None:
+        """Run one command, passing its output to ``sink``; its exit status, None if the shell died.
+
+        Each command has its own random marker, so late output of an earlier command's background
+        child, read before the marker, is dropped, and no output can pass for the end of a command.
+        """
+        marker = f"batchrun-{secrets.token_hex(16)}"
+        # "timeout 0" means no limit; a limit below a millisecond is still one.
+        line = f"run {marker} {max(limit, 0.001):.3f} {_bash_quoted(command)}\n"
+        try:
+            self._stdin.write(line.encode("ascii"))
+            await self._stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            return None
+        status = bytearray()
+        if (await self.read_until(f"{marker}\n".encode(), None)
+                and await self.read_until(f"\n{marker} ".encode(), sink)
+                and await self.read_until(b"\n", status.extend)):
+            return int(status)
+        return None
+
+    async def read_until(self, token: bytes, sink: Callable[[bytes], None] | None) -> bool:
+        """Pass what comes before ``token`` to ``sink`` (or drop it) and consume the token.
+
+        False at end of output: the shell is gone.
+        """
+        while (found := self._buffer.find(token)) < 0:
+            # Everything but a possible start of the token can go on at once, so a chatty command
+            # is streamed into the output cap instead of piling up here.
+            ready = max(len(self._buffer) - len(token) + 1, 0)
+            if sink is not None and ready:
+                sink(bytes(self._buffer[:ready]))
+            del self._buffer[:ready]
+            chunk = await self._stdout.read(_READ_CHUNK_BYTES)
+            if not chunk:
+                return False
+            self._buffer += chunk
+        if sink is not None:
+            sink(bytes(self._buffer[:found]))
+        del self._buffer[:found + len(token)]
+        return True
+
+
+@functools.cache
+def bubblewrap_problem() -> str | None:
+    """None when a bubblewrap sandbox can start here, else one line saying why not and what to do.
+
+    Installed is not enough (a container may forbid the namespaces bwrap needs), so this starts one
+    sandbox, once per process.
+    """
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return "bubblewrap is not installed (apt-get install bubblewrap)"
+    try:
+        probe = subprocess.run([*_sandbox_argv(allow_network=False, workspace=None), "--", "true"],
+                               env=_sandbox_environment(), capture_output=True, timeout=_STARTUP_SECONDS)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bubblewrap does not run here: {exc}"
+    if probe.returncode != 0:
+        said = probe.stderr.decode("utf-8", errors="replace").strip().splitlines()
+        reason = said[-1] if said else f"exit status {probe.returncode}"
+        return (f"bubblewrap cannot create a sandbox here ({reason}); it needs user namespaces: run as "
+                "root, or allow unprivileged ones (sysctl kernel.unprivileged_userns_clone=1; in a "
+                "container, a seccomp profile that permits them)")
+    return None
+
+
+def _sandbox_argv(allow_network: bool, workspace: Path | None) -> list[str]:
+    """bwrap and its options: the system read-only, ``workspace`` writable, nothing else of the host."""
+    argv = [shutil.which("bwrap") or "bwrap", "--die-with-parent", "--new-session", "--unshare-all"]
+    if allow_network:
+        argv.append("--share-net")
+    argv += ["--cap-drop", "ALL", "--ro-bind", "/usr", "/usr"]
+    for name in _SYSTEM_LINKS:
+        host = f"/{name}"
+        if os.path.islink(host):
+            argv += ["--symlink", os.readlink(host), host]
+        elif os.path.isdir(host):
+            argv += ["--ro-bind", host, host]
+    for name in _ETC_ENTRIES + (_NETWORK_ETC_ENTRIES if allow_network else ()):
+        argv += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+    argv += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]    # the sandbox's own
+    if workspace is not None:
+        argv += ["--bind", str(workspace), MOUNT_POINT]
+    # Last, as bwrap creates mount points in order: the root, a tmpfs holding them, read-only.
+    argv += ["--remount-ro", "/", "--clearenv"]
+    for name, value in _sandbox_environment().items():
+        argv += ["--setenv", name, value]
+    return argv
+
+
+def _sandbox_environment() -> dict[str, str]:
+    """The scrubbed environment with HOME at the workspace and a PATH of directories that exist inside."""
+    env = scrubbed_environment(home=MOUNT_POINT)
+    env["PATH"] = DEFAULT_PATH
+    return env
+
+
+def _under_mount(path: str) -> str | None:
+    """The rest of a path under MOUNT_POINT ('' for MOUNT_POINT itself); None for other paths."""
+    if path == MOUNT_POINT:
+        return ""
+    if path.startswith(MOUNT_POINT + "/"):
+        return path[len(MOUNT_POINT) + 1:]
+    return None
+
+
+def _bash_quoted(text: str) -> str:
+    """``text`` as one bash $'...' word on one line: commands may span lines, protocol lines not."""
+    data = text.encode("utf-8", "surrogateescape")
+    return "$'" + "".join(chr(byte) if 0x20 <= byte < 0x7f and byte not in b"'\\" else f"\\x{byte:02x}"
+                          for byte in data) + "'"

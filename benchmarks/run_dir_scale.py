@@ -1,0 +1,115 @@
+"""Resume-scan and merge at scale: a synthetic run directory of N rows (default 1,000,000).
+
+    python benchmarks/run_dir_scale.py --rows 1000000
+
+Rows are real rows (rendered by batchrun.rows from a session with two tool calls), varied per prompt;
+1% are failures, 1% tombstones, 0.5% name an invented tool. Each phase runs in a fresh process so its
+peak RSS is its own; prints rows/s and peak memory for the scan and for the merge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from batchrun import rows  # noqa: E402
+
+
+def sample_rows() -> dict[str, bytes]:
+    """One encoded row of each kind, with placeholders for what varies per prompt."""
+    def turn(calls: list[rows.ToolCallRecord], content: str = "") -> rows.AssistantTurn:
+        return rows.AssistantTurn(reasoning="Let me think about the next step carefully.", content=content,
+                                  tool_calls=calls)
+    result = rows.SessionResult(
+        prompt_index=123456789, content_key="KEY_PLACEHOLDER_0000000000000000", prompt="PROMPT_PLACEHOLDER",
+        toolsets=["terminal", "file"], offered_tools=["terminal", "read_file", "write_file", "patch", "search_files"],
+        turns=[turn([rows.ToolCallRecord("call_0", "terminal", '{"command": "ls -la"}',
+                                         '{"output": "total 0\\nfile.txt\\n", "exit_code": 0, "error": null}')]),
+               turn([rows.ToolCallRecord("call_1", "read_file", '{"path": "file.txt"}',
+                                         '{"path": "file.txt", "content": "hello", "total_lines": 1}')]),
+               turn([], "Here is the answer to your question.")],
+        api_calls=3, usage=rows.Usage(300, 60, 15, 30, 0.003), wall_time=2.5, end_reason="final_answer")
+    invented = rows.SessionResult(**{**result.__dict__, "turns": [
+        turn([rows.ToolCallRecord("call_0", "made_up_tool", "{}", '{"error": "unknown tool"}')]), turn([], "ok")]})
+    failed = rows.SessionResult(**{**result.__dict__, "turns": [], "end_reason": "error",
+                                   "error": "HTTP 400: bad request", "error_type": "http_400"})
+    kinds = {"ok": rows.trajectory_row(result, batch_num=0, model="m", timestamp="2026-11-30T00:00:00"),
+             "invented": rows.trajectory_row(invented, batch_num=0, model="m", timestamp="2026-11-30T00:00:00"),
+             "failed": rows.failure_row(failed), "discarded": rows.tombstone_row(result)}
+    return {name: rows.encode_row(row) for name, row in kinds.items()}
+
+
+def generate(run_dir: Path, count: int, batch_size: int) -> None:
+    templates = sample_rows()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handles: dict[int, object] = {}
+    for index in range(count):
+        kind = ("failed" if index % 100 == 1 else "discarded" if index % 100 == 2
+                else "invented" if index % 200 == 3 else "ok")
+        line = (templates[kind].replace(b"123456789", str(index).encode())
+                .replace(b"KEY_PLACEHOLDER_0000000000000000", f"{index:032x}".encode())
+                .replace(b"PROMPT_PLACEHOLDER", f"synthetic prompt number {index}".encode()))
+        batch = index // batch_size
+        if batch not in handles:
+            for old in handles.values():
+                old.close()
+            handles = {batch: (run_dir / f"batch_{batch}.jsonl").open("wb")}
+        handles[batch].write(line)
+    for handle in handles.values():
+        handle.close()
+
+
+def measure(phase: str, run_dir: Path) -> None:
+    """Runs inside a fresh process: one phase, then prints a JSON line of figures."""
+    from batchrun.run_dir import RunDirectory
+    from batchrun.stats import MergeStatistics
+
+    directory = RunDirectory(run_dir)
+    started = time.perf_counter()
+    if phase == "scan":
+        result = directory.scan(rerun_corrupted=False)
+        count = sum(result.rows_by_status.values())
+    else:
+        merge = MergeStatistics()
+        directory.merge(merge.on_row, merge.on_corrupted)
+        count = merge.merged + merge.discarded + merge.failure_rows + len(merge.corrupted)
+    elapsed = time.perf_counter() - started
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"phase": phase, "rows": count, "seconds": elapsed, "peak_mb": peak_mb}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--batch-size", type=int, default=1000)
+    parser.add_argument("--measure", choices=["scan", "merge"], help=argparse.SUPPRESS)
+    parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.measure:
+        measure(args.measure, args.dir)
+        return
+    with tempfile.TemporaryDirectory(prefix="br-scale-") as work:
+        run_dir = Path(work) / "run"
+        started = time.perf_counter()
+        generate(run_dir, args.rows, args.batch_size)
+        size_gb = sum(p.stat().st_size for p in run_dir.iterdir()) / 1e9
+        print(f"generated {args.rows:,} rows ({size_gb:.2f} GB) in {time.perf_counter() - started:.1f}s")
+        for phase in ("scan", "merge"):
+            output = subprocess.run([sys.executable, __file__, "--measure", phase, "--dir", str(run_dir)],
+                                    capture_output=True, text=True, check=True).stdout
+            figures = json.loads(output)
+            print(f"{phase:>5}: {figures['rows'] / figures['seconds']:>9,.0f} rows/s  "
+                  f"({figures['rows']:,} rows in {figures['seconds']:.1f}s, peak RSS {figures['peak_mb']:.0f} MB)")
+
+
+if __name__ == "__main__":
+    main()

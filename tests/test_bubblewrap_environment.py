@@ -1,0 +1,313 @@
+"""The bubblewrap environment with real sandboxes: isolation, the long-lived shell, the file tools."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.server
+import secrets
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import AsyncIterator, Iterator
+
+import pytest
+
+from batchrun.environments import create_environment, default_environment_kind
+from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError, ToolError
+from batchrun.environments.bubblewrap import BubblewrapEnvironment, bubblewrap_problem
+from batchrun.tools import ToolContext
+from batchrun.tools.files import search_files, write_file
+from batchrun.tools.terminal import terminal
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
+                                reason="bubblewrap is not installed (apt-get install bubblewrap; CI installs it)")
+
+SECRETS = {"OPENAI_API_KEY": "sk-test-openai-0123456789", "OPENROUTER_API_KEY": "sk-or-test-0123456789",
+           "AWS_SECRET_ACCESS_KEY": "aws-test-secret-0123456789", "GITHUB_TOKEN": "ghp_test0123456789"}
+
+
+def make_settings(tmp_path: Path, **overrides: object) -> EnvironmentSettings:
+    return EnvironmentSettings(work_root=tmp_path / "work", run_label="test", **overrides)
+
+
+@contextlib.asynccontextmanager
+async def sandbox(settings: EnvironmentSettings, cwd: str | None = None,
+                  prompt_index: int = 0) -> AsyncIterator[BubblewrapEnvironment]:
+    env = BubblewrapEnvironment(settings, prompt_index=prompt_index, cwd=cwd)
+    await env.start()
+    try:
+        yield env
+    finally:
+        await env.close()
+
+
+def run_commands(settings: EnvironmentSettings, *commands: str, timeout: float | None = None,
+                 cwd: str | None = None) -> list:
+    async def scenario():
+        async with sandbox(settings, cwd) as env:
+            return [await env.run(command, timeout=timeout) for command in commands]
+    return asyncio.run(scenario())
+
+
+@pytest.fixture
+def host_server() -> Iterator[int]:
+    """An HTTP server on the host's 127.0.0.1; yields its port."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def http_get(port: int) -> str:
+    """A request with bash's own /dev/tcp, so the test needs no curl or python inside the sandbox."""
+    return (f"exec 3<>/dev/tcp/127.0.0.1/{port} && printf 'GET / HTTP/1.0\\r\\n\\r\\n' >&3 "
+            "&& head -n 1 <&3")
+
+
+def wait_for_count(argument: str, count: int, seconds: float = 3.0) -> list[int]:
+    """The host processes with ``argument``, once there are ``count`` of them (or time is up)."""
+    deadline = time.monotonic() + seconds
+    while len(pids := host_processes_with(argument)) != count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return pids
+
+
+def host_processes_with(argument: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if argument.encode() in (entry / "cmdline").read_bytes().split(b"\0"):
+                    pids.append(int(entry.name))
+    return pids
+
+
+# --- availability -------------------------------------------------------------------------------
+
+def test_bubblewrap_is_usable_here_and_the_default_kind(tmp_path):
+    assert bubblewrap_problem() is None
+    assert default_environment_kind() == ("bubblewrap", "isolated sandbox")
+    env = create_environment("bubblewrap", make_settings(tmp_path), prompt_index=0)
+    assert isinstance(env, BubblewrapEnvironment) and env.kind == "bubblewrap"
+
+
+# --- isolation ----------------------------------------------------------------------------------
+
+def test_commands_cannot_write_outside_the_workspace(tmp_path):
+    name = f"batchrun-sandbox-{secrets.token_hex(8)}"
+    result, = run_commands(make_settings(tmp_path),
+                           f"for dir in /usr /etc / /bin; do touch $dir/{name} 2>/dev/null && echo wrote $dir; done; "
+                           f"echo inside > /tmp/{name} && cat /tmp/{name}")
+    assert result.output == "inside\n"
+    assert not Path(f"/tmp/{name}").exists()
+    assert not any(Path(place, name).exists() for place in ("/usr", "/etc", "/", "/usr/bin"))
+
+
+def test_commands_cannot_read_host_files_outside_what_is_bound(tmp_path, monkeypatch):
+    users_dir = tmp_path / "users-project"
+    users_dir.mkdir()
+    (users_dir / "notes.txt").write_text("private notes")
+    monkeypatch.chdir(users_dir)
+    result, = run_commands(make_settings(tmp_path),
+                           f"cat /etc/shadow /root/.bashrc {users_dir}/notes.txt; ls /root /home; "
+                           f"ls -A /; ls -A /etc")
+    assert "private notes" not in result.output
+    assert "root:" not in result.output         # /etc/shadow's first line
+    listing = result.output.splitlines()
+    assert "root" not in listing and "home" not in listing and "shadow" not in listing
+    assert "workspace" in listing and "usr" in listing
+
+
+def test_the_users_secrets_are_not_in_the_sandbox(tmp_path, monkeypatch):
+    for name, value in SECRETS.items():
+        monkeypatch.setenv(name, value)
+    result, = run_commands(make_settings(tmp_path),
+                           "env; for f in /proc/[0-9]*/environ /proc/[0-9]*/cmdline; do tr '\\0' '\\n' < $f; done")
+    assert "HOME=/workspace" in result.output
+    for value in SECRETS.values():
+        assert value not in result.output
+
+
+def test_no_network_not_even_the_hosts_loopback(tmp_path, host_server):
+    result, = run_commands(make_settings(tmp_path), http_get(host_server))
+    assert result.exit_code != 0 and "200" not in result.output
+
+
+def test_network_allowed_reaches_the_hosts_loopback(tmp_path, host_server):
+    result, = run_commands(make_settings(tmp_path, allow_network=True), http_get(host_server))
+    assert result.exit_code == 0 and "200 OK" in result.output
+
+
+def test_state_does_not_leak_between_prompts(tmp_path):
+    async def scenario():
+        settings = make_settings(tmp_path)
+        async with sandbox(settings, prompt_index=1) as first, sandbox(settings, prompt_index=2) as second:
+            await first.run("echo first-prompt > /tmp/mark; echo first-prompt > /workspace/mark; "
+                            "sleep 54321.5 &")
+            return await second.run("cat /tmp/mark /workspace/mark; ps -e -o args 2>/dev/null "
+                                    "|| cat /proc/[0-9]*/cmdline")
+    result = asyncio.run(scenario())
+    assert "first-prompt" not in result.output and "54321.5" not in result.output
+
+
+def test_close_kills_everything_in_the_sandbox_and_removes_the_directory(tmp_path):
+    argument = f"{secrets.randbelow(10**6) + 10**6}.5"
+
+    async def scenario():
+        env = BubblewrapEnvironment(make_settings(tmp_path), prompt_index=0)
+        await env.start()
+        await env.run(f"setsid sleep {argument} >/dev/null 2>&1 & nohup sleep {argument} >/dev/null 2>&1 &")
+        assert len(wait_for_count(argument, 2)) == 2
+        await env.close()
+        await env.close()   # idempotent
+        return env
+    env = asyncio.run(scenario())
+    assert wait_for_count(argument, 0) == []
+    assert not env.prompt_dir.exists()
+
+
+# --- the shell ----------------------------------------------------------------------------------
+
+def test_output_exit_codes_and_multi_line_commands(tmp_path):
+    results = run_commands(make_settings(tmp_path), "printf 'no newline'", "exit 3",
+                           "echo 'it'\"'\"'s' \\\\ $'\\t'x\necho second line >&2", "printf 'caf\\xc3\\xa9 \\xff'",
+                           "echo 'naïve — 日本'")
+    assert (results[0].output, results[0].exit_code) == ("no newline", 0)
+    assert (results[1].output, results[1].exit_code) == ("", 3)
+    assert results[2].output == "it's \\ \tx\nsecond line\n"
+    assert results[3].output == "café \ufffd"
+    assert results[4].output == "naïve — 日本\n"
+
+
+def test_output_over_the_cap_is_cut_with_a_note(tmp_path):
+    result, = run_commands(make_settings(tmp_path, max_output_chars=100), "yes | head -c 100000")
+    assert result.truncated and result.exit_code == 0
+    assert result.output.startswith("y\n" * 50)
+    assert result.output.endswith("[output truncated: 99900 more characters not shown]")
+
+
+def test_commands_start_in_the_working_directory_without_carry_over(tmp_path):
+    results = run_commands(make_settings(tmp_path), "cd /tmp && export X=1 && pwd", "pwd; echo ${X:-unset}")
+    assert results[0].output == "/tmp\n"
+    assert results[1].output == "/workspace\nunset\n"
+
+
+@pytest.mark.parametrize("cwd", ["/workspace/repo/src", "repo/src"])
+def test_rows_cwd_is_honoured_inside_the_workspace(tmp_path, cwd):
+    async def scenario():
+        async with sandbox(make_settings(tmp_path), cwd=cwd) as env:
+            result = await env.run("pwd; echo made > here.txt")
+            return result, (env.prompt_dir / "repo" / "src" / "here.txt").read_text()
+    result, written = asyncio.run(scenario())
+    assert result.output == "/workspace/repo/src\n" and written == "made\n"
+
+
+def test_rows_cwd_escaping_the_workspace_fails_setup_and_leaves_nothing(tmp_path):
+    env = BubblewrapEnvironment(make_settings(tmp_path), prompt_index=0, cwd="/workspace/../elsewhere")
+    with pytest.raises(EnvironmentSetupError, match="outside"):
+        asyncio.run(env.start())
+    assert list((tmp_path / "work").iterdir()) == []
+
+
+def test_time_out_kills_the_command_and_its_background_child_and_the_next_command_works(tmp_path):
+    started = time.monotonic()
+    results = run_commands(make_settings(tmp_path, command_timeout=1),
+                           "sleep 1000 & echo $! > /tmp/child; echo started; sleep 30",
+                           "kill -0 $(cat /tmp/child) && echo alive || echo gone")
+    assert results[0].timed_out and results[0].exit_code is None and results[0].output == "started\n"
+    assert results[1].output.endswith("gone\n") and not results[1].timed_out
+    assert time.monotonic() - started < 10
+
+
+def test_a_command_that_exits_with_the_killed_status_early_is_not_a_time_out(tmp_path):
+    result, = run_commands(make_settings(tmp_path), "kill -9 $$")
+    assert (result.exit_code, result.timed_out) == (137, False)
+
+
+def test_background_child_does_not_hang_the_call_and_late_output_is_dropped(tmp_path):
+    async def scenario():
+        async with sandbox(make_settings(tmp_path)) as env:
+            started = time.monotonic()
+            first = await env.run("(sleep 0.3; echo late) & echo now")
+            elapsed = time.monotonic() - started
+            await asyncio.sleep(1)
+            return first, elapsed, await env.run("echo next")
+    first, elapsed, second = asyncio.run(scenario())
+    assert first.output == "now\n" and elapsed < 0.3
+    assert second.output == "next\n"
+
+
+def test_a_dead_shell_is_replaced_and_the_workspace_kept(tmp_path):
+    results = run_commands(make_settings(tmp_path), "echo kept > file", "kill -9 -1", "cat file")
+    assert results[1].error and "died" in results[1].error
+    assert (results[2].output, results[2].exit_code) == ("kept\n", 0)
+
+
+def test_a_stuck_shell_is_replaced_after_the_deadline(tmp_path):
+    # Stops the sandbox's shell itself (the parent of timeout, whose child this bash is).
+    stop_shell = "read -r -a stat < /proc/$PPID/stat; kill -STOP ${stat[3]}"
+    started = time.monotonic()
+    results = run_commands(make_settings(tmp_path), stop_shell, "echo fresh", timeout=1)
+    assert results[0].timed_out
+    assert results[1].output == "fresh\n"
+    assert time.monotonic() - started < 10
+
+
+def test_many_commands_in_a_row(tmp_path):
+    async def scenario():
+        async with sandbox(make_settings(tmp_path)) as env:
+            return [await env.run(f"echo {number}") for number in range(200)]
+    results = asyncio.run(scenario())
+    assert [result.output for result in results] == [f"{number}\n" for number in range(200)]
+
+
+def test_a_nul_byte_in_a_command_is_an_error(tmp_path):
+    result, = run_commands(make_settings(tmp_path), "echo a\0b")
+    assert result.error and "NUL" in result.error
+
+
+def test_terminal_tool_time_out_is_an_error(tmp_path):
+    async def scenario():
+        async with sandbox(make_settings(tmp_path)) as env:
+            return await terminal({"command": "echo partial; sleep 30", "timeout": 1},
+                                  ToolContext(env=env, settings=env.settings))
+    result = asyncio.run(scenario())
+    assert result["output"] == "partial\n" and result["exit_code"] is None
+    assert "timed out after 1s" in result["error"]
+
+
+# --- files --------------------------------------------------------------------------------------
+
+def test_files_written_inside_are_readable_by_the_file_tools_and_back(tmp_path):
+    async def scenario():
+        async with sandbox(make_settings(tmp_path), cwd="/workspace/repo") as env:
+            await env.run("echo from-command > made.txt")
+            read_relative = await env.read_file("made.txt")
+            read_absolute = await env.read_file("/workspace/repo/made.txt")
+            written = await env.write_file("sub/new.txt", b"from-tool\n")
+            seen = await env.run("cat /workspace/repo/sub/new.txt")
+            ctx = ToolContext(env=env, settings=env.settings)
+            await write_file({"path": "notes.md", "content": "needle here\n"}, ctx)
+            found = await search_files({"pattern": "needle"}, ctx)
+            return read_relative, read_absolute, written, seen.output, found
+    read_relative, read_absolute, written, seen, found = asyncio.run(scenario())
+    assert read_relative == read_absolute == b"from-command\n"
+    assert written == "sub/new.txt" and seen == "from-tool\n"
+    assert found["matches"] == [{"path": "notes.md", "line": 1, "text": "needle here"}]
+
+
+@pytest.mark.parametrize("path", ["/etc/passwd", "/workspace/../etc/passwd", "/workspacex/a", "../../x",
+                                  "escape/passwd"])
+def test_file_tools_cannot_escape_the_workspace(tmp_path, path):
+    async def scenario():
+        async with sandbox(make_settings(tmp_path)) as env:
+            await env.run("mkdir escape && ln -s /etc/passwd escape/passwd && ln -s / root-link")
+            with pytest.raises(ToolError, match="outside the working directory"):
+                await env.read_file(path)
+            with pytest.raises(ToolError, match="outside the working directory"):
+                await env.write_file(path, b"x")
+    asyncio.run(scenario())

@@ -1,0 +1,652 @@
+"""The row format (SPEC §6, §7, §9, §10): reasoning capture, the tool success rule, the resume content key,
+the Hermes ShareGPT rendering, which kind of row a finished session becomes, and the byte-level reader
+that resume and merge use instead of parsing every row."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+
+from batchrun.rows import (AssistantTurn, SessionResult, ToolCallRecord, Usage, content_key, encode_finished,
+                           read_stored_row, split_reasoning, tool_result_failed, trajectory_row)
+from model_tools import REGISTRY, TOOL_NAMES
+
+EMPTY_THINK = "<think>\n\n</think>\n"
+TIMESTAMP = "2026-01-15T10:30:00"
+
+
+# --- building sessions and rows -----------------------------------------------------------------------
+
+def call(name: str, arguments: str = "{}", result: str | None = '{"ok": true}', id: str | None = None) -> ToolCallRecord:
+    return ToolCallRecord(id=id or f"call_{name}", name=name, arguments=arguments, result=result)
+
+
+def session(turns: list[AssistantTurn] | None = None, *, end_reason: str = "final_answer", prompt: str = "Do it.",
+            offered: list[str] | None = None, prompt_index: int = 0, usage: Usage | None = None,
+            error: str | None = None, error_type: str | None = None, api_calls: int | None = None,
+            wall_time: float = 1.25) -> SessionResult:
+    turns = [AssistantTurn("thinking", "Done.")] if turns is None else turns
+    return SessionResult(prompt_index=prompt_index, content_key=content_key(prompt, None, None), prompt=prompt,
+                         toolsets=["terminal", "file"],
+                         offered_tools=["terminal", "read_file"] if offered is None else offered,
+                         turns=turns, api_calls=len(turns) if api_calls is None else api_calls,
+                         usage=usage or Usage(), wall_time=wall_time, end_reason=end_reason,
+                         error=error, error_type=error_type)
+
+
+def row_of(result: SessionResult) -> dict:
+    return trajectory_row(result, batch_num=4, model="test/model", timestamp=TIMESTAMP)
+
+
+def encode(result: SessionResult, *, discard_no_reasoning: bool = False) -> bytes:
+    return encode_finished(result, batch_num=4, model="test/model", timestamp=TIMESTAMP,
+                           discard_no_reasoning=discard_no_reasoning)
+
+
+def turns_from(row: dict, speaker: str) -> list[dict]:
+    return [turn for turn in row["conversations"] if turn["from"] == speaker]
+
+
+def tagged_payloads(text: str, tag: str) -> list:
+    return [json.loads(payload) for payload in re.findall(rf"<{tag}>\n(.*?)\n</{tag}>", text, re.DOTALL)]
+
+
+# --- split_reasoning --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("message, reasoning, visible", [
+    ({"content": "Answer.", "reasoning": "I thought."}, "I thought.", "Answer."),
+    ({"content": "Answer.", "reasoning_content": "I thought."}, "I thought.", "Answer."),
+    ({"content": "Answer.", "reasoning": "  ", "reasoning_content": "I thought."}, "I thought.", "Answer."),
+    ({"content": "Answer.", "reasoning_details": [{"type": "reasoning.text", "text": "Step one."},
+                                                  {"type": "reasoning.text", "text": "Step two."}]},
+     "Step one.\nStep two.", "Answer."),
+    ({"content": "Answer.", "reasoning_details": [{"type": "reasoning.summary", "summary": "In short."}]},
+     "In short.", "Answer."),
+    ({"content": "Answer.", "reasoning_details": [{"type": "reasoning.encrypted", "data": "b64=="},
+                                                  {"type": "reasoning.text", "text": "Readable."}]},
+     "Readable.", "Answer."),
+    ({"content": "<think>I thought.</think>Answer."}, "I thought.", "Answer."),
+    ({"content": "<think>\nI thought.\n</think>\n\nAnswer."}, "I thought.", "Answer."),
+    ({"content": "<REASONING_SCRATCHPAD>I thought.</REASONING_SCRATCHPAD>Answer."}, "I thought.", "Answer."),
+    ({"content": "<think>half a thought, then the reply was cut"}, "half a thought, then the reply was cut", ""),
+    ({"content": "I thought.", "reasoning": "I thought."}, "I thought.", "I thought."),
+    ({"content": "Just an answer."}, "", "Just an answer."),
+    ({"content": None}, "", ""),
+    ({"content": None, "reasoning": "Only thoughts."}, "Only thoughts.", ""),
+    ({}, "", ""),
+], ids=["reasoning", "reasoning_content", "blank_reasoning_falls_back_to_reasoning_content",
+        "reasoning_details_text", "reasoning_details_summary", "reasoning_details_skips_encrypted",
+        "think_tag", "think_tag_with_newlines", "reasoning_scratchpad_tag", "unclosed_think_of_truncated_reply",
+        "content_equal_to_reasoning_is_kept", "no_reasoning", "content_none", "content_none_with_reasoning",
+        "empty_message"])
+def test_split_reasoning_reads_every_form_endpoints_use(message, reasoning, visible):
+    assert split_reasoning(message) == (reasoning, visible)
+
+
+@pytest.mark.parametrize("message", [
+    {"content": "Answer.", "reasoning": " \n\t "},
+    {"content": "Answer.", "reasoning_content": "\n"},
+    {"content": "Answer.", "reasoning_details": [{"type": "reasoning.text", "text": "  "}]},
+    {"content": "Answer.", "reasoning_details": [{"type": "reasoning.summary", "summary": "\n\n"}]},
+    {"content": "<think>  \n </think>Answer."},
+    {"content": "<REASONING_SCRATCHPAD>\n</REASONING_SCRATCHPAD>Answer."},
+], ids=["reasoning", "reasoning_content", "details_text", "details_summary", "think_tag", "scratchpad_tag"])
+def test_split_reasoning_counts_whitespace_only_reasoning_as_none(message):
+    assert split_reasoning(message) == ("", "Answer.")
+
+
+def test_split_reasoning_takes_an_inline_think_block_out_of_the_visible_text_wherever_it_sits():
+    reasoning, visible = split_reasoning({"content": "Before. <think>hidden</think> After."})
+    assert reasoning == "hidden"
+    assert "hidden" not in visible and "<think>" not in visible and "</think>" not in visible
+    assert visible.startswith("Before.") and visible.endswith("After.")
+
+
+def test_split_reasoning_does_not_repeat_an_inline_block_that_the_structured_field_already_gave():
+    assert split_reasoning({"reasoning": "Same.", "content": "<think>Same.</think>Answer."}) == ("Same.", "Answer.")
+
+
+def test_split_reasoning_keeps_both_structured_and_different_inline_reasoning():
+    reasoning, visible = split_reasoning({"reasoning": "Structured.", "content": "<think>Inline.</think>Answer."})
+    assert "Structured." in reasoning and "Inline." in reasoning
+    assert visible == "Answer."
+
+
+# --- the success rule (SPEC §7) ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("result, failed", [
+    ('{"error": "file not found"}', True),
+    ('{"error": ""}', True),
+    ('{"error": null, "output": "fine"}', False),
+    ('{"success": false}', True),
+    ('{"success": true}', False),
+    ('{"content": {"error": "nested failure"}}', True),
+    ('{"content": {"error": null}}', False),
+    ('{"content": "text that mentions an error"}', False),
+    ('{"exit_code": 2, "error": null}', False),
+    ('{"exit_code": 1, "output": "grep found nothing"}', False),
+    ("", True),
+    ("   \n", True),
+    ("Error: x", True),
+    ("error: x", True),
+    ("ERROR: x", True),
+    ("  Error: leading spaces", True),
+    ("Some output text", False),
+    ("An Error: in the middle is fine", False),
+    ("Errors: none", False),
+    ("[1, 2, 3]", False),
+    ('[{"error": "inside a list"}]', False),
+    ("42", False),
+], ids=lambda value: repr(value) if isinstance(value, str) else str(value))
+def test_tool_result_success_rule(result, failed):
+    assert tool_result_failed(result) is failed
+
+
+# --- the resume content key -------------------------------------------------------------------------
+
+def test_content_key_is_stable_for_the_same_prompt_image_and_cwd():
+    assert content_key("Write a function", "python:3.11", "/src") == content_key("Write a function", "python:3.11", "/src")
+
+
+def test_content_key_is_32_lowercase_hex_characters():
+    assert re.fullmatch(r"[0-9a-f]{32}", content_key("Write a function", None, None))
+
+
+@pytest.mark.parametrize("other", [
+    ("Write a function!", "python:3.11", "/src"),
+    ("Write a function", "python:3.12", "/src"),
+    ("Write a function", "python:3.11", "/src2"),
+    ("Write a function", None, "/src"),
+    ("Write a function", "python:3.11", None),
+    ("Write a function", "/src", "python:3.11"),
+], ids=["prompt", "image", "cwd", "no_image", "no_cwd", "image_and_cwd_swapped"])
+def test_content_key_differs_when_prompt_image_or_cwd_differs(other):
+    assert content_key(*other) != content_key("Write a function", "python:3.11", "/src")
+
+
+def test_content_key_tells_no_image_from_an_empty_image():
+    assert content_key("p", None, None) != content_key("p", "", None)
+
+
+@pytest.mark.parametrize("prompt", ["ünïcødé 中文 🙂", "lone \udc80 surrogate", "\ud800", "\x00 nul"],
+                         ids=["non_ascii", "lone_low_surrogate", "lone_high_surrogate", "nul"])
+def test_content_key_handles_any_text_without_raising(prompt):
+    key = content_key(prompt, prompt, prompt)
+    assert re.fullmatch(r"[0-9a-f]{32}", key)
+    assert key == content_key(prompt, prompt, prompt)
+
+
+def test_content_key_tells_different_lone_surrogates_apart():
+    assert content_key("\udc80", None, None) != content_key("\udc81", None, None)
+
+
+# --- rendering: the system and human turns ----------------------------------------------------------
+
+def offered_signatures(system_value: str) -> list[dict]:
+    match = re.search(r"<tools>\n(.*)\n</tools>", system_value, re.DOTALL)
+    assert match, "the system turn has no <tools></tools> block"
+    return json.loads(match.group(1))
+
+
+@pytest.mark.parametrize("offered", [["terminal", "read_file"], ["web_search"], list(TOOL_NAMES), []],
+                         ids=["two", "one", "all", "none"])
+def test_system_turn_lists_exactly_the_offered_tools_inside_tools_tags(offered):
+    system = row_of(session(offered=offered))["conversations"][0]
+    assert system["from"] == "system"
+    assert offered_signatures(system["value"]) == [REGISTRY[name].schema for name in offered]
+
+
+def test_system_turn_explains_the_tool_call_and_tool_response_format():
+    value = row_of(session())["conversations"][0]["value"]
+    for words in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", '"name"', '"arguments"'):
+        assert words in value
+
+
+def test_human_turn_is_the_prompt_and_follows_the_system_turn():
+    conversations = row_of(session(prompt="Write a function\nthat adds."))["conversations"]
+    assert [turn["from"] for turn in conversations[:2]] == ["system", "human"]
+    assert conversations[1]["value"] == "Write a function\nthat adds."
+
+
+# --- rendering: gpt turns -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("turn, value", [
+    (AssistantTurn("I thought.", "Here it is."), "<think>\nI thought.\n</think>\nHere it is."),
+    (AssistantTurn("", "Here it is."), "<think>\n\n</think>\nHere it is."),
+    (AssistantTurn("", ""), "<think>\n\n</think>\n"),
+    (AssistantTurn("I thought.", "I'll look.", [call("terminal", '{"command": "ls"}', id="call_1")]),
+     '<think>\nI thought.\n</think>\nI\'ll look.\n<tool_call>\n{"name": "terminal", "arguments": {"command": "ls"}}\n</tool_call>'),
+    (AssistantTurn("I thought.", "", [call("terminal", '{"command": "ls"}', id="call_1")]),
+     '<think>\nI thought.\n</think>\n<tool_call>\n{"name": "terminal", "arguments": {"command": "ls"}}\n</tool_call>'),
+    (AssistantTurn("", "", [call("terminal", '{"command": "ls"}', id="call_1"),
+                            call("read_file", '{"path": "a.txt"}', id="call_2")]),
+     '<think>\n\n</think>\n<tool_call>\n{"name": "terminal", "arguments": {"command": "ls"}}\n</tool_call>\n'
+     '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.txt"}}\n</tool_call>'),
+], ids=["reasoning_and_text", "empty_think_block_without_reasoning", "nothing_at_all", "text_and_call",
+        "call_without_text_has_no_blank_line", "two_calls"])
+def test_gpt_turn_is_think_block_then_text_then_one_tool_call_block_per_call(turn, value):
+    assert turns_from(row_of(session([turn])), "gpt")[0]["value"] == value
+
+
+def test_gpt_turn_without_calls_has_no_tool_calls_field():
+    assert "tool_calls" not in turns_from(row_of(session([AssistantTurn("r", "Final.")])), "gpt")[0]
+
+
+@pytest.mark.parametrize("arguments", ['{"command": "ls"}', '{ "command" :  "ls -la" }', '{"command": "ls"', "", "ls"],
+                         ids=["json", "json_with_odd_spacing", "truncated_json", "empty", "not_json"])
+def test_tool_calls_entry_carries_arguments_exactly_as_the_model_wrote_them(arguments):
+    gpt = turns_from(row_of(session([AssistantTurn("", "", [call("terminal", arguments, id="call_7")])])), "gpt")[0]
+    assert gpt["tool_calls"] == [{"id": "call_7", "name": "terminal", "arguments": arguments}]
+
+
+def test_tool_call_block_carries_valid_arguments_as_a_json_object():
+    gpt = turns_from(row_of(session([AssistantTurn("", "", [call("terminal", '{ "command" : "ls" }')])])), "gpt")[0]
+    assert tagged_payloads(gpt["value"], "tool_call") == [{"name": "terminal", "arguments": {"command": "ls"}}]
+
+
+@pytest.mark.parametrize("arguments", ['{"command": "ls"', "ls -la", ""], ids=["truncated_json", "not_json", "empty"])
+def test_tool_call_block_carries_invalid_arguments_as_the_raw_string(arguments):
+    gpt = turns_from(row_of(session([AssistantTurn("", "", [call("terminal", arguments)])])), "gpt")[0]
+    assert tagged_payloads(gpt["value"], "tool_call") == [{"name": "terminal", "arguments": arguments}]
+
+
+# --- rendering: tool turns -----------------------------------------------------------------------------
+
+def test_each_gpt_turn_with_calls_is_followed_by_exactly_one_tool_turn():
+    turns = [AssistantTurn("a", "", [call("terminal", id="c1"), call("read_file", id="c2")]),
+             AssistantTurn("b", "", [call("terminal", id="c3")]),
+             AssistantTurn("c", "Done.")]
+    speakers = [turn["from"] for turn in row_of(session(turns))["conversations"]]
+    assert speakers == ["system", "human", "gpt", "tool", "gpt", "tool", "gpt"]
+
+
+def test_tool_turn_has_one_response_block_per_call_in_call_order_named_by_call_id():
+    calls = [call("read_file", result='{"content": "a"}', id="call_b"),
+             call("terminal", result='{"output": "b", "exit_code": 0}', id="call_a"),
+             call("read_file", result='{"content": "c"}', id="call_c")]
+    tool = turns_from(row_of(session([AssistantTurn("", "", calls)])), "tool")[0]
+    assert [(block["tool_call_id"], block["name"]) for block in tagged_payloads(tool["value"], "tool_response")] == \
+        [("call_b", "read_file"), ("call_a", "terminal"), ("call_c", "read_file")]
+
+
+@pytest.mark.parametrize("result, content", [
+    ('{"output": "hi", "exit_code": 0}', {"output": "hi", "exit_code": 0}),
+    ("[1, 2]", [1, 2]),
+    ("7", 7),
+    ("plain text output", "plain text output"),
+    ("Error: boom", "Error: boom"),
+    ("", ""),
+], ids=["json_object", "json_array", "json_number", "text", "error_text", "empty"])
+def test_tool_response_content_is_parsed_json_when_the_result_is_json_else_the_text(result, content):
+    tool = turns_from(row_of(session([AssistantTurn("", "", [call("terminal", result=result, id="c1")])])), "tool")[0]
+    assert tagged_payloads(tool["value"], "tool_response") == [{"tool_call_id": "c1", "name": "terminal", "content": content}]
+
+
+def test_a_call_that_never_got_a_result_gets_no_tool_response():
+    calls = [call("terminal", id="answered"), call("read_file", result=None, id="interrupted")]
+    row = row_of(session([AssistantTurn("", "", calls)], end_reason="prompt_timeout"))
+    assert [c["id"] for c in turns_from(row, "gpt")[0]["tool_calls"]] == ["answered", "interrupted"]
+    assert [b["tool_call_id"] for b in tagged_payloads(turns_from(row, "tool")[0]["value"], "tool_response")] == ["answered"]
+
+
+# --- rendering: tool statistics, status and usage ------------------------------------------------------
+
+def test_tool_stats_and_error_counts_cover_every_registry_tool_with_zero_defaults():
+    row = row_of(session([AssistantTurn("r", "No tools needed.")]))
+    assert row["tool_stats"] == {name: {"count": 0, "success": 0, "failure": 0} for name in TOOL_NAMES}
+    assert row["tool_error_counts"] == {name: 0 for name in TOOL_NAMES}
+
+
+def test_tool_stats_count_successes_and_failures_by_the_success_rule():
+    calls = [call("terminal", result='{"exit_code": 2, "error": null}', id="1"),
+             call("terminal", result='{"error": "timed out"}', id="2"),
+             call("terminal", result="Error: x", id="3"),
+             call("read_file", result="file text", id="4")]
+    row = row_of(session([AssistantTurn("", "", calls[:2]), AssistantTurn("", "", calls[2:])]))
+    assert row["tool_stats"]["terminal"] == {"count": 3, "success": 1, "failure": 2}
+    assert row["tool_stats"]["read_file"] == {"count": 1, "success": 1, "failure": 0}
+    assert row["tool_error_counts"]["terminal"] == 2 and row["tool_error_counts"]["read_file"] == 0
+    assert all(row["tool_stats"][name]["count"] == 0 for name in TOOL_NAMES if name not in ("terminal", "read_file"))
+
+
+def test_an_invented_tool_gets_no_tool_stats_column():
+    row = row_of(session([AssistantTurn("", "", [call("evil_tool", result='{"error": "unknown tool"}')])],
+                         end_reason="invented_tools"))
+    assert set(row["tool_stats"]) == set(TOOL_NAMES)
+    assert set(row["tool_error_counts"]) == set(TOOL_NAMES)
+
+
+@pytest.mark.parametrize("end_reason, completed", [
+    ("final_answer", True), ("max_turns", False), ("invented_tools", False), ("truncated", False),
+    ("prompt_timeout", False)])
+def test_completed_and_partial_follow_the_end_reason(end_reason, completed):
+    row = row_of(session(end_reason=end_reason))
+    assert (row["completed"], row["partial"], row["end_reason"]) == (completed, not completed, end_reason)
+
+
+def test_usage_reports_tokens_and_cost_under_fixed_keys():
+    usage = Usage(prompt_tokens=100, completion_tokens=20, reasoning_tokens=5, cached_tokens=50, cost=0.0012)
+    assert row_of(session(usage=usage))["usage"] == {"prompt_tokens": 100, "completion_tokens": 20,
+                                                     "reasoning_tokens": 5, "cached_tokens": 50, "cost": 0.0012}
+
+
+def test_trajectory_rows_have_the_same_keys_whatever_happened():
+    quiet = row_of(session([AssistantTurn("", "Done.")]))
+    busy = row_of(session([AssistantTurn("r", "", [call("terminal"), call("evil_tool")])] * 3, end_reason="max_turns",
+                          usage=Usage(1, 2, 3, 4, 0.5)))
+    assert list(quiet) == list(busy)
+    for key in ("prompt_index", "content_key", "conversations", "metadata", "completed", "partial", "api_calls",
+                "toolsets_used", "tool_stats", "tool_error_counts", "usage", "wall_time_seconds", "end_reason"):
+        assert key in quiet
+
+
+def test_trajectory_row_records_batch_model_timestamp_and_calls():
+    row = row_of(session(api_calls=3, prompt_index=42))
+    assert row["metadata"] == {"batch_num": 4, "timestamp": TIMESTAMP, "model": "test/model"}
+    assert (row["prompt_index"], row["api_calls"], row["toolsets_used"]) == (42, 3, ["terminal", "file"])
+
+
+# --- which kind of row a finished session becomes ---------------------------------------------------------
+
+@pytest.mark.parametrize("discard_no_reasoning", [True, False])
+def test_a_session_that_ended_in_error_becomes_a_failure_row(discard_no_reasoning):
+    result = session([AssistantTurn("r", "", [call("terminal")])], end_reason="error", prompt="P",
+                     error="HTTP 401: bad key", error_type="auth")
+    row = json.loads(encode(result, discard_no_reasoning=discard_no_reasoning))
+    assert row["failed"] is True
+    assert (row["error"], row["error_type"], row["prompt"], row["end_reason"]) == ("HTTP 401: bad key", "auth", "P", "error")
+    assert (row["prompt_index"], row["content_key"]) == (result.prompt_index, result.content_key)
+    assert "conversations" not in row
+
+
+def test_a_session_without_any_reasoning_becomes_a_tombstone_when_the_filter_is_on():
+    result = session([AssistantTurn("", "", [call("terminal")]), AssistantTurn("", "Done.")], prompt="P")
+    row = json.loads(encode(result, discard_no_reasoning=True))
+    assert row["discarded"] == "no_reasoning"
+    assert (row["prompt_index"], row["content_key"], row["prompt"]) == (result.prompt_index, result.content_key, "P")
+    assert "conversations" not in row
+
+
+def test_one_turn_with_reasoning_is_enough_to_keep_the_trajectory_when_the_filter_is_on():
+    result = session([AssistantTurn("", "", [call("terminal")]), AssistantTurn("thought", "Done.")])
+    assert json.loads(encode(result, discard_no_reasoning=True)) == row_of(result)
+
+
+def test_a_session_without_reasoning_keeps_its_trajectory_when_the_filter_is_off():
+    result = session([AssistantTurn("", "Done.")])
+    row = json.loads(encode(result, discard_no_reasoning=False))
+    assert row == row_of(result)
+    assert turns_from(row, "gpt")[0]["value"].startswith(EMPTY_THINK)
+
+
+SURROGATE_PLACES = {
+    "tool_result": lambda s: session([AssistantTurn("r", "", [call("terminal", result=s)])]),
+    "json_tool_result": lambda s: session([AssistantTurn("r", "", [call("terminal", result='{"output": "\\udc80"}')])]),
+    "prompt": lambda s: session(prompt=s),
+    "reply": lambda s: session([AssistantTurn("r", s)]),
+    "reasoning": lambda s: session([AssistantTurn(s, "Done.")]),
+    "tool_name": lambda s: session([AssistantTurn("r", "", [call(s)])]),
+    "arguments": lambda s: session([AssistantTurn("r", "", [call("terminal", arguments=s)])]),
+    "error": lambda s: session(end_reason="error", error=s, error_type="x"),
+    "tombstone_prompt": lambda s: session([AssistantTurn("", "Done.")], prompt=s),
+}
+
+
+@pytest.mark.parametrize("place", SURROGATE_PLACES)
+def test_encoded_row_is_one_valid_utf8_line_even_with_a_lone_surrogate(place):
+    line = encode(SURROGATE_PLACES[place]("bad \udc80 byte"), discard_no_reasoning=True)
+    text = line.decode("utf-8")          # strict: raises on anything that is not valid UTF-8
+    assert text.endswith("\n") and text.count("\n") == 1
+    assert isinstance(json.loads(text), dict)
+    assert read_stored_row(line) is not None
+
+
+def test_encoded_row_keeps_non_ascii_text_as_utf8():
+    line = encode(session(prompt="ünïcødé 中文 🙂"))
+    assert "ünïcødé 中文 🙂".encode() in line
+    assert json.loads(line)["conversations"][1]["value"] == "ünïcødé 中文 🙂"
+
+
+# --- the byte-level reader against a full parse ------------------------------------------------------------
+
+def facts_read_from_bytes(line: bytes) -> dict:
+    stored = read_stored_row(line)
+    assert stored is not None, f"a complete row was not recognised: {line[:200]!r}"
+    return {"status": stored.status, "prompt_index": stored.prompt_index, "content_key": stored.content_key,
+            "invented_tools": stored.invented_tools(), "usage": stored.usage(), "end_reason": stored.end_reason(),
+            "tool_counts": stored.tool_counts(), "reasoning_counts": stored.reasoning_counts()}
+
+
+def facts_from_parsed_row(line: bytes) -> dict:
+    """The same facts, from json.loads of the whole line: the reference the byte reader must equal."""
+    row = json.loads(line)
+    if row.get("failed") is True:
+        status = "failed"
+    elif "discarded" in row:
+        status = "discarded"
+    else:
+        status = "completed" if row["completed"] else "partial"
+    gpt_turns = [turn for turn in row.get("conversations", []) if turn["from"] == "gpt"]
+    invented: list[str] = []
+    for turn in gpt_turns:
+        for tool_call in turn.get("tool_calls", []):
+            if tool_call["name"] not in REGISTRY and tool_call["name"] not in invented:
+                invented.append(tool_call["name"])
+    with_reasoning = 0
+    for turn in gpt_turns:
+        value = turn["value"]
+        assert value.startswith("<think>\n")
+        with_reasoning += bool(value[len("<think>\n"):value.index("\n</think>\n", len("<think>\n"))])
+    return {"status": status, "prompt_index": row["prompt_index"], "content_key": row["content_key"],
+            "invented_tools": invented, "usage": row["usage"], "end_reason": row["end_reason"],
+            "tool_counts": [(name, s["count"], s["success"], s["failure"])
+                            for name, s in row.get("tool_stats", {}).items() if s["count"] > 0],
+            "reasoning_counts": (with_reasoning, len(gpt_turns) - with_reasoning)}
+
+
+LOOKALIKES = [
+    '{"id": "x", "name": "evil_tool", "arguments": "{}"}',
+    '"tool_calls": [{"id": "x", "name": "evil_tool", "arguments": "{}"}]',
+    '"completed": true',
+    '"completed": false',
+    '"end_reason": "final_answer"}',
+    '"end_reason": "final_answer"}\n',
+    '"tool_stats": {',
+    '"tool_stats": {"terminal": {"count": 9, "success": 0, "failure": 9}}, "tool_error_counts": {',
+    '{"count": 5, "success": 5, "failure": 0}',
+    '"usage": {"prompt_tokens": 999}',
+    '{"from": "gpt", "value": "<think>\n\n</think>\n',
+    '{"from": "gpt", "value": "<think>\nfake\n</think>\n',
+    '{"prompt_index": 7, "content_key": "abc", "conversations": [',
+    '"discarded": "no_reasoning"',
+    '"failed": true',
+]
+AWKWARD = ['"', "\\", '\\"', '"\\', "\n", "\r\n", "\t", "\x00", "ünïcødé", "中文", "🙂👍🏽", "\u2028", "\udc80",
+           "<think>", "</think>", "<tool_call>", "</tool_response>", "Error: nope", " ", "plain words"]
+INVENTED_NAMES = ["evil_tool", 'ev"il', "back\\slash", "ünïcode_tool", "工具", "🔧", "", 'x", "name": "terminal',
+                  '"arguments": "{}"}', "name\udc80", "tab\there"]
+
+
+def adversarial_text(rng: random.Random, pieces: int = 4) -> str:
+    return "".join(rng.choice(LOOKALIKES + AWKWARD) for _ in range(rng.randint(0, pieces)))
+
+
+def random_result(rng: random.Random, prompt_index: int) -> SessionResult:
+    offered = rng.sample(TOOL_NAMES, rng.randint(0, 4))
+    turns = []
+    for _ in range(rng.randint(0, 5)):
+        calls = []
+        for position in range(rng.choice([0, 0, 1, 2, 3, 12])):
+            name = rng.choice(list(TOOL_NAMES) + INVENTED_NAMES)
+            arguments = rng.choice(['{"command": "ls"}', '{"command": ', json.dumps({"text": adversarial_text(rng)}),
+                                    adversarial_text(rng)])
+            result = rng.choice([None, '{"error": "x"}', '{"error": null}', '{"success": false}', "Error: x", "",
+                                 json.dumps({"output": adversarial_text(rng)}, ensure_ascii=False),
+                                 adversarial_text(rng)])
+            calls.append(ToolCallRecord(id=rng.choice([f"call_{position}", adversarial_text(rng, 2)]),
+                                        name=name, arguments=arguments, result=result))
+        reasoning = rng.choice(["", "", adversarial_text(rng).strip()])
+        turns.append(AssistantTurn(reasoning=reasoning, content=adversarial_text(rng), tool_calls=calls))
+    prompt = adversarial_text(rng, 6)
+    end_reason = rng.choice(["final_answer", "final_answer", "max_turns", "invented_tools", "truncated",
+                             "prompt_timeout", "error"])
+    return SessionResult(prompt_index=prompt_index, content_key=content_key(prompt, None, None), prompt=prompt,
+                         toolsets=["terminal"], offered_tools=offered, turns=turns, api_calls=len(turns),
+                         usage=Usage(rng.randint(0, 10**6), rng.randint(0, 10**5), rng.randint(0, 10**4),
+                                     rng.randint(0, 10**5), rng.choice([0.0, 1e-05, 0.123456789, 3.5])),
+                         wall_time=rng.random() * 100, end_reason=end_reason,
+                         error=adversarial_text(rng) if end_reason == "error" else None,
+                         error_type="http" if end_reason == "error" else None)
+
+
+def test_byte_reader_agrees_with_a_full_parse_on_200_generated_adversarial_rows():
+    rng = random.Random(20260115)
+    seen_statuses, seen_invented = set(), 0
+    for prompt_index in range(200):
+        line = encode(random_result(rng, prompt_index), discard_no_reasoning=rng.random() < 0.5)
+        assert facts_read_from_bytes(line) == facts_from_parsed_row(line), line
+        seen_statuses.add(read_stored_row(line).status)
+        seen_invented += bool(read_stored_row(line).invented_tools())
+    assert seen_statuses == {"completed", "partial", "discarded", "failed"}   # the generator covers every kind
+    assert seen_invented > 20
+
+
+ADVERSARIAL_TEXT = "".join(LOOKALIKES) + "".join(AWKWARD)
+
+
+@pytest.mark.parametrize("place", ["prompt", "reply", "reasoning", "tool_result", "arguments", "call_id"])
+def test_text_that_looks_like_row_structure_does_not_fool_the_byte_reader(place):
+    text = ADVERSARIAL_TEXT
+    turn = AssistantTurn(reasoning=text.strip() if place == "reasoning" else "",
+                         content=text if place == "reply" else "Looking.",
+                         tool_calls=[call("terminal", arguments=text if place == "arguments" else '{"command": "ls"}',
+                                          result=text if place == "tool_result" else '{"output": "ok"}',
+                                          id=text if place == "call_id" else "call_1")])
+    line = encode(session([turn], end_reason="max_turns", prompt=text if place == "prompt" else "P", offered=["terminal"]))
+    facts = facts_read_from_bytes(line)
+    assert facts == facts_from_parsed_row(line)
+    assert (facts["status"], facts["invented_tools"], facts["end_reason"]) == ("partial", [], "max_turns")
+    assert facts["reasoning_counts"] == ((1, 0) if place == "reasoning" else (0, 1))
+    assert [name for name, *_ in facts["tool_counts"]] == ["terminal"]
+
+
+@pytest.mark.parametrize("place", ["prompt", "error"])
+def test_text_that_looks_like_row_structure_does_not_fool_the_reader_of_a_failure_row(place):
+    line = encode(session(end_reason="error", prompt=ADVERSARIAL_TEXT if place == "prompt" else "P",
+                          error=ADVERSARIAL_TEXT if place == "error" else "boom", error_type="http"))
+    facts = facts_read_from_bytes(line)
+    assert facts == facts_from_parsed_row(line)
+    assert (facts["status"], facts["end_reason"], facts["invented_tools"]) == ("failed", "error", [])
+
+
+def test_text_that_looks_like_row_structure_does_not_fool_the_reader_of_a_tombstone():
+    line = encode(session([AssistantTurn("", ADVERSARIAL_TEXT)], prompt=ADVERSARIAL_TEXT), discard_no_reasoning=True)
+    facts = facts_read_from_bytes(line)
+    assert facts == facts_from_parsed_row(line)
+    assert (facts["status"], facts["end_reason"]) == ("discarded", "final_answer")
+
+
+def test_byte_reader_lists_invented_tools_once_each_in_order_of_first_call():
+    names = ["terminal", "evil", 'q"uote', "evil", "ünï", "read_file", "🔧", 'q"uote', "back\\slash"]
+    calls = [call(name, id=f"c{i}") for i, name in enumerate(names)]
+    line = encode(session([AssistantTurn("r", "", calls[:4]), AssistantTurn("r", "", calls[4:])],
+                          end_reason="invented_tools"))
+    assert read_stored_row(line).invented_tools() == ["evil", 'q"uote', "ünï", "🔧", "back\\slash"]
+    assert facts_read_from_bytes(line) == facts_from_parsed_row(line)
+
+
+def test_byte_reader_finds_an_invented_tool_among_many_calls_in_one_turn():
+    calls = [call("terminal", arguments=json.dumps({"command": f"echo {i} \"q\" \\"}), id=f"c{i}") for i in range(60)]
+    calls.insert(47, call("hallucinated_tool", id="c_bad"))
+    line = encode(session([AssistantTurn("r", "Many.", calls)], end_reason="max_turns"))
+    assert read_stored_row(line).invented_tools() == ["hallucinated_tool"]
+    assert facts_read_from_bytes(line) == facts_from_parsed_row(line)
+
+
+def test_byte_reader_finds_no_invented_tool_in_a_row_that_only_calls_registry_tools():
+    line = encode(session([AssistantTurn("r", "", [call(name, id=name) for name in TOOL_NAMES])]))
+    assert read_stored_row(line).invented_tools() == []
+
+
+@pytest.mark.parametrize("result, status", [
+    (session(end_reason="final_answer"), "completed"),
+    (session(end_reason="max_turns"), "partial"),
+    (session(end_reason="error", error="boom", error_type="http"), "failed"),
+    (session([AssistantTurn("", "Done.")]), "discarded"),
+], ids=["completed", "partial", "failed", "discarded"])
+def test_byte_reader_classifies_every_kind_of_row(result, status):
+    line = encode(result, discard_no_reasoning=True)
+    stored = read_stored_row(line)
+    assert (stored.status, stored.prompt_index, stored.content_key) == (status, result.prompt_index, result.content_key)
+
+
+# --- lines the byte reader must refuse ---------------------------------------------------------------------
+
+CUT_ROWS = {
+    "trajectory": session([AssistantTurn("thought ünï 🙂", 'Reply "quoted" \\ done', [
+                              call("terminal", '{"command": "echo \\"hi\\""}', result='{"output": "hi\\n"}', id="c1"),
+                              call("evil_tool", "{}", result='{"error": "unknown tool"}', id="c2")]),
+                           AssistantTurn("", "Final 中文.")], prompt="Prompt with \"quotes\" and ünïcødé",
+                          usage=Usage(10, 20, 3, 4, 0.01)),
+    "tombstone": session([AssistantTurn("", "No thoughts.")], prompt="Tombstone 🙂"),
+    "failure": session(end_reason="error", prompt="Failed ünï", error='HTTP 400: "bad" request', error_type="http"),
+}
+
+
+@pytest.mark.parametrize("kind", CUT_ROWS)
+def test_byte_reader_refuses_a_row_cut_anywhere_short_of_its_end(kind):
+    line = encode(CUT_ROWS[kind], discard_no_reasoning=True)
+    assert read_stored_row(line) is not None
+    accepted = [cut for cut in range(len(line) - 1) if read_stored_row(line[:cut] + b"\n") is not None]
+    assert accepted == []
+
+
+def test_byte_reader_refuses_a_cut_row_without_a_newline_too():
+    line = encode(CUT_ROWS["trajectory"])
+    assert [cut for cut in range(len(line) - 2) if read_stored_row(line[:cut]) is not None] == []
+
+
+def foreign_layouts() -> dict[str, bytes]:
+    row = json.loads(encode(CUT_ROWS["trajectory"]))
+    reordered = {"content_key": row["content_key"], "prompt_index": row["prompt_index"],
+                 **{k: v for k, v in row.items() if k not in ("prompt_index", "content_key")}}
+    end_reason_first = {"prompt_index": row["prompt_index"], "content_key": row["content_key"],
+                        "end_reason": row["end_reason"],
+                        **{k: v for k, v in row.items() if k not in ("prompt_index", "content_key", "end_reason")}}
+    end_reason_not_last = {**{k: v for k, v in row.items() if k != "end_reason"}, "end_reason": row["end_reason"],
+                           "extra": 1}
+    return {
+        "compact_separators": json.dumps(row, ensure_ascii=False, separators=(",", ":")).encode() + b"\n",
+        "content_key_first": json.dumps(reordered, ensure_ascii=False).encode() + b"\n",
+        "sorted_keys": json.dumps(row, ensure_ascii=False, sort_keys=True).encode() + b"\n",
+        "end_reason_not_last": json.dumps(end_reason_not_last, ensure_ascii=False).encode() + b"\n",
+        "end_reason_first": json.dumps(end_reason_first, ensure_ascii=False).encode() + b"\n",
+        "other_program_row": b'{"conversations": [], "completed": true, "end_reason": "final_answer"}\n',
+        "string_prompt_index": json.dumps({"prompt_index": "3", **{k: v for k, v in row.items()
+                                                                    if k != "prompt_index"}}).encode() + b"\n",
+    }
+
+
+@pytest.mark.parametrize("layout", foreign_layouts())
+def test_byte_reader_refuses_a_json_object_of_a_foreign_layout(layout):
+    assert read_stored_row(foreign_layouts()[layout]) is None
+
+
+@pytest.mark.parametrize("line", [
+    b"", b"\n", b"   \n", b"not json at all\n", b"[1, 2, 3]\n", b'"a string"\n', b"null\n",
+    b'{"prompt_index": 1, "content_key": "00ff", "conversations": [garbage\n',
+    b'{"prompt_index": 1, "content_key": "00ff", "conversations": garbage "end_reason": "final_answer"\n',
+], ids=["empty", "newline", "blank", "words", "array", "string", "null", "cut_head", "garbage_without_closing_brace"])
+def test_byte_reader_refuses_a_line_that_is_not_one_of_our_rows(line):
+    assert read_stored_row(line) is None
+
+
+def test_byte_reader_refuses_a_crash_fragment_followed_directly_by_another_row():
+    first, second = encode(CUT_ROWS["trajectory"]), encode(CUT_ROWS["failure"])
+    spliced = first[:len(first) // 2] + second
+    with pytest.raises(ValueError):
+        json.loads(spliced)
+    assert read_stored_row(spliced) is None

@@ -1,0 +1,94 @@
+"""Scheduling and limits (SPEC §13): per-prompt slots, run-wide rate limits, time limits, caps."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from conftest import batch_rows, endpoint_args, human_prompt, read_jsonl, run_cli, write_dataset
+
+
+def run(tmp_path, endpoint, prompts, *extra):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    return run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=100", "--run_name=run",
+                   "--distribution=terminal_only", *endpoint_args(endpoint), *extra)
+
+
+def record_arrivals(endpoint) -> list[tuple[float, str]]:
+    arrivals: list[tuple[float, str]] = []
+    lock = threading.Lock()
+
+    def script(body: dict) -> None:
+        prompt = [m for m in body["messages"] if m["role"] == "user"][-1]["content"]
+        with lock:
+            arrivals.append((time.monotonic(), prompt))
+        return None   # fall through to the prompt's own directives
+
+    endpoint.script = script
+    return arrivals
+
+
+def test_a_429_pauses_new_requests_of_every_session_across_processes(tmp_path, endpoint):
+    arrivals = record_arrivals(endpoint)
+    limited = "[[fail 429 1 retry_after=1.5]] limited"
+    others = [f'[[call terminal {{"command": "sleep 0.2"}}]] other {i}' for i in range(3)]
+    result = run(tmp_path, endpoint, [limited, *others], "--num_workers=4")
+    assert result.returncode == 0, result.stderr
+    rejected_at = next(t for t, prompt in arrivals if prompt == limited)
+    # Each other session makes its second call ~0.2 s after its first; the pause must hold it back.
+    second_calls = [t for t, prompt in arrivals if prompt != limited][3:]
+    assert len(second_calls) == 3
+    assert all(t >= rejected_at + 1.4 for t in second_calls)
+    assert len(read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")) == 4
+
+
+def test_requests_per_minute_paces_requests_across_all_workers(tmp_path, endpoint):
+    arrivals = record_arrivals(endpoint)
+    result = run(tmp_path, endpoint, [f"paced {i}" for i in range(4)], "--num_workers=4", "--requests_per_minute=120")
+    assert result.returncode == 0, result.stderr
+    times = sorted(t for t, _ in arrivals)
+    gaps = [later - earlier for earlier, later in zip(times, times[1:])]
+    assert len(times) == 4 and all(gap >= 0.45 for gap in gaps)      # 120/min = one every 0.5 s
+
+
+def test_prompt_time_limit_keeps_the_turns_so_far_as_a_partial_row(tmp_path, endpoint):
+    prompt = '[[call terminal {"command": "sleep 5"}]] too slow'
+    result = run(tmp_path, endpoint, [prompt, "quick"], "--prompt_timeout=1")
+    assert result.returncode == 0, result.stderr
+    slow = next(row for row in batch_rows(tmp_path / "data" / "run") if row.get("conversations")
+                and human_prompt(row) == prompt)
+    assert slow["end_reason"] == "prompt_timeout" and slow["partial"] is True and slow["api_calls"] == 1
+
+
+def test_prompt_time_limit_before_any_reply_fails_the_prompt_for_a_retry(tmp_path, endpoint):
+    result = run(tmp_path, endpoint, ["[[sleep 5]] no reply in time"], "--prompt_timeout=1")
+    assert result.returncode == 0, result.stderr
+    [row] = batch_rows(tmp_path / "data" / "run")
+    assert row["failed"] is True and row["error_type"] == "prompt_timeout"
+
+
+def test_spending_cap_stops_admitting_prompts_and_resume_continues(tmp_path, endpoint):
+    prompts = [f"costly {i}" for i in range(6)]            # each call reports a cost of 0.001
+    result = run(tmp_path, endpoint, prompts, "--num_workers=1", "--max_cost=0.0025")
+    assert result.returncode == 0, result.stderr
+    assert len(batch_rows(tmp_path / "data" / "run")) == 3
+    assert "spending cap reached" in result.stdout and "--resume" in result.stdout
+    resumed = run(tmp_path, endpoint, prompts, "--num_workers=1", "--resume")
+    assert resumed.returncode == 0
+    assert len(read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")) == 6
+
+
+def test_token_cap_stops_admitting_prompts(tmp_path, endpoint):
+    result = run(tmp_path, endpoint, [f"wordy {i}" for i in range(5)], "--num_workers=1", "--max_total_tokens=200")
+    assert result.returncode == 0, result.stderr
+    assert len(batch_rows(tmp_path / "data" / "run")) == 2          # 120 tokens per call
+    assert "token cap reached" in result.stdout
+
+
+def test_a_slow_prompt_holds_one_slot_while_the_others_finish(tmp_path, endpoint):
+    prompts = ["[[sleep 3]] straggler", *[f"quick {i}" for i in range(9)]]
+    result = run(tmp_path, endpoint, prompts, "--num_workers=2")
+    assert result.returncode == 0, result.stderr
+    written = [human_prompt(row) for row in batch_rows(tmp_path / "data" / "run")]
+    assert written[-1] == "[[sleep 3]] straggler"
+    assert sorted(written[:-1]) == sorted(prompts[1:])
