@@ -22,7 +22,7 @@ from batchrun.environments.base import Environment, EnvironmentSettings, Environ
 from batchrun.messages import Task
 from batchrun.rows import AssistantTurn, SessionResult, ToolCallRecord, Usage, split_reasoning
 from batchrun.security import Redactor
-from batchrun.tools import ToolContext, ToolError
+from batchrun.tools import ModelAccess, ToolContext, ToolError
 
 AGENT_PROMPT = (
     "You are an autonomous agent completing the user's task with the tools you are given. "
@@ -30,7 +30,8 @@ AGENT_PROMPT = (
     "clear final answer once the task is done."
 )
 MAX_INVENTED_TURNS = 3       # consecutive turns calling tools that do not exist before giving up
-ENVIRONMENT_TOOLSETS = frozenset({"terminal", "file"})
+# Toolsets whose tools act in the prompt's environment (vision reads images from it, image_gen saves there).
+ENVIRONMENT_TOOLSETS = frozenset({"terminal", "file", "vision", "image_gen"})
 
 
 @dataclass
@@ -92,6 +93,7 @@ class Session:
         self.usage = Usage()
         self.api_calls = 0
         self.env: Environment | None = None
+        self.tools: ToolContext | None = None
 
     async def run(self) -> SessionResult:
         started = time.monotonic()
@@ -113,6 +115,7 @@ class Session:
                 error = f"prompt time limit of {self.config.prompt_timeout:g}s reached before the first model reply"
                 error_type = "prompt_timeout"
         finally:
+            await self._close_tools()
             if self.env is not None:
                 await self.env.close()
         redact = self.services.redact
@@ -129,6 +132,25 @@ class Session:
                                       prompt_index=self.task.prompt_index, image=self.task.image,
                                       cwd=self.task.cwd)
         await self.env.start()
+
+    def _tool_context(self) -> ToolContext:
+        if self.tools is None:
+            config = self.config
+            self.tools = ToolContext(env=self.env, settings=self.services.env_settings,
+                                     model=ModelAccess(base_url=config.base_url, api_key=config.api_key,
+                                                       model=config.model,
+                                                       client=self.services.client_for(self.task.prompt_index)))
+        return self.tools
+
+    async def _close_tools(self) -> None:
+        """Run the tools' per-session cleanups (browser contexts...); one failing must not stop the rest."""
+        if self.tools is None:
+            return
+        for cleanup in reversed(self.tools.cleanups):
+            try:
+                await cleanup()
+            except Exception:   # cleanup of a finished session: nothing useful to report to anyone
+                pass
 
     def _request(self, messages: list[dict]) -> dict:
         """The JSON body of one chat-completions call (provider routing and reasoning included)."""
@@ -175,9 +197,9 @@ class Session:
                           f"{call.name} schema"), False
         if not isinstance(args, dict):
             return _error(f"arguments must be a JSON object, got {type(args).__name__}"), False
-        ctx = ToolContext(env=self.env, settings=self.services.env_settings)
         try:
-            result = await asyncio.wait_for(model_tools.dispatch(call.name, args, ctx), self.config.tool_timeout)
+            result = await asyncio.wait_for(model_tools.dispatch(call.name, args, self._tool_context()),
+                                            self.config.tool_timeout)
             text = json.dumps(result, ensure_ascii=False)
         except ToolError as exc:
             text = _error(str(exc))

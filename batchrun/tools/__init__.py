@@ -7,16 +7,39 @@ failure. The schemas and the toolset of every tool live in ``model_tools.py``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
 
 from batchrun.environments.base import Environment, EnvironmentSettings, ToolError
 
-__all__ = ["ToolContext", "ToolError"]
+__all__ = ["ModelAccess", "ToolContext", "ToolError"]
+
+
+@dataclass(frozen=True)
+class ModelAccess:
+    """The run's endpoint, for tools that call a model themselves (vision, image generation).
+
+    The key stays in the worker process: it is used for HTTP calls, never put in a tool's result
+    or a command's environment.
+    """
+
+    base_url: str
+    api_key: str = field(repr=False)
+    model: str
+    client: Any                    # the worker's openai.AsyncOpenAI for this endpoint
 
 
 @dataclass
 class ToolContext:
-    """What a tool handler may touch: the prompt's own environment and the run's settings."""
+    """What a tool handler may touch: the prompt's own environment, the run's settings, the endpoint,
+    and per-session state. One context lives as long as its session.
 
-    env: Environment
+    ``state`` holds what a toolset keeps between calls of one session (a browser page, say);
+    ``cleanups`` are awaited when the session ends, whatever way it ends.
+    """
+
+    env: Environment | None
     settings: EnvironmentSettings
+    model: ModelAccess | None = None
+    state: dict[str, Any] = field(default_factory=dict)
+    cleanups: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
