@@ -9,7 +9,6 @@ trajectories.jsonl + statistics.json. See README.md for every flag.
 
 from __future__ import annotations
 
-import shutil
 import sys
 import tempfile
 import time
@@ -54,6 +53,7 @@ class BatchRunner:
         self.done_indices = array("q")
         self._checkpoint_due = False
         self._last_checkpoint = 0.0
+        self._total_prompts = 0
 
     # -- the run --------------------------------------------------------------------------------
 
@@ -81,7 +81,7 @@ class BatchRunner:
             return EXIT_ERROR
         scan = self.run_dir.scan(rerun_corrupted=config.rerun_corrupted) if config.resume else ScanResult()
         if config.resume:
-            self._warn_on_changed_arguments()
+            self._continue_checkpoint()
         try:
             plan = plan_dataset(config.dataset_file, max_samples=config.max_samples,
                                 done_counts=scan.done_counts, warn=self.console.warn)
@@ -89,10 +89,11 @@ class BatchRunner:
             self._error(str(exc))
             return EXIT_ERROR
         self.done_indices.extend(plan.done_indices)
+        self._total_prompts = plan.total
         self._print_startup(plan, scan)
         if plan.pending == 0:
             self.console.print("All prompts have already been processed!", style="bold green")
-            self._write_checkpoint(plan)
+            self._write_checkpoint()
             self._finish(plan)
             return EXIT_OK
         return self._execute(plan)
@@ -113,9 +114,8 @@ class BatchRunner:
             self.console.stop_progress()
             pool.stop()
             self.run_dir.sync()
-            self._write_checkpoint(plan)
-            if env_settings.work_root.exists() and not env_settings.keep_workdirs:
-                shutil.rmtree(env_settings.work_root, ignore_errors=True)
+            self._write_checkpoint()
+            environment_class(self.config.terminal_env).remove_leftovers(env_settings)
         if fatal is not None:
             self._error(f"{fatal.message}\nThe run stopped; finished prompts are saved. Fix the problem and "
                         "continue with --resume.")
@@ -193,32 +193,28 @@ class BatchRunner:
 
     def _maybe_checkpoint(self) -> None:
         if self._checkpoint_due and time.monotonic() - self._last_checkpoint >= CHECKPOINT_MIN_INTERVAL:
-            self._write_checkpoint(None)
+            self._write_checkpoint()
 
-    def _write_checkpoint(self, plan: DatasetPlan | None) -> None:
-        previous = self.run_dir.read_checkpoint() or {}
-        batch_stats = {key: dict(value) for key, value in (previous.get("batch_stats") or {}).items()}
-        for key, counts in self.batch_stats.items():
-            merged = Counter(batch_stats.get(key, {}))
-            merged.update(counts)
-            batch_stats[key] = dict(merged)
-        self.batch_stats.clear()
+    def _write_checkpoint(self) -> None:
         self.run_dir.write_checkpoint({
             "run_name": self.config.run_name,
             "dataset_file": str(self.config.dataset_file),
             "distribution": self.config.distribution,
             "model": self.config.model,
             "batch_size": self.config.batch_size,
-            "total_prompts": plan.total if plan else previous.get("total_prompts"),
+            "total_prompts": self._total_prompts,
             "completed_prompts": sorted(self.done_indices),
-            "batch_stats": batch_stats,
+            "batch_stats": {key: dict(counts) for key, counts in self.batch_stats.items()},
             "last_updated": datetime.now().isoformat(timespec="seconds"),
         })
         self._checkpoint_due = False
         self._last_checkpoint = time.monotonic()
 
-    def _warn_on_changed_arguments(self) -> None:
+    def _continue_checkpoint(self) -> None:
+        """On resume: keep the per-batch counts of earlier invocations; warn about changed arguments."""
         previous = self.run_dir.read_checkpoint() or {}
+        for key, counts in (previous.get("batch_stats") or {}).items():
+            self.batch_stats[key].update(counts)
         for key in ("model", "distribution", "dataset_file"):
             before, now = previous.get(key), str(getattr(self.config, key))
             if before is not None and str(before) != now:

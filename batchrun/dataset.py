@@ -100,9 +100,13 @@ def require_valid_prompt(path: Path, *, warn: Callable[[str], None]) -> None:
             warnings.append(warning)
     for warning in warnings:
         warn(warning)
-    raise DatasetError(f"no valid prompt in {path}: every line was blank or skipped"
-                       + (" (see the warnings above)" if warnings else "")
-                       + '. Each line needs a JSON object with a non-empty "prompt" string.')
+    raise _no_valid_prompt(path, bool(warnings))
+
+
+def _no_valid_prompt(path: Path, warned: bool) -> DatasetError:
+    return DatasetError(f"no valid prompt in {path}: every line was blank or skipped"
+                        + (" (see the warnings above)" if warned else "")
+                        + '. Each line needs a JSON object with a non-empty "prompt" string.')
 
 
 def plan_dataset(path: Path, *, max_samples: int | None, done_counts: Counter,
@@ -131,25 +135,8 @@ def plan_dataset(path: Path, *, max_samples: int | None, done_counts: Counter,
             plan.pending_offsets.append(offset)
         plan.total += 1
     if plan.total == 0:
-        raise DatasetError(f"no valid prompt in {path}: every line was blank or skipped "
-                           '(see the warnings above). Each line needs a JSON object with a "prompt" string.')
+        raise _no_valid_prompt(path, plan.skipped_lines > 0)
     return plan
-
-
-def iter_records(path: Path, *, max_samples: int | None = None) -> Iterator[DatasetRecord]:
-    """Every valid record in order, with its prompt index and occurrence number (bad lines skipped)."""
-    occurrences: Counter = Counter()
-    index = 0
-    for number, _offset, raw in _lines(path):
-        if max_samples is not None and index >= max_samples:
-            return
-        fields, _warning = parse_line(raw, number)
-        if fields is None:
-            continue
-        key = content_key(fields["prompt"], fields["image"], fields["cwd"])
-        yield DatasetRecord(index, fields["prompt"], fields["image"], fields["cwd"], key, occurrences[key])
-        occurrences[key] += 1
-        index += 1
 
 
 def iter_pending(plan: DatasetPlan, *, max_samples: int | None) -> Iterator[DatasetRecord]:
