@@ -3,7 +3,8 @@
 Every conversation makes ``--tool-turns`` terminal calls and then answers; each reply waits
 ``--latency`` seconds. It runs in its own process so that its CPU is not counted as the runner's
 and so it can serve thousands of requests per second on this machine (the threaded test fixture
-cannot). ``GET /stats`` returns the request count and the time (CLOCK_MONOTONIC) of the first one.
+cannot). ``GET /stats`` returns the request count, the time (CLOCK_MONOTONIC) of the first request
+and of the last response.
 
     python benchmarks/fast_endpoint.py --latency 0.2 --tool-turns 2      # prints the port
 """
@@ -16,6 +17,7 @@ import json
 import time
 
 FIRST_REQUEST: list[float] = []
+LAST_RESPONSE = [0.0]
 REQUESTS = [0]
 
 
@@ -43,13 +45,15 @@ async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, lat
             headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines if h)}
             body = await reader.readexactly(int(headers.get("content-length", "0")))
             if request_line.startswith("GET /stats"):
-                payload = {"requests": REQUESTS[0], "first_request": FIRST_REQUEST[0] if FIRST_REQUEST else None}
+                payload = {"requests": REQUESTS[0], "first_request": FIRST_REQUEST[0] if FIRST_REQUEST else None,
+                           "last_response": LAST_RESPONSE[0]}
             else:
                 if not FIRST_REQUEST:
                     FIRST_REQUEST.append(time.monotonic())
                 REQUESTS[0] += 1
                 await asyncio.sleep(latency)
                 payload = reply_for(json.loads(body), tool_turns)
+                LAST_RESPONSE[0] = time.monotonic()
             data = json.dumps(payload).encode()
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
                          + str(len(data)).encode() + b"\r\n\r\n" + data)

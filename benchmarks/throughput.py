@@ -3,11 +3,13 @@
     python benchmarks/throughput.py                         # the README's figures
     python benchmarks/throughput.py --workers 64 --prompts 1000 --latency 0.2
 
-For each worker count it prints trajectories/s, the ideal (workers / (model calls per prompt x
-latency)), their ratio, the runner's CPU seconds per trajectory (the whole process tree: parent,
+For each worker count it prints trajectories/s over the whole run (start-up, merge and exit
+included), the ideal (workers / (model calls per prompt x latency)), their ratio, the steady-state
+ratio (from the first model request to the last response, so start-up is left to its own column),
+the runner's CPU milliseconds per trajectory (the whole process tree: parent,
 workers and the tool commands they ran), the peak PSS of that tree, and the seconds from start to the
-first model request. Each prompt makes 3 model calls and runs 2 terminal commands (TERMINAL_ENV
-selects the backend, as for a real run).
+first model request. Each prompt makes 3 model calls and runs 2 terminal commands in the backend a
+real run would use (TERMINAL_ENV=local or =bubblewrap to choose).
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def run_once(workers: int, prompts: int, latency: float) -> dict:
         work_path = Path(work)
         dataset = work_path / "dataset.jsonl"
         dataset.write_text("".join(json.dumps({"prompt": f"benchmark prompt {i}"}) + "\n" for i in range(prompts)))
-        env = {**os.environ, "TMPDIR": work, "TERMINAL_ENV": os.environ.get("TERMINAL_ENV", "local")}
+        env = {**os.environ, "TMPDIR": work}
         cpu_before = children_cpu_seconds()
         started = time.monotonic()
         process = subprocess.Popen(
@@ -114,10 +116,13 @@ def run_once(workers: int, prompts: int, latency: float) -> dict:
         stats = json.loads((work_path / "data" / "bench" / "statistics.json").read_text())
         done = stats["trajectories_in_merged_file"]
         ideal = workers / (CALLS_PER_PROMPT * latency)
+        served = server_stats(base_url)
+        steady = done / (served["last_response"] - served["first_request"])
         return {"workers": workers, "prompts": done, "seconds": elapsed,
                 "trajectories_per_s": done / elapsed, "ideal_per_s": ideal, "ratio": done / elapsed / ideal,
+                "steady_ratio": steady / ideal,
                 "cpu_ms_per_trajectory": 1000 * cpu / done, "peak_pss_mb": sampler.peak / 2**20,
-                "first_request_s": server_stats(base_url)["first_request"] - started}
+                "first_request_s": served["first_request"] - started}
 
 
 def main() -> None:
@@ -126,7 +131,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=0, help="prompts per run (default: 12 s of ideal work)")
     parser.add_argument("--latency", type=float, default=0.2)
     args = parser.parse_args()
-    header = (f"{'workers':>7} {'prompts':>7} {'traj/s':>8} {'ideal':>8} {'ratio':>6} "
+    header = (f"{'workers':>7} {'prompts':>7} {'traj/s':>8} {'ideal':>8} {'ratio':>6} {'steady':>6} "
               f"{'cpu ms/traj':>11} {'peak PSS MB':>11} {'1st req s':>9}")
     print(header)
     for workers in args.workers:
@@ -134,7 +139,7 @@ def main() -> None:
         prompts = args.prompts or max(workers * 4, int(ideal * 12))
         r = run_once(workers, prompts, args.latency)
         print(f"{r['workers']:>7} {r['prompts']:>7} {r['trajectories_per_s']:>8.1f} {r['ideal_per_s']:>8.1f} "
-              f"{r['ratio']:>6.2f} {r['cpu_ms_per_trajectory']:>11.2f} {r['peak_pss_mb']:>11.0f} "
+              f"{r['ratio']:>6.2f} {r['steady_ratio']:>6.2f} {r['cpu_ms_per_trajectory']:>11.2f} {r['peak_pss_mb']:>11.0f} "
               f"{r['first_request_s']:>9.2f}", flush=True)
 
 
