@@ -22,8 +22,8 @@ import fire
 
 import model_tools
 import toolset_distributions
-from batchrun import rows
-from batchrun.config import DEFAULT_MODEL, RunConfig, UsageError, build_config
+from batchrun import report, rows
+from batchrun.config import DEFAULT_MODEL, RunConfig, UsageError, build_config, validate_run_name
 from batchrun.console import RunConsole
 from batchrun.dataset import DatasetError, DatasetPlan, iter_pending, plan_dataset, require_valid_prompt
 from batchrun.environments import environment_class
@@ -33,7 +33,7 @@ from batchrun.security import Redactor
 from batchrun.messages import Task
 from batchrun.stats import MergeStatistics, ThisRun, build_statistics
 from batchrun.messages import Fatal, Finished
-from batchrun.workers import WorkerPool, process_count
+from batchrun.workers import PoolStartError, WorkerPool, process_count
 
 CHECKPOINT_MIN_INTERVAL = 1.0     # seconds; coalesces checkpoint rewrites when batches are tiny
 MAX_CORRUPTED_LINES_SHOWN = 20
@@ -101,7 +101,13 @@ class BatchRunner:
     def _execute(self, plan: DatasetPlan) -> int:
         env_settings = self._environment_settings()
         available = frozenset(model_tools.TOOL_NAMES) - set(model_tools.unavailable_tools())
-        pool = WorkerPool(self.config, env_settings, available)
+        try:
+            pool = self._start_pool(env_settings, available)
+        except PoolStartError as exc:
+            self._error(str(exc))
+            return EXIT_ERROR
+        except KeyboardInterrupt:
+            return EXIT_INTERRUPTED
         self.console.start_progress(plan.total, plan.already_done, self.this_run)
         exit_code, fatal = EXIT_OK, None
         try:
@@ -129,6 +135,15 @@ class BatchRunner:
             self.console.print("Interrupted. Finished prompts are saved; run the same command with --resume "
                                "to continue.", style="yellow")
         return exit_code
+
+    def _start_pool(self, env_settings: EnvironmentSettings, available: frozenset[str]) -> WorkerPool:
+        if self.config.backend == "ray":
+            from batchrun.ray_pool import RayWorkerPool   # Ray is imported only when a run asks for it
+
+            pool = RayWorkerPool(self.config, env_settings, available)
+            self.console.print(pool.describe())
+            return pool   # type: ignore[return-value] — the same interface
+        return WorkerPool(self.config, env_settings, available)
 
     def _feed(self, pool: WorkerPool, tasks: Iterator[Task]) -> Fatal | None:
         """The scheduling loop: one task per free slot, every finished row persisted at once."""
@@ -238,13 +253,25 @@ class BatchRunner:
                                       merge=merge, this_run=self.this_run)
         self.run_dir.write_statistics(statistics)
         self.console.summary(statistics, merge.batch_files)
+        self._write_report()
+
+    def _write_report(self) -> None:
+        """The HTML run report is a convenience: a failure to draw it must never fail the run."""
+        try:
+            path = report.write_report(self.run_dir.path)
+        except Exception as exc:  # noqa: BLE001 - any bug in the report is reported, not raised
+            self.console.warn(f"the run report was not written ({type(exc).__name__}: {exc}); "
+                              f"python batch_runner.py --report --run_name={self.config.run_name} retries it")
+            return
+        self.console.print(f"Report: {path}")
 
     def _print_startup(self, plan: DatasetPlan, scan: ScanResult) -> None:
         config, out = self.config, self.console
         processes = process_count(config.num_workers)
         out.print(f"batch_runner · run {config.run_name} · model {config.model} · endpoint {config.base_url}")
         out.print(f"distribution {config.distribution} · {config.num_workers} concurrent sessions in "
-                  f"{processes} worker process{'es' if processes > 1 else ''}")
+                  + ("Ray actors" if config.backend == "ray" else
+                     f"{processes} worker process{'es' if processes > 1 else ''}"))
         out.print(f"environment {config.terminal_env} ({config.terminal_env_reason})"
                   + (" · network allowed" if config.allow_network else ""))
         unavailable = model_tools.unavailable_tools()
@@ -270,7 +297,8 @@ _FLAG_NAMES = ("dataset_file", "batch_size", "run_name", "distribution", "model"
                "providers_allowed", "providers_ignored", "providers_order", "provider_sort", "reasoning_effort",
                "reasoning_disabled", "ephemeral_system_prompt", "log_prefix_chars", "prefill_messages_file", "seed",
                "discard_no_reasoning", "rerun_corrupted", "max_retries", "prompt_timeout", "tool_timeout",
-               "command_timeout", "keep_workdirs", "requests_per_minute", "max_cost", "max_total_tokens")
+               "command_timeout", "keep_workdirs", "requests_per_minute", "max_cost", "max_total_tokens", "report",
+               "backend")
 
 # Free-text flags. Fire reads every value as a Python literal, so `--ephemeral_system_prompt="Hello, world"`
 # arrives as ('Hello', 'world') and `--run_name=1_000` as 1000; for these the text as typed is what counts.
@@ -309,7 +337,7 @@ def main(dataset_file: str | None = None, batch_size: int | None = None, run_nam
          rerun_corrupted: bool = False, max_retries: int = 6, prompt_timeout: float | None = None,
          tool_timeout: float = 120, command_timeout: float = 60, keep_workdirs: bool = False,
          requests_per_minute: int | None = None, max_cost: float | None = None, max_total_tokens: int | None = None,
-         **unknown_flags: Any) -> None:
+         report: bool = False, backend: str = "local", **unknown_flags: Any) -> None:
     """Run an agent over every prompt of DATASET_FILE and write data/RUN_NAME/ (see README.md).
 
     Extra flags beyond the Hermes runner: --seed (reproducible toolset sampling),
@@ -317,7 +345,9 @@ def main(dataset_file: str | None = None, batch_size: int | None = None, run_nam
     run prompts whose rows named invented tools again), --max_retries (transient endpoint errors),
     --prompt_timeout / --tool_timeout / --command_timeout (seconds), --keep_workdirs,
     --requests_per_minute (shared by all workers), --max_cost (USD) / --max_total_tokens (this
-    invocation: stop admitting prompts once reached, let running ones finish).
+    invocation: stop admitting prompts once reached, let running ones finish),
+    --backend=ray (sessions in Ray actors: a private local Ray, or the cluster at RAY_ADDRESS).
+    --report --run_name=NAME (re)writes data/NAME/report.html from the run directory alone.
     """
     flags = {name: value for name, value in locals().items() if name in _FLAG_NAMES}
     for name, typed in _typed_text_values(sys.argv[1:]).items():
@@ -339,8 +369,10 @@ def run_cli(flags: dict[str, Any], unknown_flags: dict[str, Any]) -> int:
     if flags["list_distributions"] is True:
         console.out.print(toolset_distributions.format_distributions(), markup=False, highlight=False)
         return EXIT_OK
+    if flags["report"] is True:
+        return write_report_cli(flags["run_name"], console)
     try:
-        config = build_config(**{k: v for k, v in flags.items() if k != "list_distributions"})
+        config = build_config(**{k: v for k, v in flags.items() if k not in ("list_distributions", "report")})
     except UsageError as exc:
         console.err.print(str(exc) if str(exc).startswith("error:") else f"error: {exc}",
                           style="bold red", markup=False)
@@ -352,6 +384,23 @@ def run_cli(flags: dict[str, Any], unknown_flags: dict[str, Any]) -> int:
         return EXIT_ERROR
     console.redact = Redactor.from_environment(config.api_key)
     return BatchRunner(config, console).run()
+
+
+def write_report_cli(run_name: Any, console: RunConsole) -> int:
+    """--report: needs only the run directory (no dataset, no key), so it works during a run too."""
+    try:
+        run_dir = Path("data") / validate_run_name(run_name)
+    except UsageError as exc:
+        console.err.print(f"error: {exc}", style="bold red", markup=False)
+        return EXIT_ERROR
+    if not run_dir.is_dir():
+        console.err.print(f"error: no run directory {run_dir}/ here — --report reads data/<run_name>/ under the "
+                          "current directory; check --run_name or cd to where the run was started",
+                          style="bold red", markup=False)
+        return EXIT_ERROR
+    path = report.write_report(run_dir)
+    console.print(f"Report: {path} (open it in a browser; it needs no network)")
+    return EXIT_OK
 
 
 def cli() -> None:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from batchrun.tools import ToolContext
+from batchrun.tools.browser import unavailable_reason as browser_unavailable
+from batchrun.tools.configuration import extract_backend, image_provider, search_backend, unavailable_line
 
 Handler = Callable[[dict, ToolContext], Awaitable[dict]]
 
@@ -37,29 +39,24 @@ def _params(properties: dict[str, Any], required: list[str]) -> dict:
     return {"type": "object", "properties": properties, "required": required}
 
 
-def _not_built(issue: str) -> Callable[[], str | None]:
-    return lambda: f"not implemented in this version of batch_runner yet ({issue})"
-
-
 _STRING = {"type": "string"}
 _INT = {"type": "integer"}
 _REF = {"type": "string", "description": "Element reference from the latest browser_snapshot, e.g. 'e12'."}
-
-_BROWSER_LATER = _not_built("browser toolset: Playwright with the system Chromium")
 
 TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec("web_search", "web",
              "Search the web. Returns a list of results, each with title, url and snippet.",
              _params({"query": {**_STRING, "description": "What to search for."},
-                      "max_results": {**_INT, "description": "How many results (default 5)."}},
+                      "max_results": {**_INT, "description": "How many results (default 5, at most 20)."}},
                      ["query"]),
-             "batchrun.tools.web:web_search", _not_built("web toolset: search backends")),
+             "batchrun.tools.search:web_search", unavailable_line(search_backend)),
     ToolSpec("web_extract", "web",
-             "Fetch web pages and return the main text of each as markdown.",
+             "Fetch web pages and return the main text of each as markdown (navigation and other "
+             "boilerplate removed; long pages are cut). A URL that fails gets its own error.",
              _params({"urls": {"type": "array", "items": _STRING,
                                "description": "http(s) URLs to fetch (at most 5)."}},
                      ["urls"]),
-             "batchrun.tools.web:web_extract", _not_built("web toolset: page extraction")),
+             "batchrun.tools.extract:web_extract", unavailable_line(extract_backend)),
     ToolSpec("terminal", "terminal",
              "Run a shell command in your own working directory and return its output and exit code. "
              "Each call starts in the working directory; chain commands with && when they depend on a cd.",
@@ -106,35 +103,39 @@ TOOLS: tuple[ToolSpec, ...] = (
              "batchrun.tools.files:search_files"),
     ToolSpec("browser_navigate", "browser", "Open a URL in the browser and return a snapshot of the page.",
              _params({"url": {**_STRING, "description": "http(s) URL."}}, ["url"]),
-             "batchrun.tools.browser:navigate", _BROWSER_LATER),
+             "batchrun.tools.browser:navigate", browser_unavailable),
     ToolSpec("browser_snapshot", "browser",
              "Return the current page as text with element references ([ref=eN]) for click and type.",
-             _params({}, []), "batchrun.tools.browser:snapshot", _BROWSER_LATER),
+             _params({}, []), "batchrun.tools.browser:snapshot", browser_unavailable),
     ToolSpec("browser_click", "browser", "Click the element with the given reference.",
-             _params({"ref": _REF}, ["ref"]), "batchrun.tools.browser:click", _BROWSER_LATER),
-    ToolSpec("browser_type", "browser", "Type text into the element with the given reference.",
+             _params({"ref": _REF}, ["ref"]), "batchrun.tools.browser:click", browser_unavailable),
+    ToolSpec("browser_type", "browser",
+             "Type text into the input with the given reference (replacing what it held).",
              _params({"ref": _REF, "text": {**_STRING, "description": "Text to type."}}, ["ref", "text"]),
-             "batchrun.tools.browser:type_text", _BROWSER_LATER),
+             "batchrun.tools.browser:type_text", browser_unavailable),
     ToolSpec("browser_scroll", "browser", "Scroll the page up or down.",
              _params({"direction": {"type": "string", "enum": ["up", "down"]}}, ["direction"]),
-             "batchrun.tools.browser:scroll", _BROWSER_LATER),
+             "batchrun.tools.browser:scroll", browser_unavailable),
     ToolSpec("browser_back", "browser", "Go back to the previous page.",
-             _params({}, []), "batchrun.tools.browser:back", _BROWSER_LATER),
+             _params({}, []), "batchrun.tools.browser:back", browser_unavailable),
     ToolSpec("browser_press", "browser", "Press a keyboard key (e.g. Enter, Tab, ArrowDown).",
              _params({"key": {**_STRING, "description": "Key name."}}, ["key"]),
-             "batchrun.tools.browser:press", _BROWSER_LATER),
+             "batchrun.tools.browser:press", browser_unavailable),
     ToolSpec("browser_get_images", "browser", "List the images on the current page with their URLs and alt text.",
-             _params({}, []), "batchrun.tools.browser:get_images", _BROWSER_LATER),
+             _params({}, []), "batchrun.tools.browser:get_images", browser_unavailable),
+    # vision_analyze needs no configuration: by default it asks the run's own model and endpoint.
     ToolSpec("vision_analyze", "vision",
-             "Answer a question about an image given by URL or by a path in your working directory.",
+             "Answer a question about an image given by http(s) URL or by the path of a PNG, JPEG, GIF "
+             "or WebP file in your working directory.",
              _params({"image": {**_STRING, "description": "Image URL or file path."},
                       "question": {**_STRING, "description": "What to find out about the image."}},
                      ["image", "question"]),
-             "batchrun.tools.vision:vision_analyze", _not_built("vision toolset: multimodal model call")),
+             "batchrun.tools.vision:vision_analyze"),
     ToolSpec("image_generate", "image_gen",
-             "Generate an image from a text prompt; returns its URL or the saved file path.",
+             "Generate an image from a text prompt; returns its URL, or the path of the image file "
+             "saved in your working directory.",
              _params({"prompt": {**_STRING, "description": "Description of the image."}}, ["prompt"]),
-             "batchrun.tools.image_gen:image_generate", _not_built("image_gen toolset: images API")),
+             "batchrun.tools.image_gen:image_generate", unavailable_line(image_provider)),
 )
 
 REGISTRY: dict[str, ToolSpec] = {tool.name: tool for tool in TOOLS}

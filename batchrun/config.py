@@ -17,12 +17,14 @@ from urllib.parse import urlparse
 import toolset_distributions
 from batchrun.environments import ENVIRONMENT_KINDS, default_environment_kind
 from batchrun.environments.base import EnvironmentSettings
+from batchrun.tools.configuration import enabled
 
 DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
 DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 PROVIDER_SORTS = ("price", "throughput", "latency")
 PREFILL_ROLES = ("system", "user", "assistant")
+BACKENDS = ("local", "ray")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 NO_ENDPOINT_GUIDANCE = """\
@@ -74,6 +76,7 @@ class RunConfig:
     requests_per_minute: int | None
     max_cost: float | None
     max_total_tokens: int | None
+    backend: str = "local"               # where sessions run: worker processes here, or Ray actors
 
     @property
     def run_dir(self) -> Path:
@@ -223,7 +226,6 @@ def validate_run_name(value: Any) -> str:
 
 
 DEFAULT_IMAGE = EnvironmentSettings.default_image
-_TRUE_WORDS = ("1", "true", "yes", "on")
 
 
 def terminal_environment() -> tuple[str, str]:
@@ -238,6 +240,16 @@ def terminal_environment() -> tuple[str, str]:
         if problem := bubblewrap_problem():
             raise UsageError(f"TERMINAL_ENV=bubblewrap: {problem}")
     return kind, "chosen by TERMINAL_ENV"
+
+
+def validate_backend(value: Any) -> str:
+    """--backend: local worker processes, or Ray actors (an optional extra, checked before anything runs)."""
+    backend = choice("backend", value, BACKENDS) or "local"
+    if backend == "ray":
+        import importlib.util
+        if importlib.util.find_spec("ray") is None:
+            raise UsageError("--backend=ray needs Ray, an optional extra: pip install 'batch-runner[ray]'")
+    return backend
 
 
 def build_config(**flags: Any) -> RunConfig:
@@ -290,13 +302,14 @@ def build_config(**flags: Any) -> RunConfig:
         command_timeout=positive_seconds("command_timeout", flags["command_timeout"]),
         terminal_env=terminal_env,
         terminal_env_reason=terminal_env_reason,
-        allow_network=os.environ.get("TERMINAL_ALLOW_NETWORK", "").strip().lower() in _TRUE_WORDS,
+        allow_network=enabled("TERMINAL_ALLOW_NETWORK"),
         default_image=os.environ.get("TERMINAL_DEFAULT_IMAGE", "").strip() or DEFAULT_IMAGE,
         keep_workdirs=boolean("keep_workdirs", flags["keep_workdirs"]),
         reasoning_disabled=reasoning_disabled,
         requests_per_minute=optional_positive_int("requests_per_minute", flags["requests_per_minute"]),
         max_cost=optional_positive_number("max_cost", flags["max_cost"]),
         max_total_tokens=optional_positive_int("max_total_tokens", flags["max_total_tokens"]),
+        backend=validate_backend(flags.get("backend", "local")),
     )
     # Last, so that a bad flag is reported before the "no endpoint" guidance.
     api_key = resolve_api_key(text("api_key", flags["api_key"]), base_url, base_url_given)

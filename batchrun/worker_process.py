@@ -46,7 +46,7 @@ def _crashed(task: Task, services: SessionServices) -> rows.SessionResult:
         error_type="internal_error")
 
 
-def _use_pidfd_child_watcher(loop: asyncio.AbstractEventLoop) -> None:
+def use_pidfd_child_watcher(loop: asyncio.AbstractEventLoop) -> None:
     """Python 3.11 watches each tool subprocess with a new thread; a pidfd costs a file descriptor.
     (3.12+ chooses pidfds by itself and deprecates watchers.)"""
     if sys.version_info < (3, 12) and hasattr(asyncio, "PidfdChildWatcher"):
@@ -55,9 +55,33 @@ def _use_pidfd_child_watcher(loop: asyncio.AbstractEventLoop) -> None:
         asyncio.set_child_watcher(watcher)
 
 
+def make_services(slots: int, config: RunConfig, gate: RateGate, env_settings: EnvironmentSettings,
+                  available_tools: frozenset[str]) -> SessionServices:
+    """What one worker (process or Ray actor) shares between its ``slots`` concurrent sessions."""
+    client_count = max(1, math.ceil(slots / SESSIONS_PER_CLIENT))
+    return SessionServices(config=config, clients=[make_client(config.base_url, config.api_key)
+                                                   for _ in range(client_count)], gate=gate,
+                           env_settings=env_settings, available_tools=available_tools,
+                           redact=Redactor.from_environment(config.api_key))
+
+
+async def outcome(task: Task, services: SessionServices) -> Finished | Fatal:
+    """Run one prompt's session to the message the parent receives, whatever the transport
+    (a pipe to a worker process here, a Ray actor's return value in batchrun.ray_pool)."""
+    try:
+        result = await Session(task, services).run()
+    except RunFatalError as exc:
+        return Fatal(services.redact(str(exc)))
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        result = _crashed(task, services)
+    return _finished(result, services.config)
+
+
 async def _serve(conn: Connection, services: SessionServices) -> None:
     loop = asyncio.get_running_loop()
-    _use_pidfd_child_watcher(loop)
+    use_pidfd_child_watcher(loop)
     inbox: asyncio.Queue = asyncio.Queue()
 
     def read_parent() -> None:
@@ -72,19 +96,11 @@ async def _serve(conn: Connection, services: SessionServices) -> None:
     fatal = asyncio.Event()
 
     async def run_one(task: Task) -> None:
-        try:
-            result = await Session(task, services).run()
-        except RunFatalError as exc:
-            if not fatal.is_set():
+        message = await outcome(task, services)
+        if not fatal.is_set():     # after a run-wide failure the parent stops: one Fatal, nothing more
+            if isinstance(message, Fatal):
                 fatal.set()
-                conn.send(Fatal(services.redact(str(exc))))
-            return
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            result = _crashed(task, services)
-        if not fatal.is_set():
-            conn.send(_finished(result, services.config))
+            conn.send(message)
 
     running: set[asyncio.Task] = set()
     while (message := await inbox.get()) is not None:
@@ -104,9 +120,4 @@ def main(conn: Connection, siblings: list[Connection], slots: int, config: RunCo
         inherited.close()
     # Ctrl-C reaches the whole process group; the parent decides how to stop, workers follow it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    client_count = max(1, math.ceil(slots / SESSIONS_PER_CLIENT))
-    services = SessionServices(config=config, clients=[make_client(config.base_url, config.api_key)
-                                                       for _ in range(client_count)], gate=gate,
-                               env_settings=env_settings, available_tools=available_tools,
-                               redact=Redactor.from_environment(config.api_key))
-    asyncio.run(_serve(conn, services))
+    asyncio.run(_serve(conn, make_services(slots, config, gate, env_settings, available_tools)))

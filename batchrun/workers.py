@@ -28,6 +28,10 @@ def _worker_entry(*args: object) -> None:
     worker_process.main(*args)
 
 
+class PoolStartError(RuntimeError):
+    """The workers could not start (a backend's own failure, e.g. Ray); the message says why."""
+
+
 def process_count(num_workers: int) -> int:
     return max(1, min(num_workers, os.cpu_count() or 1))
 

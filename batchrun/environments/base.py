@@ -61,7 +61,7 @@ class EnvironmentSettings:
     run_label: str                       # identifies this run's containers/dirs for cleanup
     command_timeout: float = 60.0        # default time limit of one terminal command (seconds)
     max_output_chars: int = 50_000       # terminal output kept per command; the rest is cut with a note
-    max_file_bytes: int = 1_000_000      # largest file the file tools read or write
+    max_file_bytes: int = 10_000_000     # largest file the tools read or write (generated images fit)
     keep_workdirs: bool = False          # leave per-prompt directories behind for inspection
     default_image: str = "python:3.11-slim"
     allow_network: bool = False          # isolated backends: let commands reach the network

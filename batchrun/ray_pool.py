@@ -1,0 +1,487 @@
+"""--backend=ray: agent sessions in Ray actors, on one machine or spread over a cluster (SPEC §13).
+
+The parent stays the only writer of data/<run_name>/: an actor returns each prompt's row already
+encoded (a :class:`~batchrun.messages.Finished`, exactly what a worker process sends), and
+:class:`RayWorkerPool` has :class:`~batchrun.workers.WorkerPool`'s interface, so scheduling, rows,
+checkpoint, merge and resume are those of a local run.
+
+* Actors: one per CPU the run may use (at most ``--num_workers``), spread over the nodes, each running
+  its share of the sessions on its asyncio loop with the same code as a worker process
+  (:func:`batchrun.worker_process.outcome`).
+* Scheduling is per prompt, as locally: the parent counts each actor's free slots, hands one task to
+  the least loaded actor and ``ray.wait``\\s on the outstanding results, so a slow prompt holds one slot.
+  (``ray.util.multiprocessing.Pool`` would deal tasks round-robin and let them pile up behind a slow one.)
+* Rate limits stay run-wide: a small :class:`GateKeeper` actor holds the 429 pause and the
+  requests-per-minute pace; every actor's :class:`RayRateGate` learns of a pause at once (a long poll)
+  and reserves paced slots from it. Pauses and paced slots are wall-clock times, so nodes' clocks
+  should agree (NTP) to well under the pace.
+* Without ``RAY_ADDRESS`` the runner starts a private Ray on this machine, on 127.0.0.1 only, and
+  stops it at the end; a small watcher process ends that Ray's processes even after ``kill -9``.
+  With ``RAY_ADDRESS`` it joins that cluster and leaves it running.
+* Each actor first checks that the run's TERMINAL_ENV works on its node; the run stops with one
+  message naming the node otherwise, before any model call.
+
+Ray is imported here only, and only when a run asks for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import secrets
+import shutil
+import signal
+import time
+from collections import Counter
+from multiprocessing.connection import Connection
+from typing import Any
+
+from batchrun.config import RunConfig
+from batchrun.environments.base import EnvironmentSettings
+from batchrun.messages import Fatal, Finished, Task
+from batchrun.workers import PoolStartError, process_count
+
+INSTALL_HINT = "pip install 'batch-runner[ray]'"
+ACTOR_START_TIMEOUT = 180.0     # seconds for every actor to be placed, import the worker code and check its node
+STOP_GRACE_SECONDS = 15.0
+SPARE_CONCURRENCY = 4           # actor calls beyond the session slots: probe, stop
+# Set in the environment of a Ray this runner starts: the watcher finds that Ray's processes by it.
+OWNER_VARIABLE = "BATCH_RUNNER_RAY_OWNER"
+# A private Ray stays on the loopback interface: with this, Ray takes 127.0.0.1 as the node's address
+# (otherwise it binds every interface and advertises the external address), and it reports nothing.
+LOCAL_RAY_ENVIRONMENT = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+LOOPBACK_PREFIXES = ("127.", "::1", "::ffff:127.")
+# Ray's socket paths ($TMPDIR/ray/session_<date>_<pid>/sockets/plasma_store) must fit in 107 bytes.
+MAX_TMPDIR_LENGTH = 36
+WATCH_INTERVAL = 0.5            # seconds between the watcher's looks at the parent's descendants
+_FORK = multiprocessing.get_context("fork")
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise PoolStartError(f"--backend=ray needs Ray, an optional extra: {INSTALL_HINT}") from None
+    return ray
+
+
+# -- the worker side: session actors and the shared rate gate -----------------------------------------
+
+
+def node_environment_problem(kind: str) -> str | None:
+    """None when TERMINAL_ENV=kind can work on this node, else why not (cheap, once per actor)."""
+    from batchrun.environments import environment_class
+
+    if kind == "bubblewrap":
+        from batchrun.environments.bubblewrap import bubblewrap_problem
+        return bubblewrap_problem()
+    program = getattr(environment_class(kind), "program", None)
+    if program is None:
+        return None
+    executable = shutil.which(program)
+    if executable is None:
+        return f"`{program}` was not found on PATH"
+    if kind == "docker":
+        from batchrun.environments.container_cli import call_cli_blocking
+        answer = call_cli_blocking([executable, "version", "--format", "{{.Server.Version}}"], timeout=30)
+        if not answer.ok:
+            return f"the Docker engine is not reachable: {answer.message()}"
+    return None
+
+
+def node_tools_problem(distribution: str, available_tools: frozenset[str]) -> str | None:
+    """None when every tool the run may offer (available to the parent, in the distribution) works on
+    this node too; tools read their configuration from the node's own environment."""
+    import model_tools
+    import toolset_distributions
+
+    entries = toolset_distributions.get_distribution(distribution)["toolsets"]
+    toolsets = sorted({member for entry in entries for member in toolset_distributions.entry_members(entry)})
+    offered = set(model_tools.tools_for_toolsets(toolsets)) & available_tools
+    missing = {name: reason for name, reason in model_tools.unavailable_tools().items() if name in offered}
+    if not missing:
+        return None
+    return ("tools that work where the runner started do not work here: "
+            + "; ".join(f"{name} ({reason})" for name, reason in missing.items()))
+
+
+class SessionActor:
+    """One Ray actor: many agent sessions at once on its asyncio loop, one call of :meth:`run` each."""
+
+    def __init__(self, slots: int, config: RunConfig, gate: "RayRateGate", env_settings: EnvironmentSettings,
+                 available_tools: frozenset[str]) -> None:
+        from batchrun import worker_process   # the model client is imported on the worker side only
+
+        self._worker = worker_process
+        self._services = worker_process.make_services(slots, config, gate, env_settings, available_tools)
+        self._running: set[asyncio.Future] = set()
+
+    async def probe(self) -> dict:
+        """Where this actor runs and whether the run's environment backend works there."""
+        import ray
+
+        self._worker.use_pidfd_child_watcher(asyncio.get_running_loop())
+        config = self._services.config
+
+        def problems() -> str | None:
+            found = []
+            if environment := node_environment_problem(config.terminal_env):
+                found.append(f"TERMINAL_ENV={config.terminal_env} does not work there ({environment})")
+            if tools := node_tools_problem(config.distribution, self._services.available_tools):
+                found.append(tools)
+            return "; ".join(found) or None
+
+        problem = await asyncio.to_thread(problems)
+        return {"node_id": ray.get_runtime_context().get_node_id(), "address": ray.util.get_node_ip_address(),
+                "pid": os.getpid(), "problem": problem}
+
+    def remove_leftovers(self) -> None:
+        """What a crashed earlier run under this run name left on this node (once per node, before work)."""
+        from batchrun.environments import environment_class
+
+        settings = self._services.env_settings
+        environment_class(self._services.config.terminal_env).remove_leftovers(settings)
+
+    async def run(self, task: Task) -> Finished | Fatal:
+        session = asyncio.ensure_future(self._worker.outcome(task, self._services))
+        self._running.add(session)
+        try:
+            return await session
+        finally:
+            self._running.discard(session)
+
+    async def stop(self) -> None:
+        """Cancel the sessions in flight; each closes its environment before this returns."""
+        for session in list(self._running):
+            session.cancel()
+        await asyncio.gather(*self._running, return_exceptions=True)
+
+
+class GateKeeper:
+    """The run-wide rate limits (see :class:`batchrun.rate_limit.RateGate`) as a tiny actor."""
+
+    def __init__(self, requests_per_minute: int | None) -> None:
+        self._resume_at = 0.0           # wall clock: nodes' monotonic clocks are unrelated
+        self._next_slot = 0.0
+        self._interval = 60.0 / requests_per_minute if requests_per_minute else 0.0
+        self._changed = asyncio.Event()
+
+    async def pause(self, until: float) -> None:
+        if until > self._resume_at:
+            self._resume_at = until
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    async def next_pause(self, known: float) -> float:
+        """The pause end, as soon as it is later than ``known`` (a long poll)."""
+        while self._resume_at <= known:
+            await self._changed.wait()
+        return self._resume_at
+
+    async def reserve(self) -> float:
+        slot = max(self._next_slot, time.time())
+        self._next_slot = slot + self._interval
+        return slot
+
+
+class RayRateGate:
+    """RateGate's interface inside an actor: a 429 anywhere pauses every actor's new requests, and the
+    requests-per-minute pace is one sequence of slots for the whole run."""
+
+    def __init__(self, keeper: Any, requests_per_minute: int | None) -> None:
+        self._keeper = keeper
+        self._requests_per_minute = requests_per_minute
+        self._interval = 60.0 / requests_per_minute if requests_per_minute else 0.0
+        self._resume_at = 0.0
+        self._follower: asyncio.Future | None = None
+
+    def __reduce__(self) -> tuple:
+        return RayRateGate, (self._keeper, self._requests_per_minute)
+
+    def pause(self, seconds: float) -> None:
+        until = time.time() + seconds
+        self._resume_at = max(self._resume_at, until)
+        self._keeper.pause.remote(until)
+
+    async def wait(self) -> None:
+        if self._follower is None:
+            self._follower = asyncio.ensure_future(self._follow())
+        while (delay := self._resume_at - time.time()) > 0:
+            await asyncio.sleep(delay)
+        if self._interval:
+            slot = await self._keeper.reserve.remote()
+            if (delay := slot - time.time()) > 0:
+                await asyncio.sleep(delay)
+
+    async def _follow(self) -> None:
+        """Learn of other actors' pauses as they happen."""
+        try:
+            while True:
+                self._resume_at = max(self._resume_at, await self._keeper.next_pause.remote(self._resume_at))
+        except Exception:   # noqa: BLE001 — the run is ending (the keeper is gone); nothing left to pace
+            return
+
+
+# -- the parent side ----------------------------------------------------------------------------------
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[19]   # field 22: start time, tells reused pids apart
+    except (OSError, IndexError):
+        return None
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """pid -> start time of every process below ``root``."""
+    found: dict[int, str] = {}
+    frontier = [root]
+    while frontier:
+        pid = frontier.pop()
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{task}/children") as handle:
+                    children = [int(child) for child in handle.read().split()]
+            except OSError:
+                continue
+            for child in children:
+                if child not in found and (started := _start_time(child)) is not None:
+                    found[child] = started
+                    frontier.append(child)
+    return found
+
+
+def _marked_processes(marker: bytes) -> dict[int, str]:
+    """Processes whose environment holds ``marker`` (Ray's processes set their title over the start of
+    it, so this misses some: the descendants recorded while the parent lived cover those)."""
+    found: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as handle:
+                    if marker in handle.read() and (started := _start_time(int(entry))) is not None:
+                        found[int(entry)] = started
+            except OSError:
+                pass
+    return found
+
+
+def _watch(reader: Connection, writer: Connection, owner: str) -> None:
+    """The watcher process: notes the parent's descendants (Ray's processes, the actors) while the
+    parent lives; once the parent's end of the pipe closes (normal stop or kill -9) it ends every one
+    still there. Ray's own agents would otherwise outlive a killed parent by minutes."""
+    writer.close()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for stream in (0, 1, 2):      # hold no pipe of whoever started the runner
+        os.dup2(devnull, stream)
+    parent, me = os.getppid(), os.getpid()
+    seen: dict[int, str] = {}
+    while True:
+        try:
+            if reader.poll(WATCH_INTERVAL):
+                break             # EOF (poll is true then too): the parent stopped or died
+        except OSError:
+            break
+        seen.update(_descendants(parent))
+    seen.update(_descendants(parent))   # after a normal stop the parent is still there: its stragglers
+    marker = f"{OWNER_VARIABLE}={owner}\0".encode()
+    for _ in range(2):            # a second pass for anything a dying process had just started
+        for pid, started in {**seen, **_marked_processes(marker)}.items():
+            if pid != me and _start_time(pid) == started:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        time.sleep(0.2)
+
+
+class RayWorkerPool:
+    """WorkerPool's interface (submit / receive / free_slots / in_flight / stop) over Ray actors."""
+
+    def __init__(self, config: RunConfig, env_settings: EnvironmentSettings, available_tools: frozenset[str]) -> None:
+        self._address = os.environ.get("RAY_ADDRESS", "").strip() or None
+        self._actors: list[Any] = []
+        self._keeper: Any = None
+        self._watcher: tuple[Connection, multiprocessing.Process] | None = None
+        self._pending: dict[Any, int] = {}       # ObjectRef of a run() call -> actor index
+        self._nodes: list[dict] = []
+        self._stopped = False
+        self.ray = import_ray() if self._address else None
+        try:
+            self._connect()
+            self._start_actors(config, env_settings, available_tools)
+        except BaseException:
+            self.stop()
+            raise
+
+    # -- start ---------------------------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        if self._address is None:
+            os.environ.update(LOCAL_RAY_ENVIRONMENT)     # read by Ray when it is imported
+            if "RAY_TMPDIR" not in os.environ and len(os.environ.get("TMPDIR", "")) > MAX_TMPDIR_LENGTH:
+                os.environ["RAY_TMPDIR"] = "/tmp"   # Ray's session sockets live under $TMPDIR/ray/session_*/
+            owner = f"{os.getpid()}-{secrets.token_hex(8)}"
+            os.environ[OWNER_VARIABLE] = owner
+            reader, writer = _FORK.Pipe(duplex=False)
+            watcher = _FORK.Process(target=_watch, args=(reader, writer, owner), daemon=True)
+            watcher.start()
+            reader.close()
+            self._watcher = (writer, watcher)
+            self.ray = import_ray()
+        ray = self.ray
+        logging.getLogger("ray").setLevel(logging.ERROR)   # "started a local instance", token notices
+        # Ray's processes must outlive a Ctrl-C, which reaches the whole process group: the parent
+        # stops the run and then Ray. They inherit an ignored SIGINT from here.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            if self._address is None:
+                ray.init(address="local", num_cpus=os.cpu_count() or 1, num_gpus=0, include_dashboard=False,
+                         logging_level=logging.ERROR, namespace="batch_runner")
+                address = ray.util.get_node_ip_address()
+                if not address.startswith(LOOPBACK_PREFIXES):
+                    raise PoolStartError(f"the local Ray took the address {address} instead of 127.0.0.1 "
+                                         "(was Ray imported before the runner set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0?)")
+            else:
+                ray.init(address=self._address, logging_level=logging.ERROR, namespace="batch_runner")
+        except PoolStartError:
+            raise
+        except Exception as exc:   # noqa: BLE001 — Ray's many start-up failures all end the run alike
+            where = f"the Ray cluster at RAY_ADDRESS={self._address}" if self._address else "a local Ray"
+            raise PoolStartError(f"could not start {where}: {type(exc).__name__}: {exc}") from None
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def _start_actors(self, config: RunConfig, env_settings: EnvironmentSettings,
+                      available_tools: frozenset[str]) -> None:
+        ray = self.ray
+        cpus = int(ray.available_resources().get("CPU", 0))
+        if cpus < 1:
+            raise PoolStartError("the Ray cluster has no free CPU for the session actors "
+                                 f"({ray.cluster_resources().get('CPU', 0):g} in all)")
+        count = min(process_count(config.num_workers) if self._address is None else config.num_workers, cpus)
+        self._capacity = [config.num_workers // count + (1 if i < config.num_workers % count else 0)
+                          for i in range(count)]
+        self._free = list(self._capacity)
+        self._keeper = ray.remote(num_cpus=0)(GateKeeper).remote(config.requests_per_minute)
+        gate = RayRateGate(self._keeper, config.requests_per_minute)
+        actor_class = ray.remote(SessionActor)
+        self._actors = [actor_class.options(num_cpus=1, max_concurrency=slots + SPARE_CONCURRENCY,
+                                            scheduling_strategy="SPREAD")
+                        .remote(slots, config, gate, env_settings, available_tools) for slots in self._capacity]
+        try:
+            self._nodes = ray.get([actor.probe.remote() for actor in self._actors], timeout=ACTOR_START_TIMEOUT)
+        except ray.exceptions.GetTimeoutError:
+            raise PoolStartError(f"Ray did not start {count} session actors (1 CPU each) within "
+                                 f"{ACTOR_START_TIMEOUT:.0f} s; are the cluster's CPUs taken?") from None
+        except ray.exceptions.RayError as exc:
+            raise PoolStartError(f"a session actor failed to start: {_last_lines(exc)}") from None
+        problems = {node["address"]: node["problem"] for node in self._nodes if node["problem"]}
+        if problems:
+            raise PoolStartError("\n".join(f"Ray node {address} cannot run this run's sessions: {problem}"
+                                           for address, problem in problems.items()))
+        self._clean_other_nodes()
+
+    def _clean_other_nodes(self) -> None:
+        """Environments' leftovers on the nodes other than this one (the parent cleans its own), by one
+        actor per node: before the first session and after the last."""
+        ray = self.ray
+        here, cleaners = ray.get_runtime_context().get_node_id(), {}
+        for actor, node in zip(self._actors, self._nodes):
+            if node["node_id"] != here:
+                cleaners.setdefault(node["node_id"], actor)
+        if cleaners:
+            ray.get([actor.remove_leftovers.remote() for actor in cleaners.values()], timeout=ACTOR_START_TIMEOUT)
+
+    def describe(self) -> str:
+        """One start-up line: where the sessions run."""
+        per_node: Counter = Counter()
+        sessions: Counter = Counter()
+        for node, slots in zip(self._nodes, self._capacity):
+            per_node[node["address"]] += 1
+            sessions[node["address"]] += slots
+        where = (f"cluster at RAY_ADDRESS={self._address}" if self._address else "local Ray on 127.0.0.1")
+        nodes = ", ".join(f"{address}: {per_node[address]} actor{'s' if per_node[address] > 1 else ''} · "
+                          f"{sessions[address]} sessions" for address in per_node)
+        return f"backend ray · {where} · {len(per_node)} node{'s' if len(per_node) > 1 else ''} ({nodes})"
+
+    # -- WorkerPool's interface ----------------------------------------------------------------------
+
+    @property
+    def free_slots(self) -> int:
+        return sum(self._free)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def submit(self, task: Task) -> None:
+        actor = max(range(len(self._free)), key=self._free.__getitem__)   # the least loaded actor
+        self._free[actor] -= 1
+        self._pending[self._actors[actor].run.remote(task)] = actor
+
+    def receive(self, timeout: float) -> list[Finished | Fatal]:
+        """Every finished result, waiting at most ``timeout`` for the first one."""
+        ray = self.ray
+        if not self._pending:
+            time.sleep(timeout)
+            return []
+        ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=timeout)
+        if ready and len(self._pending) > 1:
+            ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=0)
+        messages: list[Finished | Fatal] = []
+        for ref in ready:
+            actor = self._pending.pop(ref)
+            self._free[actor] += 1
+            try:
+                messages.append(ray.get(ref))
+            except ray.exceptions.RayError as exc:
+                node = self._nodes[actor]
+                raise RuntimeError(f"Ray session actor {actor} (pid {node['pid']} on node {node['address']}) "
+                                   f"failed: {_last_lines(exc)}") from None
+        return messages
+
+    def stop(self) -> None:
+        """Cancel in-flight sessions (their environments are cleaned up), end the actors, and stop the
+        Ray this runner started (or leave the cluster)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        ray = self.ray
+        try:
+            if ray is not None and ray.is_initialized():
+                if self._pending:
+                    try:
+                        ray.get([actor.stop.remote() for actor in self._actors], timeout=STOP_GRACE_SECONDS)
+                    except Exception:   # noqa: BLE001 — a dead or stuck actor is killed below regardless
+                        pass
+                try:
+                    self._clean_other_nodes()
+                except Exception:   # noqa: BLE001 — the next run under this name cleans up instead
+                    pass
+                for actor in [*self._actors, self._keeper]:
+                    if actor is not None:
+                        try:
+                            ray.kill(actor)
+                        except Exception:   # noqa: BLE001
+                            pass
+                ray.shutdown()
+        finally:
+            self._pending.clear()
+            if self._watcher is not None:
+                writer, watcher = self._watcher
+                writer.close()           # the watcher ends whatever of the local Ray is still there
+                watcher.join(10)
+
+
+def _last_lines(exc: BaseException, lines: int = 6) -> str:
+    text = str(exc).strip().splitlines()
+    return "\n".join(text[-lines:]) if text else type(exc).__name__

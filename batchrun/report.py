@@ -1,0 +1,697 @@
+"""The run report: ``data/<run_name>/report.html``, one self-contained page that says at a glance
+whether a run's data is good — tools and their failures, reasoning, outcomes, tokens and cost,
+throughput — and lets a person open trajectories and read them the way the model lived them.
+
+It is built from the run directory alone, during a run or after it, and streams every batch file
+once: the figures come from each line's bytes through :func:`rows.read_stored_row` (a million
+rows are never parsed whole), and only a bounded, stratified sample of rows is decoded, trimmed
+and embedded for the trajectory browser. The page needs no network: CSS, JS, data and the
+matplotlib plots (inline SVG, see :mod:`batchrun.report_plots`) are all inside it.
+"""
+
+from __future__ import annotations
+
+import functools
+import html
+import json
+import math
+import os
+import random
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import toolset_distributions
+from batchrun import report_plots, rows
+from batchrun.run_dir import CHECKPOINT, STATISTICS, RunDirectory, complete_lines
+from model_tools import TOOL_NAMES
+
+REPORT_FILE = "report.html"
+SAMPLE_LIMIT = 500              # trajectories embedded in the page at most
+TEXT_LIMIT = 2500               # characters kept of one text of a sampled row (reasoning, reply, result)
+SYSTEM_TEXT_LIMIT = 1200        # the system turn is the same long tool list in every row
+ROW_BUDGET = 24_000             # characters of turns kept per sampled row; the middle turns go first
+CALLS_PER_TURN = 20             # tool calls / results kept per turn
+MAX_TRACKED_FAILURES = 100_000  # failed prompts followed to see whether a retry succeeded
+TIMELINE_BUCKETS = 2000         # time buckets at most; they widen as a long run needs
+BINS_PER_DECADE = 10
+PLOTS_HINT = ("Plots need matplotlib: pip install -e \".[report]\" (or pip install matplotlib), then "
+              "python batch_runner.py --report --run_name={run_name}")
+
+# How many rows of each kind the sample keeps, and which kinds are shown first when it is full.
+QUOTAS = {"failed": 30, "corrupted": 30, "partial": 30, "tool_failed": 20, "discarded": 30, "tool": 20,
+          "completed": 120}
+PRIORITY = tuple(QUOTAS)
+CORRUPTED = "corrupted"         # a trajectory row naming an invented tool: left out of the merged file
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading more facts from a stored line's bytes (same structural guarantees as rows.py: inside a
+# JSON string a quote is always escaped, so these keys can only match the row's own structure).
+
+_TOOLSETS_USED = b'"toolsets_used": ['
+_WALL_TIME = re.compile(rb'"wall_time_seconds": ([0-9.eE+-]+), "end_reason"')    # near the end of the line
+_METADATA = re.compile(rb'"metadata": \{"batch_num": -?\d+, "timestamp": "([^"\\]*)", "model": "((?:[^"\\]|\\.)*)"')
+
+
+def toolsets_used(line: bytes) -> list[str]:
+    """The row's ``toolsets_used``; it sits after the conversation, so search from the end."""
+    start = line.rfind(_TOOLSETS_USED)
+    if start < 0:
+        return []
+    start += len(_TOOLSETS_USED) - 1
+    return json.loads(line[start:line.index(b"]", start) + 1])
+
+
+def metadata(line: bytes) -> tuple[str, str] | None:
+    """(timestamp, model) of a trajectory row."""
+    start = line.rfind(b'"metadata": {')
+    found = _METADATA.match(line, start) if start >= 0 else None
+    if found is None:
+        return None
+    return found.group(1).decode(), json.loads(b'"' + found.group(2) + b'"')
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming aggregates
+
+
+@dataclass
+class LogHistogram:
+    """Counts of values in fixed log-spaced bins: bounded memory whatever the range of values."""
+
+    bins: Counter = field(default_factory=Counter)
+    zeros: int = 0
+    total: float = 0.0
+    count: int = 0
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        self.total += value
+        if value <= 0:
+            self.zeros += 1
+        else:
+            self.bins[math.floor(math.log10(value) * BINS_PER_DECADE)] += 1
+
+    @staticmethod
+    def edges(index: int) -> tuple[float, float]:
+        return 10 ** (index / BINS_PER_DECADE), 10 ** ((index + 1) / BINS_PER_DECADE)
+
+    def quantile(self, q: float) -> float:
+        """Approximate quantile (the upper edge of the bin that holds it): good enough for a glance."""
+        rank, seen = q * self.count, self.zeros
+        if rank <= seen:
+            return 0.0
+        for index in sorted(self.bins):
+            seen += self.bins[index]
+            if seen >= rank:
+                return self.edges(index)[1]
+        return 0.0
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+
+@dataclass
+class Timeline:
+    """Trajectory rows per time bucket, by kind; buckets double in width when there are too many,
+    so a run of months takes as little memory as one of minutes."""
+
+    width: int = 1                                   # seconds per bucket
+    counts: dict[int, list[int]] = field(default_factory=dict)   # bucket -> [completed, partial]
+
+    def add(self, epoch: int, completed: bool) -> None:
+        bucket = self.counts.setdefault(epoch // self.width, [0, 0])
+        bucket[0 if completed else 1] += 1
+        if len(self.counts) > TIMELINE_BUCKETS:
+            self._widen()
+
+    def _widen(self) -> None:
+        widened: dict[int, list[int]] = {}
+        for key, (completed, partial) in self.counts.items():
+            bucket = widened.setdefault(key // 2, [0, 0])
+            bucket[0] += completed
+            bucket[1] += partial
+        self.width *= 2
+        self.counts = widened
+
+    def points(self) -> list[tuple[datetime, int, int]]:
+        """(bucket start, completed, partial) in time order."""
+        return [(datetime.fromtimestamp(key * self.width, timezone.utc).replace(tzinfo=None), *counts)
+                for key, counts in sorted(self.counts.items())]
+
+
+@functools.lru_cache(maxsize=1024)       # many rows share each second
+def _epoch(timestamp: str) -> int | None:
+    """Seconds of a row's naive ISO timestamp, read as UTC only to get a stable number."""
+    try:
+        return int(datetime.fromisoformat(timestamp).replace(tzinfo=timezone.utc).timestamp())
+    except ValueError:
+        return None
+
+
+@dataclass
+class RunSummary:
+    """Everything the page shows about the rows, fed one stored row at a time."""
+
+    statuses: Counter = field(default_factory=Counter)           # completed/partial/failed/discarded/corrupted
+    end_reasons: Counter = field(default_factory=Counter)        # kept trajectory rows
+    failure_causes: Counter = field(default_factory=Counter)     # every failure row (each failed attempt)
+    discard_reasons: Counter = field(default_factory=Counter)
+    invented_tools: Counter = field(default_factory=Counter)     # corrupted rows per invented name
+    tools: dict[str, list[int]] = field(default_factory=lambda: {n: [0, 0, 0, 0] for n in TOOL_NAMES})
+    turns_with_reasoning: int = 0
+    turns_without_reasoning: int = 0
+    trajectory_reasoning: Counter = field(default_factory=Counter)   # all / some / none turns with reasoning
+    toolsets: Counter = field(default_factory=Counter)
+    toolset_rows: int = 0
+    turns: Counter = field(default_factory=Counter)              # assistant turns per kept trajectory
+    tokens: LogHistogram = field(default_factory=LogHistogram)
+    cost: LogHistogram = field(default_factory=LogHistogram)
+    wall_time: LogHistogram = field(default_factory=LogHistogram)
+    usage: dict = field(default_factory=lambda: dict.fromkeys(("prompt_tokens", "completion_tokens",
+                                                                "reasoning_tokens", "cached_tokens", "cost"), 0))
+    models: Counter = field(default_factory=Counter)
+    timeline: Timeline = field(default_factory=Timeline)
+    unreadable_lines: int = 0
+    batch_files: int = 0
+    open_failures: dict[str, str] = field(default_factory=dict)  # content key -> cause, until a retry succeeds
+    open_failures_exact: bool = True
+
+    @property
+    def row_count(self) -> int:
+        return sum(self.statuses.values())
+
+    @property
+    def kept(self) -> int:
+        return self.statuses[rows.COMPLETED] + self.statuses[rows.PARTIAL]
+
+    def add(self, row: rows.StoredRow) -> tuple[str, dict]:
+        """Count one row; returns its status (``corrupted`` included) and facts the sampler needs."""
+        usage = row.usage()
+        for key in self.usage:
+            self.usage[key] += usage.get(key) or 0
+        if row.status == rows.FAILED:
+            return self._add_failure(row)
+        self.open_failures.pop(row.content_key, None)    # a retry that succeeded (or was discarded)
+        if row.status == rows.DISCARDED:
+            reason = json.loads(row.line).get("discarded") or "unknown"
+            self.statuses[rows.DISCARDED] += 1
+            self.discard_reasons[reason] += 1
+            self.trajectory_reasoning["none (discarded)"] += 1
+            return rows.DISCARDED, {}
+        invented = row.invented_tools()
+        if invented:
+            self.statuses[CORRUPTED] += 1
+            self.invented_tools.update(invented)
+            return CORRUPTED, {}
+        return row.status, self._add_trajectory(row, usage)
+
+    def _add_failure(self, row: rows.StoredRow) -> tuple[str, dict]:
+        """Failure rows are small (no conversation), so parsing them whole costs nothing."""
+        cause = json.loads(row.line).get("error_type") or "unknown"
+        self.statuses[rows.FAILED] += 1
+        self.failure_causes[cause] += 1
+        if row.content_key in self.open_failures or len(self.open_failures) < MAX_TRACKED_FAILURES:
+            self.open_failures[row.content_key] = cause
+        else:
+            self.open_failures_exact = False
+        return rows.FAILED, {"cause": cause}
+
+    def _add_trajectory(self, row: rows.StoredRow, usage: dict) -> dict:
+        self.statuses[row.status] += 1
+        end_reason = row.end_reason()
+        self.end_reasons[end_reason] += 1
+        used, failed = [], []
+        for name, count, success, failure in row.tool_counts():
+            entry = self.tools.setdefault(name, [0, 0, 0, 0])
+            entry[0] += count
+            entry[1] += success
+            entry[2] += failure
+            entry[3] += 1                                 # trajectories using it
+            used.append(name)
+            if failure:
+                failed.append(name)
+        with_reasoning, without = row.reasoning_counts()
+        self.turns_with_reasoning += with_reasoning
+        self.turns_without_reasoning += without
+        self.trajectory_reasoning["all turns" if not without else "no turn" if not with_reasoning
+                                  else "some turns"] += 1
+        self.turns[with_reasoning + without] += 1
+        self.toolsets.update(toolsets_used(row.line))
+        self.toolset_rows += 1
+        self.tokens.add((usage.get("prompt_tokens") or 0) + (usage.get("completion_tokens") or 0))
+        self.cost.add(usage.get("cost") or 0.0)
+        found = metadata(row.line)
+        if found:
+            timestamp, model = found
+            self.models[model] += 1
+            if (epoch := _epoch(timestamp)) is not None:
+                self.timeline.add(epoch, row.status == rows.COMPLETED)
+        wall = _WALL_TIME.search(row.line, max(0, len(row.line) - 200))
+        if wall:
+            self.wall_time.add(float(wall.group(1)))
+        return {"end_reason": end_reason, "tools": used, "tools_failed": failed}
+
+    def open_failure_causes(self) -> Counter:
+        """Failed prompts no later row of the batch files shows done: what --resume would retry."""
+        return Counter(self.open_failures.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# The trajectory sample: stratified reservoirs, so rare kinds (failures, each tool, each end
+# reason) are always represented, in memory bounded by the quotas, never by the run's size.
+
+
+def _categories(status: str, facts: dict) -> list[tuple[str, str]]:
+    if status == rows.FAILED:
+        return [("failed", facts["cause"])]
+    if status in (rows.DISCARDED, CORRUPTED):
+        return [(status, "")]
+    found = [("partial", facts["end_reason"])] if status == rows.PARTIAL else [("completed", "")]
+    found += [("tool", name) for name in facts["tools"]]
+    found += [("tool_failed", name) for name in facts["tools_failed"]]
+    return found
+
+
+@dataclass
+class _Reservoir:
+    quota: int
+    seen: int = 0
+    ids: list[int] = field(default_factory=list)
+
+
+class TrajectorySample:
+    """Keeps, per category, a uniform random sample of its rows (reservoir sampling); a row is
+    decoded and trimmed only when some reservoir takes it, and dropped when none holds it any more."""
+
+    def __init__(self, limit: int = SAMPLE_LIMIT, seed: int = 0) -> None:
+        self.limit = limit
+        self._rng = random.Random(seed)
+        self._reservoirs: dict[tuple[str, str], _Reservoir] = {}
+        self._rows: dict[int, dict] = {}
+        self._holders: Counter = Counter()
+
+    def offer(self, row_id: int, categories: list[tuple[str, str]], build: Callable[[], dict]) -> None:
+        for category in categories:
+            reservoir = self._reservoirs.get(category)
+            if reservoir is None:
+                reservoir = self._reservoirs[category] = _Reservoir(QUOTAS[category[0]])
+            reservoir.seen += 1
+            if len(reservoir.ids) < reservoir.quota:
+                self._hold(reservoir.ids, len(reservoir.ids), row_id, build)
+            elif (slot := self._rng.randrange(reservoir.seen)) < reservoir.quota:
+                self._release(reservoir.ids[slot])
+                self._hold(reservoir.ids, slot, row_id, build)
+
+    def _hold(self, ids: list[int], slot: int, row_id: int, build: Callable[[], dict]) -> None:
+        if row_id not in self._rows:
+            self._rows[row_id] = build()
+        self._holders[row_id] += 1
+        if slot == len(ids):
+            ids.append(row_id)
+        else:
+            ids[slot] = row_id
+
+    def _release(self, row_id: int) -> None:
+        self._holders[row_id] -= 1
+        if not self._holders[row_id]:
+            del self._holders[row_id]
+            del self._rows[row_id]
+
+    def chosen(self) -> list[dict]:
+        """Up to ``limit`` rows, taken round-robin over the categories (most telling kinds first)
+        so every category is represented before any gets a second row; in row order."""
+        ordered = self._ordered()
+        picked: dict[int, None] = {}
+        for position in range(max((len(r.ids) for _, r in ordered), default=0)):
+            for _, reservoir in ordered:
+                if len(picked) >= self.limit:
+                    break
+                if position < len(reservoir.ids):
+                    picked.setdefault(reservoir.ids[position])
+        return [self._rows[row_id] for row_id in sorted(picked)]
+
+    def coverage(self) -> list[tuple[str, str, int, int]]:
+        """(kind, detail, rows held, rows seen) per category, for the page's sampling note."""
+        return [(kind, detail, len(r.ids), r.seen) for (kind, detail), r in self._ordered()]
+
+    def _ordered(self) -> list[tuple[tuple[str, str], _Reservoir]]:
+        return sorted(self._reservoirs.items(), key=lambda item: (PRIORITY.index(item[0][0]), item[0][1]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Turning a sampled row into what the browser renders: parsed turns, long texts trimmed.
+
+
+def clip(text: str, limit: int = TEXT_LIMIT) -> str:
+    """Head and tail of a long text with a visible note of what was left out."""
+    if len(text) <= limit:
+        return text
+    head, tail = limit * 3 // 4, limit // 4
+    return f"{text[:head]}\n… [{len(text) - head - tail:,} characters not shown] …\n{text[-tail:]}"
+
+
+def _clip_value(value: Any) -> Any:
+    """A JSON value kept as structure when small (the page pretty-prints it), else trimmed text."""
+    if isinstance(value, str):
+        return clip(value)
+    encoded = json.dumps(value, ensure_ascii=False, indent=2)
+    return value if len(encoded) <= TEXT_LIMIT else clip(encoded)
+
+
+def _parsed(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, TypeError):
+        return text
+
+
+_THINK = re.compile(r"^<think>\n(.*?)\n</think>\n", re.DOTALL)
+_TOOL_CALL_BLOCK = re.compile(r"\n?<tool_call>\n.*?\n</tool_call>", re.DOTALL)
+_TOOL_RESPONSE = re.compile(r"<tool_response>\n(.*)\n</tool_response>")   # the payload is one JSON line
+_TOOLS_LIST = re.compile(r"<tools>\n(.*)\n</tools>", re.DOTALL)
+
+
+def _system_turn(text: str) -> dict:
+    tools = _TOOLS_LIST.search(text)
+    offered = _parsed(tools.group(1)) if tools else []
+    names = [item.get("function", item).get("name") for item in offered if isinstance(item, dict)] \
+        if isinstance(offered, list) else []
+    return {"r": "system", "t": clip(text, SYSTEM_TEXT_LIMIT), "tools": [n for n in names if isinstance(n, str)]}
+
+
+def _gpt_turn(turn: dict) -> dict:
+    text = turn.get("value") or ""
+    think = _THINK.match(text)
+    reasoning = think.group(1) if think else ""
+    visible = _TOOL_CALL_BLOCK.sub("", text[think.end():] if think else text).strip()
+    calls = [{"id": call.get("id"), "n": call.get("name"), "a": _clip_value(_parsed(call.get("arguments") or "")),
+              "inv": call.get("name") not in TOOL_NAMES}
+             for call in (turn.get("tool_calls") or [])[:CALLS_PER_TURN]]
+    return {"r": "gpt", "think": clip(reasoning), "t": clip(visible), "calls": calls,
+            "more": max(0, len(turn.get("tool_calls") or []) - CALLS_PER_TURN)}
+
+
+def _tool_turn(turn: dict) -> dict:
+    results = []
+    blocks = _TOOL_RESPONSE.findall(turn.get("value") or "")
+    for block in blocks[:CALLS_PER_TURN]:
+        payload = _parsed(block)
+        if not isinstance(payload, dict):
+            results.append({"id": None, "n": None, "c": clip(block), "x": False})
+            continue
+        content = payload.get("content")
+        raw = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
+        results.append({"id": payload.get("tool_call_id"), "n": payload.get("name"), "c": _clip_value(content),
+                        "x": rows.tool_result_failed(raw)})
+    return {"r": "tool", "res": results, "more": max(0, len(blocks) - CALLS_PER_TURN)}
+
+
+def _turn(turn: dict) -> dict:
+    role = turn.get("from")
+    if role == "system":
+        return _system_turn(turn.get("value") or "")
+    if role == "gpt":
+        return _gpt_turn(turn)
+    if role == "tool":
+        return _tool_turn(turn)
+    return {"r": "human" if role == "human" else str(role), "t": clip(turn.get("value") or "")}
+
+
+def _within_budget(turns: list[dict]) -> list[dict]:
+    """First turns (system, prompt, ...) and the last two (how it ended) always; the middle ones
+    while the row's budget lasts, then one marker saying how many were left out."""
+    sizes = [len(json.dumps(turn, ensure_ascii=False)) for turn in turns]
+    if sum(sizes) <= ROW_BUDGET or len(turns) <= 4:
+        return turns
+    spent = sizes[0] + sizes[1] + sizes[-1] + sizes[-2]
+    keep = 2
+    while keep < len(turns) - 2 and spent + sizes[keep] <= ROW_BUDGET:
+        spent += sizes[keep]
+        keep += 1
+    return turns[:keep] + [{"r": "gap", "n": len(turns) - 2 - keep}] + turns[-2:]
+
+
+def sampled_row(row: rows.StoredRow, status: str, batch_file: str) -> dict:
+    """A row as the browser needs it: its facts, and its turns parsed and trimmed."""
+    data = json.loads(row.line)
+    item: dict[str, Any] = {"id": row.prompt_index, "s": status, "e": data.get("end_reason"), "f": batch_file,
+                            "u": data.get("usage") or {}, "calls": data.get("api_calls"),
+                            "wall": data.get("wall_time_seconds")}
+    if "conversations" not in data:               # failure rows and tombstones keep only the prompt
+        item.update(p=clip(data.get("prompt") or ""), err=data.get("error"), et=data.get("error_type"),
+                    dr=data.get("discarded"), turns=[], tools=[], tf=[], inv=[])
+        return item
+    turns = [_turn(turn) for turn in data["conversations"] if isinstance(turn, dict)]
+    stats = data.get("tool_stats") or {}
+    item.update(p=next((t["t"] for t in turns if t["r"] == "human"), ""), turns=_within_budget(turns),
+                tools=[n for n, e in stats.items() if isinstance(e, dict) and e.get("count")],
+                tf=[n for n, e in stats.items() if isinstance(e, dict) and e.get("failure")],
+                inv=row.invented_tools(), ts=data.get("toolsets_used") or [],
+                time=(data.get("metadata") or {}).get("timestamp"), model=(data.get("metadata") or {}).get("model"))
+    return item
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming the run directory
+
+
+def scan_run(run_dir: Path, sample_limit: int = SAMPLE_LIMIT) -> tuple[RunSummary, TrajectorySample]:
+    """One pass over every complete line of every batch file."""
+    summary, sample = RunSummary(), TrajectorySample(sample_limit)
+    files = RunDirectory(run_dir).batch_files()
+    summary.batch_files = len(files)
+    row_id = 0
+    for path in files:
+        for line in complete_lines(path):
+            row = rows.read_stored_row(line)
+            if row is None:
+                summary.unreadable_lines += 1
+                continue
+            status, facts = summary.add(row)
+            sample.offer(row_id, _categories(status, facts),
+                         lambda row=row, status=status, name=path.name: sampled_row(row, status, name))
+            row_id += 1
+    return summary, sample
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+# ---------------------------------------------------------------------------------------------
+# The page
+
+
+def _number(value: float) -> str:
+    return f"{value:,.0f}" if float(value).is_integer() else f"{value:,.2f}"
+
+
+def _percent(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "–"
+
+
+def _money(value: float) -> str:
+    return f"${value:,.4f}" if value < 1 else f"${value:,.2f}"
+
+
+def _table(headers: Iterable[str], body: Iterable[Iterable[Any]], *, numeric_from: int = 1) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    lines = []
+    for cells in body:
+        tds = "".join(f'<td{" class=num" if i >= numeric_from else ""}>{html.escape(str(c))}</td>'
+                      for i, c in enumerate(cells))
+        lines.append(f"<tr>{tds}</tr>")
+    if not lines:
+        return '<p class="muted">None.</p>'
+    return f'<table><thead><tr>{head}</tr></thead><tbody>{"".join(lines)}</tbody></table>'
+
+
+def _card(label: str, value: str, note: str = "", tone: str = "") -> str:
+    return (f'<div class="card {tone}"><div class="label">{html.escape(label)}</div>'
+            f'<div class="value">{html.escape(value)}</div><div class="note">{html.escape(note)}</div></div>')
+
+
+def _cards(summary: RunSummary, info: dict) -> str:
+    calls = sum(entry[0] for entry in summary.tools.values())
+    failures = sum(entry[2] for entry in summary.tools.values())
+    turns = summary.turns_with_reasoning + summary.turns_without_reasoning
+    open_failures = sum(summary.open_failure_causes().values())
+    total_prompts = info.get("total_prompts")
+    kept = summary.kept
+    tokens = summary.usage["prompt_tokens"] + summary.usage["completion_tokens"]
+    cost = summary.usage["cost"]
+    minutes = _active_minutes(summary.timeline)
+    statuses = summary.statuses
+    return "".join([
+        _card("rows in batch files", _number(summary.row_count),
+              f"dataset: {_number(total_prompts)} prompts" if isinstance(total_prompts, int) else ""),
+        _card("kept trajectories", _number(kept),
+              f"{_number(statuses[rows.COMPLETED])} completed · {_number(statuses[rows.PARTIAL])} partial",
+              "good" if kept else ""),
+        _card("failed attempts", _number(statuses[rows.FAILED]),
+              f"{_number(open_failures)} still failing (--resume retries them)", "bad" if open_failures else ""),
+        _card("discarded", _number(statuses[rows.DISCARDED]), "no reasoning in any turn",
+              "warn" if statuses[rows.DISCARDED] else ""),
+        _card("corrupted", _number(statuses[CORRUPTED]), "invented tool names; not merged",
+              "warn" if statuses[CORRUPTED] else ""),
+        _card("reasoning coverage", _percent(summary.turns_with_reasoning, turns),
+              f"of {_number(turns)} assistant turns"),
+        _card("tool calls", _number(calls), f"{_percent(failures, calls)} failed",
+              "bad" if failures * 5 > calls else ""),          # more than one call in five failing
+        _card("tokens", _number(tokens), f"{_number(summary.usage['reasoning_tokens'])} reasoning · "
+              f"{_number(summary.usage['cached_tokens'])} cached"),
+        _card("cost", _money(cost), f"{_money(cost / kept)} per kept trajectory" if kept else ""),
+        _card("throughput", f"{kept / minutes:,.1f}/min" if minutes else "–", "kept trajectories per active minute"),
+    ])
+
+
+def _active_minutes(timeline: Timeline) -> float:
+    """Minutes with rows arriving (gaps between invocations are not counted)."""
+    return len(timeline.counts) * timeline.width / 60
+
+
+def _tool_table(summary: RunSummary) -> str:
+    used = sorted(((n, e) for n, e in summary.tools.items() if e[0]), key=lambda item: -item[1][0])
+    return _table(("tool", "calls", "success", "failure", "failure rate", "trajectories using it"),
+                  [(n, _number(c), _number(s), _number(f), _percent(f, c), _number(t)) for n, (c, s, f, t) in used])
+
+
+def expected_toolset_shares(distribution: str) -> dict[str, float] | None:
+    """Probability that a prompt's toolsets include each toolset, from the distribution's table:
+    each entry rolled independently, the likeliest entry used when none hit (as the sampler does)."""
+    table = toolset_distributions.DISTRIBUTIONS.get(distribution)
+    if table is None:
+        return None
+    entries = {tuple(toolset_distributions.entry_members(entry)): percent / 100
+               for entry, percent in table["toolsets"].items()}
+    none_hit = math.prod(1 - p for p in entries.values())
+    fallback = max(entries, key=entries.__getitem__)
+    members = dict.fromkeys(member for entry in entries for member in entry)
+    return {member: 1 - math.prod(1 - p for entry, p in entries.items() if member in entry)
+            + (none_hit if member in fallback else 0.0) for member in members}
+
+
+def _toolset_table(summary: RunSummary, expected: dict[str, float] | None) -> str:
+    names = list(dict.fromkeys([*(expected or {}), *sorted(summary.toolsets)]))
+    return _table(("toolset", "trajectories", "observed", "expected"),
+                  [(n, _number(summary.toolsets[n]), _percent(summary.toolsets[n], summary.toolset_rows),
+                    f"{100 * expected[n]:.1f}%" if expected and n in expected else "–") for n in names])
+
+
+def _outcome_tables(summary: RunSummary) -> str:
+    open_causes = summary.open_failure_causes()
+    failures = _table(("cause", "failure rows", "prompts still failing"),
+                      [(c, _number(n), _number(open_causes[c]) + ("" if summary.open_failures_exact else "+"))
+                       for c, n in summary.failure_causes.most_common()])
+    end_reasons = _table(("end reason", "trajectories", "share"),
+                         [(r, _number(n), _percent(n, summary.kept)) for r, n in summary.end_reasons.most_common()])
+    discarded = _table(("reason", "rows"), [(r, _number(n)) for r, n in summary.discard_reasons.most_common()])
+    invented = _table(("tool name", "rows"), [(r, _number(n)) for r, n in summary.invented_tools.most_common(20)])
+    return (f"<h3>End reasons of kept trajectories</h3>{end_reasons}<h3>Failures by cause</h3>{failures}"
+            f"<h3>Discarded</h3>{discarded}<h3>Invented tool names (corrupted rows)</h3>{invented}")
+
+
+def _usage_table(summary: RunSummary) -> str:
+    kept = summary.kept or 1
+    body = [(key.replace("_", " "), _money(value) if key == "cost" else _number(value),
+             _money(value / kept) if key == "cost" else _number(round(value / kept)))
+            for key, value in summary.usage.items()]
+    body.append(("tokens per kept trajectory, median ≈", "", _number(round(summary.tokens.quantile(0.5)))))
+    body.append(("wall time per trajectory, median ≈", "", f"{summary.wall_time.quantile(0.5):.1f}s"))
+    return _table(("", "all rows", "per kept trajectory"), body)
+
+
+def _reasoning_table(summary: RunSummary) -> str:
+    with_reasoning, without = summary.turns_with_reasoning, summary.turns_without_reasoning
+    trajectories = sum(summary.trajectory_reasoning.values())
+    return _table(("", "count", "share"), [
+        ("assistant turns with reasoning", _number(with_reasoning), _percent(with_reasoning, with_reasoning + without)),
+        ("assistant turns without", _number(without), _percent(without, with_reasoning + without)),
+        *[(f"trajectories: reasoning in {kind}", _number(n), _percent(n, trajectories))
+          for kind, n in summary.trajectory_reasoning.most_common()]])
+
+
+def _section(title: str, plot: str | None, body: str, note: str = "") -> str:
+    figure = f'<div class="plot">{plot}</div>' if plot else ""
+    note_html = f'<p class="muted">{html.escape(note)}</p>' if note else ""
+    return f'<section class="panel"><h2>{html.escape(title)}</h2>{note_html}{figure}{body}</section>'
+
+
+def _sample_note(summary: RunSummary, sample: TrajectorySample, shown: int) -> str:
+    parts = [f"{kind}{': ' + detail if detail else ''} {held}/{seen:,}"
+             for kind, detail, held, seen in sample.coverage()]
+    return (f"Showing {shown:,} of {summary.row_count:,} rows: a sample chosen to cover every kind of row (failures, "
+            f"partials, discards, corrupted rows, each tool and its failures), so it over-represents problems. "
+            f"Long texts and the middle of long trajectories are trimmed. Sampled per kind: {'; '.join(parts)}.")
+
+
+def _header(run_dir: Path, summary: RunSummary, info: dict) -> str:
+    models = ", ".join(m for m, _ in summary.models.most_common(3)) or info.get("model") or "–"
+    facts = [("model", models), ("distribution", info.get("distribution") or "–"),
+             ("batch files", _number(summary.batch_files)), ("last checkpoint", info.get("last_updated") or "–"),
+             ("report generated", datetime.now().isoformat(timespec="seconds"))]
+    if summary.unreadable_lines:
+        facts.append(("unreadable lines", _number(summary.unreadable_lines)))
+    items = "".join(f"<span><b>{html.escape(k)}</b> {html.escape(str(v))}</span>" for k, v in facts)
+    return f'<header><h1>Run report · {html.escape(run_dir.name)}</h1><div class="facts">{items}</div></header>'
+
+
+def render(run_dir: Path, summary: RunSummary, sample: TrajectorySample) -> str:
+    """The whole page as text."""
+    info = {**_read_json(run_dir / CHECKPOINT), **_read_json(run_dir / STATISTICS)}
+    distribution = info.get("distribution") if isinstance(info.get("distribution"), str) else ""
+    expected = expected_toolset_shares(distribution) if distribution else None
+    plots = report_plots.draw(summary, expected, distribution)
+    shown = sample.chosen()
+    notice = "" if plots is not None else \
+        f'<p class="notice">{html.escape(PLOTS_HINT.format(run_name=run_dir.name))}</p>'
+    plot = (plots or {}).get
+    body = "".join([
+        _header(run_dir, summary, info), notice, f'<div class="cards">{_cards(summary, info)}</div>',
+        '<div class="grid">',
+        _section("Tool calls", plot("tools"), _tool_table(summary),
+                 "Calls per tool in kept trajectories; a failure is a result with an error "
+                 "(a non-zero exit code is not)."),
+        _section("Toolsets sampled", plot("toolsets"), _toolset_table(summary, expected),
+                 f"Share of kept trajectories offered each toolset, against distribution '{distribution}'."
+                 if distribution else "Share of kept trajectories offered each toolset (no distribution recorded)."),
+        _section("Reasoning", plot("reasoning"), _reasoning_table(summary)),
+        _section("Outcomes", plot("outcomes"), _outcome_tables(summary),
+                 "Every failed attempt leaves a row; a prompt counts as still failing until a later row "
+                 "shows it done."),
+        _section("Turns per trajectory", plot("turns"), ""),
+        _section("Tokens and cost", plot("usage"), _usage_table(summary)),
+        _section("Throughput", plot("timeline"), "",
+                 "Kept trajectories over time, from each row's timestamp (failed and discarded rows carry none)."),
+        "</div>",
+        f'<section class="panel browser-panel"><h2>Trajectories</h2>'
+        f'<p class="muted">{html.escape(_sample_note(summary, sample, len(shown)))}</p>'
+        '<div id="browser"></div></section>',
+    ])
+    data = json.dumps({"rows": shown, "total": summary.row_count}, ensure_ascii=False, separators=(",", ":"))
+    values = {"TITLE": html.escape(f"Run report · {run_dir.name}"), "BODY": body,
+              "DATA": data.replace("<", "\\u003c")}     # no text can close the script element
+    template = resources.files("batchrun").joinpath("report_template.html").read_text(encoding="utf-8")
+    return re.sub(r"\{\{(TITLE|BODY|DATA)\}\}", lambda m: values[m.group(1)], template)
+
+
+def write_report(run_dir: Path, sample_limit: int = SAMPLE_LIMIT) -> Path:
+    """Build data/<run_name>/report.html; replaced atomically so an open page never sees half a file."""
+    summary, sample = scan_run(run_dir, sample_limit)
+    page = render(run_dir, summary, sample)
+    target = run_dir / REPORT_FILE
+    temp = target.with_name(target.name + ".tmp")
+    temp.write_text(page, encoding="utf-8")
+    os.replace(temp, target)
+    return target

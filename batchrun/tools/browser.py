@@ -1,0 +1,472 @@
+"""The browser tools: a real Chromium driven by Playwright, one private tab per session.
+
+Chromium is heavy (about 0.4 GB and 1.5 s to start), so a worker process launches one browser on
+first use and shares it among all its sessions; each session gets its own browser context (cookies,
+storage, cache) and page, created on its first browser call and closed when the session ends. The
+model reads a page as Playwright's AI accessibility snapshot and passes its ``[ref=eN]`` references
+back to click and type.
+
+Every connection a session's browser context opens - the model's navigations, but also the page's
+images, scripts, frames and redirects - goes through that session's SOCKS5 gate in this process. The
+gate resolves the host itself, applies the address policy shared with the web tools
+(batchrun.tools.address_policy: ``WEB_ALLOW_PRIVATE``, ``WEB_ALLOW_LINK_LOCAL``), and connects to the
+very address it checked, so neither a redirect nor DNS rebinding slips past it.
+
+Playwright is imported lazily: the parent process only asks :func:`unavailable_reason`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import importlib.util
+import os
+import re
+import shutil
+import socket
+import tempfile
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, AsyncIterator
+from urllib.parse import urlsplit
+
+from batchrun.tools import ToolContext, ToolError
+from batchrun.tools.address_policy import allowed_addresses
+
+if TYPE_CHECKING:
+    from playwright.async_api import Browser, BrowserContext, Locator, Page, Playwright
+
+NAVIGATION_TIMEOUT_S = 15.0
+ACTION_TIMEOUT_S = 5.0
+LAUNCH_TIMEOUT_S = 30.0
+CONNECT_TIMEOUT_S = 10.0
+SNAPSHOT_CHARS = 20_000       # an AI snapshot of a big page runs to hundreds of kilobytes
+MAX_IMAGES = 50
+ALT_CHARS = 300
+CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
+# Playwright adds --headless itself; the rest keeps Chromium from phoning home or speaking QUIC (UDP,
+# which would bypass the gate).
+CHROMIUM_ARGS = ("--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync")
+# Chromium's singleton socket goes to $TMPDIR/org.chromium.Chromium.XXXXXX/SingletonSocket (45 more
+# characters), and a Unix socket path holds at most 107: Chromium aborts at start under a deeper TMPDIR.
+TMPDIR_CHARS = 60
+INSTALL_HINT = "pip install 'batch-runner[browser]' and apt-get install chromium"
+_STATE_KEY = "browser"
+_REF = re.compile(r"(?:f\d+)?e\d+")
+_SCHEME = re.compile(r"[a-z][a-z0-9+.-]*:(?!\d)", re.IGNORECASE)    # "localhost:8000" has none
+
+
+# --- availability -------------------------------------------------------------------------------
+
+def chromium_executable() -> str | None:
+    """``BROWSER_EXECUTABLE`` if set, else the first Chromium on PATH (Playwright's own download is
+    never used: the runner drives the system browser)."""
+    configured = os.environ.get("BROWSER_EXECUTABLE", "").strip()
+    if configured:
+        return shutil.which(configured)
+    return next(filter(None, map(shutil.which, CHROMIUM_NAMES)), None)
+
+
+def unavailable_reason() -> str | None:
+    """The one line that makes the browser tools available, or None when they are."""
+    if importlib.util.find_spec("playwright") is None or chromium_executable() is None:
+        return INSTALL_HINT + " (or set BROWSER_EXECUTABLE)"
+    return None
+
+
+# --- which addresses the browser may reach ------------------------------------------------------
+
+class _Gate:
+    """A SOCKS5 server on 127.0.0.1 for one browser context: every connection it makes passes here.
+
+    Chromium reports any proxy failure as ERR_SOCKS_CONNECTION_FAILED, so the gate keeps the reasons
+    of its recent failures for the tool to tell the model.
+    """
+
+    def __init__(self) -> None:
+        self.failures: deque[str] = deque(maxlen=8)
+        self._server: asyncio.Server | None = None
+        self._streams: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> str:
+        """Start listening; returns the proxy URL for the browser context."""
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"socks5://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for stream in list(self._streams):     # open tunnels end with their streams
+            stream.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._streams.add(writer)
+        upstream: asyncio.StreamWriter | None = None
+        try:
+            _, method_count = await reader.readexactly(2)
+            await reader.readexactly(method_count)
+            writer.write(b"\x05\x00")                                # no authentication
+            _, command, _, address_type = await reader.readexactly(4)
+            if address_type == 1:
+                host = socket.inet_ntop(socket.AF_INET, await reader.readexactly(4))
+            elif address_type == 4:
+                host = socket.inet_ntop(socket.AF_INET6, await reader.readexactly(16))
+            else:
+                host = (await reader.readexactly((await reader.readexactly(1))[0])).decode("ascii", "replace")
+            port = int.from_bytes(await reader.readexactly(2), "big")
+            if command != 1:                                         # only CONNECT
+                writer.write(b"\x05\x07\x00\x01" + bytes(6))
+                return
+            try:
+                upstream_reader, upstream = await self._connect(host, port)
+            except (ToolError, OSError, asyncio.TimeoutError) as exc:
+                self.failures.append(str(exc) or f"cannot connect to {host}:{port}")
+                writer.write(b"\x05\x02\x00\x01" + bytes(6))
+                return
+            self._streams.add(upstream)
+            writer.write(b"\x05\x00\x00\x01" + bytes(6))
+            await asyncio.gather(_pump(reader, upstream), _pump(upstream_reader, writer))
+        except (asyncio.IncompleteReadError, OSError):
+            pass
+        finally:
+            for stream in (writer, upstream):
+                if stream is not None:
+                    stream.close()
+                    self._streams.discard(stream)
+
+    @staticmethod
+    async def _connect(host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Connect to the first reachable checked address of the host."""
+        error: Exception = OSError(f"cannot connect to {host}:{port}")
+        for address in await allowed_addresses(host, port):
+            try:
+                return await asyncio.wait_for(asyncio.open_connection(address, port), CONNECT_TIMEOUT_S)
+            except (OSError, asyncio.TimeoutError) as exc:
+                error = OSError(f"cannot connect to {host}:{port}: {exc or 'timed out'}")
+        raise error
+
+
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Copy one direction of a tunnel until end of file, then pass the half-close on."""
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+    except OSError:
+        writer.close()
+
+
+# --- the process's browser ----------------------------------------------------------------------
+
+class _BrowserHost:
+    """This process's Chromium, launched on first use and relaunched if it died; bound to one event
+    loop, because Playwright's connection is."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._lock = asyncio.Lock()
+        self._playwright: Playwright | None = None
+        self._browser: Browser | None = None
+
+    async def browser(self) -> Browser:
+        async with self._lock:
+            if self._browser is None or not self._browser.is_connected():
+                await self._stop()
+                self._browser = await self._launch()
+            return self._browser
+
+    async def _launch(self) -> Browser:
+        from playwright.async_api import Error, async_playwright
+
+        executable = chromium_executable()
+        if executable is None:
+            raise ToolError(f"no Chromium found: {INSTALL_HINT}")
+        environment = None
+        if len(tempfile.gettempdir()) > TMPDIR_CHARS:
+            environment = {**os.environ, "TMPDIR": "/tmp"}
+        try:
+            self._playwright = await async_playwright().start()
+            return await self._playwright.chromium.launch(executable_path=executable, args=list(CHROMIUM_ARGS),
+                                                          env=environment, timeout=LAUNCH_TIMEOUT_S * 1000)
+        except Error as exc:
+            fatal = re.search(r":FATAL:[^\]]*\] (.*)", str(exc))     # Chromium's own last words, if any
+            raise ToolError(f"could not start Chromium ({executable}): "
+                            f"{fatal.group(1) if fatal else _first_line(exc)}") from None
+
+    async def close(self) -> None:
+        async with self._lock:
+            await self._stop()
+
+    async def _stop(self) -> None:
+        """Close whatever is left of the browser and its driver (a crashed one fails to close)."""
+        if self._browser is not None:
+            with contextlib.suppress(Exception):
+                await self._browser.close()
+        if self._playwright is not None:
+            with contextlib.suppress(Exception):
+                await self._playwright.stop()
+        self._browser = self._playwright = None
+
+
+_host: _BrowserHost | None = None
+
+
+def _current_host() -> _BrowserHost:
+    global _host
+    if _host is None or _host.loop is not asyncio.get_running_loop():
+        _host = _BrowserHost()   # a browser of an earlier loop died with that loop's driver pipe
+    return _host
+
+
+async def close_browser() -> None:
+    """Close this process's browser, if it launched one: the worker's last step after its sessions.
+
+    Without it Chromium still dies with the worker (the Playwright driver closes its browsers when
+    its pipe to this process closes); this just makes the end orderly and immediate.
+    """
+    global _host
+    host, _host = _host, None
+    if host is not None and host.loop is asyncio.get_running_loop():
+        await host.close()
+
+
+# --- one session's tab --------------------------------------------------------------------------
+
+@dataclass
+class _Tab:
+    """A session's browser context, the page the model is looking at, and the context's gate."""
+
+    browser: Browser
+    context: BrowserContext
+    page: Page
+    gate: _Gate
+
+    def follow(self, page: Page) -> None:
+        """A link opened in a new window: the model carries on there, as a person would."""
+        self.page = page
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.context.close()
+        self.gate.close()
+
+    def element(self, args: dict) -> tuple[Locator, str]:
+        """The element the model's ``ref`` names ('e12', also as 'ref=e12' or '[ref=e12]')."""
+        ref = _string(args, "ref").strip().removeprefix("[").removesuffix("]").removeprefix("ref=")
+        if not _REF.fullmatch(ref):
+            raise ToolError(f"'ref' must be an element reference such as 'e12' from the latest snapshot, "
+                            f"not {ref!r}")
+        return self.page.locator(f"aria-ref={ref}"), ref
+
+    @contextlib.asynccontextmanager
+    async def acting(self, what: str) -> AsyncIterator[None]:
+        """Turn Playwright's errors during an action into a ToolError the model can act on."""
+        from playwright.async_api import Error
+
+        self.gate.failures.clear()
+        try:
+            yield
+        except Error as exc:
+            message = _first_line(exc)
+            if "ERR_SOCKS_CONNECTION_FAILED" in message and self.gate.failures:
+                message = self.gate.failures[-1]
+            raise ToolError(f"{what} failed: {message}") from None
+
+
+async def _tab(ctx: ToolContext) -> _Tab:
+    """The session's tab, opened on its first browser call (and again if the browser crashed)."""
+    tab: _Tab | None = ctx.state.get(_STATE_KEY)
+    if tab is not None and tab.browser.is_connected():
+        if tab.page.is_closed():    # the window it followed was closed: back to the newest one left
+            tab.page = tab.context.pages[-1] if tab.context.pages else await tab.context.new_page()
+        return tab
+    if tab is None:
+        ctx.cleanups.append(functools.partial(_close_tab, ctx))
+    else:
+        await tab.close()
+    browser = await _current_host().browser()
+    gate = _Gate()
+    try:
+        context = await browser.new_context(proxy={"server": await gate.start()}, service_workers="block",
+                                            accept_downloads=False)
+        context.set_default_timeout(ACTION_TIMEOUT_S * 1000)
+        context.set_default_navigation_timeout(NAVIGATION_TIMEOUT_S * 1000)
+        tab = _Tab(browser=browser, context=context, page=await context.new_page(), gate=gate)
+    except BaseException:
+        gate.close()
+        raise
+    context.on("page", tab.follow)
+    ctx.state[_STATE_KEY] = tab
+    return tab
+
+
+async def _open_tab(ctx: ToolContext) -> _Tab:
+    """The session's tab for an action that needs a page already loaded."""
+    tab = await _tab(ctx)
+    if tab.page.url == "about:blank":
+        raise ToolError("no page is open; call browser_navigate first")
+    return tab
+
+
+async def _close_tab(ctx: ToolContext) -> None:
+    tab: _Tab | None = ctx.state.pop(_STATE_KEY, None)
+    if tab is not None:
+        await tab.close()
+
+
+async def _view(tab: _Tab) -> dict:
+    """What the model sees of the page: url, title and the AI snapshot, cut to a readable size."""
+    from playwright.async_api import Error
+
+    page = tab.page
+
+    async def read() -> tuple[str, str]:
+        with contextlib.suppress(Error):
+            await page.wait_for_load_state("domcontentloaded", timeout=NAVIGATION_TIMEOUT_S * 1000)
+        return await page.aria_snapshot(mode="ai", timeout=ACTION_TIMEOUT_S * 1000), await page.title()
+
+    try:
+        tree, title = await read()
+    except Error:       # a navigation replaced the document mid-snapshot; a second failure is real
+        tree, title = await read()
+    view = {"url": page.url, "title": title, "snapshot": tree}
+    if len(tree) > SNAPSHOT_CHARS:
+        cut = tree.rfind("\n", 0, SNAPSHOT_CHARS) + 1 or SNAPSHOT_CHARS
+        view["snapshot"] = tree[:cut]
+        view["note"] = (f"snapshot cut to {cut} of {len(tree)} characters; elements further down the page "
+                        f"are not listed")
+    return view
+
+
+# --- the tools ----------------------------------------------------------------------------------
+
+async def navigate(args: dict, ctx: ToolContext) -> dict:
+    """Open an http(s) URL (one without a scheme gets https://) and return the page's snapshot."""
+    url = _string(args, "url").strip()
+    if not _SCHEME.match(url):
+        url = "https://" + url
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise ToolError(f"only http and https URLs can be opened, not {parts.scheme}:")
+    try:
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        raise ToolError(f"invalid port in {url!r}") from None
+    if not host:
+        raise ToolError(f"no host in {url!r}")
+    await allowed_addresses(host, port)      # refuse before the browser is even started
+    tab = await _tab(ctx)
+    async with tab.acting(f"opening {url}"):
+        response = await tab.page.goto(url, wait_until="domcontentloaded")
+        view = await _view(tab)
+    return {"status": response.status if response else None, **view}
+
+
+async def snapshot(args: dict, ctx: ToolContext) -> dict:
+    """The current page again (after it changed by itself, or to refresh the refs)."""
+    tab = await _open_tab(ctx)
+    async with tab.acting("snapshot"):
+        return await _view(tab)
+
+
+async def click(args: dict, ctx: ToolContext) -> dict:
+    """Click an element by ref; a navigation it starts is waited for before the snapshot."""
+    tab = await _open_tab(ctx)
+    element, ref = tab.element(args)
+    async with tab.acting(f"click on {ref}"):
+        await _require(element, ref)
+        await element.click()
+        return {"result": f"clicked {ref}", **await _view(tab)}
+
+
+async def type_text(args: dict, ctx: ToolContext) -> dict:
+    """Replace the content of an input or editable element with ``text``."""
+    tab = await _open_tab(ctx)
+    element, ref = tab.element(args)
+    text = _string(args, "text", allow_empty=True)
+    async with tab.acting(f"typing into {ref}"):
+        await _require(element, ref)
+        await element.fill(text)
+        return {"result": f"typed into {ref}", **await _view(tab)}
+
+
+async def scroll(args: dict, ctx: ToolContext) -> dict:
+    """Scroll the window by most of a screen, so lazily loaded content appears."""
+    direction = args.get("direction")
+    if direction not in ("up", "down"):
+        raise ToolError(f"'direction' must be 'up' or 'down', not {direction!r}")
+    tab = await _open_tab(ctx)
+    async with tab.acting(f"scrolling {direction}"):
+        position = await tab.page.evaluate(
+            "down => { scrollBy(0, (down ? 0.8 : -0.8) * innerHeight);"
+            " return [Math.round(scrollY), document.documentElement.scrollHeight]; }", direction == "down")
+        return {"result": f"scrolled {direction} to {position[0]} of {position[1]} px", **await _view(tab)}
+
+
+async def back(args: dict, ctx: ToolContext) -> dict:
+    """Go back one page in this session's history."""
+    tab = await _open_tab(ctx)
+    async with tab.acting("going back"):
+        cdp = await tab.context.new_cdp_session(tab.page)
+        history = await cdp.send("Page.getNavigationHistory")
+        await cdp.detach()
+        index = history["currentIndex"]
+        if index == 0 or history["entries"][index - 1]["url"] == "about:blank":
+            raise ToolError("there is no previous page to go back to")
+        await tab.page.go_back(wait_until="domcontentloaded")
+        return {"result": "went back", **await _view(tab)}
+
+
+async def press(args: dict, ctx: ToolContext) -> dict:
+    """Press a key in the focused element (the one last typed into), or the page when none is."""
+    key = _string(args, "key").strip()
+    tab = await _open_tab(ctx)
+    focused = tab.page.locator("*:focus")
+    async with tab.acting(f"pressing {key}"):
+        if await focused.count():
+            await focused.first.press(key)      # unlike keyboard.press, waits for a navigation it starts
+        else:
+            await tab.page.keyboard.press(key)
+        return {"result": f"pressed {key}", **await _view(tab)}
+
+
+async def get_images(args: dict, ctx: ToolContext) -> dict:
+    """The page's images as absolute http(s) URLs with their alt text (data: URLs left out)."""
+    tab = await _open_tab(ctx)
+    async with tab.acting("listing images"):
+        found = await tab.page.evaluate(
+            "() => Array.from(document.images, img => ({src: img.currentSrc || img.src, alt: img.alt || ''}))")
+    images = list({image["src"]: {"src": image["src"], "alt": image["alt"][:ALT_CHARS]} for image in found
+                   if image["src"].startswith(("http://", "https://"))}.values())
+    result = {"url": tab.page.url, "images": images[:MAX_IMAGES], "count": len(images)}
+    if len(images) > MAX_IMAGES:
+        result["note"] = f"first {MAX_IMAGES} of {len(images)} images"
+    return result
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+def _string(args: dict, name: str, *, allow_empty: bool = False) -> str:
+    value = args.get(name)
+    if not isinstance(value, str):
+        raise ToolError(f"missing string argument '{name}'")
+    if not value.strip() and not allow_empty:
+        raise ToolError(f"'{name}' must not be empty")
+    return value
+
+
+async def _require(element: Locator, ref: str) -> None:
+    """Fail at once on a ref the page does not have, instead of waiting out the action's time limit."""
+    if not await element.count():
+        raise ToolError(f"no element with ref {ref} on the current page; refs change when the page does, so "
+                        f"take a new browser_snapshot and use a ref from it")
+
+
+def _first_line(exc: BaseException) -> str:
+    """Playwright's message without its call log (and without its 'Page.goto: ' prefix)."""
+    line = str(exc).strip().split("\n", 1)[0]
+    return re.sub(r"^\w+\.\w+: ", "", line)

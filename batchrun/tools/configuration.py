@@ -1,0 +1,172 @@
+"""Which backend each configurable tool uses, read from the user's environment variables.
+
+The parent process asks these questions at start-up (to list unavailable tools) and the workers ask
+them again at call time, so this module stays light: no HTTP client or model library is imported,
+installed packages are only looked up. A tool that cannot run raises :class:`NotConfigured` with the
+one line that makes it available; the registry shows that line, the handler turns it into a ToolError.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+WEB_EXTRA_HINT = "pip install 'batch-runner[web]'"
+
+# web_search backends, in the order tried when WEB_SEARCH_BACKEND does not pick one: the self-hosted,
+# keyless SearXNG first, then the hosted APIs, then the ddgs scraper library, which needs no
+# account but is the least dependable.
+SEARCH_BACKENDS = ("searxng", "brave", "tavily", "ddgs")
+_SEARCH_NEEDS = {"searxng": "SEARXNG_URL", "brave": "BRAVE_SEARCH_API_KEY", "tavily": "TAVILY_API_KEY",
+                 "ddgs": "the ddgs package (pip install 'batch-runner[search]')"}
+BRAVE_BASE_URL = "https://api.search.brave.com/res/v1"
+TAVILY_BASE_URL = "https://api.tavily.com"
+
+# image_generate providers, likewise.
+IMAGE_PROVIDERS = ("openai", "fal")
+OPENAI_IMAGES_BASE_URL = "https://api.openai.com/v1"
+OPENAI_IMAGES_MODEL = "gpt-image-1"
+FAL_BASE_URL = "https://fal.run"
+FAL_IMAGE_MODEL = "fal-ai/flux/schnell"
+
+
+class NotConfigured(Exception):
+    """A tool's backend is not configured or not installed; the message says what enables it."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A chosen backend: its name, where it is, and how to authenticate (the key never leaves the
+    worker's HTTP requests)."""
+
+    name: str
+    base_url: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    model: str | None = None
+
+
+def variable(name: str) -> str | None:
+    """An environment variable's value, None when unset or blank."""
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+def enabled(name: str) -> bool:
+    """A yes/no environment variable: 1, true, yes or on."""
+    return (variable(name) or "").lower() in {"1", "true", "yes", "on"}
+
+
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it (start-up stays fast)."""
+    return importlib.util.find_spec(module) is not None
+
+
+def unavailable_line(choose: Callable[[], object]) -> Callable[[], str | None]:
+    """A registry ``unavailable_reason``: None when ``choose`` succeeds, else its one line."""
+    def reason() -> str | None:
+        try:
+            choose()
+        except NotConfigured as exc:
+            return str(exc)
+        return None
+    return reason
+
+
+def _trimmed(url: str) -> str:
+    return url.rstrip("/")
+
+
+# --- web_search ---------------------------------------------------------------------------------
+
+def _searxng() -> Backend | None:
+    url = variable("SEARXNG_URL")
+    return Backend("searxng", _trimmed(url)) if url else None
+
+
+def _brave() -> Backend | None:
+    key = variable("BRAVE_SEARCH_API_KEY")
+    return Backend("brave", _trimmed(variable("BRAVE_SEARCH_BASE_URL") or BRAVE_BASE_URL), key) if key else None
+
+
+def _tavily() -> Backend | None:
+    key = variable("TAVILY_API_KEY")
+    return Backend("tavily", _trimmed(variable("TAVILY_BASE_URL") or TAVILY_BASE_URL), key) if key else None
+
+
+def _ddgs() -> Backend | None:
+    return Backend("ddgs") if installed("ddgs") else None
+
+
+_SEARCH_CANDIDATES: dict[str, Callable[[], Backend | None]] = {
+    "searxng": _searxng, "brave": _brave, "tavily": _tavily, "ddgs": _ddgs}
+
+
+def search_backend() -> Backend:
+    """The backend web_search uses: WEB_SEARCH_BACKEND if set, else the first configured one."""
+    if not installed("httpx"):
+        raise NotConfigured(WEB_EXTRA_HINT)
+    chosen = (variable("WEB_SEARCH_BACKEND") or "").lower()
+    if chosen:
+        if chosen not in _SEARCH_CANDIDATES:
+            raise NotConfigured(f"WEB_SEARCH_BACKEND={chosen} is not one of {', '.join(SEARCH_BACKENDS)}")
+        backend = _SEARCH_CANDIDATES[chosen]()
+        if backend is None:
+            raise NotConfigured(f"WEB_SEARCH_BACKEND={chosen} needs {_SEARCH_NEEDS[chosen]}")
+        return backend
+    for candidate in _SEARCH_CANDIDATES.values():
+        backend = candidate()
+        if backend is not None:
+            return backend
+    raise NotConfigured("set SEARXNG_URL (a self-hosted SearXNG), BRAVE_SEARCH_API_KEY or TAVILY_API_KEY, "
+                        "or pip install 'batch-runner[search]' for ddgs")
+
+
+# --- web_extract --------------------------------------------------------------------------------
+
+def extract_backend() -> Backend:
+    """web_extract needs only its libraries; lxml_html_clean is a separate package trafilatura imports."""
+    if not all(map(installed, ("httpx", "trafilatura", "lxml_html_clean"))):
+        raise NotConfigured(WEB_EXTRA_HINT)
+    return Backend("trafilatura")
+
+
+# --- image_generate -----------------------------------------------------------------------------
+
+def _openai_images() -> Backend | None:
+    base_url, key = variable("IMAGE_GEN_BASE_URL"), variable("IMAGE_GEN_API_KEY")
+    if not (base_url or key):
+        return None
+    return Backend("openai", _trimmed(base_url or OPENAI_IMAGES_BASE_URL), key,
+                   variable("IMAGE_GEN_MODEL") or OPENAI_IMAGES_MODEL)
+
+
+def _fal() -> Backend | None:
+    key = variable("FAL_KEY")
+    if not key:
+        return None
+    return Backend("fal", _trimmed(variable("FAL_BASE_URL") or FAL_BASE_URL), key,
+                   (variable("FAL_IMAGE_MODEL") or FAL_IMAGE_MODEL).strip("/"))
+
+
+_IMAGE_CANDIDATES: dict[str, Callable[[], Backend | None]] = {"openai": _openai_images, "fal": _fal}
+_IMAGE_NEEDS = {"openai": "IMAGE_GEN_API_KEY or IMAGE_GEN_BASE_URL", "fal": "FAL_KEY"}
+
+
+def image_provider() -> Backend:
+    """The provider image_generate uses: IMAGE_GEN_PROVIDER if set, else the first configured one."""
+    chosen = (variable("IMAGE_GEN_PROVIDER") or "").lower()
+    if chosen:
+        if chosen not in _IMAGE_CANDIDATES:
+            raise NotConfigured(f"IMAGE_GEN_PROVIDER={chosen} is not one of {', '.join(IMAGE_PROVIDERS)}")
+        provider = _IMAGE_CANDIDATES[chosen]()
+        if provider is None:
+            raise NotConfigured(f"IMAGE_GEN_PROVIDER={chosen} needs {_IMAGE_NEEDS[chosen]}")
+        return provider
+    for candidate in _IMAGE_CANDIDATES.values():
+        provider = candidate()
+        if provider is not None:
+            return provider
+    raise NotConfigured("set IMAGE_GEN_API_KEY (OpenAI images API) or IMAGE_GEN_BASE_URL and IMAGE_GEN_MODEL "
+                        "(any OpenAI-compatible images API), or FAL_KEY (fal.ai)")

@@ -1,0 +1,107 @@
+"""Fetching a URL the model chose, within the limits of SPEC §14.
+
+Only http(s) is fetched. Every hop of a redirect chain is judged again by the address policy
+(batchrun.tools.address_policy), and the connection goes to a checked address itself, so a second DNS
+answer cannot swap in another one (DNS rebinding); TLS still verifies the certificate against the
+host name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httpx
+
+from batchrun.tools import ToolError
+from batchrun.tools.address_policy import allowed_addresses, host_refusal
+
+MAX_REDIRECTS = 5
+
+
+@dataclass(frozen=True)
+class Page:
+    """A fetched response body, after redirects."""
+
+    url: str
+    redirects: int             # how many were followed to get here
+    content_type: str          # media type, lower case, without parameters ("" when not sent)
+    charset: str | None
+    body: bytes
+
+
+def http_url(text: str) -> httpx.URL:
+    """``text`` as an http(s) URL with a host; anything else (file:, ftp:, data:...) is refused."""
+    try:
+        url = httpx.URL(text.strip())
+    except httpx.InvalidURL as exc:
+        raise ToolError(f"{text!r} is not a valid URL: {exc}") from None
+    if url.scheme not in ("http", "https"):
+        raise ToolError(f"only http and https URLs are allowed, not {text!r}")
+    if not url.host:
+        raise ToolError(f"{text!r} has no host name")
+    return url
+
+
+def check_visible_destination(url: httpx.URL) -> None:
+    """Refuse what the URL itself shows; all that can be judged for a URL someone else fetches."""
+    reason = host_refusal(url.host)
+    if reason:
+        raise ToolError(f"refused {url}: {reason}")
+
+
+async def _send_pinned(client: httpx.AsyncClient, url: httpx.URL) -> httpx.Response:
+    """GET ``url`` over a connection to one of its checked addresses (the next one if it refuses)."""
+    host = url.raw_host.decode("ascii")
+    failure: httpx.ConnectError | None = None
+    host = url.raw_host.decode("ascii")
+    for address in await allowed_addresses(host, url.port or (443 if url.scheme == "https" else 80)):
+        request = client.build_request("GET", url.copy_with(host=address),
+                                       headers={"Host": url.netloc.decode("ascii")},
+                                       extensions={"sni_hostname": host})
+        try:
+            return await client.send(request, stream=True)
+        except httpx.ConnectError as exc:
+            failure = exc
+    raise ToolError(f"cannot connect to {host}: {failure}")
+
+
+async def _read_capped(response: httpx.Response, max_bytes: int) -> bytes:
+    """The (decompressed) body, refused as soon as it passes ``max_bytes``."""
+    declared = response.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise ToolError(f"the response is {int(declared)} bytes, over the limit of {max_bytes}")
+    chunks, size = [], 0
+    async for chunk in response.aiter_bytes():
+        size += len(chunk)
+        if size > max_bytes:
+            raise ToolError(f"the response is over the limit of {max_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def fetch(client: httpx.AsyncClient, text: str, *, max_bytes: int) -> Page:
+    """GET a model-chosen URL: redirects followed by hand so that each hop is checked like the first.
+
+    ``client`` must not follow redirects itself nor use a proxy (a proxy would connect elsewhere
+    than the address checked here).
+    """
+    url = http_url(text)
+    try:
+        for redirects in range(MAX_REDIRECTS + 1):
+            response = await _send_pinned(client, url)
+            try:
+                if response.is_redirect:
+                    url = http_url(str(url.join(response.headers["location"])))
+                    continue
+                if not response.is_success:
+                    raise ToolError(f"HTTP {response.status_code} {response.reason_phrase}".rstrip())
+                body = await _read_capped(response, max_bytes)
+            finally:
+                await response.aclose()
+            media_type = response.headers.get("content-type", "").partition(";")[0].strip().lower()
+            return Page(str(url), redirects, media_type, response.charset_encoding, body)
+    except httpx.TimeoutException:
+        raise ToolError("the server did not answer in time") from None
+    except httpx.HTTPError as exc:
+        raise ToolError(f"{type(exc).__name__}: {exc}") from None
+    raise ToolError(f"more than {MAX_REDIRECTS} redirects")

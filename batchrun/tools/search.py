@@ -1,0 +1,130 @@
+"""The web_search tool over the backend the user configured (see :mod:`batchrun.tools.configuration`).
+
+Each backend is one documented HTTP call (ddgs: one library call) mapped to the same result shape,
+``{"title", "url", "snippet"}``, so trajectories do not depend on which search engine produced them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import re
+from typing import Any, Awaitable, Callable
+
+import httpx
+
+from batchrun.tools import ToolContext, ToolError
+from batchrun.tools.clients import http_client
+from batchrun.tools.configuration import Backend, NotConfigured, search_backend
+
+SEARCH_SECONDS = 20.0
+DEFAULT_RESULTS = 5
+MAX_RESULTS = 20
+_TAG = re.compile(r"<[^>]+>")
+_SPACE = re.compile(r"\s+")
+
+
+async def web_search(args: dict, ctx: ToolContext) -> dict:
+    """``{"results": [{"title", "url", "snippet"}, ...]}`` for ``query``."""
+    query = args.get("query")
+    if not isinstance(query, str) or not query.strip():
+        raise ToolError("'query' must be a non-empty string")
+    count = _count(args.get("max_results"))
+    try:
+        backend = search_backend()
+    except NotConfigured as exc:
+        raise ToolError(f"web_search is not configured: {exc}") from None
+    try:
+        results = await asyncio.wait_for(_SEARCHES[backend.name](backend, query.strip(), count), SEARCH_SECONDS)
+    except asyncio.TimeoutError:
+        raise ToolError(f"{backend.name} search did not answer within {SEARCH_SECONDS:g}s") from None
+    return {"results": [result for result in results if result["url"]][:count]}
+
+
+def _count(value: object) -> int:
+    if value is None:
+        return DEFAULT_RESULTS
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ToolError(f"'max_results' must be a positive integer, not {value!r}")
+    return min(value, MAX_RESULTS)
+
+
+def _plain(text: object) -> str:
+    """Snippets arrive with highlighting markup (<strong>) and entities; the model wants text."""
+    if not isinstance(text, str):
+        return ""
+    return _SPACE.sub(" ", html.unescape(_TAG.sub("", text))).strip()
+
+
+def _result(title: object, url: object, snippet: object) -> dict:
+    return {"title": _plain(title), "url": url if isinstance(url, str) else "", "snippet": _plain(snippet)}
+
+
+async def _json(backend: Backend, method: str, url: str, **request: Any) -> dict:
+    """One API call's JSON object; transport errors and non-200 answers become tool errors."""
+    async with http_client(SEARCH_SECONDS) as client:
+        try:
+            response = await client.request(method, url, **request)
+        except httpx.HTTPError as exc:
+            raise ToolError(f"{backend.name} search failed: {type(exc).__name__}: {exc}") from None
+    if response.status_code != 200:
+        hint = (" (enable the json format under search.formats in the SearXNG settings)"
+                if backend.name == "searxng" and response.status_code == 403 else "")
+        raise ToolError(f"{backend.name} search failed: HTTP {response.status_code}{hint}: "
+                        f"{response.text[:300]}")
+    try:
+        data = response.json()
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        raise ToolError(f"{backend.name} search answered something that is not a JSON object")
+    return data
+
+
+def _items(value: object) -> list[dict]:
+    return [item for item in value if isinstance(item, dict)] if isinstance(value, list) else []
+
+
+async def _searxng(backend: Backend, query: str, count: int) -> list[dict]:
+    """SearXNG's JSON API: GET /search?q=...&format=json -> results[].title/url/content."""
+    data = await _json(backend, "GET", f"{backend.base_url}/search", params={"q": query, "format": "json"})
+    return [_result(item.get("title"), item.get("url"), item.get("content"))
+            for item in _items(data.get("results"))]
+
+
+async def _brave(backend: Backend, query: str, count: int) -> list[dict]:
+    """Brave Search API: GET /web/search with X-Subscription-Token -> web.results[].title/url/description."""
+    data = await _json(backend, "GET", f"{backend.base_url}/web/search", params={"q": query, "count": count},
+                       headers={"X-Subscription-Token": backend.api_key, "Accept": "application/json"})
+    web = data.get("web") if isinstance(data.get("web"), dict) else {}
+    return [_result(item.get("title"), item.get("url"), item.get("description"))
+            for item in _items(web.get("results"))]
+
+
+async def _tavily(backend: Backend, query: str, count: int) -> list[dict]:
+    """Tavily: POST /search with a bearer key -> results[].title/url/content."""
+    data = await _json(backend, "POST", f"{backend.base_url}/search", json={"query": query, "max_results": count},
+                       headers={"Authorization": f"Bearer {backend.api_key}"})
+    return [_result(item.get("title"), item.get("url"), item.get("content"))
+            for item in _items(data.get("results"))]
+
+
+async def _ddgs(backend: Backend, query: str, count: int) -> list[dict]:
+    """The ddgs library (synchronous, so in a thread) -> title/href/body."""
+    from ddgs import DDGS
+    from ddgs.exceptions import DDGSException
+
+    def search() -> list[dict]:
+        return DDGS(timeout=int(SEARCH_SECONDS)).text(query, max_results=count)
+
+    try:
+        items = await asyncio.to_thread(search)
+    except DDGSException as exc:
+        raise ToolError(f"ddgs search failed: {exc}") from None
+    return [_result(item.get("title"), item.get("href"), item.get("body")) for item in _items(items)]
+
+
+_SEARCHES: dict[str, Callable[[Backend, str, int], Awaitable[list[dict]]]] = {
+    "searxng": _searxng, "brave": _brave, "tavily": _tavily, "ddgs": _ddgs}

@@ -1,0 +1,308 @@
+"""The run report: data/<run_name>/report.html from a real run through the CLI, opened in a real
+headless Chromium; and the streaming builder on a synthetic run of thousands of rows."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from batchrun import report, rows
+from batchrun.rows import AssistantTurn, SessionResult, ToolCallRecord, Usage
+from conftest import REPO, endpoint_args, run_cli, write_dataset
+from scripted_endpoint import ScriptedEndpoint
+import toolset_distributions
+
+HOSTILE = '</script><script>alert("pwned")</script><img src=x onerror=alert(2)> & "quotes"'
+PROMPTS = [
+    'say hi [[call terminal {"command": "echo hi-from-terminal"}]]',
+    'read a missing file [[call read_file {"path": "missing.txt"}]] [[call terminal {"command": "echo again"}]]',
+    "answer without thinking [[reasoning none]]",
+    "this one fails [[fail 400 always]]",
+    "make up a tool [[invent]]",
+    "runs out of room [[length]]",
+    HOSTILE + " [[reasoning think]]",
+    "plain question one",
+    "plain question two",
+]
+CHROMIUM = Path("/usr/bin/chromium")
+BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """One real run of every kind of outcome, shared by the tests that only read it."""
+    tmp_path = tmp_path_factory.mktemp("report")
+    dataset = write_dataset(tmp_path / "dataset.jsonl", PROMPTS)
+    with ScriptedEndpoint() as server:
+        result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=4", "--run_name=run",
+                         "--distribution=terminal_only", "--max_tokens=50", *endpoint_args(server))
+    assert result.returncode == 0, result.stderr
+    assert "Report: data/run/report.html" in result.stdout
+    return tmp_path / "data" / "run"
+
+
+def page_data(page: str) -> dict:
+    found = re.search(r'<script type="application/json" id="report-data">(.*?)</script>', page, re.DOTALL)
+    return json.loads(found.group(1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the CLI
+
+
+def test_a_run_writes_a_self_contained_report(run_dir: Path) -> None:
+    page = (run_dir / report.REPORT_FILE).read_text(encoding="utf-8")
+    assert page.count('<svg class="chart"') == 7
+    references = re.findall(r'(?:src|href)="([^"]*)"', page) + re.findall(r"url\(([^)]*)\)", page)
+    assert references and all(target.startswith("#") for target in references)   # only inside the page
+    assert "@import" not in page
+    assert "default-src 'none'" in page                     # the page may not load anything, ever
+    assert HOSTILE not in page and "</script><script>alert" not in page
+    data = page_data(page)
+    assert data["total"] == len(PROMPTS)
+    by_prompt = {row["p"]: row for row in data["rows"]}
+    assert by_prompt[HOSTILE + " [[reasoning think]]"]["s"] == "completed"     # escaped, not lost
+    assert by_prompt["this one fails [[fail 400 always]]"]["et"] == "http_400"
+    assert by_prompt["answer without thinking [[reasoning none]]"]["s"] == "discarded"
+    assert by_prompt["make up a tool [[invent]]"]["s"] == "corrupted"
+    assert by_prompt["runs out of room [[length]]"]["e"] == "truncated"
+
+
+def test_report_flag_rebuilds_it_from_the_run_directory_alone(run_dir: Path) -> None:
+    (run_dir / report.REPORT_FILE).unlink()
+    result = run_cli(run_dir.parent.parent, "--report", "--run_name=run")    # no dataset, no key, no endpoint
+    assert result.returncode == 0, result.stderr
+    assert "data/run/report.html" in result.stdout
+    assert (run_dir / report.REPORT_FILE).stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("args, message", [(["--run_name=nothing_here"], "no run directory data/nothing_here/"),
+                                           ([], "--run_name"),
+                                           (["--run_name=../etc"], "--run_name must be a plain name")])
+def test_report_flag_needs_an_existing_run_directory(tmp_path: Path, args: list[str], message: str) -> None:
+    result = run_cli(tmp_path, "--report", *args)
+    assert result.returncode == 1
+    assert result.stderr.startswith("error:") and message in result.stderr
+
+
+def test_a_report_that_cannot_be_written_does_not_fail_the_run(tmp_path: Path, endpoint) -> None:
+    blocker = tmp_path / "data" / "run" / (report.REPORT_FILE + ".tmp")
+    blocker.mkdir(parents=True)                              # writing the temp file fails
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["plain question"])
+    result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=1", "--run_name=run",
+                     "--distribution=terminal_only", *endpoint_args(endpoint))
+    assert result.returncode == 0, result.stderr
+    assert "run report was not written" in result.stdout + result.stderr
+    assert (tmp_path / "data" / "run" / "trajectories.jsonl").stat().st_size > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# In a real browser
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is not installed")
+    with sync_api.sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS)
+        yield launched
+        launched.close()
+
+
+def test_the_page_renders_plots_and_a_browsable_trajectory_offline(run_dir: Path, browser) -> None:
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    requests, errors, dialogs = [], [], []
+    page.on("request", lambda request: requests.append(request.url))
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+    url = (run_dir / report.REPORT_FILE).resolve().as_uri()
+    page.goto(url)
+
+    assert page.locator("svg.chart").count() == 7
+    assert page.locator("#list button").count() == len(PROMPTS)
+    assert "9 of 9 shown" in page.locator("#count").inner_text()
+
+    page.fill("#search", "hi-from-terminal")
+    assert page.locator("#list button").count() == 1
+    page.locator("#list button").first.click()
+    detail = page.locator("#detail")
+    assert "call terminal" in detail.inner_text()
+    assert detail.locator(".call pre").first.inner_text() == "echo hi-from-terminal"
+    assert "hi-from-terminal\n" in detail.locator(".result.ok pre").first.inner_text()
+    assert detail.locator("details.think").count() == 2                      # reasoning folded
+    assert not detail.locator("details.think").first.evaluate("node => node.open")
+
+    page.fill("#search", "no prompt says this")
+    assert page.locator("#list button").count() == 0
+    assert "No sampled trajectory matches" in page.locator("#list").inner_text()
+
+    page.fill("#search", "")
+    page.select_option("select[aria-label='any status']", "failed")
+    assert page.locator("#list button").count() == 1
+    assert "http_400" in detail.inner_text()
+    page.select_option("select[aria-label='any status']", "")
+    page.select_option("select[aria-label='any tool']", "read_file")
+    page.locator("#list button").first.click()
+    assert detail.locator(".result.failed").count() == 1                      # the missing file
+
+    page.select_option("select[aria-label='any tool']", "")
+    page.fill("#search", "pwned")
+    page.locator("#list button").first.click()
+    assert HOSTILE in detail.locator(".turn.human").inner_text()              # shown as text, never run
+    page.fill("#search", "hi-from-terminal")
+    page.locator("#list button").first.click()
+
+    artifacts = REPO / "test-artifacts"
+    artifacts.mkdir(exist_ok=True)
+    page.screenshot(path=str(artifacts / "report.png"), full_page=True)
+    assert errors == [] and dialogs == []
+    assert requests == [url]                                                  # nothing but the file itself
+    page.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The builder on a synthetic run: bounded sample, streaming figures
+
+
+def synthetic_result(index: int, rng: random.Random) -> SessionResult:
+    turns = []
+    for turn in range(rng.randint(1, 5)):
+        calls = []
+        if rng.random() < 0.6:
+            name = rng.choice(["terminal", "read_file", "write_file"])
+            result = '{"error": "nope"}' if rng.random() < 0.2 else json.dumps({"output": "x" * rng.randint(0, 4000)})
+            calls.append(ToolCallRecord(f"call_{turn}_0", name, '{"command": "ls"}', result))
+        turns.append(AssistantTurn("thinking " * 10, "ok", calls))
+    return SessionResult(prompt_index=index, content_key=f"{index:032x}", prompt=f"prompt {index} {HOSTILE}",
+                         toolsets=["terminal", "file"], offered_tools=["terminal", "read_file", "write_file"],
+                         turns=turns, api_calls=len(turns), usage=Usage(100 * index, 10, 5, 0, 0.001),
+                         wall_time=1.5, end_reason="final_answer")
+
+
+def write_synthetic_run(run_dir: Path, count: int) -> Counter:
+    """Rows of every kind in batch files of 500, plus a half-written last line; returns the kinds."""
+    rng = random.Random(7)
+    kinds: Counter = Counter()
+    run_dir.mkdir(parents=True)
+    lines: dict[int, list[bytes]] = {}
+    for index in range(count):
+        result = synthetic_result(index, rng)
+        roll = rng.random()
+        if roll < 0.03:
+            result.end_reason, result.error = "error", "HTTP 400"
+            result.error_type = rng.choice(["http_400", "timeout"])
+            row, kind = rows.failure_row(result), "failed"
+        elif roll < 0.06:
+            row, kind = rows.tombstone_row(result), "discarded"
+        else:
+            if roll < 0.08:
+                result.turns[0].tool_calls.append(ToolCallRecord("call_x", "made_up_tool", "{}", "Error: unknown"))
+            if roll > 0.9:
+                result.end_reason = rng.choice(["max_turns", "truncated"])
+            row = rows.trajectory_row(result, batch_num=index // 500, model="synthetic",
+                                      timestamp=f"2026-01-01T10:{index // 60 % 60:02d}:{index % 60:02d}")
+            kind = "corrupted" if roll < 0.08 else "partial" if roll > 0.9 else "completed"
+        kinds[kind] += 1
+        lines.setdefault(index // 500, []).append(rows.encode_row(row))
+    for batch_num, batch in lines.items():
+        (run_dir / f"batch_{batch_num}.jsonl").write_bytes(b"".join(batch))
+    with (run_dir / "batch_0.jsonl").open("ab") as handle:
+        handle.write(b'{"prompt_index": 99999, "content_key": "ab", "conversations": [')   # a crash mid-write
+    (run_dir / "checkpoint.json").write_text(json.dumps({"distribution": "terminal_only", "total_prompts": count}))
+    return kinds
+
+
+def test_a_large_run_gives_a_bounded_sample_that_covers_every_kind(tmp_path: Path) -> None:
+    run_dir = tmp_path / "data" / "big"
+    kinds = write_synthetic_run(run_dir, 3000)
+    summary, sample = report.scan_run(run_dir)
+    assert summary.row_count == 3000 and summary.unreadable_lines == 0
+    assert {status: summary.statuses[status] for status in kinds} == dict(kinds)
+    assert summary.tools["terminal"][0] > 0 and summary.invented_tools["made_up_tool"] == kinds["corrupted"]
+    assert summary.toolsets == {"terminal": summary.kept, "file": summary.kept}
+    assert sum(summary.timeline.points()[i][1] + summary.timeline.points()[i][2]
+               for i in range(len(summary.timeline.points()))) == summary.kept
+
+    held = len(sample._rows)
+    assert held <= sum(quota * 4 for quota in report.QUOTAS.values())      # bounded by quotas, not by rows
+    chosen = sample.chosen()
+    assert len(chosen) <= report.SAMPLE_LIMIT
+    assert {row["s"] for row in chosen} == set(kinds)
+    assert {tool for row in chosen for tool in row["tf"]} == {"terminal", "read_file", "write_file"}
+    assert all(len(json.dumps(row["turns"])) < 3 * report.ROW_BUDGET for row in chosen)
+
+    small = report.TrajectorySample(limit=25)
+    for row_id, (kind, detail) in enumerate([("failed", "x")] * 100 + [("completed", "")] * 100):
+        small.offer(row_id, [(kind, detail)], lambda row_id=row_id: {"id": row_id})
+    picked = small.chosen()
+    assert len(picked) == 25 and any(row["id"] < 100 for row in picked) and any(row["id"] >= 100 for row in picked)
+
+    page = report.render(run_dir, summary, sample)
+    data = page_data(page)
+    assert data["total"] == 3000 and len(data["rows"]) == len(chosen)
+    assert f"Showing {len(chosen)} of 3,000 rows" in page
+    assert HOSTILE not in page and all(HOSTILE in row["p"] for row in data["rows"])
+
+
+def test_without_matplotlib_the_report_has_tables_and_says_how_to_get_plots(tmp_path: Path, monkeypatch) -> None:
+    run_dir = tmp_path / "data" / "small"
+    write_synthetic_run(run_dir, 50)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)           # import matplotlib -> ImportError
+    page = report.write_report(run_dir).read_text(encoding="utf-8")
+    assert "<svg" not in page
+    assert "<table>" in page and "terminal" in page
+    assert 'pip install -e \\".[report]\\"' in page or "pip install -e &quot;.[report]&quot;" in page
+    assert "--report --run_name=small" in page
+
+
+def test_expected_toolset_shares_match_the_sampler() -> None:
+    assert report.expected_toolset_shares("terminal_only") == {"terminal": 1.0, "file": 1.0}
+    assert report.expected_toolset_shares("no such distribution") is None
+    for name in ("development", "research", "creative"):
+        expected = report.expected_toolset_shares(name)
+        rng = random.Random(1)
+        draws = 20_000
+        seen = Counter(toolset for _ in range(draws) for toolset in toolset_distributions.sample_toolsets(name, rng))
+        for toolset, share in expected.items():
+            assert abs(seen[toolset] / draws - share) < 0.015, (name, toolset)
+
+
+def test_the_timeline_widens_its_buckets_instead_of_growing() -> None:
+    timeline = report.Timeline()
+    for second in range(0, 100_000, 7):
+        timeline.add(1_700_000_000 + second, completed=second % 2 == 0)
+    assert len(timeline.counts) <= report.TIMELINE_BUCKETS
+    assert sum(a + b for _, a, b in timeline.points()) == len(range(0, 100_000, 7))
+
+
+def test_facts_are_read_from_the_bytes_not_from_text_that_looks_like_them() -> None:
+    result = synthetic_result(3, random.Random(1))
+    result.prompt = 'sneaky "toolsets_used": ["web"] "metadata": {"batch_num": 1, "timestamp": "x", "model": "y"}'
+    line = rows.encode_row(rows.trajectory_row(result, batch_num=0, model='m "quoted"',
+                                               timestamp="2026-01-01T00:00:00"))
+    assert report.toolsets_used(line) == ["terminal", "file"]
+    assert report.metadata(line) == ("2026-01-01T00:00:00", 'm "quoted"')
+
+
+def test_long_trajectories_keep_their_beginning_and_end(tmp_path: Path) -> None:
+    turns = [AssistantTurn("r" * 5000, f"turn {i}", [ToolCallRecord(f"c{i}", "terminal", "{}", "o" * 20_000)])
+             for i in range(40)] + [AssistantTurn("done thinking", "the end", [])]
+    result = SessionResult(prompt_index=0, content_key="0" * 32, prompt="long", toolsets=["terminal"],
+                           offered_tools=["terminal"], turns=turns, api_calls=41, usage=Usage(), wall_time=1,
+                           end_reason="final_answer")
+    line = rows.encode_row(rows.trajectory_row(result, batch_num=0, model="m", timestamp="2026-01-01T00:00:00"))
+    row = report.sampled_row(rows.read_stored_row(line), rows.COMPLETED, "batch_0.jsonl")
+    kinds = [turn["r"] for turn in row["turns"]]
+    assert kinds[:2] == ["system", "human"] and kinds[-1] == "gpt" and "gap" in kinds
+    assert row["turns"][-1]["t"] == "the end"
+    assert len(json.dumps(row, ensure_ascii=False)) < 2 * report.ROW_BUDGET
+    assert "characters not shown" in row["turns"][2]["think"]
