@@ -84,13 +84,21 @@ class RunConsole:
         self._done += 1
         detail = f"{finished.api_calls} calls · {finished.wall_time:.1f}s"
         if finished.status == rows.FAILED:
-            detail = f"failed ({finished.error_type}: {_one_line(finished.error or '')[:200]}) — will retry on resume"
+            error = finished.error or ""
+            error = error if self.verbose else _one_line(error)[:200]
+            detail = f"failed ({finished.error_type}: {error}) — will retry on resume"
         elif finished.status == rows.DISCARDED:
             detail += " · discarded: no reasoning"
         elif finished.status == rows.PARTIAL:
             detail += f" · partial: {finished.end_reason}"
         self.print(f"{STATUS_MARK[finished.status]} [{self._done}/{self._total}] prompt {finished.prompt_index} · "
                    f"{detail} · {_one_line(finished.prompt_preview)}")
+        if self.verbose:
+            usage = finished.usage
+            tools = ", ".join(f"{name}×{count}" for name, count in finished.tool_calls) or "none"
+            self.print(f"    toolsets {', '.join(finished.toolsets)} · tools used: {tools} · "
+                       f"tokens {usage['prompt_tokens']:,}+{usage['completion_tokens']:,} · ${usage['cost']:.4f} · "
+                       f"batch {finished.batch_num} · end {finished.end_reason}")
         if self._progress is not None:
             self._progress.update(self._task_id, completed=self._done, rate=f"{self._rate():.2f}/s",
                                   counts=self._counts_text())

@@ -18,8 +18,8 @@ checkpoint, merge and resume are those of a local run.
 * Without ``RAY_ADDRESS`` the runner starts a private Ray on this machine, on 127.0.0.1 only, and
   stops it at the end; a small watcher process ends that Ray's processes even after ``kill -9``.
   With ``RAY_ADDRESS`` it joins that cluster and leaves it running.
-* Each actor first checks that the run's TERMINAL_ENV works on its node; the run stops with one
-  message naming the node otherwise, before any model call.
+* Each actor first checks that the run's TERMINAL_ENV, and every tool the run may offer, work on its
+  node; the run stops with one message naming the node otherwise, before any model call.
 
 Ray is imported here only, and only when a run asks for it.
 """
@@ -47,7 +47,8 @@ INSTALL_HINT = "pip install 'batch-runner[ray]'"
 ACTOR_START_TIMEOUT = 180.0     # seconds for every actor to be placed, import the worker code and check its node
 STOP_GRACE_SECONDS = 15.0
 SPARE_CONCURRENCY = 4           # actor calls beyond the session slots: probe, stop
-# Set in the environment of a Ray this runner starts: the watcher finds that Ray's processes by it.
+# Set in the environment of a Ray this runner starts: the watcher finds that Ray's processes by it
+# (and by having seen them below the parent).
 OWNER_VARIABLE = "BATCH_RUNNER_RAY_OWNER"
 # A private Ray stays on the loopback interface: with this, Ray takes 127.0.0.1 as the node's address
 # (otherwise it binds every interface and advertises the external address), and it reports nothing.
@@ -119,7 +120,7 @@ class SessionActor:
         self._running: set[asyncio.Future] = set()
 
     async def probe(self) -> dict:
-        """Where this actor runs and whether the run's environment backend works there."""
+        """Where this actor runs, and what keeps its node from running this run's sessions (None: nothing)."""
         import ray
 
         self._worker.use_pidfd_child_watcher(asyncio.get_running_loop())
@@ -154,9 +155,7 @@ class SessionActor:
 
     async def stop(self) -> None:
         """Cancel the sessions in flight; each closes its environment before this returns."""
-        for session in list(self._running):
-            session.cancel()
-        await asyncio.gather(*self._running, return_exceptions=True)
+        await self._worker.shut_down(set(self._running))
 
 
 class GateKeeper:
@@ -348,8 +347,8 @@ class RayWorkerPool:
                          logging_level=logging.ERROR, namespace="batch_runner")
                 address = ray.util.get_node_ip_address()
                 if not address.startswith(LOOPBACK_PREFIXES):
-                    raise PoolStartError(f"the local Ray took the address {address} instead of 127.0.0.1 "
-                                         "(was Ray imported before the runner set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0?)")
+                    raise PoolStartError(f"the local Ray took the address {address} instead of 127.0.0.1 (was "
+                                         "Ray imported before the runner set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0?)")
             else:
                 ray.init(address=self._address, logging_level=logging.ERROR, namespace="batch_runner")
         except PoolStartError:
@@ -371,7 +370,7 @@ class RayWorkerPool:
         self._capacity = [config.num_workers // count + (1 if i < config.num_workers % count else 0)
                           for i in range(count)]
         self._free = list(self._capacity)
-        self._keeper = ray.remote(num_cpus=0)(GateKeeper).remote(config.requests_per_minute)
+        self._keeper = ray.remote(num_cpus=0, max_concurrency=10_000)(GateKeeper).remote(config.requests_per_minute)
         gate = RayRateGate(self._keeper, config.requests_per_minute)
         actor_class = ray.remote(SessionActor)
         self._actors = [actor_class.options(num_cpus=1, max_concurrency=slots + SPARE_CONCURRENCY,

@@ -22,6 +22,7 @@ from batchrun.messages import Fatal, Finished, Task
 from batchrun.rate_limit import RateGate
 from batchrun.security import Redactor
 from batchrun.session import Session, SessionServices
+from batchrun.tools.browser import close_browser
 
 SESSIONS_PER_CLIENT = 16
 
@@ -34,7 +35,9 @@ def _finished(result: rows.SessionResult, config: RunConfig) -> Finished:
     return Finished(prompt_index=result.prompt_index, batch_num=batch_num, status=rows.read_stored_row(line).status,
                     row=line, api_calls=result.api_calls, usage=result.usage.as_dict(),
                     wall_time=result.wall_time, end_reason=result.end_reason, error=result.error,
-                    error_type=result.error_type, prompt_preview=result.prompt[:config.log_prefix_chars])
+                    error_type=result.error_type, prompt_preview=result.prompt[:config.log_prefix_chars],
+                    toolsets=tuple(result.toolsets),
+                    tool_calls=tuple((name, count) for name, count, _, _ in rows.read_stored_row(line).tool_counts()))
 
 
 def _crashed(task: Task, services: SessionServices) -> rows.SessionResult:
@@ -79,6 +82,14 @@ async def outcome(task: Task, services: SessionServices) -> Finished | Fatal:
     return _finished(result, services.config)
 
 
+async def shut_down(sessions: set[asyncio.Task]) -> None:
+    """End a worker: cancel its sessions (each closes its environment) and close the shared browser."""
+    for session in sessions:
+        session.cancel()
+    await asyncio.gather(*sessions, return_exceptions=True)
+    await close_browser()
+
+
 async def _serve(conn: Connection, services: SessionServices) -> None:
     loop = asyncio.get_running_loop()
     use_pidfd_child_watcher(loop)
@@ -107,13 +118,11 @@ async def _serve(conn: Connection, services: SessionServices) -> None:
         session = asyncio.create_task(run_one(Task(**message)))
         running.add(session)
         session.add_done_callback(running.discard)
-    for session in running:
-        session.cancel()
-    await asyncio.gather(*running, return_exceptions=True)
+    await shut_down(running)
 
 
 def main(conn: Connection, siblings: list[Connection], slots: int, config: RunConfig, gate: RateGate,
-                 env_settings: EnvironmentSettings, available_tools: frozenset[str]) -> None:
+         env_settings: EnvironmentSettings, available_tools: frozenset[str]) -> None:
     # Fork copied the parent's ends of this worker's pipe and of earlier workers' pipes; they must
     # close here, or a killed parent would never produce the end-of-file by which workers notice.
     for inherited in siblings:

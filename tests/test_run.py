@@ -242,3 +242,10 @@ def test_local_environment_runs_commands_in_a_fresh_directory_not_the_users(tmp_
     [row] = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
     assert str(tmp_path / "tmp" / "batch_runner" / "run") in row["conversations"][3]["value"]
     assert list((tmp_path / "tmp" / "batch_runner").glob("run/*")) == []      # removed afterwards
+
+
+def test_verbose_shows_toolsets_tools_and_tokens_per_prompt(tmp_path, endpoint):
+    result = run_prompts(tmp_path, endpoint, [TOOL_PROMPT], "--verbose")
+    assert result.returncode == 0, result.stderr
+    assert "toolsets terminal, file · tools used: terminal×1, write_file×1" in result.stdout
+    assert "tokens 300+60" in result.stdout

@@ -1,0 +1,376 @@
+"""--backend=ray (SPEC §13): sessions in Ray actors, the parent the only writer, same outputs and resume.
+
+Every test starts the CLI with a private Ray on 127.0.0.1 (no RAY_ADDRESS). Each Ray process the run
+starts inherits a tag from the CLI's environment, so the tests find exactly this run's processes:
+to check that they use only loopback addresses and that none is left once the runner is gone.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import ipaddress
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from conftest import (REPO, batch_rows, batch_runner_command, cli_environment, endpoint_args, human_prompt, read_jsonl,
+                      run_cli, write_dataset)
+
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                               reason="Ray is not installed (pip install 'batch-runner[ray]')")
+# Lower case sorts last: Ray's processes write their title over the start of their environment block
+# (which Ray's raylet fills in sorted order), and the tag must survive that.
+TAG = "zz_batch_runner_test_tag"
+TOOL_PROMPT = ('make a file [[call write_file {"path": "notes/a.txt", "content": "hello"}]] '
+               '[[call terminal {"command": "cat notes/a.txt && exit 3"}]]')
+
+
+def args(dataset: Path, endpoint, *extra: str, batch_size: int = 3) -> list[str]:
+    return [f"--dataset_file={dataset}", f"--batch_size={batch_size}", "--run_name=run",
+            "--distribution=terminal_only", *endpoint_args(endpoint), *extra]
+
+
+@pytest.fixture(autouse=True)
+def ray_tmpdir(monkeypatch):
+    """Ray's session directory (logs, sockets) per test, short enough for its socket paths, removed after."""
+    directory = tempfile.mkdtemp(prefix="br-ray-", dir="/tmp")
+    monkeypatch.setenv("RAY_TMPDIR", directory)
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def ray_environment(tag: str, **extra: str) -> dict[str, str]:
+    return {TAG: tag, "RAY_ADDRESS": "", **extra}
+
+
+def tagged_processes(tag: str, known: dict[int, str] | None = None) -> list[int]:
+    """The live processes of a run: those carrying its tag, and those of ``known`` (pid -> start time)."""
+    marker = f"{TAG}={tag}\0".encode()
+    found = [pid for pid, started in (known or {}).items() if _start_time(pid) == started and _state(pid) != "Z"]
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) not in found:
+            try:
+                if marker in Path(f"/proc/{entry}/environ").read_bytes() and _state(int(entry)) != "Z":
+                    found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def descendants(root: int) -> dict[int, str]:
+    """pid -> start time of every process below ``root`` now."""
+    found, frontier = {}, [root]
+    while frontier:
+        pid = frontier.pop()
+        try:
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                for child in map(int, (task / "children").read_text().split()):
+                    if child not in found and (started := _start_time(child)):
+                        found[child] = started
+                        frontier.append(child)
+        except OSError:
+            pass
+    return found
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "Z"
+
+
+def wait_for(condition, timeout: float = 90.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def wait_until_gone(tag: str, known: dict[int, str] | None = None, timeout: float = 15.0) -> None:
+    """Every process of the run (the CLI, Ray's processes, the actors) has exited."""
+    deadline = time.monotonic() + timeout
+    while left := tagged_processes(tag, known):
+        if time.monotonic() > deadline:
+            pytest.fail("processes left behind: " + "; ".join(f"{pid} {_command(pid)}" for pid in left))
+        time.sleep(0.1)
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()[:100]
+    except OSError:
+        return "?"
+
+
+def _address(hex_address: str) -> tuple[str, int]:
+    host, port = hex_address.split(":")
+    raw = bytes.fromhex(host)
+    # /proc/net/tcp* prints each 32-bit word of the address in host (little-endian) order.
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
+    return socket.inet_ntop(family, raw), int(port, 16)
+
+
+def _is_loopback(host: str) -> bool:
+    address = ipaddress.ip_address(host)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+def sockets_of(pids: list[int]) -> list[dict]:
+    """Every TCP/UDP socket the processes hold: local and remote addresses (IPv4 and IPv6)."""
+    found = []
+    for pid in pids:
+        try:
+            inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] for fd in os.listdir(f"/proc/{pid}/fd")
+                      if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")}
+        except OSError:
+            continue
+        for table in ("tcp", "tcp6", "udp", "udp6"):
+            try:
+                lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+            except OSError:
+                continue
+            for line in lines:
+                fields = line.split()
+                if fields[9] in inodes:
+                    found.append({"pid": pid, "table": table, "state": fields[3],
+                                  "local": _address(fields[1]), "remote": _address(fields[2])})
+    return found
+
+
+def non_loopback(sockets: list[dict]) -> list[dict]:
+    """Sockets bound to, listening on or connected to anything but loopback (0.0.0.0 and :: included)."""
+    bad = []
+    for entry in sockets:
+        local, remote = entry["local"][0], entry["remote"][0]
+        connected = entry["remote"][1] != 0
+        if not _is_loopback(local) or (connected and not _is_loopback(remote)):
+            bad.append(entry)
+    return bad
+
+
+def normalized(value):
+    """A row or statistics without what differs between any two runs (times, durations)."""
+    volatile = ("timestamp", "wall_time", "duration", "completed_at", "last_updated", "seconds")
+    if isinstance(value, dict):
+        return {k: normalized(v) for k, v in value.items() if not any(word in k for word in volatile)}
+    if isinstance(value, list):
+        return [normalized(v) for v in value]
+    return value
+
+
+def run_directory_summary(run_dir: Path) -> dict:
+    rows = {human_prompt(row) if row.get("conversations") else row["prompt_index"]: normalized(row)
+            for row in batch_rows(run_dir)}
+    checkpoint = json.loads((run_dir / "checkpoint.json").read_text())
+    return {
+        "files": sorted(path.name for path in run_dir.iterdir() if path.name != ".lock"),
+        "batches": {path.name: sorted(row["prompt_index"] for row in read_jsonl(path))
+                    for path in run_dir.glob("batch_*.jsonl")},
+        "rows": rows,
+        "merged": sorted(human_prompt(row) for row in read_jsonl(run_dir / "trajectories.jsonl")),
+        "checkpoint": normalized(checkpoint),
+        "statistics": normalized(json.loads((run_dir / "statistics.json").read_text())),
+    }
+
+
+# -- without Ray ----------------------------------------------------------------------------------------
+
+
+def test_backend_ray_without_ray_installed_says_how_to_install_and_exits_1(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["hello"])
+    hide_ray = ("import os, runpy, sys; sys.modules['ray'] = None; sys.argv = sys.argv[1:]; "
+                "sys.path.insert(0, os.path.dirname(sys.argv[0])); runpy.run_path(sys.argv[0], run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", hide_ray, str(REPO / "batch_runner.py"),
+                             *args(dataset, endpoint, "--backend=ray")],
+                            cwd=tmp_path, env=cli_environment(tmp_path), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "pip install 'batch-runner[ray]'" in result.stderr
+    assert endpoint.requests == [] and not (tmp_path / "data").exists()
+
+
+def test_unknown_backend_is_a_usage_error(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["hello"])
+    result = run_cli(tmp_path, *args(dataset, endpoint, "--backend=spark"))
+    assert result.returncode == 1
+    assert "--backend must be one of local, ray" in result.stderr
+
+
+def test_a_node_missing_a_tool_the_run_offers_is_a_problem(monkeypatch):
+    import model_tools
+    from batchrun.ray_pool import node_tools_problem
+
+    monkeypatch.setattr(model_tools, "unavailable_tools", lambda: {"web_search": "set SEARXNG_URL",
+                                                                   "browser_navigate": "install chromium"})
+    everything = frozenset(model_tools.TOOL_NAMES)
+    assert node_tools_problem("terminal_only", everything) is None              # never offered: no problem
+    problem = node_tools_problem("terminal_web", everything)
+    assert problem is not None and "web_search (set SEARXNG_URL)" in problem and "browser" not in problem
+    assert node_tools_problem("terminal_web", everything - {"web_search"}) is None  # unavailable everywhere anyway
+
+
+# -- with Ray -------------------------------------------------------------------------------------------
+
+
+@needs_ray
+def test_ray_run_writes_what_a_local_run_writes_on_loopback_only_and_leaves_no_process(tmp_path, endpoint):
+    prompts = [TOOL_PROMPT, "[[invent]] inventive", "[[reasoning none]] silent", "[[fail 400 always]] refused",
+               *[f"[[sleep 0.5]] question {i}" for i in range(8)]]
+    local_dir, ray_dir = tmp_path / "local", tmp_path / "ray"
+    local_dir.mkdir()
+    ray_dir.mkdir()
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    local = run_cli(local_dir, *args(dataset, endpoint, "--num_workers=4", "--seed=7"))
+    assert local.returncode == 0, local.stderr
+    local_calls = Counter(map(_last_user, endpoint.requests))
+    endpoint.reset()
+
+    tag = uuid.uuid4().hex
+    process = subprocess.Popen(batch_runner_command(*args(dataset, endpoint, "--num_workers=4", "--seed=7",
+                                                          "--backend=ray")),
+                               cwd=ray_dir, env=cli_environment(ray_dir, ray_environment(tag)),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: any(prompt.startswith("[[sleep") for prompt in map(_last_user, endpoint.requests))
+                 or process.poll() is not None, what="the first request of a session actor")
+        known = descendants(process.pid)
+        running = tagged_processes(tag, known)
+        sockets = sockets_of(running)
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, stderr
+    assert len(running) > 3 and sockets     # the CLI, Ray's own processes and the actors, with their sockets
+    assert non_loopback(sockets) == []
+    assert any(entry["state"] == "0A" for entry in sockets)   # Ray's servers listen: on 127.0.0.1 only
+    assert "backend ray · local Ray on 127.0.0.1 · 1 node (127.0.0.1: 2 actors · 4 sessions)" in stdout
+    assert "Traceback" not in stderr
+    wait_until_gone(tag, known)
+
+    assert run_directory_summary(ray_dir / "data" / "run") == run_directory_summary(local_dir / "data" / "run")
+    assert Counter(map(_last_user, endpoint.requests)) == local_calls   # the same model calls per prompt
+
+
+def _last_user(request: dict) -> str:
+    return [m for m in request["messages"] if m["role"] == "user"][-1]["content"]
+
+
+@needs_ray
+def test_kill_9_of_the_driver_then_resume_on_ray_runs_every_prompt_exactly_once(tmp_path, endpoint):
+    prompts = [f"[[sleep 0.4]] slow prompt {i}" for i in range(16)]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    run_dir = tmp_path / "data" / "run"
+    tag = uuid.uuid4().hex
+    process = subprocess.Popen(batch_runner_command(*args(dataset, endpoint, "--num_workers=4", "--backend=ray")),
+                               cwd=tmp_path, env=cli_environment(tmp_path, ray_environment(tag)),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(lambda: _finished_rows(run_dir) >= 5, what="five finished rows")
+    known = descendants(process.pid)
+    assert len(known) > 3
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    wait_until_gone(tag, known)
+    done_before = {human_prompt(row) for row in batch_rows(run_dir)}
+    assert 5 <= len(done_before) < 16
+    endpoint.reset()
+
+    result = run_cli(tmp_path, *args(dataset, endpoint, "--num_workers=4", "--backend=ray", "--resume"),
+                     env=ray_environment(tag))
+    assert result.returncode == 0, result.stderr
+    assert f"{len(done_before)} already done" in result.stdout
+    merged = Counter(human_prompt(row) for row in read_jsonl(run_dir / "trajectories.jsonl"))
+    assert merged == Counter(prompts)
+    assert not {_last_user(request) for request in endpoint.requests} & done_before
+    wait_until_gone(tag)
+
+
+def _finished_rows(run_dir: Path) -> int:
+    return sum(path.read_bytes().count(b"\n") for path in run_dir.glob("batch_*.jsonl"))
+
+
+@needs_ray
+def test_a_429_in_one_actor_pauses_the_sessions_of_the_other(tmp_path, endpoint):
+    arrivals: list[tuple[float, str]] = []
+
+    def record(body: dict) -> None:
+        arrivals.append((time.monotonic(), _last_user(body)))
+
+    endpoint.script = record
+    limited = "[[fail 429 1 retry_after=1.5]] limited"
+    others = [f'[[call terminal {{"command": "sleep 0.2"}}]] other {i}' for i in range(3)]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [limited, *others])
+    # Two actors of two slots: the limited prompt shares its actor with one other, two run in the other actor.
+    result = run_cli(tmp_path, *args(dataset, endpoint, "--num_workers=4", "--backend=ray", batch_size=100),
+                     env=ray_environment(uuid.uuid4().hex))
+    assert result.returncode == 0, result.stderr
+    rejected_at = next(t for t, prompt in arrivals if prompt == limited)
+    second_calls = [t for t, prompt in arrivals if prompt != limited][3:]
+    assert len(second_calls) == 3
+    assert all(t >= rejected_at + 1.4 for t in second_calls)
+    assert len(read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")) == 4
+
+
+@needs_ray
+def test_requests_per_minute_paces_every_actor_together(tmp_path, endpoint):
+    arrivals: list[float] = []
+    endpoint.script = lambda body: arrivals.append(time.monotonic())
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [f"paced {i}" for i in range(4)])
+    result = run_cli(tmp_path, *args(dataset, endpoint, "--num_workers=4", "--backend=ray",
+                                     "--requests_per_minute=120"), env=ray_environment(uuid.uuid4().hex))
+    assert result.returncode == 0, result.stderr
+    times = sorted(arrivals)
+    assert len(times) == 4
+    assert all(later - earlier >= 0.45 for earlier, later in zip(times, times[1:]))   # one every 0.5 s
+
+
+@needs_ray
+def test_a_slow_prompt_holds_one_slot_while_the_others_finish(tmp_path, endpoint):
+    prompts = ["[[sleep 4]] straggler", *[f"quick {i}" for i in range(9)]]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    result = run_cli(tmp_path, *args(dataset, endpoint, "--num_workers=2", "--backend=ray", batch_size=100),
+                     env=ray_environment(uuid.uuid4().hex))
+    assert result.returncode == 0, result.stderr
+    written = [human_prompt(row) for row in batch_rows(tmp_path / "data" / "run")]
+    assert written[-1] == "[[sleep 4]] straggler"
+    assert sorted(written[:-1]) == sorted(prompts[1:])
+
+
+@needs_ray
+def test_an_environment_backend_missing_on_a_node_stops_the_run_before_any_model_call(tmp_path, endpoint):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "docker"
+    fake.write_text("#!/bin/sh\necho 'Cannot connect to the Docker daemon at unix:///var/run/docker.sock.' >&2\n"
+                    "exit 1\n")
+    fake.chmod(0o755)
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["hello", "world"])
+    tag = uuid.uuid4().hex
+    result = run_cli(tmp_path, *args(dataset, endpoint, "--backend=ray"),
+                     env=ray_environment(tag, TERMINAL_ENV="docker", PATH=f"{bin_dir}:{os.environ['PATH']}"))
+    assert result.returncode == 1
+    assert "Ray node 127.0.0.1 cannot run this run's sessions: TERMINAL_ENV=docker does not work there" in result.stderr
+    assert "Cannot connect to the Docker daemon" in result.stderr
+    assert endpoint.requests == [] and batch_rows(tmp_path / "data" / "run") == []
+    wait_until_gone(tag)
