@@ -15,17 +15,15 @@ from typing import Callable
 
 WEB_EXTRA_HINT = "pip install 'batch-runner[web]'"
 
-# web_search backends, in the order tried when WEB_SEARCH_BACKEND does not pick one: the self-hosted,
-# keyless SearXNG first, then the hosted APIs, then the ddgs scraper library, which needs no
-# account but is the least dependable.
-SEARCH_BACKENDS = ("searxng", "brave", "tavily", "ddgs")
+# web_search backends are tried in the order of _SEARCH_CANDIDATES when WEB_SEARCH_BACKEND does not pick
+# one: the self-hosted, keyless SearXNG first, then the hosted APIs, then the ddgs scraper library, which
+# needs no account but is the least dependable.
 _SEARCH_NEEDS = {"searxng": "SEARXNG_URL", "brave": "BRAVE_SEARCH_API_KEY", "tavily": "TAVILY_API_KEY",
                  "ddgs": "the ddgs package (pip install 'batch-runner[search]')"}
 BRAVE_BASE_URL = "https://api.search.brave.com/res/v1"
 TAVILY_BASE_URL = "https://api.tavily.com"
 
-# image_generate providers, likewise.
-IMAGE_PROVIDERS = ("openai", "fal")
+# image_generate providers, likewise (_IMAGE_CANDIDATES).
 OPENAI_IMAGES_BASE_URL = "https://api.openai.com/v1"
 OPENAI_IMAGES_MODEL = "gpt-image-1"
 FAL_BASE_URL = "https://fal.run"
@@ -103,24 +101,31 @@ _SEARCH_CANDIDATES: dict[str, Callable[[], Backend | None]] = {
     "searxng": _searxng, "brave": _brave, "tavily": _tavily, "ddgs": _ddgs}
 
 
+def _choose(selector: str, candidates: dict[str, Callable[[], Backend | None]], needs: dict[str, str],
+            nothing_configured: str) -> Backend:
+    """The backend named by the ``selector`` variable, else the first configured candidate in order."""
+    chosen = (variable(selector) or "").lower()
+    if chosen:
+        if chosen not in candidates:
+            raise NotConfigured(f"{selector}={chosen} is not one of {', '.join(candidates)}")
+        backend = candidates[chosen]()
+        if backend is None:
+            raise NotConfigured(f"{selector}={chosen} needs {needs[chosen]}")
+        return backend
+    for candidate in candidates.values():
+        backend = candidate()
+        if backend is not None:
+            return backend
+    raise NotConfigured(nothing_configured)
+
+
 def search_backend() -> Backend:
     """The backend web_search uses: WEB_SEARCH_BACKEND if set, else the first configured one."""
     if not installed("httpx"):
         raise NotConfigured(WEB_EXTRA_HINT)
-    chosen = (variable("WEB_SEARCH_BACKEND") or "").lower()
-    if chosen:
-        if chosen not in _SEARCH_CANDIDATES:
-            raise NotConfigured(f"WEB_SEARCH_BACKEND={chosen} is not one of {', '.join(SEARCH_BACKENDS)}")
-        backend = _SEARCH_CANDIDATES[chosen]()
-        if backend is None:
-            raise NotConfigured(f"WEB_SEARCH_BACKEND={chosen} needs {_SEARCH_NEEDS[chosen]}")
-        return backend
-    for candidate in _SEARCH_CANDIDATES.values():
-        backend = candidate()
-        if backend is not None:
-            return backend
-    raise NotConfigured("set SEARXNG_URL (a self-hosted SearXNG), BRAVE_SEARCH_API_KEY or TAVILY_API_KEY, "
-                        "or pip install 'batch-runner[search]' for ddgs")
+    return _choose("WEB_SEARCH_BACKEND", _SEARCH_CANDIDATES, _SEARCH_NEEDS,
+                   "set SEARXNG_URL (a self-hosted SearXNG), BRAVE_SEARCH_API_KEY or TAVILY_API_KEY, "
+                   "or pip install 'batch-runner[search]' for ddgs")
 
 
 # --- web_extract --------------------------------------------------------------------------------
@@ -156,17 +161,6 @@ _IMAGE_NEEDS = {"openai": "IMAGE_GEN_API_KEY or IMAGE_GEN_BASE_URL", "fal": "FAL
 
 def image_provider() -> Backend:
     """The provider image_generate uses: IMAGE_GEN_PROVIDER if set, else the first configured one."""
-    chosen = (variable("IMAGE_GEN_PROVIDER") or "").lower()
-    if chosen:
-        if chosen not in _IMAGE_CANDIDATES:
-            raise NotConfigured(f"IMAGE_GEN_PROVIDER={chosen} is not one of {', '.join(IMAGE_PROVIDERS)}")
-        provider = _IMAGE_CANDIDATES[chosen]()
-        if provider is None:
-            raise NotConfigured(f"IMAGE_GEN_PROVIDER={chosen} needs {_IMAGE_NEEDS[chosen]}")
-        return provider
-    for candidate in _IMAGE_CANDIDATES.values():
-        provider = candidate()
-        if provider is not None:
-            return provider
-    raise NotConfigured("set IMAGE_GEN_API_KEY (OpenAI images API) or IMAGE_GEN_BASE_URL and IMAGE_GEN_MODEL "
-                        "(any OpenAI-compatible images API), or FAL_KEY (fal.ai)")
+    return _choose("IMAGE_GEN_PROVIDER", _IMAGE_CANDIDATES, _IMAGE_NEEDS,
+                   "set IMAGE_GEN_API_KEY (OpenAI images API) or IMAGE_GEN_BASE_URL and IMAGE_GEN_MODEL "
+                   "(any OpenAI-compatible images API), or FAL_KEY (fal.ai)")
