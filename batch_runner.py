@@ -61,21 +61,18 @@ class BatchRunner:
         try:
             self.run_dir.acquire()
         except RunDirectoryError as exc:
-            self._error(str(exc))
+            self.console.error(str(exc))
             return EXIT_ERROR
         try:
             return self._run_locked()
         finally:
             self.run_dir.release()
 
-    def _error(self, message: str) -> None:
-        self.console.err.print(f"error: {self.console.redact(message)}", style="bold red", markup=False)
-
     def _run_locked(self) -> int:
         config = self.config
         existing = self.run_dir.existing_results()
         if existing and not config.resume:
-            self._error(f"{self.run_dir.path}/ already holds results ({', '.join(existing[:5])}"
+            self.console.error(f"{self.run_dir.path}/ already holds results ({', '.join(existing[:5])}"
                         f"{', ...' if len(existing) > 5 else ''}). Pass --resume to continue that run, "
                         "or choose a new --run_name to start fresh.")
             return EXIT_ERROR
@@ -86,7 +83,7 @@ class BatchRunner:
             plan = plan_dataset(config.dataset_file, max_samples=config.max_samples,
                                 done_counts=scan.done_counts, warn=self.console.warn)
         except DatasetError as exc:
-            self._error(str(exc))
+            self.console.error(str(exc))
             return EXIT_ERROR
         self.done_indices.extend(plan.done_indices)
         self._total_prompts = plan.total
@@ -104,7 +101,7 @@ class BatchRunner:
         try:
             pool = self._start_pool(env_settings, available)
         except PoolStartError as exc:
-            self._error(str(exc))
+            self.console.error(str(exc))
             return EXIT_ERROR
         except KeyboardInterrupt:
             return EXIT_INTERRUPTED
@@ -123,7 +120,7 @@ class BatchRunner:
             self._write_checkpoint()
             environment_class(self.config.terminal_env).remove_leftovers(env_settings)
         if fatal is not None:
-            self._error(f"{fatal.message}\nThe run stopped; finished prompts are saved. Fix the problem and "
+            self.console.error(f"{fatal.message}\nThe run stopped; finished prompts are saved. Fix the problem and "
                         "continue with --resume.")
             return EXIT_ERROR
         self._finish(plan)
@@ -364,7 +361,7 @@ def run_cli(flags: dict[str, Any], unknown_flags: dict[str, Any]) -> int:
         name = next(iter(unknown_flags))
         close = difflib.get_close_matches(name, _FLAG_NAMES, n=1)
         hint = f" — did you mean --{close[0]}?" if close else " — python batch_runner.py --help lists them"
-        console.err.print(f"error: unknown flag --{name}{hint}", style="bold red", markup=False)
+        console.error(f"unknown flag --{name}{hint}")
         return EXIT_ERROR
     if flags["list_distributions"] is True:
         console.out.print(toolset_distributions.format_distributions(), markup=False, highlight=False)
@@ -374,13 +371,12 @@ def run_cli(flags: dict[str, Any], unknown_flags: dict[str, Any]) -> int:
     try:
         config = build_config(**{k: v for k, v in flags.items() if k not in ("list_distributions", "report")})
     except UsageError as exc:
-        console.err.print(str(exc) if str(exc).startswith("error:") else f"error: {exc}",
-                          style="bold red", markup=False)
+        console.error(str(exc))
         return EXIT_ERROR
     try:
         require_valid_prompt(config.dataset_file, warn=console.warn)   # before data/<run_name>/ exists
     except DatasetError as exc:
-        console.err.print(f"error: {exc}", style="bold red", markup=False)
+        console.error(str(exc))
         return EXIT_ERROR
     console.redact = Redactor.from_environment(config.api_key)
     return BatchRunner(config, console).run()
@@ -391,12 +387,11 @@ def write_report_cli(run_name: Any, console: RunConsole) -> int:
     try:
         run_dir = Path("data") / validate_run_name(run_name)
     except UsageError as exc:
-        console.err.print(f"error: {exc}", style="bold red", markup=False)
+        console.error(str(exc))
         return EXIT_ERROR
     if not run_dir.is_dir():
-        console.err.print(f"error: no run directory {run_dir}/ here — --report reads data/<run_name>/ under the "
-                          "current directory; check --run_name or cd to where the run was started",
-                          style="bold red", markup=False)
+        console.error(f"no run directory {run_dir}/ here — --report reads data/<run_name>/ under the current "
+                      "directory; check --run_name or cd to where the run was started")
         return EXIT_ERROR
     path = report.write_report(run_dir)
     console.print(f"Report: {path} (open it in a browser; it needs no network)")

@@ -51,6 +51,11 @@ class RunConsole:
     def warn(self, text: str) -> None:
         self.err.print(escape(self.redact(f"warning: {text}")), style="yellow")
 
+    def error(self, text: str) -> None:
+        """One clear ``error:`` line (or block) on stderr; the caller then exits 1."""
+        text = text if text.startswith("error:") else f"error: {text}"
+        self.err.print(self.redact(text), style="bold red", markup=False)
+
     # -- progress -------------------------------------------------------------------------------
 
     def start_progress(self, total: int, already_done: int, this_run: ThisRun) -> None:
