@@ -285,6 +285,10 @@ class BatchRunner:
                       f"{plan.pending} remaining"
                       + (f" ({scan.rows_by_status[rows.FAILED]} earlier failure rows are retried)"
                          if scan.rows_by_status[rows.FAILED] else ""))
+            if scan.corrupted_rows:
+                out.print(f"resume: {scan.corrupted_rows} corrupted rows (invented tool names) "
+                          + ("are run again (--rerun_corrupted)" if config.rerun_corrupted
+                             else "count as done; --rerun_corrupted runs them again"))
         else:
             out.print(f"{plan.total} prompts · batch size {config.batch_size} · output {self.run_dir.path}/")
 

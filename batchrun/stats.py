@@ -57,7 +57,6 @@ class MergeStatistics:
     merged_by_status: Counter = field(default_factory=Counter)
     end_reasons: Counter = field(default_factory=Counter)
     discarded: int = 0
-    failure_rows: int = 0
     corrupted: list[tuple[str, int, list[str]]] = field(default_factory=list)
     usage: dict = field(default_factory=_empty_usage)
     batch_files: int = 0
@@ -69,7 +68,6 @@ class MergeStatistics:
             self.discarded += 1
             return
         if row.status == rows.FAILED:
-            self.failure_rows += 1
             return
         self.merged += 1
         self.merged_by_status[row.status] += 1

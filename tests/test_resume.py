@@ -184,8 +184,9 @@ def test_corrupted_prompts_rerun_only_when_asked(tmp_path, endpoint):
     dataset = write_dataset(tmp_path / "dataset.jsonl", ["[[invent]] inventive", "fine"])
     assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset)).returncode == 0
     endpoint.reset()
-    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume")).returncode == 0
-    assert endpoint.requests == []
+    plain = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
+    assert plain.returncode == 0 and endpoint.requests == []
+    assert "1 corrupted rows (invented tool names) count as done; --rerun_corrupted" in plain.stdout
     result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume", "--rerun_corrupted"))
     assert result.returncode == 0
     assert {human_prompt_of(r) for r in endpoint.requests} == {"[[invent]] inventive"}
