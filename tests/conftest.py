@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -69,3 +71,41 @@ def batch_rows(run_dir: Path) -> list[dict]:
 
 def human_prompt(row: dict) -> str:
     return next(turn["value"] for turn in row["conversations"] if turn["from"] == "human")
+
+
+def last_user_message(request: dict) -> str:
+    """The dataset prompt of a chat request: its last user message."""
+    return [m for m in request["messages"] if m["role"] == "user"][-1]["content"]
+
+
+def record_arrivals(endpoint) -> list[tuple[float, str]]:
+    """(arrival time, prompt) of every chat request the endpoint receives from now on."""
+    arrivals: list[tuple[float, str]] = []
+    lock = threading.Lock()
+
+    def script(body: dict) -> None:
+        with lock:
+            arrivals.append((time.monotonic(), last_user_message(body)))
+        return None   # fall through to the prompt's own directives
+
+    endpoint.script = script
+    return arrivals
+
+
+def wait_for(condition, timeout: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def process_state(pid: int) -> str:
+    """The state letter of a process (R, S, Z, ...); "Z" also for one that is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "Z"
+
+
+def finished_row_count(run_dir: Path) -> int:
+    return sum(path.read_bytes().count(b"\n") for path in run_dir.glob("batch_*.jsonl"))

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (REPO, batch_rows, batch_runner_command, cli_environment, endpoint_args, human_prompt, read_jsonl,
-                      run_cli, write_dataset)
+from conftest import (REPO, batch_rows, batch_runner_command, cli_environment, endpoint_args, finished_row_count,
+                      human_prompt, last_user_message, process_state, read_jsonl, record_arrivals, run_cli, wait_for,
+                      write_dataset)
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                reason="Ray is not installed (pip install 'batch-runner[ray]')")
@@ -57,11 +58,11 @@ def ray_environment(tag: str, **extra: str) -> dict[str, str]:
 def tagged_processes(tag: str, known: dict[int, str] | None = None) -> list[int]:
     """The live processes of a run: those carrying its tag, and those of ``known`` (pid -> start time)."""
     marker = f"{TAG}={tag}\0".encode()
-    found = [pid for pid, started in (known or {}).items() if _start_time(pid) == started and _state(pid) != "Z"]
+    found = [pid for pid, started in (known or {}).items() if _start_time(pid) == started and process_state(pid) != "Z"]
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) not in found:
             try:
-                if marker in Path(f"/proc/{entry}/environ").read_bytes() and _state(int(entry)) != "Z":
+                if marker in Path(f"/proc/{entry}/environ").read_bytes() and process_state(int(entry)) != "Z":
                     found.append(int(entry))
             except OSError:
                 pass
@@ -89,20 +90,6 @@ def _start_time(pid: int) -> str | None:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
         return None
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "Z"
-
-
-def wait_for(condition, timeout: float = 90.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def wait_until_gone(tag: str, known: dict[int, str] | None = None, timeout: float = 15.0) -> None:
@@ -243,7 +230,7 @@ def test_ray_run_writes_what_a_local_run_writes_on_loopback_only_and_leaves_no_p
     dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
     local = run_cli(local_dir, *args(dataset, endpoint, "--num_workers=4", "--seed=7"))
     assert local.returncode == 0, local.stderr
-    local_calls = Counter(map(_last_user, endpoint.requests))
+    local_calls = Counter(map(last_user_message, endpoint.requests))
     endpoint.reset()
 
     tag = uuid.uuid4().hex
@@ -252,8 +239,8 @@ def test_ray_run_writes_what_a_local_run_writes_on_loopback_only_and_leaves_no_p
                                cwd=ray_dir, env=cli_environment(ray_dir, ray_environment(tag)),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_for(lambda: any(prompt.startswith("[[sleep") for prompt in map(_last_user, endpoint.requests))
-                 or process.poll() is not None, what="the first request of a session actor")
+        wait_for(lambda: any(prompt.startswith("[[sleep") for prompt in map(last_user_message, endpoint.requests))
+                 or process.poll() is not None, timeout=90, what="the first request of a session actor")
         known = descendants(process.pid)
         running = tagged_processes(tag, known)
         sockets = sockets_of(running)
@@ -270,11 +257,7 @@ def test_ray_run_writes_what_a_local_run_writes_on_loopback_only_and_leaves_no_p
     wait_until_gone(tag, known)
 
     assert run_directory_summary(ray_dir / "data" / "run") == run_directory_summary(local_dir / "data" / "run")
-    assert Counter(map(_last_user, endpoint.requests)) == local_calls   # the same model calls per prompt
-
-
-def _last_user(request: dict) -> str:
-    return [m for m in request["messages"] if m["role"] == "user"][-1]["content"]
+    assert Counter(map(last_user_message, endpoint.requests)) == local_calls   # the same model calls per prompt
 
 
 @needs_ray
@@ -286,7 +269,7 @@ def test_kill_9_of_the_driver_then_resume_on_ray_runs_every_prompt_exactly_once(
     process = subprocess.Popen(batch_runner_command(*args(dataset, endpoint, "--num_workers=4", "--backend=ray")),
                                cwd=tmp_path, env=cli_environment(tmp_path, ray_environment(tag)),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for(lambda: _finished_rows(run_dir) >= 5, what="five finished rows")
+    wait_for(lambda: finished_row_count(run_dir) >= 5, timeout=90, what="five finished rows")
     known = descendants(process.pid)
     assert len(known) > 3
     os.kill(process.pid, signal.SIGKILL)
@@ -302,22 +285,13 @@ def test_kill_9_of_the_driver_then_resume_on_ray_runs_every_prompt_exactly_once(
     assert f"{len(done_before)} already done" in result.stdout
     merged = Counter(human_prompt(row) for row in read_jsonl(run_dir / "trajectories.jsonl"))
     assert merged == Counter(prompts)
-    assert not {_last_user(request) for request in endpoint.requests} & done_before
+    assert not {last_user_message(request) for request in endpoint.requests} & done_before
     wait_until_gone(tag)
-
-
-def _finished_rows(run_dir: Path) -> int:
-    return sum(path.read_bytes().count(b"\n") for path in run_dir.glob("batch_*.jsonl"))
 
 
 @needs_ray
 def test_a_429_in_one_actor_pauses_the_sessions_of_the_other(tmp_path, endpoint):
-    arrivals: list[tuple[float, str]] = []
-
-    def record(body: dict) -> None:
-        arrivals.append((time.monotonic(), _last_user(body)))
-
-    endpoint.script = record
+    arrivals = record_arrivals(endpoint)
     limited = "[[fail 429 1 retry_after=1.5]] limited"
     others = [f'[[call terminal {{"command": "sleep 0.2"}}]] other {i}' for i in range(3)]
     dataset = write_dataset(tmp_path / "dataset.jsonl", [limited, *others])

@@ -6,12 +6,11 @@ import json
 import os
 import signal
 import subprocess
-import time
 from collections import Counter
 from pathlib import Path
 
-from conftest import (batch_rows, batch_runner_command, cli_environment, endpoint_args, human_prompt, read_jsonl,
-                      run_cli, write_dataset)
+from conftest import (batch_rows, batch_runner_command, cli_environment, endpoint_args, finished_row_count,
+                      human_prompt, last_user_message, process_state, read_jsonl, run_cli, wait_for, write_dataset)
 
 
 def base_args(tmp_path: Path, endpoint, dataset: Path, *extra: str, batch_size: int = 3) -> list[str]:
@@ -21,17 +20,6 @@ def base_args(tmp_path: Path, endpoint, dataset: Path, *extra: str, batch_size: 
 
 def merged_prompts(tmp_path: Path) -> Counter:
     return Counter(human_prompt(row) for row in read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl"))
-
-
-def finished_row_count(run_dir: Path) -> int:
-    return sum(path.read_bytes().count(b"\n") for path in run_dir.glob("batch_*.jsonl"))
-
-
-def wait_for(condition, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.05)
 
 
 def test_kill_9_then_resume_runs_every_prompt_exactly_once_without_redoing_finished_ones(tmp_path, endpoint):
@@ -51,13 +39,9 @@ def test_kill_9_then_resume_runs_every_prompt_exactly_once_without_redoing_finis
     result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--num_workers=4", "--resume"))
     assert result.returncode == 0, result.stderr
     assert merged_prompts(tmp_path) == Counter(prompts)
-    rerun = {human_prompt_of(request) for request in endpoint.requests}
+    rerun = {last_user_message(request) for request in endpoint.requests}
     assert not rerun & done_before
     assert f"{len(done_before)} already done" in result.stdout
-
-
-def human_prompt_of(request: dict) -> str:
-    return [m for m in request["messages"] if m["role"] == "user"][-1]["content"]
 
 
 def test_workers_exit_when_the_parent_is_killed(tmp_path, endpoint):
@@ -70,14 +54,7 @@ def test_workers_exit_when_the_parent_is_killed(tmp_path, endpoint):
     assert children
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
-    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() and "Z" not in _state(pid) for pid in children), 10)
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]
-    except (OSError, IndexError):
-        return "Z"
+    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() and process_state(pid) != "Z" for pid in children), 10)
 
 
 def test_ctrl_c_saves_finished_work_and_resume_completes(tmp_path, endpoint):
@@ -109,7 +86,7 @@ def test_truncated_last_line_is_ignored_and_its_prompt_rerun(tmp_path, endpoint)
 
     result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
     assert result.returncode == 0, result.stderr
-    assert [human_prompt_of(r) for r in endpoint.requests] == [human_prompt(cut)]
+    assert [last_user_message(r) for r in endpoint.requests] == [human_prompt(cut)]
     assert merged_prompts(tmp_path) == Counter(prompts)
 
 
@@ -120,7 +97,7 @@ def test_duplicate_prompts_are_separate_units_of_work(tmp_path, endpoint):
     second = write_dataset(tmp_path / "second.jsonl", ["same", "same", "other", "same"])
     result = run_cli(tmp_path, *base_args(tmp_path, endpoint, second, "--resume"))
     assert result.returncode == 0
-    assert [human_prompt_of(r) for r in endpoint.requests] == ["same", "same"]
+    assert [last_user_message(r) for r in endpoint.requests] == ["same", "same"]
     assert merged_prompts(tmp_path) == Counter({"same": 3, "other": 1})
 
 
@@ -132,7 +109,7 @@ def test_reordered_dataset_resumes_by_content(tmp_path, endpoint):
     reordered = write_dataset(tmp_path / "reordered.jsonl", list(reversed(prompts)))
     result = run_cli(tmp_path, *base_args(tmp_path, endpoint, reordered, "--resume"))
     assert result.returncode == 0
-    assert sorted(human_prompt_of(r) for r in endpoint.requests) == prompts[3:]
+    assert sorted(last_user_message(r) for r in endpoint.requests) == prompts[3:]
     assert merged_prompts(tmp_path) == Counter(prompts)
 
 
@@ -189,4 +166,4 @@ def test_corrupted_prompts_rerun_only_when_asked(tmp_path, endpoint):
     assert "1 corrupted rows (invented tool names) count as done; --rerun_corrupted" in plain.stdout
     result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume", "--rerun_corrupted"))
     assert result.returncode == 0
-    assert {human_prompt_of(r) for r in endpoint.requests} == {"[[invent]] inventive"}
+    assert {last_user_message(r) for r in endpoint.requests} == {"[[invent]] inventive"}

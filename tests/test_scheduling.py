@@ -2,30 +2,13 @@
 
 from __future__ import annotations
 
-import threading
-import time
-
-from conftest import batch_rows, endpoint_args, human_prompt, read_jsonl, run_cli, write_dataset
+from conftest import batch_rows, endpoint_args, human_prompt, read_jsonl, record_arrivals, run_cli, write_dataset
 
 
 def run(tmp_path, endpoint, prompts, *extra):
     dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
     return run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=100", "--run_name=run",
                    "--distribution=terminal_only", *endpoint_args(endpoint), *extra)
-
-
-def record_arrivals(endpoint) -> list[tuple[float, str]]:
-    arrivals: list[tuple[float, str]] = []
-    lock = threading.Lock()
-
-    def script(body: dict) -> None:
-        prompt = [m for m in body["messages"] if m["role"] == "user"][-1]["content"]
-        with lock:
-            arrivals.append((time.monotonic(), prompt))
-        return None   # fall through to the prompt's own directives
-
-    endpoint.script = script
-    return arrivals
 
 
 def test_a_429_pauses_new_requests_of_every_session_across_processes(tmp_path, endpoint):
