@@ -365,14 +365,6 @@ def _clip_value(value: Any) -> Any:
     return value if len(encoded) <= TEXT_LIMIT else clip(encoded)
 
 
-def _parsed(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except (ValueError, TypeError):
-        return text
-
-
-_THINK = re.compile(r"^<think>\n(.*?)\n</think>\n", re.DOTALL)
 _TOOL_CALL_BLOCK = re.compile(r"\n?<tool_call>\n.*?\n</tool_call>", re.DOTALL)
 _TOOL_RESPONSE = re.compile(r"<tool_response>\n(.*)\n</tool_response>")   # the payload is one JSON line
 _TOOLS_LIST = re.compile(r"<tools>\n(.*)\n</tools>", re.DOTALL)
@@ -380,7 +372,7 @@ _TOOLS_LIST = re.compile(r"<tools>\n(.*)\n</tools>", re.DOTALL)
 
 def _system_turn(text: str) -> dict:
     tools = _TOOLS_LIST.search(text)
-    offered = _parsed(tools.group(1)) if tools else []
+    offered = rows.parsed_or_raw(tools.group(1)) if tools else []
     names = [item.get("function", item).get("name") for item in offered if isinstance(item, dict)] \
         if isinstance(offered, list) else []
     return {"r": "system", "t": clip(text, SYSTEM_TEXT_LIMIT), "tools": [n for n in names if isinstance(n, str)]}
@@ -388,10 +380,9 @@ def _system_turn(text: str) -> dict:
 
 def _gpt_turn(turn: dict) -> dict:
     text = turn.get("value") or ""
-    think = _THINK.match(text)
-    reasoning = think.group(1) if think else ""
-    visible = _TOOL_CALL_BLOCK.sub("", text[think.end():] if think else text).strip()
-    calls = [{"id": call.get("id"), "n": call.get("name"), "a": _clip_value(_parsed(call.get("arguments") or "")),
+    reasoning, rest = rows.split_rendered_reasoning(text)
+    visible = _TOOL_CALL_BLOCK.sub("", rest).strip()
+    calls = [{"id": call.get("id"), "n": call.get("name"), "a": _clip_value(rows.parsed_or_raw(call.get("arguments") or "")),
               "inv": call.get("name") not in TOOL_NAMES}
              for call in (turn.get("tool_calls") or [])[:CALLS_PER_TURN]]
     return {"r": "gpt", "think": clip(reasoning), "t": clip(visible), "calls": calls,
@@ -402,7 +393,7 @@ def _tool_turn(turn: dict) -> dict:
     results = []
     blocks = _TOOL_RESPONSE.findall(turn.get("value") or "")
     for block in blocks[:CALLS_PER_TURN]:
-        payload = _parsed(block)
+        payload = rows.parsed_or_raw(block)
         if not isinstance(payload, dict):
             results.append({"id": None, "n": None, "c": clip(block), "x": False})
             continue

@@ -165,7 +165,8 @@ def render_system_turn(tool_names: Iterable[str]) -> str:
     return SYSTEM_PREAMBLE + json.dumps(signatures, ensure_ascii=False) + SYSTEM_POSTAMBLE
 
 
-def _parsed_or_raw(text: str) -> Any:
+def parsed_or_raw(text: str) -> Any:
+    """JSON text as its value; anything else (invalid JSON a model wrote, plain output) as the text."""
     try:
         return json.loads(text)
     except (ValueError, TypeError):
@@ -176,10 +177,19 @@ THINK_OPEN, THINK_CLOSE = "<think>\n", "\n</think>\n"
 EMPTY_THINK = THINK_OPEN + THINK_CLOSE     # how a gpt turn without reasoning starts
 
 
+def split_rendered_reasoning(value: str) -> tuple[str, str]:
+    """(reasoning, the rest) of a rendered gpt turn: the inverse of the think block written below."""
+    if value.startswith(THINK_OPEN):
+        close = value.find(THINK_CLOSE, len(THINK_OPEN))
+        if close >= 0:
+            return value[len(THINK_OPEN):close], value[close + len(THINK_CLOSE):]
+    return "", value
+
+
 def render_gpt_turn(turn: AssistantTurn) -> dict:
     parts = [turn.content] if turn.content else []
     for call in turn.tool_calls:
-        payload = json.dumps({"name": call.name, "arguments": _parsed_or_raw(call.arguments)},
+        payload = json.dumps({"name": call.name, "arguments": parsed_or_raw(call.arguments)},
                              ensure_ascii=False)
         parts.append(f"<tool_call>\n{payload}\n</tool_call>")
     rendered: dict[str, Any] = {"from": "gpt", "value": THINK_OPEN + turn.reasoning + THINK_CLOSE + "\n".join(parts)}
@@ -193,7 +203,7 @@ def render_tool_turn(calls: list[ToolCallRecord]) -> dict:
     blocks = []
     for call in calls:
         payload = json.dumps({"tool_call_id": call.id, "name": call.name,
-                              "content": _parsed_or_raw(call.result or "")}, ensure_ascii=False)
+                              "content": parsed_or_raw(call.result or "")}, ensure_ascii=False)
         blocks.append(f"<tool_response>\n{payload}\n</tool_response>")
     return {"from": "tool", "value": "\n".join(blocks)}
 
