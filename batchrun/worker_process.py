@@ -32,12 +32,13 @@ def _finished(result: rows.SessionResult, config: RunConfig) -> Finished:
     line = rows.encode_finished(result, batch_num=batch_num, model=config.model,
                                 timestamp=datetime.now().isoformat(timespec="seconds"),
                                 discard_no_reasoning=config.discard_no_reasoning)
-    return Finished(prompt_index=result.prompt_index, batch_num=batch_num, status=rows.read_stored_row(line).status,
+    stored = rows.read_stored_row(line)
+    return Finished(prompt_index=result.prompt_index, batch_num=batch_num, status=stored.status,
                     row=line, api_calls=result.api_calls, usage=result.usage.as_dict(),
                     wall_time=result.wall_time, end_reason=result.end_reason, error=result.error,
                     error_type=result.error_type, prompt_preview=result.prompt[:config.log_prefix_chars],
                     toolsets=tuple(result.toolsets),
-                    tool_calls=tuple((name, count) for name, count, _, _ in rows.read_stored_row(line).tool_counts()))
+                    tool_calls=tuple((name, count) for name, count, _, _ in stored.tool_counts()))
 
 
 def _crashed(task: Task, services: SessionServices) -> rows.SessionResult:
