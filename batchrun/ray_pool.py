@@ -155,7 +155,7 @@ class SessionActor:
 
     async def stop(self) -> None:
         """Cancel the sessions in flight; each closes its environment before this returns."""
-        await self._worker.shut_down(set(self._running))
+        await self._worker.shut_down(set(self._running), self._services)
 
 
 class GateKeeper:

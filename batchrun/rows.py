@@ -321,24 +321,27 @@ def encode_row(row: dict) -> bytes:
 
 # Reading stored rows. A million-row resume scan or merge cannot afford to parse every row (most of
 # each is the conversation), so the few facts they need are read from the encoded line. Every pattern
-# matches structure only: inside a JSON string a quote is always escaped, so text a model or a tool
-# wrote can never look like these keys.
+# is structural: each holds a quote that follows a byte other than a backslash, and inside a JSON
+# string every quote is escaped, so text a model or a tool wrote can never look like these keys.
+# Top-level keys near the end of a row are found with rfind, which reads only the last bytes.
 _HEAD_START = b'{"prompt_index": '
 _HEAD = re.compile(rb'\{"prompt_index": (-?\d+), "content_key": "([0-9a-f]+)", "(conversations|discarded|failed)"')
-_COMPLETED = re.compile(rb'"completed": (true|false)')
-_TOOL_CALLS = b'"tool_calls": ['
-_CALL_NAME = re.compile(rb'(?:, )?\{"id": "(?:[^"\\]|\\.)*", "name": "((?:[^"\\]|\\.)*)", "arguments": "(?:[^"\\]|\\.)*"\}')
-# A used tool's entry in tool_stats; the literal start lets the search skip the zero entries fast.
-_USED_TOOL = re.compile(rb'\{"count": ([1-9]\d*), "success": (\d+), "failure": (\d+)\}')
+_COMPLETED = b'"completed": '
+_CALL_NAME = b', "name": "'           # only tool_calls entries have a "name" key
+_TOOL_COUNT = b'{"count": '
+_TOOL_OUTCOMES = re.compile(rb'(\d+), "success": (\d+), "failure": (\d+)\}')
 _USAGE = b'"usage": {'
+_USAGE_FIGURES = re.compile(rb'"usage": \{"prompt_tokens": (\d+), "completion_tokens": (\d+), '
+                            rb'"reasoning_tokens": (\d+), "cached_tokens": (\d+), "cost": ([0-9.eE+-]+)\}')
 _END_REASON = re.compile(rb'"end_reason": "(\w+)"\}\n?$')
 _TAIL_BYTES = 64                      # the end_reason key is within the last bytes of a whole row
 _TOOL_STATS_START, _TOOL_STATS_END = b'"tool_stats": {', b'"tool_error_counts": {'
 _GPT_TURN = b'{"from": "gpt", "value": "'
-_GPT_TURN_WITHOUT_REASONING = _GPT_TURN + json.dumps(EMPTY_THINK).encode()[1:-1]
+_EMPTY_THINK_ENCODED = json.dumps(EMPTY_THINK).encode()[1:-1]
+_REGISTERED_NAMES = frozenset(name.encode() for name in REGISTRY)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StoredRow:
     """One line of a batch file, with what resume and merge need read straight from its bytes."""
 
@@ -349,47 +352,77 @@ class StoredRow:
 
     def invented_tools(self) -> list[str]:
         """Tools this row calls that the registry does not have (the corrupted-entry test)."""
+        line = self.line
         names: list[str] = []
-        position = self.line.find(_TOOL_CALLS)
+        position = line.find(_CALL_NAME)
         while position >= 0:
-            position += len(_TOOL_CALLS)
-            while call := _CALL_NAME.match(self.line, position):
-                raw = call.group(1)
+            start = position + len(_CALL_NAME)
+            end = line.index(b'"', start)
+            while line[end - 1] == 0x5C and not _quote_ends_string(line, start, end):
+                end = line.index(b'"', end + 1)
+            raw = line[start:end]
+            if raw not in _REGISTERED_NAMES:
                 name = json.loads(b'"' + raw + b'"') if b"\\" in raw else raw.decode("utf-8", "replace")
-                if name not in REGISTRY and name not in names:
+                if name not in names:
                     names.append(name)
-                position = call.end()
-            position = self.line.find(_TOOL_CALLS, position)
+            position = line.find(_CALL_NAME, end)
         return names
 
     def reasoning_counts(self) -> tuple[int, int]:
         """(gpt turns with reasoning, gpt turns without)."""
-        turns = self.line.count(_GPT_TURN)
-        without = self.line.count(_GPT_TURN_WITHOUT_REASONING)
-        return turns - without, without
+        line = self.line
+        with_reasoning = without = 0
+        position = line.find(_GPT_TURN)
+        while position >= 0:
+            position += len(_GPT_TURN)
+            if line.startswith(_EMPTY_THINK_ENCODED, position):
+                without += 1
+            else:
+                with_reasoning += 1
+            position = line.find(_GPT_TURN, position)
+        return with_reasoning, without
 
     def tool_counts(self) -> list[tuple[str, int, int, int]]:
         """(tool, count, success, failure) for every tool this row used."""
-        start = self.line.find(_TOOL_STATS_START)
+        line = self.line
+        start = line.rfind(_TOOL_STATS_START)
         if start < 0:
             return []
-        end = self.line.find(_TOOL_STATS_END, start)
+        # One piece per tool, each after its '{"count": '; JSON writes no leading zeros, so only an
+        # unused tool's piece starts with "0" and most pieces are skipped after one byte.
+        pieces = line[start:line.find(_TOOL_STATS_END, start)].split(_TOOL_COUNT)
         used = []
-        for entry in _USED_TOOL.finditer(self.line, start, end):
-            name_end = entry.start() - 3                     # '"name": {' -> the closing quote
-            name = self.line[self.line.rfind(b'"', start, name_end) + 1:name_end].decode()
-            used.append((name, int(entry.group(1)), int(entry.group(2)), int(entry.group(3))))
+        for index in range(1, len(pieces)):
+            if pieces[index][0] != 0x30:
+                before = pieces[index - 1]                      # ends with '"name": '
+                name = before[before.rfind(b'"', 0, -3) + 1:-3].decode()
+                count, success, failure = _TOOL_OUTCOMES.match(pieces[index]).groups()
+                used.append((name, int(count), int(success), int(failure)))
         return used
 
     def usage(self) -> dict:
-        start = self.line.rfind(_USAGE)     # near the end: the last top-level keys
+        start = self.line.rfind(_USAGE)
         if start < 0:
             return {}
-        start += len(_USAGE) - 1
-        return json.loads(self.line[start:self.line.index(b"}", start) + 1])
+        figures = _USAGE_FIGURES.match(self.line, start)
+        if figures is None:                 # a cost written in another notation: parse it in full
+            start += len(_USAGE) - 1
+            return json.loads(self.line[start:self.line.index(b"}", start) + 1])
+        prompt, completion, reasoning, cached, cost = figures.groups()
+        return {"prompt_tokens": int(prompt), "completion_tokens": int(completion),
+                "reasoning_tokens": int(reasoning), "cached_tokens": int(cached), "cost": float(cost)}
 
     def end_reason(self) -> str:
         return _tail(self.line).group(1).decode()
+
+
+def _quote_ends_string(line: bytes, start: int, quote: int) -> bool:
+    """Whether the quote at ``quote`` closes the string begun at ``start`` (an even run of
+    backslashes before it escapes only themselves)."""
+    backslashes = 0
+    while quote - backslashes - 1 >= start and line[quote - backslashes - 1] == 0x5C:
+        backslashes += 1
+    return backslashes % 2 == 0
 
 
 def _tail(line: bytes) -> re.Match | None:
@@ -409,6 +442,6 @@ def read_stored_row(line: bytes) -> StoredRow | None:
     elif kind == b"discarded":
         status = DISCARDED
     else:
-        completed = _COMPLETED.search(line)
-        status = COMPLETED if completed and completed.group(1) == b"true" else PARTIAL
+        completed = line.rfind(_COMPLETED)
+        status = COMPLETED if completed >= 0 and line.startswith(b"true", completed + len(_COMPLETED)) else PARTIAL
     return StoredRow(line=line, prompt_index=int(head.group(1)), content_key=head.group(2).decode(), status=status)

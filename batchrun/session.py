@@ -50,6 +50,10 @@ class SessionServices:
         # so one pool shared by hundreds of sessions would cost O(sessions) per call.
         return self.clients[prompt_index % len(self.clients)]
 
+    async def close(self) -> None:
+        """Close the clients' connections while the loop that owns them still runs."""
+        await asyncio.gather(*(client.close() for client in self.clients), return_exceptions=True)
+
 
 def runtime_messages(config: RunConfig, prompt: str) -> list[dict]:
     """What the model sees first; the ephemeral prompt and prefill never reach the trajectory."""

@@ -83,12 +83,14 @@ async def outcome(task: Task, services: SessionServices) -> Finished | Fatal:
     return _finished(result, services.config)
 
 
-async def shut_down(sessions: set[asyncio.Task]) -> None:
-    """End a worker: cancel its sessions (each closes its environment) and close the shared browser."""
+async def shut_down(sessions: set[asyncio.Task], services: SessionServices) -> None:
+    """End a worker: cancel its sessions (each closes its environment), then close the shared
+    browser and the model clients."""
     for session in sessions:
         session.cancel()
     await asyncio.gather(*sessions, return_exceptions=True)
     await close_browser()
+    await services.close()
 
 
 async def _serve(conn: Connection, services: SessionServices) -> None:
@@ -119,7 +121,7 @@ async def _serve(conn: Connection, services: SessionServices) -> None:
         session = asyncio.create_task(run_one(Task(**message)))
         running.add(session)
         session.add_done_callback(running.discard)
-    await shut_down(running)
+    await shut_down(running, services)
 
 
 def main(conn: Connection, siblings: list[Connection], slots: int, config: RunConfig, gate: RateGate,
