@@ -329,13 +329,13 @@ _HEAD = re.compile(rb'\{"prompt_index": (-?\d+), "content_key": "([0-9a-f]+)", "
 _COMPLETED = b'"completed": '
 _CALL_NAME = b', "name": "'           # only tool_calls entries have a "name" key
 _TOOL_COUNT = b'{"count": '
-_TOOL_OUTCOMES = re.compile(rb'(\d+), "success": (\d+), "failure": (\d+)\}')
+_TOOL_OUTCOMES = re.compile(rb'(\d+), "success": (\d+), "failure": (\d+)')
 _USAGE = b'"usage": {'
 _USAGE_FIGURES = re.compile(rb'"usage": \{"prompt_tokens": (\d+), "completion_tokens": (\d+), '
                             rb'"reasoning_tokens": (\d+), "cached_tokens": (\d+), "cost": ([0-9.eE+-]+)\}')
 _END_REASON = re.compile(rb'"end_reason": "(\w+)"\}\n?$')
 _TAIL_BYTES = 64                      # the end_reason key is within the last bytes of a whole row
-_TOOL_STATS_START, _TOOL_STATS_END = b'"tool_stats": {', b'"tool_error_counts": {'
+_TOOL_STATS_START = b'"tool_stats": {'
 _GPT_TURN = b'{"from": "gpt", "value": "'
 _EMPTY_THINK_ENCODED = json.dumps(EMPTY_THINK).encode()[1:-1]
 _REGISTERED_NAMES = frozenset(name.encode() for name in REGISTRY)
@@ -382,23 +382,30 @@ class StoredRow:
             position = line.find(_GPT_TURN, position)
         return with_reasoning, without
 
-    def tool_counts(self) -> list[tuple[str, int, int, int]]:
-        """(tool, count, success, failure) for every tool this row used."""
+    def tool_entries(self) -> list[tuple[bytes, bytes]]:
+        """Every tool this row used, as its raw (name, outcomes) bytes: see :func:`parse_tool_entry`.
+
+        Rows repeat the same few entries endlessly, so aggregates over a million rows count these
+        and parse each distinct entry once.
+        """
         line = self.line
         start = line.rfind(_TOOL_STATS_START)
         if start < 0:
             return []
-        # One piece per tool, each after its '{"count": '; JSON writes no leading zeros, so only an
-        # unused tool's piece starts with "0" and most pieces are skipped after one byte.
-        pieces = line[start:line.find(_TOOL_STATS_END, start)].split(_TOOL_COUNT)
+        # One piece per tool, each after its '{"count": ' (what follows the last tool holds no such
+        # text). JSON writes no leading zeros, so only an unused tool's piece starts with "0".
+        pieces = line[start:].split(_TOOL_COUNT)
         used = []
         for index in range(1, len(pieces)):
-            if pieces[index][0] != 0x30:
+            piece = pieces[index]
+            if piece[0] != 0x30:
                 before = pieces[index - 1]                      # ends with '"name": '
-                name = before[before.rfind(b'"', 0, -3) + 1:-3].decode()
-                count, success, failure = _TOOL_OUTCOMES.match(pieces[index]).groups()
-                used.append((name, int(count), int(success), int(failure)))
+                used.append((before[before.rfind(b'"', 0, -3) + 1:-3], piece[:piece.index(b"}")]))
         return used
+
+    def tool_counts(self) -> list[tuple[str, int, int, int]]:
+        """(tool, count, success, failure) for every tool this row used."""
+        return [parse_tool_entry(entry) for entry in self.tool_entries()]
 
     def usage(self) -> dict:
         start = self.line.rfind(_USAGE)
@@ -414,6 +421,13 @@ class StoredRow:
 
     def end_reason(self) -> str:
         return _tail(self.line).group(1).decode()
+
+
+def parse_tool_entry(entry: tuple[bytes, bytes]) -> tuple[str, int, int, int]:
+    """(tool, count, success, failure) of one entry of :meth:`StoredRow.tool_entries`."""
+    name, outcomes = entry
+    count, success, failure = _TOOL_OUTCOMES.match(outcomes).groups()
+    return name.decode(), int(count), int(success), int(failure)
 
 
 def _quote_ends_string(line: bytes, start: int, quote: int) -> bool:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import fcntl
 import json
+import multiprocessing
 import os
 import re
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable, Iterator
@@ -24,6 +26,8 @@ STATISTICS = "statistics.json"
 LOCK = ".lock"
 MERGE_BUFFER_BYTES = 1 << 20
 READ_BUFFER_BYTES = 1 << 20
+# Below this much data a resume scan is over before helper processes would have started.
+PARALLEL_SCAN_MIN_BYTES = 64 << 20
 
 
 class RunDirectoryError(Exception):
@@ -49,10 +53,22 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def complete_lines(path: Path) -> Iterator[bytes]:
-    """Lines of a JSONL file, without a last line cut short by a crash (it has no newline)."""
+def complete_lines(path: Path, start: int = 0, end: int | None = None) -> Iterator[bytes]:
+    """Lines of a JSONL file, without a last line cut short by a crash (it has no newline).
+
+    With ``start``/``end``, only the lines that begin in that byte range: ranges that tile a file
+    yield each of its lines exactly once, so separate processes can share one file.
+    """
     with path.open("rb", buffering=READ_BUFFER_BYTES) as handle:
+        if start:
+            handle.seek(start - 1)
+            position = start - 1 + len(handle.readline())   # the line holding start-1 is not ours
+        else:
+            position = 0
         for line in handle:   # rows are kilobytes long: a small buffer costs several reads per line
+            if end is not None and position >= end:
+                return
+            position += len(line)
             if line.endswith(b"\n"):
                 yield line
 
@@ -65,6 +81,55 @@ class ScanResult:
     rows_by_status: Counter = field(default_factory=Counter)
     corrupted_rows: int = 0
     unreadable_lines: int = 0
+
+    def add(self, other: ScanResult) -> None:
+        self.done_counts.update(other.done_counts)
+        self.rows_by_status.update(other.rows_by_status)
+        self.corrupted_rows += other.corrupted_rows
+        self.unreadable_lines += other.unreadable_lines
+
+
+FileRange = tuple[Path, int, int]
+
+
+def scan_ranges(ranges: list[FileRange], rerun_corrupted: bool) -> ScanResult:
+    """Count finished prompts by content key (SPEC §9) in these byte ranges. Failed rows are not
+    done; corrupted rows are done unless the user asked to run them again."""
+    result = ScanResult()
+    for path, start, end in ranges:
+        for line in complete_lines(path, start, end):
+            row = rows.read_stored_row(line)
+            if row is None:
+                result.unreadable_lines += 1
+                continue
+            result.rows_by_status[row.status] += 1
+            if row.status == rows.FAILED:
+                continue
+            if row.status != rows.DISCARDED and row.invented_tools():
+                result.corrupted_rows += 1
+                if rerun_corrupted:
+                    continue
+            result.done_counts[row.content_key] += 1
+    return result
+
+
+def split_ranges(files: list[Path], parts: int) -> list[list[FileRange]]:
+    """The files' bytes cut into ``parts`` groups of about equal size (a big file is shared)."""
+    sizes = [(path, path.stat().st_size) for path in files]
+    share = -(-sum(size for _, size in sizes) // parts) or 1
+    groups: list[list[FileRange]] = [[]]
+    room = share
+    for path, size in sizes:
+        start = 0
+        while start < size:
+            if room == 0:
+                groups.append([])
+                room = share
+            end = min(size, start + room)
+            groups[-1].append((path, start, end))
+            room -= end - start
+            start = end
+    return groups
 
 
 class RunDirectory:
@@ -114,23 +179,19 @@ class RunDirectory:
     # -- resume ---------------------------------------------------------------------------------
 
     def scan(self, *, rerun_corrupted: bool) -> ScanResult:
-        """Count finished prompts by content key (SPEC §9). Failed rows are not done; corrupted
-        rows are done unless the user asked to run them again."""
+        """What the batch files hold (see :func:`scan_ranges`). Reading a row costs CPU, not disk
+        (the reads are line-sized), so a big run directory is shared out over one process per core."""
+        files = self.batch_files()
+        processes = min(os.cpu_count() or 1, 8)
+        total = sum(path.stat().st_size for path in files)
+        if processes < 2 or total < PARALLEL_SCAN_MIN_BYTES:
+            return scan_ranges([(path, 0, path.stat().st_size) for path in files], rerun_corrupted)
         result = ScanResult()
-        for path in self.batch_files():
-            for line in complete_lines(path):
-                row = rows.read_stored_row(line)
-                if row is None:
-                    result.unreadable_lines += 1
-                    continue
-                result.rows_by_status[row.status] += 1
-                if row.status == rows.FAILED:
-                    continue
-                if row.status != rows.DISCARDED and row.invented_tools():
-                    result.corrupted_rows += 1
-                    if rerun_corrupted:
-                        continue
-                result.done_counts[row.content_key] += 1
+        context = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(processes, mp_context=context) as pool:
+            for part in pool.map(scan_ranges, split_ranges(files, processes),
+                                 [rerun_corrupted] * processes):
+                result.add(part)
         return result
 
     # -- writing --------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ class ThisRun:
 class MergeStatistics:
     """Everything counted while streaming the batch files into trajectories.jsonl."""
 
-    tool_counts: dict = field(default_factory=lambda: {n: {"count": 0, "success": 0, "failure": 0} for n in TOOL_NAMES})
+    tool_entries: Counter = field(default_factory=Counter)      # raw entries, parsed once each at the end
     turns_with_reasoning: int = 0
     turns_without_reasoning: int = 0
     merged: int = 0
@@ -72,12 +72,7 @@ class MergeStatistics:
         self.merged += 1
         self.merged_by_status[row.status] += 1
         self.end_reasons[row.end_reason()] += 1
-        for name, count, success, failure in row.tool_counts():
-            entry = self.tool_counts.get(name)
-            if entry is not None:
-                entry["count"] += count
-                entry["success"] += success
-                entry["failure"] += failure
+        self.tool_entries.update(row.tool_entries())
         with_reasoning, without = row.reasoning_counts()
         self.turns_with_reasoning += with_reasoning
         self.turns_without_reasoning += without
@@ -86,9 +81,19 @@ class MergeStatistics:
         _add_usage(self.usage, row.usage())
         self.corrupted.append((batch_file, row.prompt_index, invented))
 
+    def tool_counts(self) -> dict[str, dict[str, int]]:
+        totals = {name: {"count": 0, "success": 0, "failure": 0} for name in TOOL_NAMES}
+        for raw, rows_with_it in self.tool_entries.items():
+            name, count, success, failure = rows.parse_tool_entry(raw)
+            if name in totals:
+                totals[name]["count"] += count * rows_with_it
+                totals[name]["success"] += success * rows_with_it
+                totals[name]["failure"] += failure * rows_with_it
+        return totals
+
     def tool_statistics(self) -> dict:
         table = {}
-        for name, entry in self.tool_counts.items():
+        for name, entry in self.tool_counts().items():
             count = entry["count"]
             table[name] = {**entry,
                            "success_rate": round(100 * entry["success"] / count, 2) if count else 0.0,

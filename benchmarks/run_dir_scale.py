@@ -4,13 +4,16 @@
 
 Rows are real rows (rendered by batchrun.rows from a session with two tool calls), varied per prompt;
 1% are failures, 1% tombstones, 0.5% name an invented tool. Each phase runs in a fresh process so its
-peak RSS is its own; prints rows/s and peak memory for the scan and for the merge.
+peak RSS is its own; prints rows/s, CPU seconds and peak memory for the scan and for the merge, and
+how fast the kernel alone copies the same bytes to disk (the merge writes every kept row once more,
+so on a slow disk that copy, not the runner, bounds it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -74,17 +77,49 @@ def measure(phase: str, run_dir: Path) -> None:
     from batchrun.stats import MergeStatistics
 
     directory = RunDirectory(run_dir)
+    cpu_before = _cpu_seconds()
     started = time.perf_counter()
     if phase == "scan":
         result = directory.scan(rerun_corrupted=False)
         count = sum(result.rows_by_status.values())
     else:
-        merge = MergeStatistics()
-        directory.merge(merge.on_row, merge.on_corrupted)
-        count = merge.merged + merge.discarded + merge.failure_rows + len(merge.corrupted)
+        merge, rows_read = MergeStatistics(), [0]
+
+        def on_row(row: rows.StoredRow) -> None:
+            rows_read[0] += 1
+            merge.on_row(row)
+
+        directory.merge(on_row, merge.on_corrupted)
+        count = rows_read[0] + len(merge.corrupted)
     elapsed = time.perf_counter() - started
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"phase": phase, "rows": count, "seconds": elapsed, "peak_mb": peak_mb}))
+    peak_mb = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 1024
+    print(json.dumps({"phase": phase, "rows": count, "seconds": elapsed, "cpu_seconds": _cpu_seconds() - cpu_before,
+                      "peak_mb": peak_mb}))
+
+
+def _cpu_seconds() -> float:
+    """This process and the helpers it waited for (the scan shares its work out over the cores)."""
+    return sum(usage.ru_utime + usage.ru_stime
+               for usage in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
+
+
+def copy_ceiling(run_dir: Path) -> float:
+    """Seconds the kernel takes to copy every batch file into one file and make it durable: what
+    any merge must at least pay on this disk."""
+    started = time.perf_counter()
+    target = run_dir / "copy.tmp"
+    out = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        for path in sorted(run_dir.glob("batch_*.jsonl")):
+            with path.open("rb") as source:
+                size, copied = path.stat().st_size, 0
+                while copied < size:
+                    copied += os.copy_file_range(source.fileno(), out, size - copied)
+        os.fsync(out)
+    finally:
+        os.close(out)
+        target.unlink()
+    return time.perf_counter() - started
 
 
 def main() -> None:
@@ -108,7 +143,11 @@ def main() -> None:
                                     capture_output=True, text=True, check=True).stdout
             figures = json.loads(output)
             print(f"{phase:>5}: {figures['rows'] / figures['seconds']:>9,.0f} rows/s  "
-                  f"({figures['rows']:,} rows in {figures['seconds']:.1f}s, peak RSS {figures['peak_mb']:.0f} MB)")
+                  f"({figures['rows']:,} rows in {figures['seconds']:.1f}s, {figures['cpu_seconds']:.1f} CPU-s, "
+                  f"peak RSS {figures['peak_mb']:.0f} MB)")
+        seconds = copy_ceiling(run_dir)
+        print(f" copy: {args.rows / seconds:>9,.0f} rows/s  (the same bytes copied by the kernel and fsynced in "
+              f"{seconds:.1f}s: the disk's ceiling for any merge)")
 
 
 if __name__ == "__main__":

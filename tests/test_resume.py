@@ -9,6 +9,8 @@ import subprocess
 from collections import Counter
 from pathlib import Path
 
+from batchrun import rows, run_dir
+from batchrun.run_dir import RunDirectory, complete_lines, scan_ranges, split_ranges
 from conftest import (batch_rows, batch_runner_command, cli_environment, endpoint_args, finished_row_count,
                       human_prompt, last_user_message, process_state, read_jsonl, run_cli, wait_for, write_dataset)
 
@@ -167,3 +169,30 @@ def test_corrupted_prompts_rerun_only_when_asked(tmp_path, endpoint):
     result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume", "--rerun_corrupted"))
     assert result.returncode == 0
     assert {last_user_message(r) for r in endpoint.requests} == {"[[invent]] inventive"}
+
+
+def test_byte_ranges_that_tile_a_batch_file_yield_each_complete_line_once(tmp_path):
+    path = tmp_path / "batch_0.jsonl"
+    path.write_bytes(b'{"a": 1}\n\n{"bb": 22}\n{"ccc": 333}\n{"cut short')
+    whole = list(complete_lines(path))
+    assert whole == [b'{"a": 1}\n', b"\n", b'{"bb": 22}\n', b'{"ccc": 333}\n']
+    size = path.stat().st_size
+    for cut in range(size + 1):
+        assert list(complete_lines(path, 0, cut)) + list(complete_lines(path, cut, size)) == whole, cut
+    for parts in (2, 3, 7):
+        shared = [line for group in split_ranges([path], parts) for p, start, end in group
+                  for line in complete_lines(p, start, end)]
+        assert shared == whole, parts
+
+
+def test_resume_scan_shared_out_over_processes_counts_what_one_process_counts(tmp_path, endpoint, monkeypatch):
+    prompts = [f"prompt {i}" for i in range(12)] + ["[[invent]] inventive", "[[fail 400]] refused", "prompt 3"]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, batch_size=4)).returncode == 0
+    directory = RunDirectory(tmp_path / "data" / "run")
+    alone = scan_ranges([(p, 0, p.stat().st_size) for p in directory.batch_files()], rerun_corrupted=False)
+    monkeypatch.setattr(run_dir, "PARALLEL_SCAN_MIN_BYTES", 0)
+    shared = directory.scan(rerun_corrupted=False)
+    assert shared == alone
+    assert shared.rows_by_status[rows.FAILED] == 1 and shared.corrupted_rows == 1
+    assert sum(shared.done_counts.values()) == 14
