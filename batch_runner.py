@@ -31,7 +31,7 @@ from batchrun.environments.base import EnvironmentSettings
 from batchrun.run_dir import RunDirectory, RunDirectoryError, ScanResult
 from batchrun.security import Redactor
 from batchrun.messages import Task
-from batchrun.stats import MergeStatistics, ThisRun, build_statistics
+from batchrun.stats import ThisRun, build_statistics
 from batchrun.messages import Fatal, Finished
 from batchrun.workers import PoolStartError, WorkerPool, process_count
 
@@ -233,17 +233,18 @@ class BatchRunner:
                 self.console.warn(f"resuming with --{key}={now}, but this run started with {before}")
 
     def _finish(self, plan: DatasetPlan) -> None:
-        merge = MergeStatistics()
+        corrupted_found = 0
 
         def on_corrupted(batch_file: str, row: rows.StoredRow, invented: list[str]) -> None:
-            merge.on_corrupted(batch_file, row, invented)
-            if len(merge.corrupted) <= MAX_CORRUPTED_LINES_SHOWN:
+            nonlocal corrupted_found
+            corrupted_found += 1
+            if corrupted_found <= MAX_CORRUPTED_LINES_SHOWN:
                 self.console.print(f"⚠️  left out of trajectories.jsonl: {batch_file} prompt "
                                    f"{row.prompt_index} calls invented tool(s) {', '.join(invented)}")
 
-        merge.batch_files = self.run_dir.merge(merge.on_row, on_corrupted)
-        if len(merge.corrupted) > MAX_CORRUPTED_LINES_SHOWN:
-            self.console.print(f"... and {len(merge.corrupted) - MAX_CORRUPTED_LINES_SHOWN} more corrupted rows")
+        merge = self.run_dir.merge(on_corrupted)
+        if corrupted_found > MAX_CORRUPTED_LINES_SHOWN:
+            self.console.print(f"... and {corrupted_found - MAX_CORRUPTED_LINES_SHOWN} more corrupted rows")
         statistics = build_statistics(run_name=self.config.run_name, distribution=self.config.distribution,
                                       model=self.config.model, batch_size=self.config.batch_size,
                                       total_prompts=plan.total, duration=time.monotonic() - self.started,

@@ -1,12 +1,14 @@
 """The run directory (SPEC §8–§10): durable appends, atomic checkpoint, resume scan, merge, lock.
 
-Only the parent process touches these files. Every read streams line by line, so the resume scan and
-the merge take linear time and memory bounded by the number of distinct prompts, not of rows.
+Only the parent process writes these files. Every read streams line by line, so the resume scan and
+the merge take linear time and memory bounded by the number of distinct prompts, not of rows; the
+merge also remembers where it stopped (``.merge.json``), so the next one reads only what is new.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import multiprocessing
 import os
@@ -18,12 +20,18 @@ from pathlib import Path
 from typing import IO, Callable, Iterator
 
 from batchrun import rows
+from batchrun.stats import MergeStatistics
+from model_tools import REGISTRY
 
 BATCH_FILE = re.compile(r"^batch_(\d+)\.jsonl$")
 TRAJECTORIES = "trajectories.jsonl"
 CHECKPOINT = "checkpoint.json"
 STATISTICS = "statistics.json"
 LOCK = ".lock"
+MERGE_RECORD = ".merge.json"
+# A record is only trusted by a merge with the same rules: the same registry decides what is corrupted.
+MERGE_RECORD_FORMAT = "1:" + hashlib.sha256(" ".join(sorted(REGISTRY)).encode()).hexdigest()[:16]
+MERGE_RECORD_TAIL_BYTES = 4096
 MERGE_BUFFER_BYTES = 1 << 20
 READ_BUFFER_BYTES = 1 << 20
 # Below this much data a resume scan is over before helper processes would have started.
@@ -242,31 +250,126 @@ class RunDirectory:
 
     # -- merge ----------------------------------------------------------------------------------
 
-    def merge(self, on_row: Callable[[rows.StoredRow], None],
-              on_corrupted: Callable[[str, rows.StoredRow, list[str]], None]) -> int:
-        """Stream every batch file into trajectories.jsonl (atomically replaced). Trajectory rows
-        that call no invented tool are kept; tombstones, failures, corrupted rows and broken lines
-        are left out. Returns the number of batch files read."""
+    def merge(self, on_corrupted: Callable[[str, rows.StoredRow, list[str]], None]) -> MergeStatistics:
+        """Bring trajectories.jsonl up to date with every batch file, and count what it holds.
+
+        Trajectory rows that call no invented tool are kept; tombstones, failures, corrupted rows
+        (each passed to ``on_corrupted``) and broken lines are left out. Batch files only grow, so
+        when the record of the last merge still matches the files, only rows written since are read
+        and appended; otherwise the whole file is rewritten and atomically replaced.
+        """
         self.close_batches()
         files = self.batch_files()
+        previous = self._read_merge_record(files)
+        if previous is None:
+            statistics, ends = self._rewrite_trajectories(files, on_corrupted)
+        else:
+            statistics, ends = self._append_to_trajectories(files, previous, on_corrupted)
+        statistics.batch_files = len(files)
+        self._write_merge_record(statistics, ends)
+        return statistics
+
+    def _rewrite_trajectories(self, files: list[Path], on_corrupted: Callable) -> tuple[MergeStatistics, dict]:
+        statistics = MergeStatistics()
         temp = self.path / (TRAJECTORIES + ".tmp")
         with temp.open("wb", buffering=MERGE_BUFFER_BYTES) as out:
-            for path in files:
-                for line in complete_lines(path):
-                    row = rows.read_stored_row(line)
-                    if row is None:
-                        continue
-                    if row.status in (rows.FAILED, rows.DISCARDED):
-                        on_row(row)
-                        continue
-                    invented = row.invented_tools()
-                    if invented:
-                        on_corrupted(path.name, row, invented)
-                        continue
-                    on_row(row)
-                    out.write(line)
+            ends = _merge_rows(files, {}, out, statistics, on_corrupted)
             out.flush()
             os.fsync(out.fileno())
         os.replace(temp, self.path / TRAJECTORIES)
         _fsync_dir(self.path)
-        return len(files)
+        return statistics, ends
+
+    def _append_to_trajectories(self, files: list[Path], previous: MergeRecord,
+                                on_corrupted: Callable) -> tuple[MergeStatistics, dict]:
+        # A merge that crashed after appending left rows past the recorded size: they go, and
+        # their batch lines are read again.
+        with (self.path / TRAJECTORIES).open("r+b", buffering=MERGE_BUFFER_BYTES) as out:
+            out.truncate(previous.trajectories_bytes)
+            out.seek(previous.trajectories_bytes)
+            ends = _merge_rows(files, previous.offsets, out, previous.statistics, on_corrupted)
+            out.flush()
+            os.fsync(out.fileno())
+        return previous.statistics, ends
+
+    def _read_merge_record(self, files: list[Path]) -> MergeRecord | None:
+        """The last merge's record, if trajectories.jsonl and every batch file it read are still
+        what it left (same tail bytes at the recorded sizes); None means: rewrite everything."""
+        try:
+            data = json.loads((self.path / MERGE_RECORD).read_text(encoding="utf-8"))
+            if data.get("format") != MERGE_RECORD_FORMAT:
+                return None
+            names = {path.name for path in files}
+            if not set(data["files"]) <= names:       # a batch file that was merged is gone
+                return None
+            trajectories_bytes = data["trajectories"][0]
+            if not _has_tail(self.path / TRAJECTORIES, *data["trajectories"]):
+                return None
+            offsets = {}
+            for name, (offset, tail) in data["files"].items():
+                if not _has_tail(self.path / name, offset, tail):
+                    return None
+                offsets[name] = offset
+            return MergeRecord(trajectories_bytes, offsets, MergeStatistics.from_state(data["statistics"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def _write_merge_record(self, statistics: MergeStatistics, ends: dict[str, int]) -> None:
+        size = (self.path / TRAJECTORIES).stat().st_size
+        atomic_write_json(self.path / MERGE_RECORD, {
+            "format": MERGE_RECORD_FORMAT,
+            "trajectories": [size, _tail_digest(self.path / TRAJECTORIES, size)],
+            "files": {name: [end, _tail_digest(self.path / name, end)] for name, end in ends.items()},
+            "statistics": statistics.to_state(),
+        })
+
+
+@dataclass
+class MergeRecord:
+    """What the last merge read and wrote: where to go on from, and its figures so far."""
+
+    trajectories_bytes: int
+    offsets: dict[str, int]
+    statistics: MergeStatistics
+
+
+def _merge_rows(files: list[Path], offsets: dict[str, int], out: IO[bytes], statistics: MergeStatistics,
+                on_corrupted: Callable) -> dict[str, int]:
+    """Append the kept rows of every batch file from its offset on; returns where each was read to
+    (the end of its last complete line)."""
+    ends = {}
+    for path in files:
+        position = offsets.get(path.name, 0)
+        for line in complete_lines(path, position):
+            position += len(line)
+            row = rows.read_stored_row(line)
+            if row is None:
+                continue
+            if row.status in (rows.FAILED, rows.DISCARDED):
+                statistics.on_row(row)
+                continue
+            invented = row.invented_tools()
+            if invented:
+                statistics.on_corrupted(path.name, row, invented)
+                on_corrupted(path.name, row, invented)
+                continue
+            statistics.on_row(row)
+            out.write(line)
+        ends[path.name] = position
+    return ends
+
+
+def _tail_digest(path: Path, size: int) -> str:
+    """A fingerprint of the bytes just before ``size``: enough to tell an appended-to file from a
+    rewritten one."""
+    with path.open("rb") as handle:
+        handle.seek(max(0, size - MERGE_RECORD_TAIL_BYTES))
+        tail = handle.read(min(size, MERGE_RECORD_TAIL_BYTES))
+    return hashlib.sha256(tail).hexdigest()
+
+
+def _has_tail(path: Path, size: int, digest: str) -> bool:
+    try:
+        return path.stat().st_size >= size and _tail_digest(path, size) == digest
+    except OSError:
+        return False

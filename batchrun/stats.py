@@ -77,6 +77,27 @@ class MergeStatistics:
         self.turns_with_reasoning += with_reasoning
         self.turns_without_reasoning += without
 
+    def to_state(self) -> dict:
+        """Everything counted, as JSON, so a later merge can go on counting (see run_dir.merge)."""
+        return {"tool_entries": [[name.decode(), outcomes.decode(), rows_with_it]
+                                 for (name, outcomes), rows_with_it in self.tool_entries.items()],
+                "turns_with_reasoning": self.turns_with_reasoning,
+                "turns_without_reasoning": self.turns_without_reasoning,
+                "merged": self.merged, "merged_by_status": dict(self.merged_by_status),
+                "end_reasons": dict(self.end_reasons), "discarded": self.discarded,
+                "corrupted": [list(entry) for entry in self.corrupted], "usage": dict(self.usage)}
+
+    @classmethod
+    def from_state(cls, state: dict) -> MergeStatistics:
+        return cls(tool_entries=Counter({(name.encode(), outcomes.encode()): rows_with_it
+                                         for name, outcomes, rows_with_it in state["tool_entries"]}),
+                   turns_with_reasoning=state["turns_with_reasoning"],
+                   turns_without_reasoning=state["turns_without_reasoning"],
+                   merged=state["merged"], merged_by_status=Counter(state["merged_by_status"]),
+                   end_reasons=Counter(state["end_reasons"]), discarded=state["discarded"],
+                   corrupted=[(name, index, invented) for name, index, invented in state["corrupted"]],
+                   usage={key: state["usage"][key] for key in USAGE_KEYS})
+
     def on_corrupted(self, batch_file: str, row: rows.StoredRow, invented: list[str]) -> None:
         _add_usage(self.usage, row.usage())
         self.corrupted.append((batch_file, row.prompt_index, invented))

@@ -6,7 +6,8 @@ Rows are real rows (rendered by batchrun.rows from a session with two tool calls
 1% are failures, 1% tombstones, 0.5% name an invented tool. Each phase runs in a fresh process so its
 peak RSS is its own; prints rows/s, CPU seconds and peak memory for the scan and for the merge, and
 how fast the kernel alone copies the same bytes to disk (the merge writes every kept row once more,
-so on a slow disk that copy, not the runner, bounds it).
+so on a slow disk that copy, not the runner, bounds it), and the merge at the end of a resumed run
+that added 1% more rows (the previous merge's record lets it append only those).
 """
 
 from __future__ import annotations
@@ -51,49 +52,55 @@ def sample_rows() -> dict[str, bytes]:
     return {name: rows.encode_row(row) for name, row in kinds.items()}
 
 
+def synthetic_row(templates: dict[str, bytes], index: int) -> bytes:
+    kind = ("failed" if index % 100 == 1 else "discarded" if index % 100 == 2
+            else "invented" if index % 200 == 3 else "ok")
+    return (templates[kind].replace(b"123456789", str(index).encode())
+            .replace(b"KEY_PLACEHOLDER_0000000000000000", f"{index:032x}".encode())
+            .replace(b"PROMPT_PLACEHOLDER", f"synthetic prompt number {index}".encode()))
+
+
 def generate(run_dir: Path, count: int, batch_size: int) -> None:
     templates = sample_rows()
     run_dir.mkdir(parents=True, exist_ok=True)
     handles: dict[int, object] = {}
     for index in range(count):
-        kind = ("failed" if index % 100 == 1 else "discarded" if index % 100 == 2
-                else "invented" if index % 200 == 3 else "ok")
-        line = (templates[kind].replace(b"123456789", str(index).encode())
-                .replace(b"KEY_PLACEHOLDER_0000000000000000", f"{index:032x}".encode())
-                .replace(b"PROMPT_PLACEHOLDER", f"synthetic prompt number {index}".encode()))
         batch = index // batch_size
         if batch not in handles:
             for old in handles.values():
                 old.close()
             handles = {batch: (run_dir / f"batch_{batch}.jsonl").open("wb")}
-        handles[batch].write(line)
+        handles[batch].write(synthetic_row(templates, index))
     for handle in handles.values():
         handle.close()
+
+
+def append_resumed_rows(run_dir: Path, first: int, count: int) -> None:
+    """What a resumed run adds: retries land in the old batch files, spread over all of them."""
+    templates = sample_rows()
+    files = sorted(run_dir.glob("batch_*.jsonl"))
+    lines: dict[Path, list[bytes]] = {}
+    for offset in range(count):
+        lines.setdefault(files[offset * 7919 % len(files)], []).append(synthetic_row(templates, first + offset))
+    for path, new in lines.items():
+        with path.open("ab") as handle:
+            handle.write(b"".join(new))
 
 
 def measure(phase: str, run_dir: Path) -> None:
     """Runs inside a fresh process: one phase, then prints a JSON line of figures."""
     from batchrun.run_dir import RunDirectory
-    from batchrun.stats import MergeStatistics
 
     directory = RunDirectory(run_dir)
     cpu_before = _cpu_seconds()
     started = time.perf_counter()
     if phase == "scan":
-        result = directory.scan(rerun_corrupted=False)
-        count = sum(result.rows_by_status.values())
+        directory.scan(rerun_corrupted=False)
     else:
-        merge, rows_read = MergeStatistics(), [0]
-
-        def on_row(row: rows.StoredRow) -> None:
-            rows_read[0] += 1
-            merge.on_row(row)
-
-        directory.merge(on_row, merge.on_corrupted)
-        count = rows_read[0] + len(merge.corrupted)
+        directory.merge(lambda *_: None)
     elapsed = time.perf_counter() - started
     peak_mb = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 1024
-    print(json.dumps({"phase": phase, "rows": count, "seconds": elapsed, "cpu_seconds": _cpu_seconds() - cpu_before,
+    print(json.dumps({"phase": phase, "seconds": elapsed, "cpu_seconds": _cpu_seconds() - cpu_before,
                       "peak_mb": peak_mb}))
 
 
@@ -138,16 +145,29 @@ def main() -> None:
         generate(run_dir, args.rows, args.batch_size)
         size_gb = sum(p.stat().st_size for p in run_dir.iterdir()) / 1e9
         print(f"generated {args.rows:,} rows ({size_gb:.2f} GB) in {time.perf_counter() - started:.1f}s")
-        for phase in ("scan", "merge"):
-            output = subprocess.run([sys.executable, __file__, "--measure", phase, "--dir", str(run_dir)],
-                                    capture_output=True, text=True, check=True).stdout
-            figures = json.loads(output)
-            print(f"{phase:>5}: {figures['rows'] / figures['seconds']:>9,.0f} rows/s  "
-                  f"({figures['rows']:,} rows in {figures['seconds']:.1f}s, {figures['cpu_seconds']:.1f} CPU-s, "
-                  f"peak RSS {figures['peak_mb']:.0f} MB)")
+        report("scan", args.rows, measured("scan", run_dir), "one process per core")
+        report("merge", args.rows, measured("merge", run_dir), "from nothing: every kept row written and fsynced")
         seconds = copy_ceiling(run_dir)
-        print(f" copy: {args.rows / seconds:>9,.0f} rows/s  (the same bytes copied by the kernel and fsynced in "
-              f"{seconds:.1f}s: the disk's ceiling for any merge)")
+        print(f"{'copy':>6}: {args.rows / seconds:>9,.0f} rows/s  (the same bytes copied by the kernel and fsynced "
+              f"in {seconds:.1f}s: the disk's ceiling for a merge from nothing)")
+        added = max(1, args.rows // 100)
+        append_resumed_rows(run_dir, args.rows, added)
+        figures = measured("merge", run_dir)
+        print(f"remerge: {added / figures['seconds']:>9,.0f} rows/s  ({added:,} rows that a resumed run added to the "
+              f"{args.rows:,} merged before, in {figures['seconds']:.2f}s, {figures['cpu_seconds']:.2f} CPU-s, "
+              f"peak RSS {figures['peak_mb']:.0f} MB: only they are read and appended)")
+
+
+def measured(phase: str, run_dir: Path) -> dict:
+    output = subprocess.run([sys.executable, __file__, "--measure", phase, "--dir", str(run_dir)],
+                            capture_output=True, text=True, check=True).stdout
+    return json.loads(output)
+
+
+def report(label: str, rows_in_directory: int, figures: dict, note: str) -> None:
+    print(f"{label:>6}: {rows_in_directory / figures['seconds']:>9,.0f} rows/s  ({rows_in_directory:,} rows in "
+          f"{figures['seconds']:.1f}s, {figures['cpu_seconds']:.1f} CPU-s, peak RSS {figures['peak_mb']:.0f} MB; "
+          f"{note})")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,91 @@
+"""The merge (SPEC §8, §10): trajectories.jsonl holds exactly the kept rows of every batch file, and
+statistics.json counts them, whether the merge rewrote the file or only appended what was new."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from batchrun.run_dir import MERGE_RECORD, TRAJECTORIES, RunDirectory
+from conftest import endpoint_args, run_cli, write_dataset
+
+PROMPTS = ([f"prompt {i}" for i in range(6)] + [f'[[call terminal {{"command": "echo {i}"}}]] command {i}' for i in range(4)]
+           + ["[[invent]] inventive", "[[fail 400]] refused", "prompt 3"])
+
+
+def run(tmp_path: Path, endpoint, *extra: str) -> Path:
+    dataset = write_dataset(tmp_path / "dataset.jsonl", PROMPTS)
+    result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=4", "--run_name=run",
+                     "--distribution=terminal_only", *endpoint_args(endpoint), *extra)
+    assert result.returncode == 0, result.stderr
+    return tmp_path / "data" / "run"
+
+
+def merged_lines(run_dir: Path) -> Counter:
+    return Counter((run_dir / TRAJECTORIES).read_bytes().splitlines(keepends=True))
+
+
+def rewritten(run_dir: Path) -> tuple[Counter, dict]:
+    """What a merge from nothing makes of the same batch files (the reference)."""
+    (run_dir / MERGE_RECORD).unlink()
+    statistics = RunDirectory(run_dir).merge(lambda *_: None)
+    return merged_lines(run_dir), statistics.to_state()
+
+
+def test_resumed_run_appends_only_new_rows_and_ends_where_a_full_rewrite_would(tmp_path, endpoint):
+    run_dir = run(tmp_path, endpoint, "--max_samples=5")
+    first_inode = (run_dir / TRAJECTORIES).stat().st_ino
+    run(tmp_path, endpoint, "--resume")
+    assert (run_dir / TRAJECTORIES).stat().st_ino == first_inode       # appended to, not replaced
+    appended = merged_lines(run_dir)
+    statistics = json.loads((run_dir / "statistics.json").read_text())
+    reference, _ = rewritten(run_dir)
+    assert appended == reference and sum(appended.values()) == 11      # 13 prompts - failed - corrupted
+    assert statistics["trajectories_in_merged_file"] == 11
+    assert statistics["filtered_corrupted"] == 1
+    assert statistics["tool_statistics"]["terminal"]["count"] == 4
+
+
+def test_merge_record_carries_the_figures_a_full_rewrite_counts(tmp_path, endpoint):
+    run_dir = run(tmp_path, endpoint, "--max_samples=5")
+    run(tmp_path, endpoint, "--resume")
+    kept = json.loads((run_dir / MERGE_RECORD).read_text())["statistics"]
+    _, reference = rewritten(run_dir)
+    assert kept == reference
+
+
+def test_rows_left_by_a_merge_that_crashed_after_appending_are_not_duplicated(tmp_path, endpoint):
+    run_dir = run(tmp_path, endpoint)
+    expected = merged_lines(run_dir)
+    with (run_dir / TRAJECTORIES).open("ab") as handle:       # appended, then killed before its record
+        handle.write(next(iter(expected)) + b'{"prompt_index": 3, "cut')
+    RunDirectory(run_dir).merge(lambda *_: None)
+    assert merged_lines(run_dir) == expected
+
+
+def test_a_batch_file_changed_other_than_by_appending_makes_the_merge_rewrite_everything(tmp_path, endpoint):
+    run_dir = run(tmp_path, endpoint)
+    batch = run_dir / "batch_0.jsonl"
+    first, *rest = batch.read_bytes().splitlines(keepends=True)
+    batch.write_bytes(b"".join(rest))                          # a row removed by hand
+    inode = (run_dir / TRAJECTORIES).stat().st_ino
+    statistics = RunDirectory(run_dir).merge(lambda *_: None)
+    assert (run_dir / TRAJECTORIES).stat().st_ino != inode
+    assert first not in merged_lines(run_dir)
+    assert statistics.merged == sum(merged_lines(run_dir).values())
+
+
+def test_a_deleted_trajectories_file_is_rebuilt_whole(tmp_path, endpoint):
+    run_dir = run(tmp_path, endpoint)
+    expected = merged_lines(run_dir)
+    (run_dir / TRAJECTORIES).unlink()
+    statistics = RunDirectory(run_dir).merge(lambda *_: None)
+    assert merged_lines(run_dir) == expected and statistics.merged == sum(expected.values())
+
+
+def test_corrupted_rows_are_reported_once_not_at_every_later_merge(tmp_path, endpoint):
+    run_dir = run(tmp_path, endpoint)
+    reported: list[int] = []
+    statistics = RunDirectory(run_dir).merge(lambda _name, row, _invented: reported.append(row.prompt_index))
+    assert reported == [] and len(statistics.corrupted) == 1
