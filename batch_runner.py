@@ -235,12 +235,12 @@ class BatchRunner:
     def _finish(self, plan: DatasetPlan) -> None:
         corrupted_found = 0
 
-        def on_corrupted(batch_file: str, row: rows.StoredRow, invented: list[str]) -> None:
+        def on_corrupted(batch_file: str, prompt_index: int, invented: list[str]) -> None:
             nonlocal corrupted_found
             corrupted_found += 1
             if corrupted_found <= MAX_CORRUPTED_LINES_SHOWN:
                 self.console.print(f"⚠️  left out of trajectories.jsonl: {batch_file} prompt "
-                                   f"{row.prompt_index} calls invented tool(s) {', '.join(invented)}")
+                                   f"{prompt_index} calls invented tool(s) {', '.join(invented)}")
 
         merge = self.run_dir.merge(on_corrupted)
         if corrupted_found > MAX_CORRUPTED_LINES_SHOWN:

@@ -7,6 +7,7 @@ merge also remembers where it stopped (``.merge.json``), so the next one reads o
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -34,7 +35,7 @@ MERGE_RECORD_FORMAT = "1:" + hashlib.sha256(" ".join(sorted(REGISTRY)).encode())
 MERGE_RECORD_TAIL_BYTES = 4096
 MERGE_BUFFER_BYTES = 1 << 20
 READ_BUFFER_BYTES = 1 << 20
-# Below this much data a resume scan is over before helper processes would have started.
+# Below this much data a resume scan or a merge is over before helper processes would have started.
 PARALLEL_SCAN_MIN_BYTES = 64 << 20
 
 
@@ -67,6 +68,12 @@ def complete_lines(path: Path, start: int = 0, end: int | None = None) -> Iterat
     With ``start``/``end``, only the lines that begin in that byte range: ranges that tile a file
     yield each of its lines exactly once, so separate processes can share one file.
     """
+    for _, line in lines_at(path, start, end):
+        yield line
+
+
+def lines_at(path: Path, start: int = 0, end: int | None = None) -> Iterator[tuple[int, bytes]]:
+    """(offset, line) for each of :func:`complete_lines`."""
     with path.open("rb", buffering=READ_BUFFER_BYTES) as handle:
         if start:
             handle.seek(start - 1)
@@ -76,9 +83,9 @@ def complete_lines(path: Path, start: int = 0, end: int | None = None) -> Iterat
         for line in handle:   # rows are kilobytes long: a small buffer costs several reads per line
             if end is not None and position >= end:
                 return
-            position += len(line)
             if line.endswith(b"\n"):
-                yield line
+                yield position, line
+            position += len(line)
 
 
 @dataclass
@@ -250,13 +257,14 @@ class RunDirectory:
 
     # -- merge ----------------------------------------------------------------------------------
 
-    def merge(self, on_corrupted: Callable[[str, rows.StoredRow, list[str]], None]) -> MergeStatistics:
+    def merge(self, on_corrupted: Callable[[str, int, list[str]], None]) -> MergeStatistics:
         """Bring trajectories.jsonl up to date with every batch file, and count what it holds.
 
         Trajectory rows that call no invented tool are kept; tombstones, failures, corrupted rows
-        (each passed to ``on_corrupted``) and broken lines are left out. Batch files only grow, so
-        when the record of the last merge still matches the files, only rows written since are read
-        and appended; otherwise the whole file is rewritten and atomically replaced.
+        (each passed to ``on_corrupted`` as batch file, prompt index, invented tools) and broken
+        lines are left out. Batch files only grow, so when the record of the last merge still
+        matches the files, only rows written since are read and appended; otherwise the whole file
+        is rewritten (a big directory shared out over one process per core) and atomically replaced.
         """
         self.close_batches()
         files = self.batch_files()
@@ -270,27 +278,35 @@ class RunDirectory:
         return statistics
 
     def _rewrite_trajectories(self, files: list[Path], on_corrupted: Callable) -> tuple[MergeStatistics, dict]:
-        statistics = MergeStatistics()
+        total = sum(path.stat().st_size for path in files)
+        processes = min(os.cpu_count() or 1, 8) if total >= PARALLEL_SCAN_MIN_BYTES else 1
+        groups = split_ranges(files, processes) if files else [[]]
         temp = self.path / (TRAJECTORIES + ".tmp")
-        with temp.open("wb", buffering=MERGE_BUFFER_BYTES) as out:
-            ends = _merge_rows(files, {}, out, statistics, on_corrupted)
-            out.flush()
+        with temp.open("wb") as out:
+            if processes < 2:
+                parts = [read_merge_part(groups[0])]
+                copy_kept_rows(out.fileno(), 0, parts[0].kept)
+            else:
+                with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork")) as pool:
+                    parts = list(pool.map(read_merge_part, groups))
+                    starts = [sum(part.kept_bytes for part in parts[:index]) for index in range(len(parts))]
+                    # Each process copies its rows into place; the kernel moves the bytes.
+                    list(pool.map(_copy_into, [temp] * len(parts), starts, [part.kept for part in parts]))
             os.fsync(out.fileno())
         os.replace(temp, self.path / TRAJECTORIES)
         _fsync_dir(self.path)
-        return statistics, ends
+        return _combined(parts, {}, MergeStatistics(), on_corrupted)
 
     def _append_to_trajectories(self, files: list[Path], previous: MergeRecord,
                                 on_corrupted: Callable) -> tuple[MergeStatistics, dict]:
-        # A merge that crashed after appending left rows past the recorded size: they go, and
-        # their batch lines are read again.
-        with (self.path / TRAJECTORIES).open("r+b", buffering=MERGE_BUFFER_BYTES) as out:
+        part = read_merge_part([(path, previous.offsets.get(path.name, 0), path.stat().st_size) for path in files])
+        with (self.path / TRAJECTORIES).open("r+b") as out:
+            # A merge that crashed after appending left rows past the recorded size: they go, and
+            # their batch lines are read again.
             out.truncate(previous.trajectories_bytes)
-            out.seek(previous.trajectories_bytes)
-            ends = _merge_rows(files, previous.offsets, out, previous.statistics, on_corrupted)
-            out.flush()
+            copy_kept_rows(out.fileno(), previous.trajectories_bytes, part.kept)
             os.fsync(out.fileno())
-        return previous.statistics, ends
+        return _combined([part], previous.offsets, previous.statistics, on_corrupted)
 
     def _read_merge_record(self, files: list[Path]) -> MergeRecord | None:
         """The last merge's record, if trajectories.jsonl and every batch file it read are still
@@ -333,15 +349,31 @@ class MergeRecord:
     statistics: MergeStatistics
 
 
-def _merge_rows(files: list[Path], offsets: dict[str, int], out: IO[bytes], statistics: MergeStatistics,
-                on_corrupted: Callable) -> dict[str, int]:
-    """Append the kept rows of every batch file from its offset on; returns where each was read to
-    (the end of its last complete line)."""
-    ends = {}
-    for path in files:
-        position = offsets.get(path.name, 0)
-        for line in complete_lines(path, position):
-            position += len(line)
+@dataclass
+class MergePart:
+    """What one process found in its byte ranges of the batch files."""
+
+    statistics: MergeStatistics = field(default_factory=MergeStatistics)
+    kept: list[FileRange] = field(default_factory=list)      # kept rows, adjacent ones joined
+    kept_bytes: int = 0
+    corrupted: list[tuple[str, int, list[str]]] = field(default_factory=list)
+    ends: dict[str, int] = field(default_factory=dict)        # per file: the end of its last complete line
+
+    def keep(self, path: Path, offset: int, length: int) -> None:
+        if self.kept and self.kept[-1][0] == path and self.kept[-1][2] == offset:
+            self.kept[-1] = (path, self.kept[-1][1], offset + length)
+        else:
+            self.kept.append((path, offset, offset + length))
+        self.kept_bytes += length
+
+
+def read_merge_part(ranges: list[FileRange]) -> MergePart:
+    """Classify and count the rows that begin in these byte ranges (see RunDirectory.merge)."""
+    part = MergePart()
+    statistics = part.statistics
+    for path, start, end in ranges:
+        for offset, line in lines_at(path, start, end):
+            part.ends[path.name] = offset + len(line)
             row = rows.read_stored_row(line)
             if row is None:
                 continue
@@ -351,12 +383,51 @@ def _merge_rows(files: list[Path], offsets: dict[str, int], out: IO[bytes], stat
             invented = row.invented_tools()
             if invented:
                 statistics.on_corrupted(path.name, row, invented)
-                on_corrupted(path.name, row, invented)
+                part.corrupted.append((path.name, row.prompt_index, invented))
                 continue
             statistics.on_row(row)
-            out.write(line)
-        ends[path.name] = position
-    return ends
+            part.keep(path, offset, len(line))
+    return part
+
+
+def _combined(parts: list[MergePart], offsets: dict[str, int], statistics: MergeStatistics,
+              on_corrupted: Callable) -> tuple[MergeStatistics, dict[str, int]]:
+    """The parts' figures added to ``statistics``, and where each batch file has been read to."""
+    ends = dict(offsets)
+    for part in parts:
+        statistics.add(part.statistics)
+        for corrupted in part.corrupted:
+            on_corrupted(*corrupted)
+        for name, end in part.ends.items():
+            ends[name] = max(ends.get(name, 0), end)
+    return statistics, ends
+
+
+def copy_kept_rows(out: int, position: int, kept: list[FileRange]) -> None:
+    """Copy byte ranges of batch files to ``out`` from ``position`` on, without passing the bytes
+    through Python (copy_file_range; plain reads and writes where a filesystem refuses it)."""
+    for path, start, end in kept:
+        with path.open("rb") as source:
+            while start < end:
+                try:
+                    copied = os.copy_file_range(source.fileno(), out, end - start, start, position)
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOSYS, errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP):
+                        raise
+                    copied = os.pwrite(out, os.pread(source.fileno(), min(end - start, MERGE_BUFFER_BYTES), start),
+                                       position)
+                if copied == 0:
+                    raise OSError(f"{path} ended while it was being merged")
+                start += copied
+                position += copied
+
+
+def _copy_into(path: Path, position: int, kept: list[FileRange]) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        copy_kept_rows(fd, position, kept)
+    finally:
+        os.close(fd)
 
 
 def _tail_digest(path: Path, size: int) -> str:

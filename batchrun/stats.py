@@ -77,6 +77,19 @@ class MergeStatistics:
         self.turns_with_reasoning += with_reasoning
         self.turns_without_reasoning += without
 
+    def add(self, other: MergeStatistics) -> None:
+        """Take in what another process counted over other rows."""
+        self.tool_entries.update(other.tool_entries)
+        self.turns_with_reasoning += other.turns_with_reasoning
+        self.turns_without_reasoning += other.turns_without_reasoning
+        self.merged += other.merged
+        self.merged_by_status.update(other.merged_by_status)
+        self.end_reasons.update(other.end_reasons)
+        self.discarded += other.discarded
+        self.corrupted.extend(other.corrupted)
+        for key in USAGE_KEYS:
+            self.usage[key] += other.usage[key]
+
     def to_state(self) -> dict:
         """Everything counted, as JSON, so a later merge can go on counting (see run_dir.merge)."""
         return {"tool_entries": [[name.decode(), outcomes.decode(), rows_with_it]

@@ -7,6 +7,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from batchrun import run_dir as run_dir_module
 from batchrun.run_dir import MERGE_RECORD, TRAJECTORIES, RunDirectory
 from conftest import endpoint_args, run_cli, write_dataset
 
@@ -87,5 +88,16 @@ def test_a_deleted_trajectories_file_is_rebuilt_whole(tmp_path, endpoint):
 def test_corrupted_rows_are_reported_once_not_at_every_later_merge(tmp_path, endpoint):
     run_dir = run(tmp_path, endpoint)
     reported: list[int] = []
-    statistics = RunDirectory(run_dir).merge(lambda _name, row, _invented: reported.append(row.prompt_index))
+    statistics = RunDirectory(run_dir).merge(lambda _name, index, _invented: reported.append(index))
     assert reported == [] and len(statistics.corrupted) == 1
+
+
+def test_merge_shared_out_over_processes_writes_exactly_what_one_process_writes(tmp_path, endpoint, monkeypatch):
+    run_dir = run(tmp_path, endpoint)
+    alone = (run_dir / TRAJECTORIES).read_bytes()
+    _, reference = rewritten(run_dir)
+    monkeypatch.setattr(run_dir_module, "PARALLEL_SCAN_MIN_BYTES", 0)
+    (run_dir / MERGE_RECORD).unlink()
+    statistics = RunDirectory(run_dir).merge(lambda *_: None)
+    assert (run_dir / TRAJECTORIES).read_bytes() == alone
+    assert statistics.to_state() == reference
