@@ -50,10 +50,26 @@ def make_client(base_url: str, api_key: str) -> openai.AsyncOpenAI:
                               http_client=openai.DefaultAioHttpClient(timeout=REQUEST_TIMEOUT))
 
 
-def encode_request(request: dict) -> bytes:
-    """The request body, encoded by json's C encoder (the client's own encoder is pure Python and
-    was a visible share of each call). Text a tool decoded badly cannot make the body invalid UTF-8."""
-    return json.dumps(request, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "replace")
+class ConversationBody:
+    """The request bodies of one session's calls, encoded by json's C encoder (the client's own
+    encoder is pure Python). A session's messages only grow, so each is encoded once, and the rest
+    of the body (model, tools, options) once per session: a call costs its new messages, not the
+    whole conversation and tool list again."""
+
+    def __init__(self, fields: dict) -> None:
+        rest = _encode(fields)
+        self._tail = b"]" + (b"," + rest[1:] if fields else b"}")
+        self._messages: list[bytes] = []
+
+    def encode(self, messages: list[dict]) -> bytes:
+        for message in messages[len(self._messages):]:
+            self._messages.append(_encode(message))
+        return b'{"messages":[' + b",".join(self._messages) + self._tail
+
+
+def _encode(value: Any) -> bytes:
+    """Compact JSON; text a tool decoded badly cannot make the body invalid UTF-8."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "replace")
 
 
 def retry_after_seconds(headers: Any) -> float | None:
@@ -143,10 +159,9 @@ def parse_reply(raw: bytes) -> ModelReply:
                       usage=_usage_from(data))
 
 
-async def call_model(client: openai.AsyncOpenAI, gate: RateGate, *, request: dict, max_retries: int,
+async def call_model(client: openai.AsyncOpenAI, gate: RateGate, *, body: bytes, model: str, max_retries: int,
                      base_url: str) -> ModelReply:
     """One chat completion, retried on transient errors with back-off honouring Retry-After."""
-    body = encode_request(request)
     attempt = 0
     while True:
         await gate.wait()
@@ -158,7 +173,7 @@ async def call_model(client: openai.AsyncOpenAI, gate: RateGate, *, request: dic
             raw = await client.post("/chat/completions", cast_to=bytes, content=body)
             return parse_reply(raw)
         except openai.APIError as exc:
-            retry_after = classify(exc, model=request["model"], base_url=base_url)
+            retry_after = classify(exc, model=model, base_url=base_url)
             failure: Exception = exc
         except (BodyError, ValueError) as exc:   # an error body or undecodable JSON: a broken proxy
             failure = exc

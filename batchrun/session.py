@@ -15,7 +15,7 @@ import openai
 
 import model_tools
 from batchrun.config import RunConfig
-from batchrun.endpoint import PromptFailedError, call_model
+from batchrun.endpoint import ConversationBody, PromptFailedError, call_model
 from batchrun.rate_limit import RateGate
 from batchrun.environments import create_environment
 from batchrun.environments.base import Environment, EnvironmentSettings, EnvironmentSetupError
@@ -156,20 +156,22 @@ class Session:
             except Exception:   # cleanup of a finished session: nothing useful to report to anyone
                 pass
 
-    def _request(self, messages: list[dict]) -> dict:
-        """The JSON body of one chat-completions call (provider routing and reasoning included)."""
-        request: dict = {"model": self.config.model, "messages": messages, **self.config.extra_body}
+    def _request_fields(self) -> dict:
+        """Every field of a chat-completions call but its messages (provider routing and reasoning included)."""
+        fields: dict = {"model": self.config.model, **self.config.extra_body}
         if self.offered_tools:
-            request["tools"] = self.tool_schemas
+            fields["tools"] = self.tool_schemas
         if self.config.max_tokens:
-            request["max_tokens"] = self.config.max_tokens
-        return request
+            fields["max_tokens"] = self.config.max_tokens
+        return fields
 
     async def _loop(self) -> str:
         messages = runtime_messages(self.config, self.task.prompt)
+        body = ConversationBody(self._request_fields())
+        client = self.services.client_for(self.task.prompt_index)
         invented_streak = 0
         for turn_number in range(self.config.max_turns):
-            reply = await call_model(self.services.client_for(self.task.prompt_index), self.services.gate, request=self._request(messages),
+            reply = await call_model(client, self.services.gate, body=body.encode(messages), model=self.config.model,
                                      max_retries=self.config.max_retries, base_url=self.config.base_url)
             self.api_calls += 1
             self.usage.add(reply.usage)

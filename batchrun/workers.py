@@ -23,7 +23,7 @@ STOP_GRACE_SECONDS = 15.0
 
 
 def _worker_entry(*args: object) -> None:
-    from batchrun import worker_process   # after fork: only workers load the model client
+    from batchrun import worker_process
 
     worker_process.main(*args)
 
@@ -40,6 +40,10 @@ class WorkerPool:
     """A fixed set of worker processes with a known number of free session slots each."""
 
     def __init__(self, config: RunConfig, env_settings: EnvironmentSettings, available_tools: frozenset[str]) -> None:
+        # The model client (half a second of imports) loads once, here, before the fork: workers
+        # share it instead of each importing it again while competing for the same cores.
+        from batchrun import worker_process  # noqa: F401
+
         self.gate = RateGate(config.requests_per_minute)
         count = process_count(config.num_workers)
         self._capacity = [config.num_workers // count + (1 if i < config.num_workers % count else 0)

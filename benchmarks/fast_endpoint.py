@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import re
 import time
 
@@ -46,7 +47,8 @@ def reply_for(body: bytes, tool_turns: int) -> dict:
             "usage": {"prompt_tokens": 50, "completion_tokens": 10, "total_tokens": 60}}
 
 
-async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, latency: float, tool_turns: int) -> None:
+async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, latency: float, jitter: float,
+                 tool_turns: int) -> None:
     try:
         while True:
             head = await reader.readuntil(b"\r\n\r\n")
@@ -60,7 +62,7 @@ async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, lat
                 if not FIRST_REQUEST:
                     FIRST_REQUEST.append(time.monotonic())
                 REQUESTS[0] += 1
-                await asyncio.sleep(latency)
+                await asyncio.sleep(latency + random.uniform(-jitter, jitter))
                 payload = reply_for(body, tool_turns)
                 LAST_RESPONSE[0] = time.monotonic()
             data = json.dumps(payload).encode()
@@ -73,8 +75,8 @@ async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, lat
         writer.close()
 
 
-async def serve(port: int, latency: float, tool_turns: int) -> None:
-    server = await asyncio.start_server(lambda r, w: handle(r, w, latency, tool_turns), "127.0.0.1", port,
+async def serve(port: int, latency: float, jitter: float, tool_turns: int) -> None:
+    server = await asyncio.start_server(lambda r, w: handle(r, w, latency, jitter, tool_turns), "127.0.0.1", port,
                                         backlog=1024)
     print(server.sockets[0].getsockname()[1], flush=True)
     async with server:
@@ -85,10 +87,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--latency", type=float, default=0.2)
+    parser.add_argument("--jitter", type=float, default=0.0,
+                        help="each reply waits latency +/- up to this many seconds (uniform; the mean stays latency)")
     parser.add_argument("--tool-turns", type=int, default=2)
     args = parser.parse_args()
     try:
-        asyncio.run(serve(args.port, args.latency, args.tool_turns))
+        asyncio.run(serve(args.port, args.latency, args.jitter, args.tool_turns))
     except KeyboardInterrupt:
         pass
 

@@ -76,10 +76,10 @@ def children_cpu_seconds() -> float:
 
 
 @contextmanager
-def endpoint(latency: float) -> Iterator[str]:
+def endpoint(latency: float, jitter: float) -> Iterator[str]:
     """benchmarks/fast_endpoint.py in its own process; yields its base URL."""
-    server = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "fast_endpoint.py"),
-                               f"--latency={latency}", f"--tool-turns={TOOL_TURNS}"], stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "fast_endpoint.py"), f"--latency={latency}",
+                               f"--jitter={jitter}", f"--tool-turns={TOOL_TURNS}"], stdout=subprocess.PIPE, text=True)
     try:
         yield f"http://127.0.0.1:{server.stdout.readline().strip()}/v1"
     finally:
@@ -92,8 +92,8 @@ def server_stats(base_url: str) -> dict:
         return json.load(response)
 
 
-def run_once(workers: int, prompts: int, latency: float, backend: str = "local") -> dict:
-    with tempfile.TemporaryDirectory(prefix="br-bench-") as work, endpoint(latency) as base_url:
+def run_once(workers: int, prompts: int, latency: float, jitter: float, backend: str = "local") -> dict:
+    with tempfile.TemporaryDirectory(prefix="br-bench-") as work, endpoint(latency, jitter) as base_url:
         work_path = Path(work)
         dataset = work_path / "dataset.jsonl"
         dataset.write_text("".join(json.dumps({"prompt": f"benchmark prompt {i}"}) + "\n" for i in range(prompts)))
@@ -131,6 +131,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[4, 64, 256])
     parser.add_argument("--prompts", type=int, default=0, help="prompts per run (default: 12 s of ideal work)")
     parser.add_argument("--latency", type=float, default=0.2)
+    parser.add_argument("--jitter", type=float, default=0.0,
+                        help="replies take latency +/- up to this (uniform, same mean): real endpoints vary, and "
+                             "a fixed latency makes every session of a process come back at the same instant")
     parser.add_argument("--backend", nargs="+", choices=("local", "ray"), default=["local"],
                         help="where sessions run; ray starts a private local Ray per run (its start-up "
                              "shows in '1st req s')")
@@ -142,7 +145,7 @@ def main() -> None:
         ideal = workers / (CALLS_PER_PROMPT * args.latency)
         prompts = args.prompts or max(workers * 4, int(ideal * 12))
         for backend in args.backend:
-            r = run_once(workers, prompts, args.latency, backend)
+            r = run_once(workers, prompts, args.latency, args.jitter, backend)
             print(f"{r['backend']:>7} {r['workers']:>7} {r['prompts']:>7} {r['trajectories_per_s']:>8.1f} "
                   f"{r['ideal_per_s']:>8.1f} {r['ratio']:>6.2f} {r['steady_ratio']:>6.2f} "
                   f"{r['cpu_ms_per_trajectory']:>11.2f} {r['peak_pss_mb']:>11.0f} {r['first_request_s']:>9.2f}",

@@ -249,3 +249,14 @@ def test_verbose_shows_toolsets_tools_and_tokens_per_prompt(tmp_path, endpoint):
     assert result.returncode == 0, result.stderr
     assert "toolsets terminal, file · tools used: terminal×1, write_file×1" in result.stdout
     assert "tokens 300+60" in result.stdout
+
+
+def test_each_call_sends_the_whole_conversation_so_far_with_the_offered_tools(tmp_path, endpoint):
+    prompt = '[[call terminal {"command": "echo one"}]] [[call terminal {"command": "echo two"}]] go'
+    assert run_prompts(tmp_path, endpoint, [prompt]).returncode == 0
+    requests = endpoint.requests
+    assert [len(r["messages"]) for r in requests] == [2, 4, 6]
+    for earlier, later in zip(requests, requests[1:]):
+        assert later["messages"][:len(earlier["messages"])] == earlier["messages"]
+        assert later["tools"] == earlier["tools"] and later["model"] == "scripted-model"
+    assert "one" in requests[1]["messages"][-1]["content"] and "two" in requests[2]["messages"][-1]["content"]

@@ -132,7 +132,10 @@ class LocalEnvironment(Environment):
         await _reap(self._processes)
         self._processes.clear()
         if self.prompt_dir is not None and not self.settings.keep_workdirs:
-            await asyncio.to_thread(remove_tree, self.prompt_dir)
+            try:
+                os.rmdir(self.prompt_dir)       # many prompts leave nothing behind: no thread needed
+            except OSError:
+                await asyncio.to_thread(remove_tree, self.prompt_dir)
 
     def _require_started(self) -> tuple[Path, Path]:
         """(prompt_dir, workdir); using an environment before start() or after close() is a bug."""
