@@ -60,9 +60,16 @@ class Container:
 
     @classmethod
     def all(cls) -> list["Container"]:
+        """Every container; one another command is creating or removing at this moment is skipped,
+        as the real CLIs list only containers that fully exist."""
         folder = STATE / "containers"
-        return [cls(json.loads((d / "meta.json").read_text())["name"]) for d in sorted(folder.iterdir())] \
-            if folder.is_dir() else []
+        found = []
+        for entry in sorted(folder.iterdir()) if folder.is_dir() else []:
+            try:
+                found.append(cls(json.loads((entry / "meta.json").read_text())["name"]))
+            except (FileNotFoundError, NotADirectoryError, ValueError):
+                continue
+        return found
 
     def exists(self) -> bool:
         return (self.dir / "meta.json").is_file()
@@ -74,7 +81,10 @@ class Container:
     def create(self, meta: dict) -> None:
         (self.dir / "root").mkdir(parents=True)
         (self.dir / "pids").mkdir()
-        (self.dir / "meta.json").write_text(json.dumps({"name": self.name, "binds": [], **meta}))
+        # Written whole, then renamed: no other command ever reads half a meta.json.
+        partial = self.dir / "meta.json.partial"
+        partial.write_text(json.dumps({"name": self.name, "binds": [], **meta}))
+        partial.rename(self.dir / "meta.json")
 
     def host_path(self, path: str) -> str:
         """Where the container path ``path`` lives on the host (bind mounts first)."""
