@@ -1,6 +1,7 @@
 """The worker side: one process running many agent sessions on one asyncio loop.
 
-Imported only inside worker processes (after fork), so the parent never pays for the model client.
+The pool imports it just before forking, so worker processes share one loaded copy of the model
+client; the parent's own code never calls it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Worker processes: each runs many agent sessions concurrently on one asyncio loop.
 
-Sessions mostly wait on the network, so a process holds many of them; processes never exceed the
-cores. The parent hands out one task per free slot (per-prompt scheduling: a slow prompt holds one
+Sessions mostly wait on the network, so a process holds many of them; there are two processes per
+core at most (see PROCESSES_PER_CORE). The parent hands out one task per free slot (per-prompt scheduling: a slow prompt holds one
 slot, never a batch) and receives finished rows already encoded, so its own work per row is a write.
 """
 
@@ -32,8 +32,15 @@ class PoolStartError(RuntimeError):
     """The workers could not start (a backend's own failure, e.g. Ray); the message says why."""
 
 
+# A worker's loop stalls while the kernel starts a command for it (the process waits until the child
+# has exec'd) and when its sessions come back all at once; a second process per core runs meanwhile.
+# Measured (benchmarks/throughput.py): one per core 0.85-0.88 of the ideal at 64 sessions and 150-180
+# trajectories/s at 256; two per core 0.89-0.92 and 180-190; three or four per core lose at 256.
+PROCESSES_PER_CORE = 2
+
+
 def process_count(num_workers: int) -> int:
-    return max(1, min(num_workers, os.cpu_count() or 1))
+    return max(1, min(num_workers, PROCESSES_PER_CORE * (os.cpu_count() or 1)))
 
 
 class WorkerPool:
