@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import openai
 
@@ -44,14 +44,23 @@ class SessionServices:
     env_settings: EnvironmentSettings
     available_tools: frozenset[str]
     redact: Redactor
+    closing: set[asyncio.Task] = field(default_factory=set)    # environments being closed
 
     def client_for(self, prompt_index: int) -> openai.AsyncOpenAI:
         # Several small connection pools: the HTTP pool scans its connections on every request,
         # so one pool shared by hundreds of sessions would cost O(sessions) per call.
         return self.clients[prompt_index % len(self.clients)]
 
+    def retire(self, env: Environment) -> None:
+        """Close a finished session's environment in the background: its row need not wait while
+        a sandbox is torn down (tens of milliseconds for bubblewrap's namespaces)."""
+        closing = asyncio.get_running_loop().create_task(env.close())
+        self.closing.add(closing)
+        closing.add_done_callback(self.closing.discard)
+
     async def close(self) -> None:
-        """Close the clients' connections while the loop that owns them still runs."""
+        """Finish closing environments, then the clients' connections, while the loop still runs."""
+        await asyncio.gather(*self.closing, return_exceptions=True)
         await asyncio.gather(*(client.close() for client in self.clients), return_exceptions=True)
 
 
@@ -97,13 +106,16 @@ class Session:
         self.usage = Usage()
         self.api_calls = 0
         self.env: Environment | None = None
+        self.env_ready: asyncio.Future | None = None
         self.tools: ToolContext | None = None
 
     async def run(self) -> SessionResult:
         started = time.monotonic()
         end_reason, error, error_type = "error", None, None
+        # The environment starts while the first model call is under way, and is awaited by the
+        # first tool call: a sandbox's start-up never delays the model.
+        self.env_ready = asyncio.ensure_future(self._start_environment())
         try:
-            await self._start_environment()
             if self.config.prompt_timeout:
                 end_reason = await asyncio.wait_for(self._loop(), self.config.prompt_timeout)
             else:
@@ -119,9 +131,10 @@ class Session:
                 error = f"prompt time limit of {self.config.prompt_timeout:g}s reached before the first model reply"
                 error_type = "prompt_timeout"
         finally:
+            await asyncio.gather(self.env_ready, return_exceptions=True)   # its failure, if unused, is moot
             await self._close_tools()
             if self.env is not None:
-                await self.env.close()
+                self.services.retire(self.env)
         redact = self.services.redact
         return SessionResult(
             prompt_index=self.task.prompt_index, content_key=self.task.content_key, prompt=self.task.prompt,
@@ -203,6 +216,7 @@ class Session:
                           f"{call.name} schema"), False
         if not isinstance(args, dict):
             return _error(f"arguments must be a JSON object, got {type(args).__name__}"), False
+        await self.env_ready      # an environment that failed to start fails the prompt here
         try:
             result = await asyncio.wait_for(model_tools.dispatch(call.name, args, self._tool_context()),
                                             self.config.tool_timeout)
