@@ -8,9 +8,11 @@ For each worker count it prints trajectories/s over the whole run (start-up, mer
 included), the ideal (workers / (model calls per prompt x latency)), their ratio, the steady-state
 ratio (from the first model request to the last response, so start-up is left to its own column),
 the runner's CPU milliseconds per trajectory (the whole process tree: parent,
-workers and the tool commands they ran), the peak PSS of that tree, and the seconds from start to the
-first model request. Each prompt makes 3 model calls and runs 2 terminal commands in the backend a
-real run would use (TERMINAL_ENV=local or =bubblewrap to choose).
+workers and the tool commands they ran), the whole machine's busy CPU milliseconds per trajectory
+(that plus the kernel's own threads, which do much of the work of tearing sandboxes down, and the
+benchmark server), the peak PSS of that tree, and the seconds from start to the first model request.
+Each prompt makes 3 model calls and runs 2 terminal commands in the backend a real run would use
+(TERMINAL_ENV=local or =bubblewrap to choose).
 """
 
 from __future__ import annotations
@@ -70,6 +72,13 @@ class MemorySampler(threading.Thread):
             self.peak = max(self.peak, tree_pss_bytes(self.pid))
 
 
+def machine_busy_seconds() -> float:
+    """CPU time the whole machine spent busy (every core, the kernel's own threads included)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 def children_cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
@@ -98,7 +107,7 @@ def run_once(workers: int, prompts: int, latency: float, jitter: float, backend:
         dataset = work_path / "dataset.jsonl"
         dataset.write_text("".join(json.dumps({"prompt": f"benchmark prompt {i}"}) + "\n" for i in range(prompts)))
         env = {**os.environ, "TMPDIR": work}
-        cpu_before = children_cpu_seconds()
+        cpu_before, machine_before = children_cpu_seconds(), machine_busy_seconds()
         started = time.monotonic()
         process = subprocess.Popen(
             [sys.executable, str(REPO / "batch_runner.py"), f"--dataset_file={dataset}", "--batch_size=100",
@@ -112,6 +121,7 @@ def run_once(workers: int, prompts: int, latency: float, jitter: float, backend:
         sampler.stopped.set()
         sampler.join()
         cpu = children_cpu_seconds() - cpu_before
+        machine = machine_busy_seconds() - machine_before
         if process.returncode != 0:
             raise SystemExit(f"batch_runner failed: {process.stderr.read()}")
         stats = json.loads((work_path / "data" / "bench" / "statistics.json").read_text())
@@ -122,7 +132,8 @@ def run_once(workers: int, prompts: int, latency: float, jitter: float, backend:
         return {"backend": backend, "workers": workers, "prompts": done, "seconds": elapsed,
                 "trajectories_per_s": done / elapsed, "ideal_per_s": ideal, "ratio": done / elapsed / ideal,
                 "steady_ratio": steady / ideal,
-                "cpu_ms_per_trajectory": 1000 * cpu / done, "peak_pss_mb": sampler.peak / 2**20,
+                "cpu_ms_per_trajectory": 1000 * cpu / done, "machine_ms_per_trajectory": 1000 * machine / done,
+                "peak_pss_mb": sampler.peak / 2**20,
                 "first_request_s": served["first_request"] - started}
 
 
@@ -139,7 +150,9 @@ def main() -> None:
                              "shows in '1st req s')")
     args = parser.parse_args()
     header = (f"{'backend':>7} {'workers':>7} {'prompts':>7} {'traj/s':>8} {'ideal':>8} {'ratio':>6} {'steady':>6} "
-              f"{'cpu ms/traj':>11} {'peak PSS MB':>11} {'1st req s':>9}")
+              f"{'cpu ms/traj':>11} {'machine ms':>10} {'peak PSS MB':>11} {'1st req s':>9}")
+    print(f"TERMINAL_ENV={os.environ.get('TERMINAL_ENV') or '(unset: bubblewrap where it works)'}, "
+          f"{args.latency:g} s per reply (+/- {args.jitter:g} s)")
     print(header)
     for workers in args.workers:
         ideal = workers / (CALLS_PER_PROMPT * args.latency)
@@ -148,7 +161,8 @@ def main() -> None:
             r = run_once(workers, prompts, args.latency, args.jitter, backend)
             print(f"{r['backend']:>7} {r['workers']:>7} {r['prompts']:>7} {r['trajectories_per_s']:>8.1f} "
                   f"{r['ideal_per_s']:>8.1f} {r['ratio']:>6.2f} {r['steady_ratio']:>6.2f} "
-                  f"{r['cpu_ms_per_trajectory']:>11.2f} {r['peak_pss_mb']:>11.0f} {r['first_request_s']:>9.2f}",
+                  f"{r['cpu_ms_per_trajectory']:>11.2f} {r['machine_ms_per_trajectory']:>10.2f} "
+                  f"{r['peak_pss_mb']:>11.0f} {r['first_request_s']:>9.2f}",
                   flush=True)
 
 
