@@ -106,16 +106,15 @@ class Session:
         self.usage = Usage()
         self.api_calls = 0
         self.env: Environment | None = None
-        self.env_ready: asyncio.Future | None = None
         self.tools: ToolContext | None = None
 
     async def run(self) -> SessionResult:
         started = time.monotonic()
         end_reason, error, error_type = "error", None, None
-        # The environment starts while the first model call is under way, and is awaited by the
-        # first tool call: a sandbox's start-up never delays the model.
-        self.env_ready = asyncio.ensure_future(self._start_environment())
         try:
+            # Before any model call: a prompt whose environment cannot start (an image that cannot
+            # be pulled) fails without spending tokens.
+            await self._start_environment()
             if self.config.prompt_timeout:
                 end_reason = await asyncio.wait_for(self._loop(), self.config.prompt_timeout)
             else:
@@ -131,7 +130,6 @@ class Session:
                 error = f"prompt time limit of {self.config.prompt_timeout:g}s reached before the first model reply"
                 error_type = "prompt_timeout"
         finally:
-            await asyncio.gather(self.env_ready, return_exceptions=True)   # its failure, if unused, is moot
             await self._close_tools()
             if self.env is not None:
                 self.services.retire(self.env)
@@ -216,7 +214,6 @@ class Session:
                           f"{call.name} schema"), False
         if not isinstance(args, dict):
             return _error(f"arguments must be a JSON object, got {type(args).__name__}"), False
-        await self.env_ready      # an environment that failed to start fails the prompt here
         try:
             result = await asyncio.wait_for(model_tools.dispatch(call.name, args, self._tool_context()),
                                             self.config.tool_timeout)
