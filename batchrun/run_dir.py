@@ -36,7 +36,8 @@ MERGE_RECORD_TAIL_BYTES = 4096
 MERGE_BUFFER_BYTES = 1 << 20
 READ_BUFFER_BYTES = 1 << 20
 # Below this much data a resume scan or a merge is over before helper processes would have started.
-PARALLEL_SCAN_MIN_BYTES = 64 << 20
+PARALLEL_READ_MIN_BYTES = 64 << 20
+MAX_READ_PROCESSES = 8
 
 
 class RunDirectoryError(Exception):
@@ -128,6 +129,13 @@ def scan_ranges(ranges: list[FileRange], rerun_corrupted: bool) -> ScanResult:
     return result
 
 
+def read_processes(files: list[Path]) -> int:
+    """How many processes share the reading of these files: one per core once they are big."""
+    if sum(path.stat().st_size for path in files) < PARALLEL_READ_MIN_BYTES:
+        return 1
+    return min(os.cpu_count() or 1, MAX_READ_PROCESSES)
+
+
 def split_ranges(files: list[Path], parts: int) -> list[list[FileRange]]:
     """The files' bytes cut into ``parts`` groups of about equal size (a big file is shared)."""
     sizes = [(path, path.stat().st_size) for path in files]
@@ -197,9 +205,8 @@ class RunDirectory:
         """What the batch files hold (see :func:`scan_ranges`). Reading a row costs CPU, not disk
         (the reads are line-sized), so a big run directory is shared out over one process per core."""
         files = self.batch_files()
-        processes = min(os.cpu_count() or 1, 8)
-        total = sum(path.stat().st_size for path in files)
-        if processes < 2 or total < PARALLEL_SCAN_MIN_BYTES:
+        processes = read_processes(files)
+        if processes < 2:
             return scan_ranges([(path, 0, path.stat().st_size) for path in files], rerun_corrupted)
         result = ScanResult()
         context = multiprocessing.get_context("fork")
@@ -278,8 +285,7 @@ class RunDirectory:
         return statistics
 
     def _rewrite_trajectories(self, files: list[Path], on_corrupted: Callable) -> tuple[MergeStatistics, dict]:
-        total = sum(path.stat().st_size for path in files)
-        processes = min(os.cpu_count() or 1, 8) if total >= PARALLEL_SCAN_MIN_BYTES else 1
+        processes = read_processes(files)
         groups = split_ranges(files, processes) if files else [[]]
         temp = self.path / (TRAJECTORIES + ".tmp")
         with temp.open("wb") as out:

@@ -96,7 +96,7 @@ def test_merge_shared_out_over_processes_writes_exactly_what_one_process_writes(
     run_dir = run(tmp_path, endpoint)
     alone = (run_dir / TRAJECTORIES).read_bytes()
     _, reference = rewritten(run_dir)
-    monkeypatch.setattr(run_dir_module, "PARALLEL_SCAN_MIN_BYTES", 0)
+    monkeypatch.setattr(run_dir_module, "PARALLEL_READ_MIN_BYTES", 0)
     (run_dir / MERGE_RECORD).unlink()
     statistics = RunDirectory(run_dir).merge(lambda *_: None)
     assert (run_dir / TRAJECTORIES).read_bytes() == alone

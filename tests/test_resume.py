@@ -191,7 +191,7 @@ def test_resume_scan_shared_out_over_processes_counts_what_one_process_counts(tm
     assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, batch_size=4)).returncode == 0
     directory = RunDirectory(tmp_path / "data" / "run")
     alone = scan_ranges([(p, 0, p.stat().st_size) for p in directory.batch_files()], rerun_corrupted=False)
-    monkeypatch.setattr(run_dir, "PARALLEL_SCAN_MIN_BYTES", 0)
+    monkeypatch.setattr(run_dir, "PARALLEL_READ_MIN_BYTES", 0)
     shared = directory.scan(rerun_corrupted=False)
     assert shared == alone
     assert shared.rows_by_status[rows.FAILED] == 1 and shared.corrupted_rows == 1
