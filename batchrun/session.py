@@ -29,7 +29,8 @@ AGENT_PROMPT = (
     "Work step by step, check what each tool call returns before relying on it, and finish with a "
     "clear final answer once the task is done."
 )
-MAX_INVENTED_TURNS = 3       # consecutive turns calling tools that do not exist before giving up
+MAX_INVENTED_TURNS = 3
+ENVIRONMENT_STARTS_AT_ONCE = 8       # consecutive turns calling tools that do not exist before giving up
 # Toolsets whose tools act in the prompt's environment (vision reads images from it, image_gen saves there).
 ENVIRONMENT_TOOLSETS = frozenset({"terminal", "file", "vision", "image_gen"})
 
@@ -45,6 +46,9 @@ class SessionServices:
     available_tools: frozenset[str]
     redact: Redactor
     closing: set[asyncio.Task] = field(default_factory=set)    # environments being closed
+    # Environments starting at once in this process: when hundreds of sessions begin together, the
+    # first few get their sandboxes (and send their first requests) without waiting for them all.
+    starting: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(ENVIRONMENT_STARTS_AT_ONCE))
 
     def client_for(self, prompt_index: int) -> openai.AsyncOpenAI:
         # Several small connection pools: the HTTP pool scans its connections on every request,
@@ -146,7 +150,8 @@ class Session:
         self.env = create_environment(self.config.terminal_env, self.services.env_settings,
                                       prompt_index=self.task.prompt_index, image=self.task.image,
                                       cwd=self.task.cwd)
-        await self.env.start()
+        async with self.services.starting:
+            await self.env.start()
 
     def _tool_context(self) -> ToolContext:
         if self.tools is None:
