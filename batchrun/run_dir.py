@@ -136,6 +136,11 @@ def read_processes(files: list[Path]) -> int:
     return min(os.cpu_count() or 1, MAX_READ_PROCESSES)
 
 
+def _reading_pool(processes: int) -> ProcessPoolExecutor:
+    # Forked, so the helpers need no imports and start in milliseconds.
+    return ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork"))
+
+
 def split_ranges(files: list[Path], parts: int) -> list[list[FileRange]]:
     """The files' bytes cut into ``parts`` groups of about equal size (a big file is shared)."""
     sizes = [(path, path.stat().st_size) for path in files]
@@ -205,14 +210,12 @@ class RunDirectory:
         """What the batch files hold (see :func:`scan_ranges`). Reading a row costs CPU, not disk
         (the reads are line-sized), so a big run directory is shared out over one process per core."""
         files = self.batch_files()
-        processes = read_processes(files)
-        if processes < 2:
-            return scan_ranges([(path, 0, path.stat().st_size) for path in files], rerun_corrupted)
+        groups = split_ranges(files, read_processes(files))
+        if len(groups) == 1:
+            return scan_ranges(groups[0], rerun_corrupted)
         result = ScanResult()
-        context = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(processes, mp_context=context) as pool:
-            for part in pool.map(scan_ranges, split_ranges(files, processes),
-                                 [rerun_corrupted] * processes):
+        with _reading_pool(len(groups)) as pool:
+            for part in pool.map(scan_ranges, groups, [rerun_corrupted] * len(groups)):
                 result.add(part)
         return result
 
@@ -285,15 +288,14 @@ class RunDirectory:
         return statistics
 
     def _rewrite_trajectories(self, files: list[Path], on_corrupted: Callable) -> tuple[MergeStatistics, dict]:
-        processes = read_processes(files)
-        groups = split_ranges(files, processes) if files else [[]]
+        groups = split_ranges(files, read_processes(files))
         temp = self.path / (TRAJECTORIES + ".tmp")
         with temp.open("wb") as out:
-            if processes < 2:
+            if len(groups) == 1:
                 parts = [read_merge_part(groups[0])]
                 copy_kept_rows(out.fileno(), 0, parts[0].kept)
             else:
-                with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork")) as pool:
+                with _reading_pool(len(groups)) as pool:
                     parts = list(pool.map(read_merge_part, groups))
                     starts = [sum(part.kept_bytes for part in parts[:index]) for index in range(len(parts))]
                     # Each process copies its rows into place; the kernel moves the bytes.
@@ -362,7 +364,6 @@ class MergePart:
     statistics: MergeStatistics = field(default_factory=MergeStatistics)
     kept: list[FileRange] = field(default_factory=list)      # kept rows, adjacent ones joined
     kept_bytes: int = 0
-    corrupted: list[tuple[str, int, list[str]]] = field(default_factory=list)
     ends: dict[str, int] = field(default_factory=dict)        # per file: the end of its last complete line
 
     def keep(self, path: Path, offset: int, length: int) -> None:
@@ -389,7 +390,6 @@ def read_merge_part(ranges: list[FileRange]) -> MergePart:
             invented = row.invented_tools()
             if invented:
                 statistics.on_corrupted(path.name, row, invented)
-                part.corrupted.append((path.name, row.prompt_index, invented))
                 continue
             statistics.on_row(row)
             part.keep(path, offset, len(line))
@@ -402,7 +402,7 @@ def _combined(parts: list[MergePart], offsets: dict[str, int], statistics: Merge
     ends = dict(offsets)
     for part in parts:
         statistics.add(part.statistics)
-        for corrupted in part.corrupted:
+        for corrupted in part.statistics.corrupted:
             on_corrupted(*corrupted)
         for name, end in part.ends.items():
             ends[name] = max(ends.get(name, 0), end)

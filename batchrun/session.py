@@ -29,8 +29,8 @@ AGENT_PROMPT = (
     "Work step by step, check what each tool call returns before relying on it, and finish with a "
     "clear final answer once the task is done."
 )
-MAX_INVENTED_TURNS = 3
-ENVIRONMENT_STARTS_AT_ONCE = 8       # consecutive turns calling tools that do not exist before giving up
+MAX_INVENTED_TURNS = 3       # consecutive turns calling tools that do not exist before giving up
+ENVIRONMENT_STARTS_AT_ONCE = 8
 # Toolsets whose tools act in the prompt's environment (vision reads images from it, image_gen saves there).
 ENVIRONMENT_TOOLSETS = frozenset({"terminal", "file", "vision", "image_gen"})
 

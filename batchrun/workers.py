@@ -1,8 +1,9 @@
 """Worker processes: each runs many agent sessions concurrently on one asyncio loop.
 
 Sessions mostly wait on the network, so a process holds many of them; there are two processes per
-core at most (see PROCESSES_PER_CORE). The parent hands out one task per free slot (per-prompt scheduling: a slow prompt holds one
-slot, never a batch) and receives finished rows already encoded, so its own work per row is a write.
+core at most (see PROCESSES_PER_CORE). The parent hands out one task per free slot (per-prompt
+scheduling: a slow prompt holds one slot, never a batch) and receives finished rows already encoded,
+so its own work per row is a write.
 """
 
 from __future__ import annotations
