@@ -16,6 +16,7 @@ from pathlib import PurePosixPath
 
 from batchrun.environments.base import CommandResult
 from batchrun.tools import ToolContext, ToolError
+from batchrun.tools.arguments import positive_int
 
 DEFAULT_READ_LIMIT = 500
 DEFAULT_MAX_RESULTS = 50
@@ -45,17 +46,6 @@ def _required_string(args: dict, name: str, *, allow_empty: bool = False) -> str
     value = _optional_string(args, name, allow_empty=allow_empty)
     if value is None:
         raise ToolError(f"missing required argument '{name}'")
-    return value
-
-
-def _positive_int(args: dict, name: str, default: int) -> int:
-    value = args.get(name)
-    if value is None:
-        return default
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ToolError(f"'{name}' must be a positive integer, not {value!r}")
     return value
 
 
@@ -106,8 +96,8 @@ def _split_lines(text: str) -> list[str]:
 async def read_file(args: dict, ctx: ToolContext) -> dict:
     """A window of a text file's lines (1-based ``offset``, ``limit`` lines)."""
     path = _required_string(args, "path")
-    offset = _positive_int(args, "offset", 1)
-    limit = _positive_int(args, "limit", DEFAULT_READ_LIMIT)
+    offset = positive_int(args, "offset", 1)
+    limit = positive_int(args, "limit", DEFAULT_READ_LIMIT)
     data = await ctx.env.read_file(path)
     _refuse_binary(data, path)
     lines = _split_lines(data.decode("utf-8", errors="replace"))
@@ -348,7 +338,7 @@ async def search_files(args: dict, ctx: ToolContext) -> dict:
     if target not in ("content", "files"):
         raise ToolError(f"'target' must be 'content' or 'files', not {target!r}")
     root = _search_root(_optional_string(args, "path") or ".")
-    max_results = _positive_int(args, "max_results", DEFAULT_MAX_RESULTS)
+    max_results = positive_int(args, "max_results", DEFAULT_MAX_RESULTS)
     if target == "content":
         return await _search_content(pattern, root, max_results, ctx)
     return await _search_names(pattern, root, max_results, ctx)

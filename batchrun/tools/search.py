@@ -14,6 +14,7 @@ from typing import Any, Awaitable, Callable
 import httpx
 
 from batchrun.tools import ToolContext, ToolError
+from batchrun.tools.arguments import non_empty_text, positive_int
 from batchrun.tools.clients import http_client
 from batchrun.tools.configuration import Backend, NotConfigured, search_backend
 
@@ -26,29 +27,17 @@ _SPACE = re.compile(r"\s+")
 
 async def web_search(args: dict, ctx: ToolContext) -> dict:
     """``{"results": [{"title", "url", "snippet"}, ...]}`` for ``query``."""
-    query = args.get("query")
-    if not isinstance(query, str) or not query.strip():
-        raise ToolError("'query' must be a non-empty string")
-    count = _count(args.get("max_results"))
+    query = non_empty_text(args, "query")
+    count = min(positive_int(args, "max_results", DEFAULT_RESULTS), MAX_RESULTS)
     try:
         backend = search_backend()
     except NotConfigured as exc:
         raise ToolError(f"web_search is not configured: {exc}") from None
     try:
-        results = await asyncio.wait_for(_SEARCHES[backend.name](backend, query.strip(), count), SEARCH_SECONDS)
+        results = await asyncio.wait_for(_SEARCHES[backend.name](backend, query, count), SEARCH_SECONDS)
     except asyncio.TimeoutError:
         raise ToolError(f"{backend.name} search did not answer within {SEARCH_SECONDS:g}s") from None
     return {"results": [result for result in results if result["url"]][:count]}
-
-
-def _count(value: object) -> int:
-    if value is None:
-        return DEFAULT_RESULTS
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ToolError(f"'max_results' must be a positive integer, not {value!r}")
-    return min(value, MAX_RESULTS)
 
 
 def _plain(text: object) -> str:

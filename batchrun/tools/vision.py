@@ -14,6 +14,7 @@ import re
 import openai
 
 from batchrun.tools import ToolContext, ToolError
+from batchrun.tools.arguments import non_empty_text
 from batchrun.tools.clients import openai_client
 from batchrun.tools.configuration import variable
 from batchrun.tools.media import image_type
@@ -25,7 +26,7 @@ _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 async def vision_analyze(args: dict, ctx: ToolContext) -> dict:
     """``{"answer": ...}``: the vision model's reply to ``question`` about ``image``."""
-    image, question = _text(args, "image"), _text(args, "question")
+    image, question = non_empty_text(args, "image"), non_empty_text(args, "question")
     content = [{"type": "text", "text": question},
                {"type": "image_url", "image_url": {"url": await _image_url(image, ctx)}}]
     client, model = _vision_model(ctx)
@@ -40,13 +41,6 @@ async def vision_analyze(args: dict, ctx: ToolContext) -> dict:
     if not answer or not answer.strip():
         raise ToolError("the vision model returned no answer")
     return {"answer": answer}
-
-
-def _text(args: dict, name: str) -> str:
-    value = args.get(name)
-    if not isinstance(value, str) or not value.strip():
-        raise ToolError(f"'{name}' must be a non-empty string")
-    return value.strip()
 
 
 def _vision_model(ctx: ToolContext) -> tuple[openai.AsyncOpenAI, str]:
