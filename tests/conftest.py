@@ -92,6 +92,19 @@ def record_arrivals(endpoint) -> list[tuple[float, str]]:
     return arrivals
 
 
+# A prompt whose first call gets a 429 with Retry-After 1.5 s, and three that each call twice, 0.2 s
+# apart: for the pause to be shared, none of the three second calls may come before it ends.
+RATE_LIMITED_PROMPT = "[[fail 429 1 retry_after=1.5]] limited"
+PROMPTS_BESIDE_IT = [f'[[call terminal {{"command": "sleep 0.2"}}]] other {i}' for i in range(3)]
+
+
+def assert_the_429_paused_every_other_session(arrivals: list[tuple[float, str]]) -> None:
+    rejected_at = next(t for t, prompt in arrivals if prompt == RATE_LIMITED_PROMPT)
+    second_calls = [t for t, prompt in arrivals if prompt != RATE_LIMITED_PROMPT][3:]
+    assert len(second_calls) == 3
+    assert all(t >= rejected_at + 1.4 for t in second_calls)
+
+
 def wait_for(condition, timeout: float = 60.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not condition():

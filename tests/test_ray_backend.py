@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (REPO, batch_rows, batch_runner_command, cli_environment, endpoint_args, finished_row_count,
+from conftest import (PROMPTS_BESIDE_IT, RATE_LIMITED_PROMPT, REPO, assert_the_429_paused_every_other_session,
+                      batch_rows, batch_runner_command, cli_environment, endpoint_args, finished_row_count,
                       human_prompt, last_user_message, process_state, read_jsonl, record_arrivals, run_cli, wait_for,
                       write_dataset)
 
@@ -292,17 +293,12 @@ def test_kill_9_of_the_driver_then_resume_on_ray_runs_every_prompt_exactly_once(
 @needs_ray
 def test_a_429_in_one_actor_pauses_the_sessions_of_the_other(tmp_path, endpoint):
     arrivals = record_arrivals(endpoint)
-    limited = "[[fail 429 1 retry_after=1.5]] limited"
-    others = [f'[[call terminal {{"command": "sleep 0.2"}}]] other {i}' for i in range(3)]
-    dataset = write_dataset(tmp_path / "dataset.jsonl", [limited, *others])
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [RATE_LIMITED_PROMPT, *PROMPTS_BESIDE_IT])
     # Two actors of two slots: the limited prompt shares its actor with one other, two run in the other actor.
     result = run_cli(tmp_path, *args(dataset, endpoint, "--num_workers=4", "--backend=ray", batch_size=100),
                      env=ray_environment(uuid.uuid4().hex))
     assert result.returncode == 0, result.stderr
-    rejected_at = next(t for t, prompt in arrivals if prompt == limited)
-    second_calls = [t for t, prompt in arrivals if prompt != limited][3:]
-    assert len(second_calls) == 3
-    assert all(t >= rejected_at + 1.4 for t in second_calls)
+    assert_the_429_paused_every_other_session(arrivals)
     assert len(read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")) == 4
 
 

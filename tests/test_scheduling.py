@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from conftest import batch_rows, endpoint_args, human_prompt, read_jsonl, record_arrivals, run_cli, write_dataset
+from conftest import (PROMPTS_BESIDE_IT, RATE_LIMITED_PROMPT, assert_the_429_paused_every_other_session, batch_rows,
+                      endpoint_args, human_prompt, read_jsonl, record_arrivals, run_cli, write_dataset)
 
 
 def run(tmp_path, endpoint, prompts, *extra):
@@ -13,15 +14,9 @@ def run(tmp_path, endpoint, prompts, *extra):
 
 def test_a_429_pauses_new_requests_of_every_session_across_processes(tmp_path, endpoint):
     arrivals = record_arrivals(endpoint)
-    limited = "[[fail 429 1 retry_after=1.5]] limited"
-    others = [f'[[call terminal {{"command": "sleep 0.2"}}]] other {i}' for i in range(3)]
-    result = run(tmp_path, endpoint, [limited, *others], "--num_workers=4")
+    result = run(tmp_path, endpoint, [RATE_LIMITED_PROMPT, *PROMPTS_BESIDE_IT], "--num_workers=4")
     assert result.returncode == 0, result.stderr
-    rejected_at = next(t for t, prompt in arrivals if prompt == limited)
-    # Each other session makes its second call ~0.2 s after its first; the pause must hold it back.
-    second_calls = [t for t, prompt in arrivals if prompt != limited][3:]
-    assert len(second_calls) == 3
-    assert all(t >= rejected_at + 1.4 for t in second_calls)
+    assert_the_429_paused_every_other_session(arrivals)
     assert len(read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")) == 4
 
 
