@@ -275,13 +275,16 @@ def _marked_processes(marker: bytes) -> dict[int, str]:
 def _watch(reader: Connection, writer: Connection, owner: str) -> None:
     """The watcher process: notes the parent's descendants (Ray's processes, the actors) while the
     parent lives; once the parent's end of the pipe closes (normal stop or kill -9) it ends every one
-    still there. Ray's own agents would otherwise outlive a killed parent by minutes."""
+    still there that started after it. Ray's own agents would otherwise outlive a killed parent by
+    minutes."""
     writer.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     devnull = os.open(os.devnull, os.O_RDWR)
     for stream in (0, 1, 2):      # hold no pipe of whoever started the runner
         os.dup2(devnull, stream)
     parent, me = os.getppid(), os.getpid()
+    # What already runs is not Ray's (the runner's report process): Ray starts after the watcher.
+    not_ray = _descendants(parent).items()
     seen: dict[int, str] = {}
     while True:
         try:
@@ -293,7 +296,7 @@ def _watch(reader: Connection, writer: Connection, owner: str) -> None:
     seen.update(_descendants(parent))   # after a normal stop the parent is still there: its stragglers
     marker = f"{OWNER_VARIABLE}={owner}\0".encode()
     for _ in range(2):            # a second pass for anything a dying process had just started
-        for pid, started in {**seen, **_marked_processes(marker)}.items():
+        for pid, started in {**seen, **_marked_processes(marker)}.items() - not_ray:
             if pid != me and _start_time(pid) == started:
                 try:
                     os.kill(pid, signal.SIGKILL)

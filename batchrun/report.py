@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable
 
 import toolset_distributions
 from batchrun import report_plots, rows
-from batchrun.run_dir import CHECKPOINT, STATISTICS, RunDirectory, complete_lines
+from batchrun.run_dir import CHECKPOINT, STATISTICS, RunDirectory, lines_at
 from model_tools import TOOL_NAMES
 
 REPORT_FILE = "report.html"
@@ -453,23 +453,37 @@ def sampled_row(row: rows.StoredRow, status: str, batch_file: str) -> dict:
 # Streaming the run directory
 
 
-def scan_run(run_dir: Path, sample_limit: int = SAMPLE_LIMIT) -> tuple[RunSummary, TrajectorySample]:
-    """One pass over every complete line of every batch file."""
-    summary, sample = RunSummary(), TrajectorySample(sample_limit)
-    files = RunDirectory(run_dir).batch_files()
-    summary.batch_files = len(files)
-    row_id = 0
-    for path in files:
-        for line in complete_lines(path):
-            row = rows.read_stored_row(line)
-            if row is None:
-                summary.unreadable_lines += 1
-                continue
-            status, facts = summary.add(row)
-            sample.offer(row_id, _categories(status, facts),
-                         lambda row=row, status=status, name=path.name: sampled_row(row, status, name))
-            row_id += 1
-    return summary, sample
+class RunScan:
+    """The report's pass over the batch files, in as many steps as needed: each
+    :meth:`read_new_rows` reads the complete rows written since the last one, so a run can keep the
+    figures current while it writes rows (batchrun.report_follower) and draw the page at the end
+    without reading everything again."""
+
+    def __init__(self, run_dir: Path, sample_limit: int = SAMPLE_LIMIT) -> None:
+        self.run_dir = RunDirectory(run_dir)
+        self.summary, self.sample = RunSummary(), TrajectorySample(sample_limit)
+        self._read_up_to: dict[Path, int] = {}     # per batch file: the end of its last complete row read
+        self._row_id = 0
+
+    def read_new_rows(self) -> None:
+        files = self.run_dir.batch_files()
+        self.summary.batch_files = len(files)
+        for path in files:
+            position = self._read_up_to.get(path, 0)
+            for offset, line in lines_at(path, position):
+                self._add(line, path.name)
+                position = offset + len(line)
+            self._read_up_to[path] = position      # a row still being written is read next time
+
+    def _add(self, line: bytes, batch_file: str) -> None:
+        row = rows.read_stored_row(line)
+        if row is None:
+            self.summary.unreadable_lines += 1
+            return
+        status, facts = self.summary.add(row)
+        self.sample.offer(self._row_id, _categories(status, facts),
+                          lambda: sampled_row(row, status, batch_file))
+        self._row_id += 1
 
 
 def _read_json(path: Path) -> dict:
@@ -678,9 +692,16 @@ def render(run_dir: Path, summary: RunSummary, sample: TrajectorySample) -> str:
 
 
 def write_report(run_dir: Path, sample_limit: int = SAMPLE_LIMIT) -> Path:
-    """Build data/<run_name>/report.html; replaced atomically so an open page never sees half a file."""
-    summary, sample = scan_run(run_dir, sample_limit)
-    page = render(run_dir, summary, sample)
+    """Build data/<run_name>/report.html from the run directory in one pass."""
+    scan = RunScan(run_dir, sample_limit)
+    scan.read_new_rows()
+    return save(scan)
+
+
+def save(scan: RunScan) -> Path:
+    """Write the page of what ``scan`` has read; replaced atomically so an open page never sees half a file."""
+    run_dir = scan.run_dir.path
+    page = render(run_dir, scan.summary, scan.sample)
     target = run_dir / REPORT_FILE
     temp = target.with_name(target.name + ".tmp")
     temp.write_text(page, encoding="utf-8")

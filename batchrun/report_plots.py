@@ -45,6 +45,21 @@ _SVG_METADATA = dict.fromkeys(("Creator", "Date", "Format", "Type"))
 _GROUP_ID = re.compile(r'<g id="[^"]*"')
 
 
+def preload() -> None:
+    """Load matplotlib and draw one tiny figure (its SVG backend, fonts and caches load on first use),
+    so that a later :func:`draw` pays for the drawing alone. Nothing happens without matplotlib."""
+    try:
+        import matplotlib
+        from matplotlib.figure import Figure
+    except ImportError:
+        return
+    with matplotlib.rc_context(STYLE):
+        figure = Figure(figsize=(1, 1))
+        figure.subplots().bar(["warm-up"], [1], label="warm-up")
+        figure.legend(loc="outside lower center")
+        figure.savefig(io.StringIO(), format="svg")
+
+
 def draw(summary: RunSummary, expected: dict[str, float] | None, distribution: str) -> dict[str, str] | None:
     """Every plot that has data, as SVG text by name; None when matplotlib is not installed."""
     try:

@@ -224,7 +224,9 @@ def write_synthetic_run(run_dir: Path, count: int) -> Counter:
 def test_a_large_run_gives_a_bounded_sample_that_covers_every_kind(tmp_path: Path) -> None:
     run_dir = tmp_path / "data" / "big"
     kinds = write_synthetic_run(run_dir, 3000)
-    summary, sample = report.scan_run(run_dir)
+    scan = report.RunScan(run_dir)
+    scan.read_new_rows()
+    summary, sample = scan.summary, scan.sample
     assert summary.row_count == 3000 and summary.unreadable_lines == 0
     assert {status: summary.statuses[status] for status in kinds} == dict(kinds)
     assert summary.tools["terminal"][0] > 0 and summary.invented_tools["made_up_tool"] == kinds["corrupted"]
@@ -251,6 +253,38 @@ def test_a_large_run_gives_a_bounded_sample_that_covers_every_kind(tmp_path: Pat
     assert data["total"] == 3000 and len(data["rows"]) == len(chosen)
     assert f"Showing {len(chosen)} of 3,000 rows" in page
     assert HOSTILE not in page and all(HOSTILE in row["p"] for row in data["rows"])
+
+
+def test_a_scan_in_steps_counts_each_row_once_while_rows_are_still_being_written(tmp_path: Path) -> None:
+    whole = tmp_path / "data" / "whole"
+    write_synthetic_run(whole, 1200)
+    once = report.RunScan(whole)
+    once.read_new_rows()
+    growing = tmp_path / "data" / "growing"
+    growing.mkdir(parents=True)
+    scan = report.RunScan(growing)
+    for name in ("checkpoint.json", "batch_0.jsonl", "batch_1.jsonl", "batch_2.jsonl"):
+        data = (whole / name).read_bytes()
+        for cut in (len(data) // 3, len(data) // 3 + 17, len(data)):    # the middle of a row, then the rest
+            with (growing / name).open("ab") as handle:
+                handle.write(data[(growing / name).stat().st_size:cut])
+            scan.read_new_rows()
+    assert scan.summary.statuses == once.summary.statuses and scan.summary.row_count == 1200
+    assert scan.summary.tools == once.summary.tools and scan.summary.batch_files == 3
+    assert scan.summary.unreadable_lines == 0      # the half-written last line is not a row yet
+    assert {row["s"] for row in scan.sample.chosen()} == {row["s"] for row in once.sample.chosen()}
+
+
+def test_the_report_of_a_resumed_run_covers_the_rows_of_earlier_invocations(tmp_path: Path, endpoint) -> None:
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [f"question {i}" for i in range(5)])
+    args = [f"--dataset_file={dataset}", "--batch_size=2", "--run_name=run", "--distribution=terminal_only",
+            *endpoint_args(endpoint)]
+    assert run_cli(tmp_path, *args, "--max_samples=3").returncode == 0
+    result = run_cli(tmp_path, *args, "--resume")
+    assert result.returncode == 0, result.stderr
+    data = page_data((tmp_path / "data" / "run" / report.REPORT_FILE).read_text(encoding="utf-8"))
+    assert data["total"] == 5
+    assert sorted(row["p"] for row in data["rows"]) == [f"question {i}" for i in range(5)]
 
 
 def test_without_matplotlib_the_report_has_tables_and_says_how_to_get_plots(tmp_path: Path, monkeypatch) -> None:

@@ -46,14 +46,14 @@ def test_kill_9_then_resume_runs_every_prompt_exactly_once_without_redoing_finis
     assert f"{len(done_before)} already done" in result.stdout
 
 
-def test_workers_exit_when_the_parent_is_killed(tmp_path, endpoint):
+def test_workers_and_the_report_process_exit_when_the_parent_is_killed(tmp_path, endpoint):
     dataset = write_dataset(tmp_path / "dataset.jsonl", [f"[[sleep 5]] long {i}" for i in range(4)])
     process = subprocess.Popen(batch_runner_command(*base_args(tmp_path, endpoint, dataset, "--num_workers=2")),
                                cwd=tmp_path, env=cli_environment(tmp_path), stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     wait_for(lambda: len(endpoint.requests) >= 2)
     children = [int(pid) for pid in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()]
-    assert children
+    assert len(children) == 3      # two worker processes and the report's
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
     wait_for(lambda: not any(Path(f"/proc/{pid}").exists() and process_state(pid) != "Z" for pid in children), 10)

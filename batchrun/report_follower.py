@@ -1,0 +1,87 @@
+"""The end-of-run report, prepared while the run goes on, in a helper process.
+
+Drawing the report only once the last row is in cost every run a second or more before it could
+exit (importing matplotlib, then drawing), plus a read of every batch file: tens of seconds for a
+million rows. The helper loads matplotlib at once and follows the batch files as the parent writes
+them, at the lowest CPU priority, so it only uses time the run leaves idle; at the end it reads the
+last rows and draws the page. It never writes anything but the report, and it ends by itself when
+the parent is gone (even after kill -9).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from batchrun import report, report_plots
+
+_FORK = multiprocessing.get_context("fork")
+FOLLOW_INTERVAL_SECONDS = 2.0
+NICENESS = 19
+
+
+class ReportFailed(Exception):
+    """The helper could not write the report; the message says why."""
+
+
+class ReportFollower:
+    """The helper process of one run; :meth:`finish` (or :meth:`cancel`) ends it."""
+
+    def __init__(self, run_dir: Path) -> None:
+        parent_end, child_end = _FORK.Pipe(duplex=True)
+        self._process = _FORK.Process(target=_follow, args=(child_end, run_dir, os.getpid()), daemon=True,
+                                      name="report")
+        self._process.start()
+        child_end.close()
+        self._conn = parent_end
+
+    def finish(self) -> Path:
+        """The report of every row written so far, once the helper has drawn it."""
+        try:
+            try:
+                self._conn.send(None)
+            except OSError:
+                pass    # it ended early; what it sent before ending is still to be read
+            try:
+                outcome, detail = self._conn.recv()
+            except EOFError:
+                raise ReportFailed(f"the report process ended unexpectedly (exit code "
+                                   f"{self._end()})") from None
+            if outcome == "error":
+                raise ReportFailed(detail)
+            return Path(detail)
+        finally:
+            self._end()
+
+    def cancel(self) -> None:
+        """End the helper without a report (the run stopped on an error)."""
+        self._process.kill()
+        self._end()
+
+    def _end(self) -> int | None:
+        self._conn.close()
+        self._process.join()
+        return self._process.exitcode
+
+
+def _follow(conn: Connection, run_dir: Path, parent_pid: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C reaches the group; the parent decides
+    os.nice(NICENESS)
+    try:
+        report_plots.preload()
+        scan = report.RunScan(run_dir)
+        while not conn.poll(FOLLOW_INTERVAL_SECONDS):
+            if os.getppid() != parent_pid:
+                return
+            scan.read_new_rows()
+        conn.recv()
+        scan.read_new_rows()
+        outcome = ("done", str(report.save(scan)))
+    except EOFError:
+        return
+    except Exception as exc:  # noqa: BLE001 - any bug in the report is told to the parent, never raised
+        outcome = ("error", f"{type(exc).__name__}: {exc}")
+    conn.send(outcome)
