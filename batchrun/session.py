@@ -16,12 +16,13 @@ import openai
 import model_tools
 from batchrun.config import RunConfig
 from batchrun.endpoint import ConversationBody, PromptFailedError, call_model
-from batchrun.rate_limit import RateGate
 from batchrun.environments import create_environment
 from batchrun.environments.base import Environment, EnvironmentSettings, EnvironmentSetupError
 from batchrun.messages import Task
+from batchrun.rate_limit import RateGate
 from batchrun.rows import AssistantTurn, SessionResult, ToolCallRecord, Usage, split_reasoning
 from batchrun.security import Redactor
+from batchrun.time_limit import within
 from batchrun.tools import ModelAccess, ToolContext, ToolError
 
 AGENT_PROMPT = (
@@ -119,10 +120,7 @@ class Session:
             # Before any model call: a prompt whose environment cannot start (an image that cannot
             # be pulled) fails without spending tokens.
             await self._start_environment()
-            if self.config.prompt_timeout:
-                end_reason = await asyncio.wait_for(self._loop(), self.config.prompt_timeout)
-            else:
-                end_reason = await self._loop()
+            end_reason = await within(self.config.prompt_timeout, self._loop())
         except PromptFailedError as exc:
             error, error_type = str(exc), exc.error_type
         except EnvironmentSetupError as exc:
@@ -220,8 +218,8 @@ class Session:
         if not isinstance(args, dict):
             return _error(f"arguments must be a JSON object, got {type(args).__name__}"), False
         try:
-            result = await asyncio.wait_for(model_tools.dispatch(call.name, args, self._tool_context()),
-                                            self.config.tool_timeout)
+            result = await within(self.config.tool_timeout,
+                                  model_tools.dispatch(call.name, args, self._tool_context()))
             text = json.dumps(result, ensure_ascii=False)
         except ToolError as exc:
             text = _error(str(exc))

@@ -34,6 +34,7 @@ from batchrun.environments.base import (
 )
 from batchrun.environments.command_output import OutputCollector, kill_group, wait_for_exit
 from batchrun.environments.local import LocalEnvironment
+from batchrun.time_limit import within
 
 #: Where the prompt's directory appears inside the sandbox; also the commands' HOME.
 MOUNT_POINT = "/workspace"
@@ -110,8 +111,7 @@ class BubblewrapEnvironment(LocalEnvironment):
             collector = OutputCollector(self.settings.max_output_chars)
             started = time.monotonic()
             try:
-                status = await asyncio.wait_for(shell.run(command, limit, collector.feed),
-                                                limit + _SHELL_GRACE_SECONDS)
+                status = await within(limit + _SHELL_GRACE_SECONDS, shell.run(command, limit, collector.feed))
             except asyncio.TimeoutError:    # past timeout(1)'s kill: the shell itself is stuck
                 await self._discard_shell()
                 output, truncated = collector.finish()
@@ -163,8 +163,7 @@ class BubblewrapEnvironment(LocalEnvironment):
         shell = _Shell(process)
         said = bytearray()
         try:
-            started = await asyncio.wait_for(shell.read_until(f"{ready}\n".encode(), said.extend),
-                                             _STARTUP_SECONDS)
+            started = await within(_STARTUP_SECONDS, shell.read_until(f"{ready}\n".encode(), said.extend))
         except asyncio.TimeoutError:
             started = False
         if not started:

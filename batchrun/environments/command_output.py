@@ -15,6 +15,7 @@ import signal
 from typing import Callable
 
 from batchrun.environments.base import CommandResult
+from batchrun.time_limit import within
 
 _READ_CHUNK_BYTES = 65536
 # After the process exits, a background child that inherited stdout can keep the pipe open for ever;
@@ -79,30 +80,29 @@ async def run_merged(argv: list[str], *, timeout: float, max_output_chars: int, 
     if on_start is not None:
         on_start(process)
     collector = OutputCollector(max_output_chars)
-    stream, transport = await _open_pipe_reader(read_fd)
-    reader = asyncio.create_task(_drain(stream, collector))
+    output = _PipeReader(read_fd, collector)
     try:
         exited = await wait_for_exit(process, timeout)
         if not exited:
             kill_group(process.pid)
             await wait_for_exit(process, _KILL_WAIT_SECONDS)
-        await asyncio.wait({reader}, timeout=_EXIT_GRACE_SECONDS)
+        if not output.finished.done():
+            await asyncio.wait({output.finished}, timeout=_EXIT_GRACE_SECONDS)
     except asyncio.CancelledError:
         kill_group(process.pid)
         raise
     finally:
-        transport.close()   # ends the reader; a background child still writing gets EPIPE
-    await reader
-    output, truncated = collector.finish()
+        output.close()   # a background child still writing gets EPIPE
+    text, truncated = collector.finish()
     if not exited:
-        return CommandResult(output=output, exit_code=None, timed_out=True, truncated=truncated)
-    return CommandResult(output=output, exit_code=process.returncode, truncated=truncated)
+        return CommandResult(output=text, exit_code=None, timed_out=True, truncated=truncated)
+    return CommandResult(output=text, exit_code=process.returncode, truncated=truncated)
 
 
 async def wait_for_exit(process: asyncio.subprocess.Process, timeout: float) -> bool:
     """True once the process has exited, False if it is still running after ``timeout`` seconds."""
     try:
-        await asyncio.wait_for(process.wait(), timeout)
+        await within(timeout, process.wait())
     except asyncio.TimeoutError:    # not yet the built-in TimeoutError on Python 3.10
         return False
     return True
@@ -114,14 +114,37 @@ def kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
-async def _drain(stream: asyncio.StreamReader, collector: OutputCollector) -> None:
-    while chunk := await stream.read(_READ_CHUNK_BYTES):
-        collector.feed(chunk)
+class _PipeReader:
+    """Feeds a pipe's bytes to a collector from the event loop's own read callbacks.
 
+    No task and no awaited set-up per command: with many sessions in one loop, every extra turn of
+    the loop a command needs waits behind all the other sessions' work.
+    """
 
-async def _open_pipe_reader(read_fd: int) -> tuple[asyncio.StreamReader, asyncio.ReadTransport]:
-    """An asyncio stream over the read end of a pipe; closing the transport closes the descriptor."""
-    stream = asyncio.StreamReader()
-    transport, _ = await asyncio.get_running_loop().connect_read_pipe(
-        lambda: asyncio.StreamReaderProtocol(stream), os.fdopen(read_fd, "rb", buffering=0))
-    return stream, transport
+    def __init__(self, fd: int, collector: OutputCollector) -> None:
+        self._fd: int | None = fd
+        self._collector = collector
+        self._loop = asyncio.get_running_loop()
+        self.finished: asyncio.Future[None] = self._loop.create_future()    # end of file, or closed
+        os.set_blocking(fd, False)
+        self._loop.add_reader(fd, self._read)
+
+    def _read(self) -> None:
+        try:
+            data = os.read(self._fd, _READ_CHUNK_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            self._collector.feed(data)
+        else:
+            self.close()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            self._loop.remove_reader(self._fd)
+            os.close(self._fd)
+            self._fd = None
+        if not self.finished.done():
+            self.finished.set_result(None)

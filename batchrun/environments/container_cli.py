@@ -11,6 +11,7 @@ import subprocess
 from dataclasses import dataclass
 
 from batchrun.environments.command_output import kill_group, wait_for_exit
+from batchrun.time_limit import within
 
 # An engine's messages can be long (a pull's whole progress log); the end says what went wrong.
 _MESSAGE_CHARS = 1000
@@ -46,7 +47,7 @@ async def call_cli(argv: list[str], *, timeout: float, stdin: bytes | None = Non
         *argv, stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
     try:
-        stdout, stderr = await asyncio.wait_for(process.communicate(stdin), timeout)
+        stdout, stderr = await within(timeout, process.communicate(stdin))
     except asyncio.TimeoutError:
         kill_group(process.pid)
         await wait_for_exit(process, timeout=5.0)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator
 from urllib.parse import urlsplit
 
+from batchrun.time_limit import within
 from batchrun.tools import ToolContext, ToolError
 from batchrun.tools.address_policy import allowed_addresses
 
@@ -142,7 +143,7 @@ class _Gate:
         error: Exception = OSError(f"cannot connect to {host}:{port}")
         for address in await allowed_addresses(host, port):
             try:
-                return await asyncio.wait_for(asyncio.open_connection(address, port), CONNECT_TIMEOUT_S)
+                return await within(CONNECT_TIMEOUT_S, asyncio.open_connection(address, port))
             except (OSError, asyncio.TimeoutError) as exc:
                 error = OSError(f"cannot connect to {host}:{port}: {exc or 'timed out'}")
         raise error

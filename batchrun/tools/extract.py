@@ -14,6 +14,7 @@ import codecs
 import httpx
 import trafilatura
 
+from batchrun.time_limit import within
 from batchrun.tools import ToolContext, ToolError
 from batchrun.tools.clients import http_client
 from batchrun.tools.net import Page, fetch
@@ -51,7 +52,7 @@ def _urls(args: dict) -> list[str]:
 
 async def _extract_one(client: httpx.AsyncClient, url: str) -> dict:
     try:
-        page = await asyncio.wait_for(fetch(client, url, max_bytes=MAX_PAGE_BYTES), FETCH_SECONDS)
+        page = await within(FETCH_SECONDS, fetch(client, url, max_bytes=MAX_PAGE_BYTES))
         title, text = await asyncio.to_thread(_readable_text, page)   # parsing is CPU work
     except ToolError as exc:
         return {"url": url, "error": str(exc)}

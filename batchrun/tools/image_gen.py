@@ -16,6 +16,7 @@ import uuid
 import httpx
 import openai
 
+from batchrun.time_limit import within
 from batchrun.tools import ToolContext, ToolError
 from batchrun.tools.clients import http_client, openai_client
 from batchrun.tools.configuration import Backend, NotConfigured, image_provider
@@ -36,7 +37,7 @@ async def image_generate(args: dict, ctx: ToolContext) -> dict:
         raise ToolError(f"image_generate is not configured: {exc}") from None
     generate = _fal(provider, prompt) if provider.name == "fal" else _openai_images(provider, prompt, ctx)
     try:
-        image = await asyncio.wait_for(generate, IMAGE_SECONDS)
+        image = await within(IMAGE_SECONDS, generate)
     except asyncio.TimeoutError:
         raise ToolError(f"no image within {IMAGE_SECONDS:g}s") from None
     if isinstance(image, str) and image.startswith("data:"):

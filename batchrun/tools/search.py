@@ -13,6 +13,7 @@ from typing import Any, Awaitable, Callable
 
 import httpx
 
+from batchrun.time_limit import within
 from batchrun.tools import ToolContext, ToolError
 from batchrun.tools.arguments import non_empty_text, positive_int
 from batchrun.tools.clients import http_client
@@ -34,7 +35,7 @@ async def web_search(args: dict, ctx: ToolContext) -> dict:
     except NotConfigured as exc:
         raise ToolError(f"web_search is not configured: {exc}") from None
     try:
-        results = await asyncio.wait_for(_SEARCHES[backend.name](backend, query, count), SEARCH_SECONDS)
+        results = await within(SEARCH_SECONDS, _SEARCHES[backend.name](backend, query, count))
     except asyncio.TimeoutError:
         raise ToolError(f"{backend.name} search did not answer within {SEARCH_SECONDS:g}s") from None
     return {"results": [result for result in results if result["url"]][:count]}

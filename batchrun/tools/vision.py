@@ -13,6 +13,7 @@ import re
 
 import openai
 
+from batchrun.time_limit import within
 from batchrun.tools import ToolContext, ToolError
 from batchrun.tools.arguments import non_empty_text
 from batchrun.tools.clients import openai_client
@@ -32,7 +33,7 @@ async def vision_analyze(args: dict, ctx: ToolContext) -> dict:
     client, model = _vision_model(ctx)
     call = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}])
     try:
-        response = await asyncio.wait_for(call, VISION_SECONDS)
+        response = await within(VISION_SECONDS, call)
     except openai.APIError as exc:
         raise ToolError(f"the vision model call failed: {exc}") from None
     except asyncio.TimeoutError:

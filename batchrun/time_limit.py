@@ -1,0 +1,24 @@
+"""Awaiting something under a time limit without a task of its own.
+
+``asyncio.wait_for`` (before Python 3.12) runs what it waits for as a new task: two more turns of
+the event loop to start and to finish it. With hundreds of sessions in one loop each turn waits
+behind every other session's work, so on a tool call's path those turns cost milliseconds of wall
+time per call. ``asyncio.timeout`` (3.11+) cancels the awaiting task itself and costs none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Awaitable, TypeVar
+
+T = TypeVar("T")
+
+
+async def within(seconds: float | None, awaitable: Awaitable[T]) -> T:
+    """``await awaitable``, raising TimeoutError (after cancelling it) once ``seconds`` have passed;
+    None means no limit."""
+    if sys.version_info < (3, 11):
+        return await asyncio.wait_for(awaitable, seconds)
+    async with asyncio.timeout(seconds):
+        return await awaitable
