@@ -50,7 +50,9 @@ class WorkerPool:
     def __init__(self, config: RunConfig, env_settings: EnvironmentSettings, available_tools: frozenset[str]) -> None:
         # The model client (half a second of imports) loads once, here, before the fork: workers
         # share it instead of each importing it again while competing for the same cores.
-        from batchrun import worker_process  # noqa: F401
+        from batchrun import endpoint, worker_process  # noqa: F401
+
+        endpoint.preload_http_stack()
 
         self.gate = RateGate(config.requests_per_minute)
         count = process_count(config.num_workers)
