@@ -6,8 +6,10 @@ Rows are real rows (rendered by batchrun.rows from a session with two tool calls
 1% are failures, 1% tombstones, 0.5% name an invented tool. Each phase runs in a fresh process so its
 peak RSS is its own; prints rows/s, CPU seconds and peak memory for the scan and for the merge, and
 how fast the kernel alone copies the same bytes to disk (the merge writes every kept row once more,
-so on a slow disk that copy, not the runner, bounds it), and the merge at the end of a resumed run
-that added 1% more rows (the previous merge's record lets it append only those).
+so on a slow disk that copy, not the runner, bounds it), the merge at the end of a resumed run
+that added 1% more rows (the previous merge's record lets it append only those), and the run report:
+drawn from the whole directory (``--report``) and at the end of a run whose report process has
+followed the batch files (only the last rows are read, then the page is drawn).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+LAST_ROWS = 400     # rows written in the report process's last follow interval: 2 s at 200 rows/s
 sys.path.insert(0, str(REPO))
 
 from batchrun import rows  # noqa: E402
@@ -89,15 +92,26 @@ def append_resumed_rows(run_dir: Path, first: int, count: int) -> None:
 
 def measure(phase: str, run_dir: Path) -> None:
     """Runs inside a fresh process: one phase, then prints a JSON line of figures."""
+    from batchrun import report, report_plots
     from batchrun.run_dir import RunDirectory
 
     directory = RunDirectory(run_dir)
+    if phase == "report-end":       # what the report process has done by the time the run ends
+        report_plots.preload()
+        followed = report.RunScan(run_dir)
+        followed.read_new_rows()
+        append_resumed_rows(run_dir, 10**9, LAST_ROWS)
     cpu_before = _cpu_seconds()
     started = time.perf_counter()
     if phase == "scan":
         directory.scan(rerun_corrupted=False)
-    else:
+    elif phase == "merge":
         directory.merge(lambda *_: None)
+    elif phase == "report":
+        report.write_report(run_dir)
+    else:
+        followed.read_new_rows()
+        report.save(followed)
     elapsed = time.perf_counter() - started
     peak_mb = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 1024
     print(json.dumps({"phase": phase, "seconds": elapsed, "cpu_seconds": _cpu_seconds() - cpu_before,
@@ -133,7 +147,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--batch-size", type=int, default=1000)
-    parser.add_argument("--measure", choices=["scan", "merge"], help=argparse.SUPPRESS)
+    parser.add_argument("--measure", choices=["scan", "merge", "report", "report-end"], help=argparse.SUPPRESS)
     parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
@@ -156,6 +170,10 @@ def main() -> None:
         print(f"remerge: {added / figures['seconds']:>9,.0f} rows/s  ({added:,} rows that a resumed run added to the "
               f"{args.rows:,} merged before, in {figures['seconds']:.2f}s, {figures['cpu_seconds']:.2f} CPU-s, "
               f"peak RSS {figures['peak_mb']:.0f} MB: only they are read and appended)")
+        report("report", args.rows + added, measured("report", run_dir), "--report: every row read, then drawn")
+        figures = measured("report-end", run_dir)
+        print(f"report at the end of a run: {figures['seconds']:.2f}s, {figures['cpu_seconds']:.2f} CPU-s (the report "
+              f"process had followed the batch files; it reads the last {LAST_ROWS} rows and draws the page)")
 
 
 def measured(phase: str, run_dir: Path) -> dict:

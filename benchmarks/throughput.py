@@ -140,7 +140,7 @@ def run_once(workers: int, prompts: int, latency: float, jitter: float, backend:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, nargs="+", default=[4, 64, 256])
-    parser.add_argument("--prompts", type=int, default=0, help="prompts per run (default: 12 s of ideal work)")
+    parser.add_argument("--prompts", type=int, default=0, help="prompts per run (default: 30 s of ideal work)")
     parser.add_argument("--latency", type=float, default=0.2)
     parser.add_argument("--jitter", type=float, default=0.0,
                         help="replies take latency +/- up to this (uniform, same mean): real endpoints vary, and "
@@ -156,7 +156,7 @@ def main() -> None:
     print(header)
     for workers in args.workers:
         ideal = workers / (CALLS_PER_PROMPT * args.latency)
-        prompts = args.prompts or max(workers * 4, int(ideal * 12))
+        prompts = args.prompts or max(workers * 4, int(ideal * 30))
         for backend in args.backend:
             r = run_once(workers, prompts, args.latency, args.jitter, backend)
             print(f"{r['backend']:>7} {r['workers']:>7} {r['prompts']:>7} {r['trajectories_per_s']:>8.1f} "
