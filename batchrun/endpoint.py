@@ -10,6 +10,7 @@ import asyncio
 import email.utils
 import json
 import random
+import ssl
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -18,11 +19,13 @@ import openai
 
 from batchrun.rate_limit import RateGate
 from batchrun.rows import Usage
-from batchrun.tools.clients import tls_context
 
 BACKOFF_BASE = 1.0       # seconds before the first retry; doubles per attempt, with full jitter
 BACKOFF_CAP = 60.0
 REQUEST_TIMEOUT = 600.0  # one model call; long generations from slow self-hosted servers are legitimate
+# The system's CA store, loaded once per process (at import, so before the pool forks workers share
+# it): every client loading its own cost 30 ms, times a client per 16 sessions in each worker.
+TLS_CONTEXT = ssl.create_default_context()
 
 
 class RunFatalError(Exception):
@@ -46,17 +49,16 @@ class ModelReply:
 
 def make_client(base_url: str, api_key: str) -> openai.AsyncOpenAI:
     """The client on its aiohttp transport: with hundreds of sessions per process, the default
-    transport's pure-Python HTTP handling cost more CPU than everything else a session does. Its
-    TLS context is the process's shared one: loading a CA store per client cost 30 ms each."""
+    transport's pure-Python HTTP handling cost more CPU than everything else a session does."""
     return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=REQUEST_TIMEOUT,
-                              http_client=openai.DefaultAioHttpClient(timeout=REQUEST_TIMEOUT, verify=tls_context()))
+                              http_client=openai.DefaultAioHttpClient(timeout=REQUEST_TIMEOUT, verify=TLS_CONTEXT))
 
 
 def preload_http_stack() -> None:
-    """Load the shared TLS context and what the HTTP stack imports only when its first client is
-    built (a hundred modules, 60 ms). The pool calls this before forking, so workers share them
-    instead of each loading its own; the client built here opens nothing and is dropped."""
-    openai.DefaultAioHttpClient(verify=tls_context())
+    """Import what the HTTP stack loads only when its first client is built (a hundred modules, 60 ms).
+    The pool calls this before forking, so workers share them instead of each loading its own; the
+    client built here opens nothing and is dropped."""
+    openai.DefaultAioHttpClient(verify=TLS_CONTEXT)
 
 
 class ConversationBody:

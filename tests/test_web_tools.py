@@ -406,7 +406,7 @@ def test_tls_is_verified_against_the_host_name_while_connecting_by_address(site,
     server_tls.load_cert_chain(cert_path, key_path)
     site.server.socket = server_tls.wrap_socket(site.server.socket, server_side=True)
     site.routes["/cats"] = Reply(body=ARTICLE)
-    monkeypatch.setattr(clients, "tls_context", lambda: ssl.create_default_context(cafile=str(cert_path)))
+    monkeypatch.setattr(clients, "_tls_context", lambda: ssl.create_default_context(cafile=str(cert_path)))
     real = socket.getaddrinfo
     monkeypatch.setattr(socket, "getaddrinfo",
                         lambda host, *args, **kwargs: real("127.0.0.1" if host.endswith(".test") else host,

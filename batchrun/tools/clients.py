@@ -20,15 +20,14 @@ USER_AGENT = "Mozilla/5.0 (compatible; batch_runner/0.1; +https://pypi.org/proje
 
 
 @functools.cache
-def tls_context() -> ssl.SSLContext:
-    """The process's one TLS context, for the tools' clients and the run's model client alike."""
+def _tls_context() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
 def http_client(timeout: float, *, headers: dict[str, str] | None = None,
                 **options: object) -> httpx.AsyncClient:
     """An httpx client with the shared TLS context and our User-Agent; use it with ``async with``."""
-    return httpx.AsyncClient(verify=tls_context(), timeout=timeout,
+    return httpx.AsyncClient(verify=_tls_context(), timeout=timeout,
                              headers={"User-Agent": USER_AGENT, **(headers or {})}, **options)
 
 
