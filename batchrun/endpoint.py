@@ -24,7 +24,8 @@ BACKOFF_BASE = 1.0       # seconds before the first retry; doubles per attempt, 
 BACKOFF_CAP = 60.0
 REQUEST_TIMEOUT = 600.0  # one model call; long generations from slow self-hosted servers are legitimate
 # The system's CA store, loaded once per process (at import, so before the pool forks workers share
-# it): every client loading its own cost 30 ms, times a client per 16 sessions in each worker.
+# it): every client loading its own cost 30 ms, times a client per 16 sessions in each worker. Not
+# tools.clients' context: that one is httpx's, and httpx comes only with the optional web extra.
 TLS_CONTEXT = ssl.create_default_context()
 
 
