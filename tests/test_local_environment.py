@@ -122,6 +122,39 @@ def test_background_process_holding_the_output_does_not_hang_the_call(tmp_path):
     assert (result.output, result.exit_code, result.timed_out) == ("started\n", 0, False)
 
 
+def processes_running(marker: str) -> list[int]:
+    """Live (not zombie) processes whose command line contains ``marker``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                command_line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                if marker in command_line and process_alive(int(entry.name)):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def test_a_command_cancelled_while_it_starts_is_killed_once_it_exists(tmp_path):
+    marker = f"{os.getpid()}.{time.monotonic_ns() % 10**6}"     # sleep's argument, unique to this test
+
+    async def scenario():
+        env = await started(make_settings(tmp_path))
+        command = asyncio.ensure_future(env.run(f"sleep {marker}"))
+        await asyncio.sleep(0)                  # the start is under way in its thread
+        command.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await command
+        await asyncio.sleep(0.5)
+        await env.close()
+    asyncio.run(scenario())
+    deadline = time.monotonic() + 3
+    while processes_running(f"sleep {marker}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_running(f"sleep {marker}") == []
+
+
 def test_close_removes_the_directory_and_kills_leftover_processes(tmp_path):
     async def scenario():
         env = await started(make_settings(tmp_path))

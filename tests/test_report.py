@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -285,6 +286,33 @@ def test_the_report_of_a_resumed_run_covers_the_rows_of_earlier_invocations(tmp_
     data = page_data((tmp_path / "data" / "run" / report.REPORT_FILE).read_text(encoding="utf-8"))
     assert data["total"] == 5
     assert sorted(row["p"] for row in data["rows"]) == [f"question {i}" for i in range(5)]
+
+
+def test_plots_drawn_by_two_processes_are_the_plots_one_process_draws(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    run_dir = tmp_path / "data" / "small"
+    write_synthetic_run(run_dir, 300)
+    # In a fresh interpreter: the test process has threads of its own, and with a thread running
+    # the plots are drawn in one process.
+    script = f"""
+import json, threading
+from pathlib import Path
+from batchrun import report, report_plots
+scan = report.RunScan(Path({str(run_dir)!r}))
+scan.read_new_rows()
+assert threading.active_count() == 1
+forked = report_plots.draw(scan.summary, None, "terminal_only")
+release = threading.Event()
+threading.Thread(target=release.wait).start()
+alone = report_plots.draw(scan.summary, None, "terminal_only")
+release.set()
+print(json.dumps([list(forked), forked == alone]))
+"""
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    names, same = json.loads(result.stdout)
+    assert names == ["tools", "toolsets", "reasoning", "outcomes", "turns", "usage", "timeline"]
+    assert same
 
 
 def test_without_matplotlib_the_report_has_tables_and_says_how_to_get_plots(tmp_path: Path, monkeypatch) -> None:

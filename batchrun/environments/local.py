@@ -22,10 +22,10 @@ from batchrun.environments.base import (
     ToolError,
     scrubbed_environment,
 )
-from batchrun.environments.command_output import kill_group, run_merged
+from batchrun.environments.command_output import ChildProcess, kill_group, run_merged
 from batchrun.environments.tree_removal import remove_tree
 
-# close() waits this long for killed commands, so asyncio reaps them while the loop still runs.
+# close() waits this long for killed commands, so they are reaped while the loop still runs.
 _REAP_SECONDS = 2.0
 
 
@@ -39,7 +39,7 @@ class LocalEnvironment(Environment):
         super().__init__(settings, prompt_index=prompt_index, image=image, cwd=cwd)
         self.prompt_dir: Path | None = None      # the per-prompt directory; HOME of its commands
         self.workdir: Path | None = None         # where commands start: prompt_dir or the row's cwd in it
-        self._processes: list[asyncio.subprocess.Process] = []
+        self._processes: list[ChildProcess] = []
         self._closed = False
 
     async def start(self) -> None:
@@ -169,8 +169,8 @@ def _group_exists(pgid: int) -> bool:
     return True
 
 
-async def _reap(processes: list[asyncio.subprocess.Process]) -> None:
-    """Wait briefly for killed commands, so asyncio reaps them and closes their transports."""
+async def _reap(processes: list[ChildProcess]) -> None:
+    """Wait briefly for killed commands, so they are reaped rather than left as zombies."""
     if not processes:
         return
     waiters = [asyncio.ensure_future(process.wait()) for process in processes]
