@@ -33,10 +33,11 @@ class PoolStartError(RuntimeError):
     """The workers could not start (a backend's own failure, e.g. Ray); the message says why."""
 
 
-# A worker's loop stalls while the kernel starts a command for it (the process waits until the child
-# has exec'd) and when its sessions come back all at once; a second process per core runs meanwhile.
-# Measured (benchmarks/throughput.py): one per core 0.85-0.88 of the ideal at 64 sessions and 150-180
-# trajectories/s at 256; two per core 0.89-0.92 and 180-190; three or four per core lose at 256.
+# A worker's loop is busy for a while when many of its sessions come back at once; a second process
+# per core runs meanwhile. Measured (benchmarks/throughput.py): one per core 0.85-0.88 of the ideal at
+# 64 sessions and 150-180 trajectories/s at 256; two per core 0.89-0.92 and 180-190; three or four per
+# core lose at 256. Since commands start from a thread (environments.command_output), one per core
+# matches two at 64 sessions (0.92) but still loses at 256 (191 against 226 trajectories/s).
 PROCESSES_PER_CORE = 2
 
 
