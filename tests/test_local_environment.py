@@ -155,6 +155,36 @@ def test_a_command_cancelled_while_it_starts_is_killed_once_it_exists(tmp_path):
     assert processes_running(f"sleep {marker}") == []
 
 
+def test_a_command_left_starting_when_its_loop_ends_is_killed_and_later_commands_still_start(tmp_path):
+    marker = f"{os.getpid()}.{time.monotonic_ns() % 10**6 + 1}"
+    settings = make_settings(tmp_path)
+
+    async def abandon():
+        env = await started(settings)
+        asyncio.ensure_future(env.run(f"sleep {marker}"))
+        await asyncio.sleep(0)          # asyncio.run cancels the command and closes the loop
+    asyncio.run(abandon())
+    deadline = time.monotonic() + 3
+    while processes_running(f"sleep {marker}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_running(f"sleep {marker}") == []
+    result, _ = run_command(settings, "echo still here")
+    assert result.output == "still here\n"
+
+
+def test_a_command_that_cannot_start_is_an_error_result(tmp_path):
+    async def scenario():
+        env = await started(make_settings(tmp_path))
+        env.prompt_dir.rmdir()          # bash cannot start in a directory that is gone
+        try:
+            return await env.run("echo never")
+        finally:
+            await env.close()
+    result = asyncio.run(scenario())
+    assert result.exit_code is None and result.output == ""
+    assert result.error.startswith("could not start bash:")
+
+
 def test_close_removes_the_directory_and_kills_leftover_processes(tmp_path):
     async def scenario():
         env = await started(make_settings(tmp_path))

@@ -110,7 +110,13 @@ async def start_process(argv: list[str], *, cwd: str | os.PathLike | None, env: 
     stalled 9-11 ms at the median, 0.3 ms with the start in a thread). A session cancelled meanwhile
     leaves no command behind: it is killed as soon as it exists.
     """
-    return ChildProcess(await _starter().start(argv, cwd, env, output_fd))
+    started = _starter().start(argv, cwd, env, output_fd)
+    try:
+        return ChildProcess(await started)
+    except asyncio.CancelledError:
+        if started.done() and not started.cancelled() and started.exception() is None:
+            kill_group(started.result().pid)     # it started just before the cancellation arrived
+        raise
 
 
 class _Starter:
@@ -132,15 +138,22 @@ class _Starter:
     def _serve(self) -> None:
         while True:
             loop, started, argv, cwd, env, output_fd = self._requests.get()
+            popen, error = None, None
             try:
                 popen = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=output_fd,
                                          stderr=subprocess.STDOUT, start_new_session=True)
-            except BaseException as exc:   # noqa: BLE001 - handed to the waiting session
-                loop.call_soon_threadsafe(_settle, started, None, exc)
-            else:
-                loop.call_soon_threadsafe(_settle, started, popen, None)
+            except Exception as exc:   # noqa: BLE001 - raised in the session that asked
+                error = exc
             finally:
                 os.close(output_fd)
+            if started.cancelled():    # its session is gone, and its loop may be too
+                _settle(started, popen, error)
+                continue
+            try:
+                loop.call_soon_threadsafe(_settle, started, popen, error)
+            except RuntimeError:       # its loop has closed: no one is left to wait for the command
+                if popen is not None:
+                    kill_group(popen.pid)
 
 
 def _settle(started: asyncio.Future[subprocess.Popen], popen: subprocess.Popen | None,
