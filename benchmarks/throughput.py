@@ -156,7 +156,7 @@ def main() -> None:
     print(header)
     for workers in args.workers:
         ideal = workers / (CALLS_PER_PROMPT * args.latency)
-        prompts = args.prompts or max(workers * 4, int(ideal * 30))
+        prompts = args.prompts or max(workers * 4, round(ideal * 30))
         for backend in args.backend:
             r = run_once(workers, prompts, args.latency, args.jitter, backend)
             print(f"{r['backend']:>7} {r['workers']:>7} {r['prompts']:>7} {r['trajectories_per_s']:>8.1f} "
