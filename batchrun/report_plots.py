@@ -103,10 +103,12 @@ def _draw_in_two_processes(matplotlib: Any, figures: dict[str, Callable[[], Figu
         finally:
             os._exit(status)
     os.close(write_fd)
-    drawn = _draw(matplotlib, figures, ours)
-    with os.fdopen(read_fd, encoding="utf-8") as source:
-        sent = source.read()
-    _, wait_status = os.waitpid(child, 0)
+    try:
+        drawn = _draw(matplotlib, figures, ours)
+    finally:    # the child is reaped whatever happens here
+        with os.fdopen(read_fd, encoding="utf-8") as source:
+            sent = source.read()
+        _, wait_status = os.waitpid(child, 0)
     drawn.update(json.loads(sent) if wait_status == 0 else _draw(matplotlib, figures, theirs))
     return {name: drawn[name] for name in names if name in drawn}
 
