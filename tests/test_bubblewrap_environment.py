@@ -170,6 +170,43 @@ def test_close_kills_everything_in_the_sandbox_and_removes_the_directory(tmp_pat
     assert not env.prompt_dir.exists()
 
 
+def test_a_sandbox_start_cancelled_at_any_point_leaves_no_process_behind(tmp_path):
+    settings = make_settings(tmp_path)
+
+    async def cancel_after(turns: int) -> None:
+        env = BubblewrapEnvironment(settings, prompt_index=turns)
+        starting = asyncio.ensure_future(env.start())
+        for _ in range(turns):          # each turn of the loop is one step further into the start
+            await asyncio.sleep(0)
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        await env.close()
+    def every_point() -> None:
+        for turns in range(40):
+            asyncio.run(cancel_after(turns))
+    # In a thread, so that a start which never ends fails the test instead of hanging it.
+    runner = threading.Thread(target=every_point, daemon=True)
+    runner.start()
+    runner.join(timeout=60)
+    assert not runner.is_alive(), "a cancelled sandbox start never ended"
+    deadline = time.monotonic() + 3
+    while (left := live_processes_mentioning(str(tmp_path))) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert left == []
+
+
+def live_processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                alive = (entry / "stat").read_text().split(") ")[1][0] != "Z"
+                if alive and text.encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+    return pids
+
+
 # --- the shell ----------------------------------------------------------------------------------
 
 def test_output_exit_codes_and_multi_line_commands(tmp_path):

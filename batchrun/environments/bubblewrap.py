@@ -85,6 +85,7 @@ class BubblewrapEnvironment(LocalEnvironment):
                          cwd=cwd if inside is None else inside)
         self._shell: _Shell | None = None
         self._lock = asyncio.Lock()     # one shell runs one command at a time
+        self._starting: asyncio.Future[asyncio.subprocess.Process] | None = None    # a start cut short
 
     async def start(self) -> None:
         """Create the prompt directory, then the sandbox and its shell around it."""
@@ -131,6 +132,17 @@ class BubblewrapEnvironment(LocalEnvironment):
                 return CommandResult(output=output, exit_code=None, timed_out=True, truncated=truncated)
             return CommandResult(output=output, exit_code=status, truncated=truncated)
 
+    async def close(self) -> None:
+        """Kill the sandbox (bwrap and the sandbox's init are one process group, and the kernel ends
+        everything in a sandbox whose init dies), then the local backend's clean-up."""
+        starting, self._starting = self._starting, None
+        if starting is not None:
+            try:
+                self._processes.append(await asyncio.shield(starting))
+            except OSError:
+                pass    # it never started
+        await super().close()
+
     def _resolve(self, path: str) -> Path:
         """Relative paths as the local backend takes them; absolute ones only under MOUNT_POINT."""
         if path.startswith("/"):
@@ -152,11 +164,18 @@ class BubblewrapEnvironment(LocalEnvironment):
         ready = secrets.token_hex(16)
         argv = [*_sandbox_argv(self.settings.allow_network, workspace=prompt_dir),
                 "--", "bash", "--noprofile", "--norc", "-c", _SHELL, "batchrun-shell", inside, ready]
+        # bwrap's own environment is the sandbox's too: inside, /proc/1/environ shows it.
+        creating = asyncio.ensure_future(asyncio.create_subprocess_exec(
+            *argv, env=_sandbox_environment(), stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True))
         try:
-            # bwrap's own environment is the sandbox's too: inside, /proc/1/environ shows it.
-            process = await asyncio.create_subprocess_exec(
-                *argv, env=_sandbox_environment(), stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+            process = await asyncio.shield(creating)
+        except asyncio.CancelledError:
+            # Not asyncio's own clean-up of a start cut short: it kills the outer bwrap alone, which
+            # can orphan the sandbox's init, and then waits for pipes that the sandbox still holds.
+            # close() lets the start finish, then kills the whole sandbox.
+            self._starting = creating
+            raise
         except OSError as exc:
             raise EnvironmentSetupError(f"cannot start bubblewrap: {exc}") from exc
         self._processes.append(process)     # LocalEnvironment.close() kills and reaps these
