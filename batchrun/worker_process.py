@@ -52,8 +52,9 @@ def _crashed(task: Task, services: SessionServices) -> rows.SessionResult:
 
 
 def use_pidfd_child_watcher(loop: asyncio.AbstractEventLoop) -> None:
-    """Python 3.11 watches each tool subprocess with a new thread; a pidfd costs a file descriptor.
-    (3.12+ chooses pidfds by itself and deprecates watchers.)"""
+    """Python 3.11 watches each of asyncio's subprocesses (a sandbox's bwrap, a container CLI call)
+    with a new thread; a pidfd costs a file descriptor. (3.12+ chooses pidfds by itself and
+    deprecates watchers.) Terminal commands are watched by environments.command_output itself."""
     if sys.version_info < (3, 12) and hasattr(asyncio, "PidfdChildWatcher"):
         watcher = asyncio.PidfdChildWatcher()
         watcher.attach_loop(loop)

@@ -120,5 +120,19 @@ def process_state(pid: int) -> str:
         return "Z"
 
 
+def live_processes_mentioning(text: str) -> list[int]:
+    """Processes (not zombies) whose command line, its arguments joined by spaces, contains ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                command_line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in command_line and process_state(int(entry.name)) != "Z":
+                found.append(int(entry.name))
+    return found
+
+
 def finished_row_count(run_dir: Path) -> int:
     return sum(path.read_bytes().count(b"\n") for path in run_dir.glob("batch_*.jsonl"))

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import AsyncIterator, Iterator
 
 import pytest
+from conftest import live_processes_mentioning, wait_for
 
 from batchrun.environments import create_environment, default_environment_kind
 from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError, ToolError
@@ -190,21 +191,7 @@ def test_a_sandbox_start_cancelled_at_any_point_leaves_no_process_behind(tmp_pat
     runner.start()
     runner.join(timeout=60)
     assert not runner.is_alive(), "a cancelled sandbox start never ended"
-    deadline = time.monotonic() + 3
-    while (left := live_processes_mentioning(str(tmp_path))) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert left == []
-
-
-def live_processes_mentioning(text: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError):
-                alive = (entry / "stat").read_text().split(") ")[1][0] != "Z"
-                if alive and text.encode() in (entry / "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-    return pids
+    wait_for(lambda: live_processes_mentioning(str(tmp_path)) == [], timeout=3, what="every sandbox to be gone")
 
 
 # --- the shell ----------------------------------------------------------------------------------

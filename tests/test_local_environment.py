@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import live_processes_mentioning, wait_for
 
 from batchrun.environments import ENVIRONMENT_KINDS, create_environment
 from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError
@@ -122,20 +123,6 @@ def test_background_process_holding_the_output_does_not_hang_the_call(tmp_path):
     assert (result.output, result.exit_code, result.timed_out) == ("started\n", 0, False)
 
 
-def processes_running(marker: str) -> list[int]:
-    """Live (not zombie) processes whose command line contains ``marker``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                command_line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                if marker in command_line and process_alive(int(entry.name)):
-                    found.append(int(entry.name))
-            except OSError:
-                pass
-    return found
-
-
 def test_a_command_cancelled_while_it_starts_is_killed_once_it_exists(tmp_path):
     marker = f"{os.getpid()}.{time.monotonic_ns() % 10**6}"     # sleep's argument, unique to this test
 
@@ -149,10 +136,7 @@ def test_a_command_cancelled_while_it_starts_is_killed_once_it_exists(tmp_path):
         await asyncio.sleep(0.5)
         await env.close()
     asyncio.run(scenario())
-    deadline = time.monotonic() + 3
-    while processes_running(f"sleep {marker}") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert processes_running(f"sleep {marker}") == []
+    wait_for(lambda: live_processes_mentioning(f"sleep {marker}") == [], timeout=3, what="the command to be killed")
 
 
 def test_a_command_left_starting_when_its_loop_ends_is_killed_and_later_commands_still_start(tmp_path):
@@ -164,10 +148,7 @@ def test_a_command_left_starting_when_its_loop_ends_is_killed_and_later_commands
         asyncio.ensure_future(env.run(f"sleep {marker}"))
         await asyncio.sleep(0)          # asyncio.run cancels the command and closes the loop
     asyncio.run(abandon())
-    deadline = time.monotonic() + 3
-    while processes_running(f"sleep {marker}") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert processes_running(f"sleep {marker}") == []
+    wait_for(lambda: live_processes_mentioning(f"sleep {marker}") == [], timeout=3, what="the command to be killed")
     result, _ = run_command(settings, "echo still here")
     assert result.output == "still here\n"
 

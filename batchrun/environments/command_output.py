@@ -11,8 +11,8 @@ import asyncio
 import codecs
 import contextlib
 import os
-import signal
 import queue
+import signal
 import subprocess
 import threading
 from typing import Callable
