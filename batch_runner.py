@@ -15,7 +15,6 @@ import tempfile
 import time
 from array import array
 from collections import Counter, defaultdict
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator, NoReturn
 
@@ -28,9 +27,10 @@ from batchrun.config import DEFAULT_MODEL, RunConfig, UsageError, build_config, 
 from batchrun.console import RunConsole
 from batchrun.dataset import DatasetError, DatasetPlan, iter_pending, plan_dataset, require_valid_prompt
 from batchrun.environments import environment_class
-from batchrun.environments.base import EnvironmentSettings
+from batchrun.environments import limits
+from batchrun.environments.base import EnvironmentSettings, run_identity
 from batchrun.report_follower import ReportFailed, ReportFollower
-from batchrun.run_dir import RunDirectory, RunDirectoryError, ScanResult
+from batchrun.run_dir import Checkpoint, RunDirectory, RunDirectoryError, ScanResult, earlier_outcomes
 from batchrun.security import Redactor
 from batchrun.messages import Task
 from batchrun.stats import ThisRun, build_statistics
@@ -39,7 +39,9 @@ from batchrun.workers import PoolStartError, WorkerPool, process_count
 
 CHECKPOINT_MIN_INTERVAL = 1.0     # seconds; coalesces checkpoint rewrites when batches are tiny
 MAX_CORRUPTED_LINES_SHOWN = 20
-EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 130
+# Exit codes: every prompt of this invocation done / the run stopped (bad input, a run-wide endpoint
+# error, the lock) / the run finished but some prompts failed (--resume retries them) / Ctrl-C.
+EXIT_OK, EXIT_ERROR, EXIT_SOME_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 class BatchRunner:
@@ -51,7 +53,7 @@ class BatchRunner:
         self.run_dir = RunDirectory(config.run_dir)
         self.this_run = ThisRun()
         self.started = time.monotonic()
-        self.batch_stats: dict[str, Counter] = defaultdict(Counter)
+        self.batch_stats: Counter = Counter()     # rows per outcome, every invocation under this run name
         self.done_indices = array("q")
         self._checkpoint_due = False
         self._last_checkpoint = 0.0
@@ -68,6 +70,9 @@ class BatchRunner:
             return EXIT_ERROR
         try:
             return self._run_locked()
+        except RunDirectoryError as exc:    # a batch file line the resume scan or the merge cannot read
+            self.console.error(str(exc))
+            return EXIT_ERROR
         finally:
             self.run_dir.release()
 
@@ -117,12 +122,11 @@ class BatchRunner:
             fatal = self._feed(pool, self._planned_tasks(plan))
         except KeyboardInterrupt:
             exit_code = EXIT_INTERRUPTED
-        except RuntimeError as exc:   # a worker process died underneath us
+        except RuntimeError as exc:   # the pool itself failed (Ray lost every actor)
             fatal = Fatal(str(exc))
         finally:
             self.console.stop_progress()
-            pool.stop()
-            self.run_dir.sync()
+            self._persist(pool.stop() or [])
             self._write_checkpoint()
             environment_class(self.config.terminal_env).remove_leftovers(env_settings)
         if fatal is not None:
@@ -138,6 +142,11 @@ class BatchRunner:
         if exit_code == EXIT_INTERRUPTED:
             self.console.print("Interrupted. Finished prompts are saved; run the same command with --resume "
                                "to continue.", style="yellow")
+            return exit_code
+        if failed := self.this_run.statuses[rows.FAILED]:
+            self.console.print(f"{failed} prompt{'s' if failed != 1 else ''} failed (see failures by cause "
+                               "above); run the same command with --resume to retry them.", style="yellow")
+            return EXIT_SOME_FAILED
         return exit_code
 
     def _start_pool(self, env_settings: EnvironmentSettings, available: frozenset[str]) -> WorkerPool:
@@ -161,16 +170,20 @@ class BatchRunner:
                     pool.submit(task)
             if pool.in_flight == 0:
                 return None
-            finished: list[Finished] = []
-            for message in pool.receive(timeout=1.0):
-                if isinstance(message, Fatal):
-                    return message
-                self.run_dir.append(message.batch_num, message.row)
-                finished.append(message)
-            self.run_dir.sync()    # durable before it is reported or counted as done
-            for message in finished:
-                self._record(message)
+            messages = pool.receive(timeout=1.0)
+            # Every row that arrived is kept, also those that came with a run-wide failure.
+            self._persist([message for message in messages if isinstance(message, Finished)])
+            if fatal := next((message for message in messages if isinstance(message, Fatal)), None):
+                return fatal
             self._maybe_checkpoint()
+
+    def _persist(self, finished: list[Finished]) -> None:
+        """Append rows to their batch files and make them durable before they count as done."""
+        for message in finished:
+            self.run_dir.append(message.batch_num, message.row)
+        self.run_dir.sync()
+        for message in finished:
+            self._record(message)
 
     def _budget_spent(self) -> str | None:
         """Why no further prompt may start (--max_cost / --max_total_tokens reached), if so."""
@@ -184,7 +197,7 @@ class BatchRunner:
 
     def _record(self, finished: Finished) -> None:
         self.this_run.record(finished.status, finished.usage, finished.api_calls, finished.error_type)
-        self.batch_stats[str(finished.batch_num)][finished.status] += 1
+        self.batch_stats[finished.status] += 1
         if finished.status != rows.FAILED:
             self.done_indices.append(finished.prompt_index)
         if self.this_run.processed % self.config.batch_size == 0:
@@ -201,10 +214,11 @@ class BatchRunner:
 
     def _environment_settings(self) -> EnvironmentSettings:
         config = self.config
-        settings = EnvironmentSettings(work_root=Path(tempfile.gettempdir()) / "batch_runner" / config.run_name,
-                                       run_label=config.run_name, command_timeout=config.command_timeout,
+        identity = run_identity(config.run_dir)
+        settings = EnvironmentSettings(work_root=Path(tempfile.gettempdir()) / "batch_runner" / identity,
+                                       run_label=identity, command_timeout=config.command_timeout,
                                        keep_workdirs=config.keep_workdirs, default_image=config.default_image,
-                                       allow_network=config.allow_network)
+                                       allow_network=config.allow_network, limits=config.limits)
         environment_class(config.terminal_env).remove_leftovers(settings)
         return settings
 
@@ -215,25 +229,18 @@ class BatchRunner:
             self._write_checkpoint()
 
     def _write_checkpoint(self) -> None:
-        self.run_dir.write_checkpoint({
-            "run_name": self.config.run_name,
-            "dataset_file": str(self.config.dataset_file),
-            "distribution": self.config.distribution,
-            "model": self.config.model,
-            "batch_size": self.config.batch_size,
-            "total_prompts": self._total_prompts,
-            "completed_prompts": sorted(self.done_indices),
-            "batch_stats": {key: dict(counts) for key, counts in self.batch_stats.items()},
-            "last_updated": datetime.now().isoformat(timespec="seconds"),
-        })
+        config = self.config
+        self.run_dir.write_checkpoint(Checkpoint(
+            run_name=config.run_name, dataset_file=str(config.dataset_file), distribution=config.distribution,
+            model=config.model, batch_size=config.batch_size, total_prompts=self._total_prompts,
+            completed_prompts=len(self.done_indices), batch_stats=self.batch_stats))
         self._checkpoint_due = False
         self._last_checkpoint = time.monotonic()
 
     def _continue_checkpoint(self) -> None:
-        """On resume: keep the per-batch counts of earlier invocations; warn about changed arguments."""
+        """On resume: keep the outcome counts of earlier invocations; warn about changed arguments."""
         previous = self.run_dir.read_checkpoint() or {}
-        for key, counts in (previous.get("batch_stats") or {}).items():
-            self.batch_stats[key].update(counts)
+        self.batch_stats.update(earlier_outcomes(previous))
         for key in ("model", "distribution", "dataset_file"):
             before, now = previous.get(key), str(getattr(self.config, key))
             if before is not None and str(before) != now:
@@ -279,12 +286,18 @@ class BatchRunner:
     def _print_startup(self, plan: DatasetPlan, scan: ScanResult) -> None:
         config, out = self.config, self.console
         processes = process_count(config.num_workers)
-        out.print(f"batch_runner · run {config.run_name} · model {config.model} · endpoint {config.base_url}")
+        out.print(f"batch_runner · run {config.run_name} · model {config.model} · endpoint {config.base_url} "
+                  f"(request time-out {config.request_timeout:g}s)")
         out.print(f"distribution {config.distribution} · {config.num_workers} concurrent sessions in "
                   + ("Ray actors" if config.backend == "ray" else
                      f"{processes} worker process{'es' if processes > 1 else ''}"))
         out.print(f"environment {config.terminal_env} ({config.terminal_env_reason})"
                   + (" · network allowed" if config.allow_network else ""))
+        if config.terminal_env in ("local", "bubblewrap"):
+            caps = config.limits
+            out.print(f"limits per prompt: {caps.memory_mb} MB memory, {caps.processes} processes, "
+                      + (f"{caps.tmp_mb} MB /tmp, " if config.terminal_env == "bubblewrap" else "")
+                      + f"{caps.workspace_mb} MB workspace · {limits.mechanism()}")
         unavailable = model_tools.unavailable_tools()
         by_reason: dict[str, list[str]] = defaultdict(list)
         for name, reason in unavailable.items():
@@ -311,9 +324,9 @@ _FLAG_NAMES = ("dataset_file", "batch_size", "run_name", "distribution", "model"
                "max_turns", "num_workers", "resume", "verbose", "list_distributions", "max_samples", "max_tokens",
                "providers_allowed", "providers_ignored", "providers_order", "provider_sort", "reasoning_effort",
                "reasoning_disabled", "ephemeral_system_prompt", "log_prefix_chars", "prefill_messages_file", "seed",
-               "discard_no_reasoning", "rerun_corrupted", "max_retries", "prompt_timeout", "tool_timeout",
-               "command_timeout", "keep_workdirs", "requests_per_minute", "max_cost", "max_total_tokens", "report",
-               "backend")
+               "discard_no_reasoning", "rerun_corrupted", "max_retries", "request_timeout", "prompt_timeout",
+               "tool_timeout", "command_timeout", "keep_workdirs", "requests_per_minute", "max_cost",
+               "max_total_tokens", "report", "backend")
 
 # Free-text flags. Fire reads every value as a Python literal, so `--ephemeral_system_prompt="Hello, world"`
 # arrives as ('Hello', 'world') and `--run_name=1_000` as 1000; for these the text as typed is what counts.
@@ -349,7 +362,8 @@ def main(dataset_file: str | None = None, batch_size: int | None = None, run_nam
          providers_order: Any = None, provider_sort: str | None = None, reasoning_effort: str | None = None,
          reasoning_disabled: bool = False, ephemeral_system_prompt: str | None = None, log_prefix_chars: int = 100,
          prefill_messages_file: str | None = None, seed: int | None = None, discard_no_reasoning: bool = True,
-         rerun_corrupted: bool = False, max_retries: int = 6, prompt_timeout: float | None = None,
+         rerun_corrupted: bool = False, max_retries: int = 6, request_timeout: float = 600,
+         prompt_timeout: float | None = None,
          tool_timeout: float = 120, command_timeout: float = 60, keep_workdirs: bool = False,
          requests_per_minute: int | None = None, max_cost: float | None = None, max_total_tokens: int | None = None,
          report: bool = False, backend: str = "local", **unknown_flags: Any) -> None:
@@ -358,6 +372,7 @@ def main(dataset_file: str | None = None, batch_size: int | None = None, run_nam
     Extra flags beyond the Hermes runner: --seed (reproducible toolset sampling),
     --discard_no_reasoning=False (keep samples without reasoning), --rerun_corrupted (with --resume,
     run prompts whose rows named invented tools again), --max_retries (transient endpoint errors),
+    --request_timeout (seconds one model call waits for the endpoint),
     --prompt_timeout / --tool_timeout / --command_timeout (seconds), --keep_workdirs,
     --requests_per_minute (shared by all workers), --max_cost (USD) / --max_total_tokens (this
     invocation: stop admitting prompts once reached, let running ones finish),

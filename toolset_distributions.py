@@ -106,6 +106,12 @@ def get_distribution(name: str) -> dict:
     return DISTRIBUTIONS[name]
 
 
+def possible_toolsets(name: str) -> set[str]:
+    """Every toolset a prompt of this distribution may be offered."""
+    return {member for entry, percent in get_distribution(name)["toolsets"].items() if percent > 0
+            for member in entry_members(entry)}
+
+
 def _fallback_entry(toolsets: dict[str, int]) -> str:
     """Highest-probability entry, first in table order on ties (max() keeps the first maximum)."""
     return max(toolsets, key=toolsets.__getitem__)

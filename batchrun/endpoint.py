@@ -9,24 +9,37 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import json
+import math
 import random
+import socket
 import ssl
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from datetime import timezone
 from typing import Any
+from urllib.parse import urlparse
 
 import openai
 
-from batchrun.rate_limit import RateGate
+from batchrun.rate_limit import RateGate, wake_delay
 from batchrun.rows import Usage
 
 BACKOFF_BASE = 1.0       # seconds before the first retry; doubles per attempt, with full jitter
 BACKOFF_CAP = 60.0
-REQUEST_TIMEOUT = 600.0  # one model call; long generations from slow self-hosted servers are legitimate
+# A server's Retry-After is obeyed up to this: "1e9" or a date next year would otherwise stall every
+# session of the run (a 429 pauses them all) for as long as the server cares to say.
+MAX_RETRY_AFTER = BACKOFF_CAP
 # The system's CA store, loaded once per process (at import, so before the pool forks workers share
 # it): every client loading its own cost 30 ms, times a client per 16 sessions in each worker. Not
 # tools.clients' context: that one is httpx's, and httpx comes only with the optional web extra.
 TLS_CONTEXT = ssl.create_default_context()
+
+
+# Endpoints (base URLs) that have sent an HTTP response, any status, in this process. One that never
+# has and refuses connections (or whose host does not resolve) is not there at all: the run stops at
+# once instead of retrying every prompt. Once it has answered, the same errors are a transient outage.
+_ANSWERED: set[str] = set()
 
 
 class RunFatalError(Exception):
@@ -48,11 +61,13 @@ class ModelReply:
     usage: Usage
 
 
-def make_client(base_url: str, api_key: str) -> openai.AsyncOpenAI:
+def make_client(base_url: str, api_key: str, *, timeout: float) -> openai.AsyncOpenAI:
     """The client on its aiohttp transport: with hundreds of sessions per process, the default
-    transport's pure-Python HTTP handling cost more CPU than everything else a session does."""
-    return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=REQUEST_TIMEOUT,
-                              http_client=openai.DefaultAioHttpClient(timeout=REQUEST_TIMEOUT, verify=TLS_CONTEXT))
+    transport's pure-Python HTTP handling cost more CPU than everything else a session does.
+    ``timeout`` (--request_timeout) bounds each wait for the server, so a silent one cannot hold a
+    prompt for ever."""
+    return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout,
+                              http_client=openai.DefaultAioHttpClient(timeout=timeout, verify=TLS_CONTEXT))
 
 
 def preload_http_stack() -> None:
@@ -84,24 +99,42 @@ def _encode(value: Any) -> bytes:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "replace")
 
 
-def retry_after_seconds(headers: Any) -> float | None:
-    """Seconds the server asked us to wait (Retry-After-Ms, Retry-After as seconds or HTTP date)."""
-    if headers is None:
+def retry_after_seconds(headers: Mapping[str, str] | None) -> float | None:
+    """Seconds the server asked us to wait: Retry-After-Ms, else Retry-After (seconds or an HTTP
+    date), at most MAX_RETRY_AFTER. None when neither is there or readable: a value like "soon" must
+    not turn a retryable error into a crash; the back-off applies instead."""
+    if not headers:
         return None
-    millis = headers.get("retry-after-ms")
-    if millis:
-        try:
-            return max(0.0, float(millis) / 1000)
-        except ValueError:
-            pass
-    value = headers.get("retry-after")
+    seconds = _delay_seconds(headers.get("retry-after-ms"), per_second=1000)
+    if seconds is None:
+        value = headers.get("retry-after")
+        seconds = _delay_seconds(value, per_second=1)
+        if seconds is None:
+            seconds = _seconds_until(value)
+    return None if seconds is None else min(seconds, MAX_RETRY_AFTER)
+
+
+def _delay_seconds(value: str | None, *, per_second: float) -> float | None:
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        return None
+    return number / per_second if math.isfinite(number) and number >= 0 else None
+
+
+def _seconds_until(value: str | None) -> float | None:
+    """An HTTP date as seconds from now; a date already past means now."""
     if not value:
         return None
     try:
-        return max(0.0, float(value))
-    except ValueError:
-        parsed = email.utils.parsedate_to_datetime(value) if value else None
-        return max(0.0, parsed.timestamp() - time.time()) if parsed else None
+        moment = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if moment.tzinfo is None:      # "-0000": HTTP dates are GMT
+        moment = moment.replace(tzinfo=timezone.utc)
+    return max(0.0, moment.timestamp() - time.time())
 
 
 def _error_text(exc: openai.APIStatusError) -> str:
@@ -114,10 +147,37 @@ def _error_text(exc: openai.APIStatusError) -> str:
     return str(exc.message)
 
 
-def classify(exc: Exception, *, model: str, base_url: str) -> float | None:
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """The exception, then what it was raised from (or while handling), innermost last. The HTTP
+    stack wraps the socket's error twice and reports even a refused connection as a time-out, so
+    only the innermost errors tell what happened."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _stop_if_unreachable(exc: openai.APIConnectionError, base_url: str) -> None:
+    """RunFatalError when nothing can ever answer at ``base_url`` (refused, or no such host)."""
+    for cause in _causes(exc):
+        if isinstance(cause, ConnectionRefusedError):
+            raise RunFatalError(f"the endpoint {base_url} refused the connection: nothing is listening there. "
+                                "Start the server, or check --base_url.")
+        if isinstance(cause, socket.gaierror):
+            raise RunFatalError(f"the endpoint {base_url} cannot be reached: its host name "
+                                f"{urlparse(base_url).hostname!r} cannot be resolved. Check --base_url.")
+
+
+def classify(exc: Exception, *, model: str, base_url: str, endpoint_answered: bool) -> float | None:
     """Returns for a transient error (with the server's Retry-After, if any); raises RunFatalError
-    when the whole run cannot work and PromptFailedError when only this prompt cannot."""
-    if isinstance(exc, (openai.APITimeoutError, openai.APIConnectionError)):
+    when the whole run cannot work and PromptFailedError when only this prompt cannot.
+    ``endpoint_answered``: the endpoint has sent a response in this process, so a connection it
+    refuses now is an outage to wait out, not a wrong --base_url."""
+    if isinstance(exc, openai.APIConnectionError):     # time-outs and dropped connections included
+        if not endpoint_answered:
+            _stop_if_unreachable(exc, base_url)
         return None
     if not isinstance(exc, openai.APIStatusError):
         raise PromptFailedError(f"{type(exc).__name__}: {exc}", "client_error")
@@ -145,30 +205,93 @@ def backoff_delay(attempt: int) -> float:
     return random.uniform(0, min(BACKOFF_CAP, BACKOFF_BASE * 2 ** attempt))
 
 
+class MalformedReplyError(Exception):
+    """A 200 response that is not a chat completion (an error body, a broken proxy, a buggy server).
+    It fails the prompt, to be retried on resume: never read as an empty answer, which the
+    no-reasoning filter would discard for good."""
+
+
+def _preview(value: Any) -> str:
+    text = value.decode("utf-8", "replace") if isinstance(value, bytes) else json.dumps(value, ensure_ascii=False)
+    return text[:300]
+
+
+def _count(section: dict, key: str, where: str) -> float:
+    value = section.get(key)
+    if value is None:
+        return 0.0
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if isinstance(value, bool) or not math.isfinite(number):
+        raise MalformedReplyError(f"{where}.{key} is not a number: {_preview(value)}")
+    return number
+
+
+def _object(section: dict, key: str, where: str) -> dict:
+    value = section.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise MalformedReplyError(f"{where}.{key} is not an object: {_preview(value)}")
+    return value
+
+
 def _usage_from(data: dict) -> Usage:
-    usage = data.get("usage") or {}
-    completion_details = usage.get("completion_tokens_details") or {}
-    prompt_details = usage.get("prompt_tokens_details") or {}
-    return Usage(prompt_tokens=int(usage.get("prompt_tokens") or 0),
-                 completion_tokens=int(usage.get("completion_tokens") or 0),
-                 reasoning_tokens=int(completion_details.get("reasoning_tokens") or 0),
-                 cached_tokens=int(prompt_details.get("cached_tokens") or 0),
-                 cost=float(usage.get("cost") or 0.0))
+    usage = _object(data, "usage", "reply")
+    completion_details = _object(usage, "completion_tokens_details", "usage")
+    prompt_details = _object(usage, "prompt_tokens_details", "usage")
+    reasoning = _count(completion_details, "reasoning_tokens", "usage.completion_tokens_details")
+    return Usage(prompt_tokens=int(_count(usage, "prompt_tokens", "usage")),
+                 completion_tokens=int(_count(usage, "completion_tokens", "usage")),
+                 reasoning_tokens=int(reasoning),
+                 cached_tokens=int(_count(prompt_details, "cached_tokens", "usage.prompt_tokens_details")),
+                 cost=_count(usage, "cost", "usage"))
 
 
-class BodyError(Exception):
-    """A 200 response that carries an error instead of a choice (some gateways do this)."""
+def _check_tool_calls(message: dict) -> None:
+    """Each tool call must name a function; its arguments may be text or an object (the session
+    turns them into text and tells the model when they do not parse)."""
+    calls = message.get("tool_calls")
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise MalformedReplyError(f"choices[0].message.tool_calls is not a list: {_preview(calls)}")
+    for position, call in enumerate(calls):
+        where = f"choices[0].message.tool_calls[{position}]"
+        if not isinstance(call, dict):
+            raise MalformedReplyError(f"{where} is not an object: {_preview(call)}")
+        function = call.get("function")
+        if not isinstance(function, dict):
+            raise MalformedReplyError(f"{where}.function is not an object: {_preview(function)}")
+        if not isinstance(function.get("name"), str):
+            raise MalformedReplyError(f"{where}.function.name is not a string: {_preview(function.get('name'))}")
 
 
 def parse_reply(raw: bytes) -> ModelReply:
-    data = json.loads(raw)
-    choices = data.get("choices") if isinstance(data, dict) else None
+    """The first choice of a chat completion; MalformedReplyError naming what is wrong otherwise."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        raise MalformedReplyError(f"reply is not JSON: {_preview(raw)!r}") from None
+    if not isinstance(data, dict):
+        raise MalformedReplyError(f"reply is not a JSON object: {_preview(raw)}")
+    choices = data.get("choices")
     if not choices:
-        error = data.get("error") if isinstance(data, dict) else None
-        raise BodyError(f"response without choices: {json.dumps(error or data)[:300]}")
+        raise MalformedReplyError(f"reply has no choices: {_preview(data.get('error') or data)}")
+    if not isinstance(choices, list):
+        raise MalformedReplyError(f"reply's choices is not a list: {_preview(choices)}")
     choice = choices[0]
-    return ModelReply(message=choice.get("message") or {}, finish_reason=choice.get("finish_reason"),
-                      usage=_usage_from(data))
+    if not isinstance(choice, dict):
+        raise MalformedReplyError(f"reply's choices[0] is not an object: {_preview(choice)}")
+    message = choice.get("message")
+    if message is None:
+        raise MalformedReplyError("choices[0].message is null")
+    if not isinstance(message, dict):
+        raise MalformedReplyError(f"choices[0].message is not an object: {_preview(message)}")
+    _check_tool_calls(message)
+    return ModelReply(message=message, finish_reason=choice.get("finish_reason"), usage=_usage_from(data))
 
 
 async def call_model(client: openai.AsyncOpenAI, gate: RateGate, *, body: bytes, model: str, max_retries: int,
@@ -183,27 +306,46 @@ async def call_model(client: openai.AsyncOpenAI, gate: RateGate, *, body: bytes,
             # chat.completions.create, without re-validating the whole conversation on every call
             # (that walk cost more CPU than the rest of a session).
             raw = await client.post("/chat/completions", cast_to=bytes, content=body)
+            _ANSWERED.add(base_url)
             return parse_reply(raw)
         except openai.APIError as exc:
-            retry_after = classify(exc, model=model, base_url=base_url)
+            if isinstance(exc, openai.APIStatusError):
+                _ANSWERED.add(base_url)
+            retry_after = classify(exc, model=model, base_url=base_url, endpoint_answered=base_url in _ANSWERED)
             failure: Exception = exc
-        except (BodyError, ValueError) as exc:   # an error body or undecodable JSON: a broken proxy
+        except MalformedReplyError as exc:   # perhaps a proxy's passing fault: worth another attempt
             failure = exc
         if attempt >= max_retries:
-            raise PromptFailedError(f"gave up after {attempt + 1} attempts: {failure}",
-                                    _exhausted_type(failure)) from None
+            text, error_type = _failure(failure, client.timeout)
+            attempts = f"{attempt + 1} attempt{'s' if attempt else ''}"
+            raise PromptFailedError(f"gave up after {attempts}: {text}", error_type) from None
         delay = retry_after if retry_after is not None else backoff_delay(attempt)
-        if isinstance(failure, openai.RateLimitError):
-            gate.pause(delay)
         attempt += 1
-        await asyncio.sleep(delay)
+        if isinstance(failure, openai.RateLimitError):
+            gate.pause(delay)      # every session waits it out, this one too, at the top of the loop
+        else:
+            # A Retry-After told to many sessions at once would bring them all back at once.
+            await asyncio.sleep(delay if retry_after is None else wake_delay(delay))
 
 
-def _exhausted_type(exc: Exception) -> str:
-    if isinstance(exc, openai.RateLimitError):
-        return "rate_limited"
+def _failure(exc: Exception, timeout: Any) -> tuple[str, str]:
+    """(what went wrong, error type) for the failure row of a call that used up its retries."""
     if isinstance(exc, openai.APIStatusError):
-        return f"http_{exc.status_code}"
-    if isinstance(exc, (openai.APITimeoutError, openai.APIConnectionError)):
-        return "connection"
-    return "bad_response"
+        kind = "rate_limited" if isinstance(exc, openai.RateLimitError) else f"http_{exc.status_code}"
+        return f"HTTP {exc.status_code}: {_error_text(exc)}", kind
+    if isinstance(exc, openai.APIConnectionError):
+        return _connection_failure(exc, timeout)
+    return f"malformed reply: {exc}", "bad_response"
+
+
+def _connection_failure(exc: openai.APIConnectionError, timeout: Any) -> tuple[str, str]:
+    causes = list(_causes(exc))
+    for cause in causes:
+        if isinstance(cause, ConnectionRefusedError):
+            return "the endpoint refused the connection", "connection"
+        if isinstance(cause, socket.gaierror):
+            return "the endpoint's host name cannot be resolved", "connection"
+        if isinstance(cause, TimeoutError):
+            seconds = f"{timeout:g}s" if isinstance(timeout, (int, float)) else str(timeout)
+            return f"no reply within {seconds} (--request_timeout)", "timeout"
+    return f"connection failed: {causes[-1]}", "connection"

@@ -4,15 +4,29 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import random
 import time
 
 _FORK = multiprocessing.get_context("fork")
+# Paused requests resume spread over a quarter of the pause (0.1 s to 10 s) after it ends: were they
+# all sent in the same instant, they would meet the server's limit again at once.
+WAKE_SPREAD = 0.25
+WAKE_SPREAD_MIN = 0.1
+WAKE_SPREAD_MAX = 10.0
+
+
+def wake_delay(remaining: float) -> float:
+    """How long a request waits when ``remaining`` seconds of a pause are left: to its end, and a
+    random share of the spread beyond it."""
+    spread = min(WAKE_SPREAD_MAX, max(WAKE_SPREAD_MIN, remaining * WAKE_SPREAD))
+    return remaining + random.uniform(0, spread)
 
 
 class RateGate:
     """Two run-wide limits in shared memory, consulted before every model request:
 
-    * a pause: after a 429, nobody sends until the server's Retry-After has passed;
+    * a pause: after a 429, nobody sends until the server's Retry-After has passed (and then
+      not everybody at once: :func:`wake_delay`);
     * an optional requests-per-minute pace: each request takes the next free slot, so the
       processes together never exceed it.
     """
@@ -28,7 +42,7 @@ class RateGate:
 
     async def wait(self) -> None:
         while (delay := self._resume_at.value - time.monotonic()) > 0:
-            await asyncio.sleep(delay)
+            await asyncio.sleep(wake_delay(delay))
         if self._interval:
             with self._next_slot.get_lock():
                 slot = max(self._next_slot.value, time.monotonic())

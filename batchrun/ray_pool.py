@@ -1,4 +1,4 @@
-"""--backend=ray: agent sessions in Ray actors, on one machine or spread over a cluster (SPEC §13).
+"""--backend=ray: agent sessions in Ray actors, on one machine or spread over a cluster.
 
 The parent stays the only writer of data/<run_name>/: an actor returns each prompt's row already
 encoded (a :class:`~batchrun.messages.Finished`, exactly what a worker process sends), and
@@ -18,8 +18,14 @@ checkpoint, merge and resume are those of a local run.
 * Without ``RAY_ADDRESS`` the runner starts a private Ray on this machine, on 127.0.0.1 only, and
   stops it at the end; a small watcher process ends that Ray's processes even after ``kill -9``.
   With ``RAY_ADDRESS`` it joins that cluster and leaves it running.
+  A ``RAY_ADDRESS`` where nothing answers stops the run at once (Ray alone would retry for minutes).
 * Each actor first checks that the run's TERMINAL_ENV, and every tool the run may offer, work on its
   node; the run stops with one message naming the node otherwise, before any model call.
+* A lost actor (its node gone, its process killed) does not stop the run: its prompts in flight go to
+  the actors that remain, once more each (a prompt whose actor is lost again gets a failure row, which
+  resume retries: a prompt that kills its worker cannot take every actor down), and a replacement
+  actor is started where the cluster has room. Only losing every actor, with none to replace it,
+  stops the run.
 
 Ray is imported here only, and only when a run asks for it.
 """
@@ -33,10 +39,13 @@ import os
 import secrets
 import shutil
 import signal
+import socket
+import sys
 import time
-from collections import Counter
+from collections import Counter, deque
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Callable
 
 from batchrun.config import RunConfig
 from batchrun.environments.base import EnvironmentSettings
@@ -57,6 +66,12 @@ LOOPBACK_PREFIXES = ("127.", "::1", "::ffff:127.")
 # Ray's socket paths ($TMPDIR/ray/session_<date>_<pid>/sockets/plasma_store) must fit in 107 bytes.
 MAX_TMPDIR_LENGTH = 36
 WATCH_INTERVAL = 0.5            # seconds between the watcher's looks at the parent's descendants
+PROBE_TIMEOUT = 5.0             # seconds for a TCP connection to RAY_ADDRESS's head before Ray is asked
+# Ray retries an unreachable head about 20 x 41 s. One attempt with a 10 s connection timeout bounds a
+# head that accepts connections but does not answer as Ray (measured: about 21 s); a user's own
+# setting of either variable wins.
+JOIN_ENVIRONMENT = {"RAY_NUM_REDIS_GET_RETRIES": "1", "RAY_py_gcs_connect_timeout_s": "10"}
+LOST_ACTOR_ERROR_TYPE = "worker_died"      # as for a local worker process that died under its prompts
 _FORK = multiprocessing.get_context("fork")
 
 
@@ -66,6 +81,26 @@ def import_ray() -> Any:
     except ImportError:
         raise PoolStartError(f"--backend=ray needs Ray, an optional extra: {INSTALL_HINT}") from None
     return ray
+
+
+def head_endpoint(address: str) -> tuple[str, int] | None:
+    """(host, port) of a RAY_ADDRESS such as ``10.0.0.5:6379`` or ``ray://head:10001``; None for the
+    forms Ray resolves itself (``auto``)."""
+    host, separator, port = address.split("://", 1)[-1].rpartition(":")
+    if not separator or not port.isdigit() or not host:
+        return None
+    return host.strip("[]"), int(port)
+
+
+def unreachable(host: str, port: int) -> str | None:
+    """Why no TCP connection to host:port opens within PROBE_TIMEOUT, or None when one does."""
+    try:
+        socket.create_connection((host, port), timeout=PROBE_TIMEOUT).close()
+    except socket.timeout:
+        return f"no answer within {PROBE_TIMEOUT:.0f} s"
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
 
 
 # -- the worker side: session actors and the shared rate gate -----------------------------------------
@@ -305,18 +340,47 @@ def _watch(reader: Connection, writer: Connection, owner: str) -> None:
         time.sleep(0.2)
 
 
+@dataclass(frozen=True)
+class Attempt:
+    """A prompt on its way to an actor, with the actors lost while it ran on them before."""
+
+    task: Task
+    losses: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """An actor started in place of a lost one, usable once its probe answers."""
+
+    actor: Any
+    slots: int
+    deadline: float       # time.monotonic() after which it is given up
+
+
+def warn(text: str) -> None:
+    """A warning line on stderr, as the console writes one (the pool has no console of its own)."""
+    print(f"warning: {text}", file=sys.stderr, flush=True)
+
+
 class RayWorkerPool:
     """WorkerPool's interface (submit / receive / free_slots / in_flight / stop) over Ray actors."""
 
     def __init__(self, config: RunConfig, env_settings: EnvironmentSettings, available_tools: frozenset[str]) -> None:
         self._address = os.environ.get("RAY_ADDRESS", "").strip() or None
-        self._actors: list[Any] = []
+        self._config = config
+        self._actors: list[Any] = []              # by actor index; a lost actor keeps its index
+        self._capacity: list[int] = []
+        self._free: list[int] = []
+        self._nodes: list[dict] = []              # each actor's probe() answer
+        self._lost: set[int] = set()
+        self._pending: dict[Any, tuple[int, Attempt]] = {}   # ObjectRef of a run() call -> (actor index, attempt)
+        self._retries: deque[Attempt] = deque()   # prompts of lost actors, waiting for a free slot
+        self._starting: dict[Any, Replacement] = {}          # ObjectRef of a replacement's probe() -> it
+        self._new_actor: Callable[[int], Any] | None = None
         self._keeper: Any = None
         self._watcher: tuple[Connection, multiprocessing.Process] | None = None
-        self._pending: dict[Any, int] = {}       # ObjectRef of a run() call -> actor index
-        self._nodes: list[dict] = []
         self._stopped = False
-        self.ray = import_ray() if self._address else None
+        self.ray: Any = None
         try:
             self._connect()
             self._start_actors(config, env_settings, available_tools)
@@ -339,6 +403,11 @@ class RayWorkerPool:
             reader.close()
             self._watcher = (writer, watcher)
             self.ray = import_ray()
+        else:
+            for name, value in JOIN_ENVIRONMENT.items():
+                os.environ.setdefault(name, value)       # read by Ray when it is imported
+            self.ray = import_ray()
+            self._check_head_answers(self._address)
         ray = self.ray
         logging.getLogger("ray").setLevel(logging.ERROR)   # "started a local instance", token notices
         # Ray's processes must outlive a Ctrl-C, which reaches the whole process group: the parent
@@ -362,6 +431,15 @@ class RayWorkerPool:
         finally:
             signal.signal(signal.SIGINT, previous)
 
+    @staticmethod
+    def _check_head_answers(address: str) -> None:
+        """A plain TCP connection first: where nothing listens, Ray would retry for 13 minutes."""
+        endpoint = head_endpoint(address)
+        if endpoint is not None and (why := unreachable(*endpoint)) is not None:
+            raise PoolStartError(f"nothing answers at RAY_ADDRESS={address} ({why}): start the cluster's head node "
+                                 f"there (ray start --head --port={endpoint[1]}) or unset RAY_ADDRESS to run on a "
+                                 "private local Ray")
+
     def _start_actors(self, config: RunConfig, env_settings: EnvironmentSettings,
                       available_tools: frozenset[str]) -> None:
         ray = self.ray
@@ -370,15 +448,24 @@ class RayWorkerPool:
             raise PoolStartError("the Ray cluster has no free CPU for the session actors "
                                  f"({ray.cluster_resources().get('CPU', 0):g} in all)")
         count = min(process_count(config.num_workers) if self._address is None else config.num_workers, cpus)
-        self._capacity = [config.num_workers // count + (1 if i < config.num_workers % count else 0)
-                          for i in range(count)]
-        self._free = list(self._capacity)
-        self._keeper = ray.remote(num_cpus=0, max_concurrency=10_000)(GateKeeper).remote(config.requests_per_minute)
+        capacity = [config.num_workers // count + (1 if i < config.num_workers % count else 0) for i in range(count)]
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        # The rate limits live beside the driver: every session needs them, and they must outlive
+        # any other node.
+        beside_driver = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+        self._keeper = (ray.remote(num_cpus=0, max_concurrency=10_000)(GateKeeper)
+                        .options(scheduling_strategy=beside_driver).remote(config.requests_per_minute))
         gate = RayRateGate(self._keeper, config.requests_per_minute)
         actor_class = ray.remote(SessionActor)
-        self._actors = [actor_class.options(num_cpus=1, max_concurrency=slots + SPARE_CONCURRENCY,
-                                            scheduling_strategy="SPREAD")
-                        .remote(slots, config, gate, env_settings, available_tools) for slots in self._capacity]
+
+        def new_actor(slots: int) -> Any:
+            return (actor_class.options(num_cpus=1, max_concurrency=slots + SPARE_CONCURRENCY,
+                                        scheduling_strategy="SPREAD")
+                    .remote(slots, config, gate, env_settings, available_tools))
+
+        self._new_actor = new_actor
+        self._actors = [new_actor(slots) for slots in capacity]
         try:
             self._nodes = ray.get([actor.probe.remote() for actor in self._actors], timeout=ACTOR_START_TIMEOUT)
         except ray.exceptions.GetTimeoutError:
@@ -386,10 +473,12 @@ class RayWorkerPool:
                                  f"{ACTOR_START_TIMEOUT:.0f} s; are the cluster's CPUs taken?") from None
         except ray.exceptions.RayError as exc:
             raise PoolStartError(f"a session actor failed to start: {_last_lines(exc)}") from None
-        problems = {node["address"]: node["problem"] for node in self._nodes if node["problem"]}
+        self._capacity, self._free = capacity, list(capacity)
+        labels = self._node_labels()
+        problems = {labels[node["node_id"]]: node["problem"] for node in self._nodes if node["problem"]}
         if problems:
-            raise PoolStartError("\n".join(f"Ray node {address} cannot run this run's sessions: {problem}"
-                                           for address, problem in problems.items()))
+            raise PoolStartError("\n".join(f"Ray node {label} cannot run this run's sessions: {problem}"
+                                           for label, problem in problems.items()))
         self._clean_other_nodes()
 
     def _clean_other_nodes(self) -> None:
@@ -397,91 +486,222 @@ class RayWorkerPool:
         actor per node: before the first session and after the last."""
         ray = self.ray
         here, cleaners = ray.get_runtime_context().get_node_id(), {}
-        for actor, node in zip(self._actors, self._nodes):
-            if node["node_id"] != here:
+        for index, (actor, node) in enumerate(zip(self._actors, self._nodes)):
+            if index not in self._lost and node["node_id"] != here:
                 cleaners.setdefault(node["node_id"], actor)
         if cleaners:
             ray.get([actor.remove_leftovers.remote() for actor in cleaners.values()], timeout=ACTOR_START_TIMEOUT)
 
+    def _node_labels(self) -> dict[str, str]:
+        """Node id -> the node's name in output: its address, with the start of its id where several
+        nodes share one address (several raylets on one host are several nodes)."""
+        addresses = Counter({node["node_id"]: node["address"] for node in self._nodes}.values())
+        return {node["node_id"]: node["address"] if addresses[node["address"]] == 1
+                else f"{node['address']} ({node['node_id'][:6]})" for node in self._nodes}
+
     def describe(self) -> str:
         """One start-up line: where the sessions run."""
-        per_node: Counter = Counter()
+        actors: Counter = Counter()
         sessions: Counter = Counter()
         for node, slots in zip(self._nodes, self._capacity):
-            per_node[node["address"]] += 1
-            sessions[node["address"]] += slots
+            actors[node["node_id"]] += 1
+            sessions[node["node_id"]] += slots
+        labels = self._node_labels()
         where = (f"cluster at RAY_ADDRESS={self._address}" if self._address else "local Ray on 127.0.0.1")
-        nodes = ", ".join(f"{address}: {per_node[address]} actor{'s' if per_node[address] > 1 else ''} · "
-                          f"{sessions[address]} sessions" for address in per_node)
-        return f"backend ray · {where} · {len(per_node)} node{'s' if len(per_node) > 1 else ''} ({nodes})"
+        nodes = ", ".join(f"{labels[node]}: {actors[node]} actor{'s' if actors[node] > 1 else ''} · "
+                          f"{sessions[node]} sessions" for node in actors)
+        return f"backend ray · {where} · {len(actors)} node{'s' if len(actors) > 1 else ''} ({nodes})"
 
     # -- WorkerPool's interface ----------------------------------------------------------------------
 
     @property
     def free_slots(self) -> int:
-        return sum(self._free)
+        return max(0, sum(self._free) - len(self._retries))
 
     @property
     def in_flight(self) -> int:
-        return len(self._pending)
+        """Prompts the parent still waits for: running, or waiting for a slot since their actor was lost.
+        While no actor is left, a replacement that is starting counts too: the run waits for it."""
+        waiting = len(self._pending) + len(self._retries)
+        return waiting if self._live_actors() else waiting + len(self._starting)
 
     def submit(self, task: Task) -> None:
-        actor = max(range(len(self._free)), key=self._free.__getitem__)   # the least loaded actor
-        self._free[actor] -= 1
-        self._pending[self._actors[actor].run.remote(task)] = actor
+        self._dispatch(Attempt(task))
 
     def receive(self, timeout: float) -> list[Finished | Fatal]:
-        """Every finished result, waiting at most ``timeout`` for the first one."""
+        """Every finished result, waiting at most ``timeout`` for the first one. A lost actor's prompts
+        are sent again (or get failure rows); only losing every actor raises."""
         ray = self.ray
-        if not self._pending:
+        watched = [*self._pending, *self._starting]
+        if not watched:
             time.sleep(timeout)
             return []
-        ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=timeout)
-        if ready and len(self._pending) > 1:
-            ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=0)
+        ready, _ = ray.wait(watched, num_returns=1, timeout=timeout)
+        if ready and len(watched) > 1:
+            ready, _ = ray.wait(watched, num_returns=len(watched), timeout=0)
         messages: list[Finished | Fatal] = []
         for ref in ready:
-            actor = self._pending.pop(ref)
-            self._free[actor] += 1
-            try:
-                messages.append(ray.get(ref))
-            except ray.exceptions.RayError as exc:
-                node = self._nodes[actor]
-                raise RuntimeError(f"Ray session actor {actor} (pid {node['pid']} on node {node['address']}) "
-                                   f"failed: {_last_lines(exc)}") from None
+            if ref in self._starting:
+                self._replacement_started(ref, self._starting.pop(ref))
+            elif ref in self._pending:       # an actor lost earlier in this loop may have taken it already
+                messages.extend(self._outcome(ref))
+        self._give_up_late_replacements()
+        if not self._live_actors() and not self._starting:
+            raise RuntimeError("every Ray session actor was lost and none could be replaced; the prompts that "
+                               "were running have no row yet")
+        while self._retries and sum(self._free) > 0:
+            self._dispatch(self._retries.popleft())
         return messages
 
-    def stop(self) -> None:
-        """Cancel in-flight sessions (their environments are cleaned up), end the actors, and stop the
-        Ray this runner started (or leave the cluster)."""
-        if self._stopped:
+    def _dispatch(self, attempt: Attempt) -> None:
+        actor = max(range(len(self._free)), key=self._free.__getitem__)   # the least loaded actor
+        self._free[actor] -= 1
+        self._pending[self._actors[actor].run.remote(attempt.task)] = (actor, attempt)
+
+    def _live_actors(self) -> int:
+        return len(self._actors) - len(self._lost)
+
+    def _outcome(self, ref: Any) -> list[Finished | Fatal]:
+        ray = self.ray
+        actor, attempt = self._pending.pop(ref)
+        try:
+            message = ray.get(ref)
+        except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError) as exc:
+            return self._lose(actor, exc, attempt)
+        except ray.exceptions.RayError as exc:
+            raise RuntimeError(f"Ray session actor {self._actor_name(actor)} failed: {_last_lines(exc)}") from None
+        self._free[actor] += 1
+        return [message]
+
+    # -- lost actors ---------------------------------------------------------------------------------
+
+    def _lose(self, actor: int, exc: BaseException, attempt: Attempt) -> list[Finished | Fatal]:
+        """The actor is gone (its node or its process): each prompt it ran goes to the actors that
+        remain once more, or, lost for the second time, becomes a failure row; a replacement starts."""
+        name = self._actor_name(actor)
+        victims = [attempt]
+        for ref, (index, other) in list(self._pending.items()):
+            if index == actor:
+                # Not read even if it finished: the prompt runs again, and only what is read becomes a row.
+                del self._pending[ref]
+                victims.append(other)
+        self._lost.add(actor)
+        self._free[actor] = 0
+        self._discard(self._actors[actor])
+        self._start_replacement(self._capacity[actor])
+        failed: list[Finished | Fatal] = [self._lost_twice(victim.task, (*victim.losses, name))
+                                          for victim in victims if victim.losses]
+        self._retries.extend(Attempt(victim.task, (name,)) for victim in victims if not victim.losses)
+        sessions = sum(slots for index, slots in enumerate(self._capacity) if index not in self._lost)
+        twice = f" ({len(failed)} lost for the second time: failure rows, retried on resume)" if failed else ""
+        warn(f"lost Ray session actor {name}: {type(exc).__name__}. Its {len(victims)} prompt(s) in flight{twice} go "
+             f"to the {self._live_actors()} actor(s) that remain ({sessions} sessions); a replacement is starting")
+        return failed
+
+    def _lost_twice(self, task: Task, losses: tuple[str, ...]) -> Finished:
+        """The failure row of a prompt whose actor was lost twice: perhaps the prompt kills its worker,
+        and it must not take every actor down. It is retried on resume, like every failure."""
+        from batchrun.worker_process import lost_task   # the model client's imports, only when needed
+
+        error = ("the Ray session actors running this prompt were lost twice: "
+                 + "; ".join(f"actor {name}" for name in losses) + "; --resume runs it again")
+        return lost_task(task, self._config, error, LOST_ACTOR_ERROR_TYPE)
+
+    def _start_replacement(self, slots: int) -> None:
+        """A new actor where the cluster has a free CPU (after a crash, the lost actor's own); a lost
+        node's CPUs are gone with it, and then the replacement waits for room until its deadline."""
+        assert self._new_actor is not None
+        actor = self._new_actor(slots)
+        self._starting[actor.probe.remote()] = Replacement(actor, slots, time.monotonic() + ACTOR_START_TIMEOUT)
+
+    def _replacement_started(self, ref: Any, replacement: Replacement) -> None:
+        try:
+            node = self.ray.get(ref)
+        except self.ray.exceptions.RayError as exc:
+            self._discard(replacement.actor)
+            warn(f"a replacement Ray session actor failed to start: {_last_lines(exc, 1)}")
             return
+        if node["problem"]:
+            self._discard(replacement.actor)
+            warn(f"a replacement Ray session actor landed on node {node['address']}, which cannot run this "
+                 f"run's sessions: {node['problem']}")
+            return
+        self._actors.append(replacement.actor)
+        self._capacity.append(replacement.slots)
+        self._free.append(replacement.slots)
+        self._nodes.append(node)
+
+    def _give_up_late_replacements(self) -> None:
+        now = time.monotonic()
+        for ref, replacement in list(self._starting.items()):
+            if now > replacement.deadline:
+                del self._starting[ref]
+                self._discard(replacement.actor)
+                warn(f"no replacement Ray session actor found a free CPU within {ACTOR_START_TIMEOUT:.0f} s")
+
+    def _discard(self, actor: Any) -> None:
+        try:
+            self.ray.kill(actor, no_restart=True)
+        except Exception:   # noqa: BLE001 — it is gone already
+            pass
+
+    def _actor_name(self, actor: int) -> str:
+        node = self._nodes[actor]
+        return f"{actor} (pid {node['pid']} on node {self._node_labels()[node['node_id']]})"
+
+    # -- stop ----------------------------------------------------------------------------------------
+
+    def stop(self) -> list[Finished]:
+        """Cancel in-flight sessions (their environments are cleaned up), end the actors, and stop the
+        Ray this runner started (or leave the cluster).
+
+        Returns the rows that finished meanwhile, to be persisted like any other: a session that
+        ended just before the stop has been paid for."""
+        if self._stopped:
+            return []
         self._stopped = True
         ray = self.ray
+        finished: list[Finished] = []
         try:
             if ray is not None and ray.is_initialized():
                 if self._pending:
+                    live = [actor for index, actor in enumerate(self._actors) if index not in self._lost]
                     try:
-                        ray.get([actor.stop.remote() for actor in self._actors], timeout=STOP_GRACE_SECONDS)
+                        ray.get([actor.stop.remote() for actor in live], timeout=STOP_GRACE_SECONDS)
                     except Exception:   # noqa: BLE001 — a dead or stuck actor is killed below regardless
                         pass
+                    finished = self._finished_meanwhile()
                 try:
                     self._clean_other_nodes()
                 except Exception:   # noqa: BLE001 — the next run under this name cleans up instead
                     pass
-                for actor in [*self._actors, self._keeper]:
+                for actor in [*self._actors, *(replacement.actor for replacement in self._starting.values()),
+                              self._keeper]:
                     if actor is not None:
-                        try:
-                            ray.kill(actor)
-                        except Exception:   # noqa: BLE001
-                            pass
+                        self._discard(actor)
                 ray.shutdown()
         finally:
             self._pending.clear()
+            self._retries.clear()
+            self._starting.clear()
             if self._watcher is not None:
                 writer, watcher = self._watcher
                 writer.close()           # the watcher ends whatever of the local Ray is still there
                 watcher.join(10)
+        return finished
+
+    def _finished_meanwhile(self) -> list[Finished]:
+        ray = self.ray
+        ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=0)
+        finished = []
+        for ref in ready:
+            try:
+                message = ray.get(ref)
+            except ray.exceptions.RayError:
+                continue         # cancelled by the stop, or its actor is gone: resume runs it
+            if isinstance(message, Finished):
+                finished.append(message)
+        return finished
 
 
 def _last_lines(exc: BaseException, lines: int = 6) -> str:

@@ -3,8 +3,8 @@ whether a run's data is good — tools and their failures, reasoning, outcomes, 
 throughput — and lets a person open trajectories and read them the way the model lived them.
 
 It is built from the run directory alone, during a run or after it, and streams every batch file
-once: the figures come from each line's bytes through :func:`rows.read_stored_row` (a million
-rows are never parsed whole), and only a bounded, stratified sample of rows is decoded, trimmed
+once: the figures come from each row's few facts read by :func:`rows.read_stored_row` (a million
+rows are never decoded whole), and only a bounded, stratified sample of rows is decoded, trimmed
 and embedded for the trajectory browser. The page needs no network: CSS, JS, data and the
 matplotlib plots (inline SVG, see :mod:`batchrun.report_plots`) are all inside it.
 """
@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable
 
 import toolset_distributions
 from batchrun import report_plots, rows
-from batchrun.run_dir import CHECKPOINT, STATISTICS, RunDirectory, lines_at
+from batchrun.run_dir import CHECKPOINT, STATISTICS, RunDirectory, line_number, lines_at
 from model_tools import TOOL_NAMES
 
 REPORT_FILE = "report.html"
@@ -47,33 +47,6 @@ QUOTAS = {"failed": 30, "corrupted": 30, "partial": 30, "tool_failed": 20, "disc
           "completed": 120}
 PRIORITY = tuple(QUOTAS)
 CORRUPTED = "corrupted"         # a trajectory row naming an invented tool: left out of the merged file
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading more facts from a stored line's bytes (same structural guarantees as rows.py: inside a
-# JSON string a quote is always escaped, so these keys can only match the row's own structure).
-
-_TOOLSETS_USED = b'"toolsets_used": ['
-_WALL_TIME = re.compile(rb'"wall_time_seconds": ([0-9.eE+-]+), "end_reason"')    # near the end of the line
-_METADATA = re.compile(rb'"metadata": \{"batch_num": -?\d+, "timestamp": "([^"\\]*)", "model": "((?:[^"\\]|\\.)*)"')
-
-
-def toolsets_used(line: bytes) -> list[str]:
-    """The row's ``toolsets_used``; it sits after the conversation, so search from the end."""
-    start = line.rfind(_TOOLSETS_USED)
-    if start < 0:
-        return []
-    start += len(_TOOLSETS_USED) - 1
-    return json.loads(line[start:line.index(b"]", start) + 1])
-
-
-def metadata(line: bytes) -> tuple[str, str] | None:
-    """(timestamp, model) of a trajectory row."""
-    start = line.rfind(b'"metadata": {')
-    found = _METADATA.match(line, start) if start >= 0 else None
-    if found is None:
-        return None
-    return found.group(1).decode(), json.loads(b'"' + found.group(2) + b'"')
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,6 +152,8 @@ class RunSummary:
     models: Counter = field(default_factory=Counter)
     timeline: Timeline = field(default_factory=Timeline)
     unreadable_lines: int = 0
+    refused_lines: int = 0                                       # JSON, but not rows this version understands
+    first_refused: str = ""                                      # which line, and why
     batch_files: int = 0
     open_failures: dict[str, str] = field(default_factory=dict)  # content key -> cause, until a retry succeeds
     open_failures_exact: bool = True
@@ -200,7 +175,7 @@ class RunSummary:
             return self._add_failure(row)
         self.open_failures.pop(row.content_key, None)    # a retry that succeeded (or was discarded)
         if row.status == rows.DISCARDED:
-            reason = json.loads(row.line).get("discarded") or "unknown"
+            reason = row.discard_reason() or "unknown"
             self.statuses[rows.DISCARDED] += 1
             self.discard_reasons[reason] += 1
             self.trajectory_reasoning["none (discarded)"] += 1
@@ -213,8 +188,7 @@ class RunSummary:
         return row.status, self._add_trajectory(row, usage)
 
     def _add_failure(self, row: rows.StoredRow) -> tuple[str, dict]:
-        """Failure rows are small (no conversation), so parsing them whole costs nothing."""
-        cause = json.loads(row.line).get("error_type") or "unknown"
+        cause = row.error_type() or "unknown"
         self.statuses[rows.FAILED] += 1
         self.failure_causes[cause] += 1
         if row.content_key in self.open_failures or len(self.open_failures) < MAX_TRACKED_FAILURES:
@@ -243,19 +217,17 @@ class RunSummary:
         self.trajectory_reasoning["all turns" if not without else "no turn" if not with_reasoning
                                   else "some turns"] += 1
         self.turns[with_reasoning + without] += 1
-        self.toolsets.update(toolsets_used(row.line))
+        self.toolsets.update(row.toolsets_used())
         self.toolset_rows += 1
         self.tokens.add((usage.get("prompt_tokens") or 0) + (usage.get("completion_tokens") or 0))
         self.cost.add(usage.get("cost") or 0.0)
-        found = metadata(row.line)
+        found = row.metadata()
         if found:
             timestamp, model = found
             self.models[model] += 1
             if (epoch := _epoch(timestamp)) is not None:
                 self.timeline.add(epoch, row.status == rows.COMPLETED)
-        wall = _WALL_TIME.search(row.line, max(0, len(row.line) - 200))
-        if wall:
-            self.wall_time.add(float(wall.group(1)))
+        self.wall_time.add(row.wall_time())
         return {"end_reason": end_reason, "tools": used, "tools_failed": failed}
 
     def open_failure_causes(self) -> Counter:
@@ -471,18 +443,25 @@ class RunScan:
         for path in files:
             position = self._read_up_to.get(path, 0)
             for offset, line in lines_at(path, position):
-                self._add(line, path.name)
+                self._add(line, path, offset)
                 position = offset + len(line)
             self._read_up_to[path] = position      # a row still being written is read next time
 
-    def _add(self, line: bytes, batch_file: str) -> None:
-        row = rows.read_stored_row(line)
+    def _add(self, line: bytes, path: Path, offset: int) -> None:
+        try:
+            row = rows.read_stored_row(line)
+        except rows.RowError as exc:
+            # A run stops on such a line; the page still shows every other row, and names this one.
+            self.summary.refused_lines += 1
+            if not self.summary.first_refused:
+                self.summary.first_refused = f"{path.name} line {line_number(path, offset)}: {exc}"
+            return
         if row is None:
             self.summary.unreadable_lines += 1
             return
         status, facts = self.summary.add(row)
         self.sample.offer(self._row_id, _categories(status, facts),
-                          lambda: sampled_row(row, status, batch_file))
+                          lambda: sampled_row(row, status, path.name))
         self._row_id += 1
 
 
@@ -652,6 +631,17 @@ def _header(run_dir: Path, summary: RunSummary, info: dict) -> str:
     return f'<header><h1>Run report · {html.escape(run_dir.name)}</h1><div class="facts">{items}</div></header>'
 
 
+def _notices(run_dir: Path, summary: RunSummary, plotted: bool) -> str:
+    texts = []
+    if summary.refused_lines:
+        texts.append(f"{summary.refused_lines:,} line(s) of the batch files are JSON but not rows this version of "
+                     f"batch_runner reads: no figure below counts them, and --resume stops on them. The first: "
+                     f"{summary.first_refused}")
+    if not plotted:
+        texts.append(PLOTS_HINT.format(run_name=run_dir.name))
+    return "".join(f'<p class="notice">{html.escape(text)}</p>' for text in texts)
+
+
 def render(run_dir: Path, summary: RunSummary, sample: TrajectorySample) -> str:
     """The whole page as text."""
     info = {**_read_json(run_dir / CHECKPOINT), **_read_json(run_dir / STATISTICS)}
@@ -659,11 +649,9 @@ def render(run_dir: Path, summary: RunSummary, sample: TrajectorySample) -> str:
     expected = expected_toolset_shares(distribution) if distribution else None
     plots = report_plots.draw(summary, expected, distribution)
     shown = sample.chosen()
-    notice = "" if plots is not None else \
-        f'<p class="notice">{html.escape(PLOTS_HINT.format(run_name=run_dir.name))}</p>'
     plot = (plots or {}).get
     body = "".join([
-        _header(run_dir, summary, info), notice, f'<div class="cards">{_cards(summary, info)}</div>',
+        _header(run_dir, summary, info), _notices(run_dir, summary, plots is not None), f'<div class="cards">{_cards(summary, info)}</div>',
         '<div class="grid">',
         _section("Tool calls", plot("tools"), _tool_table(summary),
                  "Calls per tool in kept trajectories; a failure is a result with an error "

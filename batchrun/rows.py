@@ -1,8 +1,8 @@
 """The row format: one place each for the schema, the ShareGPT rendering, the success rule,
-reasoning detection, the resume content key and the byte encoding of a row.
+reasoning detection, the resume content key, and the encoding and the one reader of stored rows.
 
-Every kind of row the runner writes carries ``prompt_index`` and ``content_key`` first, so the
-resume scan and the merge can classify a line without caring which kind it is:
+Every kind of row the runner writes carries ``format``, ``prompt_index``, ``content_key`` and
+``end_reason``, so the resume scan and the merge can classify a line without caring which kind it is:
 
 * a trajectory row (completed or partial) — the Hermes ShareGPT format of SPEC §7;
 * a tombstone ``{"discarded": "no_reasoning", ...}`` — done, never re-run, never merged;
@@ -16,6 +16,8 @@ import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
+
+import msgspec
 
 from model_tools import REGISTRY, TOOL_NAMES
 
@@ -256,11 +258,16 @@ class SessionResult:
 
 COMPLETED_END_REASONS = frozenset({"final_answer"})
 
+# Every row carries "format": ROW_FORMAT. A reader refuses rows of a higher format (their meaning may
+# have changed), and reads rows without the key, written before it existed, as this format.
+ROW_FORMAT = 1
+
 
 def trajectory_row(result: SessionResult, *, batch_num: int, model: str, timestamp: str) -> dict:
     stats, error_counts = tool_stats(result.turns)
     completed = result.end_reason in COMPLETED_END_REASONS
     return {
+        "format": ROW_FORMAT,
         "prompt_index": result.prompt_index,
         "content_key": result.content_key,
         "conversations": render_conversations(result.offered_tools, result.prompt, result.turns),
@@ -278,14 +285,14 @@ def trajectory_row(result: SessionResult, *, batch_num: int, model: str, timesta
 
 
 def tombstone_row(result: SessionResult) -> dict:
-    return {"prompt_index": result.prompt_index, "content_key": result.content_key,
+    return {"format": ROW_FORMAT, "prompt_index": result.prompt_index, "content_key": result.content_key,
             "discarded": "no_reasoning", "prompt": result.prompt,
             "api_calls": result.api_calls, "usage": result.usage.as_dict(),
             "wall_time_seconds": round(result.wall_time, 3), "end_reason": result.end_reason}
 
 
 def failure_row(result: SessionResult) -> dict:
-    return {"prompt_index": result.prompt_index, "content_key": result.content_key,
+    return {"format": ROW_FORMAT, "prompt_index": result.prompt_index, "content_key": result.content_key,
             "failed": True, "error": result.error, "error_type": result.error_type,
             "prompt": result.prompt, "api_calls": result.api_calls,
             "usage": result.usage.as_dict(), "wall_time_seconds": round(result.wall_time, 3),
@@ -304,158 +311,206 @@ def encode_finished(result: SessionResult, *, batch_num: int, model: str, timest
 
 
 # ---------------------------------------------------------------------------------------------
-# Classification and encoding of stored rows
+# Encoding and reading stored rows
 
 COMPLETED, PARTIAL, DISCARDED, FAILED = "completed", "partial", "discarded", "failed"
 
 
 def encode_row(row: dict) -> bytes:
-    """One JSONL line, always valid UTF-8 whatever bytes a tool produced (lone surrogates -> '?').
-
-    The layout is fixed (json's default separators, ``prompt_index`` and ``content_key`` first,
-    ``end_reason`` last in every kind of row); :func:`read_stored_row` relies on it to classify a
-    line, and to tell a complete line from a fragment, without parsing all of it.
-    """
+    """One JSONL line, always valid UTF-8 whatever bytes a tool produced (lone surrogates -> '?')."""
     return (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8", "replace")
 
 
-# Reading stored rows. A million-row resume scan or merge cannot afford to parse every row (most of
-# each is the conversation), so the few facts they need are read from the encoded line. Every pattern
-# is structural: each holds a quote that follows a byte other than a backslash, and inside a JSON
-# string every quote is escaped, so text a model or a tool wrote can never look like these keys.
-# Top-level keys near the end of a row are found with rfind, which reads only the last bytes.
-_HEAD_START = b'{"prompt_index": '
-_HEAD = re.compile(rb'\{"prompt_index": (-?\d+), "content_key": "([0-9a-f]+)", "(conversations|discarded|failed)"')
-_COMPLETED = b'"completed": '
-_CALL_NAME = b', "name": "'           # only tool_calls entries have a "name" key
-_TOOL_COUNT = b'{"count": '
-_TOOL_OUTCOMES = re.compile(rb'(\d+), "success": (\d+), "failure": (\d+)')
-_USAGE = b'"usage": {'
-_USAGE_FIGURES = re.compile(rb'"usage": \{"prompt_tokens": (\d+), "completion_tokens": (\d+), '
-                            rb'"reasoning_tokens": (\d+), "cached_tokens": (\d+), "cost": ([0-9.eE+-]+)\}')
-_END_REASON = re.compile(rb'"end_reason": "(\w+)"\}\n?$')
-_TAIL_BYTES = 64                      # the end_reason key is within the last bytes of a whole row
-_TOOL_STATS_START = b'"tool_stats": {'
-_GPT_TURN = b'{"from": "gpt", "value": "'
-_EMPTY_THINK_ENCODED = json.dumps(EMPTY_THINK).encode()[1:-1]
-_REGISTERED_NAMES = frozenset(name.encode() for name in REGISTRY)
+class RowError(ValueError):
+    """A line that is JSON but not a row this version understands. Skipping it would make resume run
+    its prompt again and the merge drop it without a word, so whoever reads it stops and names it."""
 
 
-@dataclass(slots=True)
-class StoredRow:
-    """One line of a batch file, with what resume and merge need read straight from its bytes."""
+# The reader decodes only the fields below (msgspec skips every other key without building it), so a
+# row is read by its JSON structure, whatever the key order, spacing or escaping, at the speed a
+# million-row resume scan or merge needs. Turn texts are kept as raw JSON and decoded only on demand.
 
-    line: bytes
+class _ToolCall(msgspec.Struct):
+    name: str
+
+
+class _Turn(msgspec.Struct, rename={"speaker": "from"}):
+    speaker: str
+    value: msgspec.Raw
+    tool_calls: list[_ToolCall] = []
+
+
+class _Outcomes(msgspec.Struct):
+    count: int = 0
+    success: int = 0
+    failure: int = 0
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    cached_tokens: int = 0
+    cost: float = 0.0
+
+
+class _Metadata(msgspec.Struct):
+    timestamp: str = ""
+    model: str = ""
+
+
+class _Row(msgspec.Struct):
     prompt_index: int
     content_key: str
-    status: str
+    end_reason: str
+    format: int | None = None                  # None: written before rows carried a format
+    conversations: list[_Turn] | None = None   # a trajectory row
+    discarded: str | None = None               # a tombstone
+    failed: bool = False                       # a failure row
+    completed: bool = False
+    tool_stats: dict[str, _Outcomes] = {}
+    usage: _Usage = msgspec.field(default_factory=_Usage)
+    toolsets_used: list[str] = []
+    metadata: _Metadata | None = None
+    wall_time_seconds: float = 0.0
+    error_type: str | None = None
+
+
+class _Versioned(msgspec.Struct):
+    format: int = 0
+
+
+_ROW = msgspec.json.Decoder(_Row)
+_VERSION = msgspec.json.Decoder(_Versioned)
+_TEXT = msgspec.json.Decoder(str)
+_EMPTY_THINK_JSON = json.dumps(EMPTY_THINK).encode()[:-1]     # how a turn without reasoning starts, encoded
+
+
+class StoredRow:
+    """One row of a batch file, with the facts resume, merge, statistics and the report need."""
+
+    __slots__ = ("line", "status", "_row")
+
+    def __init__(self, line: bytes, status: str, row: _Row) -> None:
+        self.line = line
+        self.status = status
+        self._row = row
+
+    @property
+    def prompt_index(self) -> int:
+        return self._row.prompt_index
+
+    @property
+    def content_key(self) -> str:
+        return self._row.content_key
+
+    @property
+    def has_format(self) -> bool:
+        """False for a row written before rows carried ``format``."""
+        return self._row.format is not None
 
     def invented_tools(self) -> list[str]:
         """Tools this row calls that the registry does not have (the corrupted-entry test)."""
-        line = self.line
         names: list[str] = []
-        position = line.find(_CALL_NAME)
-        while position >= 0:
-            start = position + len(_CALL_NAME)
-            end = line.index(b'"', start)
-            while line[end - 1] == 0x5C and not _quote_ends_string(line, start, end):
-                end = line.index(b'"', end + 1)
-            raw = line[start:end]
-            if raw not in _REGISTERED_NAMES:
-                name = json.loads(b'"' + raw + b'"') if b"\\" in raw else raw.decode("utf-8", "replace")
-                if name not in names:
-                    names.append(name)
-            position = line.find(_CALL_NAME, end)
+        for turn in self._row.conversations or ():
+            for call in turn.tool_calls:
+                if call.name not in REGISTRY and call.name not in names:
+                    names.append(call.name)
         return names
 
     def reasoning_counts(self) -> tuple[int, int]:
         """(gpt turns with reasoning, gpt turns without)."""
-        line = self.line
         with_reasoning = without = 0
-        position = line.find(_GPT_TURN)
-        while position >= 0:
-            position += len(_GPT_TURN)
-            if line.startswith(_EMPTY_THINK_ENCODED, position):
+        for turn in self._row.conversations or ():
+            if turn.speaker != "gpt":
+                continue
+            raw = bytes(turn.value)
+            if raw.startswith(_EMPTY_THINK_JSON) or not split_rendered_reasoning(_TEXT.decode(raw))[0]:
                 without += 1
             else:
                 with_reasoning += 1
-            position = line.find(_GPT_TURN, position)
         return with_reasoning, without
-
-    def tool_entries(self) -> list[tuple[bytes, bytes]]:
-        """Every tool this row used, as its raw (name, outcomes) bytes: see :func:`parse_tool_entry`.
-
-        Rows repeat the same few entries endlessly, so aggregates over a million rows count these
-        and parse each distinct entry once.
-        """
-        line = self.line
-        start = line.rfind(_TOOL_STATS_START)
-        if start < 0:
-            return []
-        # One piece per tool, each after its '{"count": ' (what follows the last tool holds no such
-        # text). JSON writes no leading zeros, so only an unused tool's piece starts with "0".
-        pieces = line[start:].split(_TOOL_COUNT)
-        used = []
-        for index in range(1, len(pieces)):
-            piece = pieces[index]
-            if piece[0] != 0x30:
-                before = pieces[index - 1]                      # ends with '"name": '
-                used.append((before[before.rfind(b'"', 0, -3) + 1:-3], piece[:piece.index(b"}")]))
-        return used
 
     def tool_counts(self) -> list[tuple[str, int, int, int]]:
         """(tool, count, success, failure) for every tool this row used."""
-        return [parse_tool_entry(entry) for entry in self.tool_entries()]
+        return [(name, entry.count, entry.success, entry.failure)
+                for name, entry in self._row.tool_stats.items() if entry.count > 0]
 
     def usage(self) -> dict:
-        start = self.line.rfind(_USAGE)
-        if start < 0:
-            return {}
-        figures = _USAGE_FIGURES.match(self.line, start)
-        if figures is None:                 # a cost written in another notation: parse it in full
-            start += len(_USAGE) - 1
-            return json.loads(self.line[start:self.line.index(b"}", start) + 1])
-        prompt, completion, reasoning, cached, cost = figures.groups()
-        return {"prompt_tokens": int(prompt), "completion_tokens": int(completion),
-                "reasoning_tokens": int(reasoning), "cached_tokens": int(cached), "cost": float(cost)}
+        usage = self._row.usage
+        return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+                "reasoning_tokens": usage.reasoning_tokens, "cached_tokens": usage.cached_tokens,
+                "cost": usage.cost}
 
     def end_reason(self) -> str:
-        return _tail(self.line).group(1).decode()
+        return self._row.end_reason
 
+    def toolsets_used(self) -> list[str]:
+        return self._row.toolsets_used
 
-def parse_tool_entry(entry: tuple[bytes, bytes]) -> tuple[str, int, int, int]:
-    """(tool, count, success, failure) of one entry of :meth:`StoredRow.tool_entries`."""
-    name, outcomes = entry
-    count, success, failure = _TOOL_OUTCOMES.match(outcomes).groups()
-    return name.decode(), int(count), int(success), int(failure)
+    def metadata(self) -> tuple[str, str] | None:
+        """(timestamp, model) of a trajectory row."""
+        metadata = self._row.metadata
+        return None if metadata is None else (metadata.timestamp, metadata.model)
 
+    def wall_time(self) -> float:
+        return self._row.wall_time_seconds
 
-def _quote_ends_string(line: bytes, start: int, quote: int) -> bool:
-    """Whether the quote at ``quote`` closes the string begun at ``start`` (an even run of
-    backslashes before it escapes only themselves)."""
-    backslashes = 0
-    while quote - backslashes - 1 >= start and line[quote - backslashes - 1] == 0x5C:
-        backslashes += 1
-    return backslashes % 2 == 0
+    def error_type(self) -> str | None:
+        return self._row.error_type
 
+    def discard_reason(self) -> str | None:
+        return self._row.discarded
 
-def _tail(line: bytes) -> re.Match | None:
-    return _END_REASON.search(line, max(0, len(line) - _TAIL_BYTES))
+    def with_format(self) -> bytes:
+        """The line with ``format`` added if it has none, so every merged row carries it (datasets
+        refuses files whose rows do not share their columns)."""
+        if self.has_format:
+            return self.line
+        brace = self.line.index(b"{") + 1
+        return self.line[:brace] + b'"format": %d, ' % ROW_FORMAT + self.line[brace:]
 
 
 def read_stored_row(line: bytes) -> StoredRow | None:
-    """The row on a complete line, or None for a line that is not one of ours (or is broken)."""
-    head = _HEAD.match(line)
-    if head is None or _tail(line) is None:   # not ours, or cut short by a crash
+    """The row on a line; None for a line that is not JSON (cut short by a crash, or blank).
+
+    Raises RowError for JSON that is not a row, and for a row of a newer format than this version's.
+    """
+    try:
+        row = _ROW.decode(line)
+    except msgspec.ValidationError as exc:
+        _refuse_newer_format(line)
+        raise RowError(f"valid JSON but not a batch_runner row ({exc})") from None
+    except msgspec.DecodeError:
         return None
-    if line.find(_HEAD_START, 1) >= 0:        # a fragment with the next row glued on
-        return None
-    kind = head.group(3)
-    if kind == b"failed":
+    except RecursionError:
+        raise RowError("not a batch_runner row: JSON nested deeper than any row") from None
+    if row.format is not None and row.format > ROW_FORMAT:
+        raise _newer_format(row.format)
+    if row.failed:
         status = FAILED
-    elif kind == b"discarded":
+    elif row.discarded is not None:
         status = DISCARDED
+    elif row.conversations is not None:
+        status = COMPLETED if row.completed else PARTIAL
     else:
-        completed = line.rfind(_COMPLETED)
-        status = COMPLETED if completed >= 0 and line.startswith(b"true", completed + len(_COMPLETED)) else PARTIAL
-    return StoredRow(line=line, prompt_index=int(head.group(1)), content_key=head.group(2).decode(), status=status)
+        raise RowError('not a batch_runner row: it has none of "conversations", "discarded" or "failed"')
+    for turn in row.conversations or ():
+        if memoryview(turn.value)[:1] != b'"':
+            raise RowError(f'not a batch_runner row: a "{turn.speaker}" turn\'s "value" is not a string')
+    return StoredRow(line, status, row)
+
+
+def _refuse_newer_format(line: bytes) -> None:
+    """A row of a newer format may not fit this version's idea of a row at all: say that, not "not a row"."""
+    try:
+        version = _VERSION.decode(line).format
+    except (msgspec.DecodeError, RecursionError):
+        return
+    if version > ROW_FORMAT:
+        raise _newer_format(version)
+
+
+def _newer_format(version: int) -> RowError:
+    return RowError(f"row format {version} is newer than this batch_runner reads (format {ROW_FORMAT}); "
+                    "upgrade batch_runner to use this run")

@@ -3,6 +3,8 @@
 Only the parent process writes these files. Every read streams line by line, so the resume scan and
 the merge take linear time and memory bounded by the number of distinct prompts, not of rows; the
 merge also remembers where it stopped (``.merge.json``), so the next one reads only what is new.
+Every row is read by :func:`rows.read_stored_row`; a line that is JSON but not a row this version
+understands stops the scan or the merge with a RunDirectoryError naming its file and line.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import re
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import IO, Callable, Iterator
 
@@ -30,8 +33,9 @@ CHECKPOINT = "checkpoint.json"
 STATISTICS = "statistics.json"
 LOCK = ".lock"
 MERGE_RECORD = ".merge.json"
-# A record is only trusted by a merge with the same rules: the same registry decides what is corrupted.
-MERGE_RECORD_FORMAT = "1:" + hashlib.sha256(" ".join(sorted(REGISTRY)).encode()).hexdigest()[:16]
+# A record is only trusted by a merge with the same rules: the same registry decides what is corrupted,
+# and the same form of the figures it carries.
+MERGE_RECORD_FORMAT = "2:" + hashlib.sha256(" ".join(sorted(REGISTRY)).encode()).hexdigest()[:16]
 MERGE_RECORD_TAIL_BYTES = 4096
 MERGE_BUFFER_BYTES = 1 << 20
 READ_BUFFER_BYTES = 1 << 20
@@ -41,7 +45,27 @@ MAX_READ_PROCESSES = 8
 
 
 class RunDirectoryError(Exception):
-    """The run directory cannot be used as asked (locked, or holds results without --resume)."""
+    """The run directory cannot be used as asked (locked, holds results without --resume, or holds a
+    line that is not a row this version understands)."""
+
+
+def refused_line(path: Path, offset: int, error: rows.RowError) -> RunDirectoryError:
+    return RunDirectoryError(
+        f"{path} line {line_number(path, offset)}: {error}. Resume and merge stop here rather than run that "
+        "prompt again or leave it out; fix or remove the line, then run the same command again.")
+
+
+def line_number(path: Path, offset: int) -> int:
+    """The 1-based number of the line that starts at byte ``offset`` (read only to name a bad line)."""
+    newlines = 0
+    with path.open("rb") as handle:
+        while offset > 0:
+            chunk = handle.read(min(offset, READ_BUFFER_BYTES))
+            if not chunk:
+                break
+            newlines += chunk.count(b"\n")
+            offset -= len(chunk)
+    return newlines + 1
 
 
 def atomic_write_json(path: Path, data: dict, *, indent: int | None = None) -> None:
@@ -63,18 +87,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def complete_lines(path: Path, start: int = 0, end: int | None = None) -> Iterator[bytes]:
-    """Lines of a JSONL file, without a last line cut short by a crash (it has no newline).
+def lines_at(path: Path, start: int = 0, end: int | None = None) -> Iterator[tuple[int, bytes]]:
+    """(offset, line) of each line of a JSONL file, without a last line still being written or cut
+    short by a crash (it has no newline).
 
     With ``start``/``end``, only the lines that begin in that byte range: ranges that tile a file
     yield each of its lines exactly once, so separate processes can share one file.
     """
-    for _, line in lines_at(path, start, end):
-        yield line
-
-
-def lines_at(path: Path, start: int = 0, end: int | None = None) -> Iterator[tuple[int, bytes]]:
-    """(offset, line) for each of :func:`complete_lines`."""
     with path.open("rb", buffering=READ_BUFFER_BYTES) as handle:
         if start:
             handle.seek(start - 1)
@@ -87,6 +106,40 @@ def lines_at(path: Path, start: int = 0, end: int | None = None) -> Iterator[tup
             if line.endswith(b"\n"):
                 yield position, line
             position += len(line)
+
+
+@dataclass
+class Checkpoint:
+    """checkpoint.json, the same size however long the run: prompts done as a count, and rows per
+    outcome. Resume finds done prompts by content in the batch files, never here; it takes the outcome
+    counts of earlier invocations from here, and the arguments to warn when they changed."""
+
+    run_name: str
+    dataset_file: str
+    distribution: str
+    model: str
+    batch_size: int
+    total_prompts: int
+    completed_prompts: int          # prompts done (completed, partial or discarded), every invocation
+    batch_stats: Counter            # rows written per outcome (completed, partial, failed, discarded)
+
+    def as_json(self) -> dict:
+        return {"run_name": self.run_name, "dataset_file": self.dataset_file, "distribution": self.distribution,
+                "model": self.model, "batch_size": self.batch_size, "total_prompts": self.total_prompts,
+                "completed_prompts": self.completed_prompts, "batch_stats": dict(self.batch_stats),
+                "last_updated": datetime.now().isoformat(timespec="seconds")}
+
+
+def earlier_outcomes(checkpoint: dict) -> Counter:
+    """Rows per outcome that a checkpoint records; earlier versions kept them per batch."""
+    outcomes: Counter = Counter()
+    stats = checkpoint.get("batch_stats")
+    for key, value in (stats.items() if isinstance(stats, dict) else ()):
+        if isinstance(value, dict):
+            outcomes.update({status: count for status, count in value.items() if isinstance(count, int)})
+        elif isinstance(value, int):
+            outcomes[key] += value
+    return outcomes
 
 
 @dataclass
@@ -113,8 +166,11 @@ def scan_ranges(ranges: list[FileRange], rerun_corrupted: bool) -> ScanResult:
     done; corrupted rows are done unless the user asked to run them again."""
     result = ScanResult()
     for path, start, end in ranges:
-        for line in complete_lines(path, start, end):
-            row = rows.read_stored_row(line)
+        for offset, line in lines_at(path, start, end):
+            try:
+                row = rows.read_stored_row(line)
+            except rows.RowError as exc:
+                raise refused_line(path, offset, exc) from None
             if row is None:
                 result.unreadable_lines += 1
                 continue
@@ -207,8 +263,10 @@ class RunDirectory:
     # -- resume ---------------------------------------------------------------------------------
 
     def scan(self, *, rerun_corrupted: bool) -> ScanResult:
-        """What the batch files hold (see :func:`scan_ranges`). Reading a row costs CPU, not disk
-        (the reads are line-sized), so a big run directory is shared out over one process per core."""
+        """What the batch files hold (see :func:`scan_ranges`), once torn tails are cut off. Reading a
+        row costs CPU, not disk (the reads are line-sized), so a big run directory is shared out over
+        one process per core. Only a resumed run scans, with the lock held and before it appends."""
+        self.cut_torn_tails()
         files = self.batch_files()
         groups = split_ranges(files, read_processes(files))
         if len(groups) == 1:
@@ -219,25 +277,32 @@ class RunDirectory:
                 result.add(part)
         return result
 
+    def cut_torn_tails(self) -> int:
+        """Cut off what a crash left after the last newline of each batch file; returns how many were.
+
+        Such a tail is never counted as done, so its prompt runs again. Left in place, the next
+        append would end it with a newline: a tail that lacked only that would become a second row
+        for the prompt, and a shorter one a broken line before every later row.
+        """
+        cut = 0
+        for path in self.batch_files():
+            with path.open("r+b") as handle:
+                size = handle.seek(0, os.SEEK_END)
+                end = _end_of_last_line(handle, size)
+                if end < size:
+                    handle.truncate(end)
+                    os.fsync(handle.fileno())
+                    cut += 1
+        return cut
+
     # -- writing --------------------------------------------------------------------------------
 
     def append(self, batch_num: int, line: bytes) -> None:
         handle = self._open.get(batch_num)
         if handle is None:
             handle = self._open[batch_num] = (self.path / f"batch_{batch_num}.jsonl").open("ab")
-            self._terminate_partial_line(handle)
         handle.write(line)
         self._dirty.add(batch_num)
-
-    @staticmethod
-    def _terminate_partial_line(handle: IO[bytes]) -> None:
-        """A crash may have left half a line; end it so the next row starts on a line of its own."""
-        size = handle.seek(0, os.SEEK_END)
-        if size:
-            with open(handle.name, "rb") as reader:
-                reader.seek(size - 1)
-                if reader.read(1) != b"\n":
-                    handle.write(b"\n")
 
     def sync(self) -> None:
         """Make every appended row durable: one flush+fsync per touched file (group commit)."""
@@ -253,8 +318,8 @@ class RunDirectory:
             handle.close()
         self._open.clear()
 
-    def write_checkpoint(self, data: dict) -> None:
-        atomic_write_json(self.path / CHECKPOINT, data)
+    def write_checkpoint(self, checkpoint: Checkpoint) -> None:
+        atomic_write_json(self.path / CHECKPOINT, checkpoint.as_json())
 
     def read_checkpoint(self) -> dict | None:
         try:
@@ -362,16 +427,20 @@ class MergePart:
     """What one process found in its byte ranges of the batch files."""
 
     statistics: MergeStatistics = field(default_factory=MergeStatistics)
-    kept: list[FileRange] = field(default_factory=list)      # kept rows, adjacent ones joined
+    kept: list[FileRange | bytes] = field(default_factory=list)   # kept rows, adjacent ones joined
     kept_bytes: int = 0
     ends: dict[str, int] = field(default_factory=dict)        # per file: the end of its last complete line
 
-    def keep(self, path: Path, offset: int, length: int) -> None:
-        if self.kept and self.kept[-1][0] == path and self.kept[-1][2] == offset:
-            self.kept[-1] = (path, self.kept[-1][1], offset + length)
+    def keep(self, path: Path, offset: int, line: bytes, row: rows.StoredRow) -> None:
+        if not row.has_format:                 # a row of an earlier version: merged with its format added
+            line = row.with_format()
+            self.kept.append(line)
+        elif self.kept and isinstance(self.kept[-1], tuple) and self.kept[-1][0] == path \
+                and self.kept[-1][2] == offset:
+            self.kept[-1] = (path, self.kept[-1][1], offset + len(line))
         else:
-            self.kept.append((path, offset, offset + length))
-        self.kept_bytes += length
+            self.kept.append((path, offset, offset + len(line)))
+        self.kept_bytes += len(line)
 
 
 def read_merge_part(ranges: list[FileRange]) -> MergePart:
@@ -381,7 +450,10 @@ def read_merge_part(ranges: list[FileRange]) -> MergePart:
     for path, start, end in ranges:
         for offset, line in lines_at(path, start, end):
             part.ends[path.name] = offset + len(line)
-            row = rows.read_stored_row(line)
+            try:
+                row = rows.read_stored_row(line)
+            except rows.RowError as exc:
+                raise refused_line(path, offset, exc) from None
             if row is None:
                 continue
             if row.status in (rows.FAILED, rows.DISCARDED):
@@ -392,7 +464,7 @@ def read_merge_part(ranges: list[FileRange]) -> MergePart:
                 statistics.on_corrupted(path.name, row, invented)
                 continue
             statistics.on_row(row)
-            part.keep(path, offset, len(line))
+            part.keep(path, offset, line, row)
     return part
 
 
@@ -409,10 +481,15 @@ def _combined(parts: list[MergePart], offsets: dict[str, int], statistics: Merge
     return statistics, ends
 
 
-def copy_kept_rows(out: int, position: int, kept: list[FileRange]) -> None:
+def copy_kept_rows(out: int, position: int, kept: list[FileRange | bytes]) -> None:
     """Copy byte ranges of batch files to ``out`` from ``position`` on, without passing the bytes
-    through Python (copy_file_range; plain reads and writes where a filesystem refuses it)."""
-    for path, start, end in kept:
+    through Python (copy_file_range; plain reads and writes where a filesystem refuses it); rows
+    given as bytes are written as they are."""
+    for entry in kept:
+        if isinstance(entry, bytes):
+            position += _write_all(out, entry, position)
+            continue
+        path, start, end = entry
         with path.open("rb") as source:
             while start < end:
                 try:
@@ -428,7 +505,27 @@ def copy_kept_rows(out: int, position: int, kept: list[FileRange]) -> None:
                 position += copied
 
 
-def _copy_into(path: Path, position: int, kept: list[FileRange]) -> None:
+def _write_all(out: int, data: bytes, position: int) -> int:
+    written = 0
+    while written < len(data):
+        written += os.pwrite(out, data[written:], position + written)
+    return written
+
+
+def _end_of_last_line(handle: IO[bytes], size: int) -> int:
+    """Where the last newline of a file ends (0 without one), reading backwards from ``size``."""
+    end = size
+    while end > 0:
+        start = max(0, end - READ_BUFFER_BYTES)
+        handle.seek(start)
+        newline = handle.read(end - start).rfind(b"\n")
+        if newline >= 0:
+            return start + newline + 1
+        end = start
+    return 0
+
+
+def _copy_into(path: Path, position: int, kept: list[FileRange | bytes]) -> None:
     fd = os.open(path, os.O_WRONLY)
     try:
         copy_kept_rows(fd, position, kept)

@@ -50,7 +50,7 @@ class ThisRun:
 class MergeStatistics:
     """Everything counted while streaming the batch files into trajectories.jsonl."""
 
-    tool_entries: Counter = field(default_factory=Counter)      # raw entries, parsed once each at the end
+    tool_entries: Counter = field(default_factory=Counter)      # (tool, count, success, failure) -> rows
     turns_with_reasoning: int = 0
     turns_without_reasoning: int = 0
     merged: int = 0
@@ -72,7 +72,7 @@ class MergeStatistics:
         self.merged += 1
         self.merged_by_status[row.status] += 1
         self.end_reasons[row.end_reason()] += 1
-        self.tool_entries.update(row.tool_entries())
+        self.tool_entries.update(row.tool_counts())
         with_reasoning, without = row.reasoning_counts()
         self.turns_with_reasoning += with_reasoning
         self.turns_without_reasoning += without
@@ -92,8 +92,7 @@ class MergeStatistics:
 
     def to_state(self) -> dict:
         """Everything counted, as JSON, so a later merge can go on counting (see run_dir.merge)."""
-        return {"tool_entries": [[name.decode(), outcomes.decode(), rows_with_it]
-                                 for (name, outcomes), rows_with_it in self.tool_entries.items()],
+        return {"tool_entries": [[*entry, rows_with_it] for entry, rows_with_it in self.tool_entries.items()],
                 "turns_with_reasoning": self.turns_with_reasoning,
                 "turns_without_reasoning": self.turns_without_reasoning,
                 "merged": self.merged, "merged_by_status": dict(self.merged_by_status),
@@ -102,8 +101,8 @@ class MergeStatistics:
 
     @classmethod
     def from_state(cls, state: dict) -> MergeStatistics:
-        return cls(tool_entries=Counter({(name.encode(), outcomes.encode()): rows_with_it
-                                         for name, outcomes, rows_with_it in state["tool_entries"]}),
+        return cls(tool_entries=Counter({(name, count, success, failure): rows_with_it
+                                         for name, count, success, failure, rows_with_it in state["tool_entries"]}),
                    turns_with_reasoning=state["turns_with_reasoning"],
                    turns_without_reasoning=state["turns_without_reasoning"],
                    merged=state["merged"], merged_by_status=Counter(state["merged_by_status"]),
@@ -117,8 +116,7 @@ class MergeStatistics:
 
     def tool_counts(self) -> dict[str, dict[str, int]]:
         totals = {name: {"count": 0, "success": 0, "failure": 0} for name in TOOL_NAMES}
-        for raw, rows_with_it in self.tool_entries.items():
-            name, count, success, failure = rows.parse_tool_entry(raw)
+        for (name, count, success, failure), rows_with_it in self.tool_entries.items():
             if name in totals:
                 totals[name]["count"] += count * rows_with_it
                 totals[name]["success"] += success * rows_with_it

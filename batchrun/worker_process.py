@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import queue
 import signal
 import sys
 import threading
@@ -26,6 +27,8 @@ from batchrun.session import Session, SessionServices
 from batchrun.tools.browser import close_browser
 
 SESSIONS_PER_CLIENT = 16
+# A parent that stopped reading is stopping too; the last rows wait this long to be taken.
+_OUTBOX_CLOSE_SECONDS = 10.0
 
 
 def _finished(result: rows.SessionResult, config: RunConfig) -> Finished:
@@ -65,7 +68,8 @@ def make_services(slots: int, config: RunConfig, gate: RateGate, env_settings: E
                   available_tools: frozenset[str]) -> SessionServices:
     """What one worker (process or Ray actor) shares between its ``slots`` concurrent sessions."""
     client_count = max(1, math.ceil(slots / SESSIONS_PER_CLIENT))
-    return SessionServices(config=config, clients=[make_client(config.base_url, config.api_key)
+    return SessionServices(config=config, clients=[make_client(config.base_url, config.api_key,
+                                                               timeout=config.request_timeout)
                                                    for _ in range(client_count)], gate=gate,
                            env_settings=env_settings, available_tools=available_tools,
                            redact=Redactor.from_environment(config.api_key))
@@ -73,7 +77,10 @@ def make_services(slots: int, config: RunConfig, gate: RateGate, env_settings: E
 
 async def outcome(task: Task, services: SessionServices) -> Finished | Fatal:
     """Run one prompt's session to the message the parent receives, whatever the transport
-    (a pipe to a worker process here, a Ray actor's return value in batchrun.ray_pool)."""
+    (a pipe to a worker process here, a Ray actor's return value in batchrun.ray_pool).
+
+    Every task ends in a message, whatever raises, here or while its row is encoded: the parent
+    waits for one answer per task it handed out."""
     try:
         result = await Session(task, services).run()
     except RunFatalError as exc:
@@ -82,7 +89,21 @@ async def outcome(task: Task, services: SessionServices) -> Finished | Fatal:
         raise
     except Exception:
         result = _crashed(task, services)
-    return _finished(result, services.config)
+    try:
+        return _finished(result, services.config)
+    except Exception:
+        return lost_task(task, services.config, f"internal error while recording the row: "
+                                                f"{services.redact(traceback.format_exc(limit=3))}")
+
+
+def lost_task(task: Task, config: RunConfig, error: str, error_type: str = "internal_error") -> Finished:
+    """A failure row for a task whose session left nothing usable (a bug, a worker that died);
+    resume runs the prompt again."""
+    result = rows.SessionResult(
+        prompt_index=task.prompt_index, content_key=task.content_key, prompt=task.prompt,
+        toolsets=list(task.toolsets), offered_tools=[], turns=[], api_calls=0, usage=rows.Usage(),
+        wall_time=0.0, end_reason="error", error=error, error_type=error_type)
+    return _finished(result, config)
 
 
 async def shut_down(sessions: set[asyncio.Task], services: SessionServices) -> None:
@@ -109,6 +130,7 @@ async def _serve(conn: Connection, services: SessionServices) -> None:
         loop.call_soon_threadsafe(inbox.put_nowait, None)
 
     threading.Thread(target=read_parent, daemon=True).start()
+    outbox = _Outbox(conn)
     fatal = asyncio.Event()
 
     async def run_one(task: Task) -> None:
@@ -116,7 +138,7 @@ async def _serve(conn: Connection, services: SessionServices) -> None:
         if not fatal.is_set():     # after a run-wide failure the parent stops: one Fatal, nothing more
             if isinstance(message, Fatal):
                 fatal.set()
-            conn.send(message)
+            outbox.put(message)
 
     running: set[asyncio.Task] = set()
     while (message := await inbox.get()) is not None:
@@ -124,6 +146,33 @@ async def _serve(conn: Connection, services: SessionServices) -> None:
         running.add(session)
         session.add_done_callback(running.discard)
     await shut_down(running, services)
+    outbox.close()
+
+
+class _Outbox:
+    """Sends messages to the parent from a thread of its own: a large row waits in the pipe while the
+    parent writes and syncs, and the sessions on this loop go on meanwhile."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._queue: queue.SimpleQueue[Finished | Fatal | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._send_all, daemon=True)
+        self._thread.start()
+
+    def put(self, message: Finished | Fatal) -> None:
+        self._queue.put(message)
+
+    def close(self) -> None:
+        """Send what is queued, then stop."""
+        self._queue.put(None)
+        self._thread.join(_OUTBOX_CLOSE_SECONDS)
+
+    def _send_all(self) -> None:
+        while (message := self._queue.get()) is not None:
+            try:
+                self._conn.send(message)
+            except OSError:
+                return      # the parent is gone; the reader thread ends the worker
 
 
 def main(conn: Connection, siblings: list[Connection], slots: int, config: RunConfig, gate: RateGate,

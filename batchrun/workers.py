@@ -4,12 +4,17 @@ Sessions mostly wait on the network, so a process holds many of them; there are 
 core at most (see PROCESSES_PER_CORE). The parent hands out one task per free slot (per-prompt
 scheduling: a slow prompt holds one slot, never a batch) and receives finished rows already encoded,
 so its own work per row is a write.
+
+A worker process can die under a prompt (a model command that kills its parent, the kernel's OOM
+killer): the prompts it was running get failure rows that say so, which resume retries, a new
+process takes its place, and the run goes on.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import time
 from dataclasses import asdict
 from multiprocessing.connection import Connection, wait
@@ -27,6 +32,20 @@ def _worker_entry(*args: object) -> None:
     from batchrun import worker_process
 
     worker_process.main(*args)
+
+
+def _death(process: multiprocessing.process.BaseProcess) -> str:
+    process.join(1.0)
+    code = process.exitcode
+    if code is not None and code < 0:
+        try:
+            how = f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"killed by signal {-code}"
+    else:
+        how = f"exit code {code}"
+    return (f"the worker process running this prompt (pid {process.pid}) died ({how}), together with "
+            "the prompts it was running; --resume runs them again")
 
 
 class PoolStartError(RuntimeError):
@@ -56,21 +75,29 @@ class WorkerPool:
         endpoint.preload_http_stack()
 
         self.gate = RateGate(config.requests_per_minute)
+        self._config, self._env_settings, self._available_tools = config, env_settings, available_tools
         count = process_count(config.num_workers)
         self._capacity = [config.num_workers // count + (1 if i < config.num_workers % count else 0)
                           for i in range(count)]
         self._free = list(self._capacity)
         self._conns: list[Connection] = []
         self._processes: list[multiprocessing.Process] = []
+        self._running: list[dict[int, Task]] = [{} for _ in self._capacity]   # per worker, by prompt index
         for capacity in self._capacity:
-            parent_end, child_end = _FORK.Pipe(duplex=True)
-            process = _FORK.Process(target=_worker_entry, daemon=True,
-                                    args=(child_end, [*self._conns, parent_end], capacity, config, self.gate, env_settings,
-                                          available_tools))
-            process.start()
-            child_end.close()
-            self._conns.append(parent_end)
+            conn, process = self._spawn(capacity, self._conns)
+            self._conns.append(conn)
             self._processes.append(process)
+
+    def _spawn(self, capacity: int, others: list[Connection]) -> tuple[Connection, multiprocessing.Process]:
+        """A new worker process with ``capacity`` session slots; ``others`` are the parent's ends of
+        the other workers' pipes, which the child must close."""
+        parent_end, child_end = _FORK.Pipe(duplex=True)
+        process = _FORK.Process(target=_worker_entry, daemon=True,
+                                args=(child_end, [*others, parent_end], capacity, self._config,
+                                      self.gate, self._env_settings, self._available_tools))
+        process.start()
+        child_end.close()
+        return parent_end, process
 
     @property
     def free_slots(self) -> int:
@@ -83,10 +110,15 @@ class WorkerPool:
     def submit(self, task: Task) -> None:
         worker = max(range(len(self._free)), key=self._free.__getitem__)   # the least loaded process
         self._free[worker] -= 1
-        self._conns[worker].send(asdict(task))
+        self._running[worker][task.prompt_index] = task
+        try:
+            self._conns[worker].send(asdict(task))
+        except OSError:
+            pass    # the worker is gone; receive() notices and fails its prompts, this one included
 
     def receive(self, timeout: float) -> list[Finished | Fatal]:
-        """Everything the workers have sent, waiting at most ``timeout`` for the first message."""
+        """Everything the workers have sent, waiting at most ``timeout`` for the first message; a
+        worker that died is replaced and its prompts come back as failure rows."""
         messages: list[Finished | Fatal] = []
         ready = wait(self._conns, timeout)
         while ready:
@@ -95,22 +127,51 @@ class WorkerPool:
                 try:
                     message = conn.recv()
                 except (EOFError, OSError):
-                    raise RuntimeError(f"worker process {self._processes[worker].pid} died "
-                                       f"(exit code {self._processes[worker].exitcode})") from None
+                    messages += self._replace(worker)
+                    continue
                 if isinstance(message, Finished):
                     self._free[worker] += 1
+                    self._running[worker].pop(message.prompt_index, None)
                 messages.append(message)
             ready = wait(self._conns, 0)
         return messages
 
-    def stop(self) -> None:
-        """Cancel in-flight sessions (their environments are cleaned up) and end the processes."""
+    def _replace(self, worker: int) -> list[Finished]:
+        """Failure rows for the prompts of a worker that died, and a new worker in its place."""
+        from batchrun.worker_process import lost_task
+
+        dead = self._processes[worker]
+        why = _death(dead)
+        self._conns[worker].close()
+        lost = [lost_task(task, self._config, why, "worker_died") for task in self._running[worker].values()]
+        self._running[worker].clear()
+        self._free[worker] = self._capacity[worker]
+        others = [conn for i, conn in enumerate(self._conns) if i != worker]
+        self._conns[worker], self._processes[worker] = self._spawn(self._capacity[worker], others)
+        return lost
+
+    def stop(self) -> list[Finished]:
+        """Cancel in-flight sessions (their environments are cleaned up) and end the processes.
+
+        Returns the rows that finished meanwhile, to be persisted like any other: a session that
+        ended just before the stop has been paid for."""
         for conn in self._conns:
             try:
                 conn.send(None)
             except OSError:
                 pass
         deadline = time.monotonic() + STOP_GRACE_SECONDS
+        finished: list[Finished] = []
+        open_conns = list(self._conns)
+        while open_conns and time.monotonic() < deadline:
+            for conn in wait(open_conns, max(0.0, deadline - time.monotonic())):
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    open_conns.remove(conn)
+                    continue
+                if isinstance(message, Finished):
+                    finished.append(message)
         for process in self._processes:
             process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():
@@ -118,3 +179,4 @@ class WorkerPool:
                 process.join()
         for conn in self._conns:
             conn.close()
+        return finished

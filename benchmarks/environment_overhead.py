@@ -1,11 +1,14 @@
-"""Per-command overhead of the environments: what one terminal call costs beyond the command itself.
+"""Per-call overhead of the environments: what one terminal or file-tool call costs beyond its work.
 
-    python benchmarks/environment_overhead.py                  # 200 commands each
+    python benchmarks/environment_overhead.py                  # 200 calls each
     python benchmarks/environment_overhead.py --commands 1000
 
 Prints the mean wall time of ``true`` in the local backend (a new bash per command), the bubblewrap
 backend (a command sent to the prompt's long-lived shell in its sandbox), and, for comparison, a new
-bwrap sandbox per command, which is what the long-lived shell saves.
+bwrap sandbox per command, which is what the long-lived shell saves. Then the mean wall time of
+read_file and write_file of a 1 KB file three directories deep, as the file tools make them (a
+thread hop, the confined lookup, the read or the write-and-rename), with the lookup done by openat2
+and by the component walk that kernels without openat2 get.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Awaitable, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from batchrun.environments import create_environment  # noqa: E402
+from batchrun.environments import confined_files, create_environment  # noqa: E402
 from batchrun.environments.base import EnvironmentSettings  # noqa: E402
 from batchrun.environments.bubblewrap import (  # noqa: E402
     _sandbox_argv,          # the backend's own sandbox options, so the comparison is like for like
@@ -29,6 +32,8 @@ from batchrun.environments.bubblewrap import (  # noqa: E402
 )
 
 WARM_UP = 5
+SMALL_FILE = b"x" * 1024
+SMALL_FILE_PATH = "src/pkg/sub/small.py"
 
 
 async def mean_ms(step: Callable[[], Awaitable[None]], commands: int) -> float:
@@ -56,7 +61,9 @@ async def backend_ms(kind: str, work_root: Path, commands: int) -> float:
 async def new_sandbox_ms(work_root: Path, commands: int) -> float:
     workspace = work_root / "per-command"
     workspace.mkdir()
-    argv = [*_sandbox_argv(allow_network=False, workspace=workspace), "--", "bash", "-c", "true"]
+    limits = EnvironmentSettings(work_root=work_root, run_label="bench").limits
+    argv = [*_sandbox_argv(allow_network=False, workspace=workspace, limits=limits),
+            "--", "bash", "-c", "true"]
 
     async def step() -> None:
         process = await asyncio.create_subprocess_exec(*argv, env=_sandbox_environment())
@@ -64,17 +71,50 @@ async def new_sandbox_ms(work_root: Path, commands: int) -> float:
     return await mean_ms(step, commands)
 
 
+async def file_tools_ms(kind: str, work_root: Path, calls: int, openat2: bool) -> tuple[float, float]:
+    """Mean (read_file, write_file) milliseconds of a small file, lookups by openat2 or by the walk."""
+    usable = confined_files._openat2_usable
+    confined_files._openat2_usable = usable and openat2
+    settings = EnvironmentSettings(work_root=work_root / f"{kind}-files", run_label="bench")
+    env = create_environment(kind, settings, prompt_index=0)
+    await env.start()
+    try:
+        await env.write_file(SMALL_FILE_PATH, SMALL_FILE)
+
+        async def read() -> None:
+            assert await env.read_file(SMALL_FILE_PATH) == SMALL_FILE
+
+        async def write() -> None:
+            await env.write_file(SMALL_FILE_PATH, SMALL_FILE)
+        return await mean_ms(read, calls), await mean_ms(write, calls)
+    finally:
+        await env.close()
+        confined_files._openat2_usable = usable
+
+
+async def print_file_tools(kind: str, work_root: Path, calls: int) -> None:
+    lookups = ["openat2", "walk"] if confined_files._openat2_usable else ["walk"]
+    for lookup in lookups:
+        read, write = await file_tools_ms(kind, work_root, calls, openat2=lookup == "openat2")
+        label = f"{kind}, {lookup}"
+        print(f"  {label:<24} read_file {read:6.3f} ms   write_file {write:6.3f} ms")
+
+
 async def main(commands: int) -> None:
     with tempfile.TemporaryDirectory(prefix="environment-overhead-") as scratch:
         work_root = Path(scratch)
+        problem = bubblewrap_problem()
         print(f"mean per-command overhead over {commands} `true` commands")
         print(f"  local (new bash per command)          {await backend_ms('local', work_root, commands):8.2f} ms")
-        problem = bubblewrap_problem()
-        if problem is not None:
+        if problem is None:
+            print(f"  bubblewrap (one shell per prompt)     {await backend_ms('bubblewrap', work_root, commands):8.2f} ms")
+            print(f"  new bwrap sandbox per command         {await new_sandbox_ms(work_root, commands):8.2f} ms")
+        print(f"mean per-call time of the file tools over {commands} calls ({len(SMALL_FILE)} bytes)")
+        await print_file_tools("local", work_root, commands)
+        if problem is None:
+            await print_file_tools("bubblewrap", work_root, commands)
+        else:
             print(f"  bubblewrap: skipped, {problem}")
-            return
-        print(f"  bubblewrap (one shell per prompt)     {await backend_ms('bubblewrap', work_root, commands):8.2f} ms")
-        print(f"  new bwrap sandbox per command         {await new_sandbox_ms(work_root, commands):8.2f} ms")
 
 
 if __name__ == "__main__":

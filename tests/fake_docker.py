@@ -73,7 +73,8 @@ def pull(args: list[str]) -> int:
 
 
 def run(args: list[str]) -> int:
-    found, rest = options(args, {"--label", "--name", "--network", "-w", "--entrypoint"})
+    found, rest = options(args, {"--label", "--name", "--network", "-w", "--entrypoint", "--memory",
+                                 "--memory-swap", "--pids-limit", "--tmpfs"})
     if "-d" not in found:
         fail("fake docker: only detached runs are supported")
     name, image_name = found["--name"][0], rest[0]

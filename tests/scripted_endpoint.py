@@ -23,6 +23,12 @@ Directive grammar (tokens may appear anywhere; everything else is prompt text):
                               HTTP STATUS with an OpenAI-style error body.
 ``[[drop N]]``                first N requests for this prompt: connection closed
                               with no response.
+``[[malformed KIND [N|always]]]``
+                              first N (default 1) requests for this prompt get
+                              HTTP 200 with a reply broken as KIND names (one of
+                              ``MALFORMED_KINDS``: message_null, message_not_object,
+                              no_choices, choices_not_list, tool_calls_not_list,
+                              not_json).
 ``[[sleep S]]``               extra latency (seconds) per request for this prompt.
 ``[[invent]]``                every turn calls ``made_up_tool`` with ``{}``.
 ``[[bad_json]]``              an extra first turn calling ``terminal`` with the
@@ -61,11 +67,14 @@ __all__ = [
     "prompt_text",
     "DEFAULT_MODEL",
     "REASONING_FORMS",
+    "MALFORMED_KINDS",
 ]
 
 DEFAULT_MODEL = "scripted-model"
 DEFAULT_FINAL = "Final answer."
 REASONING_FORMS = ("reasoning", "reasoning_content", "reasoning_details", "think", "scratchpad", "none")
+MALFORMED_KINDS = ("message_null", "message_not_object", "no_choices", "choices_not_list", "tool_calls_not_list",
+                   "not_json")
 BAD_JSON_ARGS = '{"command": "echo hi"'
 USAGE = {
     "prompt_tokens": 100,
@@ -101,6 +110,8 @@ class Script:
     fail_count: float = 0  # math.inf for "always"
     retry_after: str | None = None
     drop_count: float = 0
+    malformed: str | None = None  # one of MALFORMED_KINDS
+    malformed_count: float = 0
     sleep: float = 0.0
     invent: bool = False
     bad_json: bool = False
@@ -195,7 +206,7 @@ def parse_directives(text: str) -> Script:
         elif kw == "calls":
             calls, end = _parse_calls(text, after)
             script.turns.append(calls)
-        elif kw in ("final", "reasoning", "fail", "drop", "sleep", "invent", "bad_json", "length"):
+        elif kw in ("final", "reasoning", "fail", "drop", "malformed", "sleep", "invent", "bad_json", "length"):
             close = text.find("]]", after)
             if close < 0:
                 raise DirectiveError(f"{kw}: missing closing ]]")
@@ -221,6 +232,13 @@ def parse_directives(text: str) -> Script:
                 script.fail_count = _count(rest[1], "fail") if len(rest) > 1 else 1
             elif kw == "drop":
                 script.drop_count = _count(arg or "1", "drop")
+            elif kw == "malformed":
+                parts = arg.split()
+                if len(parts) not in (1, 2) or parts[0] not in MALFORMED_KINDS:
+                    raise DirectiveError("malformed: expected [[malformed KIND [N|always]]], "
+                                         f"KIND one of {MALFORMED_KINDS}")
+                script.malformed = parts[0]
+                script.malformed_count = _count(parts[1], "malformed") if len(parts) > 1 else 1
             elif kw == "sleep":
                 try:
                     script.sleep = float(arg)
@@ -316,6 +334,26 @@ def build_turn(script: Script, t: int) -> tuple[dict, str]:
     if t < len(plan):
         return _assistant_message(script, t, "", plan[t]), "tool_calls"
     return _assistant_message(script, t, script.final, []), ("length" if script.length else "stop")
+
+
+def malformed_reply(kind: str, completion: dict) -> tuple[Any, str]:
+    """``completion`` broken the way ``kind`` names, as (body, content type): what a buggy server or
+    proxy sends with HTTP 200."""
+    if kind == "not_json":
+        return "<html><body>502 Bad Gateway</body></html>", "text/html"
+    broken = json.loads(json.dumps(completion))
+    choice = broken["choices"][0]
+    if kind == "message_null":
+        choice["message"] = None
+    elif kind == "message_not_object":
+        choice["message"] = choice["message"]["content"]
+    elif kind == "no_choices":
+        broken["choices"] = []
+    elif kind == "choices_not_list":
+        broken["choices"] = choice
+    elif kind == "tool_calls_not_list":
+        choice["message"]["tool_calls"] = {"name": "terminal", "arguments": "{}"}
+    return broken, "application/json"
 
 
 def _sse(completion: dict, include_usage: bool) -> bytes:
@@ -554,6 +592,9 @@ class ScriptedEndpoint:
             "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
             "usage": json.loads(json.dumps(USAGE)),
         }
+        if k < script.malformed_count:
+            broken, content_type = malformed_reply(script.malformed, completion)
+            return 200, broken, {}, content_type
         if body.get("stream"):
             opts = body.get("stream_options") or {}
             return 200, _sse(completion, bool(opts.get("include_usage"))), {"Cache-Control": "no-cache"}, "text/event-stream"

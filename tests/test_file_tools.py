@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import stat
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -139,6 +140,32 @@ def test_write_creates_parent_directories_and_reports_the_relative_path(workspac
     assert call(workspace, write_file, path="pkg/mod/new.py", content="print('é')\n") == {
         "path": "pkg/mod/new.py", "bytes_written": 12}
     assert (workspace.prompt_dir / "pkg/mod/new.py").read_text() == "print('é')\n"
+
+
+def test_write_reports_an_absolute_path_inside_relative_to_the_working_directory(workspace):
+    result = call(workspace, write_file, path=str(workspace.prompt_dir / "pkg" / "abs.txt"), content="x")
+    assert result == {"path": "pkg/abs.txt", "bytes_written": 1}
+
+
+def test_write_keeps_the_permissions_of_the_file_it_replaces(workspace):
+    script = put(workspace, "run.sh", "#!/bin/sh\necho old\n")
+    script.chmod(0o750)
+    call(workspace, write_file, path="run.sh", content="#!/bin/sh\necho new\n")
+    assert stat.S_IMODE(script.stat().st_mode) == 0o750 and script.read_text().endswith("new\n")
+
+
+def test_write_leaves_nothing_but_the_file(workspace):
+    put(workspace, "kept.txt", "old\n")
+    call(workspace, write_file, path="kept.txt", content="new\n")
+    call(workspace, write_file, path="fresh.txt", content="new\n")
+    assert sorted(os.listdir(workspace.prompt_dir)) == ["fresh.txt", "kept.txt"]
+
+
+def test_a_path_with_a_nul_byte_is_refused(workspace):
+    with pytest.raises(ToolError, match="NUL byte"):
+        call(workspace, read_file, path="a\0b")
+    with pytest.raises(ToolError, match="NUL byte"):
+        call(workspace, write_file, path="a\0b", content="x")
 
 
 def test_write_requires_content(workspace):

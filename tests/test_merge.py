@@ -15,11 +15,14 @@ PROMPTS = ([f"prompt {i}" for i in range(6)] + [f'[[call terminal {{"command": "
            + ["[[invent]] inventive", "[[fail 400]] refused", "prompt 3"])
 
 
-def run(tmp_path: Path, endpoint, *extra: str) -> Path:
+EXIT_SOME_FAILED = 2      # the run finished, and "[[fail 400]] refused" failed
+
+
+def run(tmp_path: Path, endpoint, *extra: str, exit_code: int = EXIT_SOME_FAILED) -> Path:
     dataset = write_dataset(tmp_path / "dataset.jsonl", PROMPTS)
     result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=4", "--run_name=run",
                      "--distribution=terminal_only", *endpoint_args(endpoint), *extra)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == exit_code, result.stderr
     return tmp_path / "data" / "run"
 
 
@@ -35,7 +38,7 @@ def rewritten(run_dir: Path) -> tuple[Counter, dict]:
 
 
 def test_resumed_run_appends_only_new_rows_and_ends_where_a_full_rewrite_would(tmp_path, endpoint):
-    run_dir = run(tmp_path, endpoint, "--max_samples=5")
+    run_dir = run(tmp_path, endpoint, "--max_samples=5", exit_code=0)
     first_inode = (run_dir / TRAJECTORIES).stat().st_ino
     run(tmp_path, endpoint, "--resume")
     assert (run_dir / TRAJECTORIES).stat().st_ino == first_inode       # appended to, not replaced
@@ -49,7 +52,7 @@ def test_resumed_run_appends_only_new_rows_and_ends_where_a_full_rewrite_would(t
 
 
 def test_merge_record_carries_the_figures_a_full_rewrite_counts(tmp_path, endpoint):
-    run_dir = run(tmp_path, endpoint, "--max_samples=5")
+    run_dir = run(tmp_path, endpoint, "--max_samples=5", exit_code=0)
     run(tmp_path, endpoint, "--resume")
     kept = json.loads((run_dir / MERGE_RECORD).read_text())["statistics"]
     _, reference = rewritten(run_dir)

@@ -1,8 +1,10 @@
-"""--backend=ray (SPEC §13): sessions in Ray actors, the parent the only writer, same outputs and resume.
+"""--backend=ray: sessions in Ray actors, the parent the only writer, same outputs and resume.
 
-Every test starts the CLI with a private Ray on 127.0.0.1 (no RAY_ADDRESS). Each Ray process the run
+Most tests start the CLI with a private Ray on 127.0.0.1 (no RAY_ADDRESS). Each Ray process the run
 starts inherits a tag from the CLI's environment, so the tests find exactly this run's processes:
 to check that they use only loopback addresses and that none is left once the runner is gone.
+The cluster test starts two Ray nodes of its own on 127.0.0.1 (tests/ray_node.py), tagged the same way,
+and ends every process of both when it ends, passed or failed.
 """
 
 from __future__ import annotations
@@ -344,3 +346,153 @@ def test_an_environment_backend_missing_on_a_node_stops_the_run_before_any_model
     assert "Cannot connect to the Docker daemon" in result.stderr
     assert endpoint.requests == [] and batch_rows(tmp_path / "data" / "run") == []
     wait_until_gone(tag)
+
+
+# -- failures: an unreachable cluster, a lost actor, a lost node -------------------------------------------
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on (the kernel's pick, released at once)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def row_prompt(row: dict) -> str:
+    """The dataset prompt of any row: failure rows carry it, trajectory rows hold it as the human turn."""
+    return row["prompt"] if "prompt" in row else human_prompt(row)
+
+
+@needs_ray
+def test_a_ray_address_where_nothing_listens_fails_at_once_with_one_clear_line(tmp_path, endpoint):
+    address = f"127.0.0.1:{free_port()}"
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["hello"])
+    # Ray alone retries such an address for 13 minutes; the limit here is what a user would wait.
+    result = run_cli(tmp_path, *args(dataset, endpoint, "--backend=ray"), env={"RAY_ADDRESS": address}, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"error: nothing answers at RAY_ADDRESS={address} (Connection refused): start the cluster's head "
+        f"node there (ray start --head --port={address.rsplit(':', 1)[1]}) or unset RAY_ADDRESS to run on a "
+        "private local Ray"]
+    assert endpoint.requests == [] and batch_rows(tmp_path / "data" / "run") == []
+
+
+KILLER = '[[call terminal {"command": "kill -9 $PPID"}]] kills whichever actor runs it'
+
+
+@needs_ray
+def test_a_prompt_that_kills_its_actor_twice_gets_a_failure_row_and_the_run_goes_on(tmp_path, endpoint):
+    others = [f"[[sleep 0.2]] question {i}" for i in range(6)]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [KILLER, *others])
+    tag = uuid.uuid4().hex
+    # Two actors of one session each (one per CPU), so no other prompt shares an actor with the killer.
+    result = run_cli(tmp_path, *args(dataset, endpoint, "--num_workers=2", "--backend=ray", batch_size=100),
+                     env=ray_environment(tag, TERMINAL_ENV="local"), timeout=240)
+    assert result.returncode == 2, result.stderr      # the run finished; one prompt failed
+    run_dir = tmp_path / "data" / "run"
+    written = batch_rows(run_dir)
+    assert Counter(map(row_prompt, written)) == Counter([KILLER, *others])        # each prompt exactly once
+    killer_row = next(row for row in written if row_prompt(row) == KILLER)
+    assert killer_row["failed"] is True and killer_row["error_type"] == "worker_died"
+    assert killer_row["error"].startswith("the Ray session actors running this prompt were lost twice: ")
+    assert sum(last_user_message(request) == KILLER for request in endpoint.requests) == 2   # sent once more
+    assert Counter(human_prompt(row) for row in read_jsonl(run_dir / "trajectories.jsonl")) == Counter(others)
+    assert result.stderr.count("warning: lost Ray session actor") == 2
+    wait_until_gone(tag)
+
+
+class TwoNodeCluster:
+    """A Ray head and a second node (resource ``nodeB``) on 127.0.0.1, one CPU each, started with
+    tests/ray_node.py; every process of each node is found by its tag (and the processes below those)."""
+
+    def __init__(self, temp_dir: str, tmp_path: Path) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.tags = {"head": uuid.uuid4().hex, "second": uuid.uuid4().hex}
+        self._temp_dir, self._tmp_path = temp_dir, tmp_path
+        # Ray's token authentication, with a token of this cluster's own: otherwise each `ray start`
+        # decides by whether ~/.ray/auth_token exists (any local ray.init writes one), and the second
+        # node cannot join a head that enabled it.
+        self.environment = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex + uuid.uuid4().hex,
+                            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_ADDRESS": ""}
+
+    def start(self) -> None:
+        common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats",
+                  f"--dashboard-agent-listen-port={free_port()}"]   # not Ray's fixed default 52365
+        self._ray_start("head", "--head", f"--port={self.port}", f"--temp-dir={self._temp_dir}",
+                        "--include-dashboard=false", *common)
+        self._ray_start("second", f"--address={self.address}", '--resources={"nodeB": 1}', *common)
+
+    def _ray_start(self, node: str, *flags: str) -> None:
+        environment = cli_environment(self._tmp_path, {**self.environment, TAG: self.tags[node],
+                                                       "RAY_USAGE_STATS_ENABLED": "0"})
+        started = subprocess.run([sys.executable, str(REPO / "tests" / "ray_node.py"), *flags], env=environment,
+                                 capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        assert started.returncode == 0, f"ray start ({node}) failed:\n{started.stdout}\n{started.stderr}"
+
+    def processes(self, *nodes: str) -> dict[int, str]:
+        """pid -> start time of every live process of these nodes (Ray retitles some of them over their
+        environment, so the processes below the tagged ones count too)."""
+        found: dict[int, str] = {}
+        for node in nodes:
+            for pid in tagged_processes(self.tags[node]):
+                if started := _start_time(pid):
+                    found[pid] = started
+                found.update(descendants(pid))
+        return found
+
+    def kill(self, *nodes: str) -> None:
+        """kill -9 every process of these nodes, all found before any dies (orphans leave the tree)."""
+        deadline = time.monotonic() + 15
+        while processes := self.processes(*nodes):
+            assert time.monotonic() < deadline, f"Ray processes survive kill -9: {sorted(processes)}"
+            for pid, started in processes.items():
+                if _start_time(pid) == started:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+            time.sleep(0.2)
+
+
+@pytest.fixture
+def two_node_cluster(ray_tmpdir, tmp_path):
+    cluster = TwoNodeCluster(ray_tmpdir, tmp_path)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.kill("second", "head")
+
+
+@needs_ray
+def test_losing_a_ray_node_mid_run_moves_its_prompts_to_the_actor_that_remains(tmp_path, endpoint,
+                                                                              two_node_cluster):
+    prompts = [f"[[sleep 0.6]] question {i}" for i in range(16)]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    run_dir = tmp_path / "data" / "run"
+    stdout_path, stderr_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    # Two actors of two sessions, one per node (one CPU each); the runner's driver joins the head.
+    with stdout_path.open("w") as stdout, stderr_path.open("w") as stderr:
+        process = subprocess.Popen(
+            batch_runner_command(*args(dataset, endpoint, "--num_workers=4", "--backend=ray")),
+            cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+            env=cli_environment(tmp_path, {**two_node_cluster.environment, "RAY_ADDRESS": two_node_cluster.address}))
+    try:
+        wait_for(lambda: finished_row_count(run_dir) >= 3 or process.poll() is not None, timeout=120,
+                 what="three finished rows")
+        assert process.poll() is None, stderr_path.read_text()
+        two_node_cluster.kill("second")        # both of its sessions hold a prompt now: 13 are left to run
+        process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    stdout, stderr = stdout_path.read_text(), stderr_path.read_text()
+    assert process.returncode == 0, stderr
+    assert "· 2 nodes (" in stdout              # two raylets on one address are two nodes
+    assert "warning: lost Ray session actor" in stderr
+    assert Counter(map(row_prompt, batch_rows(run_dir))) == Counter(prompts)
+    assert Counter(human_prompt(row) for row in read_jsonl(run_dir / "trajectories.jsonl")) == Counter(prompts)
+    sent = Counter(map(last_user_message, endpoint.requests))
+    assert 2 in sent.values() and max(sent.values()) == 2   # the lost node's prompts were sent once more

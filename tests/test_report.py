@@ -44,7 +44,7 @@ def run_dir(tmp_path_factory) -> Path:
     with ScriptedEndpoint() as server:
         result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=4", "--run_name=run",
                          "--distribution=terminal_only", "--max_tokens=50", *endpoint_args(server))
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 2, result.stderr      # 2: the run finished, and a prompt failed
     assert "Report: data/run/report.html" in result.stdout
     return tmp_path / "data" / "run"
 
@@ -346,13 +346,41 @@ def test_the_timeline_widens_its_buckets_instead_of_growing() -> None:
     assert sum(a + b for _, a, b in timeline.points()) == len(range(0, 100_000, 7))
 
 
-def test_facts_are_read_from_the_bytes_not_from_text_that_looks_like_them() -> None:
-    result = synthetic_result(3, random.Random(1))
-    result.prompt = 'sneaky "toolsets_used": ["web"] "metadata": {"batch_num": 1, "timestamp": "x", "model": "y"}'
-    line = rows.encode_row(rows.trajectory_row(result, batch_num=0, model='m "quoted"',
-                                               timestamp="2026-01-01T00:00:00"))
-    assert report.toolsets_used(line) == ["terminal", "file"]
-    assert report.metadata(line) == ("2026-01-01T00:00:00", 'm "quoted"')
+def reencode_batch_files(run_dir: Path) -> None:
+    """Every complete row rewritten with sorted keys and no spaces, as another JSON encoder might."""
+    for path in run_dir.glob("batch_*.jsonl"):
+        lines = path.read_bytes().splitlines(keepends=True)
+        path.write_bytes(b"".join(json.dumps(json.loads(line), sort_keys=True, separators=(",", ":")).encode() + b"\n"
+                                  if line.endswith(b"\n") else line for line in lines))
+
+
+def test_the_report_counts_rows_of_any_json_encoding_as_it_counts_its_own(tmp_path: Path) -> None:
+    ours, other = tmp_path / "data" / "ours", tmp_path / "data" / "other"
+    write_synthetic_run(ours, 600)
+    write_synthetic_run(other, 600)
+    reencode_batch_files(other)
+    scans = [report.RunScan(run_dir) for run_dir in (ours, other)]
+    for scan in scans:
+        scan.read_new_rows()
+    first, second = (scan.summary for scan in scans)
+    assert second.row_count == first.row_count == 600 and second.unreadable_lines == 0
+    assert (second.statuses, second.tools, second.toolsets, second.models) == \
+           (first.statuses, first.tools, first.toolsets, first.models)
+    assert (second.timeline.counts, second.wall_time.bins, second.failure_causes, second.discard_reasons) == \
+           (first.timeline.counts, first.wall_time.bins, first.failure_causes, first.discard_reasons)
+
+
+def test_a_line_that_is_json_but_not_a_row_is_named_on_the_page(tmp_path: Path) -> None:
+    run_dir = tmp_path / "data" / "odd"
+    write_synthetic_run(run_dir, 50)
+    batch = run_dir / "batch_0.jsonl"
+    lines = batch.read_bytes().splitlines(keepends=True)
+    lines.insert(3, b'{"format": 9, "prompt_index": 3}\n')
+    batch.write_bytes(b"".join(lines))
+    page = report.write_report(run_dir).read_text(encoding="utf-8")
+    assert "1 line(s) of the batch files are JSON but not rows" in page
+    assert "batch_0.jsonl line 4: row format 9 is newer than this batch_runner reads" in page
+    assert page_data(page)["total"] == 50
 
 
 def test_long_trajectories_keep_their_beginning_and_end(tmp_path: Path) -> None:

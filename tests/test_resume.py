@@ -9,8 +9,10 @@ import subprocess
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from batchrun import rows, run_dir
-from batchrun.run_dir import RunDirectory, complete_lines, scan_ranges, split_ranges
+from batchrun.run_dir import RunDirectory, lines_at, scan_ranges, split_ranges
 from conftest import (batch_rows, batch_runner_command, cli_environment, endpoint_args, finished_row_count,
                       human_prompt, last_user_message, process_state, read_jsonl, run_cli, wait_for, write_dataset)
 
@@ -143,7 +145,7 @@ def test_all_done_makes_no_model_call_and_still_writes_outputs(tmp_path, endpoin
 def test_failed_prompts_are_retried_on_resume(tmp_path, endpoint):
     dataset = write_dataset(tmp_path / "dataset.jsonl", ["[[fail 400 1]] flaky", "fine"])
     first = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset))
-    assert first.returncode == 0 and merged_prompts(tmp_path) == Counter(["fine"])
+    assert first.returncode == 2 and merged_prompts(tmp_path) == Counter(["fine"])     # 2: a prompt failed
     result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
     assert result.returncode == 0
     assert merged_prompts(tmp_path) == Counter(["[[fail 400 1]] flaky", "fine"])
@@ -171,14 +173,18 @@ def test_corrupted_prompts_rerun_only_when_asked(tmp_path, endpoint):
     assert {last_user_message(r) for r in endpoint.requests} == {"[[invent]] inventive"}
 
 
+def complete_lines(path: Path, start: int = 0, end: int | None = None) -> list[bytes]:
+    return [line for _, line in lines_at(path, start, end)]
+
+
 def test_byte_ranges_that_tile_a_batch_file_yield_each_complete_line_once(tmp_path):
     path = tmp_path / "batch_0.jsonl"
     path.write_bytes(b'{"a": 1}\n\n{"bb": 22}\n{"ccc": 333}\n{"cut short')
-    whole = list(complete_lines(path))
+    whole = complete_lines(path)
     assert whole == [b'{"a": 1}\n', b"\n", b'{"bb": 22}\n', b'{"ccc": 333}\n']
     size = path.stat().st_size
     for cut in range(size + 1):
-        assert list(complete_lines(path, 0, cut)) + list(complete_lines(path, cut, size)) == whole, cut
+        assert complete_lines(path, 0, cut) + complete_lines(path, cut, size) == whole, cut
     for parts in (2, 3, 7):
         shared = [line for group in split_ranges([path], parts) for p, start, end in group
                   for line in complete_lines(p, start, end)]
@@ -188,7 +194,7 @@ def test_byte_ranges_that_tile_a_batch_file_yield_each_complete_line_once(tmp_pa
 def test_resume_scan_shared_out_over_processes_counts_what_one_process_counts(tmp_path, endpoint, monkeypatch):
     prompts = [f"prompt {i}" for i in range(12)] + ["[[invent]] inventive", "[[fail 400]] refused", "prompt 3"]
     dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
-    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, batch_size=4)).returncode == 0
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, batch_size=4)).returncode == 2   # one failed
     directory = RunDirectory(tmp_path / "data" / "run")
     alone = scan_ranges([(p, 0, p.stat().st_size) for p in directory.batch_files()], rerun_corrupted=False)
     monkeypatch.setattr(run_dir, "PARALLEL_READ_MIN_BYTES", 0)
@@ -196,3 +202,113 @@ def test_resume_scan_shared_out_over_processes_counts_what_one_process_counts(tm
     assert shared == alone
     assert shared.rows_by_status[rows.FAILED] == 1 and shared.corrupted_rows == 1
     assert sum(shared.done_counts.values()) == 14
+
+
+# -- rows as they may be found: torn, re-encoded, older, newer, foreign ----------------------------------------
+
+def rewrite_rows(run_dir: Path, change) -> None:
+    """Every row of every batch file replaced by ``change(row)`` (bytes, with its newline)."""
+    for path in run_dir.glob("batch_*.jsonl"):
+        path.write_bytes(b"".join(change(json.loads(line)) for line in path.read_bytes().splitlines()))
+
+
+def test_a_row_cut_just_before_its_newline_is_cut_off_and_its_prompt_gets_exactly_one_row(tmp_path, endpoint):
+    prompts = [f"prompt {i}" for i in range(3)]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset)).returncode == 0
+    batch = tmp_path / "data" / "run" / "batch_0.jsonl"
+    batch.write_bytes(batch.read_bytes()[:-1])           # died after the row's last byte, before its newline
+    endpoint.reset()
+
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
+    assert result.returncode == 0, result.stderr
+    assert len(endpoint.requests) == 1
+    assert merged_prompts(tmp_path) == Counter(prompts)
+    assert Counter(human_prompt(row) for row in batch_rows(tmp_path / "data" / "run")) == Counter(prompts)
+
+
+@pytest.mark.parametrize("encoding", [{"sort_keys": True}, {"separators": (",", ":")}, {"ensure_ascii": True}],
+                         ids=["sorted_keys", "compact_separators", "ascii_escapes"])
+def test_rows_written_by_another_json_encoder_resume_without_running_anything_again(tmp_path, endpoint, encoding):
+    prompts = [f"prompt {i} ünï" for i in range(5)] + ["[[invent]] inventive", "[[reasoning none]] silent"]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset)).returncode == 0
+    run_dir = tmp_path / "data" / "run"
+    merged_before = merged_prompts(tmp_path)
+    rewrite_rows(run_dir, lambda row: json.dumps(row, **encoding).encode() + b"\n")
+    endpoint.reset()
+
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
+    assert result.returncode == 0, result.stderr
+    assert endpoint.requests == []
+    assert "All prompts have already been processed!" in result.stdout
+    assert merged_prompts(tmp_path) == merged_before == Counter(prompts[:5])
+
+
+def test_rows_written_before_rows_carried_a_format_resume_and_are_merged_with_one(tmp_path, endpoint):
+    prompts = [f"prompt {i}" for i in range(4)]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts + ["one more"])
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--max_samples=4")).returncode == 0
+    run_dir = tmp_path / "data" / "run"
+    rewrite_rows(run_dir, lambda row: json.dumps({k: v for k, v in row.items() if k != "format"}).encode() + b"\n")
+    (run_dir / "trajectories.jsonl").unlink()
+    endpoint.reset()
+
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
+    assert result.returncode == 0, result.stderr
+    assert [last_user_message(r) for r in endpoint.requests] == ["one more"]
+    merged = read_jsonl(run_dir / "trajectories.jsonl")
+    assert Counter(human_prompt(row) for row in merged) == Counter(prompts + ["one more"])
+    assert [row["format"] for row in merged] == [rows.ROW_FORMAT] * 5     # every merged row has the same columns
+
+
+@pytest.mark.parametrize("line, complaint", [
+    (b'{"format": 2, "prompt_index": 1, "content_key": "ab", "conversations": [], "end_reason": "final_answer"}',
+     "row format 2 is newer than this batch_runner reads (format 1)"),
+    (b'{"prompt": "a dataset line pasted here by mistake"}', "not a batch_runner row"),
+    (b"[1, 2, 3]", "not a batch_runner row"),
+], ids=["newer_format", "a_dataset_line", "an_array"])
+def test_a_line_of_json_that_is_no_row_this_version_reads_stops_resume_naming_it(tmp_path, endpoint, line, complaint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["a", "b", "c"])
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--max_samples=2")).returncode == 0
+    batch = tmp_path / "data" / "run" / "batch_0.jsonl"
+    first, second = batch.read_bytes().splitlines(keepends=True)
+    batch.write_bytes(first + line + b"\n" + second)
+    before = {path.name: path.read_bytes() for path in batch.parent.iterdir() if path.is_file()}
+    endpoint.reset()
+
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
+    assert result.returncode == 1
+    assert "Traceback" not in result.stdout + result.stderr
+    errors = [text for text in result.stderr.splitlines() if text.startswith("error:")]
+    assert len(errors) == 1 and "batch_0.jsonl line 2: " in errors[0] and complaint in errors[0], result.stderr
+    assert endpoint.requests == []
+    assert {path.name: path.read_bytes() for path in batch.parent.iterdir() if path.is_file()} == before
+
+
+# -- the checkpoint -----------------------------------------------------------------------------------------
+
+def test_the_checkpoint_counts_done_prompts_and_rows_per_outcome_over_every_invocation(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["a", "[[reasoning none]] silent", "[[fail 400]] no", "b"])
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--max_samples=3")).returncode == 2
+    checkpoint_path = tmp_path / "data" / "run" / "checkpoint.json"
+    first = json.loads(checkpoint_path.read_text())
+    assert (first["completed_prompts"], first["batch_stats"]) == (2, {"completed": 1, "discarded": 1, "failed": 1})
+
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume")).returncode == 2
+    checkpoint = json.loads(checkpoint_path.read_text())
+    assert checkpoint["completed_prompts"] == 3         # a, silent, b; the failing prompt is not done
+    assert checkpoint["batch_stats"] == {"completed": 2, "discarded": 1, "failed": 2}
+    assert {"run_name", "last_updated", "total_prompts"} <= set(checkpoint) and checkpoint["total_prompts"] == 4
+
+
+def test_a_checkpoint_of_an_earlier_version_is_continued(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["a", "b"])
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--max_samples=1")).returncode == 0
+    checkpoint_path = tmp_path / "data" / "run" / "checkpoint.json"
+    earlier = {**json.loads(checkpoint_path.read_text()), "completed_prompts": [0],
+               "batch_stats": {"0": {"completed": 1, "failed": 3}}}             # per batch, as it used to be
+    checkpoint_path.write_text(json.dumps(earlier))
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume")).returncode == 0
+    checkpoint = json.loads(checkpoint_path.read_text())
+    assert (checkpoint["completed_prompts"], checkpoint["batch_stats"]) == (2, {"completed": 2, "failed": 3})

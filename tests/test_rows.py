@@ -1,6 +1,6 @@
 """The row format (SPEC §6, §7, §9, §10): reasoning capture, the tool success rule, the resume content key,
-the Hermes ShareGPT rendering, which kind of row a finished session becomes, and the byte-level reader
-that resume and merge use instead of parsing every row."""
+the Hermes ShareGPT rendering, which kind of row a finished session becomes, and the one reader of stored
+rows that resume, merge, statistics and the report use."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from batchrun.rows import (AssistantTurn, SessionResult, ToolCallRecord, Usage, content_key, encode_finished,
-                           read_stored_row, split_reasoning, tool_result_failed, trajectory_row)
+from batchrun.rows import (ROW_FORMAT, AssistantTurn, RowError, SessionResult, ToolCallRecord, Usage, content_key,
+                           encode_finished, read_stored_row, split_reasoning, tool_result_failed, trajectory_row)
 from model_tools import REGISTRY, TOOL_NAMES
 
 EMPTY_THINK = "<think>\n\n</think>\n"
@@ -410,18 +410,20 @@ def test_encoded_row_keeps_non_ascii_text_as_utf8():
     assert json.loads(line)["conversations"][1]["value"] == "ünïcødé 中文 🙂"
 
 
-# --- the byte-level reader against a full parse ------------------------------------------------------------
+# --- the reader against a full parse ---------------------------------------------------------------------
 
-def facts_read_from_bytes(line: bytes) -> dict:
+def facts_read(line: bytes) -> dict:
     stored = read_stored_row(line)
     assert stored is not None, f"a complete row was not recognised: {line[:200]!r}"
     return {"status": stored.status, "prompt_index": stored.prompt_index, "content_key": stored.content_key,
             "invented_tools": stored.invented_tools(), "usage": stored.usage(), "end_reason": stored.end_reason(),
-            "tool_counts": stored.tool_counts(), "reasoning_counts": stored.reasoning_counts()}
+            "tool_counts": stored.tool_counts(), "reasoning_counts": stored.reasoning_counts(),
+            "toolsets_used": stored.toolsets_used(), "metadata": stored.metadata(), "wall_time": stored.wall_time(),
+            "error_type": stored.error_type(), "discard_reason": stored.discard_reason()}
 
 
 def facts_from_parsed_row(line: bytes) -> dict:
-    """The same facts, from json.loads of the whole line: the reference the byte reader must equal."""
+    """The same facts, from json.loads of the whole line: the reference the reader must equal."""
     row = json.loads(line)
     if row.get("failed") is True:
         status = "failed"
@@ -444,7 +446,11 @@ def facts_from_parsed_row(line: bytes) -> dict:
             "invented_tools": invented, "usage": row["usage"], "end_reason": row["end_reason"],
             "tool_counts": [(name, s["count"], s["success"], s["failure"])
                             for name, s in row.get("tool_stats", {}).items() if s["count"] > 0],
-            "reasoning_counts": (with_reasoning, len(gpt_turns) - with_reasoning)}
+            "reasoning_counts": (with_reasoning, len(gpt_turns) - with_reasoning),
+            "toolsets_used": row.get("toolsets_used", []),
+            "metadata": (row["metadata"]["timestamp"], row["metadata"]["model"]) if "metadata" in row else None,
+            "wall_time": row["wall_time_seconds"], "error_type": row.get("error_type"),
+            "discard_reason": row.get("discarded")}
 
 
 LOOKALIKES = [
@@ -502,12 +508,12 @@ def random_result(rng: random.Random, prompt_index: int) -> SessionResult:
                          error_type="http" if end_reason == "error" else None)
 
 
-def test_byte_reader_agrees_with_a_full_parse_on_200_generated_adversarial_rows():
+def test_reader_agrees_with_a_full_parse_on_200_generated_adversarial_rows():
     rng = random.Random(20260115)
     seen_statuses, seen_invented = set(), 0
     for prompt_index in range(200):
         line = encode(random_result(rng, prompt_index), discard_no_reasoning=rng.random() < 0.5)
-        assert facts_read_from_bytes(line) == facts_from_parsed_row(line), line
+        assert facts_read(line) == facts_from_parsed_row(line), line
         seen_statuses.add(read_stored_row(line).status)
         seen_invented += bool(read_stored_row(line).invented_tools())
     assert seen_statuses == {"completed", "partial", "discarded", "failed"}   # the generator covers every kind
@@ -518,7 +524,7 @@ ADVERSARIAL_TEXT = "".join(LOOKALIKES) + "".join(AWKWARD)
 
 
 @pytest.mark.parametrize("place", ["prompt", "reply", "reasoning", "tool_result", "arguments", "call_id"])
-def test_text_that_looks_like_row_structure_does_not_fool_the_byte_reader(place):
+def test_text_that_looks_like_row_structure_does_not_fool_the_reader(place):
     text = ADVERSARIAL_TEXT
     turn = AssistantTurn(reasoning=text.strip() if place == "reasoning" else "",
                          content=text if place == "reply" else "Looking.",
@@ -526,7 +532,7 @@ def test_text_that_looks_like_row_structure_does_not_fool_the_byte_reader(place)
                                           result=text if place == "tool_result" else '{"output": "ok"}',
                                           id=text if place == "call_id" else "call_1")])
     line = encode(session([turn], end_reason="max_turns", prompt=text if place == "prompt" else "P", offered=["terminal"]))
-    facts = facts_read_from_bytes(line)
+    facts = facts_read(line)
     assert facts == facts_from_parsed_row(line)
     assert (facts["status"], facts["invented_tools"], facts["end_reason"]) == ("partial", [], "max_turns")
     assert facts["reasoning_counts"] == ((1, 0) if place == "reasoning" else (0, 1))
@@ -537,36 +543,36 @@ def test_text_that_looks_like_row_structure_does_not_fool_the_byte_reader(place)
 def test_text_that_looks_like_row_structure_does_not_fool_the_reader_of_a_failure_row(place):
     line = encode(session(end_reason="error", prompt=ADVERSARIAL_TEXT if place == "prompt" else "P",
                           error=ADVERSARIAL_TEXT if place == "error" else "boom", error_type="http"))
-    facts = facts_read_from_bytes(line)
+    facts = facts_read(line)
     assert facts == facts_from_parsed_row(line)
     assert (facts["status"], facts["end_reason"], facts["invented_tools"]) == ("failed", "error", [])
 
 
 def test_text_that_looks_like_row_structure_does_not_fool_the_reader_of_a_tombstone():
     line = encode(session([AssistantTurn("", ADVERSARIAL_TEXT)], prompt=ADVERSARIAL_TEXT), discard_no_reasoning=True)
-    facts = facts_read_from_bytes(line)
+    facts = facts_read(line)
     assert facts == facts_from_parsed_row(line)
     assert (facts["status"], facts["end_reason"]) == ("discarded", "final_answer")
 
 
-def test_byte_reader_lists_invented_tools_once_each_in_order_of_first_call():
+def test_reader_lists_invented_tools_once_each_in_order_of_first_call():
     names = ["terminal", "evil", 'q"uote', "evil", "ünï", "read_file", "🔧", 'q"uote', "back\\slash"]
     calls = [call(name, id=f"c{i}") for i, name in enumerate(names)]
     line = encode(session([AssistantTurn("r", "", calls[:4]), AssistantTurn("r", "", calls[4:])],
                           end_reason="invented_tools"))
     assert read_stored_row(line).invented_tools() == ["evil", 'q"uote', "ünï", "🔧", "back\\slash"]
-    assert facts_read_from_bytes(line) == facts_from_parsed_row(line)
+    assert facts_read(line) == facts_from_parsed_row(line)
 
 
-def test_byte_reader_finds_an_invented_tool_among_many_calls_in_one_turn():
+def test_reader_finds_an_invented_tool_among_many_calls_in_one_turn():
     calls = [call("terminal", arguments=json.dumps({"command": f"echo {i} \"q\" \\"}), id=f"c{i}") for i in range(60)]
     calls.insert(47, call("hallucinated_tool", id="c_bad"))
     line = encode(session([AssistantTurn("r", "Many.", calls)], end_reason="max_turns"))
     assert read_stored_row(line).invented_tools() == ["hallucinated_tool"]
-    assert facts_read_from_bytes(line) == facts_from_parsed_row(line)
+    assert facts_read(line) == facts_from_parsed_row(line)
 
 
-def test_byte_reader_finds_no_invented_tool_in_a_row_that_only_calls_registry_tools():
+def test_reader_finds_no_invented_tool_in_a_row_that_only_calls_registry_tools():
     line = encode(session([AssistantTurn("r", "", [call(name, id=name) for name in TOOL_NAMES])]))
     assert read_stored_row(line).invented_tools() == []
 
@@ -577,13 +583,13 @@ def test_byte_reader_finds_no_invented_tool_in_a_row_that_only_calls_registry_to
     (session(end_reason="error", error="boom", error_type="http"), "failed"),
     (session([AssistantTurn("", "Done.")]), "discarded"),
 ], ids=["completed", "partial", "failed", "discarded"])
-def test_byte_reader_classifies_every_kind_of_row(result, status):
+def test_reader_classifies_every_kind_of_row(result, status):
     line = encode(result, discard_no_reasoning=True)
     stored = read_stored_row(line)
     assert (stored.status, stored.prompt_index, stored.content_key) == (status, result.prompt_index, result.content_key)
 
 
-# --- lines the byte reader must refuse ---------------------------------------------------------------------
+# --- rows in any JSON encoding, of any version ------------------------------------------------------------
 
 CUT_ROWS = {
     "trajectory": session([AssistantTurn("thought ünï 🙂", 'Reply "quoted" \\ done', [
@@ -591,60 +597,109 @@ CUT_ROWS = {
                               call("evil_tool", "{}", result='{"error": "unknown tool"}', id="c2")]),
                            AssistantTurn("", "Final 中文.")], prompt="Prompt with \"quotes\" and ünïcødé",
                           usage=Usage(10, 20, 3, 4, 0.01)),
-    "tombstone": session([AssistantTurn("", "No thoughts.")], prompt="Tombstone 🙂"),
-    "failure": session(end_reason="error", prompt="Failed ünï", error='HTTP 400: "bad" request', error_type="http"),
+    "tombstone": session([AssistantTurn("", "No thoughts.")], prompt="Tombstone 🙂 in /tmp"),
+    "failure": session(end_reason="error", prompt="Failed ünï", error='HTTP 400: "bad" request to /v1',
+                       error_type="http"),
 }
 
 
+def reencoded(row: dict) -> dict[str, bytes]:
+    """The same row as other JSON encoders (or a person editing the file) might write it."""
+    reversed_keys = dict(reversed(list(row.items())))
+    return {
+        "compact_separators": json.dumps(row, ensure_ascii=False, separators=(",", ":")).encode() + b"\n",
+        "sorted_keys": json.dumps(row, ensure_ascii=False, sort_keys=True).encode() + b"\n",
+        "ascii_escapes": json.dumps(row, ensure_ascii=True).encode() + b"\n",
+        "keys_reversed": json.dumps(reversed_keys, ensure_ascii=False).encode() + b"\n",
+        "spaces_around_everything": json.dumps(row, ensure_ascii=False, separators=(" , ", " : ")).encode() + b" \n",
+        "slashes_escaped": json.dumps(row, ensure_ascii=False).replace("/", "\\/").encode() + b"\n",
+    }
+
+
 @pytest.mark.parametrize("kind", CUT_ROWS)
-def test_byte_reader_refuses_a_row_cut_anywhere_short_of_its_end(kind):
+@pytest.mark.parametrize("encoding", reencoded({}))
+def test_reader_reads_a_row_the_same_whatever_its_json_encoding(kind, encoding):
+    line = encode(CUT_ROWS[kind], discard_no_reasoning=True)
+    again = reencoded(json.loads(line))[encoding]
+    assert again != line
+    assert facts_read(again) == facts_read(line) == facts_from_parsed_row(line)
+
+
+@pytest.mark.parametrize("kind", CUT_ROWS)
+def test_every_kind_of_row_carries_the_format_version(kind):
+    assert json.loads(encode(CUT_ROWS[kind], discard_no_reasoning=True))["format"] == ROW_FORMAT == 1
+
+
+@pytest.mark.parametrize("kind", CUT_ROWS)
+def test_a_row_written_before_rows_carried_a_format_is_read_and_gets_one_when_merged(kind):
+    line = encode(CUT_ROWS[kind], discard_no_reasoning=True)
+    row = json.loads(line)
+    del row["format"]
+    legacy = json.dumps(row, ensure_ascii=False).encode() + b"\n"
+    stored = read_stored_row(legacy)
+    assert facts_read(legacy) == facts_read(line)
+    assert not stored.has_format and read_stored_row(line).has_format
+    assert json.loads(stored.with_format()) == json.loads(line)
+    assert stored.with_format().endswith(b"\n") and stored.with_format().count(b"\n") == 1
+
+
+@pytest.mark.parametrize("line", [
+    b'{"format": 2, "prompt_index": 0, "content_key": "ab", "conversations": [], "end_reason": "final_answer"}\n',
+    b'{"format": 2, "id": "a row of a shape this version has never seen"}\n',
+    b'{"prompt_index": "zero", "format": 7}\n',
+], ids=["same_shape", "new_shape", "wrong_types"])
+def test_reader_refuses_a_row_of_a_newer_format_saying_so(line):
+    with pytest.raises(RowError, match=r"row format \d is newer than this batch_runner reads \(format 1\)"):
+        read_stored_row(line)
+
+
+def other_rows() -> dict[str, bytes]:
+    row = json.loads(encode(CUT_ROWS["trajectory"]))
+    no_value = json.loads(json.dumps(row))
+    no_value["conversations"][1]["value"] = 5
+    return {
+        "array": b"[1, 2, 3]\n", "string": b'"a string"\n', "null": b"null\n", "number": b"42\n",
+        "other_program_row": b'{"conversations": [], "completed": true, "end_reason": "final_answer"}\n',
+        "string_prompt_index": json.dumps({**row, "prompt_index": "3"}).encode() + b"\n",
+        "no_content_key": json.dumps({k: v for k, v in row.items() if k != "content_key"}).encode() + b"\n",
+        "no_kind": json.dumps({k: v for k, v in row.items() if k != "conversations"}).encode() + b"\n",
+        "turn_value_not_text": json.dumps(no_value).encode() + b"\n",
+        "string_format": json.dumps({**row, "format": "1"}).encode() + b"\n",
+        "nested_deeper_than_any_row": b'{"prompt_index": 0, "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n",
+    }
+
+
+@pytest.mark.parametrize("kind", other_rows())
+def test_reader_refuses_json_that_is_not_a_row_instead_of_skipping_it(kind):
+    with pytest.raises(RowError, match="not a batch_runner row"):
+        read_stored_row(other_rows()[kind])
+
+
+# --- lines that are not JSON: what a crash leaves --------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", CUT_ROWS)
+def test_reader_takes_a_row_cut_anywhere_short_of_its_end_for_no_row(kind):
     line = encode(CUT_ROWS[kind], discard_no_reasoning=True)
     assert read_stored_row(line) is not None
     accepted = [cut for cut in range(len(line) - 1) if read_stored_row(line[:cut] + b"\n") is not None]
     assert accepted == []
 
 
-def test_byte_reader_refuses_a_cut_row_without_a_newline_too():
+def test_reader_takes_a_cut_row_without_a_newline_for_no_row_too():
     line = encode(CUT_ROWS["trajectory"])
     assert [cut for cut in range(len(line) - 2) if read_stored_row(line[:cut]) is not None] == []
 
 
-def foreign_layouts() -> dict[str, bytes]:
-    row = json.loads(encode(CUT_ROWS["trajectory"]))
-    reordered = {"content_key": row["content_key"], "prompt_index": row["prompt_index"],
-                 **{k: v for k, v in row.items() if k not in ("prompt_index", "content_key")}}
-    end_reason_first = {"prompt_index": row["prompt_index"], "content_key": row["content_key"],
-                        "end_reason": row["end_reason"],
-                        **{k: v for k, v in row.items() if k not in ("prompt_index", "content_key", "end_reason")}}
-    end_reason_not_last = {**{k: v for k, v in row.items() if k != "end_reason"}, "end_reason": row["end_reason"],
-                           "extra": 1}
-    return {
-        "compact_separators": json.dumps(row, ensure_ascii=False, separators=(",", ":")).encode() + b"\n",
-        "content_key_first": json.dumps(reordered, ensure_ascii=False).encode() + b"\n",
-        "sorted_keys": json.dumps(row, ensure_ascii=False, sort_keys=True).encode() + b"\n",
-        "end_reason_not_last": json.dumps(end_reason_not_last, ensure_ascii=False).encode() + b"\n",
-        "end_reason_first": json.dumps(end_reason_first, ensure_ascii=False).encode() + b"\n",
-        "other_program_row": b'{"conversations": [], "completed": true, "end_reason": "final_answer"}\n',
-        "string_prompt_index": json.dumps({"prompt_index": "3", **{k: v for k, v in row.items()
-                                                                    if k != "prompt_index"}}).encode() + b"\n",
-    }
-
-
-@pytest.mark.parametrize("layout", foreign_layouts())
-def test_byte_reader_refuses_a_json_object_of_a_foreign_layout(layout):
-    assert read_stored_row(foreign_layouts()[layout]) is None
-
-
 @pytest.mark.parametrize("line", [
-    b"", b"\n", b"   \n", b"not json at all\n", b"[1, 2, 3]\n", b'"a string"\n', b"null\n",
+    b"", b"\n", b"   \n", b"not json at all\n",
     b'{"prompt_index": 1, "content_key": "00ff", "conversations": [garbage\n',
     b'{"prompt_index": 1, "content_key": "00ff", "conversations": garbage "end_reason": "final_answer"\n',
-], ids=["empty", "newline", "blank", "words", "array", "string", "null", "cut_head", "garbage_without_closing_brace"])
-def test_byte_reader_refuses_a_line_that_is_not_one_of_our_rows(line):
+], ids=["empty", "newline", "blank", "words", "cut_head", "garbage_without_closing_brace"])
+def test_reader_takes_a_line_that_is_not_json_for_no_row(line):
     assert read_stored_row(line) is None
 
 
-def test_byte_reader_refuses_a_crash_fragment_followed_directly_by_another_row():
+def test_reader_takes_a_crash_fragment_followed_directly_by_another_row_for_no_row():
     first, second = encode(CUT_ROWS["trajectory"]), encode(CUT_ROWS["failure"])
     spliced = first[:len(first) // 2] + second
     with pytest.raises(ValueError):

@@ -161,7 +161,7 @@ def test_burst_of_429s_is_absorbed(tmp_path, endpoint):
 
 def test_non_retryable_error_fails_prompt_with_a_failure_row(tmp_path, endpoint):
     result = run_prompts(tmp_path, endpoint, ["[[fail 400 always]] rejected", "fine"])
-    assert result.returncode == 0
+    assert result.returncode == 2       # finished, with a failure that --resume retries
     rows = batch_rows(tmp_path / "data" / "run")
     failed = next(row for row in rows if row.get("failed"))
     assert failed["error_type"] == "http_400" and "400" in failed["error"]
@@ -169,6 +169,13 @@ def test_non_retryable_error_fails_prompt_with_a_failure_row(tmp_path, endpoint)
     statistics = json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())
     assert statistics["failed_prompts"] == 1 and statistics["failures_by_cause"] == {"http_400": 1}
     assert "will retry on resume" in result.stdout
+
+
+def test_a_run_whose_prompts_all_end_as_rows_exits_zero_and_one_with_failures_exits_two(tmp_path, endpoint):
+    assert run_prompts(tmp_path, endpoint, ["fine"], run_name="clean").returncode == 0
+    failing = run_prompts(tmp_path, endpoint, ["[[fail 400 always]] rejected"], run_name="failing")
+    assert failing.returncode == 2
+    assert "1 prompt failed" in failing.stdout and "--resume" in failing.stdout
 
 
 def test_bad_api_key_stops_the_run_with_one_clear_message_and_no_rows(tmp_path):

@@ -14,6 +14,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from scripted_endpoint import (  # noqa: E402
+    MALFORMED_KINDS,
     DirectiveError,
     ScriptedEndpoint,
     parse_directives,
@@ -221,6 +222,49 @@ def test_drop_sleep_invent_bad_json_length(ep):
     assert turns[0].choices[0].message.tool_calls[0].function.name == "terminal"
     assert json.loads(turns[1].choices[0].message.tool_calls[0].function.arguments) == {"command": "ls"}
     assert len(turns) == 3 and turns[2].choices[0].finish_reason == "length"
+
+
+def test_malformed_directive_grammar():
+    assert (parse_directives("[[malformed message_null]] x").malformed,
+            parse_directives("[[malformed message_null]] x").malformed_count) == ("message_null", 1)
+    assert parse_directives("[[malformed not_json always]]").malformed_count == float("inf")
+    for bad in ("[[malformed]]", "[[malformed bogus]]", "[[malformed no_choices 1 2]]"):
+        with pytest.raises(DirectiveError):
+            parse_directives(bad)
+
+
+def post_raw(ep: ScriptedEndpoint, prompt: str) -> tuple[int, str, bytes]:
+    """(status, content type, body) of one chat request, without a client that would parse the body."""
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": prompt}]}).encode()
+    request = urllib.request.Request(ep.base_url + "/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return response.status, response.headers["Content-Type"], response.read()
+
+
+@pytest.mark.parametrize("kind", MALFORMED_KINDS)
+def test_malformed_directive_breaks_the_first_replies_with_status_200(ep, kind):
+    status, content_type, body = post_raw(ep, f"[[malformed {kind}]] broken")
+    assert status == 200
+    if kind == "not_json":
+        assert content_type == "text/html"
+        with pytest.raises(ValueError):
+            json.loads(body)
+    else:
+        reply = json.loads(body)
+        choices = reply["choices"]
+        if kind == "no_choices":
+            assert choices == []
+        elif kind == "choices_not_list":
+            assert isinstance(choices, dict) and choices["message"]["content"] == "Final answer."
+        elif kind == "message_null":
+            assert choices[0]["message"] is None
+        elif kind == "message_not_object":
+            assert choices[0]["message"] == "Final answer."
+        else:
+            assert choices[0]["message"]["tool_calls"] == {"name": "terminal", "arguments": "{}"}
+    _, _, body = post_raw(ep, f"[[malformed {kind}]] broken")    # the second request is answered normally
+    assert json.loads(body)["choices"][0]["message"]["content"] == "Final answer."
 
 
 def test_script_override_hook(ep):

@@ -27,13 +27,14 @@ def environment_class(kind: str) -> type[Environment]:
 
 def default_environment_kind() -> tuple[str, str]:
     """(kind, why) for runs that leave TERMINAL_ENV unset: isolated where bubblewrap can sandbox here,
-    else local, with the reason, so the start-up summary can say what isolation the run gets."""
-    from batchrun.environments.bubblewrap import bubblewrap_problem   # runs bwrap once; only when asked
+    else local, with the reason; the caller decides whether a run may go on without isolation (only
+    one that never offers the terminal or file tools may)."""
+    from batchrun.environments.bubblewrap import working_bwrap   # runs bwrap once; only when asked
 
-    problem = bubblewrap_problem()
-    if problem is None:
-        return "bubblewrap", "isolated sandbox"
-    return "local", f"bubblewrap unavailable: {problem}"
+    found = working_bwrap()
+    if isinstance(found, str):
+        return "local", f"bubblewrap unavailable: {found}"
+    return "bubblewrap", f"isolated sandbox, {found.describe()}"
 
 
 def create_environment(kind: str, settings: EnvironmentSettings, *, prompt_index: int,

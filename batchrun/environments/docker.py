@@ -61,9 +61,13 @@ class DockerEnvironment(ContainerEnvironment):
 
     async def _create(self) -> None:
         network = [] if self.settings.allow_network else ["--network", "none"]
+        caps = self.settings.limits
+        # The engine's control groups cap the container as a whole; swap equal to memory means none.
+        limits = ["--memory", f"{caps.memory_mb}m", "--memory-swap", f"{caps.memory_mb}m",
+                  "--pids-limit", str(caps.processes), "--tmpfs", f"/tmp:size={caps.tmp_mb}m"]
         created = await self._call([
             self.executable, "run", "-d", "--label", f"{RUN_LABEL}={self.settings.run_label}",
-            "--label", f"{PROMPT_LABEL}={self.prompt_index}", "--name", self.name, *network,
+            "--label", f"{PROMPT_LABEL}={self.prompt_index}", "--name", self.name, *network, *limits,
             "-w", self.workdir, "--entrypoint", "sleep", self.image, "infinity"])
         if not created.ok:
             raise EnvironmentSetupError(f"cannot start a container from {self.image}: {created.message()}")

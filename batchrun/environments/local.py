@@ -1,15 +1,19 @@
 """The local backend: every prompt gets a fresh directory on this machine, and commands run there.
 
 It controls where a command starts and what it inherits (a scrubbed environment, a private HOME, its
-own process group so a time-out kills everything it started), not what it can reach: a command may
-still touch anything the user can. The file tools, the model's structured way to touch files, are
-confined to the prompt's directory here.
+own process group so a time-out kills everything it started, the limits of ``limits.ResourceLimits``),
+not what it can reach: a command may still touch anything the user can. Runs choose it explicitly
+(TERMINAL_ENV=local), never by fallback. Where a control group can be made, every process a prompt
+started is in it, so closing the prompt kills ``setsid`` and double-forked children too. The file
+tools, the model's structured way to touch files, are confined to the prompt's directory here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
+import posixpath
 import stat
 import tempfile
 from pathlib import Path
@@ -23,10 +27,14 @@ from batchrun.environments.base import (
     scrubbed_environment,
 )
 from batchrun.environments.command_output import ChildProcess, kill_group, run_merged
+from batchrun.environments.confined_files import ConfinedPath, read_regular_file, write_regular_file
+from batchrun.environments.limits import MIB, LimitEvents, PromptCgroup
 from batchrun.environments.tree_removal import remove_tree
 
 # close() waits this long for killed commands, so they are reaped while the loop still runs.
 _REAP_SECONDS = 2.0
+# $0 is the ulimit command, $1 the model's command: limits first, then the command as bash -c runs it.
+_LIMITED_BASH = 'eval "$0" || exit 126; exec bash -c "$1"'
 
 
 class LocalEnvironment(Environment):
@@ -40,6 +48,7 @@ class LocalEnvironment(Environment):
         self.prompt_dir: Path | None = None      # the per-prompt directory; HOME of its commands
         self.workdir: Path | None = None         # where commands start: prompt_dir or the row's cwd in it
         self._processes: list[ChildProcess] = []
+        self._cgroup: PromptCgroup | None = None
         self._closed = False
 
     async def start(self) -> None:
@@ -52,20 +61,28 @@ class LocalEnvironment(Environment):
             raise EnvironmentSetupError(f"cannot create a working directory under {work_root}: {exc}") from exc
         # Resolved once, so the confinement checks compare real paths with real paths.
         self.prompt_dir = Path(os.path.realpath(created))
+        self._cgroup = PromptCgroup.create(self.settings.run_label, self.prompt_dir.name, self.settings.limits)
         try:
             self.workdir = self._make_workdir(self.prompt_dir)
         except EnvironmentSetupError:
             # A failed start is not followed by close() (``async with`` skips __aexit__), so tidy up here.
             remove_tree(self.prompt_dir)
+            if self._cgroup is not None:
+                self._cgroup.remove()
             raise
 
     def _make_workdir(self, prompt_dir: Path) -> Path:
-        """The row's cwd, taken relative to the prompt directory and required to stay inside it."""
+        """The row's cwd, taken relative to the prompt directory and required to stay inside it.
+
+        The directory was just created and no command has run in it, so it holds no symlink: the
+        path can be judged by its text.
+        """
         if not self.cwd:
             return prompt_dir
-        workdir = Path(os.path.realpath(prompt_dir / self.cwd.lstrip("/")))
-        if not _is_within(workdir, prompt_dir):
+        relative = posixpath.normpath(self.cwd.lstrip("/") or ".")
+        if relative == ".." or relative.startswith("../"):
             raise EnvironmentSetupError(f"the row's cwd {self.cwd!r} leads outside the prompt's directory")
+        workdir = prompt_dir / relative
         try:
             workdir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -76,51 +93,59 @@ class LocalEnvironment(Environment):
         """Run ``bash -c command`` in its own process group; kill the whole group on time-out."""
         prompt_dir, workdir = self._require_started()
         limit = self.settings.command_timeout if timeout is None else timeout
+        limits = self.settings.limits
+        argv = ["bash", "-c", _LIMITED_BASH, limits.ulimit_command(memory=self._cgroup is None), command]
+        if self._cgroup is not None:
+            argv = self._cgroup.entry_argv(argv)
+        before = self.limit_events()
         try:
-            result = await run_merged(["bash", "-c", command], timeout=limit,
+            result = await run_merged(argv, timeout=limit,
                                       max_output_chars=self.settings.max_output_chars, cwd=workdir,
                                       env=scrubbed_environment(home=str(prompt_dir)),
                                       on_start=self._processes.append)
         except OSError as exc:
             return CommandResult(output="", exit_code=None, error=f"could not start bash: {exc}")
+        if result.timed_out and self._cgroup is not None:
+            # What the command left running (setsid or double-forked, out of its process group's
+            # reach) goes with it: the prompt's processes are killed, as in the sandbox.
+            await asyncio.to_thread(self._cgroup.kill)
         self._forget_finished_groups()
-        return result
+        return await self.with_limit_notes(result, before)
+
+    def limit_events(self) -> LimitEvents:
+        """The prompt's limit counters so far; zero where no control group counts them."""
+        return self._cgroup.events() if self._cgroup is not None else LimitEvents()
+
+    async def with_limit_notes(self, result: CommandResult, before: LimitEvents) -> CommandResult:
+        """``result`` with an error saying which limit the command ran into, if it ran into one."""
+        prompt_dir, _ = self._require_started()
+        limits = self.settings.limits
+        notes = [note] if (note := limits.exceeded(self.limit_events() - before)) else []
+        workspace_bytes = limits.workspace_mb * MIB
+        if await asyncio.to_thread(disk_usage_over, prompt_dir, workspace_bytes):
+            notes.append(f"the workspace holds more than its limit of {limits.workspace_mb} MB; "
+                         "delete files before writing more")
+        if not notes:
+            return result
+        error = "; ".join(([result.error] if result.error else []) + notes)
+        return dataclasses.replace(result, error=error)
 
     async def read_file(self, path: str) -> bytes:
-        """The file's bytes; refuses escapes, directories, special files and files over the size limit."""
-        real = self._resolve(path)
-        limit = self.settings.max_file_bytes
-        try:
-            mode = real.stat().st_mode
-            if stat.S_ISDIR(mode):
-                raise ToolError(f"{path!r} is a directory, not a file")
-            if not stat.S_ISREG(mode):
-                raise ToolError(f"{path!r} is not a regular file")
-            with open(real, "rb") as handle:
-                data = handle.read(limit + 1)   # bounded even if the file grows while it is read
-        except FileNotFoundError:
-            raise ToolError(f"{path!r} does not exist") from None
-        except OSError as exc:
-            raise ToolError(f"cannot read {path!r}: {exc.strerror or exc}") from None
-        if len(data) > limit:
-            raise ToolError(f"{path!r} is larger than the file tools' limit of {limit} bytes")
-        return data
+        """The file's bytes; refuses escapes, anything but a regular file, and files over the size limit.
+
+        The lookup and read run in a thread: a file on a slow disk must not stall every other prompt.
+        """
+        target = self._resolve(path)
+        return await asyncio.to_thread(read_regular_file, target, self.settings.max_file_bytes)
 
     async def write_file(self, path: str, data: bytes) -> str:
         """Write the file, creating parent directories; returns its path relative to the working dir."""
         limit = self.settings.max_file_bytes
         if len(data) > limit:
             raise ToolError(f"{len(data)} bytes is more than the file tools' limit of {limit} bytes")
-        _, workdir = self._require_started()
-        real = self._resolve(path)
-        if real.is_dir():
-            raise ToolError(f"{path!r} is a directory, not a file")
-        try:
-            real.parent.mkdir(parents=True, exist_ok=True)
-            real.write_bytes(data)
-        except OSError as exc:
-            raise ToolError(f"cannot write {path!r}: {exc.strerror or exc}") from None
-        return os.path.relpath(real, workdir)
+        target = self._resolve(path)
+        await asyncio.to_thread(write_regular_file, target, data)
+        return target.relative_to_start()
 
     async def close(self) -> None:
         """Kill every process group this prompt started, then remove its directory (unless kept)."""
@@ -129,8 +154,12 @@ class LocalEnvironment(Environment):
         self._closed = True
         for process in self._processes:
             kill_group(process.pid)
+        if self._cgroup is not None:
+            await asyncio.to_thread(self._cgroup.kill)     # what left the process groups (setsid)
         await _reap(self._processes)
         self._processes.clear()
+        if self._cgroup is not None:
+            await asyncio.to_thread(self._cgroup.remove)
         if self.prompt_dir is not None and not self.settings.keep_workdirs:
             try:
                 os.rmdir(self.prompt_dir)       # many prompts leave nothing behind: no thread needed
@@ -143,22 +172,42 @@ class LocalEnvironment(Environment):
             raise RuntimeError("the local environment is not running (start() not called, or closed)")
         return self.prompt_dir, self.workdir
 
-    def _resolve(self, path: str) -> Path:
-        """The real path (symlinks followed) of ``path``, refused unless inside the prompt directory."""
+    def _resolve(self, path: str) -> ConfinedPath:
+        """``path`` as the file tools look it up: beneath the prompt directory, relative to the
+        working directory, or absolute under the prompt directory's own (real) path, which is also
+        where an absolute symlink must point to be followed. Files with other hard links are
+        refused: commands run as the user and could link the user's own files in here."""
         prompt_dir, workdir = self._require_started()
-        try:
-            # An absolute ``path`` replaces workdir here and is then judged like any other.
-            real = Path(os.path.realpath(workdir / path))
-        except ValueError as exc:                   # e.g. an embedded NUL byte
-            raise ToolError(f"invalid path {path!r}: {exc}") from None
-        if not _is_within(real, prompt_dir):
-            raise ToolError(f"{path!r} is outside the working directory; "
-                            "the file tools only reach files inside it")
-        return real
+        return ConfinedPath(root=prompt_dir, start=os.path.relpath(workdir, prompt_dir), path=path,
+                            root_name=str(prompt_dir), allow_hard_links=False)
 
     def _forget_finished_groups(self) -> None:
         """Stop tracking groups with no process left, so close() never signals a reused group id."""
         self._processes = [process for process in self._processes if _group_exists(process.pid)]
+
+
+def disk_usage_over(root: Path, limit_bytes: int) -> bool:
+    """Whether the files under ``root`` take more than ``limit_bytes`` of disk (blocks, so a sparse
+    file counts what it really uses). Links are not followed; the walk stops once over."""
+    used = 0
+    pending = [str(root)]
+    while pending:
+        try:
+            entries = os.scandir(pending.pop())
+        except OSError:
+            continue
+        with entries:
+            for entry in entries:
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                used += info.st_blocks * 512
+                if used > limit_bytes:
+                    return True
+                if stat.S_ISDIR(info.st_mode):
+                    pending.append(entry.path)
+    return False
 
 
 def _group_exists(pgid: int) -> bool:
@@ -178,7 +227,3 @@ async def _reap(processes: list[ChildProcess]) -> None:
     for waiter in pending:
         waiter.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
-
-
-def _is_within(path: Path, root: Path) -> bool:
-    return path == root or root in path.parents

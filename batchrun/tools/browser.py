@@ -10,7 +10,14 @@ Every connection a session's browser context opens - the model's navigations, bu
 images, scripts, frames and redirects - goes through that session's SOCKS5 gate in this process. The
 gate resolves the host itself, applies the address policy shared with the web tools
 (batchrun.tools.address_policy: ``WEB_ALLOW_PRIVATE``, ``WEB_ALLOW_LINK_LOCAL``), and connects to the
-very address it checked, so neither a redirect nor DNS rebinding slips past it.
+very address it checked, so neither a redirect nor DNS rebinding slips past it. A proxy setting only
+covers what Chromium chooses to proxy (WebRTC sent UDP straight to its targets), so where bubblewrap
+can make one, Chromium runs in a network namespace of its own that holds nothing but a loopback
+interface and the gate's listening socket: no protocol, present or future, has another way out.
+
+A page chooses its title, URLs and texts and may stop answering altogether, so every result is cut
+to fixed sizes (saying what was cut), every call that waits on the page is bounded, and a page that
+stops answering is closed with its tab rather than left to block the session's later calls.
 
 Playwright is imported lazily: the parent process only asks :func:`unavailable_reason`.
 """
@@ -21,14 +28,20 @@ import asyncio
 import contextlib
 import functools
 import importlib.util
+import ipaddress
+import json
 import os
 import re
+import shlex
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 from batchrun.time_limit import within
@@ -36,20 +49,45 @@ from batchrun.tools import ToolContext, ToolError
 from batchrun.tools.address_policy import allowed_addresses
 
 if TYPE_CHECKING:
-    from playwright.async_api import Browser, BrowserContext, Locator, Page, Playwright
+    from playwright.async_api import Browser, BrowserContext, BrowserType, Locator, Page, Playwright
+
+T = TypeVar("T")
 
 NAVIGATION_TIMEOUT_S = 15.0
-ACTION_TIMEOUT_S = 5.0
+ACTION_TIMEOUT_S = 5.0        # also what the page gets to answer any other call, and to prove it is alive
 LAUNCH_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 10.0
-SNAPSHOT_CHARS = 20_000       # an AI snapshot of a big page runs to hundreds of kilobytes
-MAX_IMAGES = 50
+# What one result may hold. Each text is cut to its limit (an AI snapshot of a big page runs to hundreds
+# of kilobytes, a script can make a title or an image URL megabytes long), then the whole result, as the
+# JSON the model reads, to RESULT_CHARS: images are dropped from the end of the list, then the snapshot
+# is cut further.
+SNAPSHOT_CHARS = 20_000
+TITLE_CHARS = 500
+URL_CHARS = 2_000             # the page's URL and each image's
 ALT_CHARS = 300
+TEXT_CHARS = 1_000            # any other text: a message, a note
+RESULT_CHARS = 30_000
+NOTES_CHARS = 1_000           # kept free in RESULT_CHARS for the notes on what was cut
+MAX_IMAGES = 50
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
-# Playwright adds --headless itself; the rest keeps Chromium from phoning home or speaking QUIC (UDP,
-# which would bypass the gate).
+# Playwright adds --headless itself; the rest keeps Chromium from phoning home, from speaking QUIC, and
+# WebRTC from sending UDP that no proxy carries (each would bypass the gate where Chromium shares the
+# host's network).
 CHROMIUM_ARGS = ("--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync")
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--webrtc-ip-handling-policy=disable_non_proxied_udp", "--force-webrtc-ip-handling-policy")
+GATE_PORT = 1080              # in Chromium's own network namespace, where nothing else listens
+# The first process of Chromium's network namespace: it opens the gate's listening socket there, hands
+# it to the worker through a Unix socket (a path, which namespaces of the network do not separate), and
+# becomes Chromium. Python itself is the one interpreter sure to be there.
+_ENTER_NAMESPACE = f"""
+import os, socket, sys
+gate = socket.create_server(("0.0.0.0", {GATE_PORT}), backlog=socket.SOMAXCONN)
+with socket.socket(socket.AF_UNIX) as handover:
+    handover.connect(sys.argv[1])
+    socket.send_fds(handover, [b"gate"], [gate.fileno()])
+os.execv(sys.argv[2], sys.argv[2:])
+"""
 # Chromium's singleton socket goes to $TMPDIR/org.chromium.Chromium.XXXXXX/SingletonSocket (45 more
 # characters), and a Unix socket path holds at most 107: Chromium aborts at start under a deeper TMPDIR.
 TMPDIR_CHARS = 60

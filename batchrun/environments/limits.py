@@ -1,0 +1,261 @@
+"""What one prompt may consume, and how the limits are made to hold.
+
+A prompt's commands are the model's, so one bad prompt must not take the machine down: memory,
+number of processes, the size of its private ``/tmp`` and of its workspace are capped.
+
+Two mechanisms, the stronger where this process may use it:
+
+* a control group per prompt (cgroup v2, or the memory and pids hierarchies of cgroup v1), which
+  a root process can create on most Linux machines. It caps memory (``/tmp`` is RAM and counts too)
+  and processes for the prompt as a whole, and it holds every process the prompt started, so
+  closing the prompt kills all of them, ``setsid`` and double-forked ones included;
+* process resource limits (the shell's ``ulimit``) otherwise: address space per process, largest
+  file, and processes per sandbox. The kernel exempts root from the process limit, so a root run
+  without control groups has no process cap, and the start-up summary says so.
+
+Every mechanism caps the size of one file at the workspace limit, and the environments check the
+workspace's total after each command.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+MIB = 1024 * 1024
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+# Our directory in each hierarchy; one sub-directory per run, one per prompt below that.
+_OWN_DIRECTORY = "batch_runner"
+# Killing a prompt's processes races with those still forking; the pids cap bounds how many rounds.
+_KILL_ROUNDS = 50
+_REMOVE_ATTEMPTS = 20
+_REMOVE_PAUSE_SECONDS = 0.01
+
+
+@dataclass(frozen=True)
+class ResourceLimits:
+    """The caps of one prompt's environment; the defaults are far above what a normal task uses."""
+
+    memory_mb: int = 4096
+    processes: int = 1024
+    tmp_mb: int = 1024
+    workspace_mb: int = 5120
+
+    def ulimit_command(self, *, memory: bool) -> str:
+        """The bash ``ulimit`` line that applies these limits to a shell and all it starts.
+
+        Without -H or -S bash sets the soft and the hard limit, so an unprivileged command cannot
+        raise them again. ``memory`` is False where a control group caps memory as a whole: a cap on
+        each process's address space breaks programs that reserve much and use little (Go, Java).
+        """
+        parts = [f"-f {self.workspace_mb * 1024}", f"-u {self.processes}", "-c 0"]
+        if memory:
+            parts.insert(0, f"-v {self.memory_mb * 1024}")
+        return f"ulimit {' '.join(parts)}"
+
+    def exceeded(self, events: "LimitEvents") -> str | None:
+        """A line for the model when a command ran into a limit, else None."""
+        notes = []
+        if events.memory:
+            notes.append(f"a process was killed for going over the memory limit of {self.memory_mb} MB")
+        if events.processes:
+            notes.append(f"starting a process failed at the limit of {self.processes} processes")
+        return "; ".join(notes) or None
+
+
+@dataclass(frozen=True)
+class LimitEvents:
+    memory: int = 0         # processes killed for memory
+    processes: int = 0      # forks refused at the process cap
+
+    def __sub__(self, other: "LimitEvents") -> "LimitEvents":
+        return LimitEvents(self.memory - other.memory, self.processes - other.processes)
+
+
+@dataclass(frozen=True)
+class _Hierarchy:
+    """Where this machine lets us make control groups, and which files set what."""
+
+    version: int
+    memory_root: Path           # .../batch_runner in the hierarchy holding the memory controller
+    pids_root: Path             # the same directory on cgroup v2
+
+    def roots(self) -> list[Path]:
+        return [self.memory_root] if self.memory_root == self.pids_root else [self.memory_root, self.pids_root]
+
+
+@functools.cache
+def _hierarchy() -> _Hierarchy | None:
+    """The writable control-group hierarchy with memory and pids controllers, if there is one."""
+    try:
+        if (_CGROUP_ROOT / "cgroup.controllers").exists():       # unified (v2) hierarchy
+            controllers = (_CGROUP_ROOT / "cgroup.controllers").read_text().split()
+            if not {"memory", "pids"} <= set(controllers):
+                return None
+            own = _CGROUP_ROOT / _OWN_DIRECTORY
+            own.mkdir(exist_ok=True)
+            _enable_controllers(_CGROUP_ROOT)
+            _enable_controllers(own)
+            return _Hierarchy(2, own, own)
+        memory, pids = _CGROUP_ROOT / "memory", _CGROUP_ROOT / "pids"
+        if not (memory / "cgroup.procs").exists() or not (pids / "cgroup.procs").exists():
+            return None
+        for root in (memory, pids):
+            (root / _OWN_DIRECTORY).mkdir(exist_ok=True)
+            if not os.access(root / _OWN_DIRECTORY / "cgroup.procs", os.W_OK):
+                return None
+        return _Hierarchy(1, memory / _OWN_DIRECTORY, pids / _OWN_DIRECTORY)
+    except OSError:
+        return None
+
+
+def _enable_controllers(directory: Path) -> None:
+    """Let the children of ``directory`` (v2) have memory and pids limits of their own."""
+    enabled = (directory / "cgroup.subtree_control").read_text().split()
+    missing = [name for name in ("memory", "pids") if name not in enabled]
+    if missing:
+        (directory / "cgroup.subtree_control").write_text(" ".join(f"+{name}" for name in missing))
+
+
+def mechanism() -> str:
+    """How the limits hold on this machine, for the start-up summary."""
+    hierarchy = _hierarchy()
+    if hierarchy is not None:
+        return f"per-prompt control groups (cgroup v{hierarchy.version})"
+    if os.geteuid() == 0:
+        return ("per-process limits; no process cap (the kernel exempts root and no control group "
+                "could be created)")
+    return "per-process limits"
+
+
+def cgroups_available() -> bool:
+    return _hierarchy() is not None
+
+
+class PromptCgroup:
+    """One prompt's control group: its limits, and a way to kill everything in it."""
+
+    def __init__(self, hierarchy: _Hierarchy, directories: list[Path]) -> None:
+        self._hierarchy = hierarchy
+        self.directories = directories
+
+    @classmethod
+    def create(cls, run_id: str, name: str, limits: ResourceLimits) -> "PromptCgroup | None":
+        """A new group with ``limits`` under the run's directory; None where none can be made."""
+        hierarchy = _hierarchy()
+        if hierarchy is None:
+            return None
+        directories = [root / run_id / name for root in hierarchy.roots()]
+        try:
+            for directory in directories:
+                directory.mkdir(parents=True, exist_ok=True)
+                if hierarchy.version == 2:
+                    _enable_controllers(directory.parent)
+            memory = str(limits.memory_mb * MIB)
+            if hierarchy.version == 2:
+                _write(directories[0] / "memory.max", memory)
+                _write(directories[0] / "memory.swap.max", "0", missing_ok=True)
+                _write(directories[0] / "pids.max", str(limits.processes))
+            else:
+                _write(directories[0] / "memory.limit_in_bytes", memory)
+                # Swap would let a prompt hold more than its memory; where swap is accounted, no more.
+                _write(directories[0] / "memory.memsw.limit_in_bytes", memory, missing_ok=True)
+                _write(directories[1] / "pids.max", str(limits.processes))
+        except OSError:
+            cls(hierarchy, directories).remove()
+            return None
+        return cls(hierarchy, directories)
+
+    def entry_argv(self, argv: list[str]) -> list[str]:
+        """``argv`` started inside this group: a shell enters it, then becomes ``argv``, so nothing
+        the prompt runs exists outside it even for a moment."""
+        enter = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 126; shift; done; shift; exec "$@"'
+        return ["/bin/sh", "-c", enter, "sh", *(str(d / "cgroup.procs") for d in self.directories), "--", *argv]
+
+    def events(self) -> LimitEvents:
+        """How often the limits struck so far (the counters only grow)."""
+        memory_file = "memory.events" if self._hierarchy.version == 2 else "memory.oom_control"
+        return LimitEvents(memory=_counter(self.directories[0] / memory_file, "oom_kill"),
+                           processes=_counter(self.directories[-1] / "pids.events", "max"))
+
+    def kill(self) -> None:
+        """SIGKILL every process in the group, however it detached from its parent."""
+        procs = self.directories[-1] / "cgroup.procs"
+        kill_file = self.directories[-1] / "cgroup.kill"
+        if self._hierarchy.version == 2 and kill_file.exists():
+            try:
+                kill_file.write_text("1")
+                return
+            except OSError:
+                pass
+        for _ in range(_KILL_ROUNDS):
+            try:
+                pids = [int(line) for line in procs.read_text().split()]
+            except (OSError, ValueError):
+                return
+            if not pids:
+                return
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
+    def remove(self) -> None:
+        """Kill what is left and remove the group; one still held by a dying process is retried
+        briefly, and anything left is removed with the run's leftovers."""
+        self.kill()
+        for directory in self.directories:
+            _remove_directory(directory)
+
+
+def remove_run_leftovers(run_id: str) -> None:
+    """Kill and remove the control groups an earlier invocation of this run left behind (the run
+    directory's lock makes sure that invocation is gone)."""
+    hierarchy = _hierarchy()
+    if hierarchy is None:
+        return
+    for root in hierarchy.roots():
+        run_directory = root / run_id
+        if not run_directory.is_dir():
+            continue
+        for directory in [path for path in run_directory.iterdir() if path.is_dir()]:
+            PromptCgroup(hierarchy, [r / run_id / directory.name for r in hierarchy.roots()]).remove()
+        _remove_directory(run_directory)
+
+
+def _remove_directory(directory: Path) -> None:
+    for _ in range(_REMOVE_ATTEMPTS):
+        try:
+            directory.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(_REMOVE_PAUSE_SECONDS)    # processes just killed are still being reaped
+
+
+def _write(path: Path, value: str, *, missing_ok: bool = False) -> None:
+    """Write a control file; ``missing_ok`` for files that exist only where a feature is enabled
+    (swap accounting), which the kernel then refuses or lacks."""
+    try:
+        path.write_text(value)
+    except OSError:
+        if not missing_ok:
+            raise
+
+
+def _counter(path: Path, name: str) -> int:
+    """A ``name value`` line of a cgroup events file; 0 where the file or line is missing."""
+    try:
+        for line in path.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == name:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0

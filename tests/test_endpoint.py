@@ -1,0 +1,386 @@
+"""What each answer (or silence) of the endpoint means: transient, this prompt's failure, or the run's end.
+
+Errors come from real calls: the scripted server on 127.0.0.1 or a closed port there. Only a DNS
+failure is built by hand (no network here), with the exception chain the HTTP stack raises for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import socket
+import time
+
+import openai
+import pytest
+
+from batchrun.endpoint import (MAX_RETRY_AFTER, MalformedReplyError, PromptFailedError, RunFatalError, call_model,
+                               classify, make_client, parse_reply, retry_after_seconds)
+from batchrun.rate_limit import RateGate
+from conftest import batch_rows, read_jsonl, run_cli, write_dataset
+from scripted_endpoint import ScriptedEndpoint
+
+pytestmark = pytest.mark.timeout(120)
+
+MODEL = "scripted-model"
+
+
+def closed_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on: connecting to it is refused."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def request_body(prompt: str) -> bytes:
+    return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": prompt}]}).encode()
+
+
+def error_from(base_url: str, prompt: str = "q", timeout: float = 10) -> openai.APIError:
+    """The error one real call to ``base_url`` raises."""
+    async def call() -> openai.APIError:
+        async with make_client(base_url, "sk-test", timeout=timeout) as client:
+            try:
+                await client.post("/chat/completions", cast_to=bytes, content=request_body(prompt))
+            except openai.APIError as exc:
+                return exc
+        raise AssertionError("the call succeeded")
+    return asyncio.run(call())
+
+
+def call_once(base_url: str, prompt: str, *, max_retries: int = 0, timeout: float = 10):
+    """One call_model call through a fresh client and gate, as a session makes it."""
+    async def call():
+        async with make_client(base_url, "sk-test", timeout=timeout) as client:
+            return await call_model(client, RateGate(), body=request_body(prompt), model=MODEL,
+                                    max_retries=max_retries, base_url=base_url)
+    return asyncio.run(call())
+
+
+def classify_here(exc: Exception, *, answered: bool, base_url: str = "http://127.0.0.1:1/v1") -> float | None:
+    return classify(exc, model=MODEL, base_url=base_url, endpoint_answered=answered)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ScriptedEndpoint() as running:
+        yield running
+
+
+@pytest.fixture
+def ep(server):
+    server.reset()
+    server.script = None
+    return server
+
+
+# -- HTTP status codes ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("status", [408, 409, 429, 500, 502, 503, 504])
+def test_transient_statuses_are_retried(ep, status):
+    exc = error_from(ep.base_url, f"[[fail {status}]] busy")
+    assert exc.status_code == status
+    assert classify_here(exc, answered=True) is None
+
+
+@pytest.mark.parametrize("status", [400, 403, 422])
+def test_request_the_endpoint_refuses_fails_only_this_prompt(ep, status):
+    exc = error_from(ep.base_url, f"[[fail {status}]] refused")
+    with pytest.raises(PromptFailedError) as failure:
+        classify_here(exc, answered=True)
+    assert failure.value.error_type == f"http_{status}" and f"HTTP {status}" in str(failure.value)
+
+
+def test_context_length_error_fails_only_this_prompt(ep):
+    message = "This model's maximum context length is 8192 tokens. However, you requested 9000 tokens."
+    ep.script = lambda body: (400, {"error": {"message": message, "type": "invalid_request_error"}}, {})
+    with pytest.raises(PromptFailedError) as failure:
+        classify_here(error_from(ep.base_url), answered=True)
+    assert failure.value.error_type == "http_400" and "maximum context length" in str(failure.value)
+
+
+@pytest.mark.parametrize("status, advice", [(401, "rejected the API key"), (402, "refused payment"),
+                                            (404, "does not know model")])
+def test_account_and_model_errors_stop_the_run(ep, status, advice):
+    exc = error_from(ep.base_url, f"[[fail {status}]] fatal")
+    with pytest.raises(RunFatalError, match=advice):
+        classify_here(exc, answered=True)
+
+
+def test_400_naming_an_unknown_model_stops_the_run(ep):
+    ep.script = lambda body: (400, {"error": {"message": "scripted-model is not a valid model ID"}}, {})
+    with pytest.raises(RunFatalError, match="does not accept model"):
+        classify_here(error_from(ep.base_url), answered=True)
+
+
+def test_429_returns_the_servers_retry_after(ep):
+    exc = error_from(ep.base_url, "[[fail 429 1 retry_after=7]] limited")
+    assert classify_here(exc, answered=True) == 7
+
+
+# -- connections ------------------------------------------------------------------------------
+
+def test_refused_connection_before_any_answer_stops_the_run():
+    base_url = f"http://127.0.0.1:{closed_port()}/v1"
+    exc = error_from(base_url)
+    with pytest.raises(RunFatalError) as fatal:
+        classify_here(exc, answered=False, base_url=base_url)
+    assert "refused the connection" in str(fatal.value) and base_url in str(fatal.value)
+    assert "--base_url" in str(fatal.value)
+
+
+def test_refused_connection_after_an_answer_is_transient():
+    exc = error_from(f"http://127.0.0.1:{closed_port()}/v1")
+    assert classify_here(exc, answered=True) is None
+
+
+def unresolvable_host_error() -> openai.APIConnectionError:
+    """What the aiohttp transport raises when the host name does not resolve (seen on a real call):
+    the client's error, caused by a transport error, caused by socket.gaierror."""
+    import httpx2
+    request = httpx2.Request("POST", "http://no-such-host.invalid/v1/chat/completions")
+    try:
+        try:
+            try:
+                raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+            except socket.gaierror as dns:
+                raise httpx2.ConnectTimeout("Cannot connect to host no-such-host.invalid:80", request=request) from dns
+        except httpx2.ConnectTimeout as transport:
+            raise openai.APITimeoutError(request=request) from transport
+    except openai.APITimeoutError as exc:
+        return exc
+
+
+def test_unresolvable_host_before_any_answer_stops_the_run():
+    with pytest.raises(RunFatalError, match="cannot be resolved"):
+        classify_here(unresolvable_host_error(), answered=False, base_url="http://no-such-host.invalid/v1")
+
+
+def test_unresolvable_host_after_an_answer_is_transient():
+    assert classify_here(unresolvable_host_error(), answered=True) is None
+
+
+def test_silent_endpoint_is_transient_even_before_any_answer(ep):
+    exc = error_from(ep.base_url, "[[sleep 2]] silent", timeout=0.2)
+    assert isinstance(exc, openai.APITimeoutError)
+    assert classify_here(exc, answered=False, base_url=ep.base_url) is None
+
+
+def test_dropped_connection_is_transient_even_before_any_answer(ep):
+    exc = error_from(ep.base_url, "[[drop 1]] dropped")
+    assert classify_here(exc, answered=False, base_url=ep.base_url) is None
+
+
+def test_endpoint_that_answered_then_went_away_fails_only_the_prompt():
+    with ScriptedEndpoint() as going:
+        base_url = going.base_url
+        call_once(base_url, "first")
+    with pytest.raises(PromptFailedError) as failure:
+        call_once(base_url, "second")
+    assert failure.value.error_type == "connection" and "refused" in str(failure.value)
+
+
+def test_silent_endpoint_fails_the_prompt_naming_the_request_timeout(ep):
+    with pytest.raises(PromptFailedError) as failure:
+        call_once(ep.base_url, "[[sleep 2]] silent", timeout=0.3)
+    assert failure.value.error_type == "timeout"
+    assert "no reply within 0.3s" in str(failure.value) and "--request_timeout" in str(failure.value)
+
+
+def test_a_client_bug_fails_the_prompt_with_its_name():
+    with pytest.raises(PromptFailedError) as failure:
+        classify_here(ValueError("bad header"), answered=True)
+    assert failure.value.error_type == "client_error" and "ValueError: bad header" in str(failure.value)
+
+
+# -- Retry-After ------------------------------------------------------------------------------
+
+def http_date(seconds_from_now: float) -> str:
+    return email.utils.formatdate(time.time() + seconds_from_now, usegmt=True)
+
+
+@pytest.mark.parametrize("headers, seconds", [
+    ({"retry-after": "2"}, 2.0),
+    ({"retry-after": "1.5"}, 1.5),
+    ({"retry-after": " 3 "}, 3.0),
+    ({"retry-after": "0"}, 0.0),
+    ({"retry-after-ms": "1500"}, 1.5),
+    ({"retry-after-ms": "250", "retry-after": "9"}, 0.25),      # the finer one wins
+    ({"retry-after-ms": "soon", "retry-after": "4"}, 4.0),      # garbage in one falls back to the other
+    ({"retry-after": "1e9"}, MAX_RETRY_AFTER),                   # obeyed only up to the cap
+    ({"retry-after-ms": "1e12"}, MAX_RETRY_AFTER),
+    ({"retry-after": http_date(3600)}, MAX_RETRY_AFTER),
+    ({"retry-after": http_date(-60)}, 0.0),                     # a date already past: go now
+])
+def test_retry_after_is_read_and_capped(headers, seconds):
+    assert retry_after_seconds(headers) == seconds
+
+
+def test_retry_after_as_http_date_counts_from_now():
+    assert 25 <= retry_after_seconds({"retry-after": http_date(30)}) <= 30
+
+
+@pytest.mark.parametrize("value", ["soon", "", "inf", "-inf", "nan", "-5", "0x10", "Mon, 99 Foo 2024 99:99:99 GMT",
+                                   "tomorrow at noon"])
+def test_unusable_retry_after_is_ignored(value):
+    assert retry_after_seconds({"retry-after": value}) is None
+    assert retry_after_seconds({"retry-after-ms": value}) is None
+
+
+def test_no_headers_means_no_retry_after():
+    assert retry_after_seconds(None) is None
+    assert retry_after_seconds({}) is None
+
+
+@pytest.mark.parametrize("status", [429, 503])
+def test_unparseable_retry_after_is_retried_not_a_crash(ep, status):
+    reply = call_once(ep.base_url, f"[[fail {status} 1 retry_after=soon]] limited", max_retries=1)
+    assert reply.message["content"] == "Final answer."
+    assert len(ep.chat_requests_for("limited")) == 2
+
+
+def test_paused_sessions_do_not_all_wake_at_the_same_instant():
+    async def wake_times() -> list[float]:
+        gate = RateGate()
+        gate.pause(0.3)
+        paused_until = time.monotonic() + 0.3
+
+        async def waiter() -> float:
+            await gate.wait()
+            return time.monotonic()
+        woke = await asyncio.gather(*(waiter() for _ in range(8)))
+        assert min(woke) >= paused_until - 0.01
+        return woke
+    woke = asyncio.run(wake_times())
+    assert max(woke) - min(woke) > 0.01
+
+
+def test_sessions_told_the_same_retry_after_do_not_all_return_at_once(ep):
+    arrivals: dict[str, list[float]] = {}
+
+    def record(body: dict) -> None:
+        arrivals.setdefault(body["messages"][-1]["content"], []).append(time.monotonic())
+    ep.script = record
+
+    async def calls() -> None:
+        async with make_client(ep.base_url, "sk-test", timeout=10) as client:
+            gate = RateGate()
+            await asyncio.gather(*(call_model(client, gate, body=request_body(f"[[fail 503 1 retry_after=1]] p{i}"),
+                                              model=MODEL, max_retries=1, base_url=ep.base_url) for i in range(10)))
+    asyncio.run(calls())
+    retried_at = [times[1] for times in arrivals.values()]
+    assert len(retried_at) == 10
+    assert max(retried_at) - min(retried_at) > 0.05
+
+
+# -- replies ----------------------------------------------------------------------------------
+
+def completion(message: object = None, **fields: object) -> bytes:
+    reply = {"id": "c1", "object": "chat.completion",
+             "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+             "usage": {"prompt_tokens": 10, "completion_tokens": 2}}
+    reply.update(fields)
+    return json.dumps(reply).encode()
+
+
+def test_well_formed_reply_is_parsed():
+    call = {"id": "call_1", "type": "function", "function": {"name": "terminal", "arguments": "{}"}}
+    reply = parse_reply(completion({"role": "assistant", "content": "", "tool_calls": [call]}))
+    assert reply.message["tool_calls"] == [call] and reply.finish_reason == "stop"
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (10, 2)
+
+
+def test_empty_message_and_absent_usage_are_accepted():
+    reply = parse_reply(completion({"role": "assistant", "content": None, "tool_calls": None}, usage=None))
+    assert reply.message["content"] is None and reply.usage.prompt_tokens == 0
+
+
+@pytest.mark.parametrize("raw, complaint", [
+    (b"<html>502 Bad Gateway</html>", "not JSON"),
+    (b"", "not JSON"),
+    (b"[1, 2]", "not a JSON object"),
+    (json.dumps({"id": "x"}).encode(), "no choices"),
+    (completion(choices=[]), "no choices"),
+    (json.dumps({"error": {"message": "upstream overloaded"}}).encode(), "upstream overloaded"),
+    (completion(choices={"message": {"content": "hi"}}), "choices is not a list"),
+    (completion(choices=[None]), "choices[0] is not an object"),
+    (completion(choices=["hi"]), "choices[0] is not an object"),
+    (completion(None), "message is null"),
+    (completion("Final answer."), "message is not an object"),
+    (completion({"content": "", "tool_calls": {"name": "terminal"}}), "tool_calls is not a list"),
+    (completion({"content": "", "tool_calls": ["terminal"]}), "tool_calls[0] is not an object"),
+    (completion({"content": "", "tool_calls": [{"id": "c", "function": None}]}),
+     "tool_calls[0].function is not an object"),
+    (completion({"content": "", "tool_calls": [{"id": "c", "function": {"arguments": "{}"}}]}),
+     "tool_calls[0].function.name is not a string"),
+    (completion({"content": "", "tool_calls": [{"id": "c", "function": {"name": 7}}]}),
+     "tool_calls[0].function.name is not a string"),
+    (completion({"content": "hi"}, usage=[1]), "usage is not an object"),
+    (completion({"content": "hi"}, usage={"prompt_tokens": "many"}), "usage.prompt_tokens is not a number"),
+])
+def test_malformed_reply_is_named(raw, complaint):
+    with pytest.raises(MalformedReplyError, match=complaint.replace("[", r"\[").replace("]", r"\]")):
+        parse_reply(raw)
+
+
+def test_malformed_reply_is_retried_then_fails_the_prompt(ep):
+    with pytest.raises(PromptFailedError) as failure:
+        call_once(ep.base_url, "[[malformed message_null always]] lost", max_retries=1)
+    assert failure.value.error_type == "bad_response" and "message is null" in str(failure.value)
+    assert len(ep.chat_requests_for("lost")) == 2
+
+
+# -- through the real command line ------------------------------------------------------------
+
+def run_prompts(tmp_path, base_url: str, prompts: list[str], *extra: str, run_name: str = "run"):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    return run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=5", f"--run_name={run_name}",
+                   "--distribution=terminal_only", f"--base_url={base_url}", f"--model={MODEL}", *extra, timeout=60)
+
+
+def test_closed_port_stops_the_run_at_once_with_one_clear_line(tmp_path):
+    base_url = f"http://127.0.0.1:{closed_port()}/v1"
+    result = run_prompts(tmp_path, base_url, [f"q{i}" for i in range(10)])
+    assert result.returncode == 1
+    assert "Traceback" not in result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "refused the connection" in errors[0] and base_url in errors[0], result.stderr
+    assert batch_rows(tmp_path / "data" / "run") == []          # no prompt is marked failed for it
+
+
+def test_message_null_reply_is_a_failure_row_and_the_prompt_runs_again_on_resume(tmp_path, ep):
+    prompts = ["[[malformed message_null 2]] lost"]
+    first = run_prompts(tmp_path, ep.base_url, prompts, "--max_retries=1")
+    assert "Traceback" not in first.stdout + first.stderr
+    [row] = batch_rows(tmp_path / "data" / "run")
+    assert row.get("failed") is True and row["error_type"] == "bad_response" and "message is null" in row["error"]
+    assert "discarded" not in row
+    second = run_prompts(tmp_path, ep.base_url, prompts, "--max_retries=1", "--resume")
+    assert second.returncode == 0, second.stderr
+    [kept] = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
+    assert kept["conversations"][-1]["value"].endswith("Final answer.")
+
+
+def test_silent_endpoint_fails_the_prompt_after_request_timeout(tmp_path, ep):
+    result = run_prompts(tmp_path, ep.base_url, ["[[sleep 3]] silent"], "--request_timeout=0.5", "--max_retries=0")
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "request time-out 0.5s" in result.stdout
+    [row] = batch_rows(tmp_path / "data" / "run")
+    assert row["error_type"] == "timeout" and "no reply within 0.5s" in row["error"]
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "abc", "True"])
+def test_request_timeout_must_be_a_positive_number_of_seconds(tmp_path, ep, value):
+    result = run_prompts(tmp_path, ep.base_url, ["q"], f"--request_timeout={value}")
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--request_timeout must be a positive number of seconds" in errors[0]
+    assert ep.requests == []
+
+
+def test_rate_limit_with_garbage_retry_after_still_completes_the_prompt(tmp_path, ep):
+    result = run_prompts(tmp_path, ep.base_url, ["[[fail 429 1 retry_after=soon]] limited"])
+    assert result.returncode == 0, result.stderr
+    [row] = batch_rows(tmp_path / "data" / "run")
+    assert not row.get("failed"), row

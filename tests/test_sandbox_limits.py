@@ -1,0 +1,142 @@
+"""Each limit of a prompt's environment, hit for real, and every process of a prompt gone with it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import shutil
+from pathlib import Path
+from typing import AsyncIterator, Iterator
+
+import pytest
+from conftest import live_processes_mentioning, wait_for
+
+from batchrun.environments import create_environment
+from batchrun.environments.base import Environment, EnvironmentSettings
+from batchrun.environments.limits import ResourceLimits, cgroups_available, remove_run_leftovers
+
+BACKENDS = ["local", pytest.param("bubblewrap", marks=pytest.mark.skipif(
+    shutil.which("bwrap") is None, reason="bubblewrap is not installed (CI installs it)"))]
+needs_cgroups = pytest.mark.skipif(not cgroups_available(),
+                                   reason="no control group can be created here (needs root and cgroupfs)")
+
+# Starts processes until one is refused; prints how many it got.
+SPAWN = ("python3 -c \"import subprocess\nps=[]\ntry:\n for _ in range(200): "
+         "ps.append(subprocess.Popen(['sleep','30']))\nexcept OSError: pass\nprint('started', len(ps))\"")
+
+
+RUN_LABEL = f"limits-test-{secrets.token_hex(4)}"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _remove_control_groups() -> Iterator[None]:
+    yield
+    remove_run_leftovers(RUN_LABEL)
+
+
+def settings(tmp_path: Path, **limits: int) -> EnvironmentSettings:
+    return EnvironmentSettings(work_root=tmp_path / "work", run_label=RUN_LABEL, limits=ResourceLimits(**limits))
+
+
+@contextlib.asynccontextmanager
+async def environment(kind: str, env_settings: EnvironmentSettings) -> AsyncIterator[Environment]:
+    env = create_environment(kind, env_settings, prompt_index=0)
+    await env.start()
+    try:
+        yield env
+    finally:
+        await env.close()
+
+
+def run(kind: str, env_settings: EnvironmentSettings, *commands: str, timeout: float | None = None) -> list:
+    async def scenario() -> list:
+        async with environment(kind, env_settings) as env:
+            return [await env.run(command, timeout=timeout) for command in commands]
+    return asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+@needs_cgroups
+def test_memory_limit_kills_the_process_and_says_so(tmp_path: Path, kind: str) -> None:
+    [result] = run(kind, settings(tmp_path, memory_mb=64), "python3 -c 'x = bytearray(256 * 1024 * 1024)'")
+    assert result.exit_code != 0
+    assert "memory limit of 64 MB" in (result.error or "")
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_memory_limit_holds_without_control_groups_per_process(tmp_path: Path, kind: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from batchrun.environments import limits
+    monkeypatch.setattr(limits, "_hierarchy", lambda: None)
+    [result] = run(kind, settings(tmp_path, memory_mb=64), "python3 -c 'x = bytearray(256 * 1024 * 1024)'")
+    assert result.exit_code != 0
+    assert "MemoryError" in result.output
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+@needs_cgroups
+def test_process_limit_refuses_more_processes_and_says_so(tmp_path: Path, kind: str) -> None:
+    [result] = run(kind, settings(tmp_path, processes=40), SPAWN)
+    started = int(result.output.split("started")[1].split()[0])
+    assert started < 40
+    assert "limit of 40 processes" in (result.error or "")
+
+
+def test_tmp_is_capped_in_the_sandbox(tmp_path: Path) -> None:
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed")
+    [result] = run("bubblewrap", settings(tmp_path, tmp_mb=8), "head -c 20000000 /dev/zero > /tmp/big")
+    assert result.exit_code != 0
+    assert "No space left on device" in result.output
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_a_file_larger_than_the_workspace_limit_cannot_be_written(tmp_path: Path, kind: str) -> None:
+    [result] = run(kind, settings(tmp_path, workspace_mb=4), "head -c 8000000 /dev/zero > big; ls -l big")
+    assert result.exit_code != 0 or "File size limit exceeded" in result.output
+    assert " 4194304 " in result.output
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_a_workspace_over_its_limit_is_reported_to_the_model(tmp_path: Path, kind: str) -> None:
+    commands = "for f in a b c; do head -c 3000000 /dev/urandom > $f; done"
+    [result] = run(kind, settings(tmp_path, workspace_mb=4), commands)
+    assert "workspace holds more than its limit of 4 MB" in (result.error or "")
+
+
+DETACHED = {"setsid": "setsid sleep {marker} > /dev/null 2>&1 &",
+            "double fork": "( (sleep {marker} > /dev/null 2>&1 &) & )"}
+
+
+@pytest.mark.parametrize("how", DETACHED)
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_detached_children_die_with_the_prompt(tmp_path: Path, kind: str, how: str) -> None:
+    if kind == "local" and not cgroups_available():
+        pytest.skip("local kills detached children through a control group")
+    marker = f"{1000 + secrets.randbelow(1000)}.{secrets.randbelow(10**6)}"
+
+    async def scenario() -> None:
+        async with environment(kind, settings(tmp_path)) as env:
+            await env.run(DETACHED[how].format(marker=marker))
+            await asyncio.to_thread(wait_for, lambda: live_processes_mentioning(f"sleep {marker}"),
+                                    10, "the detached child to start")
+    asyncio.run(scenario())
+    wait_for(lambda: not live_processes_mentioning(f"sleep {marker}"), 10, "the detached child to die")
+
+
+@pytest.mark.parametrize("how", DETACHED)
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_detached_children_die_when_their_command_times_out(tmp_path: Path, kind: str, how: str) -> None:
+    if kind == "local" and not cgroups_available():
+        pytest.skip("local kills detached children through a control group")
+    marker = f"{1000 + secrets.randbelow(1000)}.{secrets.randbelow(10**6)}"
+
+    async def scenario() -> None:
+        async with environment(kind, settings(tmp_path)) as env:
+            result = await env.run(DETACHED[how].format(marker=marker) + "\nsleep 30", timeout=1)
+            assert result.timed_out
+            await asyncio.to_thread(wait_for, lambda: not live_processes_mentioning(f"sleep {marker}"),
+                                    10, "the detached child to die")
+            assert (await env.run("echo still works")).output.strip() == "still works"
+    asyncio.run(scenario())
