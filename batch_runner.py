@@ -402,7 +402,7 @@ def run_cli(flags: dict[str, Any], unknown_flags: dict[str, Any]) -> int:
         import difflib
         name = next(iter(unknown_flags))
         close = difflib.get_close_matches(name, _FLAG_NAMES, n=1)
-        hint = f" — did you mean --{close[0]}?" if close else " — python batch_runner.py --help lists them"
+        hint = f" — did you mean --{close[0]}?" if close else " — python batch_runner.py --help lists the main ones"
         console.error(f"unknown flag --{name}{hint}")
         return EXIT_ERROR
     if flags["list_distributions"] is True:
@@ -440,7 +440,35 @@ def write_report_cli(run_name: Any, console: RunConsole) -> int:
     return EXIT_OK
 
 
+USAGE = """\
+usage: python batch_runner.py --dataset_file=FILE --batch_size=N --run_name=NAME [options]
+
+Runs a tool-using agent over every prompt of FILE (JSONL, one {"prompt": ...} per line) and writes
+ShareGPT trajectories to data/NAME/ (trajectories.jsonl, batch_*.jsonl, statistics.json).
+
+endpoint   --model=ID  --base_url=URL  --api_key=KEY (else OPENROUTER_API_KEY / OPENAI_API_KEY)
+           --max_tokens=N  --reasoning_effort=LEVEL  --request_timeout=SECONDS  --max_retries=N
+run        --num_workers=N (sessions at once)  --resume  --max_samples=N  --seed=N  --verbose
+           --backend=local|ray  --report (rewrite data/NAME/report.html and exit)
+tools      --distribution=NAME (--list_distributions shows them all)  --max_turns=N
+           TERMINAL_ENV=bubblewrap|local|docker|singularity (where commands run)
+limits     --prompt_timeout  --tool_timeout  --command_timeout (seconds)  --max_cost=USD
+           --max_total_tokens=N  --requests_per_minute=N
+           TERMINAL_MEMORY_MB, TERMINAL_MAX_PROCESSES, TERMINAL_TMP_MB, TERMINAL_WORKSPACE_MB
+
+Every flag, the row format and the environments: README.md.
+Exit codes: 0 done, 2 some prompts failed (--resume retries them), 1 stopped, 130 interrupted."""
+
+
 def cli() -> None:
+    arguments = sys.argv[1:]
+    asked = arguments[:arguments.index("--")] if "--" in arguments else arguments
+    if not arguments or "--help" in asked or "-h" in asked:
+        try:
+            print(USAGE)
+        except BrokenPipeError:     # piped into head or less and closed: nothing more to say
+            pass
+        exit_without_teardown(EXIT_OK)
     fire.Fire(main)
 
 

@@ -50,6 +50,7 @@ from typing import Any, Callable
 from batchrun.config import RunConfig
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.messages import Fatal, Finished, Task
+from batchrun.rate_limit import wake_delay
 from batchrun.workers import PoolStartError, process_count
 
 INSTALL_HINT = "pip install 'batch-runner[ray]'"
@@ -243,7 +244,7 @@ class RayRateGate:
         if self._follower is None:
             self._follower = asyncio.ensure_future(self._follow())
         while (delay := self._resume_at - time.time()) > 0:
-            await asyncio.sleep(delay)
+            await asyncio.sleep(wake_delay(delay))     # not every session of the run at the same instant
         if self._interval:
             slot = await self._keeper.reserve.remote()
             if (delay := slot - time.time()) > 0:
@@ -363,7 +364,7 @@ def warn(text: str) -> None:
 
 
 class RayWorkerPool:
-    """WorkerPool's interface (submit / receive / free_slots / in_flight / stop) over Ray actors."""
+    """WorkerPool's interface (submit / receive / free_slots / in_flight / stop / describe) over Ray actors."""
 
     def __init__(self, config: RunConfig, env_settings: EnvironmentSettings, available_tools: frozenset[str]) -> None:
         self._address = os.environ.get("RAY_ADDRESS", "").strip() or None
@@ -530,7 +531,8 @@ class RayWorkerPool:
 
     def receive(self, timeout: float) -> list[Finished | Fatal]:
         """Every finished result, waiting at most ``timeout`` for the first one. A lost actor's prompts
-        are sent again (or get failure rows); only losing every actor raises."""
+        are sent again (or get failure rows); only losing every actor ends the run (a Fatal, after the
+        rows that arrived with it)."""
         ray = self.ray
         watched = [*self._pending, *self._starting]
         if not watched:
@@ -547,8 +549,8 @@ class RayWorkerPool:
                 messages.extend(self._outcome(ref))
         self._give_up_late_replacements()
         if not self._live_actors() and not self._starting:
-            raise RuntimeError("every Ray session actor was lost and none could be replaced; the prompts that "
-                               "were running have no row yet")
+            messages.append(Fatal("every Ray session actor was lost and none could be replaced; the prompts "
+                                  "that were running have no row yet"))
         while self._retries and sum(self._free) > 0:
             self._dispatch(self._retries.popleft())
         return messages
@@ -568,8 +570,8 @@ class RayWorkerPool:
             message = ray.get(ref)
         except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError) as exc:
             return self._lose(actor, exc, attempt)
-        except ray.exceptions.RayError as exc:
-            raise RuntimeError(f"Ray session actor {self._actor_name(actor)} failed: {_last_lines(exc)}") from None
+        except ray.exceptions.RayError as exc:   # the call itself failed (not its prompt): a bug, stop
+            return [Fatal(f"Ray session actor {self._actor_name(actor)} failed: {_last_lines(exc)}")]
         self._free[actor] += 1
         return [message]
 
@@ -591,11 +593,13 @@ class RayWorkerPool:
         self._start_replacement(self._capacity[actor])
         failed: list[Finished | Fatal] = [self._lost_twice(victim.task, (*victim.losses, name))
                                           for victim in victims if victim.losses]
-        self._retries.extend(Attempt(victim.task, (name,)) for victim in victims if not victim.losses)
+        again = [Attempt(victim.task, (name,)) for victim in victims if not victim.losses]
+        self._retries.extend(again)
         sessions = sum(slots for index, slots in enumerate(self._capacity) if index not in self._lost)
-        twice = f" ({len(failed)} lost for the second time: failure rows, retried on resume)" if failed else ""
-        warn(f"lost Ray session actor {name}: {type(exc).__name__}. Its {len(victims)} prompt(s) in flight{twice} go "
-             f"to the {self._live_actors()} actor(s) that remain ({sessions} sessions); a replacement is starting")
+        fates = ([f"{len(again)} prompt(s) it was running go once more to the actors that remain"] if again else [])
+        fates += [f"{len(failed)} lost for the second time get a failure row (--resume retries it)"] if failed else []
+        warn(f"lost Ray session actor {name}: {type(exc).__name__}. {'; '.join(fates)}. {self._live_actors()} "
+             f"actor(s) with {sessions} sessions remain; a replacement is starting")
         return failed
 
     def _lost_twice(self, task: Task, losses: tuple[str, ...]) -> Finished:

@@ -651,7 +651,8 @@ def render(run_dir: Path, summary: RunSummary, sample: TrajectorySample) -> str:
     shown = sample.chosen()
     plot = (plots or {}).get
     body = "".join([
-        _header(run_dir, summary, info), _notices(run_dir, summary, plots is not None), f'<div class="cards">{_cards(summary, info)}</div>',
+        _header(run_dir, summary, info), _notices(run_dir, summary, plots is not None),
+        f'<div class="cards">{_cards(summary, info)}</div>',
         '<div class="grid">',
         _section("Tool calls", plot("tools"), _tool_table(summary),
                  "Calls per tool in kept trajectories; a failure is a result with an error "

@@ -463,8 +463,8 @@ class StoredRow:
         return self._row.discarded
 
     def with_format(self) -> bytes:
-        """The line with ``format`` added if it has none, so every merged row carries it (datasets
-        refuses files whose rows do not share their columns)."""
+        """The line with ``format`` added if it has none, so that every row of the merged file has
+        the same columns, as loaders such as ``datasets.load_dataset("json")`` expect."""
         if self.has_format:
             return self.line
         brace = self.line.index(b"{") + 1
@@ -476,15 +476,9 @@ def read_stored_row(line: bytes) -> StoredRow | None:
 
     Raises RowError for JSON that is not a row, and for a row of a newer format than this version's.
     """
-    try:
-        row = _ROW.decode(line)
-    except msgspec.ValidationError as exc:
-        _refuse_newer_format(line)
-        raise RowError(f"valid JSON but not a batch_runner row ({exc})") from None
-    except msgspec.DecodeError:
+    row = _decoded(line)
+    if row is None:
         return None
-    except RecursionError:
-        raise RowError("not a batch_runner row: JSON nested deeper than any row") from None
     if row.format is not None and row.format > ROW_FORMAT:
         raise _newer_format(row.format)
     if row.failed:
@@ -494,11 +488,41 @@ def read_stored_row(line: bytes) -> StoredRow | None:
     elif row.conversations is not None:
         status = COMPLETED if row.completed else PARTIAL
     else:
-        raise RowError('not a batch_runner row: it has none of "conversations", "discarded" or "failed"')
+        raise RowError('not a batch_runner row (none of "conversations", "discarded", "failed"); '
+                       "fix or remove this line")
     for turn in row.conversations or ():
         if memoryview(turn.value)[:1] != b'"':
-            raise RowError(f'not a batch_runner row: a "{turn.speaker}" turn\'s "value" is not a string')
+            raise RowError(f'not a batch_runner row (a "{turn.speaker}" turn\'s "value" is not text); '
+                           "fix or remove this line")
     return StoredRow(line, status, row)
+
+
+def _decoded(line: bytes) -> _Row | None:
+    try:
+        return _ROW.decode(line)
+    except msgspec.ValidationError as exc:
+        _refuse_newer_format(line)
+        raise RowError(f"not a batch_runner row ({exc}); fix or remove this line") from None
+    except msgspec.DecodeError:
+        return _decoded_by_python_rules(line)
+    except RecursionError:
+        raise _too_deep() from None
+
+
+def _decoded_by_python_rules(line: bytes) -> _Row | None:
+    """msgspec refuses lone UTF-16 surrogates (``"\\udc80"``), which Python's json writes and reads: a
+    line that is JSON by Python's rules is read once more with them replaced, never taken for debris."""
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None
+    except RecursionError:
+        raise _too_deep() from None
+    return _decoded(encode_row(value))      # encode_row writes each lone surrogate as "?"
+
+
+def _too_deep() -> RowError:
+    return RowError("not a batch_runner row (JSON nested deeper than any row); fix or remove this line")
 
 
 def _refuse_newer_format(line: bytes) -> None:
@@ -513,4 +537,4 @@ def _refuse_newer_format(line: bytes) -> None:
 
 def _newer_format(version: int) -> RowError:
     return RowError(f"row format {version} is newer than this batch_runner reads (format {ROW_FORMAT}); "
-                    "upgrade batch_runner to use this run")
+                    "upgrade batch_runner to continue this run")

@@ -50,9 +50,8 @@ class RunDirectoryError(Exception):
 
 
 def refused_line(path: Path, offset: int, error: rows.RowError) -> RunDirectoryError:
-    return RunDirectoryError(
-        f"{path} line {line_number(path, offset)}: {error}. Resume and merge stop here rather than run that "
-        "prompt again or leave it out; fix or remove the line, then run the same command again.")
+    return RunDirectoryError(f"{path} line {line_number(path, offset)}: {error}. Stopped here rather than run "
+                             "that prompt again or leave it out of trajectories.jsonl.")
 
 
 def line_number(path: Path, offset: int) -> int:
@@ -277,14 +276,13 @@ class RunDirectory:
                 result.add(part)
         return result
 
-    def cut_torn_tails(self) -> int:
-        """Cut off what a crash left after the last newline of each batch file; returns how many were.
+    def cut_torn_tails(self) -> None:
+        """Cut off what a crash left after the last newline of each batch file.
 
         Such a tail is never counted as done, so its prompt runs again. Left in place, the next
         append would end it with a newline: a tail that lacked only that would become a second row
         for the prompt, and a shorter one a broken line before every later row.
         """
-        cut = 0
         for path in self.batch_files():
             with path.open("r+b") as handle:
                 size = handle.seek(0, os.SEEK_END)
@@ -292,8 +290,6 @@ class RunDirectory:
                 if end < size:
                     handle.truncate(end)
                     os.fsync(handle.fileno())
-                    cut += 1
-        return cut
 
     # -- writing --------------------------------------------------------------------------------
 

@@ -9,7 +9,9 @@ how fast the kernel alone copies the same bytes to disk (the merge writes every 
 so on a slow disk that copy, not the runner, bounds it), the merge at the end of a resumed run
 that added 1% more rows (the previous merge's record lets it append only those), and the run report:
 drawn from the whole directory (``--report``) and at the end of a run whose report process has
-followed the batch files (only the last rows are read, then the page is drawn).
+followed the batch files (only the last rows are read, then the page is drawn); and the size and
+write cost of checkpoint.json at 100,000 completed prompts, beside the form earlier versions wrote
+(every done index, and counts per batch).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -29,6 +32,10 @@ LAST_ROWS = 400     # rows written in the report process's last follow interval:
 sys.path.insert(0, str(REPO))
 
 from batchrun import rows  # noqa: E402
+from batchrun.run_dir import CHECKPOINT, Checkpoint, RunDirectory, atomic_write_json  # noqa: E402
+
+CHECKPOINT_PROMPTS = 100_000
+CHECKPOINT_WRITES = 20
 
 
 def sample_rows() -> dict[str, bytes]:
@@ -143,6 +150,27 @@ def copy_ceiling(run_dir: Path) -> float:
     return time.perf_counter() - started
 
 
+def checkpoint_cost(run_dir: Path) -> None:
+    """Size and seconds per write of checkpoint.json at CHECKPOINT_PROMPTS completed prompts (batch size 1,
+    where the per-batch counts earlier versions kept were largest)."""
+    outcomes = Counter(completed=CHECKPOINT_PROMPTS * 98 // 100, failed=CHECKPOINT_PROMPTS // 100,
+                       discarded=CHECKPOINT_PROMPTS // 100)
+    checkpoint = Checkpoint(run_name="scale", dataset_file="dataset.jsonl", distribution="default", model="m",
+                            batch_size=1, total_prompts=CHECKPOINT_PROMPTS, completed_prompts=CHECKPOINT_PROMPTS,
+                            batch_stats=outcomes)
+    directory = RunDirectory(run_dir)
+    earlier = {**checkpoint.as_json(), "completed_prompts": list(range(CHECKPOINT_PROMPTS)),
+               "batch_stats": {str(index): {"completed": 1} for index in range(CHECKPOINT_PROMPTS)}}
+    for label, write in (("checkpoint", lambda: directory.write_checkpoint(checkpoint)),
+                         ("earlier form", lambda: atomic_write_json(run_dir / CHECKPOINT, earlier))):
+        started = time.perf_counter()
+        for _ in range(CHECKPOINT_WRITES):
+            write()
+        seconds = (time.perf_counter() - started) / CHECKPOINT_WRITES
+        print(f"{label:>12}: {(run_dir / CHECKPOINT).stat().st_size:>10,} bytes, {seconds * 1000:7.2f} ms per write "
+              f"at {CHECKPOINT_PROMPTS:,} completed prompts (write, fsync, rename)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=1_000_000)
@@ -174,6 +202,7 @@ def main() -> None:
         figures = measured("report-end", run_dir)
         print(f"report at the end of a run: {figures['seconds']:.2f}s, {figures['cpu_seconds']:.2f} CPU-s (the report "
               f"process had followed the batch files; it reads the last {LAST_ROWS} rows and draws the page)")
+        checkpoint_cost(run_dir)
 
 
 def measured(phase: str, run_dir: Path) -> dict:

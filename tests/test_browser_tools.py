@@ -319,7 +319,7 @@ def test_navigating_away_from_a_hung_page_goes_on_in_a_fresh_tab(session: Sessio
                                                                  quick_timeouts: None) -> None:
     hung = open_hung_page(session, site)
     view = session.call("navigate", url=site + "/form")
-    assert view["title"] == "Form" and any("fresh tab" in note for note in view["notes"])
+    assert view["title"] == "Form" and "fresh tab" in view["note"]
     assert hung not in hung.browser.contexts
 
 
@@ -330,6 +330,7 @@ def test_navigating_away_from_a_hung_page_goes_on_in_a_fresh_tab(session: Sessio
     ("javascript:alert(1)", "only http and https"),
     (METADATA, "link-local"),
     ("http://[::ffff:169.254.169.254]/", "link-local"),
+    ("http://[2002:a9fe:a9fe::1]/", "embeds 169.254.169.254, which is a link-local"),
 ])
 def test_refused_urls(session: Session, url: str, message: str) -> None:
     assert message in session.fails("navigate", url=url)
@@ -380,22 +381,23 @@ def datagrams_after_webrtc(session: Session, site: str, listeners: list[socket.s
     session.call("click", ref=ref(page, 'button "Start"'))
     gate = session.ctx.state["browser"].gate
     received = 0
-
-    def drain() -> int:
-        count = 0
-        for listener in listeners:
-            with contextlib.suppress(BlockingIOError):
-                while listener.recv(65536):
-                    count += 1
-        return count
-
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 20
     while not any("refused 127.0.0.2" in failure for failure in gate.failures):
-        assert time.monotonic() < deadline, "WebRTC never tried its TURN server through the gate"
+        assert time.monotonic() < deadline, f"no TURN attempt reached the gate; it saw {list(gate.failures)}"
         session.run(asyncio.sleep(0.05))
-        received += drain()
+        received += drain(listeners)
     session.run(asyncio.sleep(1))         # STUN and ICE checks start together with TURN
-    return received + drain()
+    return received + drain(listeners)
+
+
+def drain(listeners: list[socket.socket]) -> int:
+    """How many datagrams the listeners had waiting."""
+    count = 0
+    for listener in listeners:
+        with contextlib.suppress(BlockingIOError):
+            while listener.recv(65536):
+                count += 1
+    return count
 
 
 def chromium_network_namespaces() -> dict[int, str]:
@@ -430,9 +432,9 @@ def test_chromium_has_no_network_but_loopback_of_its_own(session: Session, site:
     namespaces = chromium_network_namespaces()
     assert namespaces and os.readlink("/proc/self/ns/net") not in namespaces.values()
     for pid in namespaces:
-        with contextlib.suppress(FileNotFoundError):
-            interfaces = [line.split(":")[0].strip() for line in Path(f"/proc/{pid}/net/dev").read_text().splitlines()[2:]]
-            assert interfaces == ["lo"]
+        with contextlib.suppress(FileNotFoundError):       # a process that ended meanwhile
+            device_lines = Path(f"/proc/{pid}/net/dev").read_text().splitlines()[2:]     # after two headings
+            assert [line.split(":")[0].strip() for line in device_lines] == ["lo"]
 
 
 def test_where_bubblewrap_cannot_isolate_it_the_webrtc_flags_keep_its_udp_in(

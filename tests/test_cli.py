@@ -335,3 +335,48 @@ def test_reasoning_disabled_warns_about_the_filter_and_turns_reasoning_off(tmp_p
     assert "--discard_no_reasoning=False" in warning
     [request] = endpoint.requests
     assert request["reasoning"] == {"enabled": False}      # wins over --reasoning_effort
+
+
+# -- bad inputs that once ended in a traceback ----------------------------------------------------
+
+@pytest.mark.parametrize("mode", [[], ["--report"]], ids=["run", "report"])
+def test_run_name_longer_than_a_directory_name_may_be_is_one_clear_error(tmp_path, endpoint, mode):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, *mode, run_name="r" * 300))
+    assert_rejected_before_anything(result, tmp_path, endpoint, "--run_name is 300 characters long; at most 128")
+    assert "r" * 129 not in result.stderr
+
+
+def test_a_dataset_line_nested_100000_deep_is_skipped_with_a_warning_naming_it(tmp_path, endpoint):
+    deep = '{"prompt": "deep", "extra": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    result = run_dataset_lines(tmp_path, endpoint, ['{"prompt": "before"}', "", deep, '{"prompt": "after"}'])
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "line 3" in warnings[0] and "nested too deeply" in warnings[0], result.stderr
+    assert sorted(human_prompt(row) for row in batch_rows(tmp_path / "data" / "run")) == ["after", "before"]
+
+
+@pytest.mark.parametrize("field", ["cwd", "image"])
+def test_a_nul_in_cwd_or_image_skips_the_line_with_a_warning_and_no_resume_retries_it(tmp_path, endpoint, field):
+    bad = json.dumps({"prompt": "with a NUL", field: "/tmp/a\0b"})
+    args = good_args(tmp_path, endpoint)
+    (tmp_path / "dataset.jsonl").write_text("\n".join(['{"prompt": "before"}', bad, '{"prompt": "after"}']) + "\n")
+    for attempt in (args, [*args, "--resume"]):
+        endpoint.reset()
+        result = run_cli(tmp_path, *attempt)
+        assert result.returncode == 0, result.stderr
+        output = result.stdout + result.stderr
+        assert "Traceback" not in output and "\0" not in output
+        warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+        assert warnings == [f'warning: line 2: "{field}" contains a NUL character; skipped'], result.stderr
+    assert endpoint.requests == []                      # the resume found nothing to run, nor to retry
+    assert sorted(human_prompt(row) for row in batch_rows(tmp_path / "data" / "run")) == ["after", "before"]
+
+
+@pytest.mark.parametrize("asking", [["--help"], ["-h"], [], ["--run_name=x", "--help"]])
+def test_help_and_no_arguments_print_the_usage_page(tmp_path, asking):
+    result = run_cli(tmp_path, *asking)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: python batch_runner.py --dataset_file=FILE --batch_size=N --run_name=NAME")
+    assert "--list_distributions" in result.stdout and "README.md" in result.stdout
+    assert not (tmp_path / "data").exists()

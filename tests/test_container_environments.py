@@ -552,7 +552,7 @@ def test_cli_fails_a_prompt_whose_image_cannot_be_pulled_without_a_model_call_an
     ])
     result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=5", "--run_name=dockerrun",
                      "--distribution=terminal_only", *endpoint_args(endpoint), env={"TERMINAL_ENV": "docker"})
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 2, result.stderr      # the failed pull: --resume retries it
     rows = {row["prompt_index"]: row for row in batch_rows(tmp_path / "data" / "dockerrun")}
     assert rows[1]["failed"] and rows[1]["error_type"] == "environment"
     assert "ghost/image:9" in rows[1]["error"] and "pull access denied" in rows[1]["error"]
@@ -561,7 +561,7 @@ def test_cli_fails_a_prompt_whose_image_cannot_be_pulled_without_a_model_call_an
     tool_turn = completed["conversations"][3]["value"]
     assert "inside" in tool_turn and "/srv/app" in tool_turn
     [run] = fake.calls("run")
-    assert "batch_runner.run=dockerrun" in run
+    assert any(argument.startswith("batch_runner.run=dockerrun-") for argument in run)   # the run identity
     assert fake.containers() == []                          # removed after the prompt
     assert not list(tmp_path.glob("proof.txt"))
 

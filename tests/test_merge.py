@@ -7,8 +7,10 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from batchrun import run_dir as run_dir_module
-from batchrun.run_dir import MERGE_RECORD, TRAJECTORIES, RunDirectory
+from batchrun.run_dir import MERGE_RECORD, TRAJECTORIES, RunDirectory, RunDirectoryError
 from conftest import endpoint_args, run_cli, write_dataset
 
 PROMPTS = ([f"prompt {i}" for i in range(6)] + [f'[[call terminal {{"command": "echo {i}"}}]] command {i}' for i in range(4)]
@@ -104,3 +106,27 @@ def test_merge_shared_out_over_processes_writes_exactly_what_one_process_writes(
     statistics = RunDirectory(run_dir).merge(lambda *_: None)
     assert (run_dir / TRAJECTORIES).read_bytes() == alone
     assert statistics.to_state() == reference
+
+
+@pytest.mark.parametrize("encoding", [{"sort_keys": True}, {"separators": (",", ":")}],
+                         ids=["sorted_keys", "compact_separators"])
+def test_rows_written_by_another_json_encoder_are_merged_and_counted_like_our_own(tmp_path, endpoint, encoding):
+    run_dir = run(tmp_path, endpoint)
+    expected, reference = rewritten(run_dir)
+    for path in run_dir.glob("batch_*.jsonl"):
+        path.write_bytes(b"".join(json.dumps(json.loads(line), **encoding).encode() + b"\n"
+                                  for line in path.read_bytes().splitlines()))
+    statistics = RunDirectory(run_dir).merge(lambda *_: None)
+    assert Counter(json.dumps(json.loads(line), sort_keys=True) for line in merged_lines(run_dir).elements()) == \
+           Counter(json.dumps(json.loads(line), sort_keys=True) for line in expected.elements())
+    assert statistics.to_state() == reference and statistics.merged == 11
+
+
+def test_a_row_of_a_newer_format_stops_the_merge_naming_file_and_line(tmp_path, endpoint):
+    run_dir = run(tmp_path, endpoint)
+    trajectories = (run_dir / TRAJECTORIES).read_bytes()
+    with (run_dir / "batch_1.jsonl").open("ab") as handle:
+        handle.write(b'{"format": 3, "prompt_index": 4, "content_key": "ab", "failed": true, "end_reason": "x"}\n')
+    with pytest.raises(RunDirectoryError, match=r"batch_1\.jsonl line 5: row format 3 is newer"):
+        RunDirectory(run_dir).merge(lambda *_: None)
+    assert (run_dir / TRAJECTORIES).read_bytes() == trajectories

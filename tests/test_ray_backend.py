@@ -13,6 +13,7 @@ import importlib.util
 import ipaddress
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -232,7 +233,7 @@ def test_ray_run_writes_what_a_local_run_writes_on_loopback_only_and_leaves_no_p
     ray_dir.mkdir()
     dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
     local = run_cli(local_dir, *args(dataset, endpoint, "--num_workers=4", "--seed=7"))
-    assert local.returncode == 0, local.stderr
+    assert local.returncode == 2, local.stderr      # the run finished; the refused prompt failed
     local_calls = Counter(map(last_user_message, endpoint.requests))
     endpoint.reset()
 
@@ -251,7 +252,7 @@ def test_ray_run_writes_what_a_local_run_writes_on_loopback_only_and_leaves_no_p
     finally:
         if process.poll() is None:
             process.kill()
-    assert process.returncode == 0, stderr
+    assert process.returncode == 2, stderr
     assert len(running) > 3 and sockets     # the CLI, Ray's own processes and the actors, with their sockets
     assert non_loopback(sockets) == []
     assert any(entry["state"] == "0A" for entry in sockets)   # Ray's servers listen: on 127.0.0.1 only
@@ -367,7 +368,7 @@ def row_prompt(row: dict) -> str:
 def test_a_ray_address_where_nothing_listens_fails_at_once_with_one_clear_line(tmp_path, endpoint):
     address = f"127.0.0.1:{free_port()}"
     dataset = write_dataset(tmp_path / "dataset.jsonl", ["hello"])
-    # Ray alone retries such an address for 13 minutes; the limit here is what a user would wait.
+    # Ray alone retries such an address for 13 minutes: the test's 60 s limit would end it.
     result = run_cli(tmp_path, *args(dataset, endpoint, "--backend=ray"), env={"RAY_ADDRESS": address}, timeout=60)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
@@ -402,8 +403,7 @@ def test_a_prompt_that_kills_its_actor_twice_gets_a_failure_row_and_the_run_goes
 
 
 class TwoNodeCluster:
-    """A Ray head and a second node (resource ``nodeB``) on 127.0.0.1, one CPU each, started with
-    tests/ray_node.py; every process of each node is found by its tag (and the processes below those)."""
+    """A Ray head and a second node on 127.0.0.1, one CPU each, started with tests/ray_node.py; every process of each node is found by its tag (and the processes below those)."""
 
     def __init__(self, temp_dir: str, tmp_path: Path) -> None:
         self.port = free_port()
@@ -421,7 +421,7 @@ class TwoNodeCluster:
                   f"--dashboard-agent-listen-port={free_port()}"]   # not Ray's fixed default 52365
         self._ray_start("head", "--head", f"--port={self.port}", f"--temp-dir={self._temp_dir}",
                         "--include-dashboard=false", *common)
-        self._ray_start("second", f"--address={self.address}", '--resources={"nodeB": 1}', *common)
+        self._ray_start("second", f"--address={self.address}", *common)
 
     def _ray_start(self, node: str, *flags: str) -> None:
         environment = cli_environment(self._tmp_path, {**self.environment, TAG: self.tags[node],
@@ -439,7 +439,7 @@ class TwoNodeCluster:
                 if started := _start_time(pid):
                     found[pid] = started
                 found.update(descendants(pid))
-        return found
+        return {pid: started for pid, started in found.items() if process_state(pid) != "Z"}
 
     def kill(self, *nodes: str) -> None:
         """kill -9 every process of these nodes, all found before any dies (orphans leave the tree)."""
@@ -491,8 +491,9 @@ def test_losing_a_ray_node_mid_run_moves_its_prompts_to_the_actor_that_remains(t
     stdout, stderr = stdout_path.read_text(), stderr_path.read_text()
     assert process.returncode == 0, stderr
     assert "· 2 nodes (" in stdout              # two raylets on one address are two nodes
-    assert "warning: lost Ray session actor" in stderr
+    # The lost actor held prompts (perhaps before their first model call), and they went elsewhere.
+    assert re.search(r"^warning: lost Ray session actor \d+ .*\. [12] prompt\(s\) it was running go once more", stderr,
+                     re.MULTILINE), stderr
     assert Counter(map(row_prompt, batch_rows(run_dir))) == Counter(prompts)
     assert Counter(human_prompt(row) for row in read_jsonl(run_dir / "trajectories.jsonl")) == Counter(prompts)
-    sent = Counter(map(last_user_message, endpoint.requests))
-    assert 2 in sent.values() and max(sent.values()) == 2   # the lost node's prompts were sent once more
+    assert max(Counter(map(last_user_message, endpoint.requests)).values()) <= 2

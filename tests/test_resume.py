@@ -206,6 +206,11 @@ def test_resume_scan_shared_out_over_processes_counts_what_one_process_counts(tm
 
 # -- rows as they may be found: torn, re-encoded, older, newer, foreign ----------------------------------------
 
+def results(run_dir: Path) -> dict[str, bytes]:
+    """The bytes of every file the run wrote (the lock file holds only the last pid)."""
+    return {path.name: path.read_bytes() for path in run_dir.iterdir() if path.is_file() and path.name != ".lock"}
+
+
 def rewrite_rows(run_dir: Path, change) -> None:
     """Every row of every batch file replaced by ``change(row)`` (bytes, with its newline)."""
     for path in run_dir.glob("batch_*.jsonl"):
@@ -262,6 +267,18 @@ def test_rows_written_before_rows_carried_a_format_resume_and_are_merged_with_on
     assert [row["format"] for row in merged] == [rows.ROW_FORMAT] * 5     # every merged row has the same columns
 
 
+def test_a_line_that_is_not_json_amid_the_rows_is_skipped(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["a", "b"])
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset)).returncode == 0
+    batch = tmp_path / "data" / "run" / "batch_0.jsonl"
+    first, second = batch.read_bytes().splitlines(keepends=True)
+    batch.write_bytes(first + b'{"format": 1, "prompt_index": 7, "conte\n' + second)   # what old crashes left
+    endpoint.reset()
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
+    assert result.returncode == 0, result.stderr
+    assert endpoint.requests == [] and merged_prompts(tmp_path) == Counter(["a", "b"])
+
+
 @pytest.mark.parametrize("line, complaint", [
     (b'{"format": 2, "prompt_index": 1, "content_key": "ab", "conversations": [], "end_reason": "final_answer"}',
      "row format 2 is newer than this batch_runner reads (format 1)"),
@@ -274,7 +291,7 @@ def test_a_line_of_json_that_is_no_row_this_version_reads_stops_resume_naming_it
     batch = tmp_path / "data" / "run" / "batch_0.jsonl"
     first, second = batch.read_bytes().splitlines(keepends=True)
     batch.write_bytes(first + line + b"\n" + second)
-    before = {path.name: path.read_bytes() for path in batch.parent.iterdir() if path.is_file()}
+    before = results(batch.parent)
     endpoint.reset()
 
     result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
@@ -283,13 +300,14 @@ def test_a_line_of_json_that_is_no_row_this_version_reads_stops_resume_naming_it
     errors = [text for text in result.stderr.splitlines() if text.startswith("error:")]
     assert len(errors) == 1 and "batch_0.jsonl line 2: " in errors[0] and complaint in errors[0], result.stderr
     assert endpoint.requests == []
-    assert {path.name: path.read_bytes() for path in batch.parent.iterdir() if path.is_file()} == before
+    assert results(batch.parent) == before
 
 
 # -- the checkpoint -----------------------------------------------------------------------------------------
 
 def test_the_checkpoint_counts_done_prompts_and_rows_per_outcome_over_every_invocation(tmp_path, endpoint):
-    dataset = write_dataset(tmp_path / "dataset.jsonl", ["a", "[[reasoning none]] silent", "[[fail 400]] no", "b"])
+    prompts = ["a", "[[reasoning none]] silent", "[[fail 400 always]] no", "b"]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
     assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--max_samples=3")).returncode == 2
     checkpoint_path = tmp_path / "data" / "run" / "checkpoint.json"
     first = json.loads(checkpoint_path.read_text())
@@ -312,3 +330,11 @@ def test_a_checkpoint_of_an_earlier_version_is_continued(tmp_path, endpoint):
     assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume")).returncode == 0
     checkpoint = json.loads(checkpoint_path.read_text())
     assert (checkpoint["completed_prompts"], checkpoint["batch_stats"]) == (2, {"completed": 2, "failed": 3})
+
+
+def test_resume_warns_when_an_argument_differs_from_the_checkpoint(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["a", "b"])
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--max_samples=1")).returncode == 0
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume", "--model=another-model"))
+    assert result.returncode == 0, result.stderr
+    assert "resuming with --model=another-model, but this run started with scripted-model" in result.stderr

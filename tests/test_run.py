@@ -34,7 +34,7 @@ def test_full_run_writes_batches_checkpoint_statistics_and_merged_file(tmp_path,
     merged = read_jsonl(run_dir / "trajectories.jsonl")
     assert sorted(row["prompt_index"] for row in merged) == list(range(7))
     checkpoint = json.loads((run_dir / "checkpoint.json").read_text())
-    assert checkpoint["completed_prompts"] == list(range(7))
+    assert checkpoint["completed_prompts"] == 7
     assert checkpoint["run_name"] == "run"
     statistics = json.loads((run_dir / "statistics.json").read_text())
     assert statistics["total_prompts"] == 7
@@ -224,7 +224,7 @@ def test_default_environment_is_the_bubblewrap_sandbox_when_it_works(tmp_path, e
         pytest.skip(f"bubblewrap cannot sandbox here: {bubblewrap_problem()}")
     result = run_prompts(tmp_path, endpoint, ['[[call terminal {"command": "pwd; touch made-here"}]] where am i'])
     assert result.returncode == 0, result.stderr
-    assert "environment bubblewrap (isolated sandbox)" in result.stdout
+    assert "environment bubblewrap (isolated sandbox, " in result.stdout and "limits per prompt:" in result.stdout
     [row] = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
     assert '"output": "/workspace\\n"' in row["conversations"][3]["value"]
     assert not (tmp_path / "made-here").exists()

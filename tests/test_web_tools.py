@@ -29,6 +29,7 @@ from batchrun.environments.base import EnvironmentSettings
 from batchrun.environments.local import LocalEnvironment
 from batchrun.tools import ModelAccess, ToolContext, ToolError
 from batchrun.tools import clients, configuration
+from batchrun.tools.address_policy import address_refusal
 from batchrun.tools.extract import MAX_CHARS, MAX_PAGE_BYTES, web_extract
 from batchrun.tools.image_gen import image_generate
 from batchrun.tools.search import web_search
@@ -343,6 +344,8 @@ def test_extract_reports_each_failing_url_and_fails_only_when_all_fail(site, all
     ("http://[fd00:ec2::254]/latest/meta-data/", "link-local or cloud-metadata"),
     ("http://[fe80::1]/", "link-local or cloud-metadata"),
     ("http://metadata.google.internal/computeMetadata/v1/", "cloud-metadata host"),
+    ("http://168.63.129.16/machine?comp=goalstate", "link-local or cloud-metadata"),
+    ("http://[64:ff9b::a9fe:a9fe]/latest/meta-data/", "embeds 169.254.169.254, which is a link-local"),
 ])
 def test_extract_refuses_other_schemes_and_metadata_addresses(url, reason, allow_private):
     with pytest.raises(ToolError, match=reason):
@@ -360,6 +363,62 @@ def test_private_and_loopback_addresses_need_the_allow_variable(site, monkeypatc
     monkeypatch.setenv("WEB_ALLOW_PRIVATE", "1")
     [page] = call(web_extract, {"urls": [f"http://localhost:{site.port}/cats"]})["results"]
     assert "All about cats" in page["content"]
+
+
+# The address policy itself, for the forms Python's ipaddress flags call global although they reach
+# a refused address. Judged by the function only: nothing is sent to any of these addresses.
+@pytest.mark.parametrize("address, embedded", [
+    ("::127.0.0.1", "127.0.0.1"),                 # IPv4-compatible
+    ("::ffff:127.0.0.1", "127.0.0.1"),            # IPv4-mapped
+    ("::ffff:0:7f00:1", "127.0.0.1"),             # IPv4-translated
+    ("64:ff9b::7f00:1", "127.0.0.1"),             # NAT64
+    ("64:ff9b::a00:1", "10.0.0.1"),
+    ("2002:7f00:1::", "127.0.0.1"),               # 6to4
+    ("2002:c0a8:101::1", "192.168.1.1"),
+    ("2001:0:4136:e378:8000:63bf:80ff:fffe", "127.0.0.1"),     # Teredo, the client's address
+])
+def test_ipv6_forms_of_a_private_ipv4_address_are_judged_by_it(address, embedded, monkeypatch):
+    assert address_refusal(address).endswith(f" embeds {embedded}, which is a private, loopback or reserved "
+                                             f"address (allowed only with WEB_ALLOW_PRIVATE=1)")
+    monkeypatch.setenv("WEB_ALLOW_PRIVATE", "1")
+    assert address_refusal(address) is None
+
+
+@pytest.mark.parametrize("address", ["::169.254.169.254", "::ffff:0:a9fe:a9fe", "64:ff9b::a9fe:a9fe",
+                                     "2002:a9fe:a9fe::1"])
+def test_ipv6_forms_of_the_metadata_address_need_the_link_local_switch(address, monkeypatch):
+    monkeypatch.setenv("WEB_ALLOW_PRIVATE", "1")
+    assert "embeds 169.254.169.254, which is a link-local or cloud-metadata" in address_refusal(address)
+    monkeypatch.setenv("WEB_ALLOW_LINK_LOCAL", "1")
+    assert address_refusal(address) is None
+
+
+@pytest.mark.parametrize("address", ["::ffff:8.8.8.8", "64:ff9b::808:808", "2002:808:808::1"])
+def test_ipv6_forms_of_a_public_ipv4_address_are_allowed(address):
+    assert address_refusal(address) is None
+
+
+@pytest.mark.parametrize("address", ["224.0.0.251", "239.255.255.250", "233.252.0.1", "ff02::1", "ff0e::1",
+                                     "::ffff:224.0.0.251", "64:ff9b::e000:fb"])
+def test_multicast_addresses_are_refused_whatever_is_allowed(address, monkeypatch):
+    monkeypatch.setenv("WEB_ALLOW_PRIVATE", "1")
+    monkeypatch.setenv("WEB_ALLOW_LINK_LOCAL", "1")
+    assert "a multicast address" in address_refusal(address)
+
+
+@pytest.mark.parametrize("address", ["fec0::1", "64:ff9b:1::a00:1"])      # site-local, local-use NAT64
+def test_addresses_for_local_use_only_need_the_private_switch(address, monkeypatch):
+    assert "private, loopback or reserved" in address_refusal(address)
+    monkeypatch.setenv("WEB_ALLOW_PRIVATE", "1")
+    assert address_refusal(address) is None
+
+
+def test_azure_wireserver_is_a_cloud_metadata_address(monkeypatch):
+    monkeypatch.setenv("WEB_ALLOW_PRIVATE", "1")
+    assert address_refusal("168.63.129.16") == ("168.63.129.16 is a link-local or cloud-metadata address "
+                                                "(allowed only with WEB_ALLOW_LINK_LOCAL=1)")
+    monkeypatch.setenv("WEB_ALLOW_LINK_LOCAL", "1")
+    assert address_refusal("168.63.129.16") is None
 
 
 def test_the_connection_goes_to_the_checked_address(site, allow_private, monkeypatch):

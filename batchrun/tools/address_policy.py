@@ -1,11 +1,16 @@
-"""Which network addresses a fetching tool may reach (SPEC §14); shared by web_extract, vision and the
-browser, so one pair of switches governs them all.
+"""Which network addresses a fetching tool may reach; shared by web_extract, vision and the browser,
+so one pair of switches governs them all.
 
 Addresses are judged, not host names: every address a name resolves to must be allowed (a name that
 resolves to both a public and a private address must not be a way in), and callers connect to the
 checked address itself. By default only public addresses are reachable. ``WEB_ALLOW_PRIVATE=1`` also
 allows private networks and loopback (a local test site, an intranet); ``WEB_ALLOW_LINK_LOCAL=1`` also
-link-local and cloud-metadata addresses, where cloud credentials live.
+link-local and cloud-metadata addresses, where cloud credentials live. Multicast addresses are never
+reachable: nothing is fetched from one over TCP.
+
+An IPv6 address that carries an IPv4 address (mapped, compatible, translated, NAT64, 6to4, Teredo) is
+judged by that IPv4 address, which is where its packets end up: Python's ipaddress calls
+``::127.0.0.1`` or ``64:ff9b::a9fe:a9fe`` global.
 """
 
 from __future__ import annotations
@@ -20,9 +25,16 @@ from batchrun.tools.configuration import enabled
 ALLOW_PRIVATE = "WEB_ALLOW_PRIVATE"
 ALLOW_LINK_LOCAL = "WEB_ALLOW_LINK_LOCAL"
 METADATA_HOSTS = frozenset({"metadata.google.internal", "metadata.goog"})
-# AWS/GCP/Azure/Oracle (link-local anyway), AWS over IPv6 (a unique-local address), Alibaba Cloud.
+# AWS/GCP/Azure/Oracle (link-local anyway), AWS over IPv6 (a unique-local address), Alibaba Cloud, and
+# Azure's WireServer (a public address that hands a VM its configuration and certificates).
 _METADATA_ADDRESSES = frozenset(map(ipaddress.ip_address, ("169.254.169.254", "fd00:ec2::254",
-                                                           "100.100.100.200")))
+                                                           "100.100.100.200", "168.63.129.16")))
+# The IPv6 ranges whose last 32 bits are an IPv4 address: compatible (::a.b.c.d), mapped, translated,
+# and NAT64's well-known prefix.
+_IPV4_IN_LAST_32_BITS = tuple(map(ipaddress.ip_network, ("::/96", "::ffff:0:0/96", "::ffff:0:0:0/96",
+                                                         "64:ff9b::/96")))
+# For local use only, though Python's ipaddress calls them global: site-local, and NAT64 within a site.
+_LOCAL_USE = tuple(map(ipaddress.ip_network, ("fec0::/10", "64:ff9b:1::/48")))
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -31,15 +43,36 @@ def address_refusal(address: Address | str) -> str | None:
     """Why connecting to ``address`` is refused under the current allow variables, or None."""
     if isinstance(address, str):
         address = ipaddress.ip_address(address.partition("%")[0])      # drop an IPv6 zone index
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
-        address = address.ipv4_mapped
+    embedded = _embedded_ipv4(address) if isinstance(address, ipaddress.IPv6Address) else None
+    reason = _refusal(embedded or address)
+    if reason is None:
+        return None
+    return f"{address} embeds {embedded}, which {reason}" if embedded else f"{address} {reason}"
+
+
+def _embedded_ipv4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address that ``address`` carries, if it carries one (for Teredo, the client's)."""
+    if address.sixtofour:
+        return address.sixtofour
+    if address.teredo:
+        return address.teredo[1]
+    if int(address) > 1 and any(address in network for network in _IPV4_IN_LAST_32_BITS):   # not :: or ::1
+        return ipaddress.IPv4Address(int(address) & 0xFFFF_FFFF)
+    return None
+
+
+def _refusal(address: Address) -> str | None:
+    """Why ``address`` (no IPv4 carrier) is refused, as the rest of a sentence that names it."""
+    if address.is_multicast:
+        return "is a multicast address (never allowed: nothing is fetched from one)"
     if address in _METADATA_ADDRESSES or address.is_link_local:
         if enabled(ALLOW_LINK_LOCAL):
             return None
-        return f"{address} is a link-local or cloud-metadata address (allowed only with {ALLOW_LINK_LOCAL}=1)"
-    if address.is_global or enabled(ALLOW_PRIVATE):
+        return f"is a link-local or cloud-metadata address (allowed only with {ALLOW_LINK_LOCAL}=1)"
+    local_use = any(address in network for network in _LOCAL_USE)
+    if (address.is_global and not local_use) or enabled(ALLOW_PRIVATE):
         return None
-    return f"{address} is a private, loopback or reserved address (allowed only with {ALLOW_PRIVATE}=1)"
+    return f"is a private, loopback or reserved address (allowed only with {ALLOW_PRIVATE}=1)"
 
 
 def host_refusal(host: str) -> str | None:

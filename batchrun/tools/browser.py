@@ -118,7 +118,7 @@ def unavailable_reason() -> str | None:
 # --- which addresses the browser may reach ------------------------------------------------------
 
 class _Gate:
-    """A SOCKS5 server on 127.0.0.1 for one browser context: every connection it makes passes here.
+    """The SOCKS5 server of one browser context: every connection the context makes passes here.
 
     Chromium reports any proxy failure as ERR_SOCKS_CONNECTION_FAILED, so the gate keeps the reasons
     of its recent failures for the tool to tell the model.
@@ -126,21 +126,13 @@ class _Gate:
 
     def __init__(self) -> None:
         self.failures: deque[str] = deque(maxlen=8)
-        self._server: asyncio.Server | None = None
         self._streams: set[asyncio.StreamWriter] = set()
 
-    async def start(self) -> str:
-        """Start listening; returns the proxy URL for the browser context."""
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return f"socks5://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
-
     def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
         for stream in list(self._streams):     # open tunnels end with their streams
             stream.close()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._streams.add(writer)
         upstream: asyncio.StreamWriter | None = None
         try:
@@ -199,7 +191,117 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         writer.close()
 
 
+class _Gates(Protocol):
+    """Where the browser's contexts reach their gates."""
+
+    async def add(self, gate: _Gate) -> str:
+        """Start serving ``gate``; returns the proxy URL for its browser context."""
+
+    def remove(self, gate: _Gate) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _NamespaceGates:
+    """The gates of a Chromium in a network namespace of its own, served here, on the host's network.
+
+    The one socket listening in the namespace (on all its addresses, which are only loopback ones)
+    takes every context's connections; each context gets its own loopback address as its proxy, so
+    the address a connection arrived at tells whose gate it passes.
+    """
+
+    def __init__(self, listener: socket.socket) -> None:
+        self._listener = listener
+        self._server: asyncio.Server | None = None
+        self._gates: dict[str, _Gate] = {}
+        self._addresses: dict[_Gate, str] = {}
+        self._last = 1
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._route, sock=self._listener)
+
+    async def add(self, gate: _Gate) -> str:
+        while True:         # round the 16 million addresses of 127.0.0.0/8, skipping those in use
+            self._last = self._last % 0xFFFFFD + 2
+            address = str(ipaddress.IPv4Address(0x7F000000 + self._last))
+            if address not in self._gates:
+                break
+        self._gates[address], self._addresses[gate] = gate, address
+        return f"socks5://{address}:{GATE_PORT}"
+
+    def remove(self, gate: _Gate) -> None:
+        address = self._addresses.pop(gate, None)
+        if address is not None:
+            del self._gates[address]
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        self._listener.close()
+
+    async def _route(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        gate = self._gates.get(writer.get_extra_info("sockname")[0])
+        if gate is None:                # a context already closed
+            writer.close()
+            return
+        await gate.serve(reader, writer)
+
+
+class _LoopbackGates:
+    """The gates of a Chromium that shares the host's network: each listens on a port of 127.0.0.1."""
+
+    def __init__(self) -> None:
+        self._servers: dict[_Gate, asyncio.Server] = {}
+
+    async def add(self, gate: _Gate) -> str:
+        server = self._servers[gate] = await asyncio.start_server(gate.serve, "127.0.0.1", 0)
+        return f"socks5://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+    def remove(self, gate: _Gate) -> None:
+        server = self._servers.pop(gate, None)
+        if server is not None:
+            server.close()
+
+    def close(self) -> None:
+        for gate in list(self._servers):
+            self.remove(gate)
+
+
 # --- the process's browser ----------------------------------------------------------------------
+
+_namespace_probes: dict[str, bool] = {}
+
+
+def _namespace_argv(bwrap: str) -> list[str]:
+    """bwrap's options: the host's whole file system as it is, and a network of its own."""
+    return [bwrap, "--dev-bind", "/", "/", "--unshare-net", "--die-with-parent", "--"]
+
+
+async def _isolating_bwrap() -> str | None:
+    """bwrap, if it can make a network namespace here (installed is not enough: a container may
+    forbid namespaces); tried once per process."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return None
+    if bwrap not in _namespace_probes:
+        _namespace_probes[bwrap] = await _runs(*_namespace_argv(bwrap), sys.executable, "-I", "-S", "-c", "")
+    return bwrap if _namespace_probes[bwrap] else None
+
+
+async def _runs(*argv: str) -> bool:
+    """Whether the command starts and exits with status 0 within LAUNCH_TIMEOUT_S."""
+    try:
+        process = await asyncio.create_subprocess_exec(*argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                                       stderr=subprocess.DEVNULL)
+    except OSError:
+        return False
+    try:
+        return await within(LAUNCH_TIMEOUT_S, process.wait()) == 0
+    except asyncio.TimeoutError:
+        process.kill()
+        await process.wait()
+        return False
+
 
 class _BrowserHost:
     """This process's Chromium, launched on first use and relaunched if it died; bound to one event
@@ -210,27 +312,41 @@ class _BrowserHost:
         self._lock = asyncio.Lock()
         self._playwright: Playwright | None = None
         self._browser: Browser | None = None
+        self._gates: _Gates | None = None
+        self._directory: str | None = None
 
-    async def browser(self) -> Browser:
+    async def browser(self) -> tuple[Browser, _Gates]:
         async with self._lock:
-            if self._browser is None or not self._browser.is_connected():
+            if self._browser is None or self._gates is None or not self._browser.is_connected():
                 await self._stop()
-                self._browser = await self._launch()
-            return self._browser
+                await self._launch()
+            assert self._browser is not None and self._gates is not None
+            return self._browser, self._gates
 
-    async def _launch(self) -> Browser:
+    async def _launch(self) -> None:
         from playwright.async_api import Error, async_playwright
 
         executable = chromium_executable()
         if executable is None:
             raise ToolError(f"no Chromium found: {INSTALL_HINT}")
         environment = None
-        if len(tempfile.gettempdir()) > TMPDIR_CHARS:
-            environment = {**os.environ, "TMPDIR": "/tmp"}
+        temporary = tempfile.gettempdir()
+        if len(temporary) > TMPDIR_CHARS:
+            environment, temporary = {**os.environ, "TMPDIR": "/tmp"}, "/tmp"
+        options = {"args": list(CHROMIUM_ARGS), "env": environment, "timeout": LAUNCH_TIMEOUT_S * 1000}
         try:
             self._playwright = await async_playwright().start()
-            return await self._playwright.chromium.launch(executable_path=executable, args=list(CHROMIUM_ARGS),
-                                                          env=environment, timeout=LAUNCH_TIMEOUT_S * 1000)
+            bwrap = await _isolating_bwrap()
+            if bwrap is None:
+                self._browser = await self._playwright.chromium.launch(executable_path=executable, **options)
+                self._gates = _LoopbackGates()
+                return
+            self._directory = tempfile.mkdtemp(prefix="batchrun-browser-", dir=temporary)
+            self._browser, listener = await _launch_isolated(self._playwright.chromium, bwrap, executable,
+                                                             Path(self._directory), options)
+            gates = _NamespaceGates(listener)
+            self._gates = gates
+            await gates.start()
         except Error as exc:
             fatal = re.search(r":FATAL:[^\]]*\] (.*)", str(exc))     # Chromium's own last words, if any
             raise ToolError(f"could not start Chromium ({executable}): "
@@ -248,7 +364,60 @@ class _BrowserHost:
         if self._playwright is not None:
             with contextlib.suppress(Exception):
                 await self._playwright.stop()
-        self._browser = self._playwright = None
+        if self._gates is not None:
+            self._gates.close()
+        if self._directory is not None:
+            shutil.rmtree(self._directory, ignore_errors=True)
+        self._browser = self._playwright = self._gates = self._directory = None
+
+
+async def _launch_isolated(chromium: BrowserType, bwrap: str, executable: str, directory: Path,
+                           options: dict) -> tuple[Browser, socket.socket]:
+    """Launch Chromium in a network namespace of its own; returns it and the socket listening for
+    its gates in that namespace.
+
+    Playwright starts a single executable, so a script in ``directory`` wraps Chromium in bwrap.
+    """
+    handover_path = directory / "handover"
+    wrapper = directory / "chromium"
+    wrapper.write_text("#!/bin/sh\nexec " + shlex.join([*_namespace_argv(bwrap), sys.executable, "-I", "-S", "-c",
+                                                        _ENTER_NAMESPACE, str(handover_path), executable])
+                       + ' "$@"\n')
+    wrapper.chmod(0o700)
+    with socket.socket(socket.AF_UNIX) as handover:
+        handover.bind(str(handover_path))
+        handover.listen(1)
+        handover.setblocking(False)
+        receiving = asyncio.ensure_future(_receive_socket(handover))
+        try:
+            browser = await chromium.launch(executable_path=str(wrapper), **options)
+        except BaseException:
+            if receiving.done() and not receiving.cancelled() and receiving.exception() is None:
+                receiving.result().close()
+            receiving.cancel()
+            raise
+        try:
+            return browser, await within(LAUNCH_TIMEOUT_S, receiving)
+        except BaseException:
+            await browser.close()
+            raise
+
+
+async def _receive_socket(handover: socket.socket) -> socket.socket:
+    """The socket that the namespace's first process sends over its connection to ``handover``."""
+    loop = asyncio.get_running_loop()
+    connection, _ = await loop.sock_accept(handover)
+    with connection:
+        arrived = loop.create_future()
+        loop.add_reader(connection, lambda: arrived.done() or arrived.set_result(None))
+        try:
+            await arrived
+        finally:
+            loop.remove_reader(connection)
+        _, descriptors, _, _ = socket.recv_fds(connection, 16, 1)
+    if not descriptors:
+        raise ToolError("Chromium's network namespace handed over no socket for its gates")
+    return socket.socket(fileno=descriptors[0])
 
 
 _host: _BrowserHost | None = None
@@ -275,6 +444,15 @@ async def close_browser() -> None:
 
 # --- one session's tab --------------------------------------------------------------------------
 
+class _Unresponsive(Exception):
+    """The page stopped answering during ``what`` (a script that never yields blocks every later
+    call on it, the next navigation included)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
+
+
 @dataclass
 class _Tab:
     """A session's browser context, the page the model is looking at, and the context's gate."""
@@ -283,14 +461,17 @@ class _Tab:
     context: BrowserContext
     page: Page
     gate: _Gate
+    gates: _Gates
 
     def follow(self, page: Page) -> None:
         """A link opened in a new window: the model carries on there, as a person would."""
         self.page = page
 
     async def close(self) -> None:
+        """Close the context, its pages and their renderers (a hung one included)."""
         with contextlib.suppress(Exception):
-            await self.context.close()
+            await within(ACTION_TIMEOUT_S, self.context.close())
+        self.gates.remove(self.gate)
         self.gate.close()
 
     def element(self, args: dict) -> tuple[Locator, str]:
@@ -298,17 +479,23 @@ class _Tab:
         ref = _string(args, "ref").strip().removeprefix("[").removesuffix("]").removeprefix("ref=")
         if not _REF.fullmatch(ref):
             raise ToolError(f"'ref' must be an element reference such as 'e12' from the latest snapshot, "
-                            f"not {ref!r}")
+                            f"not {_cut(ref, TEXT_CHARS)!r}")
         return self.page.locator(f"aria-ref={ref}"), ref
 
     @contextlib.asynccontextmanager
     async def acting(self, what: str) -> AsyncIterator[None]:
-        """Turn Playwright's errors during an action into a ToolError the model can act on."""
-        from playwright.async_api import Error
+        """Turn Playwright's errors during an action into a ToolError the model can act on, and a time-out
+        on a page that no longer answers into _Unresponsive."""
+        from playwright.async_api import Error, TimeoutError as PlaywrightTimeout
 
         self.gate.failures.clear()
         try:
             yield
+        except (asyncio.TimeoutError, PlaywrightTimeout) as exc:
+            if not await _responds(self.page):
+                raise _Unresponsive(what) from None
+            raise ToolError(f"{what} failed: "
+                            f"{_first_line(exc) or f'no answer within {ACTION_TIMEOUT_S:g} s'}") from None
         except Error as exc:
             message = _first_line(exc)
             if "ERR_SOCKS_CONNECTION_FAILED" in message and self.gate.failures:
@@ -316,26 +503,42 @@ class _Tab:
             raise ToolError(f"{what} failed: {message}") from None
 
 
+async def _responds(page: Page) -> bool:
+    """Whether the page's renderer still runs scripts."""
+    from playwright.async_api import Error
+
+    try:
+        await _answer(page.evaluate("0"))
+    except asyncio.TimeoutError:
+        return False
+    except Error:           # closed, or between two documents: not stuck
+        pass
+    return True
+
+
 async def _tab(ctx: ToolContext) -> _Tab:
-    """The session's tab, opened on its first browser call (and again if the browser crashed)."""
+    """The session's tab, opened on its first browser call (and again after the browser crashed or
+    the tab was discarded)."""
     tab: _Tab | None = ctx.state.get(_STATE_KEY)
     if tab is not None and tab.browser.is_connected():
         if tab.page.is_closed():    # the window it followed was closed: back to the newest one left
             tab.page = tab.context.pages[-1] if tab.context.pages else await tab.context.new_page()
         return tab
-    if tab is None:
+    if _STATE_KEY not in ctx.state:
         ctx.cleanups.append(functools.partial(_close_tab, ctx))
-    else:
+    elif tab is not None:
         await tab.close()
-    browser = await _current_host().browser()
+    ctx.state[_STATE_KEY] = None
+    browser, gates = await _current_host().browser()
     gate = _Gate()
     try:
-        context = await browser.new_context(proxy={"server": await gate.start()}, service_workers="block",
+        context = await browser.new_context(proxy={"server": await gates.add(gate)}, service_workers="block",
                                             accept_downloads=False)
         context.set_default_timeout(ACTION_TIMEOUT_S * 1000)
         context.set_default_navigation_timeout(NAVIGATION_TIMEOUT_S * 1000)
-        tab = _Tab(browser=browser, context=context, page=await context.new_page(), gate=gate)
+        tab = _Tab(browser=browser, context=context, page=await context.new_page(), gate=gate, gates=gates)
     except BaseException:
+        gates.remove(gate)
         gate.close()
         raise
     context.on("page", tab.follow)
@@ -351,14 +554,28 @@ async def _open_tab(ctx: ToolContext) -> _Tab:
     return tab
 
 
+async def _discard_tab(ctx: ToolContext) -> None:
+    """Close the session's tab; its next browser call opens a fresh one."""
+    tab: _Tab | None = ctx.state.get(_STATE_KEY)
+    ctx.state[_STATE_KEY] = None
+    if tab is not None:
+        await tab.close()
+
+
 async def _close_tab(ctx: ToolContext) -> None:
     tab: _Tab | None = ctx.state.pop(_STATE_KEY, None)
     if tab is not None:
         await tab.close()
 
 
+async def _answer(awaitable: Awaitable[T]) -> T:
+    """A call the page's renderer must answer (a script, the title, a key press): Playwright would wait
+    for ever on a page whose script never yields."""
+    return await within(ACTION_TIMEOUT_S, awaitable)
+
+
 async def _view(tab: _Tab) -> dict:
-    """What the model sees of the page: url, title and the AI snapshot, cut to a readable size."""
+    """What the model sees of the page: url, title and the AI snapshot (cut to size by the tool)."""
     from playwright.async_api import Error
 
     page = tab.page
@@ -366,23 +583,112 @@ async def _view(tab: _Tab) -> dict:
     async def read() -> tuple[str, str]:
         with contextlib.suppress(Error):
             await page.wait_for_load_state("domcontentloaded", timeout=NAVIGATION_TIMEOUT_S * 1000)
-        return await page.aria_snapshot(mode="ai", timeout=ACTION_TIMEOUT_S * 1000), await page.title()
+        return await _answer(_tree_and_title(page))
 
     try:
         tree, title = await read()
     except Error:       # a navigation replaced the document mid-snapshot; a second failure is real
         tree, title = await read()
-    view = {"url": page.url, "title": title, "snapshot": tree}
-    if len(tree) > SNAPSHOT_CHARS:
-        cut = tree.rfind("\n", 0, SNAPSHOT_CHARS) + 1 or SNAPSHOT_CHARS
-        view["snapshot"] = tree[:cut]
-        view["note"] = (f"snapshot cut to {cut} of {len(tree)} characters; elements further down the page "
-                        f"are not listed")
-    return view
+    return {"url": page.url, "title": title, "snapshot": tree}
+
+
+async def _tree_and_title(page: Page) -> tuple[str, str]:
+    return await page.aria_snapshot(mode="ai", timeout=0), await page.title()
+
+
+# --- what a result may hold ---------------------------------------------------------------------
+
+_FIELD_CHARS = {"title": TITLE_CHARS, "url": URL_CHARS, "src": URL_CHARS, "alt": ALT_CHARS}
+
+
+def _capped(result: dict) -> dict:
+    """``result`` with every text within its limit and the whole within RESULT_CHARS as JSON, and a
+    ``truncated`` list saying what was cut."""
+    cut: set[str] = set()
+
+    def text(field: str, value: object) -> object:
+        limit = _FIELD_CHARS.get(field, TEXT_CHARS)
+        if not isinstance(value, str) or len(value) <= limit:
+            return value
+        cut.add(field)
+        return value[:limit]
+
+    capped = {key: value if key == "snapshot" else text(key, value) for key, value in result.items()}
+    if "images" in capped:
+        capped["images"] = [{field: text(field, value) for field, value in image.items()}
+                            for image in capped["images"]]
+    snapshot_chars = len(capped.get("snapshot", ""))
+    if snapshot_chars > SNAPSHOT_CHARS:
+        capped["snapshot"] = _cut_at_line(capped["snapshot"], SNAPSHOT_CHARS)
+    _fit(capped)
+    notes = [f"{'image ' * (field in ('src', 'alt'))}{field} cut to {_FIELD_CHARS.get(field, TEXT_CHARS)} "
+             f"characters{' where longer' * (field in ('src', 'alt'))}" for field in sorted(cut)]
+    if "images" in capped and len(capped["images"]) < capped.get("count", 0):
+        notes.append(f"{len(capped['images'])} of {capped['count']} images listed (at most {MAX_IMAGES}, and "
+                     f"as many as fit in {RESULT_CHARS} characters)")
+    if len(capped.get("snapshot", "")) < snapshot_chars:
+        notes.append(f"snapshot cut to {len(capped['snapshot'])} of {snapshot_chars} characters; elements "
+                     f"further down the page are not listed")
+    if notes:
+        capped["truncated"] = notes
+    return capped
+
+
+def _fit(result: dict) -> None:
+    """Drop images from the end of the list, then cut the snapshot, until the result (with room for
+    the notes) fits RESULT_CHARS: escaped characters make JSON longer than the texts it holds."""
+    room = RESULT_CHARS - NOTES_CHARS
+    images = result.get("images")
+    if images:
+        size, kept = _json_chars({**result, "images": []}), 0
+        for image in images:
+            size += _json_chars(image) + 2          # and the ", " before it
+            if size > room:
+                break
+            kept += 1
+        del images[kept:]
+    excess = _json_chars(result) - room
+    if excess > 0 and result.get("snapshot"):
+        result["snapshot"] = _cut_at_line(result["snapshot"], max(0, len(result["snapshot"]) - excess))
+
+
+def _json_chars(value: object) -> int:
+    return len(json.dumps(value, ensure_ascii=False))
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _cut_at_line(text: str, limit: int) -> str:
+    """At most ``limit`` characters of ``text``, ending after a whole line where there is one."""
+    return text[:text.rfind("\n", 0, limit) + 1 or limit]
+
+
+Tool = Callable[[dict, ToolContext], Awaitable[dict]]
+
+
+def _browser_tool(tool: Tool) -> Tool:
+    """A tool whose result is cut to size, and which closes the tab of a page that stopped answering
+    (the session's next call then opens a fresh one instead of waiting on it again)."""
+
+    @functools.wraps(tool)
+    async def run(args: dict, ctx: ToolContext) -> dict:
+        try:
+            result = await tool(args, ctx)
+        except _Unresponsive as stuck:
+            await _discard_tab(ctx)
+            raise ToolError(f"{stuck.what} failed: the page did not respond (a script that never yields?), so "
+                            f"its tab was closed; the next browser call opens a fresh tab, without the old "
+                            f"tab's cookies and history: call browser_navigate to go on") from None
+        return _capped(result)
+
+    return run
 
 
 # --- the tools ----------------------------------------------------------------------------------
 
+@_browser_tool
 async def navigate(args: dict, ctx: ToolContext) -> dict:
     """Open an http(s) URL (one without a scheme gets https://) and return the page's snapshot."""
     url = _string(args, "url").strip()
@@ -390,21 +696,28 @@ async def navigate(args: dict, ctx: ToolContext) -> dict:
         url = "https://" + url
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https"):
-        raise ToolError(f"only http and https URLs can be opened, not {parts.scheme}:")
+        raise ToolError(f"only http and https URLs can be opened, not {_cut(parts.scheme, TEXT_CHARS)}:")
     try:
         host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError:
-        raise ToolError(f"invalid port in {url!r}") from None
+        raise ToolError(f"invalid port in {_cut(url, URL_CHARS)!r}") from None
     if not host:
-        raise ToolError(f"no host in {url!r}")
+        raise ToolError(f"no host in {_cut(url, URL_CHARS)!r}")
     await allowed_addresses(host, port)      # refuse before the browser is even started
     tab = await _tab(ctx)
-    async with tab.acting(f"opening {url}"):
+    note = {}
+    if tab.page.url != "about:blank" and not await _responds(tab.page):
+        await _discard_tab(ctx)             # leaving it would wait on it: its renderer must unload it
+        tab = await _tab(ctx)
+        note["note"] = ("the previous page did not respond, so its tab was closed and this page opened in a "
+                        "fresh tab, without the old tab's cookies and history")
+    async with tab.acting(f"opening {_cut(url, URL_CHARS)}"):
         response = await tab.page.goto(url, wait_until="domcontentloaded")
         view = await _view(tab)
-    return {"status": response.status if response else None, **view}
+    return {"status": response.status if response else None, **view, **note}
 
 
+@_browser_tool
 async def snapshot(args: dict, ctx: ToolContext) -> dict:
     """The current page again (after it changed by itself, or to refresh the refs)."""
     tab = await _open_tab(ctx)
@@ -412,6 +725,7 @@ async def snapshot(args: dict, ctx: ToolContext) -> dict:
         return await _view(tab)
 
 
+@_browser_tool
 async def click(args: dict, ctx: ToolContext) -> dict:
     """Click an element by ref; a navigation it starts is waited for before the snapshot."""
     tab = await _open_tab(ctx)
@@ -422,6 +736,7 @@ async def click(args: dict, ctx: ToolContext) -> dict:
         return {"result": f"clicked {ref}", **await _view(tab)}
 
 
+@_browser_tool
 async def type_text(args: dict, ctx: ToolContext) -> dict:
     """Replace the content of an input or editable element with ``text``."""
     tab = await _open_tab(ctx)
@@ -433,26 +748,28 @@ async def type_text(args: dict, ctx: ToolContext) -> dict:
         return {"result": f"typed into {ref}", **await _view(tab)}
 
 
+@_browser_tool
 async def scroll(args: dict, ctx: ToolContext) -> dict:
     """Scroll the window by most of a screen, so lazily loaded content appears."""
     direction = args.get("direction")
     if direction not in ("up", "down"):
-        raise ToolError(f"'direction' must be 'up' or 'down', not {direction!r}")
+        raise ToolError(f"'direction' must be 'up' or 'down', not {_cut(repr(direction), TEXT_CHARS)}")
     tab = await _open_tab(ctx)
     async with tab.acting(f"scrolling {direction}"):
-        position = await tab.page.evaluate(
+        position = await _answer(tab.page.evaluate(
             "down => { scrollBy(0, (down ? 0.8 : -0.8) * innerHeight);"
-            " return [Math.round(scrollY), document.documentElement.scrollHeight]; }", direction == "down")
+            " return [Math.round(scrollY), document.documentElement.scrollHeight]; }", direction == "down"))
         return {"result": f"scrolled {direction} to {position[0]} of {position[1]} px", **await _view(tab)}
 
 
+@_browser_tool
 async def back(args: dict, ctx: ToolContext) -> dict:
     """Go back one page in this session's history."""
     tab = await _open_tab(ctx)
     async with tab.acting("going back"):
-        cdp = await tab.context.new_cdp_session(tab.page)
-        history = await cdp.send("Page.getNavigationHistory")
-        await cdp.detach()
+        cdp = await _answer(tab.context.new_cdp_session(tab.page))
+        history = await _answer(cdp.send("Page.getNavigationHistory"))
+        await _answer(cdp.detach())
         index = history["currentIndex"]
         if index == 0 or history["entries"][index - 1]["url"] == "about:blank":
             raise ToolError("there is no previous page to go back to")
@@ -460,31 +777,42 @@ async def back(args: dict, ctx: ToolContext) -> dict:
         return {"result": "went back", **await _view(tab)}
 
 
+@_browser_tool
 async def press(args: dict, ctx: ToolContext) -> dict:
     """Press a key in the focused element (the one last typed into), or the page when none is."""
     key = _string(args, "key").strip()
     tab = await _open_tab(ctx)
     focused = tab.page.locator("*:focus")
-    async with tab.acting(f"pressing {key}"):
-        if await focused.count():
+    async with tab.acting(f"pressing {_cut(key, TEXT_CHARS)}"):
+        if await _answer(focused.count()):
             await focused.first.press(key)      # unlike keyboard.press, waits for a navigation it starts
         else:
-            await tab.page.keyboard.press(key)
+            await _answer(tab.page.keyboard.press(key))
         return {"result": f"pressed {key}", **await _view(tab)}
 
 
+# The page's http(s) images, each URL once, at most MAX_IMAGES of them with their texts one character
+# over the limit (so the cut is seen and noted): a page's own sizes never cross the driver's pipe.
+_IMAGES_SCRIPT = """([most, urlChars, altChars]) => {
+  const seen = new Set(), images = [];
+  for (const img of document.images) {
+    const src = img.currentSrc || img.src;
+    if (!(src.startsWith('http://') || src.startsWith('https://')) || seen.has(src)) continue;
+    seen.add(src);
+    if (images.length < most)
+      images.push({src: src.slice(0, urlChars + 1), alt: (img.alt || '').slice(0, altChars + 1)});
+  }
+  return {images, count: seen.size};
+}"""
+
+
+@_browser_tool
 async def get_images(args: dict, ctx: ToolContext) -> dict:
     """The page's images as absolute http(s) URLs with their alt text (data: URLs left out)."""
     tab = await _open_tab(ctx)
     async with tab.acting("listing images"):
-        found = await tab.page.evaluate(
-            "() => Array.from(document.images, img => ({src: img.currentSrc || img.src, alt: img.alt || ''}))")
-    images = list({image["src"]: {"src": image["src"], "alt": image["alt"][:ALT_CHARS]} for image in found
-                   if image["src"].startswith(("http://", "https://"))}.values())
-    result = {"url": tab.page.url, "images": images[:MAX_IMAGES], "count": len(images)}
-    if len(images) > MAX_IMAGES:
-        result["note"] = f"first {MAX_IMAGES} of {len(images)} images"
-    return result
+        found = await _answer(tab.page.evaluate(_IMAGES_SCRIPT, [MAX_IMAGES, URL_CHARS, ALT_CHARS]))
+    return {"url": tab.page.url, "images": found["images"][:MAX_IMAGES], "count": found["count"]}
 
 
 # --- helpers ------------------------------------------------------------------------------------
@@ -500,12 +828,13 @@ def _string(args: dict, name: str, *, allow_empty: bool = False) -> str:
 
 async def _require(element: Locator, ref: str) -> None:
     """Fail at once on a ref the page does not have, instead of waiting out the action's time limit."""
-    if not await element.count():
+    if not await _answer(element.count()):
         raise ToolError(f"no element with ref {ref} on the current page; refs change when the page does, so "
                         f"take a new browser_snapshot and use a ref from it")
 
 
 def _first_line(exc: BaseException) -> str:
-    """Playwright's message without its call log (and without its 'Page.goto: ' prefix)."""
+    """Playwright's message without its call log (and without its 'Page.goto: ' prefix), cut to size:
+    it may quote what the page made (a thrown error, a long URL)."""
     line = str(exc).strip().split("\n", 1)[0]
-    return re.sub(r"^\w+\.\w+: ", "", line)
+    return _cut(re.sub(r"^\w+\.\w+: ", "", line), TEXT_CHARS)
