@@ -1,4 +1,4 @@
-"""Toolset distributions: which toolsets each prompt is offered, sampled per prompt (SPEC §4).
+"""Toolset distributions: which toolsets each prompt is offered, sampled per prompt.
 
 Kept free of imports beyond the stdlib so the CLI can list or validate distributions without
 loading the tool registry; the tests check every name here against ``model_tools.TOOLSETS``.

@@ -1,4 +1,4 @@
-"""Command-line values -> one validated, immutable RunConfig (SPEC §2).
+"""Command-line values -> one validated, immutable RunConfig.
 
 Every check happens here, before the run directory is touched or a model is called, and each
 failure is one UsageError line that names the flag and what is allowed.
@@ -184,7 +184,7 @@ def is_openrouter(base_url: str) -> bool:
 
 
 def resolve_api_key(explicit: str | None, base_url: str, base_url_given: bool) -> str:
-    """SPEC §2/§12: --api_key, else the provider's variable; a local endpoint may need none."""
+    """--api_key, else the provider's variable; a local endpoint may need none."""
     if explicit:
         return explicit
     candidates = ("OPENROUTER_API_KEY", "OPENAI_API_KEY") if is_openrouter(base_url) else ("OPENAI_API_KEY",)

@@ -1,4 +1,4 @@
-"""What the user sees (SPEC §11): live progress over prompts on a terminal, plain lines elsewhere,
+"""What the user sees: live progress over prompts on a terminal, plain lines elsewhere,
 and the end-of-run summary. Every line passes through the redactor first."""
 
 from __future__ import annotations

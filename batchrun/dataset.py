@@ -1,4 +1,4 @@
-"""Dataset loading (SPEC §3): validate once, remember only where the pending prompts are.
+"""Dataset loading: validate once, remember only where the pending prompts are.
 
 A dataset may hold millions of lines, so nothing here keeps prompts in memory: the plan stores the
 byte offset of every pending line, and :func:`iter_pending` re-reads them one at a time as workers

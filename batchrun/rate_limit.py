@@ -1,4 +1,4 @@
-"""Rate limits shared by every worker process (SPEC §13: honoured across workers, not per session)."""
+"""Rate limits shared by every worker process: honoured across workers, not per session."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ reasoning detection, the resume content key, and the encoding and the one reader
 Every kind of row the runner writes carries ``format``, ``prompt_index``, ``content_key`` and
 ``end_reason``, so the resume scan and the merge can classify a line without caring which kind it is:
 
-* a trajectory row (completed or partial) — the Hermes ShareGPT format of SPEC §7;
+* a trajectory row (completed or partial) — the Hermes ShareGPT format (README, Output);
 * a tombstone ``{"discarded": "no_reasoning", ...}`` — done, never re-run, never merged;
 * a failure row ``{"failed": true, "error": ...}`` — retried on resume, never merged.
 """
@@ -87,7 +87,7 @@ def split_reasoning(message: dict) -> tuple[str, str]:
 
 
 def tool_result_failed(result: str) -> bool:
-    """SPEC §7: a JSON result with a non-null ``error`` (also inside ``content``) or
+    """Whether a tool result counts as a failure: a JSON result with a non-null ``error`` (also inside ``content``) or
     ``"success": false`` is a failure; so is non-JSON text that is empty or starts with ``Error:``."""
     try:
         parsed = json.loads(result)

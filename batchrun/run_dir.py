@@ -1,4 +1,4 @@
-"""The run directory (SPEC §8–§10): durable appends, atomic checkpoint, resume scan, merge, lock.
+"""The run directory: durable appends, atomic checkpoint, resume scan, merge, lock.
 
 Only the parent process writes these files. Every read streams line by line, so the resume scan and
 the merge take linear time and memory bounded by the number of distinct prompts, not of rows; the
@@ -161,7 +161,7 @@ FileRange = tuple[Path, int, int]
 
 
 def scan_ranges(ranges: list[FileRange], rerun_corrupted: bool) -> ScanResult:
-    """Count finished prompts by content key (SPEC §9) in these byte ranges. Failed rows are not
+    """Count finished prompts by content key in these byte ranges. Failed rows are not
     done; corrupted rows are done unless the user asked to run them again."""
     result = ScanResult()
     for path, start, end in ranges:

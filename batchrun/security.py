@@ -1,4 +1,4 @@
-"""Keeping the user's secrets out of everything the runner writes (SPEC §14).
+"""Keeping the user's secrets out of everything the runner writes.
 
 Tool environments never receive secrets (see environments.base.scrubbed_environment); this is the
 second line: any text bound for a row, a log line or the console passes through ``redact``, which

@@ -1,4 +1,4 @@
-"""One agent session (SPEC §6): a prompt, its environment, the model/tool loop, the record.
+"""One agent session: a prompt, its environment, the model/tool loop, the record.
 
 A session never writes anything; it returns a :class:`SessionResult` that the worker turns into a
 row and the parent persists.

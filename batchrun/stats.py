@@ -1,4 +1,4 @@
-"""Aggregate statistics (SPEC §11): built during the merge pass, plus this invocation's counters.
+"""Aggregate statistics: built during the merge pass, plus this invocation's counters.
 
 Figures about the merged file and the run directory cover every run under the name; figures about
 this invocation live under ``this_run``.

@@ -1,4 +1,4 @@
-"""The command line (SPEC §2, §3, §8 lock, §9 existing results, §12 first run), through the real CLI.
+"""The command line, through the real CLI.
 
 Every bad input ends with exit code 1 and one `error:` line that names the flag and what is allowed,
 before any model call and before data/<run_name>/ exists.
@@ -45,7 +45,7 @@ def assert_rejected_before_anything(result, tmp_path, endpoint, *fragments: str)
     assert not (tmp_path / "data").exists()
 
 
-# -- bad flag values (SPEC §2) ------------------------------------------------------------------
+# -- bad flag values ------------------------------------------------------------------
 
 @pytest.mark.parametrize("value", ["0", "-1", "1.5", "abc"])
 def test_batch_size_must_be_a_positive_integer(tmp_path, endpoint, value):
@@ -196,7 +196,7 @@ def test_space_separated_flag_values_are_accepted(tmp_path, endpoint):
     assert sorted(human_prompt(row) for row in read_jsonl(run_dir / "trajectories.jsonl")) == ["first", "second"]
 
 
-# -- dataset lines (SPEC §3) --------------------------------------------------------------------
+# -- dataset lines --------------------------------------------------------------------
 
 def run_dataset_lines(tmp_path, endpoint, lines: list[str], *extra: str):
     args = good_args(tmp_path, endpoint, *extra)
@@ -244,7 +244,7 @@ def test_max_samples_uses_only_the_first_valid_prompts(tmp_path, endpoint):
     assert statistics["total_prompts"] == 2
 
 
-# -- first run: no key, no endpoint (SPEC §12) --------------------------------------------------
+# -- first run: no key, no endpoint --------------------------------------------------
 
 def test_no_key_and_no_base_url_stops_with_setup_guidance(tmp_path):
     dataset = write_dataset(tmp_path / "dataset.jsonl", ["q"])
@@ -281,7 +281,7 @@ def test_list_distributions_prints_every_distribution_with_probabilities(tmp_pat
     assert not (tmp_path / "data").exists()
 
 
-# -- an existing run directory (SPEC §9, last paragraph) ----------------------------------------
+# -- an existing run directory ----------------------------------------
 
 def test_rerun_without_resume_refuses_and_leaves_results_untouched(tmp_path, endpoint):
     args = good_args(tmp_path, endpoint, prompts=("one", "two"))
@@ -298,7 +298,7 @@ def test_rerun_without_resume_refuses_and_leaves_results_untouched(tmp_path, end
     assert len(endpoint.requests) == requests_before
 
 
-# -- two runs on one run name (SPEC §8) ---------------------------------------------------------
+# -- two runs on one run name ---------------------------------------------------------
 
 def test_second_run_on_a_busy_run_directory_is_refused_and_the_first_finishes(tmp_path, endpoint):
     args = good_args(tmp_path, endpoint, prompts=("[[sleep 3]] take your time",))

@@ -1,4 +1,4 @@
-"""Specification of toolset distributions and the per-prompt sampler (SPEC §4)."""
+"""Specification of toolset distributions and the per-prompt sampler."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import toolset_distributions as td
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# SPEC §4 table, copied by hand so a slip in the module cannot hide in the test.
+# The README's distribution table, copied by hand so a slip in the module cannot hide in the test.
 EXPECTED: dict[str, tuple[str, dict[str, int]]] = {
     "default": ("All available tools, all the time",
                 {"web": 100, "vision": 100, "image_gen": 100, "terminal": 100, "file": 100, "browser": 100}),

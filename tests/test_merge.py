@@ -1,4 +1,4 @@
-"""The merge (SPEC §8, §10): trajectories.jsonl holds exactly the kept rows of every batch file, and
+"""The merge: trajectories.jsonl holds exactly the kept rows of every batch file, and
 statistics.json counts them, whether the merge rewrote the file or only appended what was new."""
 
 from __future__ import annotations

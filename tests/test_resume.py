@@ -1,4 +1,4 @@
-"""Resume (SPEC §9): after kill -9, Ctrl-C or a normal end, every prompt is done exactly once."""
+"""Resume: after kill -9, Ctrl-C or a normal end, every prompt is done exactly once."""
 
 from __future__ import annotations
 

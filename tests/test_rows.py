@@ -1,4 +1,4 @@
-"""The row format (SPEC §6, §7, §9, §10): reasoning capture, the tool success rule, the resume content key,
+"""The row format: reasoning capture, the tool success rule, the resume content key,
 the Hermes ShareGPT rendering, which kind of row a finished session becomes, and the one reader of stored
 rows that resume, merge, statistics and the report use."""
 
@@ -115,7 +115,7 @@ def test_split_reasoning_keeps_both_structured_and_different_inline_reasoning():
     assert visible == "Answer."
 
 
-# --- the success rule (SPEC §7) ---------------------------------------------------------------------
+# --- the success rule ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("result, failed", [
     ('{"error": "file not found"}', True),

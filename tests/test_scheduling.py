@@ -1,4 +1,4 @@
-"""Scheduling and limits (SPEC §13): per-prompt slots, run-wide rate limits, time limits, caps."""
+"""Scheduling and limits: per-prompt slots, run-wide rate limits, time limits, caps."""
 
 from __future__ import annotations
 

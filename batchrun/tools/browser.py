@@ -38,7 +38,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Protocol, TypeVar

@@ -1,4 +1,4 @@
-"""Fetching a URL the model chose, within the limits of SPEC §14.
+"""Fetching a URL the model chose, within the limits the README's Security section promises.
 
 Only http(s) is fetched. Every hop of a redirect chain is judged again by the address policy
 (batchrun.tools.address_policy), and the connection goes to a checked address itself, so a second DNS
