@@ -13,7 +13,6 @@ import os
 import sys
 import tempfile
 import time
-from array import array
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Iterator, NoReturn
@@ -26,8 +25,7 @@ from batchrun import report, rows
 from batchrun.config import DEFAULT_MODEL, RunConfig, UsageError, build_config, validate_run_name
 from batchrun.console import RunConsole
 from batchrun.dataset import DatasetError, DatasetPlan, iter_pending, plan_dataset, require_valid_prompt
-from batchrun.environments import environment_class
-from batchrun.environments import limits
+from batchrun.environments import environment_class, limits
 from batchrun.environments.base import EnvironmentSettings, run_identity
 from batchrun.report_follower import ReportFailed, ReportFollower
 from batchrun.run_dir import Checkpoint, RunDirectory, RunDirectoryError, ScanResult, earlier_outcomes
@@ -54,7 +52,7 @@ class BatchRunner:
         self.this_run = ThisRun()
         self.started = time.monotonic()
         self.batch_stats: Counter = Counter()     # rows per outcome, every invocation under this run name
-        self.done_indices = array("q")
+        self.done_prompts = 0                     # completed, partial or discarded, every invocation
         self._checkpoint_due = False
         self._last_checkpoint = 0.0
         self._total_prompts = 0
@@ -93,7 +91,7 @@ class BatchRunner:
         except DatasetError as exc:
             self.console.error(str(exc))
             return EXIT_ERROR
-        self.done_indices.extend(plan.done_indices)
+        self.done_prompts = plan.already_done
         self._total_prompts = plan.total
         self._print_startup(plan, scan)
         if plan.pending == 0:
@@ -126,7 +124,7 @@ class BatchRunner:
             fatal = Fatal(str(exc))
         finally:
             self.console.stop_progress()
-            self._persist(pool.stop() or [])
+            self._persist(pool.stop())
             self._write_checkpoint()
             environment_class(self.config.terminal_env).remove_leftovers(env_settings)
         if fatal is not None:
@@ -199,7 +197,7 @@ class BatchRunner:
         self.this_run.record(finished.status, finished.usage, finished.api_calls, finished.error_type)
         self.batch_stats[finished.status] += 1
         if finished.status != rows.FAILED:
-            self.done_indices.append(finished.prompt_index)
+            self.done_prompts += 1
         if self.this_run.processed % self.config.batch_size == 0:
             self._checkpoint_due = True
         self.console.prompt_finished(finished)
@@ -233,7 +231,7 @@ class BatchRunner:
         self.run_dir.write_checkpoint(Checkpoint(
             run_name=config.run_name, dataset_file=str(config.dataset_file), distribution=config.distribution,
             model=config.model, batch_size=config.batch_size, total_prompts=self._total_prompts,
-            completed_prompts=len(self.done_indices), batch_stats=self.batch_stats))
+            completed_prompts=self.done_prompts, batch_stats=self.batch_stats))
         self._checkpoint_due = False
         self._last_checkpoint = time.monotonic()
 

@@ -18,7 +18,7 @@ import toolset_distributions
 from batchrun.environments import ENVIRONMENT_KINDS, default_environment_kind
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.environments.limits import ResourceLimits
-from batchrun.tools.configuration import enabled
+from batchrun.tools.configuration import enabled, variable
 
 DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
 DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
@@ -188,9 +188,9 @@ def resolve_api_key(explicit: str | None, base_url: str, base_url_given: bool) -
     if explicit:
         return explicit
     candidates = ("OPENROUTER_API_KEY", "OPENAI_API_KEY") if is_openrouter(base_url) else ("OPENAI_API_KEY",)
-    for variable in candidates:
-        if os.environ.get(variable):
-            return os.environ[variable]
+    for name in candidates:
+        if os.environ.get(name):
+            return os.environ[name]
     if not base_url_given:
         raise UsageError(NO_ENDPOINT_GUIDANCE)
     return "no-key"   # the openai client insists on some value; keyless local servers ignore it
@@ -280,13 +280,13 @@ LIMIT_VARIABLES = {"TERMINAL_MEMORY_MB": "memory_mb", "TERMINAL_MAX_PROCESSES": 
 def resource_limits() -> ResourceLimits:
     """The defaults, changed by whichever of LIMIT_VARIABLES is set to a positive whole number."""
     values = {}
-    for variable, name in LIMIT_VARIABLES.items():
-        raw = os.environ.get(variable, "").strip()
-        if not raw:
+    for name, field_name in LIMIT_VARIABLES.items():
+        raw = variable(name)
+        if raw is None:
             continue
         if not raw.isdigit() or int(raw) <= 0:
-            raise UsageError(f"{variable} must be a positive whole number, got {raw!r}")
-        values[name] = int(raw)
+            raise UsageError(f"{name} must be a positive whole number, got {raw!r}")
+        values[field_name] = int(raw)
     return ResourceLimits(**values)
 
 

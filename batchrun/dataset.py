@@ -38,7 +38,6 @@ class DatasetPlan:
     already_done: int
     skipped_lines: int
     pending_offsets: array = field(default_factory=lambda: array("q"))
-    done_indices: array = field(default_factory=lambda: array("q"))
 
     @property
     def pending(self) -> int:
@@ -134,7 +133,6 @@ def plan_dataset(path: Path, *, max_samples: int | None, done_counts: Counter,
         if remaining_done[key] > 0:
             remaining_done[key] -= 1
             plan.already_done += 1
-            plan.done_indices.append(plan.total)
         else:
             plan.pending_offsets.append(offset)
         plan.total += 1

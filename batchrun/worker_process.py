@@ -45,13 +45,13 @@ def _finished(result: rows.SessionResult, config: RunConfig) -> Finished:
                     tool_calls=tuple((name, count) for name, count, _, _ in stored.tool_counts()))
 
 
-def _crashed(task: Task, services: SessionServices) -> rows.SessionResult:
-    """A bug in the runner fails the prompt visibly (retried on resume) instead of vanishing."""
+def _failed(task: Task, error: str, error_type: str) -> rows.SessionResult:
+    """A task whose session left nothing usable (a bug, a worker that died) fails visibly, and
+    resume runs it again, instead of vanishing."""
     return rows.SessionResult(
         prompt_index=task.prompt_index, content_key=task.content_key, prompt=task.prompt,
         toolsets=list(task.toolsets), offered_tools=[], turns=[], api_calls=0, usage=rows.Usage(),
-        wall_time=0.0, end_reason="error", error=services.redact(traceback.format_exc(limit=5)),
-        error_type="internal_error")
+        wall_time=0.0, end_reason="error", error=error, error_type=error_type)
 
 
 def use_pidfd_child_watcher(loop: asyncio.AbstractEventLoop) -> None:
@@ -88,7 +88,7 @@ async def outcome(task: Task, services: SessionServices) -> Finished | Fatal:
     except asyncio.CancelledError:
         raise
     except Exception:
-        result = _crashed(task, services)
+        result = _failed(task, services.redact(traceback.format_exc(limit=5)), "internal_error")
     try:
         return _finished(result, services.config)
     except Exception:
@@ -97,13 +97,8 @@ async def outcome(task: Task, services: SessionServices) -> Finished | Fatal:
 
 
 def lost_task(task: Task, config: RunConfig, error: str, error_type: str = "internal_error") -> Finished:
-    """A failure row for a task whose session left nothing usable (a bug, a worker that died);
-    resume runs the prompt again."""
-    result = rows.SessionResult(
-        prompt_index=task.prompt_index, content_key=task.content_key, prompt=task.prompt,
-        toolsets=list(task.toolsets), offered_tools=[], turns=[], api_calls=0, usage=rows.Usage(),
-        wall_time=0.0, end_reason="error", error=error, error_type=error_type)
-    return _finished(result, config)
+    """The failure row of a task whose session left nothing usable, ready to send."""
+    return _finished(_failed(task, error, error_type), config)
 
 
 async def shut_down(sessions: set[asyncio.Task], services: SessionServices) -> None:

