@@ -438,6 +438,23 @@ def test_chromium_has_no_network_but_loopback_of_its_own(session: Session, site:
             assert [line.split(":")[0].strip() for line in device_lines] == ["lo"]
 
 
+def test_where_the_system_bwrap_cannot_isolate_it_the_bundled_one_does(
+        loop: asyncio.AbstractEventLoop, session: Session, site: str, monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    refusing = tmp_path / "bwrap"        # as in a container whose seccomp profile forbids namespaces
+    refusing.write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
+    refusing.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    loop.run_until_complete(browser.close_browser())       # the next call looks for a bwrap again
+    try:
+        session.call("navigate", url=site + "/")
+        namespaces = chromium_network_namespaces()
+        assert namespaces and os.readlink("/proc/self/ns/net") not in namespaces.values()
+    finally:
+        session.end()
+        loop.run_until_complete(browser.close_browser())
+
+
 def test_where_bubblewrap_cannot_isolate_it_the_webrtc_flags_keep_its_udp_in(
         loop: asyncio.AbstractEventLoop, session: Session, site: str, udp_listeners: list[socket.socket],
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
