@@ -9,6 +9,7 @@ trajectories.jsonl + statistics.json. See README.md for every flag.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import tempfile
@@ -28,7 +29,8 @@ from batchrun.dataset import DatasetError, DatasetPlan, iter_pending, plan_datas
 from batchrun.environments import environment_class, limits
 from batchrun.environments.base import EnvironmentSettings, run_identity
 from batchrun.report_follower import ReportFailed, ReportFollower
-from batchrun.run_dir import Checkpoint, RunDirectory, RunDirectoryError, ScanResult, earlier_outcomes
+from batchrun.run_dir import (Checkpoint, RunDirectory, RunDirectoryError, ScanResult, earlier_outcomes,
+                              superseded_corrupted)
 from batchrun.security import Redactor
 from batchrun.messages import Task
 from batchrun.stats import ThisRun, build_statistics
@@ -53,6 +55,7 @@ class BatchRunner:
         self.started = time.monotonic()
         self.batch_stats: Counter = Counter()     # rows per outcome, every invocation under this run name
         self.done_prompts = 0                     # completed, partial or discarded, every invocation
+        self.superseded_corrupted: Counter = Counter()   # see run_dir.Checkpoint
         self._checkpoint_due = False
         self._last_checkpoint = 0.0
         self._total_prompts = 0
@@ -82,18 +85,24 @@ class BatchRunner:
                         f"{', ...' if len(existing) > 5 else ''}). Pass --resume to continue that run, "
                         "or choose a new --run_name to start fresh.")
             return EXIT_ERROR
-        scan = self.run_dir.scan(rerun_corrupted=config.rerun_corrupted) if config.resume else ScanResult()
+        scan = self.run_dir.scan() if config.resume else ScanResult()
         if config.resume:
             self._continue_checkpoint()
+        live_corrupted = sum(scan.live_corrupted(self.superseded_corrupted).values())
+        done_counts = scan.done(rerun_corrupted=config.rerun_corrupted, superseded=self.superseded_corrupted)
+        if config.rerun_corrupted:    # every corrupted row so far is replaced by the attempt about to run
+            self.superseded_corrupted = Counter(scan.corrupted_by_key)
         try:
             plan = plan_dataset(config.dataset_file, max_samples=config.max_samples,
-                                done_counts=scan.done_counts, warn=self.console.warn)
+                                done_counts=done_counts, warn=self.console.warn)
         except DatasetError as exc:
             self.console.error(str(exc))
             return EXIT_ERROR
         self.done_prompts = plan.already_done
         self._total_prompts = plan.total
-        self._print_startup(plan, scan)
+        if plan.pending:     # never more sessions (nor worker processes) than prompts to run
+            self.config = config = dataclasses.replace(config, num_workers=min(config.num_workers, plan.pending))
+        self._print_startup(plan, scan, live_corrupted)
         if plan.pending == 0:
             self.console.print("All prompts have already been processed!", style="bold green")
             self._write_checkpoint()
@@ -132,14 +141,15 @@ class BatchRunner:
             self.console.error(f"{fatal.message}\nThe run stopped; finished prompts are saved. Fix the problem and "
                         "continue with --resume.")
             return EXIT_ERROR
-        self._finish(plan)
+        if exit_code == EXIT_INTERRUPTED:
+            self.console.print("Interrupted. Finished prompts are saved; run the same command with --resume "
+                               "to continue.", style="yellow")
+        self._finish(plan, interrupted=exit_code == EXIT_INTERRUPTED)
         if (cap := self._budget_spent()) and self.this_run.processed < plan.pending:
             self.console.print(f"Stopped admitting prompts: {cap}. {plan.pending - self.this_run.processed} "
                                "prompts were not started; --resume continues them (the cap counts per invocation).",
                                style="yellow")
         if exit_code == EXIT_INTERRUPTED:
-            self.console.print("Interrupted. Finished prompts are saved; run the same command with --resume "
-                               "to continue.", style="yellow")
             return exit_code
         if failed := self.this_run.statuses[rows.FAILED]:
             self.console.print(f"{failed} prompt{'s' if failed != 1 else ''} failed (see failures by cause "
@@ -231,7 +241,8 @@ class BatchRunner:
         self.run_dir.write_checkpoint(Checkpoint(
             run_name=config.run_name, dataset_file=str(config.dataset_file), distribution=config.distribution,
             model=config.model, batch_size=config.batch_size, total_prompts=self._total_prompts,
-            completed_prompts=self.done_prompts, batch_stats=self.batch_stats))
+            completed_prompts=self.done_prompts, batch_stats=self.batch_stats,
+            superseded_corrupted=self.superseded_corrupted))
         self._checkpoint_due = False
         self._last_checkpoint = time.monotonic()
 
@@ -239,16 +250,21 @@ class BatchRunner:
         """On resume: keep the outcome counts of earlier invocations; warn about changed arguments."""
         previous = self.run_dir.read_checkpoint() or {}
         self.batch_stats.update(earlier_outcomes(previous))
+        self.superseded_corrupted = superseded_corrupted(previous)
         for key in ("model", "distribution", "dataset_file"):
             before, now = previous.get(key), str(getattr(self.config, key))
             if before is not None and str(before) != now:
                 self.console.warn(f"resuming with --{key}={now}, but this run started with {before}")
 
-    def _finish(self, plan: DatasetPlan) -> None:
+    def _finish(self, plan: DatasetPlan, *, interrupted: bool = False) -> None:
         corrupted_found = 0
+        superseded = Counter(self.superseded_corrupted)
 
-        def on_corrupted(batch_file: str, prompt_index: int, invented: list[str]) -> None:
+        def on_corrupted(batch_file: str, prompt_index: int, invented: list[str], key: str) -> None:
             nonlocal corrupted_found
+            if superseded[key] > 0:      # an attempt a --rerun_corrupted resume replaced
+                superseded[key] -= 1
+                return
             corrupted_found += 1
             if corrupted_found <= MAX_CORRUPTED_LINES_SHOWN:
                 self.console.print(f"⚠️  left out of trajectories.jsonl: {batch_file} prompt "
@@ -259,10 +275,11 @@ class BatchRunner:
             self.console.print(f"... and {corrupted_found - MAX_CORRUPTED_LINES_SHOWN} more corrupted rows")
         statistics = build_statistics(run_name=self.config.run_name, distribution=self.config.distribution,
                                       model=self.config.model, batch_size=self.config.batch_size,
-                                      total_prompts=plan.total, duration=time.monotonic() - self.started,
-                                      merge=merge, this_run=self.this_run)
+                                      total_prompts=plan.total, skipped_dataset_lines=plan.skipped_lines,
+                                      duration=time.monotonic() - self.started, merge=merge, this_run=self.this_run,
+                                      superseded_corrupted=self.superseded_corrupted)
         self.run_dir.write_statistics(statistics)
-        self.console.summary(statistics, merge.batch_files)
+        self.console.summary(statistics, merge.batch_files, interrupted=interrupted)
         self._write_report()
 
     def _write_report(self) -> None:
@@ -281,7 +298,7 @@ class BatchRunner:
         self.console.warn(f"the run report was not written ({reason}); "
                           f"python batch_runner.py --report --run_name={self.config.run_name} retries it")
 
-    def _print_startup(self, plan: DatasetPlan, scan: ScanResult) -> None:
+    def _print_startup(self, plan: DatasetPlan, scan: ScanResult, live_corrupted: int) -> None:
         config, out = self.config, self.console
         processes = process_count(config.num_workers)
         out.print(f"batch_runner · run {config.run_name} · model {config.model} · endpoint {config.base_url} "
@@ -292,6 +309,10 @@ class BatchRunner:
         out.print(f"environment {config.terminal_env} ({config.terminal_env_reason})"
                   + (" · network allowed" if config.allow_network else ""))
         if config.terminal_env in ("local", "bubblewrap"):
+            if plan.pending_with_image:
+                out.warn(f"{plan.pending_with_image} prompt{'s name' if plan.pending_with_image > 1 else ' names'} "
+                         f"a container image, which TERMINAL_ENV={config.terminal_env} does not use: their "
+                         "commands run without it. TERMINAL_ENV=docker (or singularity) runs each in its image.")
             caps = config.limits
             out.print(f"limits per prompt: {caps.memory_mb} MB memory, {caps.processes} processes, "
                       + (f"{caps.tmp_mb} MB /tmp, " if config.terminal_env == "bubblewrap" else "")
@@ -310,8 +331,8 @@ class BatchRunner:
                       f"{plan.pending} remaining"
                       + (f" ({scan.rows_by_status[rows.FAILED]} earlier failure rows are retried)"
                          if scan.rows_by_status[rows.FAILED] else ""))
-            if scan.corrupted_rows:
-                out.print(f"resume: {scan.corrupted_rows} corrupted rows (invented tool names) "
+            if live_corrupted:
+                out.print(f"resume: {live_corrupted} corrupted rows (invented tool names) "
                           + ("are run again (--rerun_corrupted)" if config.rerun_corrupted
                              else "count as done; --rerun_corrupted runs them again"))
         else:
@@ -454,7 +475,7 @@ limits     --prompt_timeout  --tool_timeout  --command_timeout (seconds)  --max_
            --max_total_tokens=N  --requests_per_minute=N
            TERMINAL_MEMORY_MB, TERMINAL_MAX_PROCESSES, TERMINAL_TMP_MB, TERMINAL_WORKSPACE_MB
 
-Every flag, the row format and the environments: README.md.
+Start with README.md; every flag, the row format and the environments: docs/ (e.g. docs/command-line.md).
 Exit codes: 0 done, 2 some prompts failed (--resume retries them), 1 stopped, 130 interrupted."""
 
 

@@ -156,6 +156,12 @@ def tools_for_toolsets(toolsets: list[str] | tuple[str, ...]) -> list[str]:
     return [name for name in TOOL_NAMES if name in wanted]
 
 
+def toolsets_offering(toolsets: list[str] | tuple[str, ...], offered_tools: list[str]) -> list[str]:
+    """The toolsets (of those sampled, in their order) that gave the model at least one tool."""
+    offered = set(offered_tools)
+    return [toolset for toolset in toolsets if offered.intersection(TOOLSETS[toolset])]
+
+
 def unavailable_tools() -> dict[str, str]:
     """Tool name -> the one line that makes it available, for every tool this machine cannot run."""
     reasons = {}

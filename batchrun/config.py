@@ -18,11 +18,13 @@ import toolset_distributions
 from batchrun.environments import ENVIRONMENT_KINDS, default_environment_kind
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.environments.limits import ResourceLimits
+from batchrun.install_hint import install_hint
 from batchrun.tools.configuration import enabled, variable
 
 DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
 DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+# The reference runner's list; each is passed through to the endpoint as it is.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra")
 PROVIDER_SORTS = ("price", "throughput", "latency")
 PREFILL_ROLES = ("system", "user", "assistant")
 BACKENDS = ("local", "ray")
@@ -35,7 +37,8 @@ error: no API key and no endpoint. batch_runner needs an OpenAI-compatible endpo
   Ollama (local, no key):    ollama pull qwen3:8b  then add --base_url=http://localhost:11434/v1 --model=qwen3:8b
   vLLM (local, no key):      vllm serve Qwen/Qwen3-8B --enable-auto-tool-choice --tool-call-parser hermes
                              then add --base_url=http://localhost:8000/v1 --model=Qwen/Qwen3-8B
-  llama.cpp (local, no key): llama-server -m model.gguf --jinja --port 8080  then add --base_url=http://localhost:8080/v1 --model=local"""
+  llama.cpp (local, no key): llama-server -m model.gguf --jinja --port 8080  then add --base_url=http://localhost:8080/v1 --model=local
+No model at hand? Try it with the scripted one the tests use: README.md, "Try it without a model"."""
 
 
 class UsageError(Exception):
@@ -296,7 +299,7 @@ def validate_backend(value: Any) -> str:
     if backend == "ray":
         import importlib.util
         if importlib.util.find_spec("ray") is None:
-            raise UsageError("--backend=ray needs Ray, an optional extra: pip install 'batch-runner[ray]'")
+            raise UsageError(f"--backend=ray needs Ray, an optional extra: {install_hint('ray')}")
     return backend
 
 

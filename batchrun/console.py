@@ -1,16 +1,23 @@
 """What the user sees: live progress over prompts on a terminal, plain lines elsewhere,
-and the end-of-run summary. Every line passes through the redactor first."""
+and the end-of-run summary. Every line passes through the redactor first.
+
+Lines are laid out for the width they will be read at (the terminal's, or 80 columns in a log file):
+figures are kept whole and moved to a continuation line when they do not fit, and only free text
+(a prompt preview) is shortened, with an ellipsis. Widths are measured in cells, as rich draws them:
+an emoji takes two.
+"""
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
-from rich.console import Console
-from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from batchrun import rows
 from batchrun.messages import Finished
@@ -18,38 +25,136 @@ from batchrun.stats import ThisRun
 
 STATUS_MARK = {rows.COMPLETED: "✅", rows.PARTIAL: "⚠️ ", rows.FAILED: "❌", rows.DISCARDED: "🚫"}
 PLAIN_STATUS_EVERY = 30.0     # seconds between progress lines when output is a log file
+PLAIN_WIDTH = 80              # a log file has no width of its own; lay it out for an 80-column reader
+SEPARATOR = " · "
+INDENT = "    "               # continuation lines, and the detail lines under a prompt's line
+MIN_PREVIEW = 12              # with less room a preview stub says nothing; leave it out instead
+MIN_BAR, MAX_BAR = 10, 40     # a shorter progress bar is noise; a longer one adds nothing
+RULE_WIDTH = 60
+MAX_ERROR_CHARS = 200         # without --verbose a failure's message is one line of at most this
 
 
 def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+def pack(segments: Iterable[str], width: int, indent: str = INDENT) -> list[str]:
+    """Join segments with " · ", going on to an indented line where the next segment would not fit.
+
+    A segment is never split, so a figure is never cut in two; one longer than the width stands
+    alone on its line.
+    """
+    lines: list[str] = []
+    current = ""
+    for segment in segments:
+        if not current:
+            current = (indent if lines else "") + segment
+        elif cell_len(current + SEPARATOR + segment) <= width:
+            current += SEPARATOR + segment
+        else:
+            lines.append(current)
+            current = indent + segment
+    if current:
+        lines.append(current)
+    return lines
+
+
+def shorten(text: str, room: int) -> str:
+    """At most ``room`` cells of text, an ellipsis marking a cut."""
+    if cell_len(text) <= room:
+        return text
+    cut = Text(text)
+    cut.truncate(room, overflow="ellipsis")
+    return cut.plain
+
+
+def append_tail(lines: list[str], tail: str, width: int) -> list[str]:
+    """Free text after the last line's figures, shortened to the room left there (or left out)."""
+    room = width - cell_len(lines[-1] + SEPARATOR)
+    if tail and room >= MIN_PREVIEW:
+        lines[-1] += SEPARATOR + shorten(tail, room)
+    return lines
+
+
+def label_column(entries: list[tuple[str, list[str]]]) -> int:
+    """Where values start: after the longest label."""
+    return max(cell_len(label) for label, _ in entries) + 3      # "label:" and two spaces
+
+
+def labelled(entries: list[tuple[str, list[str]]], width: int, label_width: int) -> list[str]:
+    """Label/value lines in two columns; a value's continuation lines stay in the value column."""
+    lines = []
+    for label, segments in entries:
+        values = pack(segments, width - label_width, indent="")
+        lines.append(f"{label}:".ljust(label_width) + values[0])
+        lines.extend(" " * label_width + value for value in values[1:])
+    return lines
+
+
+def clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+def usage_segments(usage: dict) -> list[str]:
+    """Reasoning tokens are part of the completion, cached tokens part of the prompt."""
+    return [f"{usage['prompt_tokens']:,} prompt ({usage['cached_tokens']:,} cached)",
+            f"{usage['completion_tokens']:,} completion ({usage['reasoning_tokens']:,} reasoning)",
+            f"cost ${usage['cost']:.4f}"]
+
+
+class _Fitted:
+    """A renderable laid out afresh at every refresh, for the width the terminal has at that moment."""
+
+    def __init__(self, layout: Callable[[int], list[Text]]) -> None:
+        self._layout = layout
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield Text("\n").join(self._layout(options.max_width))
+
+
 class RunConsole:
-    def __init__(self, redact: Callable[[str], str], *, verbose: bool) -> None:
+    """The run's output. ``out`` and ``err`` default to stdout and stderr; a caller (a test) may pass
+    its own rich consoles, whose width and terminal-ness then decide the layout."""
+
+    def __init__(self, redact: Callable[[str], str], *, verbose: bool, out: Console | None = None,
+                 err: Console | None = None) -> None:
         self.redact = redact
         self.verbose = verbose
-        self.out = Console(file=sys.stdout, soft_wrap=True, highlight=False)
-        self.err = Console(file=sys.stderr, soft_wrap=True, highlight=False)
+        self.out = out or Console(file=sys.stdout, soft_wrap=True, highlight=False)
+        self.err = err or Console(file=sys.stderr, soft_wrap=True, highlight=False)
         self.interactive = self.out.is_terminal
-        self._progress: Progress | None = None
-        self._task_id = None
+        self._live: Live | None = None
         self._total = 0
         self._done = 0
         self._started = 0.0
         self._last_status_line = 0.0
         self._this_run: ThisRun | None = None
 
+    @property
+    def width(self) -> int:
+        """Cells per line: the terminal's (read each time, as it may be resized), or PLAIN_WIDTH."""
+        return self.out.width if self.interactive else PLAIN_WIDTH
+
     # -- plain output -----------------------------------------------------------------------------
 
     def print(self, text: str = "", style: str | None = None) -> None:
-        if not self.interactive:   # a log file: plain text, and no rendering cost per line
-            sys.stdout.write(self.redact(text) + "\n")
-            return
-        target = self._progress.console if self._progress else self.out
-        target.print(escape(self.redact(text)), style=style)
+        """Prose: word-wrapped on a terminal (never inside a word, so never inside a number)."""
+        self._emit(self.redact(text), style)
+
+    def _emit(self, line: str, style: str | None = None) -> None:
+        """Every write to stdout ends here, so that a live progress display stays below it. A log
+        file gets the line as laid out (rich does not wrap it again at whatever width it guesses).
+        A Text is neither markup nor emoji codes, so a prompt's brackets and colons print as they are."""
+        self.out.print(Text(line, style=style or ""), soft_wrap=not self.interactive)
+
+    def _emit_lines(self, lines: Iterable[str], style: str | None = None) -> None:
+        for line in lines:
+            self._emit(self.redact(line), style)
 
     def warn(self, text: str) -> None:
-        self.err.print(escape(self.redact(f"warning: {text}")), style="yellow")
+        self.err.print(self.redact(f"warning: {text}"), style="yellow", markup=False)
 
     def error(self, text: str) -> None:
         """One clear ``error:`` line (or block) on stderr; the caller then exits 1."""
@@ -63,105 +168,167 @@ class RunConsole:
         self._started = self._last_status_line = time.monotonic()
         if not self.interactive:
             return
-        self._progress = Progress(TextColumn("[bold]prompts"), BarColumn(), MofNCompleteColumn(),
-                                  TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"),
-                                  TimeRemainingColumn(), TextColumn("{task.fields[counts]}"),
-                                  console=self.out, refresh_per_second=4)
-        self._task_id = self._progress.add_task("run", total=total, completed=already_done,
-                                                rate="", counts=self._counts_text())
-        self._progress.start()
-
-    def _counts_text(self) -> str:
-        run = self._this_run
-        if run is None:
-            return ""
-        s = run.statuses
-        tokens = run.usage["prompt_tokens"] + run.usage["completion_tokens"]
-        return (f"✅ {s[rows.COMPLETED]} ⚠️ {s[rows.PARTIAL]} ❌ {s[rows.FAILED]} 🚫 {s[rows.DISCARDED]}"
-                f" · {tokens:,} tok · ${run.usage['cost']:.4f}")
+        self._live = Live(_Fitted(self._progress_lines), console=self.out, refresh_per_second=4)
+        self._live.start(refresh=True)
 
     def _rate(self) -> float:
         elapsed = time.monotonic() - self._started
         processed = self._this_run.processed if self._this_run else 0
         return processed / elapsed if elapsed > 0 else 0.0
 
+    def _timing_segments(self) -> list[str]:
+        rate = self._rate()
+        remaining = max(self._total - self._done, 0)
+        eta = clock(remaining / rate) if rate > 0 else "-:--:--"
+        return [f"{self._done:,}/{self._total:,} prompts", f"{rate:.2f}/s",
+                f"{clock(time.monotonic() - self._started)} elapsed", f"ETA {eta}"]
+
+    def _count_segments(self) -> list[str]:
+        run = self._this_run
+        if run is None:
+            return []
+        counts = " ".join(f"{STATUS_MARK[status].strip()} {run.statuses[status]:,}" for status in STATUS_MARK)
+        tokens = run.usage["prompt_tokens"] + run.usage["completion_tokens"]
+        return [counts, f"{tokens:,} tok", f"${run.usage['cost']:.4f}"]
+
+    def _progress_lines(self, width: int) -> list[Text]:
+        """One line with a bar where everything fits; else timing and counts on lines of their own,
+        the bar shrunk to the room left on the first, or dropped."""
+        timing, counts = self._timing_segments(), self._count_segments()
+        lines = [SEPARATOR.join(timing + counts)]
+        if cell_len(lines[0]) + 1 + MIN_BAR > width:
+            lines = pack(timing, width) + pack(counts, width)
+        lines = [self.redact(line) for line in lines]
+        texts = [Text(line) for line in lines]
+        room = width - cell_len(lines[0]) - 1
+        if room >= MIN_BAR:
+            texts[0] = Text.assemble(self._bar(min(room, MAX_BAR)), " ", texts[0])
+        return texts
+
+    def _bar(self, width: int) -> Text:
+        filled = round(width * self._done / self._total) if self._total else width
+        return Text.assemble(("━" * filled, "bar.complete"), ("━" * (width - filled), "bar.back"))
+
     def prompt_finished(self, finished: Finished) -> None:
         self._done += 1
-        detail = f"{finished.api_calls} calls · {finished.wall_time:.1f}s"
+        width = self.width
+        figures = [f"{STATUS_MARK[finished.status]} [{self._done:,}/{self._total:,}] prompt {finished.prompt_index}"]
         if finished.status == rows.FAILED:
-            error = finished.error or ""
-            error = error if self.verbose else _one_line(error)[:200]
-            detail = f"failed ({finished.error_type}: {error}) — will retry on resume"
-        elif finished.status == rows.DISCARDED:
-            detail += " · discarded: no reasoning"
+            figures.append("failed — will retry on resume")
+        else:
+            figures += [f"{finished.api_calls} calls", f"{finished.wall_time:.1f}s"]
+        if finished.status == rows.DISCARDED:
+            figures.append("discarded: no reasoning")
         elif finished.status == rows.PARTIAL:
-            detail += f" · partial: {finished.end_reason}"
-        self.print(f"{STATUS_MARK[finished.status]} [{self._done}/{self._total}] prompt {finished.prompt_index} · "
-                   f"{detail} · {_one_line(finished.prompt_preview)}")
+            figures.append(f"partial: {finished.end_reason}")
+        # Redacted before it is shortened: a cut could otherwise leave a secret's prefix unrecognised.
+        preview = _one_line(self.redact(finished.prompt_preview))
+        self._emit_lines(append_tail(pack(figures, width), preview, width))
+        if finished.status == rows.FAILED:
+            self._print_error(finished, width)
         if self.verbose:
-            usage = finished.usage
-            tools = ", ".join(f"{name}×{count}" for name, count in finished.tool_calls) or "none"
-            self.print(f"    toolsets {', '.join(finished.toolsets)} · tools used: {tools} · "
-                       f"tokens {usage['prompt_tokens']:,}+{usage['completion_tokens']:,} · ${usage['cost']:.4f} · "
-                       f"batch {finished.batch_num} · end {finished.end_reason}")
-        if self._progress is not None:
-            self._progress.update(self._task_id, completed=self._done, rate=f"{self._rate():.2f}/s",
-                                  counts=self._counts_text())
-        elif time.monotonic() - self._last_status_line >= PLAIN_STATUS_EVERY:
+            details = pack(self._detail_segments(finished), width - len(INDENT), indent="")
+            self._emit_lines(INDENT + line for line in details)
+        if not self.interactive and time.monotonic() - self._last_status_line >= PLAIN_STATUS_EVERY:
             self.status_line()
 
+    def _print_error(self, finished: Finished, width: int) -> None:
+        """The failure's message under its line, word-wrapped: all of it with --verbose, else its
+        first MAX_ERROR_CHARS characters on one line."""
+        error = self.redact(finished.error or "")
+        error = error if self.verbose else _one_line(error)[:MAX_ERROR_CHARS]
+        wrapped = Text(f"{finished.error_type}: {error}").wrap(self.out, width - len(INDENT))
+        self._emit_lines(INDENT + line.plain.rstrip() for line in wrapped)
+
+    @staticmethod
+    def _detail_segments(finished: Finished) -> list[str]:
+        usage = finished.usage
+        tools = ", ".join(f"{name}×{count}" for name, count in finished.tool_calls) or "none"
+        return [f"toolsets {', '.join(finished.toolsets)}", f"tools used: {tools}",
+                f"tokens {usage['prompt_tokens']:,}+{usage['completion_tokens']:,}", f"${usage['cost']:.4f}",
+                f"batch {finished.batch_num}", f"end {finished.end_reason}"]
+
     def status_line(self) -> None:
+        """Progress in a log file, where there is no live display: the same figures as plain lines."""
         self._last_status_line = time.monotonic()
-        rate = self._rate()
-        remaining = self._total - self._done
-        eta = f"{remaining / rate:.0f}s" if rate > 0 else "?"
-        self.print(f"progress: {self._done}/{self._total} prompts · {rate:.2f}/s · ETA {eta} · {self._counts_text()}")
+        timing = self._timing_segments()
+        timing[0] = f"progress: {timing[0]}"
+        self._emit_lines(pack([*timing, *self._count_segments()], self.width))
 
     def stop_progress(self) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
 
     # -- summary --------------------------------------------------------------------------------
 
-    def summary(self, statistics: dict, merged_batch_files: int) -> None:
-        run = statistics["this_run"]
-        self.print()
-        self.print("=" * 60)
-        self.print("BATCH PROCESSING COMPLETE", style="bold green")
-        self.print("=" * 60)
-        self.print(f"Prompts processed (this run): {run['prompts_processed']} "
-                   f"(✅ {run['completed']} completed, ⚠️ {run['partial']} partial, "
-                   f"❌ {run['failed']} failed, 🚫 {run['discarded_no_reasoning']} discarded)")
-        self.print(f"Trajectories in merged file:  {statistics['trajectories_in_merged_file']}")
-        self.print(f"Batch files merged:           {merged_batch_files}")
-        self.print(f"Duration:                     {statistics['duration_seconds']:.1f}s")
-
-        table = Table(title="Tool usage")
-        for column in ("tool", "count", "success", "failure", "success rate"):
-            table.add_column(column, justify="left" if column == "tool" else "right")
-        used = [(n, e) for n, e in statistics["tool_statistics"].items() if e["count"]]
-        for name, entry in sorted(used, key=lambda item: -item[1]["count"]):
-            table.add_row(name, str(entry["count"]), str(entry["success"]), str(entry["failure"]),
-                          f"{entry['success_rate']:.1f}%")
-        if used:
-            self.out.print(table)
+    def summary(self, statistics: dict, merged_batch_files: int, *, interrupted: bool = False) -> None:
+        """The end-of-run figures; after Ctrl-C under a heading that says the run did not complete."""
+        width = self.width
+        before = self._run_rows(statistics, merged_batch_files)
+        after = self._merged_file_rows(statistics) + self._token_rows(statistics)
+        labels = label_column(before + after)      # one value column for both blocks
+        rule = "=" * min(RULE_WIDTH, width)
+        self._emit("")
+        self._emit_lines([rule])
+        if interrupted:
+            self._emit_lines(["BATCH PROCESSING INTERRUPTED"], style="bold yellow")
         else:
-            self.print("Tool usage: no tool calls in the merged file")
+            self._emit_lines(["BATCH PROCESSING COMPLETE"], style="bold green")
+        self._emit_lines([rule])
+        self._emit_lines(labelled(before, width, labels))
+        self._print_tool_table(statistics["tool_statistics"], width)
+        self._emit_lines(labelled(after, width, labels))
 
+    @staticmethod
+    def _run_rows(statistics: dict, merged_batch_files: int) -> list[tuple[str, list[str]]]:
+        run = statistics["this_run"]
+        return [("This run", [f"{run['prompts_processed']:,} prompts processed", f"✅ {run['completed']:,} completed",
+                              f"⚠️ {run['partial']:,} partial", f"❌ {run['failed']:,} failed",
+                              f"🚫 {run['discarded_no_reasoning']:,} discarded", f"{run['api_calls']:,} API calls",
+                              f"{statistics['duration_seconds']:.1f}s"]),
+                ("All runs", [f"{statistics['trajectories_in_merged_file']:,} trajectories in the merged file",
+                              f"{merged_batch_files:,} batch files"])]
+
+    @staticmethod
+    def _merged_file_rows(statistics: dict) -> list[tuple[str, list[str]]]:
         reasoning = statistics["reasoning_statistics"]
-        self.print(f"Reasoning coverage: {reasoning['turns_with_reasoning']} of {reasoning['total_assistant_turns']} "
-                   f"assistant turns ({reasoning['coverage_percent']:.1f}%), "
-                   f"{reasoning['turns_without_reasoning']} without")
-        self.print(f"Samples discarded (no reasoning): {statistics['discarded_no_reasoning']}")
-        if statistics["filtered_corrupted"]:
-            self.print(f"Left out of the merged file as corrupted (invented tool names): "
-                       f"{statistics['filtered_corrupted']} — kept in the batch files; "
-                       "--resume --rerun_corrupted runs them again")
-        if statistics["failed_prompts"]:
-            causes = ", ".join(f"{cause}: {n}" for cause, n in sorted(statistics["failures_by_cause"].items()))
-            self.print(f"Failed prompts: {statistics['failed_prompts']} ({causes}) — --resume retries them")
-        usage = statistics["usage"]
-        self.print(f"Tokens: {usage['prompt_tokens']:,} prompt, {usage['completion_tokens']:,} completion "
-                   f"({usage['reasoning_tokens']:,} reasoning, {usage['cached_tokens']:,} cached prompt) · "
-                   f"cost ${usage['cost']:.4f}")
+        result = [("Reasoning", [f"{reasoning['turns_with_reasoning']:,} of {reasoning['total_assistant_turns']:,} "
+                                 f"assistant turns ({reasoning['coverage_percent']:.1f}%)",
+                                 f"{reasoning['turns_without_reasoning']:,} without"]),
+                  ("Discarded", [f"{statistics['discarded_no_reasoning']:,} samples without reasoning (all runs)"])]
+        if skipped := statistics["skipped_dataset_lines"]:
+            result.append(("Dataset", [f"{skipped:,} bad line{'s' if skipped != 1 else ''} skipped",
+                                       "see the warnings at the start"]))
+        if corrupted := statistics["filtered_corrupted"]:
+            result.append(("Corrupted", [f"{corrupted:,} left out of the merged file (invented tool names)",
+                                         "kept in the batch files", "--resume --rerun_corrupted runs them again"]))
+        if failed := statistics["failed_prompts"]:
+            causes = [f"{cause}: {n:,}" for cause, n in sorted(statistics["failures_by_cause"].items())]
+            result.append(("Failed", [f"{failed:,} prompt{'s' if failed != 1 else ''} this run", *causes,
+                                      "--resume retries them"]))
+        return result
+
+    @staticmethod
+    def _token_rows(statistics: dict) -> list[tuple[str, list[str]]]:
+        """After a resume the merged file also holds earlier runs' usage: both figures, each labelled."""
+        this_run, all_runs = usage_segments(statistics["this_run"]["usage"]), usage_segments(statistics["usage"])
+        if this_run == all_runs:
+            return [("Tokens", this_run)]
+        return [("Tokens, this run", this_run), ("Tokens, all runs", all_runs)]
+
+    def _print_tool_table(self, tool_statistics: dict, width: int) -> None:
+        used = [(n, e) for n, e in tool_statistics.items() if e["count"]]
+        if not used:
+            self._emit_lines(["Tool usage: no tool calls in the merged file"])
+            return
+        table = Table()
+        table.add_column("tool", overflow="fold")
+        for column in ("count", "success", "failure", "success rate"):
+            table.add_column(column, justify="right", no_wrap=True)    # a figure is never wrapped
+        for name, entry in sorted(used, key=lambda item: -item[1]["count"]):
+            table.add_row(*(Text(self.redact(cell)) for cell in (
+                name, f"{entry['count']:,}", f"{entry['success']:,}", f"{entry['failure']:,}",
+                f"{entry['success_rate']:.1f}%")))
+        self._emit_lines(["Tool usage (merged file, all runs):"])
+        self.out.print(table, width=width, soft_wrap=False)

@@ -17,6 +17,30 @@ from typing import Callable, Iterator
 from batchrun.rows import content_key
 
 
+# Bad lines named one by one; past these a count stands for the rest, so a file of 500 bad lines
+# cannot bury the console (the total goes to the summary and statistics.json).
+NAMED_BAD_LINES = 5
+
+
+class SkippedLines:
+    """Warns about the first bad lines by number, then counts the rest quietly."""
+
+    def __init__(self, warn: Callable[[str], None]) -> None:
+        self._warn = warn
+        self.count = 0
+
+    def add(self, warning: str) -> None:
+        self.count += 1
+        if self.count <= NAMED_BAD_LINES:
+            self._warn(warning)
+
+    def finish(self) -> None:
+        """One line for those not named."""
+        if self.count > NAMED_BAD_LINES:
+            self._warn(f"{self.count - NAMED_BAD_LINES} more bad lines skipped ({self.count} in all); "
+                       "fix them and run again with --resume to include them")
+
+
 class DatasetError(Exception):
     """The dataset cannot be used at all (missing file, no valid prompt)."""
 
@@ -37,6 +61,7 @@ class DatasetPlan:
     total: int                                   # valid prompts considered (after --max_samples)
     already_done: int
     skipped_lines: int
+    pending_with_image: int = 0                  # pending prompts that name a container image
     pending_offsets: array = field(default_factory=lambda: array("q"))
 
     @property
@@ -101,8 +126,10 @@ def require_valid_prompt(path: Path, *, warn: Callable[[str], None]) -> None:
             return
         if warning:
             warnings.append(warning)
+    skipped = SkippedLines(warn)
     for warning in warnings:
-        warn(warning)
+        skipped.add(warning)
+    skipped.finish()
     raise _no_valid_prompt(path, bool(warnings))
 
 
@@ -120,14 +147,14 @@ def plan_dataset(path: Path, *, max_samples: int | None, done_counts: Counter,
     check_dataset_file(path)
     remaining_done = Counter(done_counts)
     plan = DatasetPlan(path=path, total=0, already_done=0, skipped_lines=0)
+    skipped = SkippedLines(warn)
     for number, offset, raw in _lines(path):
         if max_samples is not None and plan.total >= max_samples:
             break
         fields, warning = parse_line(raw, number)
         if fields is None:
             if warning:
-                plan.skipped_lines += 1
-                warn(warning)
+                skipped.add(warning)
             continue
         key = content_key(fields["prompt"], fields["image"], fields["cwd"])
         if remaining_done[key] > 0:
@@ -135,7 +162,10 @@ def plan_dataset(path: Path, *, max_samples: int | None, done_counts: Counter,
             plan.already_done += 1
         else:
             plan.pending_offsets.append(offset)
+            plan.pending_with_image += fields["image"] is not None
         plan.total += 1
+    skipped.finish()
+    plan.skipped_lines = skipped.count
     if plan.total == 0:
         raise _no_valid_prompt(path, plan.skipped_lines > 0)
     return plan

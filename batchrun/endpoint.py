@@ -46,6 +46,9 @@ class RunFatalError(Exception):
     """The whole run cannot work (bad key, unknown model, no credit): stop instead of failing every prompt."""
 
 
+CONTEXT_LENGTH = "context_length"     # error type of a conversation too long for the model
+
+
 class PromptFailedError(Exception):
     """This prompt cannot be completed now; it leaves a failure row and is retried on resume."""
 
@@ -170,6 +173,24 @@ def _stop_if_unreachable(exc: openai.APIConnectionError, base_url: str) -> None:
                                 f"{urlparse(base_url).hostname!r} cannot be resolved. Check --base_url.")
 
 
+# How providers say a conversation no longer fits the model's context: OpenAI and vLLM ("maximum
+# context length", code context_length_exceeded), OpenRouter (passes the provider's words on),
+# llama.cpp ("exceeds the available context size", type exceed_context_size_error), Anthropic
+# ("prompt is too long"), and others ("context window", "reduce the length of the messages").
+_CONTEXT_OVERFLOW_PHRASES = ("context_length_exceeded", "exceed_context_size", "maximum context length",
+                             "context length", "context size", "context window", "prompt is too long",
+                             "reduce the length of the messages", "too many tokens in the prompt")
+
+
+def _context_overflow(exc: openai.APIStatusError, detail: str) -> bool:
+    if exc.status_code not in (400, 413, 422):
+        return False
+    body = exc.body if isinstance(exc.body, dict) else {}
+    inner = body.get("error") if isinstance(body.get("error"), dict) else body
+    said = " ".join(str(part) for part in (detail, inner.get("code"), inner.get("type")) if part).lower()
+    return any(phrase in said for phrase in _CONTEXT_OVERFLOW_PHRASES)
+
+
 def classify(exc: Exception, *, model: str, base_url: str, endpoint_answered: bool) -> float | None:
     """Returns for a transient error (with the server's Retry-After, if any); raises RunFatalError
     when the whole run cannot work and PromptFailedError when only this prompt cannot.
@@ -194,6 +215,9 @@ def classify(exc: Exception, *, model: str, base_url: str, endpoint_answered: bo
     if status == 404:
         raise RunFatalError(f"the endpoint {base_url} does not know model {model!r} or this API path "
                             f"(HTTP 404: {detail}). Check --model and --base_url (it usually ends in /v1).")
+    if _context_overflow(exc, detail):
+        raise PromptFailedError(f"the conversation no longer fits the model's context (HTTP {status}: {detail})",
+                                CONTEXT_LENGTH)
     lowered = detail.lower()
     if status == 400 and "model" in lowered and any(
             phrase in lowered for phrase in ("not a valid model", "does not exist", "invalid model", "unknown model")):

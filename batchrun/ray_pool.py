@@ -49,11 +49,12 @@ from typing import Any, Callable
 
 from batchrun.config import RunConfig
 from batchrun.environments.base import EnvironmentSettings
+from batchrun.install_hint import install_hint
 from batchrun.messages import Fatal, Finished, Task
 from batchrun.rate_limit import wake_delay
 from batchrun.workers import PoolStartError, process_count
 
-INSTALL_HINT = "pip install 'batch-runner[ray]'"
+INSTALL_HINT = install_hint("ray")
 ACTOR_START_TIMEOUT = 180.0     # seconds for every actor to be placed, import the worker code and check its node
 STOP_GRACE_SECONDS = 15.0
 SPARE_CONCURRENCY = 4           # actor calls beyond the session slots: probe, stop

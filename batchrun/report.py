@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable
 
 import toolset_distributions
 from batchrun import report_plots, rows
+from batchrun.install_hint import install_hint
 from batchrun.run_dir import CHECKPOINT, STATISTICS, RunDirectory, line_number, lines_at
 from model_tools import TOOL_NAMES
 
@@ -39,8 +40,7 @@ CALLS_PER_TURN = 20             # tool calls / results kept per turn
 MAX_TRACKED_FAILURES = 100_000  # failed prompts followed to see whether a retry succeeded
 TIMELINE_BUCKETS = 2000         # time buckets at most; they widen as a long run needs
 BINS_PER_DECADE = 10
-PLOTS_HINT = ("Plots need matplotlib: pip install -e \".[report]\" (or pip install matplotlib), then "
-              "python batch_runner.py --report --run_name={run_name}")
+PLOTS_HINT = "Plots need matplotlib: {install}, then python batch_runner.py --report --run_name={run_name}"
 
 # How many rows of each kind the sample keeps, and which kinds are shown first when it is full.
 QUOTAS = {"failed": 30, "corrupted": 30, "partial": 30, "tool_failed": 20, "discarded": 30, "tool": 20,
@@ -638,7 +638,7 @@ def _notices(run_dir: Path, summary: RunSummary, plotted: bool) -> str:
                      f"batch_runner reads: no figure below counts them, and --resume stops on them. The first: "
                      f"{summary.first_refused}")
     if not plotted:
-        texts.append(PLOTS_HINT.format(run_name=run_dir.name))
+        texts.append(PLOTS_HINT.format(install=install_hint("report"), run_name=run_dir.name))
     return "".join(f'<p class="notice">{html.escape(text)}</p>' for text in texts)
 
 

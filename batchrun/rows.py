@@ -19,7 +19,7 @@ from typing import Any, Iterable
 
 import msgspec
 
-from model_tools import REGISTRY, TOOL_NAMES
+from model_tools import REGISTRY, TOOL_NAMES, toolsets_offering
 
 # ---------------------------------------------------------------------------------------------
 # Identity of a unit of work
@@ -123,6 +123,21 @@ class AssistantTurn:
 
 
 @dataclass
+class HumanTurn:
+    """A message the runner itself sent the model mid-session (asking it to continue a cut-off reply,
+    or to sum up at --max_turns): the model answered it, so the trajectory shows it."""
+
+    text: str
+
+
+Turn = AssistantTurn | HumanTurn
+
+
+def calls_of(turns: list[Turn]) -> Iterable[ToolCallRecord]:
+    return (call for turn in turns if isinstance(turn, AssistantTurn) for call in turn.tool_calls)
+
+
+@dataclass
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -143,27 +158,30 @@ class Usage:
                 "cost": round(self.cost, 8)}
 
 
+# The Hermes function-calling system turn, byte for byte as the reference runner writes it: trainers
+# of these models expect exactly this text around the tools' signatures.
 SYSTEM_PREAMBLE = (
-    "You are a function calling AI model. You are provided with function signatures within "
-    "<tools> </tools> XML tags. You may call one or more functions to assist with the user query. "
-    "Don't make assumptions about what values to plug into functions. After calling & executing the "
-    "functions, you will be provided with function results within <tool_response> </tool_response> "
-    "XML tags. Here are the available tools:\n<tools>\n"
+    "You are a function calling AI model. You are provided with function signatures within <tools> </tools> "
+    "XML tags. You may call one or more functions to assist with the user query. If available tools are not "
+    "relevant in assisting with user query, just respond in natural conversational language. Don't make "
+    "assumptions about what values to plug into functions. After calling & executing the functions, you will be "
+    "provided with function results within <tool_response> </tool_response> XML tags. Here are the available "
+    "tools:\n<tools>\n"
 )
 SYSTEM_POSTAMBLE = (
-    "\n</tools>\nFor each function call return a JSON object with the function name and arguments, "
-    "following this schema:\n"
-    '{"title": "FunctionCall", "type": "object", "properties": {"name": {"title": "Name", '
-    '"type": "string"}, "arguments": {"title": "Arguments", "type": "object"}}, '
-    '"required": ["name", "arguments"]}\n'
-    "Each function call should be enclosed within <tool_call> </tool_call> XML tags, for example:\n"
-    "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-dict>}\n</tool_call>"
+    "\n</tools>\nFor each function call return a JSON object, with the following pydantic model json schema for "
+    "each:\n{'title': 'FunctionCall', 'type': 'object', 'properties': {'name': {'title': 'Name', 'type': "
+    "'string'}, 'arguments': {'title': 'Arguments', 'type': 'object'}}, 'required': ['name', 'arguments']}\n"
+    "Each function call should be enclosed within <tool_call> </tool_call> XML tags.\nExample:\n<tool_call>\n"
+    "{'name': <function-name>,'arguments': <args-dict>}\n</tool_call>"
 )
 
 
 def render_system_turn(tool_names: Iterable[str]) -> str:
-    """The Hermes function-calling system turn listing exactly the tools this prompt was offered."""
-    signatures = [REGISTRY[name].schema for name in tool_names]
+    """The system turn listing exactly the tools this prompt was offered, each as its name,
+    description and parameters."""
+    signatures = [{"name": name, "description": REGISTRY[name].description,
+                   "parameters": REGISTRY[name].parameters, "required": None} for name in tool_names]
     return SYSTEM_PREAMBLE + json.dumps(signatures, ensure_ascii=False) + SYSTEM_POSTAMBLE
 
 
@@ -175,16 +193,32 @@ def parsed_or_raw(text: str) -> Any:
         return text
 
 
+def tool_response_content(result: str) -> Any:
+    """A tool result as the tool turn holds it: parsed when it is a JSON object or array, else the text."""
+    if result.strip()[:1] in ("{", "["):
+        try:
+            return json.loads(result)
+        except ValueError:
+            pass
+    return result
+
+
+# A gpt turn opens with its reasoning in a think block, or with an empty block when it had none (unless
+# its text already holds a <think>), and carries no trailing whitespace.
 THINK_OPEN, THINK_CLOSE = "<think>\n", "\n</think>\n"
-EMPTY_THINK = THINK_OPEN + THINK_CLOSE     # how a gpt turn without reasoning starts
+EMPTY_THINK = "<think>\n</think>\n"
 
 
 def split_rendered_reasoning(value: str) -> tuple[str, str]:
-    """(reasoning, the rest) of a rendered gpt turn: the inverse of the think block written below."""
+    """(reasoning, the rest) of a rendered gpt turn: the inverse of :func:`render_gpt_turn`'s think
+    block. Also reads format 1's empty block, ``<think>\n\n</think>\n``."""
+    if value.startswith(EMPTY_THINK.rstrip("\n")):
+        return "", value[len(EMPTY_THINK) - 1:].removeprefix("\n")
     if value.startswith(THINK_OPEN):
-        close = value.find(THINK_CLOSE, len(THINK_OPEN))
+        close = value.find(THINK_CLOSE.rstrip("\n"), len(THINK_OPEN) - 1)
         if close >= 0:
-            return value[len(THINK_OPEN):close], value[close + len(THINK_CLOSE):]
+            rest = value[close + len(THINK_CLOSE) - 1:]
+            return value[len(THINK_OPEN):close], rest.removeprefix("\n")
     return "", value
 
 
@@ -194,26 +228,56 @@ def render_gpt_turn(turn: AssistantTurn) -> dict:
         payload = json.dumps({"name": call.name, "arguments": parsed_or_raw(call.arguments)},
                              ensure_ascii=False)
         parts.append(f"<tool_call>\n{payload}\n</tool_call>")
-    rendered: dict[str, Any] = {"from": "gpt", "value": THINK_OPEN + turn.reasoning + THINK_CLOSE + "\n".join(parts)}
-    if turn.tool_calls:
-        rendered["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments}
-                                  for c in turn.tool_calls]
-    return rendered
+    body = "\n".join(parts)
+    if turn.reasoning.strip():
+        value = THINK_OPEN + turn.reasoning + THINK_CLOSE + body
+    else:
+        value = body if "<think>" in body else EMPTY_THINK + body
+    return {"from": "gpt", "value": value.rstrip()}
+
+
+_RENDERED_CALL = re.compile(r"<tool_call>\n(.*)\n</tool_call>")     # the payload is one JSON line
+_TOOLS_LIST = re.compile(r"<tools>\n(.*)\n</tools>", re.DOTALL)
+
+
+def rendered_calls(gpt_value: str) -> list[dict]:
+    """The calls of a rendered gpt turn, each ``{"name": ..., "arguments": ...}`` as the turn wrote them."""
+    calls = []
+    for payload in _RENDERED_CALL.findall(gpt_value):
+        call = parsed_or_raw(payload)
+        if isinstance(call, dict) and isinstance(call.get("name"), str):
+            calls.append(call)
+    return calls
+
+
+def offered_tool_names(system_value: str) -> list[str]:
+    """The tools a rendered system turn lists."""
+    listed = _TOOLS_LIST.search(system_value)
+    signatures = parsed_or_raw(listed.group(1)) if listed else []
+    if not isinstance(signatures, list):
+        return []
+    # Format 1 listed OpenAI tool schemas ({"type": "function", "function": {"name": ...}}).
+    names = [item.get("name", (item.get("function") or {}).get("name")) for item in signatures
+             if isinstance(item, dict)]
+    return [name for name in names if isinstance(name, str)]
 
 
 def render_tool_turn(calls: list[ToolCallRecord]) -> dict:
     blocks = []
     for call in calls:
         payload = json.dumps({"tool_call_id": call.id, "name": call.name,
-                              "content": parsed_or_raw(call.result or "")}, ensure_ascii=False)
+                              "content": tool_response_content(call.result or "")}, ensure_ascii=False)
         blocks.append(f"<tool_response>\n{payload}\n</tool_response>")
     return {"from": "tool", "value": "\n".join(blocks)}
 
 
-def render_conversations(offered_tools: list[str], prompt: str, turns: list[AssistantTurn]) -> list[dict]:
+def render_conversations(offered_tools: list[str], prompt: str, turns: list[Turn]) -> list[dict]:
     conversations = [{"from": "system", "value": render_system_turn(offered_tools)},
                      {"from": "human", "value": prompt}]
     for turn in turns:
+        if isinstance(turn, HumanTurn):
+            conversations.append({"from": "human", "value": turn.text})
+            continue
         conversations.append(render_gpt_turn(turn))
         answered = [call for call in turn.tool_calls if call.result is not None]
         if answered:
@@ -221,16 +285,23 @@ def render_conversations(offered_tools: list[str], prompt: str, turns: list[Assi
     return conversations
 
 
-def tool_stats(turns: list[AssistantTurn]) -> tuple[dict, dict]:
+def is_invented(tool: str, offered_tools: Iterable[str]) -> bool:
+    """The one rule for an invented tool call: it names a tool this prompt was not offered. A tool of
+    the registry that the system turn did not list is as made up, to the model, as one that exists
+    nowhere: the session answers it with an error (and ends a prompt that keeps doing it), the row
+    counts it, the statistics book it to no tool, and the merge leaves the row out."""
+    return tool not in offered_tools
+
+
+def tool_stats(turns: list[Turn], offered_tools: list[str]) -> tuple[dict, dict]:
     """(tool_stats, tool_error_counts) over the fixed registry: the same keys in every row."""
     stats = {name: {"count": 0, "success": 0, "failure": 0} for name in TOOL_NAMES}
-    for turn in turns:
-        for call in turn.tool_calls:
-            entry = stats.get(call.name)
-            if entry is None or call.result is None:
-                continue  # invented tools have no column; the merge filter deals with them
-            entry["count"] += 1
-            entry["failure" if tool_result_failed(call.result) else "success"] += 1
+    for call in calls_of(turns):
+        if call.result is None or is_invented(call.name, offered_tools):
+            continue
+        entry = stats[call.name]
+        entry["count"] += 1
+        entry["failure" if tool_result_failed(call.result) else "success"] += 1
     return stats, {name: entry["failure"] for name, entry in stats.items()}
 
 
@@ -247,24 +318,42 @@ class SessionResult:
     prompt: str
     toolsets: list[str]
     offered_tools: list[str]
-    turns: list[AssistantTurn]
+    turns: list[Turn]
     api_calls: int
     usage: Usage
     wall_time: float
-    end_reason: str            # final_answer | max_turns | invented_tools | truncated | error
+    end_reason: str            # one of END_REASONS
     error: str | None = None
     error_type: str | None = None
 
 
+# Why a session ended. Only a final answer completes a row; every other reason but "error" (a failure
+# row, retried on resume) leaves a partial trajectory of the turns it paid for.
+END_REASONS = {
+    "final_answer": "the model answered without calling a tool",
+    "max_turns": "--max_turns model calls were made (then one more, without tools, asked for a summary)",
+    "invented_tools": "the model called tools it was not offered in 3 turns in a row",
+    "truncated": "a reply stayed cut off by the output limit after 3 requests to continue "
+                 "(or its tool calls were cut off twice)",
+    "empty_answer": "the model's answer had no text after 3 more requests",
+    "context_length": "the conversation outgrew the model's context",
+    "prompt_timeout": "the prompt's --prompt_timeout passed",
+    "error": "the prompt failed; resume runs it again",
+}
 COMPLETED_END_REASONS = frozenset({"final_answer"})
 
 # Every row carries "format": ROW_FORMAT. A reader refuses rows of a higher format (their meaning may
-# have changed), and reads rows without the key, written before it existed, as this format.
-ROW_FORMAT = 1
+# have changed) and reads older ones: format 1 (or no key) put a "tool_calls" list on gpt turns and
+# judged invented tools by the registry; the merge writes such rows upgraded (StoredRow.upgraded).
+ROW_FORMAT = 2
+
+
+def invented_call_count(turns: list[Turn], offered_tools: list[str]) -> int:
+    return sum(is_invented(call.name, offered_tools) for call in calls_of(turns))
 
 
 def trajectory_row(result: SessionResult, *, batch_num: int, model: str, timestamp: str) -> dict:
-    stats, error_counts = tool_stats(result.turns)
+    stats, error_counts = tool_stats(result.turns, result.offered_tools)
     completed = result.end_reason in COMPLETED_END_REASONS
     return {
         "format": ROW_FORMAT,
@@ -275,20 +364,31 @@ def trajectory_row(result: SessionResult, *, batch_num: int, model: str, timesta
         "completed": completed,
         "partial": not completed,
         "api_calls": result.api_calls,
-        "toolsets_used": result.toolsets,
+        # What the model was given; a sampled toolset whose tools this machine cannot run is only
+        # in toolsets_sampled.
+        "toolsets_used": toolsets_offering(result.toolsets, result.offered_tools),
+        "toolsets_sampled": result.toolsets,
         "tool_stats": stats,
         "tool_error_counts": error_counts,
+        "invented_tool_calls": invented_call_count(result.turns, result.offered_tools),
         "usage": result.usage.as_dict(),
         "wall_time_seconds": round(result.wall_time, 3),
         "end_reason": result.end_reason,
     }
 
 
-def tombstone_row(result: SessionResult) -> dict:
-    return {"format": ROW_FORMAT, "prompt_index": result.prompt_index, "content_key": result.content_key,
-            "discarded": "no_reasoning", "prompt": result.prompt,
-            "api_calls": result.api_calls, "usage": result.usage.as_dict(),
-            "wall_time_seconds": round(result.wall_time, 3), "end_reason": result.end_reason}
+# The keys of a trajectory row in the order it writes them; an upgraded older row follows it too.
+_KEY_ORDER = {key: position for position, key in enumerate((
+    "format", "prompt_index", "content_key", "conversations", "metadata", "completed", "partial", "api_calls",
+    "toolsets_used", "toolsets_sampled", "tool_stats", "tool_error_counts", "invented_tool_calls", "usage",
+    "wall_time_seconds", "end_reason", "discarded"))}
+
+
+def tombstone_row(trajectory: dict, reason: str) -> dict:
+    """A discarded trajectory keeps everything it had, so it can be inspected, counted (its turns
+    belong to the run's reasoning coverage) and filtered again; ``discarded`` keeps it out of the
+    merged file and marks its prompt done."""
+    return {**trajectory, "discarded": reason, "prompt": trajectory["conversations"][1]["value"]}
 
 
 def failure_row(result: SessionResult) -> dict:
@@ -304,9 +404,10 @@ def encode_finished(result: SessionResult, *, batch_num: int, model: str, timest
     """The single decision of which kind of row a finished session becomes, already encoded."""
     if result.end_reason == "error":
         return encode_row(failure_row(result))
-    line = encode_row(trajectory_row(result, batch_num=batch_num, model=model, timestamp=timestamp))
+    trajectory = trajectory_row(result, batch_num=batch_num, model=model, timestamp=timestamp)
+    line = encode_row(trajectory)
     if discard_no_reasoning and read_stored_row(line).reasoning_counts()[0] == 0:
-        return encode_row(tombstone_row(result))
+        return encode_row(tombstone_row(trajectory, NO_REASONING))
     return line
 
 
@@ -314,6 +415,7 @@ def encode_finished(result: SessionResult, *, batch_num: int, model: str, timest
 # Encoding and reading stored rows
 
 COMPLETED, PARTIAL, DISCARDED, FAILED = "completed", "partial", "discarded", "failed"
+NO_REASONING = "no_reasoning"       # the one discard reason so far
 
 
 def encode_row(row: dict) -> bytes:
@@ -364,7 +466,8 @@ class _Row(msgspec.Struct):
     content_key: str
     end_reason: str
     format: int | None = None                  # None: written before rows carried a format
-    conversations: list[_Turn] | None = None   # a trajectory row
+    conversations: list[_Turn] | None = None   # a trajectory row (a tombstone keeps it too)
+    invented_tool_calls: int | None = None     # None: a format 1 row
     discarded: str | None = None               # a tombstone
     failed: bool = False                       # a failure row
     completed: bool = False
@@ -383,7 +486,7 @@ class _Versioned(msgspec.Struct):
 _ROW = msgspec.json.Decoder(_Row)
 _VERSION = msgspec.json.Decoder(_Versioned)
 _TEXT = msgspec.json.Decoder(str)
-_EMPTY_THINK_JSON = json.dumps(EMPTY_THINK).encode()[:-1]     # how a turn without reasoning starts, encoded
+_EMPTY_THINK_JSON = json.dumps(EMPTY_THINK.rstrip("\n")).encode()[:-1]   # how a turn without reasoning starts, encoded
 
 
 class StoredRow:
@@ -405,18 +508,23 @@ class StoredRow:
         return self._row.content_key
 
     @property
-    def has_format(self) -> bool:
-        """False for a row written before rows carried ``format``."""
-        return self._row.format is not None
+    def is_current(self) -> bool:
+        """False for a row of an earlier format (see ROW_FORMAT)."""
+        return self._row.format == ROW_FORMAT
 
     def invented_tools(self) -> list[str]:
-        """Tools this row calls that the registry does not have (the corrupted-entry test)."""
-        names: list[str] = []
-        for turn in self._row.conversations or ():
-            for call in turn.tool_calls:
-                if call.name not in REGISTRY and call.name not in names:
-                    names.append(call.name)
-        return names
+        """The tools this row calls that it was not offered (see is_invented): a row that names
+        any is corrupted, left out of the merged file."""
+        row = self._row
+        if row.invented_tool_calls is None:      # format 1: what it recorded, judged by the registry
+            return list(dict.fromkeys(call.name for turn in row.conversations or () for call in turn.tool_calls
+                                      if call.name not in REGISTRY))
+        if not row.invented_tool_calls:
+            return []
+        turns = [(turn.speaker, _TEXT.decode(turn.value)) for turn in row.conversations or ()]
+        offered = next((offered_tool_names(text) for speaker, text in turns if speaker == "system"), [])
+        return list(dict.fromkeys(call["name"] for speaker, text in turns if speaker == "gpt"
+                                  for call in rendered_calls(text) if is_invented(call["name"], offered)))
 
     def reasoning_counts(self) -> tuple[int, int]:
         """(gpt turns with reasoning, gpt turns without)."""
@@ -462,13 +570,20 @@ class StoredRow:
     def discard_reason(self) -> str | None:
         return self._row.discarded
 
-    def with_format(self) -> bytes:
-        """The line with ``format`` added if it has none, so that every row of the merged file has
-        the same columns, as loaders such as ``datasets.load_dataset("json")`` expect."""
-        if self.has_format:
+    def upgraded(self) -> bytes:
+        """The line in the current format, so that every row of the merged file has the same keys
+        of the same types, as loaders such as ``datasets.load_dataset("json")`` require: a format 1
+        row loses the ``tool_calls`` lists of its turns and gains the newer keys."""
+        if self.is_current:
             return self.line
-        brace = self.line.index(b"{") + 1
-        return self.line[:brace] + b'"format": %d, ' % ROW_FORMAT + self.line[brace:]
+        row = json.loads(self.line)
+        for turn in row.get("conversations") or ():
+            turn.pop("tool_calls", None)
+        row["format"] = ROW_FORMAT
+        row.setdefault("toolsets_sampled", row.get("toolsets_used") or [])
+        row["invented_tool_calls"] = sum(call.name not in REGISTRY for turn in self._row.conversations or ()
+                                         for call in turn.tool_calls)
+        return encode_row({key: row[key] for key in sorted(row, key=_KEY_ORDER.get)})
 
 
 def read_stored_row(line: bytes) -> StoredRow | None:

@@ -35,7 +35,7 @@ LOCK = ".lock"
 MERGE_RECORD = ".merge.json"
 # A record is only trusted by a merge with the same rules: the same registry decides what is corrupted,
 # and the same form of the figures it carries.
-MERGE_RECORD_FORMAT = "2:" + hashlib.sha256(" ".join(sorted(REGISTRY)).encode()).hexdigest()[:16]
+MERGE_RECORD_FORMAT = f"3:{rows.ROW_FORMAT}:" + hashlib.sha256(" ".join(sorted(REGISTRY)).encode()).hexdigest()[:16]
 MERGE_RECORD_TAIL_BYTES = 4096
 MERGE_BUFFER_BYTES = 1 << 20
 READ_BUFFER_BYTES = 1 << 20
@@ -121,12 +121,23 @@ class Checkpoint:
     total_prompts: int
     completed_prompts: int          # prompts done (completed, partial or discarded), every invocation
     batch_stats: Counter            # rows written per outcome (completed, partial, failed, discarded)
+    # Per content key, how many of its corrupted rows a --rerun_corrupted resume has replaced: those
+    # are attempts, like failure rows, and no longer count as done or as filtered_corrupted.
+    superseded_corrupted: Counter = field(default_factory=Counter)
 
     def as_json(self) -> dict:
         return {"run_name": self.run_name, "dataset_file": self.dataset_file, "distribution": self.distribution,
                 "model": self.model, "batch_size": self.batch_size, "total_prompts": self.total_prompts,
                 "completed_prompts": self.completed_prompts, "batch_stats": dict(self.batch_stats),
+                "superseded_corrupted": dict(self.superseded_corrupted),
                 "last_updated": datetime.now().isoformat(timespec="seconds")}
+
+
+def superseded_corrupted(checkpoint: dict) -> Counter:
+    """The checkpoint's superseded corrupted rows per content key (none in an older checkpoint)."""
+    recorded = checkpoint.get("superseded_corrupted")
+    return Counter({key: count for key, count in recorded.items() if isinstance(key, str) and isinstance(count, int)}
+                   if isinstance(recorded, dict) else {})
 
 
 def earlier_outcomes(checkpoint: dict) -> Counter:
@@ -145,24 +156,35 @@ def earlier_outcomes(checkpoint: dict) -> Counter:
 class ScanResult:
     """What earlier runs left: finished rows per content key, and what counts as done."""
 
-    done_counts: Counter = field(default_factory=Counter)
+    done_counts: Counter = field(default_factory=Counter)        # corrupted rows not included
     rows_by_status: Counter = field(default_factory=Counter)
-    corrupted_rows: int = 0
+    corrupted_by_key: Counter = field(default_factory=Counter)   # corrupted rows, ever, per content key
     unreadable_lines: int = 0
 
     def add(self, other: ScanResult) -> None:
         self.done_counts.update(other.done_counts)
         self.rows_by_status.update(other.rows_by_status)
-        self.corrupted_rows += other.corrupted_rows
+        self.corrupted_by_key.update(other.corrupted_by_key)
         self.unreadable_lines += other.unreadable_lines
+
+    def live_corrupted(self, superseded: Counter) -> Counter:
+        """Corrupted rows per key that no later attempt replaced (``superseded``: see Checkpoint)."""
+        return +Counter({key: count - superseded[key] for key, count in self.corrupted_by_key.items()})
+
+    def done(self, *, rerun_corrupted: bool, superseded: Counter) -> Counter:
+        """Finished rows per content key: a live corrupted row is done unless the user asked to run
+        it again; a superseded one never is (its prompt's later attempt is what counts)."""
+        if rerun_corrupted:
+            return Counter(self.done_counts)
+        return self.done_counts + self.live_corrupted(superseded)
 
 
 FileRange = tuple[Path, int, int]
 
 
-def scan_ranges(ranges: list[FileRange], rerun_corrupted: bool) -> ScanResult:
+def scan_ranges(ranges: list[FileRange]) -> ScanResult:
     """Count finished prompts by content key in these byte ranges. Failed rows are not
-    done; corrupted rows are done unless the user asked to run them again."""
+    done; corrupted rows are counted apart (see ScanResult.done)."""
     result = ScanResult()
     for path, start, end in ranges:
         for offset, line in lines_at(path, start, end):
@@ -177,9 +199,8 @@ def scan_ranges(ranges: list[FileRange], rerun_corrupted: bool) -> ScanResult:
             if row.status == rows.FAILED:
                 continue
             if row.status != rows.DISCARDED and row.invented_tools():
-                result.corrupted_rows += 1
-                if rerun_corrupted:
-                    continue
+                result.corrupted_by_key[row.content_key] += 1
+                continue
             result.done_counts[row.content_key] += 1
     return result
 
@@ -261,7 +282,7 @@ class RunDirectory:
 
     # -- resume ---------------------------------------------------------------------------------
 
-    def scan(self, *, rerun_corrupted: bool) -> ScanResult:
+    def scan(self) -> ScanResult:
         """What the batch files hold (see :func:`scan_ranges`), once torn tails are cut off. Reading a
         row costs CPU, not disk (the reads are line-sized), so a big run directory is shared out over
         one process per core. Only a resumed run scans, with the lock held and before it appends."""
@@ -269,10 +290,10 @@ class RunDirectory:
         files = self.batch_files()
         groups = split_ranges(files, read_processes(files))
         if len(groups) == 1:
-            return scan_ranges(groups[0], rerun_corrupted)
+            return scan_ranges(groups[0])
         result = ScanResult()
         with _reading_pool(len(groups)) as pool:
-            for part in pool.map(scan_ranges, groups, [rerun_corrupted] * len(groups)):
+            for part in pool.map(scan_ranges, groups):
                 result.add(part)
         return result
 
@@ -428,8 +449,8 @@ class MergePart:
     ends: dict[str, int] = field(default_factory=dict)        # per file: the end of its last complete line
 
     def keep(self, path: Path, offset: int, line: bytes, row: rows.StoredRow) -> None:
-        if not row.has_format:                 # a row of an earlier version: merged with its format added
-            line = row.with_format()
+        if not row.is_current:                 # a row of an earlier format: merged upgraded
+            line = row.upgraded()
             self.kept.append(line)
         elif self.kept and isinstance(self.kept[-1], tuple) and self.kept[-1][0] == path \
                 and self.kept[-1][2] == offset:

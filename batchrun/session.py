@@ -15,12 +15,13 @@ import openai
 
 import model_tools
 from batchrun.config import RunConfig
-from batchrun.endpoint import ConversationBody, PromptFailedError, call_model
+from batchrun.endpoint import CONTEXT_LENGTH, ConversationBody, ModelReply, PromptFailedError, call_model
 from batchrun.environments import create_environment
 from batchrun.environments.base import Environment, EnvironmentSettings, EnvironmentSetupError
 from batchrun.messages import Task
 from batchrun.rate_limit import RateGate
-from batchrun.rows import AssistantTurn, SessionResult, ToolCallRecord, Usage, split_reasoning
+from batchrun.rows import (AssistantTurn, HumanTurn, SessionResult, ToolCallRecord, Turn, Usage, is_invented,
+                           split_reasoning)
 from batchrun.security import Redactor
 from batchrun.time_limit import within
 from batchrun.tools import ModelAccess, ToolContext, ToolError
@@ -30,7 +31,18 @@ AGENT_PROMPT = (
     "Work step by step, check what each tool call returns before relying on it, and finish with a "
     "clear final answer once the task is done."
 )
-MAX_INVENTED_TURNS = 3       # consecutive turns calling tools that do not exist before giving up
+MAX_INVENTED_TURNS = 3       # consecutive turns calling tools it was not offered before giving up
+MAX_EMPTY_RETRIES = 3        # a reply with no text and no tool call is asked for again this often
+MAX_CONTINUATIONS = 3        # a reply cut off by the output limit is asked to go on this often
+# What the runner says to the model itself, worded as the reference runner words it, so that rows of both
+# read alike to a trainer.
+CONTINUE_REQUEST = ("[System: Your previous response was truncated by the output length limit. Continue exactly "
+                    "where you left off. Do not restart or repeat prior text. Finish the answer directly.]")
+SUMMARY_REQUEST = ("You've reached the maximum number of tool-calling iterations allowed. Please provide a final "
+                   "response summarizing what you've found and accomplished so far, without calling any more tools.")
+# Reasoning fields of an assistant message, sent back exactly as received: providers need their reasoning
+# blocks (Anthropic thinking signatures, Gemini thought signatures) on the following calls.
+REASONING_FIELDS = ("reasoning", "reasoning_content", "reasoning_details")
 ENVIRONMENT_STARTS_AT_ONCE = 8
 # Toolsets whose tools act in the prompt's environment (vision reads images from it, image_gen saves there).
 ENVIRONMENT_TOOLSETS = frozenset({"terminal", "file", "vision", "image_gen"})
@@ -91,11 +103,19 @@ def _tool_calls_of(message: dict, turn_number: int) -> list[ToolCallRecord]:
 
 
 def _assistant_message(message: dict, calls: list[ToolCallRecord]) -> dict:
+    """The reply as it goes back to the endpoint in the conversation: as received, reasoning fields
+    and each call's own extra fields included, with only what servers need filled in (an id, the
+    arguments as text)."""
     # "" rather than None: some servers (llama.cpp) reject a null content beside tool_calls.
     echoed: dict = {"role": "assistant", "content": message.get("content") or ""}
+    for key in REASONING_FIELDS:
+        if message.get(key) is not None:
+            echoed[key] = message[key]
     if calls:
-        echoed["tool_calls"] = [{"id": c.id, "type": "function",
-                                 "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+        received = message.get("tool_calls") or []
+        echoed["tool_calls"] = [{**original, "id": call.id, "type": original.get("type") or "function",
+                                 "function": {**original["function"], "arguments": call.arguments}}
+                                for original, call in zip(received, calls)]
     return echoed
 
 
@@ -107,7 +127,7 @@ class Session:
         self.offered_tools = [name for name in model_tools.tools_for_toolsets(task.toolsets)
                               if name in services.available_tools]
         self.tool_schemas = [model_tools.REGISTRY[name].schema for name in self.offered_tools]
-        self.turns: list[AssistantTurn] = []
+        self.turns: list[Turn] = []
         self.usage = Usage()
         self.api_calls = 0
         self.env: Environment | None = None
@@ -122,11 +142,14 @@ class Session:
             await self._start_environment()
             end_reason = await within(self.config.prompt_timeout, self._loop())
         except PromptFailedError as exc:
-            error, error_type = str(exc), exc.error_type
+            if exc.error_type == CONTEXT_LENGTH and self._answered():
+                end_reason = CONTEXT_LENGTH     # keep the paid-for turns; rerunning would overflow again
+            else:
+                error, error_type = str(exc), exc.error_type
         except EnvironmentSetupError as exc:
             error, error_type = f"environment: {exc}", "environment"
         except asyncio.TimeoutError:
-            if self.turns:    # keep what the paid-for turns produced, as a partial row
+            if self._answered():    # keep what the paid-for turns produced, as a partial row
                 end_reason = "prompt_timeout"
             else:
                 error = f"prompt time limit of {self.config.prompt_timeout:g}s reached before the first model reply"
@@ -135,6 +158,8 @@ class Session:
             await self._close_tools()
             if self.env is not None:
                 self.services.retire(self.env)
+        while self.turns and isinstance(self.turns[-1], HumanTurn):    # a request the model never answered
+            self.turns.pop()
         redact = self.services.redact
         return SessionResult(
             prompt_index=self.task.prompt_index, content_key=self.task.content_key, prompt=self.task.prompt,
@@ -170,31 +195,68 @@ class Session:
             except Exception:   # cleanup of a finished session: nothing useful to report to anyone
                 pass
 
-    def _request_fields(self) -> dict:
+    def _answered(self) -> bool:
+        return any(isinstance(turn, AssistantTurn) for turn in self.turns)
+
+    def _request_fields(self, *, with_tools: bool = True) -> dict:
         """Every field of a chat-completions call but its messages (provider routing and reasoning included)."""
         fields: dict = {"model": self.config.model, **self.config.extra_body}
-        if self.offered_tools:
+        if self.offered_tools and with_tools:
             fields["tools"] = self.tool_schemas
         if self.config.max_tokens:
             fields["max_tokens"] = self.config.max_tokens
         return fields
 
+    async def _call(self, body: ConversationBody, messages: list[dict]) -> ModelReply:
+        config = self.config
+        reply = await call_model(self.services.client_for(self.task.prompt_index), self.services.gate,
+                                 body=body.encode(messages), model=config.model, max_retries=config.max_retries,
+                                 base_url=config.base_url)
+        self.api_calls += 1
+        self.usage.add(reply.usage)
+        return reply
+
+    def _record(self, messages: list[dict], reply: ModelReply, turn: AssistantTurn) -> None:
+        self.turns.append(turn)
+        messages.append(_assistant_message(reply.message, turn.tool_calls))
+
+    def _ask(self, messages: list[dict], text: str) -> None:
+        self.turns.append(HumanTurn(text))
+        messages.append({"role": "user", "content": text})
+
     async def _loop(self) -> str:
+        """Call the model and run its tools until it answers, as the reference loop does: an answer
+        with no text is asked for again, one cut off by the output limit is asked to go on, and at
+        --max_turns calls one more, without tools, asks for a summary."""
         messages = runtime_messages(self.config, self.task.prompt)
         body = ConversationBody(self._request_fields())
-        client = self.services.client_for(self.task.prompt_index)
-        invented_streak = 0
-        for turn_number in range(self.config.max_turns):
-            reply = await call_model(client, self.services.gate, body=body.encode(messages), model=self.config.model,
-                                     max_retries=self.config.max_retries, base_url=self.config.base_url)
-            self.api_calls += 1
-            self.usage.add(reply.usage)
+        empty_retries = continuations = invented_streak = cut_calls = 0
+        while self.api_calls < self.config.max_turns:
+            reply = await self._call(body, messages)
             reasoning, visible = split_reasoning(reply.message)
-            calls = _tool_calls_of(reply.message, turn_number)
-            self.turns.append(AssistantTurn(reasoning=reasoning, content=visible, tool_calls=calls))
-            messages.append(_assistant_message(reply.message, calls))
+            calls = _tool_calls_of(reply.message, self.api_calls - 1)
+            cut_off = reply.finish_reason == "length"
+            if calls and cut_off:        # its last call's arguments may be cut mid-way: ask once more
+                if cut_calls:
+                    return "truncated"
+                cut_calls += 1
+                continue
+            if not calls and not visible:
+                if cut_off:              # the output limit went on reasoning: asking to go on repeats that
+                    return "truncated"
+                if empty_retries == MAX_EMPTY_RETRIES:
+                    return "empty_answer"
+                empty_retries += 1
+                continue
+            self._record(messages, reply, AssistantTurn(reasoning=reasoning, content=visible, tool_calls=calls))
             if not calls:
-                return "truncated" if reply.finish_reason == "length" else "final_answer"
+                if not cut_off:
+                    return "final_answer"
+                if continuations == MAX_CONTINUATIONS:
+                    return "truncated"
+                continuations += 1
+                self._ask(messages, CONTINUE_REQUEST)
+                continue
             invented = False
             for call in calls:
                 call.result, was_invented = await self._run_tool(call)
@@ -203,11 +265,27 @@ class Session:
             invented_streak = invented_streak + 1 if invented else 0
             if invented_streak >= MAX_INVENTED_TURNS:
                 return "invented_tools"
+        await self._summarise(messages)
         return "max_turns"
+
+    async def _summarise(self, messages: list[dict]) -> None:
+        """At --max_turns, one call without tools asks for a summary; the row keeps it (and the request)
+        when the model gives one. A failure here only loses the summary, never the turns before it."""
+        if not self._answered() or isinstance(self.turns[-1], HumanTurn):
+            return
+        request = [*messages, {"role": "user", "content": SUMMARY_REQUEST}]
+        try:
+            reply = await self._call(ConversationBody(self._request_fields(with_tools=False)), request)
+        except PromptFailedError:
+            return
+        reasoning, visible = split_reasoning(reply.message)
+        if visible:
+            self._ask(messages, SUMMARY_REQUEST)
+            self._record(messages, reply, AssistantTurn(reasoning=reasoning, content=visible))
 
     async def _run_tool(self, call: ToolCallRecord) -> tuple[str, bool]:
         """(result JSON text, whether the model invented the tool)."""
-        if call.name not in self.offered_tools:
+        if is_invented(call.name, self.offered_tools):
             available = ", ".join(self.offered_tools) or "none"
             return _error(f"unknown tool {call.name!r}; the tools you can call are: {available}"), True
         try:

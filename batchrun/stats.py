@@ -57,25 +57,26 @@ class MergeStatistics:
     merged_by_status: Counter = field(default_factory=Counter)
     end_reasons: Counter = field(default_factory=Counter)
     discarded: int = 0
-    corrupted: list[tuple[str, int, list[str]]] = field(default_factory=list)
+    corrupted: list[tuple[str, int, list[str], str]] = field(default_factory=list)   # file, index, tools, key
     usage: dict = field(default_factory=_empty_usage)
     batch_files: int = 0
 
     def on_row(self, row: rows.StoredRow) -> None:
         """Called for every readable row that is not corrupted; merged rows are trajectory rows."""
         _add_usage(self.usage, row.usage())
+        if row.status == rows.FAILED:
+            return
+        # Reasoning coverage is over every assistant turn of the run, the discarded ones' too.
+        with_reasoning, without = row.reasoning_counts()
+        self.turns_with_reasoning += with_reasoning
+        self.turns_without_reasoning += without
         if row.status == rows.DISCARDED:
             self.discarded += 1
-            return
-        if row.status == rows.FAILED:
             return
         self.merged += 1
         self.merged_by_status[row.status] += 1
         self.end_reasons[row.end_reason()] += 1
         self.tool_entries.update(row.tool_counts())
-        with_reasoning, without = row.reasoning_counts()
-        self.turns_with_reasoning += with_reasoning
-        self.turns_without_reasoning += without
 
     def add(self, other: MergeStatistics) -> None:
         """Take in what another process counted over other rows."""
@@ -107,12 +108,24 @@ class MergeStatistics:
                    turns_without_reasoning=state["turns_without_reasoning"],
                    merged=state["merged"], merged_by_status=Counter(state["merged_by_status"]),
                    end_reasons=Counter(state["end_reasons"]), discarded=state["discarded"],
-                   corrupted=[(name, index, invented) for name, index, invented in state["corrupted"]],
+                   corrupted=[(name, index, invented, key) for name, index, invented, key in state["corrupted"]],
                    usage={key: state["usage"][key] for key in USAGE_KEYS})
 
     def on_corrupted(self, batch_file: str, row: rows.StoredRow, invented: list[str]) -> None:
         _add_usage(self.usage, row.usage())
-        self.corrupted.append((batch_file, row.prompt_index, invented))
+        self.corrupted.append((batch_file, row.prompt_index, invented, row.content_key))
+
+    def live_corrupted(self, superseded: Counter) -> list[tuple[str, int, list[str], str]]:
+        """The corrupted rows no later attempt replaced: of each prompt's, the first ``superseded``
+        are the ones a --rerun_corrupted resume ran again."""
+        skip = Counter(superseded)
+        live = []
+        for entry in self.corrupted:
+            if skip[entry[3]] > 0:
+                skip[entry[3]] -= 1
+            else:
+                live.append(entry)
+        return live
 
     def tool_counts(self) -> dict[str, dict[str, int]]:
         totals = {name: {"count": 0, "success": 0, "failure": 0} for name in TOOL_NAMES}
@@ -140,12 +153,15 @@ class MergeStatistics:
 
 
 def build_statistics(*, run_name: str, distribution: str, model: str, batch_size: int, total_prompts: int,
-                     duration: float, merge: MergeStatistics, this_run: ThisRun) -> dict:
+                     skipped_dataset_lines: int, duration: float, merge: MergeStatistics, this_run: ThisRun,
+                     superseded_corrupted: Counter) -> dict:
+    corrupted = merge.live_corrupted(superseded_corrupted)
     return {
         "run_name": run_name,
         "distribution": distribution,
         "model": model,
         "total_prompts": total_prompts,
+        "skipped_dataset_lines": skipped_dataset_lines,
         "total_batches": merge.batch_files,
         "batch_size": batch_size,
         "completed_at": datetime.now().isoformat(timespec="seconds"),
@@ -159,9 +175,9 @@ def build_statistics(*, run_name: str, distribution: str, model: str, batch_size
         "discarded_no_reasoning": merge.discarded,
         "failed_prompts": this_run.statuses[rows.FAILED],
         "failures_by_cause": dict(this_run.failures_by_cause),
-        "filtered_corrupted": len(merge.corrupted),
+        "filtered_corrupted": len(corrupted),
         "corrupted_entries": [{"batch_file": name, "prompt_index": index, "invented_tools": invented}
-                              for name, index, invented in merge.corrupted[:100]],
+                              for name, index, invented, _key in corrupted[:100]],
         "usage": {key: round(value, 8) if key == "cost" else value for key, value in merge.usage.items()},
         "this_run": {
             "prompts_processed": this_run.processed,

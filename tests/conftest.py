@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -32,6 +33,12 @@ def cli_environment(tmp_path: Path, extra: dict[str, str] | None = None) -> dict
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env
+
+
+def default_sigint() -> None:
+    """preexec_fn for a CLI that a test interrupts: a test run started with ``nohup`` or ``&`` passes
+    SIGINT on ignored, and a Python started that way never turns it into KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def batch_runner_command(*args: str) -> list[str]:

@@ -34,11 +34,31 @@ Directive grammar (tokens may appear anywhere; everything else is prompt text):
 ``[[bad_json]]``              an extra first turn calling ``terminal`` with the
                               invalid arguments string ``{"command": "echo hi"``;
                               later turns follow the script.
-``[[length]]``                the final turn has ``finish_reason: "length"``.
+``[[length [N|always]]]``     the final answer comes cut off (``finish_reason:
+                              "length"``, text "Part K of the answer.") N times
+                              (default always), then whole.
+``[[empty [N|always] [think]]]``
+                              the first N (default 1) requests for the final
+                              answer get a reply with no text and no tool call
+                              (``think``: only a think block).
+``[[overflow T [openai|vllm|anthropic]]]``
+                              every request from turn T on gets the HTTP 400 a
+                              server sends when the conversation exceeds its
+                              context (llama.cpp's wording unless named).
+``[[reasoning_back]]``        every assistant message in a request must carry
+                              back, unchanged, the reasoning fields this server
+                              sent in it (as providers that sign reasoning
+                              require); otherwise HTTP 400.
 
-Turn number ``t`` = number of assistant messages after the last user message.
-Request counters (fail/drop) are per distinct prompt text, server-wide, and
-cover every request of a conversation (all turns); ``reset()`` clears them.
+The *script message* is the last user message holding a directive (else the
+last user message): messages the client adds itself later in a conversation
+(a request to continue, or to sum up) do not replace the script. Turn number
+``t`` = number of assistant messages after the script message. A request
+without ``tools`` that follows a message of the client's own is answered with
+the final text (a summary asked for without tools).
+Request counters (fail/drop/malformed/empty) are per distinct script text,
+server-wide, and cover every request of a conversation (all turns); ``reset()``
+clears them.
 
 Run standalone: ``python tests/scripted_endpoint.py --port 8000 --latency 0.2``.
 """
@@ -115,7 +135,12 @@ class Script:
     sleep: float = 0.0
     invent: bool = False
     bad_json: bool = False
-    length: bool = False
+    length_count: float = 0
+    empty_count: float = 0
+    empty_think: bool = False
+    overflow_turn: int | None = None
+    overflow_style: str = "llamacpp"
+    reasoning_back: bool = False
     text: str = ""  # the prompt with directives removed
 
     def plan(self) -> list[list[ToolCall]]:
@@ -206,7 +231,8 @@ def parse_directives(text: str) -> Script:
         elif kw == "calls":
             calls, end = _parse_calls(text, after)
             script.turns.append(calls)
-        elif kw in ("final", "reasoning", "fail", "drop", "malformed", "sleep", "invent", "bad_json", "length"):
+        elif kw in ("final", "reasoning", "fail", "drop", "malformed", "sleep", "invent", "bad_json", "length",
+                    "empty", "overflow", "reasoning_back"):
             close = text.find("]]", after)
             if close < 0:
                 raise DirectiveError(f"{kw}: missing closing ]]")
@@ -249,7 +275,20 @@ def parse_directives(text: str) -> Script:
             elif kw == "bad_json":
                 script.bad_json = True
             elif kw == "length":
-                script.length = True
+                script.length_count = _count(arg or "always", "length")
+            elif kw == "empty":
+                parts = arg.split()
+                script.empty_think = "think" in parts
+                counts = [p for p in parts if p != "think"]
+                script.empty_count = _count(counts[0], "empty") if counts else 1
+            elif kw == "overflow":
+                parts = arg.split()
+                if not parts or not parts[0].isdigit() or (len(parts) > 1 and parts[1] not in OVERFLOW_ERRORS):
+                    raise DirectiveError(f"overflow: expected [[overflow T [{'|'.join(OVERFLOW_ERRORS)}]]]")
+                script.overflow_turn = int(parts[0])
+                script.overflow_style = parts[1] if len(parts) > 1 else "llamacpp"
+            elif kw == "reasoning_back":
+                script.reasoning_back = True
         else:  # not a directive: keep it as prompt text
             kept.append(text[pos:after])
             pos = after
@@ -273,18 +312,24 @@ def _content_text(content: Any) -> str:
     return ""
 
 
-def _last_user(messages: list) -> tuple[int, str]:
-    for i in range(len(messages) - 1, -1, -1):
-        msg = messages[i]
-        if isinstance(msg, dict) and msg.get("role") == "user":
-            return i, _content_text(msg.get("content"))
-    return -1, ""
+def _user_messages(messages: list) -> list[tuple[int, str]]:
+    return [(i, _content_text(m.get("content"))) for i, m in enumerate(messages)
+            if isinstance(m, dict) and m.get("role") == "user"]
+
+
+def _script_message(messages: list) -> tuple[int, str]:
+    """(index, text) of the script message: the last user message holding a directive, else the last one."""
+    users = _user_messages(messages)
+    for i, text in reversed(users):
+        if _OPEN.search(text):
+            return i, text
+    return users[-1] if users else (-1, "")
 
 
 def prompt_text(body: dict) -> str:
-    """Text of the last user message of a chat request body."""
+    """Text of the script message of a chat request body."""
     messages = body.get("messages") if isinstance(body, dict) else None
-    return _last_user(messages if isinstance(messages, list) else [])[1]
+    return _script_message(messages if isinstance(messages, list) else [])[1]
 
 
 # --------------------------------------------------------------------------- replies
@@ -316,8 +361,9 @@ def _assistant_message(script: Script, t: int, content: str, calls: list[ToolCal
         msg["reasoning"] = reasoning
     elif form == "reasoning_content":
         msg["reasoning_content"] = reasoning
-    elif form == "reasoning_details":
-        msg["reasoning_details"] = [{"type": "reasoning.text", "text": reasoning}]
+    elif form == "reasoning_details":    # signed, as providers that check it on the next call send it
+        msg["reasoning_details"] = [{"type": "reasoning.text", "text": reasoning, "signature": f"sig-{t}",
+                                     "format": "anthropic-claude-v1", "index": 0}]
     if calls:
         msg["tool_calls"] = [
             {"id": f"call_{t}_{i}", "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -333,7 +379,46 @@ def build_turn(script: Script, t: int) -> tuple[dict, str]:
     plan = script.plan()
     if t < len(plan):
         return _assistant_message(script, t, "", plan[t]), "tool_calls"
-    return _assistant_message(script, t, script.final, []), ("length" if script.length else "stop")
+    piece = t - len(plan)
+    if piece < script.length_count:
+        return _assistant_message(script, t, f"Part {piece + 1} of the answer.", []), "length"
+    return _assistant_message(script, t, script.final, []), "stop"
+
+
+def empty_turn(script: Script, t: int) -> dict:
+    """A final answer with no text: nothing at all, or (``think``) only a think block."""
+    message = _assistant_message(script, t, "", [])
+    if script.empty_think:
+        message = {"role": "assistant", "content": f"<think>Reasoning for turn {t}.</think>"}
+    return message
+
+
+# What servers answer (HTTP 400) when a conversation no longer fits the model's context.
+OVERFLOW_ERRORS = {
+    "llamacpp": ("the request exceeds the available context size, try increasing it", "exceed_context_size_error",
+                 None),
+    "openai": ("This model's maximum context length is 8192 tokens. However, your messages resulted in 9001 "
+               "tokens. Please reduce the length of the messages.", "invalid_request_error", "context_length_exceeded"),
+    "vllm": ("This model's maximum context length is 4096 tokens. However, you requested 5000 tokens "
+             "(4000 in the messages, 1000 in the completion). Please reduce the length of the messages or "
+             "completion.", "BadRequestError", None),
+    "anthropic": ("prompt is too long: 210000 tokens > 200000 maximum", "invalid_request_error", None),
+}
+
+
+def reasoning_not_sent_back(script: Script, messages: list, script_index: int) -> str | None:
+    """What is wrong with the reasoning the client sent back in its assistant messages, if anything:
+    each must carry the reasoning field this server put in it, exactly."""
+    t = 0
+    for message in messages[script_index + 1:]:
+        if not isinstance(message, dict) or message.get("role") != "assistant":
+            continue
+        sent = _assistant_message(script, t, "", [])
+        for key in ("reasoning", "reasoning_content", "reasoning_details"):
+            if key in sent and message.get(key) != sent[key]:
+                return f"assistant message {t}: {key} was not sent back as received"
+        t += 1
+    return None
 
 
 def malformed_reply(kind: str, completion: dict) -> tuple[Any, str]:
@@ -494,6 +579,7 @@ class ScriptedEndpoint:
         self.requests: list[dict] = []
         self.request_headers: list[dict] = []
         self.counts: dict[str, int] = {}
+        self.empty_counts: dict[str, int] = {}   # final-answer requests per script text (for [[empty]])
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._server = _Server((host, port), _Handler)
@@ -536,6 +622,7 @@ class ScriptedEndpoint:
             self.requests.clear()
             self.request_headers.clear()
             self.counts.clear()
+            self.empty_counts.clear()
 
     def chat_requests_for(self, text: str) -> list[dict]:
         """Recorded chat bodies whose last user message contains ``text``."""
@@ -547,7 +634,7 @@ class ScriptedEndpoint:
     def _handle_chat(self, body: dict, headers) -> tuple[int, Any, dict, str] | None:
         """Returns (status, payload, headers, content_type), or None to drop the connection."""
         messages = body.get("messages") if isinstance(body.get("messages"), list) else []
-        user_idx, prompt = _last_user(messages)
+        user_idx, prompt = _script_message(messages)
         with self._lock:
             self.requests.append(body)
             self.request_headers.append(dict(headers.items()))
@@ -583,7 +670,22 @@ class ScriptedEndpoint:
             return script.fail_status, _error_body(script.fail_status, msg), extra, "application/json"
 
         t = sum(1 for m in messages[user_idx + 1 :] if isinstance(m, dict) and m.get("role") == "assistant")
-        message, finish = build_turn(script, t)
+        if script.reasoning_back and (wrong := reasoning_not_sent_back(script, messages, user_idx)):
+            return 400, _error_body(400, wrong), {}, "application/json"
+        if script.overflow_turn is not None and t >= script.overflow_turn:
+            text, etype, code = OVERFLOW_ERRORS[script.overflow_style]
+            return 400, _error_body(400, text, etype, code), {}, "application/json"
+        own_message_last = _user_messages(messages)[-1][0] != user_idx if user_idx >= 0 else False
+        if "tools" not in body and own_message_last:      # a summary asked for without tools
+            message, finish = _assistant_message(script, t, script.final, []), "stop"
+        else:
+            message, finish = build_turn(script, t)
+            if finish == "stop" and script.empty_count:
+                with self._lock:
+                    empties = self.empty_counts.get(prompt, 0)
+                    self.empty_counts[prompt] = empties + 1
+                if empties < script.empty_count:
+                    message = empty_turn(script, t)
         completion = {
             "id": f"chatcmpl-scripted-{next(self._ids)}",
             "object": "chat.completion",

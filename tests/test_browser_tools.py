@@ -25,6 +25,7 @@ import pytest
 
 import model_tools
 from batchrun.environments.base import EnvironmentSettings
+from batchrun.install_hint import install_hint
 from batchrun.time_limit import within
 from batchrun.tools import ToolContext, ToolError
 from batchrun.tools import browser
@@ -515,7 +516,7 @@ def test_missing_chromium_makes_the_tools_unavailable_with_one_line(monkeypatch:
     monkeypatch.setenv("BROWSER_EXECUTABLE", "/nonexistent/chromium")
     reasons = model_tools.unavailable_tools()
     assert {reasons[name] for name in model_tools.TOOLSETS["browser"]} == {browser.unavailable_reason()}
-    assert "pip install 'batch-runner[browser]'" in reasons["browser_navigate"]
+    assert install_hint("browser") in reasons["browser_navigate"]
 
 
 def chromium_processes(marker: str) -> list[str]:

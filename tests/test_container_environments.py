@@ -26,8 +26,8 @@ from batchrun.environments.image_lock import image_file_stem
 from batchrun.tools import ToolContext, ToolError
 from batchrun.tools.files import patch, read_file, search_files, write_file
 from batchrun.tools.terminal import terminal
-from conftest import batch_rows, batch_runner_command, cli_environment, endpoint_args, read_jsonl, run_cli, \
-    write_dataset
+from conftest import batch_rows, batch_runner_command, cli_environment, default_sigint, endpoint_args, read_jsonl, \
+    run_cli, write_dataset
 
 TESTS = Path(__file__).resolve().parent
 IMAGE = "example/tools:1"
@@ -575,7 +575,7 @@ def test_cli_interrupted_mid_command_removes_the_container(tmp_path, endpoint, m
         batch_runner_command(f"--dataset_file={dataset}", "--batch_size=5", "--run_name=stopped",
                              "--distribution=terminal_only", *endpoint_args(endpoint)),
         cwd=tmp_path, env=cli_environment(tmp_path, {"TERMINAL_ENV": "docker"}), stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     try:
         deadline = time.monotonic() + 60
         while not running_pids(fake):

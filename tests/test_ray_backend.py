@@ -31,9 +31,10 @@ from conftest import (PROMPTS_BESIDE_IT, RATE_LIMITED_PROMPT, REPO, assert_the_4
                       batch_rows, batch_runner_command, cli_environment, endpoint_args, finished_row_count,
                       human_prompt, last_user_message, process_state, read_jsonl, record_arrivals, run_cli, wait_for,
                       write_dataset)
+from batchrun.install_hint import install_hint
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                               reason="Ray is not installed (pip install 'batch-runner[ray]')")
+                               reason=f"Ray is not installed ({install_hint('ray')})")
 # Lower case sorts last: Ray's processes write their title over the start of their environment block
 # (which Ray's raylet fills in sorted order), and the tag must survive that.
 TAG = "zz_batch_runner_test_tag"
@@ -197,7 +198,7 @@ def test_backend_ray_without_ray_installed_says_how_to_install_and_exits_1(tmp_p
                              *args(dataset, endpoint, "--backend=ray")],
                             cwd=tmp_path, env=cli_environment(tmp_path), capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
-    assert "pip install 'batch-runner[ray]'" in result.stderr
+    assert install_hint("ray") in result.stderr
     assert endpoint.requests == [] and not (tmp_path / "data").exists()
 
 

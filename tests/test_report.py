@@ -3,6 +3,7 @@ headless Chromium; and the streaming builder on a synthetic run of thousands of 
 
 from __future__ import annotations
 
+import html
 import json
 import random
 import re
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from batchrun import report, rows
+from batchrun.install_hint import install_hint
 from batchrun.rows import AssistantTurn, SessionResult, ToolCallRecord, Usage
 from conftest import REPO, endpoint_args, run_cli, write_dataset
 from scripted_endpoint import ScriptedEndpoint
@@ -322,7 +324,7 @@ def test_without_matplotlib_the_report_has_tables_and_says_how_to_get_plots(tmp_
     page = report.write_report(run_dir).read_text(encoding="utf-8")
     assert "<svg" not in page
     assert "<table>" in page and "terminal" in page
-    assert 'pip install -e \\".[report]\\"' in page or "pip install -e &quot;.[report]&quot;" in page
+    assert html.escape(install_hint("report")) in page
     assert "--report --run_name=small" in page
 
 

@@ -13,8 +13,9 @@ import pytest
 
 from batchrun import rows, run_dir
 from batchrun.run_dir import RunDirectory, lines_at, scan_ranges, split_ranges
-from conftest import (batch_rows, batch_runner_command, cli_environment, endpoint_args, finished_row_count,
-                      human_prompt, last_user_message, process_state, read_jsonl, run_cli, wait_for, write_dataset)
+from conftest import (batch_rows, batch_runner_command, cli_environment, default_sigint, endpoint_args,
+                      finished_row_count, human_prompt, last_user_message, process_state, read_jsonl, run_cli, wait_for,
+                      write_dataset)
 
 
 def base_args(tmp_path: Path, endpoint, dataset: Path, *extra: str, batch_size: int = 3) -> list[str]:
@@ -67,12 +68,14 @@ def test_ctrl_c_saves_finished_work_and_resume_completes(tmp_path, endpoint):
     run_dir = tmp_path / "data" / "run"
     process = subprocess.Popen(batch_runner_command(*base_args(tmp_path, endpoint, dataset, "--num_workers=2")),
                                cwd=tmp_path, env=cli_environment(tmp_path), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+                               stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=default_sigint)
     wait_for(lambda: finished_row_count(run_dir) >= 2)
     os.killpg(process.pid, signal.SIGINT)
     stdout, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr
     assert "--resume" in stdout and "Traceback" not in stderr
+    assert "BATCH PROCESSING COMPLETE" not in stdout
+    assert stdout.index("Interrupted.") < stdout.index("BATCH PROCESSING INTERRUPTED")
     result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
     assert result.returncode == 0
     assert merged_prompts(tmp_path) == Counter(prompts)

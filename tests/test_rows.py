@@ -10,11 +10,12 @@ import re
 
 import pytest
 
-from batchrun.rows import (ROW_FORMAT, AssistantTurn, RowError, SessionResult, ToolCallRecord, Usage, content_key,
-                           encode_finished, read_stored_row, split_reasoning, tool_result_failed, trajectory_row)
+from batchrun.rows import (ROW_FORMAT, AssistantTurn, HumanTurn, RowError, SessionResult, ToolCallRecord, Usage,
+                           content_key, encode_finished, read_stored_row, split_reasoning, tool_result_failed,
+                           trajectory_row)
 from model_tools import REGISTRY, TOOL_NAMES
 
-EMPTY_THINK = "<think>\n\n</think>\n"
+EMPTY_THINK = "<think>\n</think>\n"
 TIMESTAMP = "2026-01-15T10:30:00"
 
 
@@ -196,12 +197,14 @@ def offered_signatures(system_value: str) -> list[dict]:
 def test_system_turn_lists_exactly_the_offered_tools_inside_tools_tags(offered):
     system = row_of(session(offered=offered))["conversations"][0]
     assert system["from"] == "system"
-    assert offered_signatures(system["value"]) == [REGISTRY[name].schema for name in offered]
+    assert offered_signatures(system["value"]) == [
+        {"name": name, "description": REGISTRY[name].description, "parameters": REGISTRY[name].parameters,
+         "required": None} for name in offered]
 
 
 def test_system_turn_explains_the_tool_call_and_tool_response_format():
     value = row_of(session())["conversations"][0]["value"]
-    for words in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", '"name"', '"arguments"'):
+    for words in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "'name'", "'arguments'"):
         assert words in value
 
 
@@ -215,31 +218,36 @@ def test_human_turn_is_the_prompt_and_follows_the_system_turn():
 
 @pytest.mark.parametrize("turn, value", [
     (AssistantTurn("I thought.", "Here it is."), "<think>\nI thought.\n</think>\nHere it is."),
-    (AssistantTurn("", "Here it is."), "<think>\n\n</think>\nHere it is."),
-    (AssistantTurn("", ""), "<think>\n\n</think>\n"),
+    (AssistantTurn("", "Here it is."), "<think>\n</think>\nHere it is."),
+    (AssistantTurn("", ""), "<think>\n</think>"),
+    (AssistantTurn("I thought.", ""), "<think>\nI thought.\n</think>"),
+    (AssistantTurn("", "Use <think> tags."), "Use <think> tags."),
     (AssistantTurn("I thought.", "I'll look.", [call("terminal", '{"command": "ls"}', id="call_1")]),
      '<think>\nI thought.\n</think>\nI\'ll look.\n<tool_call>\n{"name": "terminal", "arguments": {"command": "ls"}}\n</tool_call>'),
     (AssistantTurn("I thought.", "", [call("terminal", '{"command": "ls"}', id="call_1")]),
      '<think>\nI thought.\n</think>\n<tool_call>\n{"name": "terminal", "arguments": {"command": "ls"}}\n</tool_call>'),
     (AssistantTurn("", "", [call("terminal", '{"command": "ls"}', id="call_1"),
                             call("read_file", '{"path": "a.txt"}', id="call_2")]),
-     '<think>\n\n</think>\n<tool_call>\n{"name": "terminal", "arguments": {"command": "ls"}}\n</tool_call>\n'
+     '<think>\n</think>\n<tool_call>\n{"name": "terminal", "arguments": {"command": "ls"}}\n</tool_call>\n'
      '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.txt"}}\n</tool_call>'),
-], ids=["reasoning_and_text", "empty_think_block_without_reasoning", "nothing_at_all", "text_and_call",
+], ids=["reasoning_and_text", "empty_think_block_without_reasoning", "nothing_at_all_ends_without_a_newline",
+        "reasoning_only_ends_without_a_newline", "text_holding_a_think_tag_gets_no_empty_block", "text_and_call",
         "call_without_text_has_no_blank_line", "two_calls"])
 def test_gpt_turn_is_think_block_then_text_then_one_tool_call_block_per_call(turn, value):
     assert turns_from(row_of(session([turn])), "gpt")[0]["value"] == value
 
 
-def test_gpt_turn_without_calls_has_no_tool_calls_field():
-    assert "tool_calls" not in turns_from(row_of(session([AssistantTurn("r", "Final.")])), "gpt")[0]
+def test_every_turn_has_exactly_the_keys_from_and_value():
+    turns = [AssistantTurn("r", "", [call("terminal", id="c1")]), HumanTurn("Go on."), AssistantTurn("", "Final.")]
+    assert all(list(turn) == ["from", "value"] for turn in row_of(session(turns))["conversations"])
 
 
-@pytest.mark.parametrize("arguments", ['{"command": "ls"}', '{ "command" :  "ls -la" }', '{"command": "ls"', "", "ls"],
-                         ids=["json", "json_with_odd_spacing", "truncated_json", "empty", "not_json"])
-def test_tool_calls_entry_carries_arguments_exactly_as_the_model_wrote_them(arguments):
-    gpt = turns_from(row_of(session([AssistantTurn("", "", [call("terminal", arguments, id="call_7")])])), "gpt")[0]
-    assert gpt["tool_calls"] == [{"id": "call_7", "name": "terminal", "arguments": arguments}]
+def test_a_message_the_runner_sent_mid_session_is_a_human_turn_where_it_was_sent():
+    turns = [AssistantTurn("r", "The first half"), HumanTurn("Continue."), AssistantTurn("", "the second half.")]
+    conversations = row_of(session(turns))["conversations"]
+    assert [(turn["from"], turn["value"]) for turn in conversations[2:]] == [
+        ("gpt", "<think>\nr\n</think>\nThe first half"), ("human", "Continue."),
+        ("gpt", "<think>\n</think>\nthe second half.")]
 
 
 def test_tool_call_block_carries_valid_arguments_as_a_json_object():
@@ -275,12 +283,16 @@ def test_tool_turn_has_one_response_block_per_call_in_call_order_named_by_call_i
 @pytest.mark.parametrize("result, content", [
     ('{"output": "hi", "exit_code": 0}', {"output": "hi", "exit_code": 0}),
     ("[1, 2]", [1, 2]),
-    ("7", 7),
+    ("7", "7"),
+    ('"quoted"', '"quoted"'),
+    ("  {\"padded\": true}  ", {"padded": True}),
+    ("{not json", "{not json"),
     ("plain text output", "plain text output"),
     ("Error: boom", "Error: boom"),
     ("", ""),
-], ids=["json_object", "json_array", "json_number", "text", "error_text", "empty"])
-def test_tool_response_content_is_parsed_json_when_the_result_is_json_else_the_text(result, content):
+], ids=["json_object", "json_array", "json_number_stays_text", "json_string_stays_text", "padded_object",
+        "broken_object", "text", "error_text", "empty"])
+def test_tool_response_content_is_parsed_when_the_result_is_a_json_object_or_array_else_the_text(result, content):
     tool = turns_from(row_of(session([AssistantTurn("", "", [call("terminal", result=result, id="c1")])])), "tool")[0]
     assert tagged_payloads(tool["value"], "tool_response") == [{"tool_call_id": "c1", "name": "terminal", "content": content}]
 
@@ -288,7 +300,8 @@ def test_tool_response_content_is_parsed_json_when_the_result_is_json_else_the_t
 def test_a_call_that_never_got_a_result_gets_no_tool_response():
     calls = [call("terminal", id="answered"), call("read_file", result=None, id="interrupted")]
     row = row_of(session([AssistantTurn("", "", calls)], end_reason="prompt_timeout"))
-    assert [c["id"] for c in turns_from(row, "gpt")[0]["tool_calls"]] == ["answered", "interrupted"]
+    assert [c["name"] for c in tagged_payloads(turns_from(row, "gpt")[0]["value"], "tool_call")] == \
+        ["terminal", "read_file"]
     assert [b["tool_call_id"] for b in tagged_payloads(turns_from(row, "tool")[0]["value"], "tool_response")] == ["answered"]
 
 
@@ -317,6 +330,22 @@ def test_an_invented_tool_gets_no_tool_stats_column():
                          end_reason="invented_tools"))
     assert set(row["tool_stats"]) == set(TOOL_NAMES)
     assert set(row["tool_error_counts"]) == set(TOOL_NAMES)
+    assert row["invented_tool_calls"] == 1
+
+
+def test_a_registry_tool_the_prompt_was_not_offered_is_invented_and_not_booked_to_that_tool():
+    calls = [call("web_search", result='{"error": "unknown tool"}', id="c1"), call("terminal", id="c2")]
+    row = row_of(session([AssistantTurn("", "", calls)], offered=["terminal"]))
+    assert row["invented_tool_calls"] == 1
+    assert row["tool_stats"]["web_search"] == {"count": 0, "success": 0, "failure": 0}
+    assert row["tool_stats"]["terminal"]["count"] == 1
+    assert read_stored_row(encode(session([AssistantTurn("", "", calls)], offered=["terminal"]))).invented_tools() \
+        == ["web_search"]
+
+
+def test_toolsets_used_names_only_the_sampled_toolsets_that_gave_the_model_a_tool():
+    row = row_of(session(offered=["terminal"]))
+    assert (row["toolsets_used"], row["toolsets_sampled"]) == (["terminal"], ["terminal", "file"])
 
 
 @pytest.mark.parametrize("end_reason, completed", [
@@ -339,7 +368,8 @@ def test_trajectory_rows_have_the_same_keys_whatever_happened():
                           usage=Usage(1, 2, 3, 4, 0.5)))
     assert list(quiet) == list(busy)
     for key in ("prompt_index", "content_key", "conversations", "metadata", "completed", "partial", "api_calls",
-                "toolsets_used", "tool_stats", "tool_error_counts", "usage", "wall_time_seconds", "end_reason"):
+                "toolsets_used", "toolsets_sampled", "tool_stats", "tool_error_counts", "invented_tool_calls", "usage",
+                "wall_time_seconds", "end_reason"):
         assert key in quiet
 
 
@@ -366,8 +396,15 @@ def test_a_session_without_any_reasoning_becomes_a_tombstone_when_the_filter_is_
     result = session([AssistantTurn("", "", [call("terminal")]), AssistantTurn("", "Done.")], prompt="P")
     row = json.loads(encode(result, discard_no_reasoning=True))
     assert row["discarded"] == "no_reasoning"
-    assert (row["prompt_index"], row["content_key"], row["prompt"]) == (result.prompt_index, result.content_key, "P")
-    assert "conversations" not in row
+    assert (row["prompt_index"], row["content_key"]) == (result.prompt_index, result.content_key)
+
+
+def test_a_tombstone_keeps_the_whole_trajectory_so_the_discard_can_be_inspected_and_filtered_again():
+    result = session([AssistantTurn("", "", [call("terminal")]), AssistantTurn("", "Done.")], prompt="P",
+                     usage=Usage(10, 5), end_reason="final_answer")
+    row = json.loads(encode(result, discard_no_reasoning=True))
+    assert {key: value for key, value in row.items() if key != "discarded"} == row_of(result)
+    assert read_stored_row(encode(result, discard_no_reasoning=True)).reasoning_counts() == (0, 2)
 
 
 def test_one_turn_with_reasoning_is_enough_to_keep_the_trajectory_when_the_filter_is_on():
@@ -431,17 +468,24 @@ def facts_from_parsed_row(line: bytes) -> dict:
         status = "discarded"
     else:
         status = "completed" if row["completed"] else "partial"
-    gpt_turns = [turn for turn in row.get("conversations", []) if turn["from"] == "gpt"]
+    conversations = row.get("conversations", [])
+    gpt_turns = [turn for turn in conversations if turn["from"] == "gpt"]
     invented: list[str] = []
-    for turn in gpt_turns:
-        for tool_call in turn.get("tool_calls", []):
-            if tool_call["name"] not in REGISTRY and tool_call["name"] not in invented:
-                invented.append(tool_call["name"])
+    if row.get("invented_tool_calls"):
+        offered = [tool["name"] for tool in offered_signatures(conversations[0]["value"])]
+        for turn in gpt_turns:
+            for payload in re.findall(r"<tool_call>\n(.*)\n</tool_call>", turn["value"]):   # one JSON line each
+                try:
+                    name = json.loads(payload)["name"]
+                except (ValueError, TypeError, KeyError):
+                    continue                    # text of the reply that only looks like a call
+                if name not in offered and name not in invented:
+                    invented.append(name)
     with_reasoning = 0
     for turn in gpt_turns:
         value = turn["value"]
-        assert value.startswith("<think>\n")
-        with_reasoning += bool(value[len("<think>\n"):value.index("\n</think>\n", len("<think>\n"))])
+        if value.startswith("<think>\n") and not value.startswith("<think>\n</think>"):
+            with_reasoning += bool(value[len("<think>\n"):value.index("\n</think>", len("<think>\n"))])
     return {"status": status, "prompt_index": row["prompt_index"], "content_key": row["content_key"],
             "invented_tools": invented, "usage": row["usage"], "end_reason": row["end_reason"],
             "tool_counts": [(name, s["count"], s["success"], s["failure"])
@@ -572,8 +616,9 @@ def test_reader_finds_an_invented_tool_among_many_calls_in_one_turn():
     assert facts_read(line) == facts_from_parsed_row(line)
 
 
-def test_reader_finds_no_invented_tool_in_a_row_that_only_calls_registry_tools():
-    line = encode(session([AssistantTurn("r", "", [call(name, id=name) for name in TOOL_NAMES])]))
+def test_reader_finds_no_invented_tool_in_a_row_that_only_calls_offered_tools():
+    line = encode(session([AssistantTurn("r", "", [call(name, id=name) for name in TOOL_NAMES])],
+                          offered=list(TOOL_NAMES)))
     assert read_stored_row(line).invented_tools() == []
 
 
@@ -645,29 +690,62 @@ def test_reader_reads_a_row_holding_a_lone_surrogate_as_python_json_writes_it(ki
 
 @pytest.mark.parametrize("kind", CUT_ROWS)
 def test_every_kind_of_row_carries_the_format_version(kind):
-    assert json.loads(encode(CUT_ROWS[kind], discard_no_reasoning=True))["format"] == ROW_FORMAT == 1
+    assert json.loads(encode(CUT_ROWS[kind], discard_no_reasoning=True))["format"] == ROW_FORMAT == 2
 
 
-@pytest.mark.parametrize("kind", CUT_ROWS)
-def test_a_row_written_before_rows_carried_a_format_is_read_and_gets_one_when_merged(kind):
-    line = encode(CUT_ROWS[kind], discard_no_reasoning=True)
-    row = json.loads(line)
-    del row["format"]
-    legacy = json.dumps(row, ensure_ascii=False).encode() + b"\n"
-    stored = read_stored_row(legacy)
-    assert facts_read(legacy) == facts_read(line)
-    assert not stored.has_format and read_stored_row(line).has_format
-    assert json.loads(stored.with_format()) == json.loads(line)
-    assert stored.with_format().endswith(b"\n") and stored.with_format().count(b"\n") == 1
+def format_1_line(result: SessionResult, *, with_format_key: bool = True) -> bytes:
+    """The row as format 1 wrote it: a "tool_calls" list on each gpt turn with calls, an empty think
+    block of "<think>\\n\\n</think>\\n", no toolsets_sampled or invented_tool_calls (and, before that,
+    no "format" key)."""
+    row = json.loads(encode(result))
+    for key in ("toolsets_sampled", "invented_tool_calls", *(("format",) if not with_format_key else ())):
+        del row[key]
+    if with_format_key:
+        row["format"] = 1
+    calls = iter([call for turn in result.turns for call in turn.tool_calls])
+    for turn in row["conversations"]:
+        if turn["from"] != "gpt":
+            continue
+        if turn["value"].startswith("<think>\n</think>"):
+            turn["value"] = "<think>\n\n</think>\n" + turn["value"][len("<think>\n</think>"):].lstrip("\n")
+        blocks = tagged_payloads(turn["value"], "tool_call")
+        if blocks:
+            records = [next(calls) for _ in blocks]
+            turn["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in records]
+    return json.dumps(row, ensure_ascii=False).encode() + b"\n"
+
+
+FORMAT_1_SESSION = session([AssistantTurn("", "Looking.", [call("terminal", '{"command": "ls"}', id="c1"),
+                                                             call("web_search", id="c2"), call("made_up", id="c3")]),
+                            AssistantTurn("thought", "Done.")], offered=["terminal"])
+
+
+@pytest.mark.parametrize("with_format_key", [True, False], ids=["format_1", "before_formats"])
+def test_a_format_1_row_is_read_with_the_rules_it_was_written_under(with_format_key):
+    stored = read_stored_row(format_1_line(FORMAT_1_SESSION, with_format_key=with_format_key))
+    assert not stored.is_current
+    assert stored.invented_tools() == ["made_up"]          # format 1 judged by the registry alone
+    assert stored.reasoning_counts() == (1, 1)
+
+
+@pytest.mark.parametrize("with_format_key", [True, False], ids=["format_1", "before_formats"])
+def test_a_format_1_row_is_upgraded_to_the_keys_and_turn_shape_of_a_current_row(with_format_key):
+    upgraded = json.loads(read_stored_row(format_1_line(FORMAT_1_SESSION, with_format_key=with_format_key)).upgraded())
+    current = json.loads(encode(FORMAT_1_SESSION))
+    assert list(upgraded) == list(current)
+    assert upgraded["format"] == ROW_FORMAT
+    assert all(list(turn) == ["from", "value"] for turn in upgraded["conversations"])
+    assert (upgraded["invented_tool_calls"], upgraded["toolsets_sampled"]) == (1, current["toolsets_used"])
+    assert read_stored_row(encode(FORMAT_1_SESSION)).upgraded() == encode(FORMAT_1_SESSION)
 
 
 @pytest.mark.parametrize("line", [
-    b'{"format": 2, "prompt_index": 0, "content_key": "ab", "conversations": [], "end_reason": "final_answer"}\n',
-    b'{"format": 2, "id": "a row of a shape this version has never seen"}\n',
+    b'{"format": 3, "prompt_index": 0, "content_key": "ab", "conversations": [], "end_reason": "final_answer"}\n',
+    b'{"format": 3, "id": "a row of a shape this version has never seen"}\n',
     b'{"prompt_index": "zero", "format": 7}\n',
 ], ids=["same_shape", "new_shape", "wrong_types"])
 def test_reader_refuses_a_row_of_a_newer_format_saying_so(line):
-    with pytest.raises(RowError, match=r"row format \d is newer than this batch_runner reads \(format 1\)"):
+    with pytest.raises(RowError, match=r"row format \d is newer than this batch_runner reads \(format 2\)"):
         read_stored_row(line)
 
 
@@ -723,3 +801,42 @@ def test_reader_takes_a_crash_fragment_followed_directly_by_another_row_for_no_r
     with pytest.raises(ValueError):
         json.loads(spliced)
     assert read_stored_row(spliced) is None
+
+
+# --- byte parity with the reference runner ------------------------------------------------------------------
+
+REFERENCE_SYSTEM_WITHOUT_TOOLS = (
+    "You are a function calling AI model. You are provided with function signatures within <tools> </tools> XML "
+    "tags. You may call one or more functions to assist with the user query. If available tools are not relevant in "
+    "assisting with user query, just respond in natural conversational language. Don't make assumptions about what "
+    "values to plug into functions. After calling & executing the functions, you will be provided with function "
+    "results within <tool_response> </tool_response> XML tags. Here are the available tools:\n<tools>\n[]\n</tools>\n"
+    "For each function call return a JSON object, with the following pydantic model json schema for each:\n"
+    "{'title': 'FunctionCall', 'type': 'object', 'properties': {'name': {'title': 'Name', 'type': 'string'}, "
+    "'arguments': {'title': 'Arguments', 'type': 'object'}}, 'required': ['name', 'arguments']}\n"
+    "Each function call should be enclosed within <tool_call> </tool_call> XML tags.\nExample:\n<tool_call>\n"
+    "{'name': <function-name>,'arguments': <args-dict>}\n</tool_call>")
+
+
+def test_conversations_match_the_reference_runner_byte_for_byte():
+    turns = [AssistantTurn("plan", "", [call("terminal", '{"command":"ls"}', result='{"output":"a","exit_code":0}',
+                                             id="c1")]),
+             AssistantTurn("", "Let me look.", [call("read_file", '{"path": "a"}', result="Error: no such file", id="c2"),
+                                                call("terminal", '{"command": "cat a"}', result="", id="c3")]),
+             AssistantTurn("", "Done.")]
+    line = encode(session(turns, prompt="  Q with spaces  ", offered=[]))
+    assert line.split(b'"conversations": ')[1].split(b', "metadata"')[0].decode() == json.dumps([
+        {"from": "system", "value": REFERENCE_SYSTEM_WITHOUT_TOOLS},
+        {"from": "human", "value": "  Q with spaces  "},
+        {"from": "gpt", "value": '<think>\nplan\n</think>\n<tool_call>\n{"name": "terminal", "arguments": '
+                                 '{"command": "ls"}}\n</tool_call>'},
+        {"from": "tool", "value": '<tool_response>\n{"tool_call_id": "c1", "name": "terminal", "content": '
+                                  '{"output": "a", "exit_code": 0}}\n</tool_response>'},
+        {"from": "gpt", "value": '<think>\n</think>\nLet me look.\n<tool_call>\n{"name": "read_file", "arguments": '
+                                 '{"path": "a"}}\n</tool_call>\n<tool_call>\n{"name": "terminal", "arguments": '
+                                 '{"command": "cat a"}}\n</tool_call>'},
+        {"from": "tool", "value": '<tool_response>\n{"tool_call_id": "c2", "name": "read_file", "content": '
+                                  '"Error: no such file"}\n</tool_response>\n<tool_response>\n{"tool_call_id": "c3", '
+                                  '"name": "terminal", "content": ""}\n</tool_response>'},
+        {"from": "gpt", "value": "<think>\n</think>\nDone."},
+    ], ensure_ascii=False)

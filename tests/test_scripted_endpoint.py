@@ -83,7 +83,7 @@ def test_parse_directives_grammar():
         [("a", {"x": [[1]]}), ("b", {})],
     ]
     assert (s.final, s.reasoning, s.fail_status, s.fail_count, s.retry_after) == ("Done!", "think", 429, 2, "3")
-    assert (s.drop_count, s.sleep, s.length) == (1, 0.1, True)
+    assert (s.drop_count, s.sleep, s.length_count) == (1, 0.1, float("inf"))
     assert s.text == "Do it [[unknown thing]] now"
     assert parse_directives("[[fail 500 always]]").fail_count == float("inf")
     assert parse_directives("[[call t]]").turns[0][0].arguments == "{}"
@@ -151,7 +151,8 @@ def test_reasoning_forms(ep, form):
     if form in ("reasoning", "reasoning_content"):
         assert msg[form] == text and extra_keys == {form} and msg["content"] == ""
     elif form == "reasoning_details":
-        assert msg[form] == [{"type": "reasoning.text", "text": text}] and extra_keys == {form}
+        assert msg[form] == [{"type": "reasoning.text", "text": text, "signature": "sig-0",
+                              "format": "anthropic-claude-v1", "index": 0}] and extra_keys == {form}
     elif form == "think":
         assert msg["content"] == f"<think>{text}</think>" and not extra_keys
     elif form == "scratchpad":

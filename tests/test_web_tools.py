@@ -27,6 +27,7 @@ from scripted_endpoint import ScriptedEndpoint
 import model_tools
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.environments.local import LocalEnvironment
+from batchrun.install_hint import install_hint
 from batchrun.tools import ModelAccess, ToolContext, ToolError
 from batchrun.tools import clients, configuration
 from batchrun.tools.address_policy import address_refusal
@@ -280,7 +281,7 @@ def test_no_search_backend_makes_web_search_unavailable(monkeypatch):
 
 def test_missing_web_extra_names_the_install_command(monkeypatch):
     monkeypatch.setattr(configuration, "installed", lambda module: module != "trafilatura")
-    assert model_tools.unavailable_tools()["web_extract"] == "pip install 'batch-runner[web]'"
+    assert model_tools.unavailable_tools()["web_extract"] == install_hint("web")
 
 
 def test_search_refuses_bad_arguments(monkeypatch):

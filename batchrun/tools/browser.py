@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 from urllib.parse import urlsplit
 
+from batchrun.install_hint import install_hint
 from batchrun.time_limit import within
 from batchrun.tools import ToolContext, ToolError
 from batchrun.tools.address_policy import allowed_addresses
@@ -91,7 +92,7 @@ os.execv(sys.argv[2], sys.argv[2:])
 # Chromium's singleton socket goes to $TMPDIR/org.chromium.Chromium.XXXXXX/SingletonSocket (45 more
 # characters), and a Unix socket path holds at most 107: Chromium aborts at start under a deeper TMPDIR.
 TMPDIR_CHARS = 60
-INSTALL_HINT = "pip install 'batch-runner[browser]' and apt-get install chromium"
+INSTALL_HINT = f"{install_hint('browser')} and apt-get install chromium"
 _STATE_KEY = "browser"
 _REF = re.compile(r"(?:f\d+)?e\d+")
 _SCHEME = re.compile(r"[a-z][a-z0-9+.-]*:(?!\d)", re.IGNORECASE)    # "localhost:8000" has none

@@ -13,13 +13,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
-WEB_EXTRA_HINT = "pip install 'batch-runner[web]'"
+from batchrun.install_hint import install_hint
+
+WEB_EXTRA_HINT = install_hint("web")
 
 # web_search backends are tried in the order of _SEARCH_CANDIDATES when WEB_SEARCH_BACKEND does not pick
 # one: the self-hosted, keyless SearXNG first, then the hosted APIs, then the ddgs scraper library, which
 # needs no account but is the least dependable.
 _SEARCH_NEEDS = {"searxng": "SEARXNG_URL", "brave": "BRAVE_SEARCH_API_KEY", "tavily": "TAVILY_API_KEY",
-                 "ddgs": "the ddgs package (pip install 'batch-runner[search]')"}
+                 "ddgs": f"the ddgs package ({install_hint('search')})"}
 BRAVE_BASE_URL = "https://api.search.brave.com/res/v1"
 TAVILY_BASE_URL = "https://api.tavily.com"
 
@@ -125,7 +127,7 @@ def search_backend() -> Backend:
         raise NotConfigured(WEB_EXTRA_HINT)
     return _choose("WEB_SEARCH_BACKEND", _SEARCH_CANDIDATES, _SEARCH_NEEDS,
                    "set SEARXNG_URL (a self-hosted SearXNG), BRAVE_SEARCH_API_KEY or TAVILY_API_KEY, "
-                   "or pip install 'batch-runner[search]' for ddgs")
+                   f"or {install_hint('search')} for ddgs")
 
 
 # --- web_extract --------------------------------------------------------------------------------

@@ -1,0 +1,238 @@
+"""What the console prints, recorded by a real rich Console at a given width: live progress,
+per-prompt lines, the end summary, in a terminal and in a log file."""
+
+from __future__ import annotations
+
+import io
+import re
+from collections import Counter
+
+from rich.cells import cell_len
+from rich.console import Console
+
+from batchrun import rows
+from batchrun.console import RunConsole
+from batchrun.messages import Finished
+from batchrun.security import Redactor
+from batchrun.stats import MergeStatistics, ThisRun, build_statistics
+
+LONG_PROMPT = ("Write a detailed essay about the history of the Roman empire, its institutions, its wars "
+               "and its fall, with citations for every claim")
+
+
+def recording_console(*, terminal: bool, width: int = 80) -> Console:
+    # Not interactive: rich then draws the live display once, when it stops, instead of redrawing it
+    # in place, so the recorded text is what the user is left looking at.
+    return Console(file=io.StringIO(), width=width, record=True, force_terminal=terminal, force_interactive=False)
+
+
+def run_console(out: Console, *, verbose: bool = False, redact=lambda text: text) -> RunConsole:
+    return RunConsole(redact, verbose=verbose, out=out)
+
+
+def finished(prompt_index: int, status: str = rows.COMPLETED, *, preview: str = LONG_PROMPT,
+             error: str | None = None, usage: dict | None = None) -> Finished:
+    return Finished(prompt_index=prompt_index, batch_num=0, status=status, row=b"", api_calls=3,
+                    usage=usage or {"prompt_tokens": 1234, "completion_tokens": 567, "cost": 0.0123},
+                    wall_time=0.4, end_reason="max_turns", error=error,
+                    error_type="http_400" if status == rows.FAILED else None, prompt_preview=preview,
+                    toolsets=("terminal", "file"), tool_calls=(("terminal", 1),))
+
+
+def record(console: RunConsole, this_run: ThisRun, outcome: Finished) -> None:
+    """As the runner does: count the outcome for this run, then show it."""
+    this_run.record(outcome.status, outcome.usage, outcome.api_calls, outcome.error_type)
+    console.prompt_finished(outcome)
+
+
+def statistics(this_run: ThisRun, merge: MergeStatistics) -> dict:
+    return build_statistics(run_name="run", distribution="default", model="m", batch_size=10, total_prompts=100,
+                            skipped_dataset_lines=0, duration=12.3, merge=merge, this_run=this_run,
+                            superseded_corrupted=Counter())
+
+
+def usage(prompt: int, completion: int, reasoning: int = 0, cached: int = 0, cost: float = 0.0) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "reasoning_tokens": reasoning,
+            "cached_tokens": cached, "cost": cost}
+
+
+def lines_of(out: Console) -> list[str]:
+    return out.export_text().rstrip("\n").split("\n")
+
+
+def widest(lines: list[str]) -> int:
+    return max(cell_len(line) for line in lines)
+
+
+def test_progress_at_80_columns_shows_count_rate_elapsed_eta_counts_tokens_and_cost_whole():
+    out = recording_console(terminal=True)
+    console, this_run = run_console(out), ThisRun()
+    console.start_progress(10_000, 9_990, this_run)
+    for index, status in enumerate([rows.COMPLETED, rows.COMPLETED, rows.PARTIAL, rows.FAILED]):
+        record(console, this_run, finished(index, status, error="bad request"))
+    console.stop_progress()
+    timing, counts = lines_of(out)[-2:]
+    assert widest([timing, counts]) <= 80
+    assert re.search(r"9,994/10,000 prompts · \d+\.\d\d/s · \d:\d\d:\d\d elapsed · ETA \d:\d\d:\d\d$", timing)
+    assert counts == "✅ 2 ⚠️ 1 ❌ 1 🚫 0 · 7,204 tok · $0.0492"
+
+
+def test_progress_on_a_wide_terminal_is_one_line_with_a_bar():
+    out = recording_console(terminal=True, width=160)
+    console, this_run = run_console(out), ThisRun()
+    console.start_progress(10, 0, this_run)
+    record(console, this_run, finished(0))
+    console.stop_progress()
+    progress = lines_of(out)[-1]
+    assert progress.startswith("━") and "1/10 prompts" in progress and progress.endswith("1,801 tok · $0.0123")
+
+
+def test_per_prompt_line_shortens_a_long_prompt_to_the_80_columns_and_keeps_the_figures():
+    out = recording_console(terminal=True)
+    console, this_run = run_console(out), ThisRun()
+    console.start_progress(10, 2, this_run)
+    record(console, this_run, finished(7))
+    console.stop_progress()
+    line = next(line for line in lines_of(out) if "[3/10]" in line)
+    assert cell_len(line) <= 80 and line.endswith("…")
+    assert line.startswith("✅ [3/10] prompt 7 · 3 calls · 0.4s · Write a detailed essay")
+
+
+def test_per_prompt_line_uses_the_width_of_a_wider_terminal_for_the_prompt():
+    out = recording_console(terminal=True, width=200)
+    console, this_run = run_console(out), ThisRun()
+    console.start_progress(10, 0, this_run)
+    record(console, this_run, finished(0))
+    console.stop_progress()
+    assert any(line.endswith(LONG_PROMPT) for line in lines_of(out))
+
+
+def test_failed_prompt_line_says_it_will_be_retried_and_wraps_its_error_between_words():
+    out = recording_console(terminal=True)
+    console, this_run = run_console(out), ThisRun()
+    console.start_progress(10, 0, this_run)
+    error = "HTTP 400: the model does not accept tool definitions of 12345 bytes or more; " * 2
+    record(console, this_run, finished(4, rows.FAILED, error=error))
+    console.stop_progress()
+    printed = lines_of(out)
+    start = next(i for i, line in enumerate(printed) if "[1/10] prompt 4" in line)
+    assert "failed — will retry on resume" in printed[start]
+    error_lines = printed[start + 1:start + 4]
+    assert widest(error_lines) <= 80 and all(line.startswith("    ") for line in error_lines)
+    assert " ".join(line.strip() for line in error_lines) == f"http_400: {error.strip()}"
+
+
+def test_verbose_details_wrap_at_separators_not_inside_figures():
+    out = recording_console(terminal=True)
+    console, this_run = run_console(out, verbose=True), ThisRun()
+    console.start_progress(10, 0, this_run)
+    record(console, this_run, finished(0, usage={"prompt_tokens": 1_234_567, "completion_tokens": 7_654_321,
+                                                 "cost": 123.4567}))
+    console.stop_progress()
+    details = [line for line in lines_of(out) if line.startswith("    ")]
+    assert widest(details) <= 80
+    assert "tokens 1,234,567+7,654,321" in "\n".join(details) and "$123.4567" in "\n".join(details)
+
+
+def test_log_file_lines_are_laid_out_for_80_columns_whatever_width_rich_assumes():
+    out = recording_console(terminal=False, width=200)
+    console, this_run = run_console(out), ThisRun()
+    console.start_progress(10, 0, this_run)
+    record(console, this_run, finished(0))
+    console.status_line()
+    printed = lines_of(out)
+    assert widest(printed) <= 80
+    assert printed[0].startswith("✅ [1/10] prompt 0 · 3 calls · 0.4s · Write") and printed[0].endswith("…")
+    assert printed[1].startswith("progress: 1/10 prompts · ") and "ETA" in " ".join(printed[1:])
+
+
+def test_log_file_output_has_no_escape_codes():
+    out = recording_console(terminal=False)
+    console, this_run = run_console(out, verbose=True), ThisRun()
+    console.start_progress(10, 0, this_run)
+    record(console, this_run, finished(0))
+    record(console, this_run, finished(1, rows.FAILED, error="bad request"))
+    console.status_line()
+    console.stop_progress()
+    merge = MergeStatistics()
+    merge.tool_entries.update({("terminal", 1, 1, 0): 1})
+    console.print("Interrupted.", style="yellow")
+    console.summary(statistics(this_run, merge), 1)
+    written = out.file.getvalue()
+    assert "BATCH PROCESSING COMPLETE" in written and "terminal" in written
+    assert "\x1b" not in written
+
+
+def big_run() -> tuple[ThisRun, MergeStatistics]:
+    """Figures long enough to be split, if anything split them."""
+    this_run = ThisRun()
+    for status, count in [(rows.COMPLETED, 123_456), (rows.PARTIAL, 23_456), (rows.FAILED, 3_456),
+                          (rows.DISCARDED, 456)]:
+        this_run.statuses[status] = count
+    this_run.failures_by_cause.update({"http_400": 3_000, "request_timeout": 456})
+    this_run.api_calls = 9_876_543
+    this_run.usage.update(usage(1_234_567_890, 987_654_321, 123_456_789, 55_555_555, 9_876.54321))
+    merge = MergeStatistics(merged=1_111_111, turns_with_reasoning=2_222_222, turns_without_reasoning=333_333,
+                            discarded=44_444)
+    merge.usage.update(usage(2_345_678_901, 1_098_765_432, 234_567_890, 66_666_666, 12_345.6789))
+    merge.tool_entries.update({("browser_get_images", 1_234_567, 1_234_000, 567): 1, ("terminal", 3, 2, 1): 2})
+    return this_run, merge
+
+
+def test_summary_at_80_columns_keeps_every_figure_on_one_line():
+    out = recording_console(terminal=True)
+    this_run, merge = big_run()
+    run_console(out).summary(statistics(this_run, merge), 1_234)
+    printed = lines_of(out)
+    assert widest(printed) <= 80
+    text = "\n".join(printed)
+    for figure in ["150,824 prompts processed", "✅ 123,456 completed", "⚠️ 23,456 partial", "❌ 3,456 failed",
+                   "🚫 456 discarded", "9,876,543 API calls", "12.3s", "1,111,111 trajectories", "1,234 batch files",
+                   "2,222,222 of 2,555,555 assistant turns (87.0%)", "333,333 without", "44,444 samples",
+                   "3,456 prompts this run", "http_400: 3,000", "request_timeout: 456",
+                   "1,234,567,890 prompt (55,555,555 cached)", "987,654,321 completion (123,456,789 reasoning)",
+                   "cost $9876.5432", "2,345,678,901 prompt (66,666,666 cached)", "cost $12345.6789"]:
+        assert figure in text
+
+
+def test_tool_usage_table_fits_80_columns_with_its_figures_whole():
+    out = recording_console(terminal=True)
+    this_run, merge = big_run()
+    run_console(out).summary(statistics(this_run, merge), 1)
+    row = next(line for line in lines_of(out) if "browser_get_images" in line)
+    assert cell_len(row) <= 80
+    assert re.search(r"browser_get_images\s+│\s+1,234,567\s+│\s+1,234,000\s+│\s+567\s+│\s+100\.0%", row)
+
+
+def test_summary_after_a_resume_labels_this_runs_tokens_and_all_runs_tokens():
+    this_run = ThisRun()
+    this_run.record(rows.COMPLETED, usage(6_025, 900, cost=0.5), 6, None)
+    merge = MergeStatistics(merged=10)
+    merge.usage.update(usage(10_312, 1_500, cost=0.9))
+    out = recording_console(terminal=True)
+    run_console(out).summary(statistics(this_run, merge), 2)
+    tokens = [line for line in lines_of(out) if line.startswith("Tokens")]
+    assert tokens[0].startswith("Tokens, this run:") and "6,025 prompt" in tokens[0]
+    assert tokens[1].startswith("Tokens, all runs:") and "10,312 prompt" in tokens[1]
+
+
+def test_summary_of_a_run_that_made_the_whole_merged_file_has_one_tokens_line():
+    this_run = ThisRun()
+    this_run.record(rows.COMPLETED, usage(6_025, 900, cost=0.5), 6, None)
+    merge = MergeStatistics(merged=1)
+    merge.usage.update(usage(6_025, 900, cost=0.5))
+    out = recording_console(terminal=True)
+    run_console(out).summary(statistics(this_run, merge), 1)
+    printed = lines_of(out)
+    assert [line.split(":")[0] for line in printed if line.startswith("Tokens")] == ["Tokens"]
+    assert "\n".join(printed).count("6,025 prompt") == 1
+
+
+def test_a_secret_where_the_preview_is_cut_is_redacted_not_half_shown():
+    secret = "sk-live-0123456789abcdef0123456789"
+    out = recording_console(terminal=False)
+    console, this_run = run_console(out, redact=Redactor([secret])), ThisRun()
+    console.start_progress(10, 0, this_run)
+    record(console, this_run, finished(0, preview="use the key " + secret + " to call the API and report back"))
+    printed = out.file.getvalue()
+    assert "sk-live" not in printed and "[REDACTED]" in printed
