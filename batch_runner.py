@@ -103,6 +103,8 @@ class BatchRunner:
         if plan.pending:     # never more sessions (nor worker processes) than prompts to run
             self.config = config = dataclasses.replace(config, num_workers=min(config.num_workers, plan.pending))
         self._print_startup(plan, scan, live_corrupted)
+        if config.rerun_corrupted:     # the report follows the batch files from the start: it must know now
+            self._write_checkpoint()
         if plan.pending == 0:
             self.console.print("All prompts have already been processed!", style="bold green")
             self._write_checkpoint()
@@ -134,6 +136,7 @@ class BatchRunner:
         finally:
             self.console.stop_progress()
             self._persist(pool.stop())
+            self.this_run.concurrency = pool.concurrency
             self._write_checkpoint()
             environment_class(self.config.terminal_env).remove_leftovers(env_settings)
         if fatal is not None:
@@ -179,6 +182,7 @@ class BatchRunner:
             if pool.in_flight == 0:
                 return None
             messages = pool.receive(timeout=1.0)
+            self.this_run.concurrency = pool.concurrency
             # Every row that arrived is kept, also those that came with a run-wide failure.
             self._persist([message for message in messages if isinstance(message, Finished)])
             if fatal := next((message for message in messages if isinstance(message, Fatal)), None):
@@ -345,7 +349,7 @@ _FLAG_NAMES = ("dataset_file", "batch_size", "run_name", "distribution", "model"
                "reasoning_disabled", "ephemeral_system_prompt", "log_prefix_chars", "prefill_messages_file", "seed",
                "discard_no_reasoning", "rerun_corrupted", "max_retries", "request_timeout", "prompt_timeout",
                "tool_timeout", "command_timeout", "keep_workdirs", "requests_per_minute", "max_cost",
-               "max_total_tokens", "report", "backend")
+               "max_total_tokens", "report", "backend", "adaptive_concurrency")
 
 # Free-text flags. Fire reads every value as a Python literal, so `--ephemeral_system_prompt="Hello, world"`
 # arrives as ('Hello', 'world') and `--run_name=1_000` as 1000; for these the text as typed is what counts.
@@ -385,7 +389,8 @@ def main(dataset_file: str | None = None, batch_size: int | None = None, run_nam
          prompt_timeout: float | None = None,
          tool_timeout: float = 120, command_timeout: float = 60, keep_workdirs: bool = False,
          requests_per_minute: int | None = None, max_cost: float | None = None, max_total_tokens: int | None = None,
-         report: bool = False, backend: str = "local", **unknown_flags: Any) -> None:
+         report: bool = False, backend: str = "local", adaptive_concurrency: bool = True,
+         **unknown_flags: Any) -> None:
     """Run an agent over every prompt of DATASET_FILE and write data/RUN_NAME/ (see README.md).
 
     Extra flags beyond the Hermes runner: --seed (reproducible toolset sampling),
@@ -395,7 +400,9 @@ def main(dataset_file: str | None = None, batch_size: int | None = None, run_nam
     --prompt_timeout / --tool_timeout / --command_timeout (seconds), --keep_workdirs,
     --requests_per_minute (shared by all workers), --max_cost (USD) / --max_total_tokens (this
     invocation: stop admitting prompts once reached, let running ones finish),
-    --backend=ray (sessions in Ray actors: a private local Ray, or the cluster at RAY_ADDRESS).
+    --backend=ray (sessions in Ray actors: a private local Ray, or the cluster at RAY_ADDRESS),
+    --adaptive_concurrency=False (always up to --num_workers model requests at once, instead of as
+    many as the endpoint takes without 429s or slowing down).
     --report --run_name=NAME (re)writes data/NAME/report.html from the run directory alone.
     """
     flags = {name: value for name, value in locals().items() if name in _FLAG_NAMES}
@@ -473,6 +480,7 @@ tools      --distribution=NAME (--list_distributions shows them all)  --max_turn
            TERMINAL_ENV=bubblewrap|local|docker|singularity (where commands run)
 limits     --prompt_timeout  --tool_timeout  --command_timeout (seconds)  --max_cost=USD
            --max_total_tokens=N  --requests_per_minute=N
+           --adaptive_concurrency=False (requests at once stay at --num_workers, 429s or not)
            TERMINAL_MEMORY_MB, TERMINAL_MAX_PROCESSES, TERMINAL_TMP_MB, TERMINAL_WORKSPACE_MB
 
 Start with README.md; every flag, the row format and the environments: docs/ (e.g. docs/command-line.md).

@@ -83,6 +83,7 @@ class RunConfig:
     max_cost: float | None
     max_total_tokens: int | None
     backend: str = "local"               # where sessions run: worker processes here, or Ray actors
+    adaptive_concurrency: bool = True    # model requests at once follow the endpoint, up to num_workers
 
     @property
     def run_dir(self) -> Path:
@@ -272,6 +273,16 @@ def terminal_environment(distribution: str) -> tuple[str, str]:
     if kind == "local":
         return kind, ("chosen by TERMINAL_ENV; NO isolation: commands can read and change whatever your "
                       "user can and reach the network; only the environment's secrets are withheld")
+    if kind == "docker":
+        from batchrun.environments.docker import DockerEnvironment
+        return kind, f"chosen by TERMINAL_ENV, through `{DockerEnvironment.cli()}`"
+    if kind == "modal":     # the extra and the credentials, before any prompt starts
+        from batchrun.environments.base import EnvironmentSetupError
+        from batchrun.environments.modal import modal_sdk
+        try:
+            modal_sdk()
+        except EnvironmentSetupError as exc:
+            raise UsageError(str(exc)) from None
     return kind, "chosen by TERMINAL_ENV"
 
 
@@ -363,6 +374,7 @@ def build_config(**flags: Any) -> RunConfig:
         max_cost=optional_positive_number("max_cost", flags["max_cost"]),
         max_total_tokens=optional_positive_int("max_total_tokens", flags["max_total_tokens"]),
         backend=validate_backend(flags.get("backend", "local")),
+        adaptive_concurrency=boolean("adaptive_concurrency", flags.get("adaptive_concurrency", True)),
     )
     # Last, so that a bad flag is reported before the "no endpoint" guidance.
     api_key = resolve_api_key(text("api_key", flags["api_key"]), base_url, base_url_given)

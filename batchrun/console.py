@@ -189,7 +189,11 @@ class RunConsole:
             return []
         counts = " ".join(f"{STATUS_MARK[status].strip()} {run.statuses[status]:,}" for status in STATUS_MARK)
         tokens = run.usage["prompt_tokens"] + run.usage["completion_tokens"]
-        return [counts, f"{tokens:,} tok", f"${run.usage['cost']:.4f}"]
+        segments = [counts, f"{tokens:,} tok", f"${run.usage['cost']:.4f}"]
+        if run.concurrency is not None and run.concurrency.adaptive:
+            # Model requests the run lets be in flight now, of the most it would (--num_workers).
+            segments.append(f"requests {run.concurrency.limit:,}/{run.concurrency.ceiling:,} at once")
+        return segments
 
     def _progress_lines(self, width: int) -> list[Text]:
         """One line with a bar where everything fits; else timing and counts on lines of their own,

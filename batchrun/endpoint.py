@@ -1,7 +1,8 @@
 """Talking to the OpenAI-compatible endpoint: one call with retries, and what each error means.
 
-The retry loop is our own rather than the client's because a 429 must pause *every* session of
-the run, across processes (:class:`RateGate`), not only the one that received it.
+The retry loop is our own rather than the client's because a 429 concerns *every* session of the
+run, across processes (:class:`RateGate`), not only the one that received it: it lowers the run-wide
+concurrency limit, and when it says when to come back, it pauses them all.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import openai
 from batchrun.rate_limit import RateGate, wake_delay
 from batchrun.rows import Usage
 
+# The server says it has more than it can take: adaptive concurrency lowers the limit (batchrun.concurrency).
+OVERLOAD_STATUSES = (429, 503)
 BACKOFF_BASE = 1.0       # seconds before the first retry; doubles per attempt, with full jitter
 BACKOFF_CAP = 60.0
 # A server's Retry-After is obeyed up to this: "1e9" or a date next year would otherwise stall every
@@ -323,29 +326,35 @@ async def call_model(client: openai.AsyncOpenAI, gate: RateGate, *, body: bytes,
     """One chat completion, retried on transient errors with back-off honouring Retry-After."""
     attempt = 0
     while True:
-        await gate.wait()
         retry_after = None
-        try:
-            # The client's documented raw-post path: same HTTP, auth, errors and timeouts as
-            # chat.completions.create, without re-validating the whole conversation on every call
-            # (that walk cost more CPU than the rest of a session).
-            raw = await client.post("/chat/completions", cast_to=bytes, content=body)
-            _ANSWERED.add(base_url)
-            return parse_reply(raw)
-        except openai.APIError as exc:
-            if isinstance(exc, openai.APIStatusError):
+        async with gate.slot() as request:
+            try:
+                # The client's documented raw-post path: same HTTP, auth, errors and timeouts as
+                # chat.completions.create, without re-validating the whole conversation on every call
+                # (that walk cost more CPU than the rest of a session).
+                raw = await client.post("/chat/completions", cast_to=bytes, content=body)
+                request.answered()
                 _ANSWERED.add(base_url)
-            retry_after = classify(exc, model=model, base_url=base_url, endpoint_answered=base_url in _ANSWERED)
-            failure: Exception = exc
-        except MalformedReplyError as exc:   # perhaps a proxy's passing fault: worth another attempt
-            failure = exc
+                return parse_reply(raw)
+            except openai.APIError as exc:
+                if isinstance(exc, openai.APIStatusError):
+                    _ANSWERED.add(base_url)
+                    if exc.status_code in OVERLOAD_STATUSES:
+                        request.overloaded()
+                retry_after = classify(exc, model=model, base_url=base_url, endpoint_answered=base_url in _ANSWERED)
+                failure: Exception = exc
+            except MalformedReplyError as exc:   # perhaps a proxy's passing fault: worth another attempt
+                failure = exc
         if attempt >= max_retries:
             text, error_type = _failure(failure, client.timeout)
             attempts = f"{attempt + 1} attempt{'s' if attempt else ''}"
             raise PromptFailedError(f"gave up after {attempts}: {text}", error_type) from None
         delay = retry_after if retry_after is not None else backoff_delay(attempt)
         attempt += 1
-        if isinstance(failure, openai.RateLimitError):
+        # A 429 that says when to come back holds every session until then. One that does not, under
+        # adaptive concurrency, only lowers the limit: pausing the run for it would bring every session
+        # back at once, to meet the limit again.
+        if isinstance(failure, openai.RateLimitError) and (retry_after is not None or not gate.adaptive):
             gate.pause(delay)      # every session waits it out, this one too, at the top of the loop
         else:
             # A Retry-After told to many sessions at once would bring them all back at once.

@@ -32,7 +32,7 @@ class Finished:
     error: str | None
     error_type: str | None
     prompt_preview: str
-    toolsets: tuple[str, ...]                  # what the prompt was offered (for --verbose)
+    toolsets: tuple[str, ...]                  # toolsets whose tools the model was offered (for --verbose)
     tool_calls: tuple[tuple[str, int], ...]    # (tool, calls) of the tools it used
 
 

@@ -11,10 +11,11 @@ checkpoint, merge and resume are those of a local run.
 * Scheduling is per prompt, as locally: the parent counts each actor's free slots, hands one task to
   the least loaded actor and ``ray.wait``\\s on the outstanding results, so a slow prompt holds one slot.
   (``ray.util.multiprocessing.Pool`` would deal tasks round-robin and let them pile up behind a slow one.)
-* Rate limits stay run-wide: a small :class:`GateKeeper` actor holds the 429 pause and the
-  requests-per-minute pace; every actor's :class:`RayRateGate` learns of a pause at once (a long poll)
-  and reserves paced slots from it. Pauses and paced slots are wall-clock times, so nodes' clocks
-  should agree (NTP) to well under the pace.
+* Rate limits stay run-wide: a small :class:`GateKeeper` actor holds the limit on model requests at
+  once (adaptive, see batchrun.concurrency: every request asks it for a slot and reports how it went),
+  the 429 pause and the requests-per-minute pace; every actor's :class:`RayRateGate` learns of a pause
+  at once (a long poll) and reserves paced slots from it. Pauses and paced slots are wall-clock times,
+  so nodes' clocks should agree (NTP) to well under the pace.
 * Without ``RAY_ADDRESS`` the runner starts a private Ray on this machine, on 127.0.0.1 only, and
   stops it at the end; a small watcher process ends that Ray's processes even after ``kill -9``.
   With ``RAY_ADDRESS`` it joins that cluster and leaves it running.
@@ -45,8 +46,10 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any, AsyncContextManager, Callable
 
+from batchrun import concurrency
+from batchrun.concurrency import ConcurrencyFigures, Outcome, Request, Ticket
 from batchrun.config import RunConfig
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.install_hint import install_hint
@@ -68,6 +71,7 @@ LOOPBACK_PREFIXES = ("127.", "::1", "::ffff:127.")
 # Ray's socket paths ($TMPDIR/ray/session_<date>_<pid>/sockets/plasma_store) must fit in 107 bytes.
 MAX_TMPDIR_LENGTH = 36
 WATCH_INTERVAL = 0.5            # seconds between the watcher's looks at the parent's descendants
+FIGURES_INTERVAL = 0.5          # seconds between questions to the gate actor for the live display
 PROBE_TIMEOUT = 5.0             # seconds for a TCP connection to RAY_ADDRESS's head before Ray is asked
 # Ray retries an unreachable head about 20 x 41 s. One attempt with a 10 s connection timeout bounds a
 # head that accepts connections but does not answer as Ray (measured: about 21 s); a user's own
@@ -173,7 +177,7 @@ class SessionActor:
 
         problem = await asyncio.to_thread(problems)
         return {"node_id": ray.get_runtime_context().get_node_id(), "address": ray.util.get_node_ip_address(),
-                "pid": os.getpid(), "problem": problem}
+                "pid": os.getpid(), "problem": problem, "gate": self._services.gate.limit.holder}
 
     def remove_leftovers(self) -> None:
         """What a crashed earlier run under this run name left on this node (once per node, before work)."""
@@ -196,13 +200,55 @@ class SessionActor:
 
 
 class GateKeeper:
-    """The run-wide rate limits (see :class:`batchrun.rate_limit.RateGate`) as a tiny actor."""
+    """The run-wide rate limits (see :class:`batchrun.rate_limit.RateGate`) as a tiny actor.
 
-    def __init__(self, requests_per_minute: int | None) -> None:
+    Request slots are counted per holder (one per session actor), so that a lost actor's slots can be
+    given back (:meth:`forget`); requests wait for a slot here, in arrival order."""
+
+    def __init__(self, requests_per_minute: int | None, ceiling: int, adaptive: bool) -> None:
         self._resume_at = 0.0           # wall clock: nodes' monotonic clocks are unrelated
         self._next_slot = 0.0
         self._interval = 60.0 / requests_per_minute if requests_per_minute else 0.0
         self._changed = asyncio.Event()
+        self._limit = concurrency.new_state(ceiling, adaptive)
+        self._held: Counter[str] = Counter()
+        self._lost: set[str] = set()
+        self._waiting: deque[tuple[str, asyncio.Future[Ticket]]] = deque()
+
+    async def admit(self, holder: str) -> Ticket:
+        if not self._waiting and concurrency.has_room(self._limit):
+            return self._take(holder)
+        waiter: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
+        self._waiting.append((holder, waiter))
+        return await waiter
+
+    async def finish(self, holder: str, ticket: Ticket, outcome: Outcome, latency: float) -> None:
+        if holder in self._lost:
+            return      # its slots were given back when it was lost
+        self._held[holder] -= 1
+        concurrency.finish(self._limit, ticket, outcome, latency)
+        self._serve()
+
+    async def forget(self, holder: str) -> None:
+        """A session actor was lost: the requests it had in flight are over, and it waits for none."""
+        self._lost.add(holder)
+        self._limit.in_flight -= self._held.pop(holder, 0)
+        self._serve()
+
+    async def figures(self) -> ConcurrencyFigures:
+        return concurrency.figures(self._limit)
+
+    def _take(self, holder: str) -> Ticket:
+        self._held[holder] += 1
+        return concurrency.admit(self._limit)
+
+    def _serve(self) -> None:
+        while self._waiting and concurrency.has_room(self._limit):
+            holder, waiter = self._waiting.popleft()
+            if holder in self._lost:
+                waiter.cancel()
+            elif not waiter.cancelled():
+                waiter.set_result(self._take(holder))
 
     async def pause(self, until: float) -> None:
         if until > self._resume_at:
@@ -222,19 +268,52 @@ class GateKeeper:
         return slot
 
 
-class RayRateGate:
-    """RateGate's interface inside an actor: a 429 anywhere pauses every actor's new requests, and the
-    requests-per-minute pace is one sequence of slots for the whole run."""
+class KeeperLimit:
+    """One actor's side of the run-wide request slots the GateKeeper holds (concurrency.Limit)."""
 
-    def __init__(self, keeper: Any, requests_per_minute: int | None) -> None:
+    def __init__(self, keeper: Any) -> None:
+        self._keeper = keeper
+        self.holder = secrets.token_hex(8)     # this actor's name at the keeper: one per unpickled copy
+
+    async def admit(self) -> Ticket:
+        admitted = self._keeper.admit.remote(self.holder)
+        try:
+            return await admitted
+        except asyncio.CancelledError:
+            # The keeper hands the slot out all the same once one is free: give it back then.
+            asyncio.ensure_future(self._give_back(admitted))
+            raise
+
+    def finish(self, ticket: Ticket, outcome: Outcome, latency: float = 0.0) -> None:
+        self._keeper.finish.remote(self.holder, ticket, outcome, latency)
+
+    async def _give_back(self, admitted: Any) -> None:
+        try:
+            ticket = await admitted
+        except Exception:   # noqa: BLE001 — the keeper is gone (the run is ending), or it forgot this actor
+            return
+        self.finish(ticket, Outcome.UNSENT)
+
+
+class RayRateGate:
+    """RateGate's interface inside an actor: one limit on model requests at once across every actor, a
+    429 anywhere pauses every actor's new requests, and the requests-per-minute pace is one sequence of
+    slots for the whole run."""
+
+    def __init__(self, keeper: Any, requests_per_minute: int | None, adaptive: bool) -> None:
         self._keeper = keeper
         self._requests_per_minute = requests_per_minute
         self._interval = 60.0 / requests_per_minute if requests_per_minute else 0.0
         self._resume_at = 0.0
         self._follower: asyncio.Future | None = None
+        self.adaptive = adaptive
+        self.limit = KeeperLimit(keeper)
 
     def __reduce__(self) -> tuple:
-        return RayRateGate, (self._keeper, self._requests_per_minute)
+        return RayRateGate, (self._keeper, self._requests_per_minute, self.adaptive)
+
+    def slot(self) -> AsyncContextManager[Request]:
+        return concurrency.request_slot(self.limit, self.wait)
 
     def pause(self, seconds: float) -> None:
         until = time.time() + seconds
@@ -380,6 +459,9 @@ class RayWorkerPool:
         self._starting: dict[Any, Replacement] = {}          # ObjectRef of a replacement's probe() -> it
         self._new_actor: Callable[[int], Any] | None = None
         self._keeper: Any = None
+        self._figures: ConcurrencyFigures | None = None    # the keeper's, as last heard
+        self._figures_asked: Any = None                     # ObjectRef of the question on its way
+        self._figures_asked_at = 0.0
         self._watcher: tuple[Connection, multiprocessing.Process] | None = None
         self._stopped = False
         self.ray: Any = None
@@ -457,8 +539,9 @@ class RayWorkerPool:
         # any other node.
         beside_driver = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
         self._keeper = (ray.remote(num_cpus=0, max_concurrency=10_000)(GateKeeper)
-                        .options(scheduling_strategy=beside_driver).remote(config.requests_per_minute))
-        gate = RayRateGate(self._keeper, config.requests_per_minute)
+                        .options(scheduling_strategy=beside_driver)
+                        .remote(config.requests_per_minute, config.num_workers, config.adaptive_concurrency))
+        gate = RayRateGate(self._keeper, config.requests_per_minute, config.adaptive_concurrency)
         actor_class = ray.remote(SessionActor)
 
         def new_actor(slots: int) -> Any:
@@ -527,6 +610,22 @@ class RayWorkerPool:
         waiting = len(self._pending) + len(self._retries)
         return waiting if self._live_actors() else waiting + len(self._starting)
 
+    @property
+    def concurrency(self) -> ConcurrencyFigures | None:
+        """The keeper's figures as last heard (asked again in the background: never waits for Ray)."""
+        ray = self.ray
+        if self._figures_asked is not None and ray.wait([self._figures_asked], timeout=0)[0]:
+            try:
+                self._figures = ray.get(self._figures_asked)
+            except ray.exceptions.RayError:
+                pass        # the keeper is gone; keep what was last heard
+            self._figures_asked = None
+        now = time.monotonic()
+        if (self._figures_asked is None and self._keeper is not None and not self._stopped
+                and now - self._figures_asked_at >= FIGURES_INTERVAL):
+            self._figures_asked, self._figures_asked_at = self._keeper.figures.remote(), now
+        return self._figures
+
     def submit(self, task: Task) -> None:
         self._dispatch(Attempt(task))
 
@@ -590,6 +689,7 @@ class RayWorkerPool:
                 victims.append(other)
         self._lost.add(actor)
         self._free[actor] = 0
+        self._keeper.forget.remote(self._nodes[actor]["gate"])    # the model requests it had in flight are over
         self._discard(self._actors[actor])
         self._start_replacement(self._capacity[actor])
         failed: list[Finished | Fatal] = [self._lost_twice(victim.task, (*victim.losses, name))
@@ -680,6 +780,11 @@ class RayWorkerPool:
                     self._clean_other_nodes()
                 except Exception:   # noqa: BLE001 — the next run under this name cleans up instead
                     pass
+                if self._keeper is not None:
+                    try:
+                        self._figures = ray.get(self._keeper.figures.remote(), timeout=STOP_GRACE_SECONDS)
+                    except Exception:   # noqa: BLE001 — statistics then show the figures last heard
+                        pass
                 for actor in [*self._actors, *(replacement.actor for replacement in self._starting.values()),
                               self._keeper]:
                     if actor is not None:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable
 import toolset_distributions
 from batchrun import report_plots, rows
 from batchrun.install_hint import install_hint
-from batchrun.run_dir import CHECKPOINT, STATISTICS, RunDirectory, line_number, lines_at
+from batchrun.run_dir import CHECKPOINT, STATISTICS, RunDirectory, line_number, lines_at, superseded_corrupted
 from model_tools import TOOL_NAMES
 
 REPORT_FILE = "report.html"
@@ -47,6 +47,7 @@ QUOTAS = {"failed": 30, "corrupted": 30, "partial": 30, "tool_failed": 20, "disc
           "completed": 120}
 PRIORITY = tuple(QUOTAS)
 CORRUPTED = "corrupted"         # a trajectory row naming an invented tool: left out of the merged file
+SUPERSEDED = "superseded"       # a corrupted row whose prompt a --rerun_corrupted resume ran again
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,21 +98,41 @@ class Timeline:
 
     width: int = 1                                   # seconds per bucket
     counts: dict[int, list[int]] = field(default_factory=dict)   # bucket -> [completed, partial]
+    starts: dict[int, float] = field(default_factory=dict)       # bucket -> earliest start of its rows
 
-    def add(self, epoch: int, completed: bool) -> None:
-        bucket = self.counts.setdefault(epoch // self.width, [0, 0])
+    def add(self, epoch: int, completed: bool, wall_time: float = 0.0) -> None:
+        key = epoch // self.width
+        bucket = self.counts.setdefault(key, [0, 0])
         bucket[0 if completed else 1] += 1
+        self.starts[key] = min(self.starts.get(key, math.inf), epoch - wall_time)
         if len(self.counts) > TIMELINE_BUCKETS:
             self._widen()
 
     def _widen(self) -> None:
         widened: dict[int, list[int]] = {}
+        starts: dict[int, float] = {}
         for key, (completed, partial) in self.counts.items():
             bucket = widened.setdefault(key // 2, [0, 0])
             bucket[0] += completed
             bucket[1] += partial
+            starts[key // 2] = min(starts.get(key // 2, math.inf), self.starts[key])
         self.width *= 2
-        self.counts = widened
+        self.counts, self.starts = widened, starts
+
+    def active_seconds(self) -> float:
+        """How long rows were being worked on: the union over buckets of [earliest start, bucket end],
+        so the pauses between invocations do not count and rows arriving seldom are not taken for one
+        a second."""
+        total, span_start, span_end = 0.0, None, None
+        for key in sorted(self.counts):
+            start, end = min(self.starts[key], key * self.width), (key + 1) * self.width
+            if span_end is not None and start <= span_end:
+                span_end = max(span_end, end)
+                continue
+            if span_end is not None:
+                total += span_end - span_start
+            span_start, span_end = start, end
+        return total + (span_end - span_start if span_end is not None else 0.0)
 
     def points(self) -> list[tuple[datetime, int, int]]:
         """(bucket start, completed, partial) in time order."""
@@ -141,7 +162,8 @@ class RunSummary:
     turns_with_reasoning: int = 0
     turns_without_reasoning: int = 0
     trajectory_reasoning: Counter = field(default_factory=Counter)   # all / some / none turns with reasoning
-    toolsets: Counter = field(default_factory=Counter)
+    toolsets: Counter = field(default_factory=Counter)           # sampled, per kept trajectory
+    toolsets_offered: Counter = field(default_factory=Counter)   # gave the model at least one tool
     toolset_rows: int = 0
     turns: Counter = field(default_factory=Counter)              # assistant turns per kept trajectory
     tokens: LogHistogram = field(default_factory=LogHistogram)
@@ -157,6 +179,8 @@ class RunSummary:
     batch_files: int = 0
     open_failures: dict[str, str] = field(default_factory=dict)  # content key -> cause, until a retry succeeds
     open_failures_exact: bool = True
+    # Per content key, corrupted rows a --rerun_corrupted resume replaced (the checkpoint's record).
+    superseded: Counter = field(default_factory=Counter)
 
     @property
     def row_count(self) -> int:
@@ -179,13 +203,24 @@ class RunSummary:
             self.statuses[rows.DISCARDED] += 1
             self.discard_reasons[reason] += 1
             self.trajectory_reasoning["none (discarded)"] += 1
+            self._add_reasoning(row)     # coverage is over every assistant turn of the run
             return rows.DISCARDED, {}
         invented = row.invented_tools()
         if invented:
+            if self.superseded[row.content_key] > 0:     # replaced by a --rerun_corrupted attempt
+                self.superseded[row.content_key] -= 1
+                self.statuses[SUPERSEDED] += 1
+                return SUPERSEDED, {}
             self.statuses[CORRUPTED] += 1
             self.invented_tools.update(invented)
             return CORRUPTED, {}
         return row.status, self._add_trajectory(row, usage)
+
+    def _add_reasoning(self, row: rows.StoredRow) -> tuple[int, int]:
+        with_reasoning, without = row.reasoning_counts()
+        self.turns_with_reasoning += with_reasoning
+        self.turns_without_reasoning += without
+        return with_reasoning, without
 
     def _add_failure(self, row: rows.StoredRow) -> tuple[str, dict]:
         cause = row.error_type() or "unknown"
@@ -211,13 +246,12 @@ class RunSummary:
             used.append(name)
             if failure:
                 failed.append(name)
-        with_reasoning, without = row.reasoning_counts()
-        self.turns_with_reasoning += with_reasoning
-        self.turns_without_reasoning += without
+        with_reasoning, without = self._add_reasoning(row)
         self.trajectory_reasoning["all turns" if not without else "no turn" if not with_reasoning
                                   else "some turns"] += 1
         self.turns[with_reasoning + without] += 1
-        self.toolsets.update(row.toolsets_used())
+        self.toolsets.update(row.toolsets_sampled())
+        self.toolsets_offered.update(row.toolsets_used())
         self.toolset_rows += 1
         self.tokens.add((usage.get("prompt_tokens") or 0) + (usage.get("completion_tokens") or 0))
         self.cost.add(usage.get("cost") or 0.0)
@@ -226,7 +260,7 @@ class RunSummary:
             timestamp, model = found
             self.models[model] += 1
             if (epoch := _epoch(timestamp)) is not None:
-                self.timeline.add(epoch, row.status == rows.COMPLETED)
+                self.timeline.add(epoch, row.status == rows.COMPLETED, row.wall_time())
         self.wall_time.add(row.wall_time())
         return {"end_reason": end_reason, "tools": used, "tools_failed": failed}
 
@@ -245,6 +279,8 @@ def _categories(status: str, facts: dict) -> list[tuple[str, str]]:
         return [("failed", facts["cause"])]
     if status in (rows.DISCARDED, CORRUPTED):
         return [(status, "")]
+    if status == SUPERSEDED:
+        return []
     found = [("partial", facts["end_reason"])] if status == rows.PARTIAL else [("completed", "")]
     found += [("tool", name) for name in facts["tools"]]
     found += [("tool_failed", name) for name in facts["tools_failed"]]
@@ -337,28 +373,23 @@ def _clip_value(value: Any) -> Any:
     return value if len(encoded) <= TEXT_LIMIT else clip(encoded)
 
 
-_TOOL_CALL_BLOCK = re.compile(r"\n?<tool_call>\n.*?\n</tool_call>", re.DOTALL)
+_TOOL_CALL_BLOCK = re.compile(r"\n?<tool_call>\n.*\n</tool_call>")     # as rows.render_gpt_turn writes it
 _TOOL_RESPONSE = re.compile(r"<tool_response>\n(.*)\n</tool_response>")   # the payload is one JSON line
-_TOOLS_LIST = re.compile(r"<tools>\n(.*)\n</tools>", re.DOTALL)
 
 
 def _system_turn(text: str) -> dict:
-    tools = _TOOLS_LIST.search(text)
-    offered = rows.parsed_or_raw(tools.group(1)) if tools else []
-    names = [item.get("function", item).get("name") for item in offered if isinstance(item, dict)] \
-        if isinstance(offered, list) else []
-    return {"r": "system", "t": clip(text, SYSTEM_TEXT_LIMIT), "tools": [n for n in names if isinstance(n, str)]}
+    return {"r": "system", "t": clip(text, SYSTEM_TEXT_LIMIT), "tools": rows.offered_tool_names(text)}
 
 
-def _gpt_turn(turn: dict) -> dict:
+def _gpt_turn(turn: dict, offered: list[str]) -> dict:
     text = turn.get("value") or ""
     reasoning, rest = rows.split_rendered_reasoning(text)
     visible = _TOOL_CALL_BLOCK.sub("", rest).strip()
-    calls = [{"id": call.get("id"), "n": call.get("name"), "a": _clip_value(rows.parsed_or_raw(call.get("arguments") or "")),
-              "inv": call.get("name") not in TOOL_NAMES}
-             for call in (turn.get("tool_calls") or [])[:CALLS_PER_TURN]]
+    found = rows.rendered_calls(rest)
+    calls = [{"n": call["name"], "a": _clip_value(call.get("arguments")), "inv": rows.is_invented(call["name"], offered)}
+             for call in found[:CALLS_PER_TURN]]
     return {"r": "gpt", "think": clip(reasoning), "t": clip(visible), "calls": calls,
-            "more": max(0, len(turn.get("tool_calls") or []) - CALLS_PER_TURN)}
+            "more": max(0, len(found) - CALLS_PER_TURN)}
 
 
 def _tool_turn(turn: dict) -> dict:
@@ -376,12 +407,12 @@ def _tool_turn(turn: dict) -> dict:
     return {"r": "tool", "res": results, "more": max(0, len(blocks) - CALLS_PER_TURN)}
 
 
-def _turn(turn: dict) -> dict:
+def _turn(turn: dict, offered: list[str]) -> dict:
     role = turn.get("from")
     if role == "system":
         return _system_turn(turn.get("value") or "")
     if role == "gpt":
-        return _gpt_turn(turn)
+        return _gpt_turn(turn, offered)
     if role == "tool":
         return _tool_turn(turn)
     return {"r": "human" if role == "human" else str(role), "t": clip(turn.get("value") or "")}
@@ -411,7 +442,9 @@ def sampled_row(row: rows.StoredRow, status: str, batch_file: str) -> dict:
         item.update(p=clip(data.get("prompt") or ""), err=data.get("error"), et=data.get("error_type"),
                     dr=data.get("discarded"), turns=[], tools=[], tf=[], inv=[])
         return item
-    turns = [_turn(turn) for turn in data["conversations"] if isinstance(turn, dict)]
+    conversations = [turn for turn in data["conversations"] if isinstance(turn, dict)]
+    system = next((turn.get("value") or "" for turn in conversations if turn.get("from") == "system"), "")
+    turns = [_turn(turn, rows.offered_tool_names(system)) for turn in conversations]
     stats = data.get("tool_stats") or {}
     item.update(p=next((t["t"] for t in turns if t["r"] == "human"), ""), turns=_within_budget(turns),
                 tools=[n for n, e in stats.items() if isinstance(e, dict) and e.get("count")],
@@ -434,6 +467,7 @@ class RunScan:
     def __init__(self, run_dir: Path, sample_limit: int = SAMPLE_LIMIT) -> None:
         self.run_dir = RunDirectory(run_dir)
         self.summary, self.sample = RunSummary(), TrajectorySample(sample_limit)
+        self.summary.superseded = superseded_corrupted(_read_json(run_dir / CHECKPOINT))
         self._read_up_to: dict[Path, int] = {}     # per batch file: the end of its last complete row read
         self._row_id = 0
 
@@ -527,7 +561,8 @@ def _cards(summary: RunSummary, info: dict) -> str:
               f"{_number(open_failures)} still failing (--resume retries them)", "bad" if open_failures else ""),
         _card("discarded", _number(statuses[rows.DISCARDED]), "no reasoning in any turn",
               "warn" if statuses[rows.DISCARDED] else ""),
-        _card("corrupted", _number(statuses[CORRUPTED]), "invented tool names; not merged",
+        _card("corrupted", _number(statuses[CORRUPTED]), "invented tool names; not merged"
+              + (f" ({_number(statuses[SUPERSEDED])} more run again)" if statuses[SUPERSEDED] else ""),
               "warn" if statuses[CORRUPTED] else ""),
         _card("reasoning coverage", _percent(summary.turns_with_reasoning, turns),
               f"of {_number(turns)} assistant turns"),
@@ -541,8 +576,8 @@ def _cards(summary: RunSummary, info: dict) -> str:
 
 
 def _active_minutes(timeline: Timeline) -> float:
-    """Minutes with rows arriving (gaps between invocations are not counted)."""
-    return len(timeline.counts) * timeline.width / 60
+    """Minutes the run was working on rows (gaps between invocations are not counted)."""
+    return timeline.active_seconds() / 60
 
 
 def _tool_table(summary: RunSummary) -> str:
@@ -568,9 +603,10 @@ def expected_toolset_shares(distribution: str) -> dict[str, float] | None:
 
 def _toolset_table(summary: RunSummary, expected: dict[str, float] | None) -> str:
     names = list(dict.fromkeys([*(expected or {}), *sorted(summary.toolsets)]))
-    return _table(("toolset", "trajectories", "observed", "expected"),
+    return _table(("toolset", "trajectories", "sampled", "expected", "offered to the model"),
                   [(n, _number(summary.toolsets[n]), _percent(summary.toolsets[n], summary.toolset_rows),
-                    f"{100 * expected[n]:.1f}%" if expected and n in expected else "–") for n in names])
+                    f"{100 * expected[n]:.1f}%" if expected and n in expected else "–",
+                    _percent(summary.toolsets_offered[n], summary.toolset_rows)) for n in names])
 
 
 def _outcome_tables(summary: RunSummary) -> str:
@@ -658,8 +694,11 @@ def render(run_dir: Path, summary: RunSummary, sample: TrajectorySample) -> str:
                  "Calls per tool in kept trajectories; a failure is a result with an error "
                  "(a non-zero exit code is not)."),
         _section("Toolsets sampled", plot("toolsets"), _toolset_table(summary, expected),
-                 f"Share of kept trajectories offered each toolset, against distribution '{distribution}'."
-                 if distribution else "Share of kept trajectories offered each toolset (no distribution recorded)."),
+                 f"Share of kept trajectories that drew each toolset, against distribution '{distribution}', and "
+                 "share whose model was offered its tools (a toolset with nothing available on the machine is "
+                 "drawn but not offered)." if distribution else
+                 "Share of kept trajectories that drew each toolset (no distribution recorded), and share whose "
+                 "model was offered its tools."),
         _section("Reasoning", plot("reasoning"), _reasoning_table(summary)),
         _section("Outcomes", plot("outcomes"), _outcome_tables(summary),
                  "Every failed attempt leaves a row; a prompt counts as still failing until a later row "

@@ -474,6 +474,7 @@ class _Row(msgspec.Struct):
     tool_stats: dict[str, _Outcomes] = {}
     usage: _Usage = msgspec.field(default_factory=_Usage)
     toolsets_used: list[str] = []
+    toolsets_sampled: list[str] | None = None   # None: a format 1 row, whose toolsets_used were the sampled ones
     metadata: _Metadata | None = None
     wall_time_seconds: float = 0.0
     error_type: str | None = None
@@ -554,7 +555,13 @@ class StoredRow:
         return self._row.end_reason
 
     def toolsets_used(self) -> list[str]:
+        """The toolsets whose tools the model was offered."""
         return self._row.toolsets_used
+
+    def toolsets_sampled(self) -> list[str]:
+        """The toolsets the distribution drew for the prompt (some may have had no tool available)."""
+        sampled = self._row.toolsets_sampled
+        return self._row.toolsets_used if sampled is None else sampled
 
     def metadata(self) -> tuple[str, str] | None:
         """(timestamp, model) of a trajectory row."""

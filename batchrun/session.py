@@ -147,7 +147,7 @@ class Session:
             else:
                 error, error_type = str(exc), exc.error_type
         except EnvironmentSetupError as exc:
-            error, error_type = f"environment: {exc}", "environment"
+            error, error_type = str(exc), "environment"
         except asyncio.TimeoutError:
             if self._answered():    # keep what the paid-for turns produced, as a partial row
                 end_reason = "prompt_timeout"

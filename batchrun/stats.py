@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from batchrun import rows
+from batchrun.concurrency import ConcurrencyFigures
 from model_tools import TOOL_NAMES
 
 USAGE_KEYS = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens", "cost")
@@ -33,6 +34,7 @@ class ThisRun:
     failures_by_cause: Counter = field(default_factory=Counter)
     usage: dict = field(default_factory=_empty_usage)
     api_calls: int = 0
+    concurrency: ConcurrencyFigures | None = None     # as the pool last reported it
 
     def record(self, status: str, usage: dict, api_calls: int, error_type: str | None) -> None:
         self.statuses[status] += 1
@@ -188,5 +190,6 @@ def build_statistics(*, run_name: str, distribution: str, model: str, batch_size
             "api_calls": this_run.api_calls,
             "usage": {key: round(value, 8) if key == "cost" else value for key, value in this_run.usage.items()},
             "duration_seconds": round(duration, 3),
+            **({"concurrency": this_run.concurrency.as_dict()} if this_run.concurrency else {}),
         },
     }

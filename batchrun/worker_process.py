@@ -25,6 +25,7 @@ from batchrun.rate_limit import RateGate
 from batchrun.security import Redactor
 from batchrun.session import Session, SessionServices
 from batchrun.tools.browser import close_browser
+from model_tools import toolsets_offering
 
 SESSIONS_PER_CLIENT = 16
 # A parent that stopped reading is stopping too; the last rows wait this long to be taken.
@@ -41,7 +42,7 @@ def _finished(result: rows.SessionResult, config: RunConfig) -> Finished:
                     row=line, api_calls=result.api_calls, usage=result.usage.as_dict(),
                     wall_time=result.wall_time, end_reason=result.end_reason, error=result.error,
                     error_type=result.error_type, prompt_preview=result.prompt[:config.log_prefix_chars],
-                    toolsets=tuple(result.toolsets),
+                    toolsets=tuple(toolsets_offering(result.toolsets, result.offered_tools)),
                     tool_calls=tuple((name, count) for name, count, _, _ in stored.tool_counts()))
 
 
@@ -170,12 +171,13 @@ class _Outbox:
                 return      # the parent is gone; the reader thread ends the worker
 
 
-def main(conn: Connection, siblings: list[Connection], slots: int, config: RunConfig, gate: RateGate,
+def main(conn: Connection, siblings: list[Connection], worker: int, slots: int, config: RunConfig, gate: RateGate,
          env_settings: EnvironmentSettings, available_tools: frozenset[str]) -> None:
     # Fork copied the parent's ends of this worker's pipe and of earlier workers' pipes; they must
     # close here, or a killed parent would never produce the end-of-file by which workers notice.
     for inherited in siblings:
         inherited.close()
+    gate.limit.bind(worker)     # the parent gives back this process's request slots if it dies
     # Ctrl-C reaches the whole process group; the parent decides how to stop, workers follow it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     asyncio.run(_serve(conn, make_services(slots, config, gate, env_settings, available_tools)))

@@ -19,6 +19,7 @@ import time
 from dataclasses import asdict
 from multiprocessing.connection import Connection, wait
 
+from batchrun.concurrency import ConcurrencyFigures
 from batchrun.config import RunConfig
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.messages import Fatal, Finished, Task
@@ -74,26 +75,28 @@ class WorkerPool:
 
         endpoint.preload_http_stack()
 
-        self.gate = RateGate(config.requests_per_minute)
-        self._config, self._env_settings, self._available_tools = config, env_settings, available_tools
         count = process_count(config.num_workers)
+        self.gate = RateGate(config.requests_per_minute, ceiling=config.num_workers,
+                             adaptive=config.adaptive_concurrency, workers=count)
+        self._config, self._env_settings, self._available_tools = config, env_settings, available_tools
         self._capacity = [config.num_workers // count + (1 if i < config.num_workers % count else 0)
                           for i in range(count)]
         self._free = list(self._capacity)
         self._conns: list[Connection] = []
         self._processes: list[multiprocessing.Process] = []
         self._running: list[dict[int, Task]] = [{} for _ in self._capacity]   # per worker, by prompt index
-        for capacity in self._capacity:
-            conn, process = self._spawn(capacity, self._conns)
+        for worker, capacity in enumerate(self._capacity):
+            conn, process = self._spawn(worker, capacity, self._conns)
             self._conns.append(conn)
             self._processes.append(process)
 
-    def _spawn(self, capacity: int, others: list[Connection]) -> tuple[Connection, multiprocessing.Process]:
-        """A new worker process with ``capacity`` session slots; ``others`` are the parent's ends of
-        the other workers' pipes, which the child must close."""
+    def _spawn(self, worker: int, capacity: int,
+               others: list[Connection]) -> tuple[Connection, multiprocessing.Process]:
+        """Worker process number ``worker``, with ``capacity`` session slots; ``others`` are the parent's
+        ends of the other workers' pipes, which the child must close."""
         parent_end, child_end = _FORK.Pipe(duplex=True)
         process = _FORK.Process(target=_worker_entry, daemon=True,
-                                args=(child_end, [*others, parent_end], capacity, self._config,
+                                args=(child_end, [*others, parent_end], worker, capacity, self._config,
                                       self.gate, self._env_settings, self._available_tools))
         process.start()
         child_end.close()
@@ -106,6 +109,11 @@ class WorkerPool:
     @property
     def in_flight(self) -> int:
         return sum(self._capacity) - sum(self._free)
+
+    @property
+    def concurrency(self) -> ConcurrencyFigures:
+        """The model requests allowed at once now, and how it went so far."""
+        return self.gate.limit.figures()
 
     def submit(self, task: Task) -> None:
         worker = max(range(len(self._free)), key=self._free.__getitem__)   # the least loaded process
@@ -146,8 +154,9 @@ class WorkerPool:
         lost = [lost_task(task, self._config, why, "worker_died") for task in self._running[worker].values()]
         self._running[worker].clear()
         self._free[worker] = self._capacity[worker]
+        self.gate.limit.reclaim(worker)      # the model requests it had in flight are over
         others = [conn for i, conn in enumerate(self._conns) if i != worker]
-        self._conns[worker], self._processes[worker] = self._spawn(self._capacity[worker], others)
+        self._conns[worker], self._processes[worker] = self._spawn(worker, self._capacity[worker], others)
         return lost
 
     def stop(self) -> list[Finished]:

@@ -4,7 +4,13 @@ Every conversation makes ``--tool-turns`` terminal calls and then answers; each 
 ``--latency`` seconds. It runs in its own process so that its CPU is not counted as the runner's
 and so it can serve thousands of requests per second on this machine (the threaded test fixture
 cannot). ``GET /stats`` returns the request count, the time (CLOCK_MONOTONIC) of the first request
-and of the last response.
+and of the last response, and the figures of the concurrency cap below.
+
+``--max-concurrent K`` serves at most K requests at once, as a per-key concurrency limit does: one
+beyond it is answered 429 at once, without Retry-After. ``POST /limit`` with ``{"max_concurrent": K}``
+changes K while it runs (0: no cap). ``/stats`` then also holds ``rejected`` (429s so far),
+``serving`` (requests being served now) and ``busy_seconds`` (requests being served, summed over time:
+its growth over an interval, divided by the interval, is the mean concurrency served).
 
     python benchmarks/fast_endpoint.py --latency 0.2 --tool-turns 2      # prints the port
 """
@@ -21,6 +27,44 @@ import time
 FIRST_REQUEST: list[float] = []
 LAST_RESPONSE = [0.0]
 REQUESTS = [0]
+TOO_MANY = (b'{"error": {"message": "Too many requests at once", "type": "requests", "param": null, '
+            b'"code": "rate_limit_exceeded"}}')
+
+
+class Capacity:
+    """The concurrency cap, and what was served under it."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.serving = 0
+        self.rejected = 0
+        self._busy = 0.0
+        self._since = time.monotonic()
+
+    def _account(self) -> None:
+        now = time.monotonic()
+        self._busy += self.serving * (now - self._since)
+        self._since = now
+
+    def enter(self) -> bool:
+        if self.limit and self.serving >= self.limit:
+            self.rejected += 1
+            return False
+        self._account()
+        self.serving += 1
+        return True
+
+    def leave(self) -> None:
+        self._account()
+        self.serving -= 1
+
+    def figures(self) -> dict:
+        self._account()
+        return {"max_concurrent": self.limit, "rejected": self.rejected, "serving": self.serving,
+                "busy_seconds": self._busy}
+
+
+CAPACITY = Capacity(0)
 
 
 # The server reads only what it needs from a request, without parsing the growing conversation: its
@@ -55,18 +99,27 @@ async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, lat
             request_line, *header_lines = head.decode("latin-1").split("\r\n")
             headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines if h)}
             body = await reader.readexactly(int(headers.get("content-length", "0")))
+            status = b"200 OK"
             if request_line.startswith("GET /stats"):
                 payload = {"requests": REQUESTS[0], "first_request": FIRST_REQUEST[0] if FIRST_REQUEST else None,
-                           "last_response": LAST_RESPONSE[0]}
+                           "last_response": LAST_RESPONSE[0], **CAPACITY.figures()}
+            elif request_line.startswith("POST /limit"):
+                CAPACITY.limit = int(json.loads(body)["max_concurrent"])
+                payload = CAPACITY.figures()
+            elif not CAPACITY.enter():
+                status, payload = b"429 Too Many Requests", None
             else:
                 if not FIRST_REQUEST:
                     FIRST_REQUEST.append(time.monotonic())
                 REQUESTS[0] += 1
-                await asyncio.sleep(latency + random.uniform(-jitter, jitter))
+                try:
+                    await asyncio.sleep(latency + random.uniform(-jitter, jitter))
+                finally:
+                    CAPACITY.leave()
                 payload = reply_for(body, tool_turns)
                 LAST_RESPONSE[0] = time.monotonic()
-            data = json.dumps(payload).encode()
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+            data = TOO_MANY if payload is None else json.dumps(payload).encode()
+            writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\nContent-Length: "
                          + str(len(data)).encode() + b"\r\n\r\n" + data)
             await writer.drain()
     except (asyncio.IncompleteReadError, ConnectionError):
@@ -90,7 +143,10 @@ def main() -> None:
     parser.add_argument("--jitter", type=float, default=0.0,
                         help="each reply waits latency +/- up to this many seconds (uniform; the mean stays latency)")
     parser.add_argument("--tool-turns", type=int, default=2)
+    parser.add_argument("--max-concurrent", type=int, default=0,
+                        help="serve at most this many requests at once, answer 429 beyond (0: no cap)")
     args = parser.parse_args()
+    CAPACITY.limit = args.max_concurrent
     try:
         asyncio.run(serve(args.port, args.latency, args.jitter, args.tool_turns))
     except KeyboardInterrupt:

@@ -1,6 +1,6 @@
-"""What the stand-in container CLIs (fake_docker.py, fake_singularity.py) share.
+"""What the stand-in container runtimes (fake_docker.py, fake_singularity.py, fake_modal/modal.py) share.
 
-No container engine runs on the test machines, so the stand-ins keep a container as a directory:
+Where no container runtime can run, the stand-ins keep a container as a directory:
 ``$FAKE_CONTAINER_STATE/containers/<name>/`` holds ``meta.json``, ``root/`` (the container's ``/``)
 and ``pids/`` (processes running "inside", killed when the container goes). A program executed in a
 container really runs, on the host, with its working directory and every absolute path among its
@@ -22,7 +22,12 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
-STATE = Path(os.environ.get("FAKE_CONTAINER_STATE", "/nonexistent-fake-container-state"))
+
+def state() -> Path:
+    """Where containers and images are kept; read at each use, since the modal stand-in lives on in a
+    test process whose tests each have their own."""
+    return Path(os.environ.get("FAKE_CONTAINER_STATE", "/nonexistent-fake-container-state"))
+
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -56,13 +61,13 @@ class Container:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.dir = STATE / "containers" / file_name(name)
+        self.dir = state() / "containers" / file_name(name)
 
     @classmethod
     def all(cls) -> list["Container"]:
         """Every container; one another command is creating or removing at this moment is skipped,
         as the real CLIs list only containers that fully exist."""
-        folder = STATE / "containers"
+        folder = state() / "containers"
         found = []
         for entry in sorted(folder.iterdir()) if folder.is_dir() else []:
             try:
@@ -93,10 +98,20 @@ class Container:
                 return host + path[len(inside.rstrip("/")):]
         return str(self.dir / "root") + path
 
+    def host_argv(self, argv: list[str]) -> list[str]:
+        """``argv`` with its absolute paths moved to where they live on the host (not a ``sh -c`` script)."""
+        return [self.host_path(arg) if arg.startswith("/") and (i == 0 or argv[i - 1] != "-c") else arg
+                for i, arg in enumerate(argv)]
+
+    def track(self, pid: int) -> Path:
+        """Note a process running inside, to be killed with the container; the file to remove once it ends."""
+        pid_file = self.dir / "pids" / str(pid)
+        pid_file.write_text("")
+        return pid_file
+
     def execute(self, argv: list[str], *, workdir: str, env: dict[str, str], stdin: bool) -> int:
         """Run ``argv`` "in" the container; returns its exit status (as docker/singularity exec do)."""
-        moved = [self.host_path(arg) if arg.startswith("/") and (i == 0 or argv[i - 1] != "-c") else arg
-                 for i, arg in enumerate(argv)]
+        moved = self.host_argv(argv)
         cwd = self.host_path(workdir)
         if not os.path.isdir(cwd):
             fail(f"OCI runtime exec failed: chdir to cwd ({workdir!r}) set in config.json failed: "
@@ -106,8 +121,7 @@ class Container:
                                        start_new_session=True)
         except OSError:
             fail(f'OCI runtime exec failed: exec: "{argv[0]}": executable file not found in $PATH', 127)
-        pid_file = self.dir / "pids" / str(process.pid)
-        pid_file.write_text("")
+        pid_file = self.track(process.pid)
         code = process.wait()
         pid_file.unlink(missing_ok=True)
         return code if code >= 0 else 128 - code

@@ -1,7 +1,7 @@
 """A stand-in for the ``docker`` CLI (see fake_container.py for how containers are kept).
 
 Understands what batchrun's docker backend calls: version, image inspect, pull, run -d, exec,
-rm -f, ps -aq --filter label=K=V. Switches, from the environment:
+rm -f, ps -a --filter label=K=V|name=REGEX [--format {{.Names}}]. Switches, from the environment:
 
 - ``FAKE_DOCKER_ENGINE=down``: every call fails as the real client does without a daemon.
 - ``FAKE_PULL_FAIL=img[,img]``: pulling these images fails; ``FAKE_PULL_SECONDS``: pull duration.
@@ -15,17 +15,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import sys
 
-from fake_container import STATE, Container, container_env, fail, file_name, log_call, pull_delay, pull_fails
+from fake_container import Container, container_env, fail, file_name, log_call, pull_delay, pull_fails, state
 
 NO_ENGINE = ("Cannot connect to the Docker daemon at unix:///var/run/docker.sock. "
              "Is the docker daemon running?")
 
 
 def image_file(image: str):
-    return STATE / "images" / file_name(image)
+    return state() / "images" / file_name(image)
 
 
 def options(args: list[str], with_value: set[str]) -> tuple[dict[str, list[str]], list[str]]:
@@ -74,7 +75,7 @@ def pull(args: list[str]) -> int:
 
 def run(args: list[str]) -> int:
     found, rest = options(args, {"--label", "--name", "--network", "-w", "--entrypoint", "--memory",
-                                 "--memory-swap", "--pids-limit", "--tmpfs"})
+                                 "--memory-swap", "--pids-limit", "--tmpfs", "--stop-timeout"})
     if "-d" not in found:
         fail("fake docker: only detached runs are supported")
     name, image_name = found["--name"][0], rest[0]
@@ -129,13 +130,23 @@ def rm(args: list[str]) -> int:
     return status
 
 
+def matches(container: Container, condition: str) -> bool:
+    """One ``--filter``: ``label=K=V`` or ``name=REGEX`` (searched, as docker does)."""
+    kind, _, value = condition.partition("=")
+    if kind == "label":
+        key, _, wanted = value.partition("=")
+        return container.meta["labels"].get(key) == wanted
+    if kind == "name":
+        return re.search(value, container.name) is not None
+    fail(f"fake docker: unsupported filter {condition}")
+
+
 def ps(args: list[str]) -> int:
-    found, _ = options(args, {"--filter", "-f"})
-    wanted = [value.removeprefix("label=").split("=", 1) for value in found.get("--filter", [])]
+    found, _ = options(args, {"--filter", "-f", "--format"})
+    names = found.get("--format") == ["{{.Names}}"]
     for container in Container.all():
-        labels = container.meta["labels"]
-        if all(labels.get(key) == value for key, value in wanted):
-            print(container.meta["id"][:12])
+        if all(matches(container, condition) for condition in found.get("--filter", [])):
+            print(container.name if names else container.meta["id"][:12])
     return 0
 
 

@@ -60,6 +60,11 @@ Request counters (fail/drop/malformed/empty) are per distinct script text,
 server-wide, and cover every request of a conversation (all turns); ``reset()``
 clears them.
 
+``max_concurrent`` (constructor argument, attribute, ``--max-concurrent``) caps the chat requests
+served at once, as a per-key concurrency limit does: one beyond it is answered HTTP 429 at once, with no
+Retry-After, and is counted in ``rejected`` (not recorded in ``requests``). It may be changed while the
+server runs; ``None`` (the default) means no cap.
+
 Run standalone: ``python tests/scripted_endpoint.py --port 8000 --latency 0.2``.
 """
 
@@ -547,7 +552,13 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(400, _error_body(400, f"Invalid JSON body: {exc}"))
             return
         ep = self.server.endpoint
-        reply = ep._handle_chat(body, self.headers)
+        if not ep._admit():
+            self._send(429, _error_body(429, f"Too many requests at once (at most {ep.max_concurrent})"))
+            return
+        try:
+            reply = ep._handle_chat(body, self.headers)
+        finally:
+            ep._release()
         if reply is None:
             self._drop()
             return
@@ -571,10 +582,14 @@ class ScriptedEndpoint:
         latency: float = 0.0,
         port: int = 0,
         host: str = "127.0.0.1",
+        max_concurrent: int | None = None,
     ):
         self.api_key = api_key
         self.models = set(models) if models else None
         self.latency = latency
+        self.max_concurrent = max_concurrent
+        self.rejected = 0          # requests answered 429 for exceeding max_concurrent
+        self._serving = 0          # chat requests being served now
         self.script: ScriptHook | None = None
         self.requests: list[dict] = []
         self.request_headers: list[dict] = []
@@ -631,6 +646,19 @@ class ScriptedEndpoint:
         return [b for b in bodies if text in prompt_text(b)]
 
     # -- request handling (called from handler threads)
+    def _admit(self) -> bool:
+        """Room for one more chat request under ``max_concurrent``; counted in ``rejected`` otherwise."""
+        with self._lock:
+            if self.max_concurrent is not None and self._serving >= self.max_concurrent:
+                self.rejected += 1
+                return False
+            self._serving += 1
+            return True
+
+    def _release(self) -> None:
+        with self._lock:
+            self._serving -= 1
+
     def _handle_chat(self, body: dict, headers) -> tuple[int, Any, dict, str] | None:
         """Returns (status, payload, headers, content_type), or None to drop the connection."""
         messages = body.get("messages") if isinstance(body.get("messages"), list) else []
@@ -710,9 +738,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--latency", type=float, default=0.0, help="seconds of sleep per chat request")
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     ap.add_argument("--models", default=None, help="comma-separated accepted model names (default: any)")
+    ap.add_argument("--max-concurrent", type=int, default=None,
+                    help="serve at most this many chat requests at once; answer 429 (no Retry-After) beyond")
     args = ap.parse_args(argv)
     models = {m.strip() for m in args.models.split(",") if m.strip()} if args.models else None
-    ep = ScriptedEndpoint(api_key=args.api_key, models=models, latency=args.latency, port=args.port, host=args.host)
+    ep = ScriptedEndpoint(api_key=args.api_key, models=models, latency=args.latency, port=args.port, host=args.host,
+                          max_concurrent=args.max_concurrent)
     print(f"http://{args.host}:{ep.port}/v1", flush=True)
 
     def _interrupt(signum, frame):

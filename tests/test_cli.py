@@ -233,6 +233,18 @@ def test_unusable_line_is_skipped_with_a_warning_naming_its_line_number(tmp_path
     assert len(endpoint.requests) == 2
 
 
+def test_many_bad_lines_are_named_a_few_at_a_time_then_counted_and_recorded(tmp_path, endpoint):
+    lines = ['{"prompt": "good"}'] + ["not json"] * 500 + ['{"prompt": "also good"}']
+    result = run_dataset_lines(tmp_path, endpoint, lines)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert [w.split(":")[1].strip() for w in warnings[:5]] == ["line 2", "line 3", "line 4", "line 5", "line 6"]
+    assert len(warnings) == 6 and "495 more bad lines skipped (500 in all)" in warnings[5]
+    assert "500 bad lines skipped" in result.stdout
+    statistics = json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())
+    assert statistics["skipped_dataset_lines"] == 500
+
+
 def test_max_samples_uses_only_the_first_valid_prompts(tmp_path, endpoint):
     lines = ["broken", '{"prompt": "p0"}', '{"prompt": "p1"}', '{"prompt": "p2"}', '{"prompt": "p3"}']
     result = run_dataset_lines(tmp_path, endpoint, lines, "--max_samples=2")

@@ -19,7 +19,7 @@ from batchrun.endpoint import (MAX_RETRY_AFTER, MalformedReplyError, PromptFaile
                                classify, make_client, parse_reply, retry_after_seconds)
 from batchrun.rate_limit import RateGate
 from conftest import batch_rows, read_jsonl, run_cli, write_dataset
-from scripted_endpoint import ScriptedEndpoint
+from scripted_endpoint import OVERFLOW_ERRORS, ScriptedEndpoint
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -92,12 +92,32 @@ def test_request_the_endpoint_refuses_fails_only_this_prompt(ep, status):
     assert failure.value.error_type == f"http_{status}" and f"HTTP {status}" in str(failure.value)
 
 
-def test_context_length_error_fails_only_this_prompt(ep):
-    message = "This model's maximum context length is 8192 tokens. However, you requested 9000 tokens."
-    ep.script = lambda body: (400, {"error": {"message": message, "type": "invalid_request_error"}}, {})
+CONTEXT_OVERFLOWS = {
+    **{f"scripted_{name}": (400, {"error": {"message": text, "type": kind, "code": code}})
+       for name, (text, kind, code) in OVERFLOW_ERRORS.items()},
+    "openrouter": (400, {"error": {"message": "This endpoint's maximum context length is 131072 tokens. However, "
+                                              "you requested about 140000 tokens.", "code": 400}}),
+    "code_only": (400, {"error": {"message": "Bad request", "code": "context_length_exceeded"}}),
+    "payload_too_large": (413, {"error": {"message": "prompt is too long for this model's context window"}}),
+}
+
+
+@pytest.mark.parametrize("case", CONTEXT_OVERFLOWS)
+def test_a_context_overflow_fails_the_prompt_as_context_length_in_every_providers_words(ep, case):
+    status, body = CONTEXT_OVERFLOWS[case]
+    ep.script = lambda _body: (status, body, {})
     with pytest.raises(PromptFailedError) as failure:
         classify_here(error_from(ep.base_url), answered=True)
-    assert failure.value.error_type == "http_400" and "maximum context length" in str(failure.value)
+    assert failure.value.error_type == "context_length"
+    assert "no longer fits the model's context" in str(failure.value)
+
+
+@pytest.mark.parametrize("message", ["Invalid value for 'temperature'", "tools[0].function.name is too long"])
+def test_a_bad_request_that_is_not_about_the_context_stays_an_http_400(ep, message):
+    ep.script = lambda _body: (400, {"error": {"message": message}}, {})
+    with pytest.raises(PromptFailedError) as failure:
+        classify_here(error_from(ep.base_url), answered=True)
+    assert failure.value.error_type == "http_400"
 
 
 @pytest.mark.parametrize("status, advice", [(401, "rejected the API key"), (402, "refused payment"),

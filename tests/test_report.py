@@ -205,7 +205,9 @@ def write_synthetic_run(run_dir: Path, count: int) -> Counter:
             result.error_type = rng.choice(["http_400", "timeout"])
             row, kind = rows.failure_row(result), "failed"
         elif roll < 0.06:
-            row, kind = rows.tombstone_row(result), "discarded"
+            trajectory = rows.trajectory_row(result, batch_num=index // 500, model="synthetic",
+                                             timestamp="2026-01-01T10:00:00")
+            row, kind = rows.tombstone_row(trajectory, rows.NO_REASONING), "discarded"
         else:
             if roll < 0.08:
                 result.turns[0].tool_calls.append(ToolCallRecord("call_x", "made_up_tool", "{}", "Error: unknown"))
@@ -398,3 +400,65 @@ def test_long_trajectories_keep_their_beginning_and_end(tmp_path: Path) -> None:
     assert row["turns"][-1]["t"] == "the end"
     assert len(json.dumps(row, ensure_ascii=False)) < 2 * report.ROW_BUDGET
     assert "characters not shown" in row["turns"][2]["think"]
+
+
+# --- figures that follow the rows, not how often they arrive -------------------------------------------
+
+def test_throughput_is_rows_over_the_time_they_were_worked_on_when_rows_arrive_seldom():
+    timeline = report.Timeline()
+    for index in range(10):                  # one row every 10 s, each worked on for 10 s
+        timeline.add(1_000_000 + 10 * index, True, wall_time=10.0)
+    assert 95 <= timeline.active_seconds() <= 105
+    assert 5 < 10 / report._active_minutes(timeline) < 7      # rows per minute, not one per second
+
+
+def test_throughput_leaves_out_the_pause_between_two_invocations():
+    timeline = report.Timeline()
+    for start in (1_000_000, 1_100_000):
+        for index in range(10):
+            timeline.add(start + index, True, wall_time=1.0)
+    assert timeline.active_seconds() < 30
+
+
+def test_active_time_survives_the_timeline_widening_its_buckets():
+    timeline = report.Timeline()
+    for second in range(3 * report.TIMELINE_BUCKETS):
+        timeline.add(second, True, wall_time=1.0)
+    assert timeline.width > 1
+    assert abs(timeline.active_seconds() - 3 * report.TIMELINE_BUCKETS) <= 2 * timeline.width
+
+
+def summary_row(turns: list[AssistantTurn], *, key: str = "a" * 32, discard: bool = False,
+                offered: list[str] | None = None) -> rows.StoredRow:
+    result = SessionResult(prompt_index=0, content_key=key, prompt="p", toolsets=["terminal"],
+                           offered_tools=["terminal"] if offered is None else offered, turns=turns, api_calls=1,
+                           usage=Usage(), wall_time=1.0, end_reason="final_answer")
+    return rows.read_stored_row(rows.encode_finished(result, batch_num=0, model="m", timestamp="2026-01-01T10:00:00",
+                                                     discard_no_reasoning=discard))
+
+
+def test_reasoning_coverage_counts_the_turns_of_discarded_trajectories():
+    summary = report.RunSummary()
+    summary.add(summary_row([AssistantTurn("", "a"), AssistantTurn("", "b")], discard=True))
+    summary.add(summary_row([AssistantTurn("r", "c")]))
+    assert (summary.turns_with_reasoning, summary.turns_without_reasoning) == (1, 2)
+
+
+def test_a_corrupted_row_a_rerun_replaced_is_not_counted_as_corrupted():
+    invented = [AssistantTurn("r", "", [ToolCallRecord("c1", "made_up", "{}", "Error: unknown")])]
+    summary = report.RunSummary(superseded=Counter({"k" * 32: 1}))
+    assert summary.add(summary_row(invented, key="k" * 32))[0] == report.SUPERSEDED
+    assert summary.add(summary_row(invented, key="k" * 32))[0] == report.CORRUPTED
+    assert (summary.statuses[report.CORRUPTED], summary.invented_tools["made_up"]) == (1, 1)
+
+
+def test_the_toolset_table_shows_drawn_and_offered_toolsets_apart():
+    summary = report.RunSummary()
+    result = SessionResult(prompt_index=0, content_key="b" * 32, prompt="p", toolsets=["web", "terminal"],
+                           offered_tools=["terminal"], turns=[AssistantTurn("r", "done")], api_calls=1,
+                           usage=Usage(), wall_time=1.0, end_reason="final_answer")
+    summary.add(rows.read_stored_row(rows.encode_row(rows.trajectory_row(result, batch_num=0, model="m",
+                                                                         timestamp="2026-01-01T10:00:00"))))
+    assert (summary.toolsets["web"], summary.toolsets_offered["web"]) == (1, 0)
+    table = report._toolset_table(summary, None)
+    assert "offered to the model" in table and "0.0%" in table

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -199,12 +200,12 @@ def test_resume_scan_shared_out_over_processes_counts_what_one_process_counts(tm
     dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
     assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, batch_size=4)).returncode == 2   # one failed
     directory = RunDirectory(tmp_path / "data" / "run")
-    alone = scan_ranges([(p, 0, p.stat().st_size) for p in directory.batch_files()], rerun_corrupted=False)
+    alone = scan_ranges([(p, 0, p.stat().st_size) for p in directory.batch_files()])
     monkeypatch.setattr(run_dir, "PARALLEL_READ_MIN_BYTES", 0)
-    shared = directory.scan(rerun_corrupted=False)
+    shared = directory.scan()
     assert shared == alone
-    assert shared.rows_by_status[rows.FAILED] == 1 and shared.corrupted_rows == 1
-    assert sum(shared.done_counts.values()) == 14
+    assert shared.rows_by_status[rows.FAILED] == 1 and sum(shared.corrupted_by_key.values()) == 1
+    assert sum(shared.done(rerun_corrupted=False, superseded=Counter()).values()) == 14
 
 
 # -- rows as they may be found: torn, re-encoded, older, newer, foreign ----------------------------------------
@@ -253,21 +254,48 @@ def test_rows_written_by_another_json_encoder_resume_without_running_anything_ag
     assert merged_prompts(tmp_path) == merged_before == Counter(prompts[:5])
 
 
-def test_rows_written_before_rows_carried_a_format_resume_and_are_merged_with_one(tmp_path, endpoint):
-    prompts = [f"prompt {i}" for i in range(4)]
+def as_format_1(row: dict, *, with_format_key: bool) -> bytes:
+    """A row as format 1 wrote it (or, without the key, the versions before): a "tool_calls" list on gpt
+    turns with calls, the empty think block as "<think>\\n\\n</think>\\n", no toolsets_sampled or
+    invented_tool_calls."""
+    old = {key: value for key, value in row.items() if key not in ("format", "toolsets_sampled", "invented_tool_calls")}
+    if with_format_key:
+        old["format"] = 1
+    for turn in old.get("conversations", []):
+        if turn["from"] != "gpt":
+            continue
+        if turn["value"].startswith("<think>\n</think>"):
+            turn["value"] = "<think>\n\n</think>\n" + turn["value"][len("<think>\n</think>"):].lstrip("\n")
+        calls = [json.loads(payload) for payload in re.findall(r"<tool_call>\n(.*)\n</tool_call>", turn["value"])]
+        if calls:
+            turn["tool_calls"] = [{"id": f"call_{i}", "name": call["name"], "arguments": json.dumps(call["arguments"])}
+                                  for i, call in enumerate(calls)]
+    return json.dumps(old).encode() + b"\n"
+
+
+@pytest.mark.parametrize("with_format_key", [True, False], ids=["format_1", "before_formats"])
+def test_rows_of_an_older_format_resume_and_are_merged_in_the_current_one(tmp_path, endpoint, with_format_key):
+    datasets = pytest.importorskip("datasets")
+    prompts = [f"prompt {i}" for i in range(3)] + ['[[call terminal {"command": "ls"}]] [[reasoning none]] a call']
     dataset = write_dataset(tmp_path / "dataset.jsonl", prompts + ["one more"])
-    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--max_samples=4")).returncode == 0
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--max_samples=4",
+                                        "--discard_no_reasoning=False")).returncode == 0
     run_dir = tmp_path / "data" / "run"
-    rewrite_rows(run_dir, lambda row: json.dumps({k: v for k, v in row.items() if k != "format"}).encode() + b"\n")
+    rewrite_rows(run_dir, lambda row: as_format_1(row, with_format_key=with_format_key))
     (run_dir / "trajectories.jsonl").unlink()
     endpoint.reset()
 
-    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume", "--discard_no_reasoning=False"))
     assert result.returncode == 0, result.stderr
     assert [last_user_message(r) for r in endpoint.requests] == ["one more"]
     merged = read_jsonl(run_dir / "trajectories.jsonl")
     assert Counter(human_prompt(row) for row in merged) == Counter(prompts + ["one more"])
-    assert [row["format"] for row in merged] == [rows.ROW_FORMAT] * 5     # every merged row has the same columns
+    assert [row["format"] for row in merged] == [rows.ROW_FORMAT] * 5
+    assert len({tuple(row) for row in merged}) == 1                          # the same keys in every row
+    assert all(list(turn) == ["from", "value"] for row in merged for turn in row["conversations"])
+    loaded = datasets.load_dataset("json", data_files=str(run_dir / "trajectories.jsonl"), split="train",
+                                   cache_dir=str(tmp_path / "hf"))
+    assert loaded.num_rows == 5
 
 
 def test_a_line_that_is_not_json_amid_the_rows_is_skipped(tmp_path, endpoint):
@@ -283,8 +311,8 @@ def test_a_line_that_is_not_json_amid_the_rows_is_skipped(tmp_path, endpoint):
 
 
 @pytest.mark.parametrize("line, complaint", [
-    (b'{"format": 2, "prompt_index": 1, "content_key": "ab", "conversations": [], "end_reason": "final_answer"}',
-     "row format 2 is newer than this batch_runner reads (format 1)"),
+    (b'{"format": 3, "prompt_index": 1, "content_key": "ab", "conversations": [], "end_reason": "final_answer"}',
+     "row format 3 is newer than this batch_runner reads (format 2)"),
     (b'{"prompt": "a dataset line pasted here by mistake"}', "not a batch_runner row"),
     (b"[1, 2, 3]", "not a batch_runner row"),
 ], ids=["newer_format", "a_dataset_line", "an_array"])

@@ -403,7 +403,8 @@ def test_a_tombstone_keeps_the_whole_trajectory_so_the_discard_can_be_inspected_
     result = session([AssistantTurn("", "", [call("terminal")]), AssistantTurn("", "Done.")], prompt="P",
                      usage=Usage(10, 5), end_reason="final_answer")
     row = json.loads(encode(result, discard_no_reasoning=True))
-    assert {key: value for key, value in row.items() if key != "discarded"} == row_of(result)
+    assert {key: value for key, value in row.items() if key not in ("discarded", "prompt")} == row_of(result)
+    assert row["prompt"] == "P"
     assert read_stored_row(encode(result, discard_no_reasoning=True)).reasoning_counts() == (0, 2)
 
 

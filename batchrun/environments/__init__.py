@@ -13,6 +13,7 @@ ENVIRONMENT_KINDS: dict[str, str] = {
     "singularity": "batchrun.environments.singularity:SingularityEnvironment",
     "apptainer": "batchrun.environments.singularity:ApptainerEnvironment",
     "bubblewrap": "batchrun.environments.bubblewrap:BubblewrapEnvironment",
+    "modal": "batchrun.environments.modal:ModalEnvironment",
 }
 
 

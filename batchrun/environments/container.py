@@ -1,9 +1,11 @@
-"""What the container backends share: one container per prompt, driven through a container CLI.
+"""What the container backends share: one container per prompt, commands and file tools run in it.
 
-Docker and Singularity/Apptainer differ only in the words of their command lines — how to check the
-runtime, find or pull an image, start a container, run a program in it and remove it. The life cycle
-(image ready before the first model call, pulled once per image across worker processes, removed on
-close whatever happened) and the terminal and file operations are the same, and live here.
+The life cycle (image ready before the first model call, container created, working directory made,
+container removed on close whatever happened) and the terminal and file operations are the same for
+every backend and live in :class:`ContainerEnvironment`. A backend says how to reach its runtime,
+make and remove a container, and run a program in it: Docker/Podman and Singularity/Apptainer
+through their command-line programs (:class:`CliContainerEnvironment`, which also pulls each image
+once across worker processes), Modal through its SDK.
 
 Inside a container the container itself is the boundary, so the file tools may reach any path in it;
 paths are still normalised (no climbing above ``/``) and size limits still hold.
@@ -12,13 +14,15 @@ paths are still normalised (no climbing above ``/``) and size limits still hold.
 from __future__ import annotations
 
 import abc
+import asyncio
 import dataclasses
 import hashlib
 import math
 import secrets
 import shutil
 import time
-from typing import ClassVar
+from pathlib import Path
+from typing import Awaitable, ClassVar, TypeVar
 
 from batchrun.environments.base import (
     CommandResult,
@@ -31,12 +35,17 @@ from batchrun.environments.command_output import run_merged
 from batchrun.environments.container_cli import CliResult, call_cli
 from batchrun.environments.image_lock import ImageLock
 
+T = TypeVar("T")
+
 #: Where commands start when the row gives no ``cwd``; a relative ``cwd`` is taken from here.
 WORKSPACE = "/workspace"
 # Housekeeping calls (inspect, create, remove, file I/O) that take longer than this are stuck.
 HOUSEKEEPING_TIMEOUT = 120.0
 # Pulls of large images take minutes on a slow link; one that takes longer than this is stuck.
 PULL_TIMEOUT = 1800.0
+# A setup failure is one line a person reads in the console, which shows a failure's first 200
+# characters: the message fits in them whole, its engine's reason cut at a word if need be.
+SETUP_MESSAGE_CHARS = 200
 # The in-container `timeout` is the real limit; ours, this much later, only catches a hung CLI.
 _CLI_GRACE_SECONDS = 5.0
 # `timeout -s KILL` exits 128 + SIGKILL when it had to kill the command.
@@ -72,19 +81,37 @@ def run_prefix(run_label: str) -> str:
     return f"batch_runner-{hashlib.sha256(run_label.encode()).hexdigest()[:12]}-"
 
 
-class ContainerEnvironment(Environment):
-    """One container per prompt; subclasses supply the CLI's command lines."""
+def setup_error(summary: str, reason: str) -> EnvironmentSetupError:
+    """``summary: reason`` as one line of at most SETUP_MESSAGE_CHARS, the reason cut at a word."""
+    room = SETUP_MESSAGE_CHARS - len(summary) - 2
+    if len(reason) > room:
+        cut = reason[:max(room - 1, 0)]
+        reason = (cut.rsplit(" ", 1)[0] if " " in cut else cut).rstrip(" ,;:") + "…"
+    return EnvironmentSetupError(f"{summary}: {reason}")
 
-    #: The CLI program, looked up on PATH.
-    program: ClassVar[str]
-    #: What to do when the program is missing (shown in the prompt's error).
-    install_hint: ClassVar[str]
+
+async def to_completion(step: Awaitable[T]) -> T:
+    """``await step`` and let it finish even when the caller is cancelled meanwhile; the cancellation
+    is passed on once it has. Creating and removing a container must not be cut short: a Podman
+    killed half-way through ``run`` leaves a runtime container and its monitor process behind that
+    no ``podman ps`` lists."""
+    task = asyncio.ensure_future(step)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait({task})
+        if not task.cancelled():
+            task.exception()    # retrieved: the caller was cancelled, which is all it needs to hear
+        raise
+
+
+class ContainerEnvironment(Environment):
+    """One container per prompt; subclasses reach the runtime and run programs in the container."""
 
     def __init__(self, settings: EnvironmentSettings, *, prompt_index: int,
                  image: str | None = None, cwd: str | None = None) -> None:
         super().__init__(settings, prompt_index=prompt_index, image=image or settings.default_image, cwd=cwd)
         self.name = f"{run_prefix(settings.run_label)}{prompt_index}-{secrets.token_hex(4)}"
-        self.executable = ""                   # the program's path, found by start()
         self.workdir = WORKSPACE               # where commands start inside the container
         self._creating = False                 # from then on close() must remove whatever exists
         self._closed = False
@@ -93,7 +120,7 @@ class ContainerEnvironment(Environment):
 
     async def start(self) -> None:
         """Runtime, image, container, working directory — in that order, before any model call."""
-        self.executable = self.find_program()
+        self._find_runtime()
         try:
             self.workdir = container_path(WORKSPACE, self.cwd or ".")
         except ValueError as exc:
@@ -102,11 +129,12 @@ class ContainerEnvironment(Environment):
         await self._ensure_image()
         self._creating = True
         try:
-            await self._create()
-            made = await self._call(self.exec_argv(["mkdir", "-p", self.workdir], workdir="/"))
+            await to_completion(self._create())
+            # Made here rather than by the runtime: Podman refuses to start in a directory the image lacks.
+            made = await self._exec(["mkdir", "-p", self.workdir], workdir="/")
             if not made.ok:
-                raise EnvironmentSetupError(f"cannot create the working directory {self.workdir} in the "
-                                            f"container from {self.image}: {made.message()}")
+                raise setup_error(f"cannot create the working directory {self.workdir} in the container "
+                                  f"from {self.image}", made.message())
         except BaseException:
             await self.close()      # ``async with`` skips __aexit__ when start() fails
             raise
@@ -118,51 +146,19 @@ class ContainerEnvironment(Environment):
         self._closed = True
         if self._creating:
             try:
-                await self._remove()
+                await to_completion(self._remove())
             except Exception:       # noqa: BLE001 — a failed clean-up must not fail the prompt
                 pass
-
-    @classmethod
-    def find_program(cls) -> str:
-        executable = shutil.which(cls.program)
-        if executable is None:
-            raise EnvironmentSetupError(f"`{cls.program}` was not found on PATH; {cls.install_hint}, "
-                                        "or choose another TERMINAL_ENV")
-        return executable
-
-    async def _ensure_image(self) -> None:
-        """Pull the image unless present. Only the holder of the image's lock pulls; the others
-        wait for it and then find the image there."""
-        if await self._image_present():
-            return
-        try:
-            async with ImageLock(self.settings.work_root / "image-locks", self.image):
-                if not await self._image_present():
-                    await self._pull()
-        except OSError as exc:      # the lock's directory or the image cache cannot be written
-            raise EnvironmentSetupError(f"cannot prepare image {self.image!r}: {exc}") from exc
-
-    async def _call(self, argv: list[str], *, stdin: bytes | None = None,
-                    timeout: float = HOUSEKEEPING_TIMEOUT) -> CliResult:
-        try:
-            return await call_cli(argv, timeout=timeout, stdin=stdin)
-        except OSError as exc:
-            return CliResult(returncode=127, stdout=b"", stderr=f"cannot run {argv[0]}: {exc}")
 
     # -- what the tools use ----------------------------------------------------------------------
 
     async def run(self, command: str, timeout: float | None = None) -> CommandResult:
         """``sh -c command`` in the container (images may lack bash), killed by ``timeout`` inside
-        the container and, should the CLI hang, by us a little later."""
+        the container and, should the runtime hang, given up on by us a little later."""
         limit = self.settings.command_timeout if timeout is None else timeout
-        argv = self.exec_argv(["timeout", "-s", "KILL", str(max(1, math.ceil(limit))), "sh", "-c", command],
-                              workdir=self.workdir)
+        argv = ["timeout", "-s", "KILL", str(max(1, math.ceil(limit))), "sh", "-c", command]
         began = time.monotonic()
-        try:
-            result = await run_merged(argv, timeout=limit + _CLI_GRACE_SECONDS,
-                                      max_output_chars=self.settings.max_output_chars)
-        except OSError as exc:
-            return CommandResult(output="", exit_code=None, error=f"could not start {self.program}: {exc}")
+        result = await self._exec_merged(argv, timeout=limit + _CLI_GRACE_SECONDS)
         if result.exit_code == _KILLED_BY_TIMEOUT and time.monotonic() - began >= limit:
             return dataclasses.replace(result, exit_code=None, timed_out=True)
         return result
@@ -170,8 +166,7 @@ class ContainerEnvironment(Environment):
     async def read_file(self, path: str) -> bytes:
         target = self._path(path)
         limit = self.settings.max_file_bytes
-        result = await self._call(self.exec_argv(["sh", "-c", _READ_SCRIPT, "sh", target, str(limit + 1)],
-                                                  workdir=self.workdir))
+        result = await self._exec(["sh", "-c", _READ_SCRIPT, "sh", target, str(limit + 1)], workdir=self.workdir)
         if result.returncode == _MISSING:
             raise ToolError(f"{path!r} does not exist")
         if result.returncode == _IS_DIRECTORY:
@@ -189,9 +184,7 @@ class ContainerEnvironment(Environment):
         if len(data) > limit:
             raise ToolError(f"{len(data)} bytes is more than the file tools' limit of {limit} bytes")
         target = self._path(path)
-        result = await self._call(self.exec_argv(["sh", "-c", _WRITE_SCRIPT, "sh", target], workdir=self.workdir,
-                                                  stdin=True),
-                                  stdin=data)
+        result = await self._exec(["sh", "-c", _WRITE_SCRIPT, "sh", target], workdir=self.workdir, stdin=data)
         if result.returncode == _IS_DIRECTORY:
             raise ToolError(f"{path!r} is a directory, not a file")
         if not result.ok:
@@ -206,11 +199,102 @@ class ContainerEnvironment(Environment):
         except ValueError as exc:
             raise ToolError(f"invalid path {path!r}: {exc}") from None
 
-    # -- what each CLI says differently ----------------------------------------------------------
+    # -- what each backend does its own way --------------------------------------------------------
+
+    @abc.abstractmethod
+    def _find_runtime(self) -> None:
+        """Find the program or library that drives the runtime; EnvironmentSetupError saying how to
+        install it when it is missing."""
 
     async def _check_runtime(self) -> None:
-        """Fail early, with a useful message, when the runtime behind the CLI cannot work.
-        Finding the program is all some runtimes need."""
+        """Fail early, with a useful message, when the runtime cannot work. Finding it is all some
+        runtimes need."""
+
+    @abc.abstractmethod
+    async def _ensure_image(self) -> None:
+        """Make the image ready to start containers from; EnvironmentSetupError naming it if it cannot be."""
+
+    @abc.abstractmethod
+    async def _create(self) -> None:
+        """Start the prompt's container, named ``self.name``, idle until programs are run in it."""
+
+    @abc.abstractmethod
+    async def _remove(self) -> None:
+        """Remove the container and everything kept for it; called once, also after a failed start."""
+
+    @abc.abstractmethod
+    async def _exec(self, argv: list[str], *, workdir: str, stdin: bytes | None = None) -> CliResult:
+        """Run ``argv`` in the container, starting in ``workdir``, reading ``stdin``; its stdout as
+        data and its stderr as the explanation. Never raises for the program's or runtime's failures."""
+
+    @abc.abstractmethod
+    async def _exec_merged(self, argv: list[str], *, timeout: float) -> CommandResult:
+        """Run ``argv`` in the container's working directory with stdout and stderr merged and capped
+        at the settings' output limit; given up on after ``timeout`` seconds."""
+
+
+class CliContainerEnvironment(ContainerEnvironment):
+    """A backend driven through a container CLI; subclasses supply its command lines."""
+
+    #: The CLI program, looked up on PATH.
+    program: ClassVar[str]
+    #: What to do when the program is missing (shown in the prompt's error).
+    install_hint: ClassVar[str]
+
+    def __init__(self, settings: EnvironmentSettings, *, prompt_index: int,
+                 image: str | None = None, cwd: str | None = None) -> None:
+        super().__init__(settings, prompt_index=prompt_index, image=image, cwd=cwd)
+        self.executable = ""                   # the program's path, found by start()
+
+    @classmethod
+    def cli(cls) -> str:
+        """The program this run drives (a name looked up on PATH, or a path)."""
+        return cls.program
+
+    @classmethod
+    def find_program(cls) -> str:
+        executable = shutil.which(cls.cli())
+        if executable is None:
+            raise EnvironmentSetupError(f"`{cls.cli()}` was not found on PATH; {cls.install_hint}, "
+                                        "or choose another TERMINAL_ENV")
+        return executable
+
+    def _find_runtime(self) -> None:
+        self.executable = self.find_program()
+
+    async def _ensure_image(self) -> None:
+        """Pull the image unless present. Only the holder of the image's lock pulls; the others
+        wait for it and then find the image there."""
+        if await self._image_present():
+            return
+        try:
+            async with ImageLock(self._lock_directory(), self.image):
+                if not await self._image_present():
+                    await self._pull()
+        except OSError as exc:      # the lock's directory or the image cache cannot be written
+            raise setup_error(f"cannot prepare image {self.image!r}", str(exc)) from exc
+
+    def _lock_directory(self) -> Path:
+        """Where the image locks live: with the run, for runtimes whose image store needs no
+        protection across runs."""
+        return self.settings.work_root / "image-locks"
+
+    async def _call(self, argv: list[str], *, stdin: bytes | None = None,
+                    timeout: float = HOUSEKEEPING_TIMEOUT) -> CliResult:
+        try:
+            return await call_cli(argv, timeout=timeout, stdin=stdin)
+        except OSError as exc:
+            return CliResult(returncode=127, stdout=b"", stderr=f"cannot run {argv[0]}: {exc}")
+
+    async def _exec(self, argv: list[str], *, workdir: str, stdin: bytes | None = None) -> CliResult:
+        return await self._call(self.exec_argv(argv, workdir=workdir, stdin=stdin is not None), stdin=stdin)
+
+    async def _exec_merged(self, argv: list[str], *, timeout: float) -> CommandResult:
+        try:
+            return await run_merged(self.exec_argv(argv, workdir=self.workdir), timeout=timeout,
+                                    max_output_chars=self.settings.max_output_chars)
+        except OSError as exc:
+            return CommandResult(output="", exit_code=None, error=f"could not start {self.executable}: {exc}")
 
     @abc.abstractmethod
     async def _image_present(self) -> bool:
@@ -219,14 +303,6 @@ class ContainerEnvironment(Environment):
     @abc.abstractmethod
     async def _pull(self) -> None:
         """Fetch the image; raises EnvironmentSetupError with the runtime's message on failure."""
-
-    @abc.abstractmethod
-    async def _create(self) -> None:
-        """Start the prompt's container, named ``self.name``, idle until commands are executed in it."""
-
-    @abc.abstractmethod
-    async def _remove(self) -> None:
-        """Remove the container and everything kept for it; called once, also after a failed start."""
 
     @abc.abstractmethod
     def exec_argv(self, argv: list[str], *, workdir: str, stdin: bool = False) -> list[str]:

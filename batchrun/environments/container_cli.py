@@ -1,4 +1,4 @@
-"""Calling a container CLI (docker, singularity) for housekeeping: inspect, pull, create, file I/O.
+"""Calling a container CLI (docker, podman, singularity) for housekeeping: inspect, pull, create, file I/O.
 
 Unlike a terminal command, these need stdout and stderr apart — stdout is data (a file's bytes, an
 ID), stderr is the engine's explanation that becomes the error message.
@@ -7,6 +7,7 @@ ID), stderr is the engine's explanation that becomes the error message.
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 from dataclasses import dataclass
 
@@ -15,6 +16,8 @@ from batchrun.time_limit import within
 
 # An engine's messages can be long (a pull's whole progress log); the end says what went wrong.
 _MESSAGE_CHARS = 1000
+# Words the engines put around every explanation; without them the reason comes first.
+_BOILERPLATE = re.compile(r"(?:docker: )?Error response from daemon: |^Error: |\s*Run '[^']*--help' for more information\.?")
 
 
 @dataclass
@@ -33,7 +36,7 @@ class CliResult:
         """What the CLI said about a failure, in one short piece of text."""
         if self.returncode is None:
             return "the command took too long and was stopped"
-        text = " ".join(self.stderr.split()) or f"exit status {self.returncode}"
+        text = _BOILERPLATE.sub("", " ".join(self.stderr.split())).strip() or f"exit status {self.returncode}"
         return text if len(text) <= _MESSAGE_CHARS else "…" + text[-_MESSAGE_CHARS:]
 
 

@@ -1,21 +1,31 @@
-"""The docker backend (TERMINAL_ENV=docker): one container per prompt from the row's image.
+"""The docker backend (TERMINAL_ENV=docker): one container per prompt from the row's image, driven
+through ``docker`` or, with TERMINAL_CONTAINER_CLI=podman, through Podman (same command lines).
 
-The container idles (``sleep infinity``) while commands run in it through ``docker exec``; it carries
-labels naming the run and the prompt, so the containers of a crashed run can be found and removed
-before the next run under the same name starts.
+The container idles (``sleep infinity``) while commands run in it through ``exec``. Its name starts
+with the run's prefix and it carries labels naming the run and the prompt, so the containers of a
+crashed run can be found and removed before the next run under the same name starts.
 """
 
 from __future__ import annotations
 
 import shutil
 
-from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError
-from batchrun.environments.container import HOUSEKEEPING_TIMEOUT, PULL_TIMEOUT, ContainerEnvironment
+from batchrun.environments.base import EnvironmentSettings
+from batchrun.environments.container import (
+    HOUSEKEEPING_TIMEOUT,
+    PULL_TIMEOUT,
+    CliContainerEnvironment,
+    run_prefix,
+    setup_error,
+)
 from batchrun.environments.container_cli import call_cli_blocking
 from batchrun.environments.single_flight import SingleFlight
+from batchrun.tools.configuration import variable
 
 RUN_LABEL = "batch_runner.run"
 PROMPT_LABEL = "batch_runner.prompt"
+#: Names the container CLI: ``docker`` unless set; ``podman`` (or a path to either) works too.
+CLI_VARIABLE = "TERMINAL_CONTAINER_CLI"
 
 # Per process: the engines (by CLI path) that answered once, and the images known to be present.
 # An engine that did not answer is asked again, so a daemon started mid-run is noticed. Sessions
@@ -25,21 +35,26 @@ _present_images: set[tuple[str, str]] = set()
 _questions = SingleFlight()
 
 
-class DockerEnvironment(ContainerEnvironment):
+class DockerEnvironment(CliContainerEnvironment):
     kind = "docker"
     program = "docker"
-    install_hint = "install Docker (https://docs.docker.com/engine/install/)"
+    install_hint = ("install Docker (https://docs.docker.com/engine/install/), or Podman and set "
+                    f"{CLI_VARIABLE}=podman")
+
+    @classmethod
+    def cli(cls) -> str:
+        return variable(CLI_VARIABLE) or cls.program
 
     async def _check_runtime(self) -> None:
-        """``docker image inspect`` fails alike for "no engine" and "no image", so ask the engine first."""
+        """``image inspect`` fails alike for "no engine" and "no image", so ask the engine first."""
         if self.executable not in _reachable_engines:
             await _questions.run(("engine", self.executable), self._ask_engine)
 
     async def _ask_engine(self) -> None:
         answer = await self._call([self.executable, "version", "--format", "{{.Server.Version}}"])
         if not answer.ok:
-            raise EnvironmentSetupError(f"Docker engine is not reachable: {answer.message()}; "
-                                        "start the daemon or choose another TERMINAL_ENV")
+            raise setup_error(f"the {self.cli()} engine is not reachable (start it, or choose another "
+                              "TERMINAL_ENV)", answer.message())
         _reachable_engines.add(self.executable)
 
     async def _image_present(self) -> bool:
@@ -55,8 +70,7 @@ class DockerEnvironment(ContainerEnvironment):
     async def _pull(self) -> None:
         pulled = await self._call([self.executable, "pull", self.image], timeout=PULL_TIMEOUT)
         if not pulled.ok:
-            raise EnvironmentSetupError(f"image {self.image!r} is not available locally and pulling it "
-                                        f"failed: {pulled.message()}")
+            raise setup_error(f"image {self.image!r} is not here and pulling it failed", pulled.message())
         _present_images.add((self.executable, self.image))
 
     async def _create(self) -> None:
@@ -65,12 +79,13 @@ class DockerEnvironment(ContainerEnvironment):
         # The engine's control groups cap the container as a whole; swap equal to memory means none.
         limits = ["--memory", f"{caps.memory_mb}m", "--memory-swap", f"{caps.memory_mb}m",
                   "--pids-limit", str(caps.processes), "--tmpfs", f"/tmp:size={caps.tmp_mb}m"]
+        # No stop time-out: `sleep` as PID 1 ignores SIGTERM, and Podman's `rm -f` would wait 10 s for it.
         created = await self._call([
             self.executable, "run", "-d", "--label", f"{RUN_LABEL}={self.settings.run_label}",
             "--label", f"{PROMPT_LABEL}={self.prompt_index}", "--name", self.name, *network, *limits,
-            "-w", self.workdir, "--entrypoint", "sleep", self.image, "infinity"])
+            "--stop-timeout", "0", "--entrypoint", "sleep", self.image, "infinity"])
         if not created.ok:
-            raise EnvironmentSetupError(f"cannot start a container from {self.image}: {created.message()}")
+            raise setup_error(f"cannot start a container from {self.image}", created.message())
 
     async def _remove(self) -> None:
         await self._call([self.executable, "rm", "-f", self.name])
@@ -81,12 +96,21 @@ class DockerEnvironment(ContainerEnvironment):
     @classmethod
     def remove_leftovers(cls, settings: EnvironmentSettings) -> None:
         """Remove the containers a crashed run under this label left; without an engine there are none
-        to reach, and the run's first prompt will say why."""
-        executable = shutil.which(cls.program)
+        to reach, and the run's first prompt will say why. Podman also keeps containers only in its
+        storage (a ``run`` killed half-way); ``--external`` lists those, by name only."""
+        executable = shutil.which(cls.cli())
         if executable is not None:
-            listed = call_cli_blocking([executable, "ps", "-aq", "--filter", f"label={RUN_LABEL}={settings.run_label}"],
-                                       timeout=HOUSEKEEPING_TIMEOUT)
+            podman = _is_podman(executable)
+            listed = call_cli_blocking([executable, "ps", "-a", *(["--external"] if podman else []),
+                                        "--filter", f"name=^{run_prefix(settings.run_label)}",
+                                        "--format", "{{.Names}}"], timeout=HOUSEKEEPING_TIMEOUT)
             leftovers = listed.stdout.decode("utf-8", "replace").split() if listed.ok else []
             if leftovers:
                 call_cli_blocking([executable, "rm", "-f", *leftovers], timeout=HOUSEKEEPING_TIMEOUT)
         super().remove_leftovers(settings)
+
+
+def _is_podman(executable: str) -> bool:
+    """Whether the CLI is Podman (also when installed under the name docker)."""
+    answer = call_cli_blocking([executable, "--version"], timeout=HOUSEKEEPING_TIMEOUT)
+    return answer.ok and answer.stdout.lower().startswith(b"podman")

@@ -1,7 +1,8 @@
 """The Singularity/Apptainer backend (TERMINAL_ENV=singularity or apptainer): one instance per prompt.
 
 Images come from ``docker://<image>`` (or any source given with its own ``scheme://``) and are
-converted once per run into a SIF file under the run's work root. Each prompt's instance is
+converted once into a SIF file in the user's cache (``$XDG_CACHE_HOME/batch_runner/sif``, else
+``~/.cache/batch_runner/sif``), which every later run reuses. Each prompt's instance is
 contained (``--containall``: own PID/IPC namespaces, no host files, environment cleaned) with a
 fresh host directory bound at /workspace and a writable tmpfs elsewhere, so state never reaches
 another prompt. Singularity passes the host environment into containers unless told not to, so
@@ -19,20 +20,21 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError
+from batchrun.environments.base import EnvironmentSettings
 from batchrun.environments.container import (
     HOUSEKEEPING_TIMEOUT,
     PULL_TIMEOUT,
     WORKSPACE,
-    ContainerEnvironment,
+    CliContainerEnvironment,
     run_prefix,
+    setup_error,
 )
 from batchrun.environments.container_cli import call_cli_blocking
 from batchrun.environments.image_lock import image_file_stem
 from batchrun.environments.tree_removal import remove_tree
 
 
-class SingularityEnvironment(ContainerEnvironment):
+class SingularityEnvironment(CliContainerEnvironment):
     kind = "singularity"
     program = "singularity"
     install_hint = ("install SingularityCE (https://docs.sylabs.io/guides/latest/admin-guide/) "
@@ -41,7 +43,7 @@ class SingularityEnvironment(ContainerEnvironment):
     def __init__(self, settings: EnvironmentSettings, *, prompt_index: int,
                  image: str | None = None, cwd: str | None = None) -> None:
         super().__init__(settings, prompt_index=prompt_index, image=image, cwd=cwd)
-        self.sif = settings.work_root / "images" / f"{image_file_stem(self.image)}.sif"
+        self.sif = sif_cache() / f"{image_file_stem(self.image)}.sif"
         self.prompt_dir: Path | None = None     # host directory bound at /workspace
 
     @property
@@ -51,15 +53,21 @@ class SingularityEnvironment(ContainerEnvironment):
     async def _image_present(self) -> bool:
         return self.sif.is_file()
 
+    def _lock_directory(self) -> Path:
+        """Beside the SIF files: runs share them, so their pulls are locked across runs too."""
+        return self.sif.parent
+
     async def _pull(self) -> None:
-        """Pull into a temporary file and rename it: a half-written SIF must never look present."""
-        self.sif.parent.mkdir(parents=True, exist_ok=True)
+        """Pull into a temporary file and rename it: a half-written SIF must never look present.
+        The image's lock is held, so a partial file of it already there is a dead pull's: removed."""
+        self.sif.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for stale in self.sif.parent.glob(f"{self.sif.stem}.*.partial"):
+            stale.unlink(missing_ok=True)
         partial = self.sif.with_name(f"{self.sif.stem}.{secrets.token_hex(4)}.partial")
         try:
             pulled = await self._call([self.executable, "pull", str(partial), self.source], timeout=PULL_TIMEOUT)
             if not pulled.ok:
-                raise EnvironmentSetupError(f"image {self.image!r} could not be pulled from {self.source}: "
-                                            f"{pulled.message()}")
+                raise setup_error(f"image {self.image!r} could not be pulled from {self.source}", pulled.message())
             os.replace(partial, self.sif)
         finally:
             with contextlib.suppress(OSError):
@@ -67,17 +75,17 @@ class SingularityEnvironment(ContainerEnvironment):
 
     async def _create(self) -> None:
         try:
+            self.settings.work_root.mkdir(parents=True, exist_ok=True)
             self.prompt_dir = Path(tempfile.mkdtemp(prefix=f"prompt-{self.prompt_index}-",
                                                     dir=self.settings.work_root))
         except OSError as exc:
-            raise EnvironmentSetupError(f"cannot create a working directory under {self.settings.work_root}: "
-                                        f"{exc}") from exc
+            raise setup_error(f"cannot create a working directory under {self.settings.work_root}", str(exc)) from exc
         network = [] if self.settings.allow_network else ["--net", "--network", "none"]
         started = await self._call([
             self.executable, "instance", "start", "--containall", "--cleanenv", "--no-home", "--writable-tmpfs",
             *network, "--bind", f"{self.prompt_dir}:{WORKSPACE}", str(self.sif), self.name])
         if not started.ok:
-            raise EnvironmentSetupError(f"cannot start an instance of {self.image}: {started.message()}")
+            raise setup_error(f"cannot start an instance of {self.image}", started.message())
 
     async def _remove(self) -> None:
         await self._call([self.executable, "instance", "stop", "--force", self.name])
@@ -108,6 +116,12 @@ class ApptainerEnvironment(SingularityEnvironment):
     kind = "apptainer"
     program = "apptainer"
     install_hint = "install Apptainer (https://apptainer.org/docs/admin/main/installation.html)"
+
+
+def sif_cache() -> Path:
+    """The user's SIF files, shared by all runs: converting an image takes minutes, so once is enough."""
+    cache_home = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache_home) / "batch_runner" / "sif"
 
 
 def _instance_names(listing: bytes) -> list[str]:

@@ -1,0 +1,371 @@
+"""Adaptive concurrency: how many model requests the whole run keeps in flight at once.
+
+An endpoint with a per-key concurrency limit answers 429 (or 503) to whatever goes beyond it. With more
+sessions than that limit, a fixed worker count meets the limit on every round of requests, and a pause
+shared by every session only brings them back together. So the run looks for the limit and stays just
+under it, the way TCP's congestion window does (AIMD):
+
+* every request is admitted against one run-wide limit on requests in flight: requests, not sessions,
+  because a session busy in a tool asks nothing of the endpoint;
+* each answer raises the limit by ``step / limit``, so by ``step`` per round of answers; the step
+  doubles every round in which nothing pushed back (from the start the limit doubles per round, like
+  TCP's slow start). After a decrease the step starts small: the limit creeps up to where the server
+  refused last and probes past it only after a few rounds, yet a raised endpoint limit is found within
+  a few more;
+* a 429 or 503 lowers the limit to BACKOFF times the requests in flight when it arrives: refusals come
+  back at once, so those are the requests the server holds plus the refusals still on their way, and
+  the last refusal of a burst leaves the limit just under what the server takes (a burst lowers it to
+  that once, not by BACKOFF once per refusal); the step starts again at STEP_AFTER_DECREASE;
+* an answer slower than LATENCY_TOLERANCE times the usual lowers it as well, at most once per round: a
+  server that queues requests instead of refusing them shows its limit in latency.
+
+The limit stays between 1 and the ceiling (--num_workers: there are never more requests than sessions);
+with --adaptive_concurrency=False it stays at the ceiling. The controller is plain functions over
+:class:`AimdState`, a ctypes structure, so that the same code runs over shared memory for the worker
+processes (:class:`SharedLimit`) and inside the Ray gate actor (batchrun.ray_pool.GateKeeper).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import enum
+import multiprocessing
+import threading
+import time
+from collections import deque
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass
+from typing import AsyncIterator, Awaitable, Callable, Protocol
+
+_FORK = multiprocessing.get_context("fork")
+
+INITIAL_LIMIT = 16          # requests at once before anything is known; the limit doubles per round from here
+BACKOFF = 0.9               # a refusal leaves this share of the concurrency at which it came
+# Slots per round right after a decrease. A whole slot would probe past the server's limit every
+# round or two when that limit is small (at 8, one request in eight would be refused).
+STEP_AFTER_DECREASE = 0.25
+LATENCY_TOLERANCE = 2.0     # answers this many times slower than the usual mean the server is queueing them
+LATENCY_SMOOTHING = 1 / 8   # weight of one answer in the smoothed latency (as TCP smooths round trips)
+UNLIMITED = 1 << 20         # the ceiling of a gate built without one (tests calling the endpoint directly)
+# A worker process that died holding the shared lock never releases it; none holds it this long otherwise.
+LOCK_TIMEOUT = 1.0
+
+
+class Outcome(enum.Enum):
+    ANSWERED = "answered"        # a reply came: its latency counts
+    OVERLOADED = "overloaded"    # 429 or 503: the server has more than it can take
+    OTHER = "other"              # any other failure: says nothing about the server's load
+    UNSENT = "unsent"            # the slot was given back before a request went out
+
+
+class AimdState(ctypes.Structure):
+    """The whole controller state, plain numbers so that it can live in shared memory."""
+
+    _fields_ = [("limit", ctypes.c_double), ("ceiling", ctypes.c_double), ("adaptive", ctypes.c_bool),
+                ("in_flight", ctypes.c_long), ("step", ctypes.c_double), ("credit", ctypes.c_double),
+                ("epoch", ctypes.c_long),               # bumped by every decrease
+                ("latency", ctypes.c_double),           # smoothed seconds per answer
+                ("usual_latency", ctypes.c_double),     # the lowest smoothed latency, raised by latency decreases
+                ("lowest", ctypes.c_double), ("highest", ctypes.c_double),
+                ("requests", ctypes.c_long), ("overloaded", ctypes.c_long)]
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """One admitted request, as the controller needs to judge its outcome."""
+
+    epoch: int          # sent under the limit as it was after this many decreases
+    saturated: bool     # it took the last free slot: the limit, not the sessions, held the run back
+
+
+@dataclass(frozen=True)
+class ConcurrencyFigures:
+    """What the live display and statistics.json show."""
+
+    adaptive: bool
+    ceiling: int
+    limit: int
+    lowest: int
+    highest: int
+    requests: int
+    rate_limited: int
+
+    def as_dict(self) -> dict:
+        """statistics.json's ``this_run.concurrency`` (docs/report.md)."""
+        figures = asdict(self)
+        return {"adaptive": figures["adaptive"], "ceiling": figures["ceiling"], "final": figures["limit"],
+                "min": figures["lowest"], "max": figures["highest"], "requests": figures["requests"],
+                "rate_limited_requests": figures["rate_limited"]}
+
+
+# -- the controller ---------------------------------------------------------------------------------
+
+
+def reset(state: AimdState, ceiling: int, adaptive: bool) -> AimdState:
+    ceiling = max(1, ceiling)
+    start = float(min(ceiling, INITIAL_LIMIT) if adaptive else ceiling)
+    state.limit = state.lowest = state.highest = state.step = start
+    state.ceiling, state.adaptive = float(ceiling), adaptive
+    state.in_flight = state.epoch = state.requests = state.overloaded = 0
+    state.credit = state.latency = state.usual_latency = 0.0
+    return state
+
+
+def new_state(ceiling: int, adaptive: bool) -> AimdState:
+    return reset(AimdState(), ceiling, adaptive)
+
+
+def slots(state: AimdState) -> int:
+    """Requests the limit lets be in flight at once."""
+    return int(state.limit)
+
+
+def has_room(state: AimdState) -> bool:
+    return state.in_flight < slots(state)
+
+
+def admit(state: AimdState) -> Ticket:
+    """Count one request in flight (the caller has checked there is room)."""
+    state.in_flight += 1
+    return Ticket(epoch=state.epoch, saturated=state.in_flight >= slots(state))
+
+
+def finish(state: AimdState, ticket: Ticket, outcome: Outcome, latency: float = 0.0) -> None:
+    """A request is over: count it, and let what came of it move the limit."""
+    in_flight = state.in_flight      # this request still included
+    state.in_flight -= 1
+    if outcome is Outcome.UNSENT:
+        return
+    state.requests += 1
+    if outcome is Outcome.OVERLOADED:
+        state.overloaded += 1
+        if state.adaptive:
+            _refused(state, in_flight)
+    elif outcome is Outcome.ANSWERED and state.adaptive:
+        _answered(state, ticket, latency)
+
+
+def _refused(state: AimdState, in_flight: int) -> None:
+    target = BACKOFF * min(state.limit, in_flight)
+    if target < state.limit:
+        _lower(state, target)
+
+
+def _answered(state: AimdState, ticket: Ticket, latency: float) -> None:
+    # Only an answer to a request sent under the current limit, when that limit was what held the run
+    # back, says something about the limit.
+    judged = ticket.epoch == state.epoch and ticket.saturated
+    if _latency_rising(state, latency) and judged:
+        _lower(state, BACKOFF * state.limit)
+        # A model that is simply slower now (longer answers) should cost a few decreases, not the whole
+        # limit: each one asks the latency to rise further before the next.
+        state.usual_latency /= BACKOFF
+    elif judged:
+        _raise(state)
+
+
+def _latency_rising(state: AimdState, latency: float) -> bool:
+    if state.latency == 0.0:
+        state.latency = state.usual_latency = latency
+        return False
+    state.latency += (latency - state.latency) * LATENCY_SMOOTHING
+    state.usual_latency = min(state.usual_latency, state.latency)
+    return state.latency > LATENCY_TOLERANCE * state.usual_latency
+
+
+def _lower(state: AimdState, target: float) -> None:
+    state.limit = max(1.0, target)
+    state.lowest = min(state.lowest, state.limit)
+    state.step, state.credit = STEP_AFTER_DECREASE, 0.0
+    state.epoch += 1
+
+
+def _raise(state: AimdState) -> None:
+    state.limit = min(state.ceiling, state.limit + state.step / state.limit)
+    state.highest = max(state.highest, state.limit)
+    state.credit += 1
+    if state.credit >= state.limit:      # a whole round answered without push-back
+        state.credit = 0.0
+        state.step = min(2 * state.step, state.limit)
+
+
+def figures(state: AimdState) -> ConcurrencyFigures:
+    return ConcurrencyFigures(adaptive=state.adaptive, ceiling=int(state.ceiling), limit=slots(state),
+                              lowest=int(state.lowest), highest=int(state.highest), requests=state.requests,
+                              rate_limited=state.overloaded)
+
+
+# -- one request's admission ------------------------------------------------------------------------
+
+
+class Request:
+    """An admitted model request; the caller says what came of it, the gate tells the controller."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.outcome = Outcome.OTHER
+        self.latency = 0.0
+
+    def answered(self) -> None:
+        self.outcome = Outcome.ANSWERED
+        self.latency = time.monotonic() - self.started
+
+    def overloaded(self) -> None:
+        self.outcome = Outcome.OVERLOADED
+
+
+class Limit(Protocol):
+    """Where requests get their slots: shared memory (SharedLimit) or the Ray gate actor."""
+
+    async def admit(self) -> Ticket: ...
+
+    def finish(self, ticket: Ticket, outcome: Outcome, latency: float = 0.0) -> None: ...
+
+
+@asynccontextmanager
+async def request_slot(limit: Limit, ready: Callable[[], Awaitable[None]]) -> AsyncIterator[Request]:
+    """A slot for one request, held while it is in flight. ``ready`` waits out the other limits (a
+    pause, a pace) once the slot is held, so that they are checked just before the request goes."""
+    ticket = await limit.admit()
+    request: Request | None = None
+    try:
+        await ready()
+        request = Request()
+        yield request
+    finally:
+        if request is None:
+            limit.finish(ticket, Outcome.UNSENT)
+        else:
+            limit.finish(ticket, request.outcome, request.latency)
+
+
+# -- the worker processes' shared limit -------------------------------------------------------------
+
+
+class SharedLimit:
+    """The run-wide limit for the worker processes, in shared memory; forked children inherit it.
+
+    Free slots are a process-shared semaphore, so a session waiting in one process is woken by a request
+    finishing in another without polling, and the processes are served in turn. A lower limit takes free
+    slots back, or owes them (``debt``) until requests in flight finish. Each process counts the slots it
+    holds, so that the slots of a worker process that dies are given back (:meth:`reclaim`).
+    """
+
+    def __init__(self, ceiling: int, adaptive: bool, holders: int = 1) -> None:
+        self.adaptive = adaptive
+        self._state = reset(_FORK.RawValue(AimdState), ceiling, adaptive)
+        self._held = _FORK.RawArray(ctypes.c_long, holders)    # slots per worker process
+        self._debt = _FORK.RawValue(ctypes.c_long, 0)
+        self._lock = _FORK.Lock()
+        self._free = _FORK.Semaphore(slots(self._state))
+        self._holder = 0
+        self._line: _Line | None = None          # this process's waiting sessions, made on first use
+
+    def bind(self, holder: int) -> None:
+        """In a worker process: the slots it takes are counted as worker ``holder``'s."""
+        self._holder = holder
+
+    async def admit(self) -> Ticket:
+        if self._line is None:
+            self._line = _Line(self)
+        return await self._line.admit()
+
+    def try_take(self) -> Ticket | None:
+        """A slot at once, if one is free."""
+        return self.take() if self._free.acquire(False) else None
+
+    def wait_and_take(self) -> Ticket:
+        """A slot, blocking this thread until one is free (the line's thread only)."""
+        self._free.acquire()
+        return self.take()
+
+    def take(self) -> Ticket:
+        """Record a slot already taken from the semaphore."""
+        with self._lock:
+            self._held[self._holder] += 1
+            return admit(self._state)
+
+    def finish(self, ticket: Ticket, outcome: Outcome, latency: float = 0.0) -> None:
+        with self._lock:
+            self._held[self._holder] -= 1
+            before = slots(self._state)
+            lim0 = self._state.limit
+            finish(self._state, ticket, outcome, latency)
+            import os, sys
+            if os.environ.get("BR_TRACE") and (int(lim0) != int(self._state.limit) or outcome is not Outcome.ANSWERED):
+                print(f"TRACE {time.monotonic():.3f} {outcome.value} lat={latency:.3f} sm={self._state.latency:.3f} us={self._state.usual_latency:.3f} {lim0:.2f}->{self._state.limit:.2f} inf={self._state.in_flight} sat={ticket.saturated}", file=sys.stderr, flush=True)
+            self._return_slots(1)
+            self._resize(before)
+
+    def reclaim(self, holder: int) -> None:
+        """In the parent, once worker ``holder`` has died: its slots are free again."""
+        # Not acquired in time: it died holding the lock. The lock is a semaphore, so the release below frees it.
+        self._lock.acquire(timeout=LOCK_TIMEOUT)
+        try:
+            lost, self._held[holder] = self._held[holder], 0
+            # Counted from what each process holds: a process killed between two updates leaves them apart.
+            self._state.in_flight = sum(self._held)
+            self._return_slots(lost)
+        finally:
+            self._lock.release()
+
+    def figures(self) -> ConcurrencyFigures:
+        with self._lock:
+            return figures(self._state)
+
+    def _return_slots(self, count: int) -> None:
+        for _ in range(count):
+            if self._debt.value:
+                self._debt.value -= 1
+            else:
+                self._free.release()
+
+    def _resize(self, before: int) -> None:
+        after = slots(self._state)
+        self._return_slots(max(0, after - before))
+        for _ in range(before - after):
+            if not self._free.acquire(False):
+                self._debt.value += 1
+
+
+class _Line:
+    """One process's sessions waiting for a slot, in arrival order. A thread of its own blocks on the
+    shared semaphore while any wait and hands each slot it gets to the first of them."""
+
+    def __init__(self, limit: SharedLimit) -> None:
+        self._limit = limit
+        self._loop = asyncio.get_running_loop()
+        self._waiting: deque[asyncio.Future[Ticket]] = deque()
+        self._wanted = threading.Semaphore(0)     # one per session that joined the line
+        threading.Thread(target=self._fetch, name="concurrency-line", daemon=True).start()
+
+    async def admit(self) -> Ticket:
+        if not self._waiting and (ticket := self._limit.try_take()) is not None:
+            return ticket
+        waiter: asyncio.Future[Ticket] = self._loop.create_future()
+        self._waiting.append(waiter)
+        self._wanted.release()
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():     # handed a slot just as it gave up
+                self._limit.finish(waiter.result(), Outcome.UNSENT)
+            raise
+
+    def _fetch(self) -> None:
+        while True:
+            self._wanted.acquire()
+            ticket = self._limit.wait_and_take()
+            try:
+                self._loop.call_soon_threadsafe(self._hand_over, ticket)
+            except RuntimeError:      # the loop is closed: the process is ending
+                return
+
+    def _hand_over(self, ticket: Ticket) -> None:
+        while self._waiting:
+            waiter = self._waiting.popleft()
+            if not waiter.cancelled():
+                waiter.set_result(ticket)
+                return
+        self._limit.finish(ticket, Outcome.UNSENT)     # whoever wanted it gave up meanwhile
