@@ -11,12 +11,14 @@
 # socket there, never on the system's default: nothing of a system engine is touched, and `stop` leaves
 # no process or mount behind. `start` on an engine already running from an earlier `start` reuses it.
 #
-# Exported for the tests: DOCKER_HOST, BATCH_RUNNER_TEST_IMAGE, BATCH_RUNNER_TEST_ENGINES (the CLIs that
-# work: "docker", or "docker podman"), CONTAINERS_CONF and CONTAINERS_STORAGE_CONF (Podman's settings).
+# BATCH_RUNNER_CI_ENGINES names the engines to set up ("docker podman" unless set); `start` fails, saying
+# why, when one of them cannot run. Exported for the tests: DOCKER_HOST, BATCH_RUNNER_TEST_IMAGE,
+# BATCH_RUNNER_TEST_ENGINES (the engines set up), CONTAINERS_CONF and CONTAINERS_STORAGE_CONF (Podman's).
 set -euo pipefail
 
 SCRATCH=${BATCH_RUNNER_CI_SCRATCH:-/tmp/batch_runner-ci}
 CACHE=${BATCH_RUNNER_CI_CACHE:-/var/cache/batch_runner-ci}
+ENGINES=${BATCH_RUNNER_CI_ENGINES:-docker podman}
 IMAGE=local/minbase:1
 SUITE=bookworm
 ROOTFS_TAR=$CACHE/minbase-$SUITE.tar
@@ -32,12 +34,18 @@ die() { log "FAILED: $*"; exit 1; }
 docker_cli() { DOCKER_HOST="unix://$DOCKER_SOCK" docker "$@"; }
 podman_cli() { CONTAINERS_CONF=$PODMAN_DIR/containers.conf CONTAINERS_STORAGE_CONF=$PODMAN_DIR/storage.conf podman "$@"; }
 
+wanted() { [[ " $ENGINES " == *" $1 "* ]]; }
+
 install_packages() {
     local missing=()
-    command -v dockerd >/dev/null 2>&1 || missing+=(docker.io)
+    if wanted docker; then
+        command -v dockerd >/dev/null 2>&1 || missing+=(docker.io)
+    fi
     command -v debootstrap >/dev/null 2>&1 || [ -s "$ROOTFS_TAR" ] || missing+=(debootstrap)
-    command -v podman >/dev/null 2>&1 || missing+=(podman)
-    command -v runc >/dev/null 2>&1 || missing+=(runc)
+    if wanted podman; then
+        command -v podman >/dev/null 2>&1 || missing+=(podman)
+        command -v runc >/dev/null 2>&1 || missing+=(runc)
+    fi
     if [ ${#missing[@]} -gt 0 ]; then
         log "installing ${missing[*]}"
         apt-get update -qq
@@ -78,6 +86,7 @@ start_dockerd() {
     local driver=$1
     dockerd --data-root "$SCRATCH/docker-data" --exec-root "$SCRATCH/docker-exec" --pidfile "$DOCKER_PID" \
         -H "unix://$DOCKER_SOCK" --storage-driver="$driver" --iptables=false --ip6tables=false --bridge=none \
+        --ip-forward=false \
         >"$SCRATCH/dockerd-$driver.log" 2>&1 &
     local started=$SECONDS
     while [ $((SECONDS - started)) -lt $READY_SECONDS ]; do
@@ -102,12 +111,14 @@ ensure_docker() {
 
 # Rootful Podman with its storage under the scratch directory. runc: crun 1.8 refuses this machine's
 # control groups; cgroupfs and file events: there is no systemd; explicit ulimits: the container's
-# defaults would need CAP_SYS_RESOURCE, which the CI machines' root lacks.
+# defaults would need CAP_SYS_RESOURCE, which the CI machines' root lacks; no network by default, as
+# dockerd above: a container on Podman's bridge would add a host interface and firewall rules.
 ensure_podman() {
     mkdir -p "$PODMAN_DIR"
     cat >"$PODMAN_DIR/containers.conf" <<EOF
 [containers]
 default_ulimits = ["nofile=20000:20000", "nproc=4096:4096"]
+netns = "none"
 [engine]
 runtime = "runc"
 cgroup_manager = "cgroupfs"
@@ -123,8 +134,10 @@ driver = "overlay"
 graphroot = "$PODMAN_DIR/storage"
 runroot = "$PODMAN_DIR/run"
 EOF
-    podman_cli image exists "$IMAGE" || podman_cli import "$ROOTFS_TAR" "$IMAGE" >/dev/null || return 1
-    podman_cli run --rm --network none "$IMAGE" true >/dev/null 2>"$PODMAN_DIR/check.log"
+    podman_cli image exists "$IMAGE" || podman_cli import -q "$ROOTFS_TAR" "$IMAGE" >/dev/null ||
+        die "podman import of $ROOTFS_TAR"
+    podman_cli run --rm "$IMAGE" true >/dev/null 2>"$PODMAN_DIR/check.log" ||
+        { cat "$PODMAN_DIR/check.log" >&2; die "podman cannot run a container"; }
 }
 
 stop_docker() {
@@ -155,19 +168,18 @@ start() {
     mkdir -p "$SCRATCH"
     install_packages
     ensure_rootfs
-    ensure_docker
-    local engines=docker
-    if ensure_podman; then
-        engines="docker podman"
-    else
-        log "podman does not work here, its tests will be skipped: $(tail -3 "$PODMAN_DIR/check.log" 2>/dev/null)"
+    if wanted docker; then
+        ensure_docker
+        echo "export DOCKER_HOST=unix://$DOCKER_SOCK"
     fi
-    echo "export DOCKER_HOST=unix://$DOCKER_SOCK"
+    if wanted podman; then
+        ensure_podman
+    fi
     echo "export BATCH_RUNNER_TEST_IMAGE=$IMAGE"
-    echo "export BATCH_RUNNER_TEST_ENGINES='$engines'"
+    echo "export BATCH_RUNNER_TEST_ENGINES='$ENGINES'"
     echo "export CONTAINERS_CONF=$PODMAN_DIR/containers.conf"
     echo "export CONTAINERS_STORAGE_CONF=$PODMAN_DIR/storage.conf"
-    log "ready: $engines with $IMAGE"
+    log "ready: $ENGINES with $IMAGE"
 }
 
 stop() {

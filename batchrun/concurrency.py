@@ -12,12 +12,16 @@ under it, the way TCP's congestion window does (AIMD):
   TCP's slow start). After a decrease the step starts small: the limit creeps up to where the server
   refused last and probes past it only after a few rounds, yet a raised endpoint limit is found within
   a few more;
-* a 429 or 503 lowers the limit to BACKOFF times the requests in flight when it arrives: refusals come
-  back at once, so those are the requests the server holds plus the refusals still on their way, and
-  the last refusal of a burst leaves the limit just under what the server takes (a burst lowers it to
-  that once, not by BACKOFF once per refusal); the step starts again at STEP_AFTER_DECREASE;
+* a 429 or 503 lowers the limit to BACKOFF times the concurrency at which the server said no: the
+  larger of the requests in flight when the refused one was sent and when its refusal came back. So a
+  burst of refusals lowers the limit once, to just under what the server takes, not by BACKOFF once per
+  refusal; and a refusal that comes back after the limit was lowered for it lowers it no further. The
+  step starts again at STEP_AFTER_DECREASE;
 * an answer slower than LATENCY_TOLERANCE times the usual lowers it as well, at most once per round: a
   server that queues requests instead of refusing them shows its limit in latency.
+
+Answers move the limit only while requests are waiting for a slot (the limit, not the sessions, holds
+the run back) and only if they were sent under the limit as it is now.
 
 The limit stays between 1 and the ceiling (--num_workers: there are never more requests than sessions);
 with --adaptive_concurrency=False it stays at the ceiling. The controller is plain functions over
@@ -41,7 +45,7 @@ from typing import AsyncIterator, Awaitable, Callable, Protocol
 _FORK = multiprocessing.get_context("fork")
 
 INITIAL_LIMIT = 16          # requests at once before anything is known; the limit doubles per round from here
-BACKOFF = 0.9               # a refusal leaves this share of the concurrency at which it came
+BACKOFF = 0.95              # a refusal leaves this share of the concurrency at which it came
 # Slots per round right after a decrease. A whole slot would probe past the server's limit every
 # round or two when that limit is small (at 8, one request in eight would be refused).
 STEP_AFTER_DECREASE = 0.25
@@ -63,7 +67,8 @@ class AimdState(ctypes.Structure):
     """The whole controller state, plain numbers so that it can live in shared memory."""
 
     _fields_ = [("limit", ctypes.c_double), ("ceiling", ctypes.c_double), ("adaptive", ctypes.c_bool),
-                ("in_flight", ctypes.c_long), ("step", ctypes.c_double), ("credit", ctypes.c_double),
+                ("in_flight", ctypes.c_long), ("waiting", ctypes.c_long),   # requests waiting for a slot
+                ("step", ctypes.c_double), ("credit", ctypes.c_double),
                 ("epoch", ctypes.c_long),               # bumped by every decrease
                 ("latency", ctypes.c_double),           # smoothed seconds per answer
                 ("usual_latency", ctypes.c_double),     # the lowest smoothed latency, raised by latency decreases
@@ -76,7 +81,7 @@ class Ticket:
     """One admitted request, as the controller needs to judge its outcome."""
 
     epoch: int          # sent under the limit as it was after this many decreases
-    saturated: bool     # it took the last free slot: the limit, not the sessions, held the run back
+    in_flight: int      # requests in flight once it was admitted, itself included
 
 
 @dataclass(frozen=True)
@@ -107,7 +112,7 @@ def reset(state: AimdState, ceiling: int, adaptive: bool) -> AimdState:
     start = float(min(ceiling, INITIAL_LIMIT) if adaptive else ceiling)
     state.limit = state.lowest = state.highest = state.step = start
     state.ceiling, state.adaptive = float(ceiling), adaptive
-    state.in_flight = state.epoch = state.requests = state.overloaded = 0
+    state.in_flight = state.waiting = state.epoch = state.requests = state.overloaded = 0
     state.credit = state.latency = state.usual_latency = 0.0
     return state
 
@@ -128,7 +133,7 @@ def has_room(state: AimdState) -> bool:
 def admit(state: AimdState) -> Ticket:
     """Count one request in flight (the caller has checked there is room)."""
     state.in_flight += 1
-    return Ticket(epoch=state.epoch, saturated=state.in_flight >= slots(state))
+    return Ticket(epoch=state.epoch, in_flight=state.in_flight)
 
 
 def finish(state: AimdState, ticket: Ticket, outcome: Outcome, latency: float = 0.0) -> None:
@@ -141,21 +146,19 @@ def finish(state: AimdState, ticket: Ticket, outcome: Outcome, latency: float = 
     if outcome is Outcome.OVERLOADED:
         state.overloaded += 1
         if state.adaptive:
-            _refused(state, in_flight)
+            _refused(state, max(ticket.in_flight, in_flight))
     elif outcome is Outcome.ANSWERED and state.adaptive:
         _answered(state, ticket, latency)
 
 
-def _refused(state: AimdState, in_flight: int) -> None:
-    target = BACKOFF * min(state.limit, in_flight)
+def _refused(state: AimdState, refused_at: int) -> None:
+    target = BACKOFF * refused_at
     if target < state.limit:
         _lower(state, target)
 
 
 def _answered(state: AimdState, ticket: Ticket, latency: float) -> None:
-    # Only an answer to a request sent under the current limit, when that limit was what held the run
-    # back, says something about the limit.
-    judged = ticket.epoch == state.epoch and ticket.saturated
+    judged = ticket.epoch == state.epoch and state.waiting > 0
     if _latency_rising(state, latency) and judged:
         _lower(state, BACKOFF * state.limit)
         # A model that is simply slower now (longer answers) should cost a few decreases, not the whole
@@ -249,13 +252,15 @@ class SharedLimit:
     Free slots are a process-shared semaphore, so a session waiting in one process is woken by a request
     finishing in another without polling, and the processes are served in turn. A lower limit takes free
     slots back, or owes them (``debt``) until requests in flight finish. Each process counts the slots it
-    holds, so that the slots of a worker process that dies are given back (:meth:`reclaim`).
+    holds and the requests it has waiting, so that a worker process that dies leaves neither behind
+    (:meth:`reclaim`).
     """
 
     def __init__(self, ceiling: int, adaptive: bool, holders: int = 1) -> None:
         self.adaptive = adaptive
         self._state = reset(_FORK.RawValue(AimdState), ceiling, adaptive)
         self._held = _FORK.RawArray(ctypes.c_long, holders)    # slots per worker process
+        self._queued = _FORK.RawArray(ctypes.c_long, holders)  # requests waiting, per worker process
         self._debt = _FORK.RawValue(ctypes.c_long, 0)
         self._lock = _FORK.Lock()
         self._free = _FORK.Semaphore(slots(self._state))
@@ -273,18 +278,28 @@ class SharedLimit:
 
     def try_take(self) -> Ticket | None:
         """A slot at once, if one is free."""
-        return self.take() if self._free.acquire(False) else None
+        if not self._free.acquire(False):
+            return None
+        with self._lock:
+            return self._take()
+
+    def join_line(self) -> None:
+        """One more request of this process waits for a slot (the line fetches one for it)."""
+        with self._lock:
+            self._queued[self._holder] += 1
+            self._state.waiting += 1
 
     def wait_and_take(self) -> Ticket:
-        """A slot, blocking this thread until one is free (the line's thread only)."""
+        """A slot for a request in the line, blocking this thread until one is free."""
         self._free.acquire()
-        return self.take()
-
-    def take(self) -> Ticket:
-        """Record a slot already taken from the semaphore."""
         with self._lock:
-            self._held[self._holder] += 1
-            return admit(self._state)
+            self._queued[self._holder] -= 1
+            self._state.waiting -= 1
+            return self._take()
+
+    def _take(self) -> Ticket:
+        self._held[self._holder] += 1
+        return admit(self._state)
 
     def finish(self, ticket: Ticket, outcome: Outcome, latency: float = 0.0) -> None:
         with self._lock:
@@ -294,7 +309,7 @@ class SharedLimit:
             finish(self._state, ticket, outcome, latency)
             import os, sys
             if os.environ.get("BR_TRACE") and (int(lim0) != int(self._state.limit) or outcome is not Outcome.ANSWERED):
-                print(f"TRACE {time.monotonic():.3f} {outcome.value} lat={latency:.3f} sm={self._state.latency:.3f} us={self._state.usual_latency:.3f} {lim0:.2f}->{self._state.limit:.2f} inf={self._state.in_flight} sat={ticket.saturated}", file=sys.stderr, flush=True)
+                print(f"TRACE {time.monotonic():.3f} {outcome.value} lat={latency:.3f} sm={self._state.latency:.3f} us={self._state.usual_latency:.3f} {lim0:.2f}->{self._state.limit:.2f} inf={self._state.in_flight} w={self._state.waiting}", file=sys.stderr, flush=True)
             self._return_slots(1)
             self._resize(before)
 
@@ -303,9 +318,9 @@ class SharedLimit:
         # Not acquired in time: it died holding the lock. The lock is a semaphore, so the release below frees it.
         self._lock.acquire(timeout=LOCK_TIMEOUT)
         try:
-            lost, self._held[holder] = self._held[holder], 0
+            lost, self._held[holder], self._queued[holder] = self._held[holder], 0, 0
             # Counted from what each process holds: a process killed between two updates leaves them apart.
-            self._state.in_flight = sum(self._held)
+            self._state.in_flight, self._state.waiting = sum(self._held), sum(self._queued)
             self._return_slots(lost)
         finally:
             self._lock.release()
@@ -345,6 +360,7 @@ class _Line:
             return ticket
         waiter: asyncio.Future[Ticket] = self._loop.create_future()
         self._waiting.append(waiter)
+        self._limit.join_line()
         self._wanted.release()
         try:
             return await waiter

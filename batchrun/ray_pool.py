@@ -226,6 +226,7 @@ class GateKeeper:
         if holder in self._lost:
             return      # its slots were given back when it was lost
         self._held[holder] -= 1
+        self._limit.waiting = len(self._waiting)
         concurrency.finish(self._limit, ticket, outcome, latency)
         self._serve()
 

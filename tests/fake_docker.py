@@ -5,7 +5,9 @@ rm -f, ps -a --filter label=K=V|name=REGEX [--format {{.Names}}]. Switches, from
 
 - ``FAKE_DOCKER_ENGINE=down``: every call fails as the real client does without a daemon.
 - ``FAKE_PULL_FAIL=img[,img]``: pulling these images fails; ``FAKE_PULL_SECONDS``: pull duration.
-- ``FAKE_EXEC_IGNORES_TIMEOUT=1``: ``exec ... timeout -s KILL N`` runs without the ``timeout``
+- ``FAKE_RUN_SECONDS``: how long ``run`` takes before the container exists; once it does, ``run``
+  logs ``["created", NAME]``, so a test can tell a creation that finished from one cut short.
+- ``FAKE_EXEC_IGNORES_TIMEOUT=1``: ``exec ... timeout -s KILL N ...`` runs without the ``timeout``
   (as if the image had none that works), to exercise the runner's own time limit.
 
 Images present are files under ``$FAKE_CONTAINER_STATE/images/``.
@@ -18,6 +20,7 @@ import os
 import re
 import secrets
 import sys
+import time
 
 from fake_container import Container, container_env, fail, file_name, log_call, pull_delay, pull_fails, state
 
@@ -78,6 +81,7 @@ def run(args: list[str]) -> int:
                                  "--memory-swap", "--pids-limit", "--tmpfs", "--stop-timeout"})
     if "-d" not in found:
         fail("fake docker: only detached runs are supported")
+    time.sleep(float(os.environ.get("FAKE_RUN_SECONDS", "0")))
     name, image_name = found["--name"][0], rest[0]
     if not image_file(image_name).exists():
         fail(f"Unable to find image '{image_name}' locally\ndocker: Error response from daemon: pull access "
@@ -92,6 +96,7 @@ def run(args: list[str]) -> int:
                       "network": found.get("--network", ["bridge"])[0], "workdir": workdir,
                       "command": found.get("--entrypoint", []) + rest[1:]})
     os.makedirs(container.host_path(workdir), exist_ok=True)    # docker run -w creates it
+    log_call("docker", ["created", name])
     print(container_id)
     return 0
 
@@ -109,8 +114,9 @@ def exec_(args: list[str]) -> int:
     if container is None:
         fail(f"Error response from daemon: No such container: {rest[0]}")
     argv = rest[1:]
-    if os.environ.get("FAKE_EXEC_IGNORES_TIMEOUT") and argv[:3] == ["timeout", "-s", "KILL"]:
-        argv = argv[4:]
+    if os.environ.get("FAKE_EXEC_IGNORES_TIMEOUT") and "timeout" in argv:
+        start = argv.index("timeout")
+        argv = argv[:start] + argv[start + 4:]      # timeout -s KILL N
     return container.execute(argv, workdir=found.get("-w", [container.meta["workdir"]])[0],
                              env=container_env(container.host_path("/root"), {"HOSTNAME": container.name}),
                              stdin="-i" in found)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.server
+import os
 import secrets
 import shutil
 import threading
@@ -336,3 +337,56 @@ def test_file_tools_cannot_escape_the_workspace(tmp_path, path):
             with pytest.raises(ToolError, match="outside the working directory"):
                 await env.write_file(path, b"x")
     asyncio.run(scenario())
+
+
+# --- a runner started as root gives the sandbox none of root's power over the host ---------------------------
+
+def test_a_command_cannot_write_a_kernel_setting_even_when_the_runner_is_root(tmp_path):
+    # Writing back the value already there: harmless if the sandbox fails to stop it.
+    [result] = run_commands(make_settings(tmp_path),
+                            'v=$(cat /proc/sys/vm/swappiness) && printf "%s\\n" "$v" > /proc/sys/vm/swappiness '
+                            '&& echo WROTE')
+    assert "WROTE" not in result.output
+
+
+def test_a_command_cannot_change_the_hosts_device_nodes(tmp_path):
+    before = Path("/dev/zero").stat()
+    [result] = run_commands(make_settings(tmp_path), "touch -m -d @1000000000 /dev/zero; chmod 666 /dev/zero && echo CHMOD")
+    assert Path("/dev/zero").stat().st_mtime == before.st_mtime
+    assert "CHMOD" not in result.output
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a runner that is not root hands its sandboxes no privilege to drop")
+def test_commands_of_a_root_run_are_an_unprivileged_user_the_sandbox_can_name(tmp_path):
+    [result] = run_commands(make_settings(tmp_path), "id -u; whoami; grep CapEff /proc/self/status")
+    uid, name, capabilities = result.output.splitlines()
+    assert int(uid) != 0 and name == "sandbox" and capabilities.split()[1] == "0000000000000000"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a runner that is not root hands its sandboxes no privilege to drop")
+def test_a_setuid_program_does_not_give_a_root_runs_commands_root_again(tmp_path):
+    [result] = run_commands(make_settings(tmp_path), "su -c 'id -u' root </dev/null 2>&1; "
+                            "find /usr/bin -perm -4000 -exec {} --version \\; >/dev/null 2>&1; id -u")
+    assert result.output.strip().splitlines()[-1] != "0"
+    assert "\n0\n" not in "\n" + result.output
+
+
+def test_files_the_file_tools_write_are_the_commands_to_change_and_the_other_way_round(tmp_path):
+    async def scenario():
+        async with sandbox(make_settings(tmp_path)) as env:
+            await env.write_file("made/by/tool.txt", b"tool\n")
+            appended = await env.run("echo command >> made/by/tool.txt && mkdir -p made/by/cmd && "
+                                     "echo x > made/by/cmd/new.txt && cat made/by/tool.txt")
+            await env.write_file("made/by/cmd/new.txt", b"rewritten by the tool\n")
+            again = await env.run("echo more >> made/by/cmd/new.txt && cat made/by/cmd/new.txt")
+            return appended, again
+    appended, again = asyncio.run(scenario())
+    assert appended.exit_code == 0 and appended.output == "tool\ncommand\n", appended
+    assert again.exit_code == 0 and again.output == "rewritten by the tool\nmore\n", again
+
+
+def test_a_work_directory_under_one_only_root_may_enter_still_works(tmp_path):
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    [result] = run_commands(EnvironmentSettings(work_root=private / "work", run_label="test"), "echo hi > f && cat f")
+    assert (result.exit_code, result.output) == (0, "hi\n")

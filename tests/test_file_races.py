@@ -86,6 +86,14 @@ async def sandbox(tmp_path: Path) -> AsyncIterator[BubblewrapEnvironment]:
         await env.close()
 
 
+def hand_to_sandbox(workspace: Path) -> None:
+    """What the test made in the workspace as the host's user, given to the workspace's owner: the
+    sandbox's own user when the tests run as root."""
+    owner = workspace.stat()
+    for path in [workspace, *workspace.rglob("*")]:
+        os.chown(path, owner.st_uid, owner.st_gid, follow_symlinks=False)
+
+
 @contextlib.asynccontextmanager
 async def swapping(tmp_path: Path, first: str, second: str,
                    link_to: str = "outside") -> AsyncIterator[BubblewrapEnvironment]:
@@ -101,6 +109,7 @@ async def swapping(tmp_path: Path, first: str, second: str,
         (workspace / "d" / "f").write_bytes(INSIDE)
         (workspace / "l").symlink_to(tmp_path / link_to)
         (workspace / "swap.py").write_text(SWAPPER)
+        hand_to_sandbox(workspace)
         started = await env.run(f"python3 swap.py {first} {second} >swap.log 2>&1 &")
         assert started.exit_code == 0, started
         await asyncio.to_thread(wait_for, (workspace / "swapping").exists, 10.0, "the swapper to start")

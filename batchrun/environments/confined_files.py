@@ -44,6 +44,7 @@ _READ_CHUNK_BYTES = 1 << 20
 _TEMPORARY_PREFIX = ".batchrun-write-"
 # Bits a replaced file keeps: permissions, not setuid/setgid/sticky.
 _KEPT_MODE_BITS = 0o777
+_RUNNING_AS_ROOT = os.geteuid() == 0
 _NOT_REGULAR = ("is not a regular file (a FIFO, socket or device); "
                 "the file tools only read and write regular files")
 
@@ -197,8 +198,11 @@ class _Walk:
         except FileNotFoundError:
             if not create:
                 raise
-            with contextlib.suppress(FileExistsError):     # made meanwhile: used if a directory
+            try:
                 os.mkdir(name, dir_fd=self.here)
+                _take_owner(os.fstat(self.here), name, self.here)
+            except FileExistsError:     # made meanwhile: used if a directory
+                pass
             fd = os.open(name, _DIRECTORY_FLAGS | os.O_NOFOLLOW, dir_fd=self.here)
         except NotADirectoryError:      # a file, or a symlink (O_NOFOLLOW never enters one)
             target = _symlink_target(name, self.here)
@@ -361,6 +365,7 @@ def _replace_file(directory: int, name: str, data: bytes, allow_hard_links: bool
                  dir_fd=directory)
     try:
         try:
+            _take_owner(status or os.fstat(directory), fd)
             if status is not None:      # an edit keeps the file's permissions (a script stays executable)
                 os.fchmod(fd, stat.S_IMODE(status.st_mode) & _KEPT_MODE_BITS)
             view = memoryview(data)
@@ -374,6 +379,19 @@ def _replace_file(directory: int, name: str, data: bytes, allow_hard_links: bool
             os.unlink(temporary, dir_fd=directory)
         raise
     return None
+
+
+def _take_owner(model: os.stat_result, created: int | str, directory: int | None = None) -> None:
+    """Give what a tool just created (an open file, or a name in ``directory``) the owner of ``model``:
+    the file it replaces, else its directory. Only a runner started as root creates files for another
+    user: the bubblewrap sandbox's commands then run unprivileged in a directory they own, and must be
+    able to change what the tools wrote."""
+    if not _RUNNING_AS_ROOT or (model.st_uid, model.st_gid) == (0, 0):
+        return
+    if isinstance(created, int):
+        os.fchown(created, model.st_uid, model.st_gid)
+    else:
+        os.chown(created, model.st_uid, model.st_gid, dir_fd=directory, follow_symlinks=False)
 
 
 @contextlib.contextmanager

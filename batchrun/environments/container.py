@@ -44,7 +44,8 @@ HOUSEKEEPING_TIMEOUT = 120.0
 # Pulls of large images take minutes on a slow link; one that takes longer than this is stuck.
 PULL_TIMEOUT = 1800.0
 # A setup failure is one line a person reads in the console, which shows a failure's first 200
-# characters: the message fits in them whole, its engine's reason cut at a word if need be.
+# characters: the message fits in them whole. An engine's reason that is too long loses its start,
+# whole words of it: engines chain their errors outermost first, so the cause is at the end.
 SETUP_MESSAGE_CHARS = 200
 # The in-container `timeout` is the real limit; ours, this much later, only catches a hung CLI.
 _CLI_GRACE_SECONDS = 5.0
@@ -57,6 +58,9 @@ _READ_SCRIPT = (f'[ -e "$1" ] || exit {_MISSING}; [ -d "$1" ] && exit {_IS_DIREC
                 f'[ -f "$1" ] || exit {_NOT_REGULAR}; exec head -c "$2" "$1"')
 # $1: the file; the content comes on stdin.
 _WRITE_SCRIPT = f'[ -d "$1" ] && exit {_IS_DIRECTORY}; mkdir -p "$(dirname "$1")" && cat > "$1"'
+# Runs its arguments with stderr into stdout inside the container, so that the two stay in the order
+# written: a runtime forwarding them as two streams (docker and podman exec do) mixes them up.
+_MERGED = 'exec "$@" 2>&1'
 
 
 def container_path(base: str, path: str) -> str:
@@ -82,11 +86,11 @@ def run_prefix(run_label: str) -> str:
 
 
 def setup_error(summary: str, reason: str) -> EnvironmentSetupError:
-    """``summary: reason`` as one line of at most SETUP_MESSAGE_CHARS, the reason cut at a word."""
+    """``summary: reason`` in at most SETUP_MESSAGE_CHARS, the reason's start dropped if need be."""
     room = SETUP_MESSAGE_CHARS - len(summary) - 2
     if len(reason) > room:
-        cut = reason[:max(room - 1, 0)]
-        reason = (cut.rsplit(" ", 1)[0] if " " in cut else cut).rstrip(" ,;:") + "…"
+        tail = reason[len(reason) - max(room - 1, 0):]
+        reason = "…" + (tail.split(" ", 1)[1] if " " in tail else tail)
     return EnvironmentSetupError(f"{summary}: {reason}")
 
 
@@ -156,7 +160,7 @@ class ContainerEnvironment(Environment):
         """``sh -c command`` in the container (images may lack bash), killed by ``timeout`` inside
         the container and, should the runtime hang, given up on by us a little later."""
         limit = self.settings.command_timeout if timeout is None else timeout
-        argv = ["timeout", "-s", "KILL", str(max(1, math.ceil(limit))), "sh", "-c", command]
+        argv = ["sh", "-c", _MERGED, "sh", "timeout", "-s", "KILL", str(max(1, math.ceil(limit))), "sh", "-c", command]
         began = time.monotonic()
         result = await self._exec_merged(argv, timeout=limit + _CLI_GRACE_SECONDS)
         if result.exit_code == _KILLED_BY_TIMEOUT and time.monotonic() - began >= limit:
@@ -229,8 +233,8 @@ class ContainerEnvironment(Environment):
 
     @abc.abstractmethod
     async def _exec_merged(self, argv: list[str], *, timeout: float) -> CommandResult:
-        """Run ``argv`` in the container's working directory with stdout and stderr merged and capped
-        at the settings' output limit; given up on after ``timeout`` seconds."""
+        """Run ``argv`` (which writes everything to its stdout) in the container's working directory,
+        its output capped at the settings' limit; given up on after ``timeout`` seconds."""
 
 
 class CliContainerEnvironment(ContainerEnvironment):

@@ -37,8 +37,6 @@ PROMPT_TAG = "batch_runner.prompt"
 SANDBOX_LIFETIME = 24 * 3600
 # What a sandbox reserves of its memory limit: Modal bills the reservation, and few commands need much.
 MEMORY_REQUEST_MB = 1024
-# Merges a program's stderr into its stdout, in the order written, as a terminal shows them.
-_MERGED = 'exec "$@" 2>&1'
 
 # Per process: the app, looked up once and shared by the sessions that ask together.
 _apps: dict[str, object] = {}
@@ -115,7 +113,8 @@ class ModalEnvironment(ContainerEnvironment):
 
     async def _exec_captured(self, argv: list[str], workdir: str, stdin: bytes) -> CliResult:
         process = await self._sandbox.exec.aio(*argv, workdir=workdir, text=False)
-        process.stdin.write(stdin)
+        if stdin:
+            process.stdin.write(stdin)
         process.stdin.write_eof()
         await process.stdin.drain.aio()
         stdout, stderr = await asyncio.gather(process.stdout.read.aio(), process.stderr.read.aio())
@@ -128,7 +127,7 @@ class ModalEnvironment(ContainerEnvironment):
         collector = OutputCollector(self.settings.max_output_chars)
 
         async def follow() -> int:
-            process = await self._sandbox.exec.aio("sh", "-c", _MERGED, "sh", *argv, workdir=self.workdir, text=False)
+            process = await self._sandbox.exec.aio(*argv, workdir=self.workdir, text=False)
             process.stdin.write_eof()       # a command reading its input gets end-of-file, not a hang
             await process.stdin.drain.aio()
             async for chunk in process.stdout:

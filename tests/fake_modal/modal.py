@@ -6,7 +6,7 @@ No Modal service is reachable from the test machines. With this directory first 
 under the container's root. Like the SDK, every call has a blocking form, ``f(...)``, and an awaitable
 one, ``f.aio(...)``; keyword arguments are the SDK's (a test binds the ones the backend passes to the
 real signatures where the real package is installed). Each call is logged to ``$FAKE_CONTAINER_LOG``
-as ``{"tool": "modal", "argv": [NAME, {keyword arguments}]}``.
+as ``{"tool": "modal", "argv": [NAME, {argument: value}]}``, ``args`` holding the positional ones.
 
 Switches, from the environment: ``MODAL_TOKEN_ID`` and ``MODAL_TOKEN_SECRET`` are the credentials, as
 in the real configuration (``MODAL_TOKEN_ID=rejected``: the service refuses them);
@@ -60,8 +60,10 @@ class _Config:
 config = types.SimpleNamespace(config=_Config())
 
 
-def _log(name: str, **arguments: Any) -> None:
-    log_call("modal", [name, {key: repr(value) for key, value in arguments.items()}])
+def _log(call: str, /, **arguments: Any) -> None:
+    plain = (str, int, float, bool, list, tuple, dict, type(None))
+    log_call("modal", [call, {key: value if isinstance(value, plain) else repr(value)
+                              for key, value in arguments.items()}])
 
 
 def _blocking(awaitable: Any) -> Any:
@@ -149,6 +151,9 @@ class _Reader:
 
 
 class _Writer:
+    """The SDK sends input to the service, which drops what a process that has ended cannot take;
+    here, a pipe closed at the other end does the same."""
+
     def __init__(self, stream: asyncio.StreamWriter) -> None:
         self._stream = stream
 
@@ -156,11 +161,15 @@ class _Writer:
         self._stream.write(data.encode() if isinstance(data, str) else bytes(data))
 
     def write_eof(self) -> None:
-        self._stream.write_eof()
+        if not self._stream.is_closing():
+            self._stream.write_eof()
 
     @_dual
     async def drain(self) -> None:
-        await self._stream.drain()
+        try:
+            await self._stream.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
 
 
 class ContainerProcess:
@@ -192,8 +201,8 @@ class Sandbox:
                      image: Image | None = None, timeout: int | None = 300, workdir: str | None = None,
                      block_network: bool = False, memory: int | tuple[int, int] | None = None,
                      **others: Any) -> "Sandbox":
-        _log("Sandbox.create", args=args, app=app and app.app_id, tags=tags, image=image and image.tag,
-             timeout=timeout, workdir=workdir, block_network=block_network, memory=memory, **others)
+        _log("Sandbox.create", args=args, app=app, tags=tags, image=image and image.tag, timeout=timeout,
+             workdir=workdir, block_network=block_network, memory=memory, **others)
         if image is not None and pull_fails(image.tag):
             raise RemoteError(f"Image build failed: pulling {image.tag} from its registry was denied")
         container = Container(f"sb-{secrets.token_hex(8)}")

@@ -1,0 +1,213 @@
+"""What only a real engine shows: isolation, limits and clean-up of the docker backend, driven through
+Docker and through Podman (TERMINAL_CONTAINER_CLI=podman), down to the runner killed mid-command.
+
+The engines and the image come from `.ci/container_engine.sh` (see tests/container_backends.py);
+without them these tests are skipped, saying how to set them up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from batchrun.environments import environment_class
+from batchrun.environments import docker as docker_module
+from batchrun.environments.base import EnvironmentSetupError, run_identity
+from batchrun.environments.limits import ResourceLimits
+from conftest import batch_rows, batch_runner_command, cli_environment, default_sigint, endpoint_args, read_jsonl, \
+    run_cli, wait_for, write_dataset
+from container_backends import ENGINES, UNPULLABLE_IMAGE, EngineBackend, environment, make_backend, make_settings
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request, tmp_path, monkeypatch) -> EngineBackend:
+    backend = make_backend(request.param, tmp_path, monkeypatch)
+    assert isinstance(backend, EngineBackend)
+    return backend
+
+
+def started(engine: EngineBackend, settings, **kwargs: object):
+    env = environment(engine, settings, **kwargs)
+    asyncio.run(env.start())
+    return env
+
+
+# -- isolation ---------------------------------------------------------------------------------------
+
+def test_the_container_is_labelled_with_the_run_and_prompt_and_has_no_network(engine, tmp_path):
+    settings = make_settings(tmp_path)
+    env = started(engine, settings, prompt_index=3)
+    try:
+        [labels] = [json.loads(engine.run("inspect", "--format", "{{json .Config.Labels}}", env.name))]
+        interfaces = asyncio.run(env.run("ls /sys/class/net")).output.split()
+        working_directory = asyncio.run(env.run("pwd")).output
+    finally:
+        asyncio.run(env.close())
+    assert labels["batch_runner.run"] == settings.run_label and labels["batch_runner.prompt"] == "3"
+    assert interfaces == ["lo"]
+    assert working_directory == "/workspace\n"
+
+
+def test_allow_network_gives_the_container_the_engines_network(tmp_path, monkeypatch):
+    """Docker only: the test engines give no container a network of its own (see container_engine.sh)."""
+    engine = make_backend("docker", tmp_path, monkeypatch)
+    env = started(engine, make_settings(tmp_path, allow_network=True))
+    try:
+        mode = engine.run("inspect", "--format", "{{.HostConfig.NetworkMode}}", env.name).strip()
+    finally:
+        asyncio.run(env.close())
+    assert mode != "none"
+
+
+# -- limits ------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def capped(engine, tmp_path):
+    """A container with small limits: 64 MB of memory, 32 processes, 8 MB of /tmp."""
+    limits = ResourceLimits(memory_mb=64, processes=32, tmp_mb=8)
+    env = started(engine, make_settings(tmp_path, limits=limits))
+    yield env
+    asyncio.run(env.close())
+
+
+def test_a_command_going_over_the_memory_limit_is_killed(capped):
+    result = asyncio.run(capped.run("head -c 300m /dev/zero | tail > /dev/null; echo status $?"))
+    assert "status 137" in result.output          # SIGKILL from the engine's memory control group
+
+
+def test_processes_beyond_the_limit_cannot_start(capped):
+    result = asyncio.run(capped.run("for i in $(seq 60); do sleep 1 & done; wait"))
+    assert "Cannot fork" in result.output
+
+
+def test_tmp_is_capped_at_its_size(capped):
+    result = asyncio.run(capped.run("head -c 20m /dev/zero > /tmp/big; wc -c < /tmp/big"))
+    assert "No space left on device" in result.output
+    assert result.output.split()[-1] == str(8 * 1024 * 1024)
+
+
+# -- removal -----------------------------------------------------------------------------------------
+
+def test_closing_is_quick_though_the_containers_first_process_ignores_sigterm(engine, tmp_path):
+    """`sleep` as PID 1 ignores SIGTERM; without a zero stop time-out Podman waits 10 s for it."""
+    settings = make_settings(tmp_path)
+    env = started(engine, settings)
+    began = time.monotonic()
+    asyncio.run(env.close())
+    assert time.monotonic() - began < 3
+    assert engine.live(settings.run_label) == []
+
+
+def test_docker_engine_down_fails_the_start_with_the_daemons_message(tmp_path, monkeypatch):
+    engine = make_backend("docker", tmp_path, monkeypatch)
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-engine.sock")
+    monkeypatch.setattr(docker_module, "_reachable_engines", set())
+    env = environment(engine, make_settings(tmp_path))
+    with pytest.raises(EnvironmentSetupError) as failure:
+        asyncio.run(env.start())
+    message = str(failure.value)
+    assert message.startswith("the docker engine is not reachable (start it, or choose another TERMINAL_ENV): ")
+    assert message.endswith("Is the docker daemon running?")        # the client's own words
+    environment_class("docker").remove_leftovers(make_settings(tmp_path))      # nothing to reach, no error
+
+
+# -- through the real CLI ----------------------------------------------------------------------------
+
+def run_label_of(tmp_path: Path, run_name: str) -> str:
+    return run_identity(tmp_path / "data" / run_name)
+
+
+def test_cli_fails_a_prompt_whose_image_cannot_be_pulled_without_a_model_call_and_runs_the_other_inside(
+        engine, tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [
+        {"prompt": '[[call terminal {"command": "echo inside > proof.txt; cat proof.txt; pwd"}]] works',
+         "image": engine.image, "cwd": "/srv/app"},
+        {"prompt": "never sent", "image": UNPULLABLE_IMAGE},
+    ])
+    result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=5", "--run_name=enginerun",
+                     "--distribution=terminal_only", *endpoint_args(endpoint),
+                     env={"TERMINAL_ENV": "docker", **engine.variables})
+    assert result.returncode == 2, result.stderr      # the failed pull: --resume retries it
+    rows = {row["prompt_index"]: row for row in batch_rows(tmp_path / "data" / "enginerun")}
+    failed = rows[1]
+    assert failed["failed"] and failed["error_type"] == "environment"
+    assert failed["error"].startswith(f"image {UNPULLABLE_IMAGE!r} is not here and pulling it failed: ")
+    assert "connection refused" in failed["error"]
+    assert endpoint.chat_requests_for("never sent") == []
+    console = " ".join(result.stdout.split())
+    assert f"environment: {failed['error']}" in console and "environment: environment:" not in console
+    [completed] = read_jsonl(tmp_path / "data" / "enginerun" / "trajectories.jsonl")
+    assert '"output": "inside\\n/srv/app\\n"' in completed["conversations"][3]["value"]
+    assert engine.live(run_label_of(tmp_path, "enginerun")) == []
+    assert not list(tmp_path.glob("proof.txt"))
+
+
+LONG_COMMAND = '[[call terminal {"command": "sleep 30", "timeout": 4}]] long'
+
+
+@contextlib.contextmanager
+def runner(engine: EngineBackend, tmp_path: Path, endpoint, run_name: str) -> Iterator[subprocess.Popen]:
+    """The runner on three long commands, in a process group of its own (killed at the end if still
+    there), taking SIGINT as from a terminal."""
+    dataset = write_dataset(tmp_path / "dataset.jsonl",
+                            [{"prompt": f"{LONG_COMMAND} {i}", "image": engine.image} for i in range(3)])
+    process = subprocess.Popen(
+        batch_runner_command(f"--dataset_file={dataset}", "--batch_size=5", f"--run_name={run_name}",
+                             "--distribution=terminal_only", *endpoint_args(endpoint)),
+        cwd=tmp_path, env=cli_environment(tmp_path, {"TERMINAL_ENV": "docker", **engine.variables}),
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=default_sigint, start_new_session=True)
+    try:
+        yield process
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+
+
+def wait_for_containers(engine: EngineBackend, label: str, count: int, process: subprocess.Popen) -> None:
+    def up() -> bool:
+        assert process.poll() is None, process.communicate()
+        return len(engine.live(label)) >= count
+    wait_for(up, timeout=60, what=f"{count} containers")
+
+
+def test_cli_interrupted_mid_command_removes_the_containers(engine, tmp_path, endpoint):
+    label = run_label_of(tmp_path, "stopped")
+    with runner(engine, tmp_path, endpoint, "stopped") as process:
+        wait_for_containers(engine, label, 3, process)
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=60)
+    assert engine.live(label) == []
+
+
+def test_cli_killed_hard_has_its_workers_remove_the_containers(engine, tmp_path, endpoint):
+    label = run_label_of(tmp_path, "killed")
+    with runner(engine, tmp_path, endpoint, "killed") as process:
+        wait_for_containers(engine, label, 3, process)
+        process.kill()              # the runner only: its workers notice and clean up
+        wait_for(lambda: engine.live(label) == [], timeout=30, what="the containers removed")
+
+
+def test_cli_killed_with_its_workers_leaves_containers_that_the_resumed_run_removes(engine, tmp_path, endpoint):
+    label = run_label_of(tmp_path, "crashed")
+    with runner(engine, tmp_path, endpoint, "crashed") as process:
+        wait_for_containers(engine, label, 3, process)
+        os.killpg(process.pid, signal.SIGKILL)     # the whole group: nobody is left to clean up
+        process.wait(timeout=60)
+    assert len(engine.live(label)) == 3
+    resumed = run_cli(tmp_path, "--dataset_file=dataset.jsonl", "--batch_size=5", "--run_name=crashed", "--resume",
+                      "--distribution=terminal_only", *endpoint_args(endpoint),
+                      env={"TERMINAL_ENV": "docker", **engine.variables})
+    assert resumed.returncode == 0, resumed.stderr
+    assert len(read_jsonl(tmp_path / "data" / "crashed" / "trajectories.jsonl")) == 3
+    assert engine.live(label) == []

@@ -1,0 +1,151 @@
+"""What is Modal's own in the modal backend (TERMINAL_ENV=modal): the sandbox's settings, the extra and
+the credentials, and a whole run through the CLI. The container contract it shares with the other
+backends is in test_container_environments.py. No Modal service is reachable from here: the SDK is
+the stand-in in fake_modal/modal.py, and where the real package is installed a test checks that every
+call the backend makes fits the real SDK's signatures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import sys
+
+import pytest
+
+from batchrun.config import UsageError, terminal_environment
+from batchrun.environments import environment_class
+from batchrun.environments.base import EnvironmentSetupError, run_identity
+from batchrun.environments.modal import RUN_TAG, SANDBOX_LIFETIME
+from conftest import batch_rows, endpoint_args, read_jsonl, run_cli, write_dataset
+from container_backends import FAKE_MODAL, StandInBackend, environment, make_settings, use_fake_modal
+
+
+@pytest.fixture
+def modal_fake(tmp_path, monkeypatch) -> StandInBackend:
+    return use_fake_modal(tmp_path, monkeypatch)
+
+
+def test_the_sandbox_is_tagged_idle_without_network_memory_capped_and_lives_at_most_a_day(modal_fake, tmp_path):
+    settings = make_settings(tmp_path)
+    env = environment(modal_fake, settings, prompt_index=4)
+    asyncio.run(env.start())
+    [sandbox] = modal_fake.containers()
+    asyncio.run(env.close())
+    assert sandbox["tags"] == {RUN_TAG: settings.run_label, "batch_runner.prompt": "4"}
+    assert sandbox["image"] == modal_fake.image and sandbox["command"] == ["sleep", "infinity"]
+    assert sandbox["block_network"] is True
+    assert sandbox["memory"] == [1024, settings.limits.memory_mb]          # reserved, and the cap
+    assert sandbox["timeout"] == SANDBOX_LIFETIME
+    assert modal_fake.containers() == []
+
+
+def test_allow_network_lets_the_sandbox_reach_the_network(modal_fake, tmp_path):
+    env = environment(modal_fake, make_settings(tmp_path, allow_network=True))
+    asyncio.run(env.start())
+    [sandbox] = modal_fake.containers()
+    asyncio.run(env.close())
+    assert sandbox["block_network"] is False
+
+
+def test_without_the_modal_package_the_start_says_how_to_install_the_extra(modal_fake, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "modal", None)         # what an installation without it finds
+    env = environment(modal_fake, make_settings(tmp_path))
+    with pytest.raises(EnvironmentSetupError, match=r"needs the modal package.*pip install .*\[modal\]"):
+        asyncio.run(env.start())
+
+
+def test_without_credentials_the_start_says_how_to_log_in(modal_fake, tmp_path, monkeypatch):
+    monkeypatch.delenv("MODAL_TOKEN_SECRET")
+    env = environment(modal_fake, make_settings(tmp_path))
+    with pytest.raises(EnvironmentSetupError, match="no Modal credentials: run `modal token new`"):
+        asyncio.run(env.start())
+    assert modal_fake.calls("modal") == []
+
+
+def test_credentials_the_service_refuses_fail_the_start_with_its_reason(modal_fake, tmp_path, monkeypatch):
+    monkeypatch.setenv("MODAL_TOKEN_ID", "rejected")
+    env = environment(modal_fake, make_settings(tmp_path))
+    with pytest.raises(EnvironmentSetupError) as failure:
+        asyncio.run(env.start())
+    assert str(failure.value) == ("Modal refused the credentials (run `modal token new`): "
+                                  "Token ID is malformed or invalid")
+    assert modal_fake.containers() == []
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    ({"modal": None}, "needs the modal package"),
+    ({"MODAL_TOKEN_ID": None}, "no Modal credentials"),
+])
+def test_the_run_stops_at_start_up_without_the_extra_or_credentials(modal_fake, monkeypatch, change, expected):
+    for name, value in change.items():
+        if name == "modal":
+            monkeypatch.setitem(sys.modules, name, value)
+        else:
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("TERMINAL_ENV", "modal")
+    with pytest.raises(UsageError, match=expected):
+        terminal_environment("terminal_only")
+
+
+def test_remove_leftovers_terminates_the_sandboxes_of_a_crashed_run_only(modal_fake, tmp_path):
+    crashed, other = make_settings(tmp_path, run_label="crashed"), make_settings(tmp_path, run_label="other")
+    for settings in (crashed, crashed, other):
+        asyncio.run(environment(modal_fake, settings).start())      # never closed
+    environment_class("modal").remove_leftovers(crashed)
+    assert modal_fake.live("crashed") == [] and len(modal_fake.live("other")) == 1
+
+
+def test_every_call_fits_the_real_sdks_signatures(modal_fake, tmp_path, monkeypatch):
+    env = environment(modal_fake, make_settings(tmp_path), cwd="src")
+
+    async def scenario():
+        await env.start()
+        await env.write_file("a.txt", b"data")
+        assert await env.read_file("a.txt") == b"data"
+        assert (await env.run("cat a.txt")).output == "data"
+        await env.close()
+    asyncio.run(scenario())
+    environment_class("modal").remove_leftovers(make_settings(tmp_path))
+    calls = modal_fake.calls("modal")
+    sys.path.remove(str(FAKE_MODAL))                    # monkeypatch puts sys.path back as it was
+    monkeypatch.delitem(sys.modules, "modal")
+    real = pytest.importorskip("modal", reason="the real modal package is not installed (the `modal` extra)")
+    assert not real.__file__.startswith(str(FAKE_MODAL))
+    functions = {"App.lookup": real.App.lookup, "Image.from_registry": real.Image.from_registry,
+                 "Sandbox.create": real.Sandbox.create, "Sandbox.list": real.Sandbox.list,
+                 "Sandbox.exec": real.Sandbox.exec, "Sandbox.terminate": real.Sandbox.terminate}
+    methods = {"Sandbox.exec", "Sandbox.terminate"}
+    assert {name for name, _ in calls} == set(functions)
+    for name, arguments in calls:
+        positional = arguments.pop("args", [])
+        if name == "Sandbox.terminate":
+            arguments.pop("object_id")          # the stand-in's note of which sandbox, not an argument
+        receiver = [None] if name in methods else []
+        inspect.signature(functions[name]).bind(*receiver, *positional, **arguments)
+
+
+# -- through the real CLI ------------------------------------------------------------------------------
+
+def test_cli_runs_a_prompt_in_a_sandbox_and_terminates_a_crashed_runs_sandboxes_first(modal_fake, tmp_path,
+                                                                                     endpoint):
+    label = run_identity(tmp_path / "data" / "modalrun")
+    asyncio.run(environment(modal_fake, make_settings(tmp_path, run_label=label), prompt_index=9).start())
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [
+        {"prompt": '[[call terminal {"command": "echo inside > proof.txt; cat proof.txt"}]] works',
+         "image": "python:3.12-slim", "cwd": "/srv/app"},
+        {"prompt": "never sent", "image": "ghost/image:9"},
+    ])
+    result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=5", "--run_name=modalrun",
+                     "--distribution=terminal_only", *endpoint_args(endpoint),
+                     env={"TERMINAL_ENV": "modal", "FAKE_PULL_FAIL": "ghost/image:9", **modal_fake.variables})
+    assert result.returncode == 2, result.stderr      # the failed image: --resume retries it
+    rows = {row["prompt_index"]: row for row in batch_rows(tmp_path / "data" / "modalrun")}
+    assert rows[1]["error"].startswith("cannot start a Modal sandbox from ghost/image:9: Image build failed")
+    assert endpoint.chat_requests_for("never sent") == []
+    [completed] = read_jsonl(tmp_path / "data" / "modalrun" / "trajectories.jsonl")
+    assert '"output": "inside\\n"' in completed["conversations"][3]["value"]
+    tags = [arguments["tags"] for name, arguments in modal_fake.calls("modal") if name == "Sandbox.create"]
+    assert {RUN_TAG: label, "batch_runner.prompt": "0"} in tags
+    assert modal_fake.live(label) == []             # the crashed run's sandbox, and this run's
+    assert not list(tmp_path.glob("proof.txt"))
