@@ -49,7 +49,7 @@ BACKOFF = 0.95              # a refusal leaves this share of the concurrency at 
 # Slots per round right after a decrease. A whole slot would probe past the server's limit every
 # round or two when that limit is small (at 8, one request in eight would be refused).
 STEP_AFTER_DECREASE = 0.25
-LATENCY_TOLERANCE = 2.0     # answers this many times slower than the usual mean the server is queueing them
+LATENCY_TOLERANCE = 3.0     # answers this many times slower than the usual mean the server is queueing them
 LATENCY_SMOOTHING = 1 / 8   # weight of one answer in the smoothed latency (as TCP smooths round trips)
 UNLIMITED = 1 << 20         # the ceiling of a gate built without one (tests calling the endpoint directly)
 # A worker process that died holding the shared lock never releases it; none holds it this long otherwise.

@@ -16,7 +16,7 @@ import openai
 import model_tools
 from batchrun.config import RunConfig
 from batchrun.endpoint import CONTEXT_LENGTH, ConversationBody, ModelReply, PromptFailedError, call_model
-from batchrun.environments import create_environment
+from batchrun.environments import create_environment, environment_class
 from batchrun.environments.base import Environment, EnvironmentSettings, EnvironmentSetupError
 from batchrun.messages import Task
 from batchrun.rate_limit import RateGate
@@ -69,15 +69,17 @@ class SessionServices:
         return self.clients[prompt_index % len(self.clients)]
 
     def retire(self, env: Environment) -> None:
-        """Close a finished session's environment in the background: its row need not wait while
-        a sandbox is torn down (tens of milliseconds for bubblewrap's namespaces)."""
-        closing = asyncio.get_running_loop().create_task(env.close())
+        """Release a finished session's environment in the background: its row need not wait while
+        a sandbox is reset for the next prompt or torn down."""
+        closing = asyncio.get_running_loop().create_task(env.release())
         self.closing.add(closing)
         closing.add_done_callback(self.closing.discard)
 
     async def close(self) -> None:
-        """Finish closing environments, then the clients' connections, while the loop still runs."""
+        """Finish closing environments (and end those kept for further prompts), then the clients'
+        connections, while the loop still runs."""
         await asyncio.gather(*self.closing, return_exceptions=True)
+        await environment_class(self.config.terminal_env).close_idle()
         await asyncio.gather(*(client.close() for client in self.clients), return_exceptions=True)
 
 

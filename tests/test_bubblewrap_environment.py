@@ -390,3 +390,117 @@ def test_a_work_directory_under_one_only_root_may_enter_still_works(tmp_path):
     private.mkdir(mode=0o700)
     [result] = run_commands(EnvironmentSettings(work_root=private / "work", run_label="test"), "echo hi > f && cat f")
     assert (result.exit_code, result.output) == (0, "hi\n")
+
+
+# --- a finished prompt's sandbox serves the next prompt, with nothing of the first left --------------------------
+
+SANDBOX_ID = "readlink /proc/self/ns/net; stat -c %Y /proc/1"     # the same for every prompt a sandbox serves
+
+
+def after_release(settings: EnvironmentSettings, first: list[str], second: list[str]) -> tuple[list, list]:
+    """Run ``first`` in one prompt's sandbox, release it as a finished session does, run ``second`` in the
+    next prompt's (the same sandbox where it was safe to keep); each list ends with SANDBOX_ID's output."""
+    async def scenario():
+        try:
+            one = BubblewrapEnvironment(settings, prompt_index=0)
+            await one.start()
+            before = [await one.run(command) for command in [*first, SANDBOX_ID]]
+            await one.release()
+            two = BubblewrapEnvironment(settings, prompt_index=1)
+            await two.start()
+            try:
+                after = [await two.run(command) for command in [*second, SANDBOX_ID]]
+            finally:
+                await two.close()
+            return before, after
+        finally:
+            await BubblewrapEnvironment.close_idle()
+    return asyncio.run(scenario())
+
+
+def test_a_released_sandbox_serves_the_next_prompt(tmp_path):
+    before, after = after_release(make_settings(tmp_path), ["true"], ["true"])
+    assert before[-1].output == after[-1].output
+
+
+def test_the_next_prompt_finds_none_of_the_files_the_first_left(tmp_path):
+    plant = ("echo a > /workspace/left.txt && echo b > /tmp/left.txt && echo c > /tmp/.hidden && "
+             "echo d > /dev/shm/left && mkdir -p /tmp/locked/in /workspace/locked && echo e > /tmp/locked/in/f && "
+             "chmod 000 /tmp/locked /workspace/locked")
+    before, after = after_release(make_settings(tmp_path), [plant], ["find /workspace /tmp /dev/shm -mindepth 1"])
+    assert before[0].exit_code == 0, before[0]
+    assert before[-1].output == after[-1].output                         # it was reused
+    assert (after[0].exit_code, after[0].output) == (0, "")
+
+
+def test_the_next_prompt_finds_none_of_the_processes_the_first_left(tmp_path):
+    plant = "(setsid sleep 1000 &) ; nohup sleep 1001 >/dev/null 2>&1 & (sleep 1002 & disown) ; true"
+    before, after = after_release(make_settings(tmp_path), [plant], ["cat /proc/[0-9]*/cmdline | tr '\\0' ' '"])
+    assert before[-1].output == after[-1].output
+    assert "sleep" not in after[0].output, after[0].output
+
+
+def test_the_next_prompt_finds_none_of_the_ipc_objects_or_listening_sockets_the_first_left(tmp_path):
+    listen = ("python3 -c 'import socket, time; s = socket.socket(); s.bind((\"127.0.0.1\", 5555)); s.listen(); "
+              "print(\"listening\", flush=True); time.sleep(1000)' > /workspace/log 2>&1 &"
+              " for i in $(seq 100); do grep -q listening /workspace/log && break; sleep 0.05; done")
+    before, after = after_release(make_settings(tmp_path), ["ipcmk -M 4096 && ipcmk -Q && ipcmk -S 1", listen],
+                                  ["ipcs -m -q -s | grep -c '^0x' ; python3 -c 'import socket; s = socket.socket(); "
+                                   "s.bind((\"127.0.0.1\", 5555)); print(\"bound\")'"])
+    assert before[0].exit_code == 0, before[0]
+    assert before[-1].output == after[-1].output
+    assert after[0].output.split() == ["0", "bound"], after[0].output
+
+
+def sandbox_descendants(pid: int) -> list[int]:
+    pids, frontier = [], [pid]
+    while frontier:
+        current = frontier.pop()
+        with contextlib.suppress(OSError):
+            children = [int(c) for c in Path(f"/proc/{current}/task/{current}/children").read_text().split()]
+            pids += children
+            frontier += children
+    return pids
+
+
+def test_a_sandbox_whose_dev_was_changed_is_not_kept(tmp_path):
+    """A command may change /dev where it owns it (a sandbox run by an ordinary user); where it cannot,
+    the test changes it from the host, through the sandbox's own root."""
+    async def scenario():
+        try:
+            one = BubblewrapEnvironment(make_settings(tmp_path), prompt_index=0)
+            await one.start()
+            first_id = (await one.run(SANDBOX_ID)).output
+            tampered = await one.run("rm -f /dev/fd && ln -s /tmp /dev/fd && echo changed")
+            if "changed" not in tampered.output:
+                inside = [pid for pid in sandbox_descendants(one._shell.process.pid)
+                          if os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")]
+                fd_link = Path(f"/proc/{inside[-1]}/root/dev/fd")
+                fd_link.unlink()
+                fd_link.symlink_to("/tmp")
+            await one.release()
+            two = BubblewrapEnvironment(make_settings(tmp_path), prompt_index=1)
+            await two.start()
+            try:
+                return first_id, (await two.run(SANDBOX_ID)).output, (await two.run("readlink /dev/fd")).output
+            finally:
+                await two.close()
+        finally:
+            await BubblewrapEnvironment.close_idle()
+    first_id, second_id, fd_target = asyncio.run(scenario())
+    assert first_id != second_id                          # a new sandbox
+    assert fd_target.strip() == "/proc/self/fd"
+
+
+def test_the_prompt_after_one_that_killed_its_sandboxs_shell_runs(tmp_path):
+    kill_shell = "kill -9 $(cut -d ' ' -f 4 /proc/$PPID/stat)"      # the parent of timeout(1): the shell
+    before, after = after_release(make_settings(tmp_path), [kill_shell, "echo again"], ["echo fine"])
+    assert before[1].output == "again\n"
+    assert after[0].output == "fine\n"
+
+
+def test_kept_directories_are_never_reused(tmp_path):
+    settings = make_settings(tmp_path, keep_workdirs=True)
+    before, after = after_release(settings, ["echo kept > /workspace/f"], ["ls /workspace"])
+    assert before[-1].output != after[-1].output and after[0].output == ""
+    assert [path.read_text() for path in (tmp_path / "work").glob("prompt-*/f")] == ["kept\n"]

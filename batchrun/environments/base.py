@@ -103,6 +103,11 @@ class Environment(abc.ABC):
         if settings.work_root.exists() and not settings.keep_workdirs:
             shutil.rmtree(settings.work_root, ignore_errors=True)
 
+    @classmethod
+    async def close_idle(cls) -> None:
+        """Called once in each worker after its last prompt: end whatever the backend keeps between
+        prompts of the process. Backends that keep something extend this."""
+
     @abc.abstractmethod
     async def start(self) -> None:
         """Create the environment. Raises EnvironmentSetupError when it cannot exist."""
@@ -118,6 +123,11 @@ class Environment(abc.ABC):
     @abc.abstractmethod
     async def write_file(self, path: str, data: bytes) -> str:
         """Write a file (creating parents) and return the path as the model should refer to it."""
+
+    async def release(self) -> None:
+        """The prompt is done with the environment. A backend may keep what can serve the next prompt
+        of this process (until close_idle), never anything the prompt left; by default, close()."""
+        await self.close()
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -25,6 +25,7 @@ so that ``pip install`` alone brings a working sandbox.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import os
@@ -47,8 +48,9 @@ from batchrun.environments.base import (
 )
 from batchrun.environments.command_output import OutputCollector, kill_group, wait_for_exit
 from batchrun.environments.confined_files import ConfinedPath
-from batchrun.environments.limits import MIB, ResourceLimits
+from batchrun.environments.limits import MIB, PromptCgroup, ResourceLimits
 from batchrun.environments.local import LocalEnvironment
+from batchrun.environments.tree_removal import remove_tree
 from batchrun.time_limit import within
 
 #: Where the prompt's directory appears inside the sandbox; also the commands' HOME.
@@ -74,28 +76,63 @@ _RUNNING_AS_ROOT = os.geteuid() == 0
 _SANDBOX_UID_BASE = 0x40000000
 _sandbox_numbers = itertools.count()
 
-# The shell inside the sandbox: $1 is the working directory, $2 the token it prints when ready, $3
-# the ulimit command that caps it and everything it starts. It reads one line per command,
-# ``run MARKER SECONDS $'COMMAND'``, and answers with a MARKER line, the command's merged output,
-# then a line "MARKER STATUS" after a newline of its own. ``reap MARKER`` kills every other process
-# of the sandbox (kill -1 spares the caller and the sandbox's init) and answers with MARKER. Its own
-# stderr (bash's "Killed" notes about timed-out commands) is not output and goes nowhere.
+# The shell inside the sandbox: $1 is the token it prints when ready, $2 the ulimit command that caps
+# it and everything it starts. It reads one line per command, ``run MARKER SECONDS $'WORKDIR'
+# $'COMMAND'``, and answers with a MARKER line, the command's merged output, then a line
+# "MARKER STATUS" after a newline of its own. ``reap MARKER`` kills every other process of the sandbox
+# (kill -1 spares the caller and the sandbox's init) and answers with MARKER. ``reset MARKER`` readies
+# the sandbox for another prompt: every other process killed (until none is left), /tmp and /dev/shm
+# emptied, SysV IPC objects removed (each only when there is something to remove: a reset of a tidy
+# sandbox starts one process); it answers "MARKER DEVICES", DEVICES being what ``devices`` says of /dev
+# then ("busy" if processes kept appearing). The ready line carries /dev as bwrap made it, to
+# compare. Its own stderr (bash's "Killed" notes about timed-out commands) is not output and goes nowhere.
 _SHELL = r"""
-workdir=$1
-eval "$3" || exit 1
+eval "$2" || exit 1
 exec 2>/dev/null
+shopt -s nullglob dotglob
 run() {
     printf '%s\n' "$1"
-    cd -- "$workdir" 2>&1 && timeout -s KILL "$2" bash -c "$3" </dev/null 2>&1
+    cd -- "$3" 2>&1 && timeout -s KILL "$2" bash -c "$4" </dev/null 2>&1
     printf '\n%s %d\n' "$1" "$?"
 }
 reap() {
     kill -9 -1
     printf '%s\n' "$1"
 }
-printf '%s\n' "$2"
+devices() {
+    local listing
+    listing=$(stat -c '%n %F %a %u %N' /dev/*)
+    printf '%s' "${listing//$'\n'/|}"
+}
+ipc_in_use() {
+    local table
+    for table in /proc/sysvipc/shm /proc/sysvipc/msg /proc/sysvipc/sem; do
+        { read -r _ && read -r _; } < "$table" && return 0
+    done
+    return 1
+}
+reset() {
+    local rounds=0 left
+    while kill -9 -1; do
+        rounds=$((rounds + 1))
+        [ "$rounds" -lt 1000 ] || { printf '%s busy\n' "$1"; return; }
+    done
+    left=(/tmp/* /dev/shm/*)
+    if [ "${#left[@]}" -gt 0 ]; then
+        chmod -R u+rwX /tmp /dev/shm
+        rm -rf -- "${left[@]}"
+    fi
+    if ipc_in_use; then ipcrm --all; fi
+    printf '%s ' "$1"; devices; printf '\n'
+}
+printf '%s ' "$1"; devices; printf '\n'
 while IFS= read -r line; do eval "$line"; done
 """
+# A finished prompt's sandbox is reset and kept for the next prompt of the process (see _IdleSandboxes)
+# instead of being torn down: making and destroying a sandbox's namespaces costs the kernel several
+# milliseconds of CPU per prompt, a reset about one. At most this many wait per process.
+_MAX_IDLE_SANDBOXES = 32
+_RESET_SECONDS = 5.0
 
 
 class BubblewrapEnvironment(LocalEnvironment):
@@ -116,7 +153,15 @@ class BubblewrapEnvironment(LocalEnvironment):
         self._starting: asyncio.Future[asyncio.subprocess.Process] | None = None    # a start cut short
 
     async def start(self) -> None:
-        """Create the prompt directory, then the sandbox and its shell around it."""
+        """Take a sandbox an earlier prompt of this process left ready, else create the prompt
+        directory, then a sandbox and its shell around it."""
+        if not self.settings.keep_workdirs and (idle := _IDLE.take(self.settings)) is not None:
+            try:
+                await self._adopt(idle)
+                return
+            except EnvironmentSetupError:
+                _IDLE.put(self.settings, idle)      # still clean: the next prompt may have it
+                raise
         await super().start()
         try:
             if self._uid is not None:
@@ -126,9 +171,18 @@ class BubblewrapEnvironment(LocalEnvironment):
             await self.close()   # a failed start is not followed by close()
             raise
 
+    async def _adopt(self, sandbox: _Sandbox) -> None:
+        """Serve this prompt from a reset sandbox: its (emptied) directory, control group and shell."""
+        workdir = self._make_workdir(sandbox.directory)
+        self.prompt_dir, self.workdir, self._cgroup = sandbox.directory, workdir, sandbox.cgroup
+        self._uid, self._shell = sandbox.uid, sandbox.shell
+        if self._uid is not None:
+            await asyncio.to_thread(self._hand_directories_to, self._uid)
+        self._processes.append(sandbox.shell.process)
+
     async def run(self, command: str, timeout: float | None = None) -> CommandResult:
         """Send ``command`` to the sandbox's shell; a dead or stuck shell is replaced afterwards."""
-        self._require_started()
+        prompt_dir, workdir = self._require_started()
         limit = self.settings.command_timeout if timeout is None else timeout
         if "\0" in command:
             return CommandResult(output="", exit_code=None, error="a command cannot contain a NUL byte")
@@ -143,7 +197,8 @@ class BubblewrapEnvironment(LocalEnvironment):
             collector = OutputCollector(self.settings.max_output_chars)
             started = time.monotonic()
             try:
-                status = await within(limit + _SHELL_GRACE_SECONDS, shell.run(command, limit, collector.feed))
+                status = await within(limit + _SHELL_GRACE_SECONDS,
+                                      shell.run(command, _inside(prompt_dir, workdir), limit, collector.feed))
             except asyncio.TimeoutError:    # past timeout(1)'s kill: the shell itself is stuck
                 await self._discard_shell()
                 output, truncated = collector.finish()
@@ -172,6 +227,12 @@ class BubblewrapEnvironment(LocalEnvironment):
             return await self.with_limit_notes(CommandResult(output=output, exit_code=status, truncated=truncated),
                                                before)
 
+    async def release(self) -> None:
+        """Reset the sandbox and keep it for the next prompt of this process where that is safe;
+        else close it."""
+        if not await self._recycle():
+            await self.close()
+
     async def close(self) -> None:
         """Kill the sandbox (bwrap and the sandbox's init are one process group, and the kernel ends
         everything in a sandbox whose init dies), then the local backend's clean-up."""
@@ -182,6 +243,40 @@ class BubblewrapEnvironment(LocalEnvironment):
             except OSError:
                 pass    # it never started
         await super().close()
+
+    async def _recycle(self) -> bool:
+        """Reset the sandbox for another prompt and leave it with the idle ones; False where it must
+        go instead: kept directories, a shell that died or was replaced, processes that outlived the
+        reset, a /dev changed from what bwrap made, or enough idle sandboxes already."""
+        shell = self._shell
+        if (self._closed or shell is None or self.settings.keep_workdirs or self.prompt_dir is None
+                or shell.process.returncode is not None or len(self._processes) != 1 or not _IDLE.has_room()):
+            return False
+        try:
+            devices = await within(_RESET_SECONDS, shell.reset())
+        except asyncio.TimeoutError:
+            return False
+        if devices != shell.devices:
+            return False
+        if self._cgroup is not None and self._cgroup.process_count() > shell.processes:
+            return False
+        prompt_dir = self.prompt_dir
+        await asyncio.to_thread(_empty_directory, prompt_dir)
+        if not _IDLE.put(self.settings, _Sandbox(shell, prompt_dir, self._cgroup, self._uid)):
+            return False
+        self._closed, self._shell, self._cgroup = True, None, None
+        self._processes.clear()
+        return True
+
+    @classmethod
+    async def close_idle(cls) -> None:
+        """Kill the sandboxes left waiting for prompts in this process (its work is done)."""
+        for sandbox in _IDLE.take_all():
+            kill_group(sandbox.shell.process.pid)
+            await wait_for_exit(sandbox.shell.process, _KILL_WAIT_SECONDS)
+            if sandbox.cgroup is not None:
+                await asyncio.to_thread(sandbox.cgroup.remove)
+            await asyncio.to_thread(remove_tree, sandbox.directory)
 
     def _hand_directories_to(self, uid: int) -> None:
         """The prompt directory, and the row's cwd made in it, belong to the sandbox's user."""
@@ -204,15 +299,14 @@ class BubblewrapEnvironment(LocalEnvironment):
         bwrap = await asyncio.to_thread(working_bwrap)   # the first call starts a probe sandbox
         if isinstance(bwrap, str):
             raise EnvironmentSetupError(bwrap)
-        prompt_dir, workdir = self._require_started()
-        inside = posixpath.normpath(posixpath.join(MOUNT_POINT, os.path.relpath(workdir, prompt_dir)))
+        prompt_dir, _ = self._require_started()
         ready = secrets.token_hex(16)
         limits = self.settings.limits
         user_files = _user_files(self._uid) if self._uid is not None else None
         argv = [*_sandbox_argv(bwrap.path, self.settings.allow_network, workspace=prompt_dir, limits=limits,
                                user_files=user_files),
                 "--", *_as_user(self._uid), "bash", "--noprofile", "--norc", "-c", _SHELL, "batchrun-shell",
-                inside, ready, limits.ulimit_command(memory=self._cgroup is None)]
+                ready, limits.ulimit_command(memory=self._cgroup is None)]
         if self._cgroup is not None:
             argv = self._cgroup.entry_argv(argv)
         # bwrap's own environment is the sandbox's too: inside, /proc/1/environ shows it.
@@ -234,15 +328,18 @@ class BubblewrapEnvironment(LocalEnvironment):
             raise EnvironmentSetupError(f"cannot start bubblewrap: {exc}") from exc
         self._processes.append(process)     # LocalEnvironment.close() kills and reaps these
         shell = _Shell(process)
-        said = bytearray()
+        said, devices = bytearray(), bytearray()
         try:
-            started = await within(_STARTUP_SECONDS, shell.read_until(f"{ready}\n".encode(), said.extend))
+            started = await within(_STARTUP_SECONDS, shell.ready(ready, said, devices))
         except asyncio.TimeoutError:
             started = False
         if not started:
             await self._stop(process)
             message = said.decode("utf-8", errors="replace").strip() or "no message"
             raise EnvironmentSetupError(f"the bubblewrap sandbox did not start: {message}")
+        shell.devices = devices.decode("ascii", errors="replace")
+        # The sandbox's own processes (bwrap, its init, the shell): a reset must leave no more.
+        shell.processes = self._cgroup.process_count() if self._cgroup is not None else 0
         return shell
 
     async def _discard_shell(self) -> None:
@@ -266,8 +363,29 @@ class _Shell:
         self._stdin = process.stdin
         self._stdout = process.stdout
         self._buffer = bytearray()
+        self.devices = ""       # /dev as bwrap made it (see _SHELL's devices)
+        self.processes = 0      # processes of the sandbox's control group with no command running
 
-    async def run(self, command: str, limit: float, sink: Callable[[bytes], None]) -> int | None:
+    async def ready(self, token: str, said: bytearray, devices: bytearray) -> bool:
+        """Wait for the ready line; what came before goes to ``said``, the /dev it reports to ``devices``."""
+        return await self.read_until(f"{token} ".encode(), said.extend) and \
+            await self.read_until(b"\n", devices.extend)
+
+    async def reset(self) -> str | None:
+        """Ready the sandbox for another prompt (see _SHELL); what it reports of /dev, None if the shell
+        did not answer, "busy" if processes kept appearing."""
+        marker = f"batchrun-{secrets.token_hex(16)}"
+        try:
+            self._stdin.write(f"reset {marker}\n".encode("ascii"))
+            await self._stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            return None
+        devices = bytearray()
+        if await self.read_until(f"{marker} ".encode(), None) and await self.read_until(b"\n", devices.extend):
+            return devices.decode("ascii", errors="replace")
+        return None
+
+    async def run(self, command: str, workdir: str, limit: float, sink: Callable[[bytes], None]) -> int | None:
         """Run one command, passing its output to ``sink``; its exit status, None if the shell died.
 
         Each command has its own random marker, so late output of an earlier command's background
@@ -275,7 +393,7 @@ class _Shell:
         """
         marker = f"batchrun-{secrets.token_hex(16)}"
         # "timeout 0" means no limit; a limit below a millisecond is still one.
-        line = f"run {marker} {max(limit, 0.001):.3f} {_bash_quoted(command)}\n"
+        line = f"run {marker} {max(limit, 0.001):.3f} {_bash_quoted(workdir)} {_bash_quoted(command)}\n"
         try:
             self._stdin.write(line.encode("ascii"))
             await self._stdin.drain()
@@ -321,6 +439,74 @@ class _Shell:
             sink(bytes(self._buffer[:found]))
         del self._buffer[:found + len(token)]
         return True
+
+
+@dataclass(frozen=True)
+class _Sandbox:
+    """A reset sandbox waiting for a prompt: its shell, the host directory bound at /workspace (empty),
+    its control group, and the uid its commands run as in a root run."""
+
+    shell: _Shell
+    directory: Path
+    cgroup: PromptCgroup | None
+    uid: int | None
+
+
+class _IdleSandboxes:
+    """This process's reset sandboxes, by the settings they were made with and the event loop that
+    owns their pipes."""
+
+    def __init__(self) -> None:
+        self._idle: dict[tuple, list[_Sandbox]] = {}
+
+    @staticmethod
+    def _key(settings: EnvironmentSettings) -> tuple:
+        return (id(asyncio.get_running_loop()), settings.work_root, settings.run_label, settings.allow_network,
+                settings.limits)
+
+    def has_room(self) -> bool:
+        return sum(map(len, self._idle.values())) < _MAX_IDLE_SANDBOXES
+
+    def take(self, settings: EnvironmentSettings) -> _Sandbox | None:
+        waiting = self._idle.get(self._key(settings))
+        while waiting:
+            sandbox = waiting.pop()
+            if sandbox.shell.process.returncode is None:     # not killed while it waited
+                return sandbox
+        return None
+
+    def put(self, settings: EnvironmentSettings, sandbox: _Sandbox) -> bool:
+        if not self.has_room():
+            return False
+        self._idle.setdefault(self._key(settings), []).append(sandbox)
+        return True
+
+    def take_all(self) -> list[_Sandbox]:
+        """Every idle sandbox of the running loop."""
+        loop = id(asyncio.get_running_loop())
+        mine = [key for key in self._idle if key[0] == loop]
+        return [sandbox for key in mine for sandbox in self._idle.pop(key)]
+
+
+_IDLE = _IdleSandboxes()
+
+
+def _inside(prompt_dir: Path, workdir: Path) -> str:
+    """Where ``workdir`` is as the sandbox sees it."""
+    return posixpath.normpath(posixpath.join(MOUNT_POINT, os.path.relpath(workdir, prompt_dir)))
+
+
+def _empty_directory(directory: Path) -> None:
+    """Remove everything in ``directory``, whatever a command did to its permissions."""
+    with os.scandir(directory) as entries:
+        names = [entry.name for entry in entries]
+    for name in names:
+        path = directory / name
+        if path.is_dir() and not path.is_symlink():
+            remove_tree(path)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
 
 
 @dataclass(frozen=True)

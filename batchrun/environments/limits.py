@@ -182,6 +182,13 @@ class PromptCgroup:
         """The files a process writes its pid into to join this group, as ENTER_GROUPS takes them."""
         return [str(directory / "cgroup.procs") for directory in self.directories]
 
+    def process_count(self) -> int:
+        """How many processes are in the group now."""
+        try:
+            return len((self.directories[-1] / "cgroup.procs").read_text().split())
+        except OSError:
+            return 0
+
     def events(self) -> LimitEvents:
         """How often the limits struck so far (the counters only grow)."""
         memory_file = "memory.events" if self._hierarchy.version == 2 else "memory.oom_control"
