@@ -28,6 +28,7 @@ from batchrun.console import RunConsole
 from batchrun.dataset import DatasetError, DatasetPlan, iter_pending, plan_dataset, require_valid_prompt
 from batchrun.environments import environment_class, limits
 from batchrun.environments.base import EnvironmentSettings, run_identity
+from batchrun.export import EXPORT_FLAGS, ExportError, export_options, export_run, flags_without_export
 from batchrun.report_follower import ReportFailed, ReportFollower
 from batchrun.run_dir import (Checkpoint, RunDirectory, RunDirectoryError, ScanResult, earlier_outcomes,
                               superseded_corrupted)
@@ -349,12 +350,12 @@ _FLAG_NAMES = ("dataset_file", "batch_size", "run_name", "distribution", "model"
                "reasoning_disabled", "ephemeral_system_prompt", "log_prefix_chars", "prefill_messages_file", "seed",
                "discard_no_reasoning", "rerun_corrupted", "max_retries", "request_timeout", "prompt_timeout",
                "tool_timeout", "command_timeout", "keep_workdirs", "requests_per_minute", "max_cost",
-               "max_total_tokens", "report", "backend", "adaptive_concurrency")
+               "max_total_tokens", "report", "backend", "adaptive_concurrency", *EXPORT_FLAGS)
 
 # Free-text flags. Fire reads every value as a Python literal, so `--ephemeral_system_prompt="Hello, world"`
 # arrives as ('Hello', 'world') and `--run_name=1_000` as 1000; for these the text as typed is what counts.
 _TEXT_FLAGS = ("dataset_file", "run_name", "distribution", "model", "base_url", "api_key", "ephemeral_system_prompt",
-               "prefill_messages_file")
+               "prefill_messages_file", "out")
 
 
 def _typed_text_values(argv: list[str]) -> dict[str, str]:
@@ -390,6 +391,8 @@ def main(dataset_file: str | None = None, batch_size: int | None = None, run_nam
          tool_timeout: float = 120, command_timeout: float = 60, keep_workdirs: bool = False,
          requests_per_minute: int | None = None, max_cost: float | None = None, max_total_tokens: int | None = None,
          report: bool = False, backend: str = "local", adaptive_concurrency: bool = True,
+         export: str | None = None, out: str | None = None, reasoning: str | None = None, end_reasons: Any = None,
+         min_tool_calls: int = 0, last_call_succeeded: bool = False, discard_invented: bool = True,
          **unknown_flags: Any) -> None:
     """Run an agent over every prompt of DATASET_FILE and write data/RUN_NAME/ (see README.md).
 
@@ -404,6 +407,8 @@ def main(dataset_file: str | None = None, batch_size: int | None = None, run_nam
     --adaptive_concurrency=False (always up to --num_workers model requests at once, instead of as
     many as the endpoint takes without 429s or slowing down).
     --report --run_name=NAME (re)writes data/NAME/report.html from the run directory alone.
+    --export=openai|sharegpt|parquet|hf --run_name=NAME writes the run's rows for training, filtered
+    again (docs/export.md).
     """
     flags = {name: value for name, value in locals().items() if name in _FLAG_NAMES}
     for name, typed in _typed_text_values(sys.argv[1:]).items():
@@ -436,8 +441,14 @@ def run_cli(flags: dict[str, Any], unknown_flags: dict[str, Any]) -> int:
         return EXIT_OK
     if flags["report"] is True:
         return write_report_cli(flags["run_name"], console)
+    if flags["export"] is not None:
+        return export_cli(flags, console)
+    if misplaced := flags_without_export(flags):
+        console.error(f"--{misplaced[0]} applies only with --export=FORMAT")
+        return EXIT_ERROR
     try:
-        config = build_config(**{k: v for k, v in flags.items() if k not in ("list_distributions", "report")})
+        config = build_config(**{k: v for k, v in flags.items()
+                                 if k not in ("list_distributions", "report", *EXPORT_FLAGS)})
     except UsageError as exc:
         console.error(str(exc))
         return EXIT_ERROR
@@ -466,6 +477,20 @@ def write_report_cli(run_name: Any, console: RunConsole) -> int:
     return EXIT_OK
 
 
+def export_cli(flags: dict[str, Any], console: RunConsole) -> int:
+    """--export: like --report, needs only the run directory, so it works during a run too."""
+    try:
+        options = export_options(run_name=flags["run_name"], discard_no_reasoning=flags["discard_no_reasoning"],
+                                 **{name: flags[name] for name in EXPORT_FLAGS})
+        summary = export_run(options)
+    except (UsageError, ExportError) as exc:
+        console.error(str(exc))
+        return EXIT_ERROR
+    for line in summary.lines():
+        console.print(line)
+    return EXIT_OK
+
+
 USAGE = """\
 usage: python batch_runner.py --dataset_file=FILE --batch_size=N --run_name=NAME [options]
 
@@ -476,6 +501,9 @@ endpoint   --model=ID  --base_url=URL  --api_key=KEY (else OPENROUTER_API_KEY / 
            --max_tokens=N  --reasoning_effort=LEVEL  --request_timeout=SECONDS  --max_retries=N
 run        --num_workers=N (sessions at once)  --resume  --max_samples=N  --seed=N  --verbose
            --backend=local|ray  --report (rewrite data/NAME/report.html and exit)
+export     --export=openai|sharegpt|parquet|hf --run_name=NAME (write the rows for training and exit)
+           --out=PATH  --reasoning=think|field|drop  --end_reasons=R,...  --min_tool_calls=N
+           --last_call_succeeded  --discard_invented=False  --discard_no_reasoning=False (docs/export.md)
 tools      --distribution=NAME (--list_distributions shows them all)  --max_turns=N
            TERMINAL_ENV=bubblewrap|local|docker|singularity (where commands run)
 limits     --prompt_timeout  --tool_timeout  --command_timeout (seconds)  --max_cost=USD

@@ -9,7 +9,8 @@
 # /var/cache/batch_runner-ci where the machine keeps that directory, so only a fresh machine pays the
 # debootstrap (about 45 s). The engines keep all their state under one scratch directory and listen on a
 # socket there, never on the system's default: nothing of a system engine is touched, and `stop` leaves
-# no process or mount behind. `start` on an engine already running from an earlier `start` reuses it.
+# no process or mount behind (only what the programs always make: /run/docker, and Podman's small
+# /var/lib/containers/cache). `start` on an engine already running from an earlier `start` reuses it.
 #
 # BATCH_RUNNER_CI_ENGINES names the engines to set up ("docker podman" unless set); `start` fails, saying
 # why, when one of them cannot run. Exported for the tests: DOCKER_HOST, BATCH_RUNNER_TEST_IMAGE,

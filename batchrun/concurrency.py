@@ -8,15 +8,15 @@ under it, the way TCP's congestion window does (AIMD):
 * every request is admitted against one run-wide limit on requests in flight: requests, not sessions,
   because a session busy in a tool asks nothing of the endpoint;
 * each answer raises the limit by ``step / limit``, so by ``step`` per round of answers; the step
-  doubles every round in which nothing pushed back (from the start the limit doubles per round, like
-  TCP's slow start). After a decrease the step starts small: the limit creeps up to where the server
-  refused last and probes past it only after a few rounds, yet a raised endpoint limit is found within
-  a few more;
-* a 429 or 503 lowers the limit to BACKOFF times the concurrency at which the server said no: the
-  larger of the requests in flight when the refused one was sent and when its refusal came back. So a
-  burst of refusals lowers the limit once, to just under what the server takes, not by BACKOFF once per
-  refusal; and a refusal that comes back after the limit was lowered for it lowers it no further. The
-  step starts again at STEP_AFTER_DECREASE;
+  doubles every round in which nothing pushed back (from the start the limit about doubles per round,
+  like TCP's slow start). After a decrease the step starts small: the limit creeps up to where the
+  server refused last and probes past it only after a few rounds, yet a raised endpoint limit is found
+  within a few more;
+* a 429 or 503 lowers the limit to BACKOFF times (and at least one below) the requests in flight when
+  it comes back. Refusals come back at once, so those are the requests the server holds plus the
+  refusals still on their way: a burst of refusals walks the limit down to just under what the server
+  takes, about a slot per refusal, instead of multiplying it by BACKOFF once per refusal. The step
+  starts again at STEP_AFTER_DECREASE;
 * an answer slower than LATENCY_TOLERANCE times the usual lowers it as well, at most once per round: a
   server that queues requests instead of refusing them shows its limit in latency.
 
@@ -39,17 +39,20 @@ import threading
 import time
 from collections import deque
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, Protocol
 
 _FORK = multiprocessing.get_context("fork")
 
-INITIAL_LIMIT = 16          # requests at once before anything is known; the limit doubles per round from here
+INITIAL_LIMIT = 16          # requests at once before anything is known; the limit about doubles per round from here
 BACKOFF = 0.95              # a refusal leaves this share of the concurrency at which it came
-# Slots per round right after a decrease. A whole slot would probe past the server's limit every
-# round or two when that limit is small (at 8, one request in eight would be refused).
-STEP_AFTER_DECREASE = 0.25
-LATENCY_TOLERANCE = 3.0     # answers this many times slower than the usual mean the server is queueing them
+# Slots per round right after a decrease: the slot given up comes back after three or four rounds.
+# A whole slot would probe past the server's limit every round or two when that limit is small (at 8,
+# one request in eight or more would be refused).
+STEP_AFTER_DECREASE = 0.125
+# Answers this many times slower than usual mean the server is queueing requests. Less would take the
+# runner's own load (a busy event loop reads answers late) and the spread of answer lengths for queueing.
+LATENCY_TOLERANCE = 3.0
 LATENCY_SMOOTHING = 1 / 8   # weight of one answer in the smoothed latency (as TCP smooths round trips)
 UNLIMITED = 1 << 20         # the ceiling of a gate built without one (tests calling the endpoint directly)
 # A worker process that died holding the shared lock never releases it; none holds it this long otherwise.
@@ -81,7 +84,6 @@ class Ticket:
     """One admitted request, as the controller needs to judge its outcome."""
 
     epoch: int          # sent under the limit as it was after this many decreases
-    in_flight: int      # requests in flight once it was admitted, itself included
 
 
 @dataclass(frozen=True)
@@ -98,10 +100,8 @@ class ConcurrencyFigures:
 
     def as_dict(self) -> dict:
         """statistics.json's ``this_run.concurrency`` (docs/report.md)."""
-        figures = asdict(self)
-        return {"adaptive": figures["adaptive"], "ceiling": figures["ceiling"], "final": figures["limit"],
-                "min": figures["lowest"], "max": figures["highest"], "requests": figures["requests"],
-                "rate_limited_requests": figures["rate_limited"]}
+        return {"adaptive": self.adaptive, "ceiling": self.ceiling, "final": self.limit, "min": self.lowest,
+                "max": self.highest, "requests": self.requests, "rate_limited_requests": self.rate_limited}
 
 
 # -- the controller ---------------------------------------------------------------------------------
@@ -133,7 +133,7 @@ def has_room(state: AimdState) -> bool:
 def admit(state: AimdState) -> Ticket:
     """Count one request in flight (the caller has checked there is room)."""
     state.in_flight += 1
-    return Ticket(epoch=state.epoch, in_flight=state.in_flight)
+    return Ticket(epoch=state.epoch)
 
 
 def finish(state: AimdState, ticket: Ticket, outcome: Outcome, latency: float = 0.0) -> None:
@@ -146,18 +146,21 @@ def finish(state: AimdState, ticket: Ticket, outcome: Outcome, latency: float = 
     if outcome is Outcome.OVERLOADED:
         state.overloaded += 1
         if state.adaptive:
-            _refused(state, max(ticket.in_flight, in_flight))
+            _refused(state, in_flight)
     elif outcome is Outcome.ANSWERED and state.adaptive:
         _answered(state, ticket, latency)
 
 
 def _refused(state: AimdState, refused_at: int) -> None:
-    target = BACKOFF * refused_at
+    # At least a whole slot lower: under a small server limit BACKOFF alone would leave as many slots.
+    target = min(BACKOFF * refused_at, refused_at - 1.0)
     if target < state.limit:
         _lower(state, target)
 
 
 def _answered(state: AimdState, ticket: Ticket, latency: float) -> None:
+    # Sent under the limit as it is now, while the limit keeps requests waiting: else the answer says
+    # nothing about this limit.
     judged = ticket.epoch == state.epoch and state.waiting > 0
     if _latency_rising(state, latency) and judged:
         _lower(state, BACKOFF * state.limit)
@@ -190,7 +193,7 @@ def _raise(state: AimdState) -> None:
     state.credit += 1
     if state.credit >= state.limit:      # a whole round answered without push-back
         state.credit = 0.0
-        state.step = min(2 * state.step, state.limit)
+        state.step = min(2 * state.step, state.limit)      # at most doubling the limit per round
 
 
 def figures(state: AimdState) -> ConcurrencyFigures:
@@ -305,21 +308,18 @@ class SharedLimit:
         with self._lock:
             self._held[self._holder] -= 1
             before = slots(self._state)
-            lim0 = self._state.limit
             finish(self._state, ticket, outcome, latency)
-            import os, sys
-            if os.environ.get("BR_TRACE") and (int(lim0) != int(self._state.limit) or outcome is not Outcome.ANSWERED):
-                print(f"TRACE {time.monotonic():.3f} {outcome.value} lat={latency:.3f} sm={self._state.latency:.3f} us={self._state.usual_latency:.3f} {lim0:.2f}->{self._state.limit:.2f} inf={self._state.in_flight} w={self._state.waiting}", file=sys.stderr, flush=True)
             self._return_slots(1)
             self._resize(before)
 
     def reclaim(self, holder: int) -> None:
         """In the parent, once worker ``holder`` has died: its slots are free again."""
-        # Not acquired in time: it died holding the lock. The lock is a semaphore, so the release below frees it.
+        # Not acquired in time: it died holding the lock. The lock is a semaphore, so the release
+        # below frees it.
         self._lock.acquire(timeout=LOCK_TIMEOUT)
         try:
             lost, self._held[holder], self._queued[holder] = self._held[holder], 0, 0
-            # Counted from what each process holds: a process killed between two updates leaves them apart.
+            # Summed from what each process counts: one killed between two updates leaves them apart.
             self._state.in_flight, self._state.waiting = sum(self._held), sum(self._queued)
             self._return_slots(lost)
         finally:

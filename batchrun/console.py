@@ -10,6 +10,7 @@ an emoji takes two.
 from __future__ import annotations
 
 import sys
+import textwrap
 import time
 from typing import Callable, Iterable
 
@@ -32,6 +33,23 @@ MIN_PREVIEW = 12              # with less room a preview stub says nothing; leav
 MIN_BAR, MAX_BAR = 10, 40     # a shorter progress bar is noise; a longer one adds nothing
 RULE_WIDTH = 60
 MAX_ERROR_CHARS = 200         # without --verbose a failure's message is one line of at most this
+
+
+def _wrapped(text: str) -> list[str]:
+    """``text`` in lines of at most PLAIN_WIDTH, continuation lines indented; words are never cut
+    (a path or URL longer than a line stays whole)."""
+    if len(text) <= PLAIN_WIDTH:
+        return [text]
+    return textwrap.wrap(text, PLAIN_WIDTH, subsequent_indent=INDENT, break_long_words=False,
+                         break_on_hyphens=False) or [text]
+
+
+def _shortened(text: str, most: int) -> str:
+    """``text`` cut to at most ``most`` characters at a word boundary, with an ellipsis."""
+    if len(text) <= most:
+        return text
+    cut = text[:most - 1]
+    return (cut.rsplit(" ", 1)[0] if " " in cut else cut) + "…"
 
 
 def _one_line(text: str) -> str:
@@ -140,8 +158,11 @@ class RunConsole:
     # -- plain output -----------------------------------------------------------------------------
 
     def print(self, text: str = "", style: str | None = None) -> None:
-        """Prose: word-wrapped on a terminal (never inside a word, so never inside a number)."""
-        self._emit(self.redact(text), style)
+        """Prose: word-wrapped (never inside a word, so never inside a number), by the terminal or,
+        in a log file, here at PLAIN_WIDTH."""
+        text = self.redact(text)
+        for line in ([text] if self.interactive else _wrapped(text)):
+            self._emit(line, style)
 
     def _emit(self, line: str, style: str | None = None) -> None:
         """Every write to stdout ends here, so that a live progress display stays below it. A log
@@ -154,7 +175,9 @@ class RunConsole:
             self._emit(self.redact(line), style)
 
     def warn(self, text: str) -> None:
-        self.err.print(self.redact(f"warning: {text}"), style="yellow", markup=False)
+        text = self.redact(f"warning: {text}")
+        for line in ([text] if self.err.is_terminal else _wrapped(text)):
+            self.err.print(line, style="yellow", markup=False, soft_wrap=not self.err.is_terminal)
 
     def error(self, text: str) -> None:
         """One clear ``error:`` line (or block) on stderr; the caller then exits 1."""
@@ -240,7 +263,7 @@ class RunConsole:
         """The failure's message under its line, word-wrapped: all of it with --verbose, else its
         first MAX_ERROR_CHARS characters on one line."""
         error = self.redact(finished.error or "")
-        error = error if self.verbose else _one_line(error)[:MAX_ERROR_CHARS]
+        error = error if self.verbose else _shortened(_one_line(error), MAX_ERROR_CHARS)
         wrapped = Text(f"{finished.error_type}: {error}").wrap(self.out, width - len(INDENT))
         self._emit_lines(INDENT + line.plain.rstrip() for line in wrapped)
 

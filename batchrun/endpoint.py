@@ -326,7 +326,7 @@ async def call_model(client: openai.AsyncOpenAI, gate: RateGate, *, body: bytes,
     """One chat completion, retried on transient errors with back-off honouring Retry-After."""
     attempt = 0
     while True:
-        retry_after = None
+        retry_after, overloaded = None, False
         async with gate.slot() as request:
             try:
                 # The client's documented raw-post path: same HTTP, auth, errors and timeouts as
@@ -339,7 +339,7 @@ async def call_model(client: openai.AsyncOpenAI, gate: RateGate, *, body: bytes,
             except openai.APIError as exc:
                 if isinstance(exc, openai.APIStatusError):
                     _ANSWERED.add(base_url)
-                    if exc.status_code in OVERLOAD_STATUSES:
+                    if overloaded := exc.status_code in OVERLOAD_STATUSES:
                         request.overloaded()
                 retry_after = classify(exc, model=model, base_url=base_url, endpoint_answered=base_url in _ANSWERED)
                 failure: Exception = exc
@@ -349,13 +349,21 @@ async def call_model(client: openai.AsyncOpenAI, gate: RateGate, *, body: bytes,
             text, error_type = _failure(failure, client.timeout)
             attempts = f"{attempt + 1} attempt{'s' if attempt else ''}"
             raise PromptFailedError(f"gave up after {attempts}: {text}", error_type) from None
-        delay = retry_after if retry_after is not None else backoff_delay(attempt)
+        if retry_after is not None:
+            delay = retry_after
+        elif overloaded and gate.adaptive and attempt == 0:
+            # The limit was just lowered for this refusal: the retry waits for a slot under it, in line
+            # with every other request. Sleeping as well would only leave its prompt behind (at the end
+            # of a run, the whole run).
+            delay = 0.0
+        else:
+            delay = backoff_delay(attempt)
         attempt += 1
         # A 429 that says when to come back holds every session until then. One that does not, under
         # adaptive concurrency, only lowers the limit: pausing the run for it would bring every session
         # back at once, to meet the limit again.
         if isinstance(failure, openai.RateLimitError) and (retry_after is not None or not gate.adaptive):
-            gate.pause(delay)      # every session waits it out, this one too, at the top of the loop
+            gate.pause(delay)      # every session waits it out, this one too, in its next gate.slot()
         else:
             # A Retry-After told to many sessions at once would bring them all back at once.
             await asyncio.sleep(delay if retry_after is None else wake_delay(delay))

@@ -613,7 +613,10 @@ class RayWorkerPool:
 
     @property
     def concurrency(self) -> ConcurrencyFigures | None:
-        """The keeper's figures as last heard (asked again in the background: never waits for Ray)."""
+        """The keeper's figures as last heard (asked again in the background: never waits for Ray);
+        after the stop, the keeper's last."""
+        if self._stopped:
+            return self._figures
         ray = self.ray
         if self._figures_asked is not None and ray.wait([self._figures_asked], timeout=0)[0]:
             try:
@@ -622,8 +625,7 @@ class RayWorkerPool:
                 pass        # the keeper is gone; keep what was last heard
             self._figures_asked = None
         now = time.monotonic()
-        if (self._figures_asked is None and self._keeper is not None and not self._stopped
-                and now - self._figures_asked_at >= FIGURES_INTERVAL):
+        if self._figures_asked is None and now - self._figures_asked_at >= FIGURES_INTERVAL:
             self._figures_asked, self._figures_asked_at = self._keeper.figures.remote(), now
         return self._figures
 

@@ -349,11 +349,11 @@ class RunDirectory:
 
     # -- merge ----------------------------------------------------------------------------------
 
-    def merge(self, on_corrupted: Callable[[str, int, list[str]], None]) -> MergeStatistics:
+    def merge(self, on_corrupted: Callable[[str, int, list[str], str], None]) -> MergeStatistics:
         """Bring trajectories.jsonl up to date with every batch file, and count what it holds.
 
         Trajectory rows that call no invented tool are kept; tombstones, failures, corrupted rows
-        (each passed to ``on_corrupted`` as batch file, prompt index, invented tools) and broken
+        (each passed to ``on_corrupted`` as batch file, prompt index, invented tools, content key) and broken
         lines are left out. Batch files only grow, so when the record of the last merge still
         matches the files, only rows written since are read and appended; otherwise the whole file
         is rewritten (a big directory shared out over one process per core) and atomically replaced.

@@ -9,10 +9,11 @@ each, and answers 429 without Retry-After beyond. Each prompt makes 3 model call
 commands (TERMINAL_ENV=local unless set: this measures the requests, not the sandboxes).
 
 * fixed: K = 32, --num_workers=256, 400 prompts. Printed: goodput (requests answered per second from
-  the first request to the last reply, over the K-limited ideal K / latency), the whole run against
-  the K-limited ideal (prompts / (K / (3 x latency)): start-up, merge and report included), the share
-  of the requests that got a 429, failed prompts, and the runner's limit (final, lowest, highest,
-  from statistics.json). --off-for S runs the same with --adaptive_concurrency=False, stopped by
+  the first request to the last reply, over the K-limited ideal K / latency), steady (requests served
+  at once on average, from 1 s after the first request to 1 s before the last reply, over K), the
+  whole run against the K-limited ideal (prompts / (K / (3 x latency)): start-up, merge and report
+  included), the 429s and their share of the requests, failed prompts, and the runner's limit (final,
+  lowest, highest, from statistics.json). --off-for S runs the same with --adaptive_concurrency=False, stopped by
   Ctrl-C after S seconds (it may take minutes to finish), for comparison.
 * changing: K = 32, then 8, then 64 (--changes), --num_workers=256, 1,000 prompts. Printed: the
   concurrency served and the 429s per half second, and for each change how long the run took to
@@ -131,16 +132,30 @@ def run_runner(work: Path, base_url: str, prompts: int, workers: int, adaptive: 
 def fixed(args: argparse.Namespace, adaptive: bool = True, stop_after: float | None = None) -> None:
     k, latency = args.k, args.latency
     with tempfile.TemporaryDirectory(prefix="br-conc-") as work, capped_endpoint(latency, k) as base_url:
+        watcher = Watcher(base_url, [])
+        watcher.start()
         elapsed, stats = run_runner(Path(work), base_url, args.prompts, args.workers, adaptive, stop_after)
+        watcher.stopped.set()
+        watcher.join()
         served = server_stats(base_url)
     done = stats["trajectories_in_merged_file"]
     requests = served["requests"] + served["rejected"]
-    goodput = served["requests"] / (served["last_response"] - served["first_request"]) / (k / latency)
+    serving = served["last_response"] - served["first_request"]
+    goodput = served["requests"] / serving / (k / latency)
     whole = done / elapsed / (k / (CALLS_PER_PROMPT * latency))
+    steady = mean_served([s for s in watcher.samples if 1.0 <= s.at <= serving - 1.0]) / k
     limit = stats["this_run"].get("concurrency", {})
-    print(f"{'on' if adaptive else 'off':>8} {done:>5}/{args.prompts:<5} {elapsed:>7.1f} {goodput:>7.2f} {whole:>6.2f} "
-          f"{served['rejected']:>6} {100 * served['rejected'] / requests:>6.1f}% {stats['failed_prompts']:>6} "
-          f"{limit.get('final', '-'):>5} {limit.get('min', '-'):>4} {limit.get('max', '-'):>4}", flush=True)
+    print(f"{'on' if adaptive else 'off':>8} {done:>5}/{args.prompts:<5} {elapsed:>7.1f} {goodput:>7.2f} "
+          f"{steady:>6.2f} {whole:>6.2f} {served['rejected']:>6} {100 * served['rejected'] / requests:>6.1f}% "
+          f"{stats['failed_prompts']:>6} {limit.get('final', '-'):>5} {limit.get('min', '-'):>4} "
+          f"{limit.get('max', '-'):>4}", flush=True)
+
+
+def mean_served(samples: list[Sample]) -> float:
+    """Requests served at once on average between the first and the last sample."""
+    if len(samples) < 2:
+        return float("nan")
+    return (samples[-1].busy_seconds - samples[0].busy_seconds) / (samples[-1].at - samples[0].at)
 
 
 def follow_time(samples: list[Sample], since: float, limit: int) -> float | None:
@@ -173,8 +188,9 @@ def changing(args: argparse.Namespace) -> None:
     print(f"{'t s':>6} {'K':>4} {'served at once':>14} {'answered':>8} {'429s':>5}")
     step = max(1, round(0.5 / SAMPLE_EVERY))
     for before, after in zip(samples[::step], samples[step::step]):
-        print(f"{after.at:>6.1f} {after.limit:>4} {(after.busy_seconds - before.busy_seconds) / (after.at - before.at):>14.1f} "
-              f"{after.answered - before.answered:>8} {after.rejected - before.rejected:>5}")
+        at_once = (after.busy_seconds - before.busy_seconds) / (after.at - before.at)
+        print(f"{after.at:>6.1f} {after.limit:>4} {at_once:>14.1f} {after.answered - before.answered:>8} "
+              f"{after.rejected - before.rejected:>5}")
     for at, limit in [(0.0, args.k), *watcher.changed_at]:
         took = follow_time(samples, at, limit)
         print(f"K = {limit} at {at:.1f} s: followed " + (f"after {took:.1f} s" if took is not None else "never"))
@@ -194,15 +210,16 @@ def main() -> None:
                         help="SECONDS:K, seconds after the first request (changing scenario)")
     parser.add_argument("--latency", type=float, default=0.2)
     parser.add_argument("--off-for", type=float, default=0.0,
-                        help="also run the fixed scenario with --adaptive_concurrency=False, stopped after this many s")
+                        help="also run the fixed scenario with --adaptive_concurrency=False, stopped after this "
+                             "many seconds")
     args = parser.parse_args()
     print(f"TERMINAL_ENV={os.environ.get('TERMINAL_ENV') or 'local'}, {args.latency:g} s per reply, "
           f"--num_workers={args.workers}")
     if args.scenario in ("fixed", "both"):
         print(f"fixed: K = {args.k}, ideal {args.k / args.latency:.0f} requests/s, "
               f"{args.k / (CALLS_PER_PROMPT * args.latency):.1f} prompts/s")
-        print(f"{'adaptive':>8} {'done':>11} {'seconds':>7} {'goodput':>7} {'whole':>6} {'429s':>6} {'share':>7} "
-              f"{'failed':>6} {'final':>5} {'min':>4} {'max':>4}")
+        print(f"{'adaptive':>8} {'done':>11} {'seconds':>7} {'goodput':>7} {'steady':>6} {'whole':>6} {'429s':>6} "
+              f"{'share':>7} {'failed':>6} {'final':>5} {'min':>4} {'max':>4}")
         for _ in range(args.runs):
             fixed(args)
         if args.off_for:

@@ -368,4 +368,5 @@ def test_resume_warns_when_an_argument_differs_from_the_checkpoint(tmp_path, end
     assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--max_samples=1")).returncode == 0
     result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume", "--model=another-model"))
     assert result.returncode == 0, result.stderr
-    assert "resuming with --model=another-model, but this run started with scripted-model" in result.stderr
+    assert "resuming with --model=another-model, but this run started with scripted-model" in \
+        " ".join(result.stderr.split())         # wrapped at 80 columns in a log file

@@ -16,6 +16,7 @@ in the real configuration (``MODAL_TOKEN_ID=rejected``: the service refuses them
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import os
@@ -195,6 +196,7 @@ class Sandbox:
     def __init__(self, container: Container) -> None:
         self._container = container
         self.object_id = container.name
+        self._processes: list[asyncio.subprocess.Process] = []      # what this object exec'd
 
     @_dual
     async def create(cls, *args: str, app: App | None = None, tags: dict[str, str] | None = None,
@@ -233,9 +235,13 @@ class Sandbox:
         process = await asyncio.create_subprocess_exec(
             *argv, cwd=cwd, env=container_env(self._container.host_path("/root")), stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
+        self._processes.append(process)
         return ContainerProcess(process, text, self._container.track(process.pid))
 
     @_dual
     async def terminate(self, *, wait: bool = False) -> None:
         _log("Sandbox.terminate", object_id=self.object_id)
         self._container.remove()
+        for process in self._processes:     # reaped in their loop, not complained about when it closes
+            with contextlib.suppress(RuntimeError):     # exec'd from a loop that has ended since
+                await process.wait()

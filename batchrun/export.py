@@ -1,0 +1,546 @@
+"""--export: a run's rows in the formats trainers load, filtered again without generating again.
+
+The source is the batch files, not trajectories.jsonl: only they hold the rows the run's own filters
+left out (tombstones keep their whole trajectory, corrupted rows stay where they were written), so a
+filter can be turned off here as well as on. Each prompt counts by its latest attempt, as in the merge:
+failure rows hold no trajectory, and corrupted rows that a ``--rerun_corrupted`` resume replaced
+(``superseded_corrupted`` in checkpoint.json) are earlier attempts.
+
+Everything streams: rows are read line by line and written as they come (Parquet a row group at a
+time), so memory stays bounded however many rows a run has. Every exported row carries the
+``prompt_index`` and ``content_key`` of the row it came from.
+
+Rows keep only ``{from, value}`` per turn; the ``openai`` format recovers the structured calls from
+the rendered turns (the inverse of rows.render_conversations), losslessly: see docs/export.md.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+from batchrun import rows
+from batchrun.config import UsageError, boolean, choice, non_negative_int, text, validate_run_name
+from batchrun.install_hint import install_hint
+from batchrun.rows import AssistantTurn, HumanTurn, ToolCallRecord, Turn
+from batchrun.run_dir import RunDirectory, line_number, lines_at, superseded_corrupted
+
+FORMATS = ("openai", "sharegpt", "parquet", "hf")
+# Where a turn's reasoning goes in the openai format: inline as the row's own think block, a
+# `reasoning_content` field, or nowhere.
+REASONING_MODES = ("think", "field", "drop")
+DEFAULT_OUT = {"openai": "export/openai.jsonl", "sharegpt": "export/sharegpt.jsonl",
+               "parquet": "export/trajectories.parquet", "hf": "export/hf"}
+REQUIRED_MODULES = {"parquet": ("pyarrow",), "hf": ("pyarrow", "datasets")}
+# The flags only --export reads, with their defaults (a run refuses them: they would do nothing there).
+FLAG_DEFAULTS: dict[str, Any] = {"out": None, "reasoning": None, "end_reasons": None, "min_tool_calls": 0,
+                                 "last_call_succeeded": False, "discard_invented": True}
+EXPORT_FLAGS = ("export", *FLAG_DEFAULTS)
+
+# Why a row was left out, in the order the reasons are tried: each row is counted under the first.
+DROP_REASONS = {
+    "failed": "failure rows: no trajectory (--resume retries them)",
+    "unreadable": "lines that are not JSON (cut short by a crash)",
+    "superseded": "corrupted attempts a --rerun_corrupted resume redid",
+    "no_trajectory": "older tombstones, which kept no trajectory",
+    "invented_tools": "called tools not offered (--discard_invented=False)",
+    "no_reasoning": "no reasoning (--discard_no_reasoning=False)",
+    "end_reason": "an end reason that --end_reasons does not list",
+    "min_tool_calls": "fewer tool calls than --min_tool_calls",
+    "last_call_failed": "the last tool call failed or got no result",
+    "unconvertible": "turns that do not read as one conversation",
+}
+
+ROW_GROUP_ROWS = 1000
+ROW_GROUP_BYTES = 64 << 20      # a row group is held in memory while it fills: bound it for big rows too
+
+
+class ExportError(Exception):
+    """The export cannot be done as asked (no run directory, an --out it must not overwrite, a line of
+    the run that is JSON but not a row); one line for the user."""
+
+
+class ConversionError(ValueError):
+    """A row whose turns do not read back as one conversation: left out, and counted."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Options
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    format: str
+    run_dir: Path
+    out: Path
+    reasoning: str = "think"
+    discard_no_reasoning: bool = True
+    discard_invented: bool = True
+    end_reasons: frozenset[str] | None = None      # None: every end reason
+    min_tool_calls: int = 0
+    last_call_succeeded: bool = False
+
+    @property
+    def needs_conversation(self) -> bool:
+        return self.format == "openai" or self.min_tool_calls > 0 or self.last_call_succeeded
+
+
+def export_options(*, export: Any, run_name: Any, out: Any, reasoning: Any, discard_no_reasoning: Any,
+                   discard_invented: Any, end_reasons: Any, min_tool_calls: Any,
+                   last_call_succeeded: Any) -> ExportOptions:
+    """Validate the export's flags as the run validates its own: one UsageError naming the flag."""
+    if export is True:
+        raise UsageError(f"--export needs a format: --export={'|'.join(FORMATS)}")
+    fmt = choice("export", export, FORMATS)
+    run_dir = Path("data") / validate_run_name(run_name)
+    for module in REQUIRED_MODULES.get(fmt, ()):
+        if importlib.util.find_spec(module) is None:
+            raise UsageError(f"--export={fmt} needs {module}, an optional extra: {install_hint('export')}")
+    if reasoning is not None and fmt != "openai":
+        raise UsageError(f"--reasoning applies to --export=openai; --export={fmt} keeps the rows' own turns")
+    out_text = text("out", out)
+    return ExportOptions(
+        format=fmt, run_dir=run_dir, out=Path(out_text) if out_text else run_dir / DEFAULT_OUT[fmt],
+        reasoning=choice("reasoning", reasoning, REASONING_MODES) or "think",
+        discard_no_reasoning=boolean("discard_no_reasoning", discard_no_reasoning),
+        discard_invented=boolean("discard_invented", discard_invented),
+        end_reasons=_end_reasons(end_reasons), min_tool_calls=non_negative_int("min_tool_calls", min_tool_calls),
+        last_call_succeeded=boolean("last_call_succeeded", last_call_succeeded))
+
+
+def _end_reasons(value: Any) -> frozenset[str] | None:
+    """'a,b' (fire may already have made it a tuple) -> the set, each a reason a trajectory row can have."""
+    if value is None:
+        return None
+    allowed = [reason for reason in rows.END_REASONS if reason != "error"]    # "error" leaves no trajectory
+    items = value.split(",") if isinstance(value, str) else value if isinstance(value, (tuple, list)) else [value]
+    names = [item.strip() for item in items if isinstance(item, str) and item.strip()]
+    if not names or len(names) != len(items) or any(name not in allowed for name in names):
+        raise UsageError(f"--end_reasons takes comma-separated end reasons from {', '.join(allowed)}; got {value!r}")
+    return frozenset(names)
+
+
+def flags_without_export(flags: dict[str, Any]) -> list[str]:
+    """Export flags set on a command that exports nothing."""
+    return [name for name, default in FLAG_DEFAULTS.items() if flags.get(name, default) != default]
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows back into conversations: the inverse of rows.render_conversations
+
+
+@dataclass
+class Conversation:
+    """What rows.render_conversations rendered: render_conversations(tool names, prompt, turns) gives
+    the row's turns back byte for byte."""
+
+    tools: list[dict]          # OpenAI tool params, from the system turn's list
+    prompt: str
+    turns: list[Turn]
+
+    def calls(self) -> list[ToolCallRecord]:
+        return list(rows.calls_of(self.turns))
+
+
+_TOOLS_LIST = re.compile(r"<tools>\n(.*)\n</tools>", re.DOTALL)
+_TOOL_RESPONSE = re.compile(r"<tool_response>\n(.*)\n</tool_response>")   # the payload is one JSON line
+_CALL_OPEN, _CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"
+
+
+def conversation(turns: list[dict]) -> Conversation:
+    """A row's ``conversations`` read back into the session record it was rendered from."""
+    if len(turns) < 2 or turns[0].get("from") != "system" or turns[1].get("from") != "human":
+        raise ConversionError("a row starts with a system turn and the prompt")
+    record: list[Turn] = []
+    for turn in turns[2:]:
+        speaker, value = turn.get("from"), turn.get("value")
+        if speaker == "human":
+            record.append(HumanTurn(value))
+        elif speaker == "gpt":
+            record.append(assistant_turn(value, len(record)))
+        elif speaker == "tool":
+            _answer(record, value)
+        else:
+            raise ConversionError(f"a turn from {speaker!r}")
+    return Conversation(tools=offered_tools(turns[0]["value"]), prompt=turns[1]["value"], turns=record)
+
+
+def offered_tools(system_value: str) -> list[dict]:
+    """The tools a system turn lists, as OpenAI tool params: the schemas the prompt was offered when it
+    ran, whatever the registry says today."""
+    listed = _TOOLS_LIST.search(system_value)
+    signatures = rows.parsed_or_raw(listed.group(1)) if listed else []
+    tools = []
+    for item in signatures if isinstance(signatures, list) else ():
+        if isinstance(item, dict) and item.get("type") == "function":    # format 1 listed OpenAI params
+            tools.append(item)
+        elif isinstance(item, dict) and isinstance(item.get("name"), str):
+            function = {key: item[key] for key in ("name", "description", "parameters") if item.get(key) is not None}
+            tools.append({"type": "function", "function": function})
+    return tools
+
+
+@dataclass
+class ReadAssistantTurn(AssistantTurn):
+    """A gpt turn read back from a row, with its text as the row shows it: think block and text, less the
+    calls (what --reasoning=think exports, exactly as the row has it)."""
+
+    shown: str = ""
+
+
+def assistant_turn(value: str, position: int) -> ReadAssistantTurn:
+    """A rendered gpt turn: its think block, its text, then its calls, one ``<tool_call>`` block each
+    (taken from the end, as render_gpt_turn appends them). Calls get their ids from the tool turn that
+    answers them; one left unanswered (a prompt time limit struck mid-turn) keeps the id made here."""
+    reasoning, rest = rows.split_rendered_reasoning(value)
+    found: list[dict] = []
+    content = rest
+    while content.endswith(_CALL_CLOSE):
+        start = content.rfind(_CALL_OPEN)
+        opens_a_line = start == 0 or (start > 0 and content[start - 1] == "\n")
+        block = rows.rendered_calls(content[start:]) if opens_a_line else []
+        if len(block) != 1:
+            break
+        found.insert(0, block[0])
+        content = content[:max(start - 1, 0)]
+    shown = value[:len(value) - len(rest) + len(content)]
+    calls = [ToolCallRecord(id=f"unanswered_{position}_{index}", name=call["name"],
+                            arguments=arguments_text(call.get("arguments", {}))) for index, call in enumerate(found)]
+    return ReadAssistantTurn(reasoning=reasoning, content=content, tool_calls=calls,
+                             shown=shown if content else shown.removesuffix("\n"))
+
+
+def arguments_text(arguments: Any) -> str:
+    """The arguments as the text a model sends: the renderer wrote arguments that parse as JSON as their
+    value and any other text as it was, so such text goes back unchanged and everything else as JSON."""
+    if isinstance(arguments, str) and rows.parsed_or_raw(arguments) == arguments:
+        return arguments
+    return json.dumps(arguments, ensure_ascii=False)
+
+
+def _answer(record: list[Turn], value: str) -> None:
+    """Give the calls of the gpt turn before a tool turn their ids and results: each response answers
+    the next call of its name (the session answers a turn's calls in order; one it never ran, when a
+    time limit struck, has no response)."""
+    payloads = _TOOL_RESPONSE.findall(value)
+    if not payloads or "\n".join(f"<tool_response>\n{payload}\n</tool_response>" for payload in payloads) != value:
+        raise ConversionError("a tool turn that is not <tool_response> blocks")
+    turn = record[-1] if record else None
+    if not isinstance(turn, AssistantTurn) or any(call.result is not None for call in turn.tool_calls):
+        raise ConversionError("a tool turn that answers no gpt turn")
+    unanswered = iter(turn.tool_calls)
+    for payload in payloads:
+        response = rows.parsed_or_raw(payload)
+        if not (isinstance(response, dict) and isinstance(response.get("tool_call_id"), str)
+                and "content" in response):
+            raise ConversionError("a tool response without an id or content")
+        call = next((call for call in unanswered if call.name == response.get("name")), None)
+        if call is None:
+            raise ConversionError("a tool response to a call the gpt turn did not make")
+        content = response["content"]
+        call.id = response["tool_call_id"]
+        call.result = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Formats
+
+
+def openai_messages(chat: Conversation, reasoning: str) -> list[dict]:
+    """The conversation as OpenAI chat messages. There is no system message: what the model saw of its
+    tools is ``tools`` (the row's system turn only lists them, in the Hermes prompt), and the runner's
+    own agent prompt never reaches a row (docs/export.md)."""
+    messages: list[dict] = [{"role": "user", "content": chat.prompt}]
+    for turn in chat.turns:
+        if isinstance(turn, HumanTurn):
+            messages.append({"role": "user", "content": turn.text})
+            continue
+        messages.append(_assistant_message(turn, reasoning))
+        messages.extend({"role": "tool", "tool_call_id": call.id, "content": call.result}
+                        for call in turn.tool_calls if call.result is not None)
+    return messages
+
+
+def _assistant_message(turn: ReadAssistantTurn, reasoning: str) -> dict:
+    content = turn.shown if reasoning == "think" else turn.content
+    message: dict[str, Any] = {"role": "assistant", "content": content or (None if turn.tool_calls else "")}
+    if reasoning == "field" and turn.reasoning:
+        message["reasoning_content"] = turn.reasoning
+    if turn.tool_calls:
+        message["tool_calls"] = [{"id": call.id, "type": "function",
+                                  "function": {"name": call.name, "arguments": call.arguments}}
+                                 for call in turn.tool_calls]
+    return message
+
+
+def openai_line(candidate: Candidate, reasoning: str) -> bytes:
+    chat = candidate.conversation
+    return rows.encode_row({"messages": openai_messages(chat, reasoning), "tools": chat.tools,
+                            "prompt_index": candidate.stored.prompt_index,
+                            "content_key": candidate.stored.content_key})
+
+
+def arrow_schema() -> Any:
+    """The one Arrow schema of the parquet and hf formats: the ShareGPT row, its registry-wide tool map
+    as a list (so the columns do not change with the registry), every field typed."""
+    import pyarrow as pa
+
+    counts = [pa.field(name, pa.int64()) for name in ("count", "success", "failure")]
+    usage = [pa.field(name, pa.int64()) for name in ("prompt_tokens", "completion_tokens", "reasoning_tokens",
+                                                     "cached_tokens")] + [pa.field("cost", pa.float64())]
+    return pa.schema([
+        pa.field("prompt_index", pa.int64()), pa.field("content_key", pa.string()),
+        pa.field("conversations", pa.list_(pa.struct([pa.field("from", pa.string()),
+                                                      pa.field("value", pa.string())]))),
+        pa.field("model", pa.string()), pa.field("timestamp", pa.string()), pa.field("batch_num", pa.int64()),
+        pa.field("completed", pa.bool_()), pa.field("partial", pa.bool_()), pa.field("end_reason", pa.string()),
+        pa.field("api_calls", pa.int64()),
+        pa.field("toolsets_used", pa.list_(pa.string())), pa.field("toolsets_sampled", pa.list_(pa.string())),
+        pa.field("tool_stats", pa.list_(pa.struct([pa.field("tool", pa.string()), *counts]))),
+        pa.field("invented_tool_calls", pa.int64()), pa.field("usage", pa.struct(usage)),
+        pa.field("wall_time_seconds", pa.float64()),
+    ])
+
+
+def arrow_record(candidate: Candidate) -> dict:
+    row = candidate.row
+    metadata = row.get("metadata") or {}
+    return {**{key: row.get(key) for key in ("prompt_index", "content_key", "completed", "partial", "end_reason",
+                                             "api_calls", "toolsets_used", "toolsets_sampled",
+                                             "invented_tool_calls", "usage", "wall_time_seconds")},
+            "conversations": [{"from": turn["from"], "value": turn["value"]} for turn in row["conversations"]],
+            "model": metadata.get("model"), "timestamp": metadata.get("timestamp"),
+            "batch_num": metadata.get("batch_num"),
+            "tool_stats": [{"tool": name, **counts} for name, counts in (row.get("tool_stats") or {}).items()]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading and filtering
+
+
+class Candidate:
+    """A row the filters are looking at; its JSON is decoded once, and only when something needs it."""
+
+    def __init__(self, stored: rows.StoredRow) -> None:
+        self.stored = stored
+
+    @cached_property
+    def row(self) -> dict:
+        """The trajectory row in the current format; a tombstone without its tombstone keys, so every
+        exported row has the keys of a merged one."""
+        row = json.loads(self.stored.upgraded())
+        row.pop("discarded", None)
+        row.pop("prompt", None)
+        return row
+
+    @cached_property
+    def conversation(self) -> Conversation:
+        return conversation(self.row["conversations"])
+
+    def sharegpt_line(self) -> bytes:
+        """The row as the merge writes it: its own bytes when it is a current trajectory row."""
+        if self.stored.status != rows.DISCARDED and self.stored.is_current:
+            return self.stored.line
+        return rows.encode_row(self.row)
+
+
+@dataclass
+class ExportSummary:
+    options: ExportOptions
+    kept: int = 0
+    dropped: Counter = field(default_factory=Counter)
+
+    def lines(self) -> list[str]:
+        options = self.options
+        described = {"openai": f"OpenAI chat JSONL, reasoning {_REASONING_WORDS[options.reasoning]}",
+                     "sharegpt": "ShareGPT JSONL", "parquet": "Parquet", "hf": "a datasets folder (load_from_disk)"}
+        total = self.kept + sum(self.dropped.values())
+        lines = [f"exported {self.kept} of {total} rows of {options.run_dir}/ to {options.out}",
+                 f"format: {described[options.format]}"]
+        if self.dropped:
+            lines.append("left out:")
+            width = max(len(str(count)) for count in self.dropped.values())
+            name_width = max(len(reason) for reason in self.dropped)
+            order = list(DROP_REASONS)
+            for reason, count in sorted(self.dropped.items(),
+                                        key=lambda item: order.index(item[0]) if item[0] in order else len(order)):
+                lines.append(f"  {count:>{width}} {reason:<{name_width}}  "
+                             f"{DROP_REASONS.get(reason, 'discarded by the run')}")
+        return lines
+
+
+_REASONING_WORDS = {"think": "inline as <think> blocks", "field": "as reasoning_content", "drop": "dropped"}
+
+
+def selected_rows(options: ExportOptions, summary: ExportSummary) -> Iterator[Candidate]:
+    """The run's rows that pass every filter, in batch file order; the others counted by reason."""
+    directory = RunDirectory(options.run_dir)
+    superseded = superseded_corrupted(directory.read_checkpoint() or {})
+    for path in directory.batch_files():
+        for offset, line in lines_at(path):
+            try:
+                stored = rows.read_stored_row(line)
+            except rows.RowError as exc:
+                raise ExportError(f"{path} line {line_number(path, offset)}: {exc}. The export stopped here "
+                                  "rather than leave the row out without a word.") from None
+            candidate = Candidate(stored) if stored is not None else None
+            try:
+                reason = "unreadable" if candidate is None else drop_reason(candidate, options, superseded)
+            except ConversionError:
+                reason = "unconvertible"
+            if reason is None:
+                yield candidate
+            else:
+                summary.dropped[reason] += 1
+
+
+def drop_reason(candidate: Candidate, options: ExportOptions, superseded: Counter) -> str | None:
+    """Why this row is left out (the first of DROP_REASONS that applies), or None to keep it.
+    ``superseded`` counts down as the earlier attempts it names go by."""
+    stored = candidate.stored
+    if stored.status == rows.FAILED:
+        return "failed"
+    invented = stored.invented_tools()
+    if invented and stored.status != rows.DISCARDED and superseded[stored.content_key] > 0:
+        superseded[stored.content_key] -= 1
+        return "superseded"
+    discarded = stored.discard_reason()
+    if discarded is not None and discarded != rows.NO_REASONING:
+        return discarded
+    if invented and options.discard_invented:
+        return "invented_tools"
+    if options.discard_no_reasoning and stored.reasoning_counts()[0] == 0:
+        return "no_reasoning"
+    if discarded is not None and candidate.row.get("conversations") is None:
+        return "no_trajectory"
+    if options.end_reasons is not None and stored.end_reason() not in options.end_reasons:
+        return "end_reason"
+    if options.needs_conversation:
+        calls = candidate.conversation.calls()     # also proves the row converts
+        if len(calls) < options.min_tool_calls:
+            return "min_tool_calls"
+        if options.last_call_succeeded and calls and (calls[-1].result is None
+                                                      or rows.tool_result_failed(calls[-1].result)):
+            return "last_call_failed"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def export_run(options: ExportOptions) -> ExportSummary:
+    """Write the export; the summary says what was kept and what was left out, by reason."""
+    if not options.run_dir.is_dir():
+        raise ExportError(f"no run directory {options.run_dir}/ here — --export reads data/<run_name>/ under the "
+                          "current directory; check --run_name or cd to where the run was started")
+    summary = ExportSummary(options)
+
+    def counted(records: Iterable[Any]) -> Iterator[Any]:
+        for record in records:
+            summary.kept += 1
+            yield record
+
+    candidates = counted(selected_rows(options, summary))
+    if options.format == "hf":
+        _write_hf(options.out, candidates)
+    elif options.format == "parquet":
+        _write_file(options.out, lambda temp: _write_parquet(temp, candidates))
+    else:
+        line: Callable[[Candidate], bytes] = (
+            (lambda candidate: openai_line(candidate, options.reasoning)) if options.format == "openai"
+            else Candidate.sharegpt_line)
+        _write_file(options.out, lambda temp: _write_lines(temp, map(line, candidates)))
+    return summary
+
+
+def _write_file(out: Path, write: Callable[[Path], None]) -> None:
+    """Write beside ``out`` and rename over it: an export that stops halfway leaves the old file (or none),
+    never half of one that looks whole."""
+    if out.is_dir():
+        raise ExportError(f"--out={out} is a directory; --export writes a file there")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temp = out.with_name(out.name + ".tmp")
+    try:
+        write(temp)
+        os.replace(temp, out)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+def _write_lines(path: Path, lines: Iterable[bytes]) -> None:
+    with path.open("wb") as handle:
+        for line in lines:
+            handle.write(line)
+
+
+def _row_groups(candidates: Iterable[Candidate]) -> Iterator[list[dict]]:
+    """Records in groups of at most ROW_GROUP_ROWS rows and about ROW_GROUP_BYTES of row text."""
+    group: list[dict] = []
+    size = 0
+    for candidate in candidates:
+        group.append(arrow_record(candidate))
+        size += len(candidate.stored.line)
+        if len(group) >= ROW_GROUP_ROWS or size >= ROW_GROUP_BYTES:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
+
+
+def _write_parquet(path: Path, candidates: Iterable[Candidate]) -> int:
+    """The rows as one Parquet file, a row group at a time; how many were written."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = arrow_schema()
+    written = 0
+    with pq.ParquetWriter(path, schema) as writer:      # an export with no rows is still a valid file
+        for group in _row_groups(candidates):
+            writer.write_table(pa.Table.from_pylist(group, schema=schema))
+            written += len(group)
+    return written
+
+
+def _write_hf(out: Path, candidates: Iterable[Candidate]) -> None:
+    """A ``datasets`` folder (save_to_disk), made from a Parquet file of the rows in a temporary folder
+    beside ``out``: datasets reads it in batches, its cache lives and dies in that folder (so a stale one
+    never stands in for the rows), and the folder is renamed into place only once it is whole."""
+    import datasets
+
+    if out.exists() and not _is_saved_dataset(out):
+        raise ExportError(f"--out={out} exists and is not a datasets folder; remove it or choose another --out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()        # the export prints its own summary
+    try:
+        with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as work:
+            schema = arrow_schema()
+            features = datasets.Features.from_arrow_schema(schema)
+            if _write_parquet(Path(work) / "rows.parquet", candidates):
+                dataset = datasets.Dataset.from_parquet(f"{work}/rows.parquet", features=features,
+                                                        cache_dir=f"{work}/cache")
+                dataset.save_to_disk(f"{work}/saved")
+            else:     # datasets reads no rows from an empty file, and loads no folder of 0 shards
+                empty = datasets.Dataset.from_dict({name: [] for name in schema.names}, features=features)
+                empty.save_to_disk(f"{work}/saved", num_shards=1)
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(f"{work}/saved", out)
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    """Whether ``path`` is what save_to_disk writes, and so safe to replace."""
+    return path.is_dir() and (path / "dataset_info.json").is_file() and (path / "state.json").is_file()

@@ -1,0 +1,325 @@
+"""Adaptive concurrency: the run finds how many model requests the endpoint takes at once and stays
+just under it (additive increase, multiplicative decrease on 429/503 and on rising latency), one limit
+for every worker process or Ray actor."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import io
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+from typing import Any
+
+import pytest
+from rich.cells import cell_len
+from rich.console import Console
+
+from batchrun import concurrency
+from batchrun.concurrency import AimdState, ConcurrencyFigures, Outcome, SharedLimit, Ticket, slots
+from batchrun.console import RunConsole
+from batchrun.stats import ThisRun
+from conftest import run_cli, write_dataset
+from scripted_endpoint import ScriptedEndpoint
+
+FORK = multiprocessing.get_context("fork")
+
+
+def limited_state(limit: float, *, ceiling: int = 256, waiting: int = 100) -> AimdState:
+    """A controller at ``limit``, past its first rounds, with requests waiting for a slot."""
+    state = concurrency.new_state(ceiling, adaptive=True)
+    state.limit, state.step, state.waiting = limit, 1.0, waiting
+    return state
+
+
+def fill(state: AimdState) -> list[Ticket]:
+    return [concurrency.admit(state) for _ in range(slots(state) - state.in_flight)]
+
+
+def answer_rounds(state: AimdState, rounds: int, latency: float = 0.2) -> None:
+    """Rounds of requests that all get answers, as many at once as the limit allows."""
+    for _ in range(rounds):
+        for ticket in fill(state):
+            concurrency.finish(state, ticket, Outcome.ANSWERED, latency)
+
+
+def serve_rounds(state: AimdState, capacity: int, rounds: int) -> tuple[int, int, list[int]]:
+    """Rounds against a server that takes ``capacity`` requests at once and refuses the rest at once
+    (refusals come back before answers): (requests, refused, slots after each round)."""
+    requests = refused = 0
+    history = []
+    for _ in range(rounds):
+        tickets = fill(state)
+        requests += len(tickets)
+        for ticket in tickets[capacity:]:
+            concurrency.finish(state, ticket, Outcome.OVERLOADED)
+            refused += 1
+        for ticket in tickets[:capacity]:
+            concurrency.finish(state, ticket, Outcome.ANSWERED, 0.2)
+        history.append(slots(state))
+    return requests, refused, history
+
+
+# -- the controller ---------------------------------------------------------------------------------
+
+
+def test_a_429_lowers_the_limit_below_the_requests_in_flight():
+    state = limited_state(32)
+    tickets = fill(state)
+    concurrency.finish(state, tickets[0], Outcome.OVERLOADED)
+    assert state.limit == concurrency.BACKOFF * 32
+
+
+def test_a_burst_of_429s_lowers_the_limit_to_what_the_server_held_not_by_backoff_once_each():
+    state = limited_state(40)
+    tickets = fill(state)
+    for ticket in tickets[32:]:          # the server held 32; the other 8 come back refused
+        concurrency.finish(state, ticket, Outcome.OVERLOADED)
+    assert 29 <= slots(state) < 32
+    assert state.limit > 40 * concurrency.BACKOFF ** 8
+
+
+def test_answers_raise_the_limit_while_requests_wait_for_a_slot():
+    state = limited_state(32)
+    answer_rounds(state, 1)
+    assert state.limit > 32
+
+
+def test_answers_leave_alone_a_limit_that_keeps_nobody_waiting():
+    state = limited_state(32, waiting=0)
+    answer_rounds(state, 3)
+    assert state.limit == 32
+
+
+def test_answers_to_requests_sent_before_a_decrease_do_not_raise_the_limit():
+    state = limited_state(32)
+    tickets = fill(state)
+    concurrency.finish(state, tickets[0], Outcome.OVERLOADED)
+    lowered = state.limit
+    for ticket in tickets[1:]:
+        concurrency.finish(state, ticket, Outcome.ANSWERED, 0.2)
+    assert state.limit == lowered
+
+
+def test_from_the_start_the_limit_grows_by_more_than_half_every_round():
+    state = concurrency.new_state(256, adaptive=True)
+    state.waiting = 100
+    start = slots(state)
+    answer_rounds(state, 3)
+    assert slots(state) >= start * 1.5 ** 3
+
+
+def test_the_limit_never_exceeds_the_ceiling():
+    state = limited_state(10, ceiling=12)
+    answer_rounds(state, 50)
+    assert state.limit == 12
+
+
+def test_the_limit_never_falls_below_one():
+    state = limited_state(2)
+    for _ in range(10):
+        concurrency.finish(state, concurrency.admit(state), Outcome.OVERLOADED)
+    assert state.limit == 1.0 and slots(state) == 1
+
+
+def test_against_a_server_of_fixed_capacity_the_limit_stays_just_under_it_with_few_429s():
+    state = concurrency.new_state(256, adaptive=True)
+    state.waiting = 100
+    requests, refused, history = serve_rounds(state, 32, 200)
+    settled = history[20:]
+    assert sum(settled) / len(settled) >= 0.9 * 32
+    assert max(settled) <= 33
+    assert refused <= 0.05 * requests
+
+
+def test_the_limit_follows_a_server_whose_capacity_changes():
+    state = concurrency.new_state(256, adaptive=True)
+    state.waiting = 100
+    for capacity, rounds in [(32, 40), (8, 10), (64, 12)]:
+        serve_rounds(state, capacity, rounds)
+        assert 0.8 * capacity <= slots(state) <= capacity + 1, capacity
+
+
+def test_rising_latency_lowers_the_limit():
+    state = limited_state(32)
+    answer_rounds(state, 5, latency=0.2)
+    raised = state.limit
+    answer_rounds(state, 1, latency=2.0)
+    assert state.limit < raised
+
+
+def test_a_model_that_stays_slower_costs_a_few_decreases_not_the_whole_limit():
+    state = limited_state(32)
+    answer_rounds(state, 5, latency=0.2)
+    before, lowest = state.limit, state.limit
+    for _ in range(40):                        # five times slower, for good
+        answer_rounds(state, 1, latency=1.0)
+        lowest = min(lowest, state.limit)
+    assert before * concurrency.BACKOFF ** 15 <= lowest < before
+
+
+def test_with_adaptation_off_the_limit_stays_at_the_ceiling_and_429s_are_still_counted():
+    state = concurrency.new_state(64, adaptive=False)
+    state.waiting = 100
+    serve_rounds(state, 8, 5)
+    figures = concurrency.figures(state)
+    assert (figures.limit, figures.lowest, figures.highest) == (64, 64, 64)
+    assert figures.requests == 5 * 64 and figures.rate_limited == 5 * 56
+
+
+# -- across worker processes --------------------------------------------------------------------------
+
+
+async def _no_other_limit() -> None:
+    pass
+
+
+def _requests_at_once(limit: SharedLimit, worker: int, at_once: Any, most: Any) -> None:
+    """A worker process: eight sessions making a request of 20 ms each, counting the requests in flight."""
+    limit.bind(worker)
+
+    async def one() -> None:
+        async with concurrency.request_slot(limit, _no_other_limit) as request:
+            with at_once.get_lock():
+                at_once.value += 1
+                most.value = max(most.value, at_once.value)
+            await asyncio.sleep(0.02)
+            with at_once.get_lock():
+                at_once.value -= 1
+            request.answered()
+
+    async def sessions() -> None:
+        await asyncio.gather(*(one() for _ in range(8)))
+
+    asyncio.run(sessions())
+
+
+def test_worker_processes_together_never_have_more_requests_in_flight_than_the_limit():
+    limit = SharedLimit(3, adaptive=False, holders=3)
+    at_once, most = FORK.Value("i", 0), FORK.Value("i", 0)
+    workers = [FORK.Process(target=_requests_at_once, args=(limit, worker, at_once, most)) for worker in range(3)]
+    for process in workers:
+        process.start()
+    for process in workers:
+        process.join(30)
+    assert [process.exitcode for process in workers] == [0, 0, 0]
+    assert most.value == 3
+    assert limit.figures().requests == 24
+
+
+def test_a_lowered_limit_admits_fewer_requests_at_once():
+    async def admitted_after_a_429() -> int:
+        limit = SharedLimit(4, adaptive=True)
+        tickets = [await limit.admit() for _ in range(4)]
+        limit.finish(tickets.pop(), Outcome.OVERLOADED)          # 4 in flight: the limit goes to 3
+        for ticket in tickets:
+            limit.finish(ticket, Outcome.OTHER)
+        admitted = []
+        try:
+            while True:
+                admitted.append(await asyncio.wait_for(limit.admit(), 0.5))
+        except asyncio.TimeoutError:
+            return len(admitted)
+    assert asyncio.run(admitted_after_a_429()) == 3
+
+
+def _hold_slots_and_wait(limit: SharedLimit, ready: Any) -> None:
+    limit.bind(1)
+
+    async def hold() -> None:
+        await limit.admit()
+        await limit.admit()
+        ready.set()
+        await asyncio.sleep(60)
+
+    asyncio.run(hold())
+
+
+def test_the_slots_of_a_worker_process_that_died_are_given_back():
+    limit = SharedLimit(2, adaptive=False, holders=2)
+    ready = FORK.Event()
+    worker = FORK.Process(target=_hold_slots_and_wait, args=(limit, ready))
+    worker.start()
+    assert ready.wait(30)
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join()
+    limit.reclaim(1)
+
+    async def both_slots() -> list[Ticket]:
+        return [await asyncio.wait_for(limit.admit(), 2) for _ in range(2)]
+    assert len(asyncio.run(both_slots())) == 2
+
+
+# -- what the user sees -------------------------------------------------------------------------------
+
+
+def test_the_live_display_shows_the_requests_allowed_at_once_within_80_columns():
+    out = Console(file=io.StringIO(), width=80, record=True, force_terminal=True, force_interactive=False)
+    console, this_run = RunConsole(lambda text: text, verbose=False, out=out), ThisRun()
+    this_run.concurrency = ConcurrencyFigures(adaptive=True, ceiling=256, limit=32, lowest=16, highest=35,
+                                              requests=1_234, rate_limited=12)
+    console.start_progress(10_000, 9_990, this_run)
+    console.stop_progress()
+    lines = out.export_text().rstrip("\n").split("\n")
+    assert "requests 32/256 at once" in lines[-1]
+    assert max(cell_len(line) for line in lines) <= 80
+
+
+# -- a whole run ----------------------------------------------------------------------------------------
+
+
+# Three model calls per prompt: the second and third come after a command, as in an agent's loop.
+THREE_CALLS = '[[call terminal {"command": "true"}]] [[call terminal {"command": "true"}]] prompt'
+
+
+def run_against_a_limited_endpoint(tmp_path, *flags: str) -> tuple[int, int, dict]:
+    """48 prompts, 48 sessions, an endpoint that serves 8 requests at once (50 ms each) and answers 429
+    without Retry-After beyond: (exit code, 429s the endpoint sent, statistics.json). Local environments
+    start at once, so every session asks as soon as the run starts."""
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [f"{THREE_CALLS} {i}" for i in range(48)])
+    with ScriptedEndpoint(latency=0.05, max_concurrent=8) as endpoint:
+        result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=100", "--run_name=run",
+                         "--distribution=terminal_only", "--num_workers=48", "--max_retries=3",
+                         f"--base_url={endpoint.base_url}", "--model=scripted-model", *flags,
+                         env={"TERMINAL_ENV": "local"})
+        statistics = json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())
+        assert statistics["this_run"]["concurrency"]["rate_limited_requests"] == endpoint.rejected
+        assert statistics["this_run"]["concurrency"]["requests"] == len(endpoint.requests) + endpoint.rejected
+        return result.returncode, endpoint.rejected, statistics
+
+
+def test_against_an_endpoint_that_serves_few_requests_at_once_the_run_meets_far_fewer_429s(tmp_path):
+    (tmp_path / "on").mkdir()
+    (tmp_path / "off").mkdir()
+    code, adaptive_429s, statistics = run_against_a_limited_endpoint(tmp_path / "on")
+    assert code == 0 and statistics["failed_prompts"] == 0
+    assert statistics["this_run"]["concurrency"]["adaptive"] is True
+    assert statistics["this_run"]["concurrency"]["final"] < 48
+    _, fixed_429s, statistics = run_against_a_limited_endpoint(tmp_path / "off", "--adaptive_concurrency=False")
+    assert statistics["this_run"]["concurrency"]["adaptive"] is False
+    # Measured: 11 to 16 against 53 to 62.
+    assert adaptive_429s * 2 <= fixed_429s
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is an optional extra")
+def test_ray_actors_share_one_limit_and_report_it(tmp_path):
+    ray_tmpdir = tempfile.mkdtemp(prefix="br-ray-", dir="/tmp")     # short: Ray's socket paths must fit
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [f"{THREE_CALLS} {i}" for i in range(24)])
+    try:
+        with ScriptedEndpoint(latency=0.05, max_concurrent=4) as endpoint:
+            result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=100", "--run_name=run",
+                             "--distribution=terminal_only", "--num_workers=24", "--backend=ray",
+                             f"--base_url={endpoint.base_url}", "--model=scripted-model",
+                             env={"TERMINAL_ENV": "local", "RAY_ADDRESS": "", "RAY_TMPDIR": ray_tmpdir})
+            assert result.returncode == 0, result.stderr
+            concurrency_figures = json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())[
+                "this_run"]["concurrency"]
+            assert concurrency_figures["rate_limited_requests"] == endpoint.rejected
+            assert concurrency_figures["requests"] == len(endpoint.requests) + endpoint.rejected
+    finally:
+        shutil.rmtree(ray_tmpdir, ignore_errors=True)
+    assert concurrency_figures["adaptive"] is True and concurrency_figures["final"] <= 8

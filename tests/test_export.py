@@ -1,0 +1,489 @@
+"""--export: a run's rows in the formats trainers load, filtered again without generating again.
+
+The openai format is lossless against the row: rendering an exported line back with the row renderer
+(rows.render_*) gives the row's turns byte for byte, for every rendering rule. The exports are checked
+against the openai package's own types and loaded back with pyarrow and datasets; the filters and the
+summary are checked through the real CLI on a run made against the scripted endpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from openai.types.chat import (ChatCompletionAssistantMessageParam, ChatCompletionMessageParam,
+                               ChatCompletionToolMessageParam, ChatCompletionToolParam,
+                               ChatCompletionUserMessageParam)
+from openai.types.shared_params import FunctionDefinition
+from pydantic import TypeAdapter
+
+from batchrun import export, rows
+from batchrun.install_hint import install_hint
+from batchrun.rows import AssistantTurn, HumanTurn, SessionResult, ToolCallRecord, Usage
+from batchrun.session import CONTINUE_REQUEST, SUMMARY_REQUEST
+from conftest import REPO, batch_rows, cli_environment, read_jsonl, run_cli, write_dataset
+from scripted_endpoint import ScriptedEndpoint
+from test_rows import FORMAT_1_SESSION, format_1_line, random_result
+
+RUN = "run"
+TERMINAL_CALL = '[[call terminal {"command": "echo hi"}]]'
+TWO_CALLS = ('[[calls [{"name": "terminal", "arguments": {"command": "echo a"}}, '
+             '{"name": "terminal", "arguments": {"command": "echo b"}}]]]')
+PROMPTS = {
+    "plain": "plain question",
+    "one_call": f"{TERMINAL_CALL} one call",
+    "two_calls": f"{TWO_CALLS} two calls in one turn",
+    "bad_json": "[[bad_json]] arguments that are not JSON",
+    "continued": "[[length 1]] an answer cut off once",
+    "summary": f"{' '.join([TERMINAL_CALL] * 4)} [[final What I found.]] past --max_turns",
+    "inline_think": f"{TERMINAL_CALL} [[reasoning think]] reasoning inline",
+    "no_reasoning": f"{TERMINAL_CALL} [[reasoning none]] no reasoning",
+    "invented": "[[invent]] inventive",
+    "failed": "[[fail 400]] refused",
+}
+REASONING_MODES = ("think", "field", "drop")
+
+
+# -- a run made with the real CLI -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def run_home(tmp_path_factory) -> Path:
+    """One run over every kind of row, shared by the tests that export it: they only read it."""
+    home = tmp_path_factory.mktemp("export_run")
+    dataset = write_dataset(home / "dataset.jsonl", list(PROMPTS.values()))
+    with ScriptedEndpoint() as server:
+        result = run_cli(home, f"--dataset_file={dataset}", "--batch_size=4", f"--run_name={RUN}",
+                         "--distribution=terminal_only", f"--base_url={server.base_url}", "--model=scripted-model",
+                         "--max_turns=3")
+    assert result.returncode == 2, result.stderr         # the "[[fail 400]]" prompt failed
+    return home
+
+
+def export_cli(home: Path, *flags: str) -> subprocess.CompletedProcess:
+    result = run_cli(home, f"--run_name={RUN}", *flags)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def exported(home: Path, tmp_path: Path, fmt: str, *flags: str) -> Path:
+    out = tmp_path / {"openai": "out.jsonl", "sharegpt": "out.jsonl", "parquet": "out.parquet", "hf": "hf"}[fmt]
+    export_cli(home, f"--export={fmt}", f"--out={out}", *flags)
+    return out
+
+
+def run_rows(home: Path) -> dict[str, dict]:
+    """The run's rows with a trajectory, by the key of their prompt in PROMPTS."""
+    by_prompt = {row["conversations"][1]["value"]: row for row in batch_rows(home / "data" / RUN)
+                 if "conversations" in row}
+    return {name: by_prompt[prompt] for name, prompt in PROMPTS.items() if prompt in by_prompt}
+
+
+def prompt_names(lines: list[dict]) -> set[str]:
+    names = {prompt: name for name, prompt in PROMPTS.items()}
+    return {names[line["messages"][0]["content"] if "messages" in line else line["conversations"][1]["value"]]
+            for line in lines}
+
+
+# -- rendering an openai line back, the way a trainer's view maps onto the row -----------------------
+
+def rendered_back(line: dict, reasoning: str) -> list[dict]:
+    """The row turns that rows.render_* make of an exported line: the row's own, if nothing was lost."""
+    messages = line["messages"]
+    turns = [{"from": "system", "value": rows.render_system_turn(tool["function"]["name"] for tool in line["tools"])},
+             {"from": "human", "value": messages[0]["content"]}]
+    calls: list[ToolCallRecord] = []
+
+    def answer_turn() -> None:
+        answered = [call for call in calls if call.result is not None]
+        if answered:
+            turns.append(rows.render_tool_turn(answered))
+        calls.clear()
+
+    for message in messages[1:]:
+        if message["role"] == "tool":
+            call = next(c for c in calls if c.id == message["tool_call_id"] and c.result is None)
+            call.result = message["content"]
+            continue
+        answer_turn()
+        if message["role"] == "user":
+            turns.append({"from": "human", "value": message["content"]})
+            continue
+        content = message["content"] or ""
+        if reasoning == "think":
+            thought, content = rows.split_rendered_reasoning(content)
+        else:
+            thought = message.get("reasoning_content", "")
+        calls.extend(ToolCallRecord(id=call["id"], name=call["function"]["name"],
+                                    arguments=call["function"]["arguments"]) for call in message.get("tool_calls", ()))
+        turns.append(rows.render_gpt_turn(AssistantTurn(thought, content, list(calls))))
+    answer_turn()
+    return turns
+
+
+def encoded(turns: list[dict]) -> bytes:
+    return rows.encode_row(turns)
+
+
+def openai_line_of(row: dict, reasoning: str) -> dict:
+    chat = export.conversation(row["conversations"])
+    return {"messages": export.openai_messages(chat, reasoning), "tools": chat.tools}
+
+
+def trajectory(turns: list, *, offered: tuple[str, ...] = ("terminal", "read_file"), prompt: str = "Do it.",
+               end_reason: str = "final_answer") -> dict:
+    result = SessionResult(prompt_index=0, content_key=rows.content_key(prompt, None, None), prompt=prompt,
+                           toolsets=["terminal", "file"], offered_tools=list(offered), turns=turns,
+                           api_calls=len(turns), usage=Usage(), wall_time=1.0, end_reason=end_reason)
+    return json.loads(rows.encode_row(rows.trajectory_row(result, batch_num=0, model="m", timestamp="t")))
+
+
+def call(name: str = "terminal", arguments: str = '{"command": "ls"}', result: str | None = '{"output": "a\\n"}',
+         id: str | None = None) -> ToolCallRecord:
+    return ToolCallRecord(id=id or f"call_{name}", name=name, arguments=arguments, result=result)
+
+
+# Each rendering rule of docs/rows.md, as a session whose row the export must give back byte for byte.
+RENDERING_RULES = {
+    "reasoning_and_text": [AssistantTurn("I should answer.", "Done.")],
+    "no_reasoning": [AssistantTurn("", "Done.")],
+    "reasoning_only": [AssistantTurn("Still thinking", "")],
+    "text_and_a_call": [AssistantTurn("Look first.", "Listing.", [call()]), AssistantTurn("ok", "Done.")],
+    "a_call_without_text_or_reasoning": [AssistantTurn("", "", [call()]), AssistantTurn("", "Done.")],
+    "several_calls": [AssistantTurn("Both.", "", [call(id="a"), call("read_file", '{"path": "x"}', id="b"),
+                                                  call(id="c")]), AssistantTurn("r", "Done.")],
+    "arguments_not_json_kept_as_text": [AssistantTurn("r", "", [call(arguments='{"command": "ls"')]),
+                                        AssistantTurn("r", "Done.")],
+    "arguments_a_json_string_or_number": [AssistantTurn("r", "", [call(arguments='"ls"', id="s"),
+                                                                  call(arguments="42", id="n")]),
+                                          AssistantTurn("r", "Done.")],
+    "result_a_json_object": [AssistantTurn("r", "", [call(result='{"output": "x", "error": null}')]),
+                             AssistantTurn("r", "Done.")],
+    "result_a_json_array": [AssistantTurn("r", "", [call(result='[1, "two"]')]), AssistantTurn("r", "Done.")],
+    "result_plain_text": [AssistantTurn("r", "", [call(result="Error: no such file")]), AssistantTurn("r", "Done.")],
+    "result_text_that_looks_like_json": [AssistantTurn("r", "", [call(result='{"cut off')]),
+                                         AssistantTurn("r", "Done.")],
+    "result_empty": [AssistantTurn("r", "", [call(result="")]), AssistantTurn("r", "Done.")],
+    "a_call_left_unanswered": [AssistantTurn("r", "", [call(id="a"), call(id="b", result=None)])],
+    "continuation_requests": [AssistantTurn("r", "Part 1"), HumanTurn(CONTINUE_REQUEST), AssistantTurn("r", "Part 2")],
+    "summary_request": [AssistantTurn("r", "", [call()]), HumanTurn(SUMMARY_REQUEST), AssistantTurn("r", "Summary.")],
+    "an_invented_tool": [AssistantTurn("r", "", [call("made_up", "{}", '{"error": "unknown tool"}')]),
+                         AssistantTurn("r", "Done.")],
+    "text_holding_think_and_tool_call_tags": [AssistantTurn("", "I write <think> and\n<tool_call>\nliterally",
+                                                            [call()]), AssistantTurn("", "Done.")],
+    "unicode_and_line_separators": [AssistantTurn("思考\u2028", "ünï\u2028", [call(arguments='{"c": "🙂\u2028"}',
+                                                                               result="中文\u2029")]),
+                                    AssistantTurn("", "Done.")],
+    "no_tools_offered": "no_tools",
+}
+
+
+def rule_row(rule: str) -> dict:
+    if rule == "no_tools_offered":
+        return trajectory([AssistantTurn("r", "Done.")], offered=())
+    return trajectory(RENDERING_RULES[rule])
+
+
+# -- the round trip ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("reasoning", ["think", "field"])
+@pytest.mark.parametrize("rule", RENDERING_RULES)
+def test_an_openai_line_renders_back_to_the_rows_turns_byte_for_byte(rule, reasoning):
+    row = rule_row(rule)
+    assert encoded(rendered_back(openai_line_of(row, reasoning), reasoning)) == encoded(row["conversations"])
+
+
+@pytest.mark.parametrize("reasoning", ["think", "field"])
+def test_generated_adversarial_rows_render_back_byte_for_byte(reasoning):
+    rng = random.Random(20261130)
+    checked = 0
+    for prompt_index in range(300):
+        result = random_result(rng, prompt_index)
+        if result.end_reason == "error" or any(turn.reasoning.startswith("</think>") for turn in result.turns):
+            continue      # no trajectory; a reasoning that closes its own think block reads as none (rows.py)
+        row = json.loads(rows.encode_row(rows.trajectory_row(result, batch_num=0, model="m", timestamp="t")))
+        assert encoded(rendered_back(openai_line_of(row, reasoning), reasoning)) == encoded(row["conversations"])
+        checked += 1
+    assert checked > 150
+
+
+def test_every_row_of_a_real_run_renders_back_byte_for_byte(run_home, tmp_path):
+    for reasoning in ("think", "field"):
+        out = exported(run_home, tmp_path, "openai", f"--reasoning={reasoning}", "--discard_no_reasoning=False",
+                       "--discard_invented=False")
+        lines = read_jsonl(out)
+        originals = {(row["prompt_index"], row["content_key"]): row for row in run_rows(run_home).values()}
+        assert len(lines) == len(originals) == len(PROMPTS) - 1          # all but the failure row
+        for line in lines:
+            original = originals[(line["prompt_index"], line["content_key"])]
+            assert encoded(rendered_back(line, reasoning)) == encoded(original["conversations"])
+
+
+# -- the openai format -------------------------------------------------------------------------------
+
+MESSAGE = TypeAdapter(ChatCompletionMessageParam)
+TOOL = TypeAdapter(ChatCompletionToolParam)
+MESSAGE_KEYS = {role: kind.__required_keys__ | kind.__optional_keys__ for role, kind in (
+    ("user", ChatCompletionUserMessageParam), ("assistant", ChatCompletionAssistantMessageParam),
+    ("tool", ChatCompletionToolMessageParam))}
+
+
+def assert_openai_types(line: dict, *, extra_assistant_keys: frozenset[str] = frozenset()) -> None:
+    for message in line["messages"]:
+        validated = MESSAGE.validate_python(message, strict=True)
+        list(validated.get("tool_calls", ()))           # pydantic checks an iterable's items as they are read
+        allowed = MESSAGE_KEYS[message["role"]] | (extra_assistant_keys if message["role"] == "assistant" else set())
+        assert set(message) <= allowed, message
+    for tool in line["tools"]:
+        TOOL.validate_python(tool, strict=True)
+        assert set(tool["function"]) <= FunctionDefinition.__required_keys__ | FunctionDefinition.__optional_keys__
+
+
+@pytest.mark.parametrize("reasoning", REASONING_MODES)
+def test_openai_lines_are_the_openai_packages_message_and_tool_params(run_home, tmp_path, reasoning):
+    lines = read_jsonl(exported(run_home, tmp_path, "openai", f"--reasoning={reasoning}"))
+    assert lines
+    for line in lines:
+        assert_openai_types(line, extra_assistant_keys=frozenset({"reasoning_content"} if reasoning == "field" else ()))
+
+
+@pytest.mark.parametrize("rule", RENDERING_RULES)
+def test_openai_messages_of_every_rendering_rule_are_the_openai_packages_types(rule):
+    assert_openai_types(openai_line_of(rule_row(rule), "field"), extra_assistant_keys=frozenset({"reasoning_content"}))
+
+
+def test_calls_carry_their_ids_names_and_arguments_as_json_text_and_results_answer_them_by_id():
+    row = trajectory(RENDERING_RULES["several_calls"])
+    messages = openai_line_of(row, "drop")["messages"]
+    assert messages[1]["tool_calls"] == [
+        {"id": "a", "type": "function", "function": {"name": "terminal", "arguments": '{"command": "ls"}'}},
+        {"id": "b", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "x"}'}},
+        {"id": "c", "type": "function", "function": {"name": "terminal", "arguments": '{"command": "ls"}'}}]
+    assert [(m["role"], m["tool_call_id"]) for m in messages[2:5]] == [("tool", "a"), ("tool", "b"), ("tool", "c")]
+    assert messages[2]["content"] == '{"output": "a\\n"}'
+
+
+def test_arguments_that_are_not_json_are_exported_as_the_model_wrote_them():
+    row = trajectory(RENDERING_RULES["arguments_not_json_kept_as_text"])
+    [tool_call] = openai_line_of(row, "drop")["messages"][1]["tool_calls"]
+    assert tool_call["function"]["arguments"] == '{"command": "ls"'
+
+
+def test_tools_are_the_schemas_the_system_turn_listed_as_openai_function_tools():
+    row = trajectory([AssistantTurn("r", "Done.")], offered=("terminal", "read_file"))
+    tools = openai_line_of(row, "drop")["tools"]
+    listed = json.loads(row["conversations"][0]["value"].split("<tools>\n")[1].split("\n</tools>")[0])
+    assert tools == [{"type": "function", "function": {"name": item["name"], "description": item["description"],
+                                                       "parameters": item["parameters"]}} for item in listed]
+    assert [tool["function"]["name"] for tool in tools] == ["terminal", "read_file"]
+
+
+def test_there_is_no_system_message_the_conversation_starts_with_the_prompt():
+    messages = openai_line_of(trajectory([AssistantTurn("r", "Done.")], prompt="the prompt"), "drop")["messages"]
+    assert messages[0] == {"role": "user", "content": "the prompt"}
+    assert all(message["role"] != "system" for message in messages)
+
+
+def test_reasoning_think_keeps_the_rows_think_block_inline_in_the_content():
+    turns = [AssistantTurn("Plan.", "Listing.", [call()]), AssistantTurn("", "Done.")]
+    messages = openai_line_of(trajectory(turns), "think")["messages"]
+    assert messages[1]["content"] == "<think>\nPlan.\n</think>\nListing."
+    assert messages[3]["content"] == "<think>\n</think>\nDone."          # the row's empty block, as in ShareGPT
+
+
+def test_reasoning_field_puts_it_in_reasoning_content_and_only_where_there_was_some():
+    turns = [AssistantTurn("Plan.", "Listing.", [call()]), AssistantTurn("", "Done.")]
+    messages = openai_line_of(trajectory(turns), "field")["messages"]
+    assert (messages[1]["reasoning_content"], messages[1]["content"]) == ("Plan.", "Listing.")
+    assert "reasoning_content" not in messages[3] and messages[3]["content"] == "Done."
+
+
+def test_reasoning_drop_leaves_only_the_visible_text():
+    turns = [AssistantTurn("Plan.", "", [call()]), AssistantTurn("Plan 2.", "Done.")]
+    messages = openai_line_of(trajectory(turns), "drop")["messages"]
+    assert [(m.get("content"), "reasoning_content" in m) for m in messages if m["role"] == "assistant"] == [
+        (None, False), ("Done.", False)]
+
+
+def test_a_mid_session_request_of_the_runner_is_a_user_message_where_it_was_sent():
+    messages = openai_line_of(trajectory(RENDERING_RULES["continuation_requests"]), "drop")["messages"]
+    assert [(m["role"], m["content"]) for m in messages] == [
+        ("user", "Do it."), ("assistant", "Part 1"), ("user", CONTINUE_REQUEST), ("assistant", "Part 2")]
+
+
+def test_each_openai_line_names_the_run_row_it_came_from(run_home, tmp_path):
+    lines = read_jsonl(exported(run_home, tmp_path, "openai"))
+    originals = {(row["prompt_index"], row["content_key"]): row for row in run_rows(run_home).values()}
+    for line in lines:
+        assert originals[(line["prompt_index"], line["content_key"])]["conversations"][1]["value"] == \
+            line["messages"][0]["content"]
+
+
+def test_a_format_1_row_exports_as_the_current_row_of_the_same_session(tmp_path):
+    run_dir = tmp_path / "data" / RUN
+    run_dir.mkdir(parents=True)
+    (run_dir / "batch_0.jsonl").write_bytes(format_1_line(FORMAT_1_SESSION))
+    out = tmp_path / "out.jsonl"
+    export.export_run(export.ExportOptions(format="openai", run_dir=run_dir, out=out, reasoning="field",
+                                           discard_invented=False))
+    [line] = read_jsonl(out)
+    current = json.loads(rows.encode_row(rows.trajectory_row(FORMAT_1_SESSION, batch_num=0, model="m", timestamp="t")))
+    assert {key: line[key] for key in ("messages", "tools")} == openai_line_of(current, "field")
+
+
+# -- filters ------------------------------------------------------------------------------------------
+
+def test_sharegpt_with_the_runs_own_filters_is_the_merged_file_byte_for_byte(run_home, tmp_path):
+    out = exported(run_home, tmp_path, "sharegpt")
+    assert out.read_bytes() == (run_home / "data" / RUN / "trajectories.jsonl").read_bytes()
+
+
+def test_the_export_says_what_it_kept_and_what_it_left_out_by_reason(run_home, tmp_path):
+    out = tmp_path / "out.jsonl"
+    result = export_cli(run_home, "--export=openai", f"--out={out}")
+    said = " ".join(result.stdout.split())           # a log is wrapped at 80 columns
+    assert f"exported {len(PROMPTS) - 3} of {len(PROMPTS)} rows of data/{RUN}/ to {out} " in said
+    reasons = {reason: int(count) for count, reason in re.findall(r"^  (\d+) (\w+)  ", result.stdout, re.MULTILINE)}
+    assert reasons == {"failed": 1, "invented_tools": 1, "no_reasoning": 1}
+
+
+def test_turning_the_no_reasoning_filter_off_readmits_the_tombstone_as_a_plain_row(run_home, tmp_path):
+    lines = read_jsonl(exported(run_home, tmp_path, "sharegpt", "--discard_no_reasoning=False"))
+    merged = read_jsonl(run_home / "data" / RUN / "trajectories.jsonl")
+    [readmitted] = [line for line in lines if line["conversations"][1]["value"] == PROMPTS["no_reasoning"]]
+    assert list(readmitted) == list(merged[0])             # no "discarded" or "prompt": the keys of a merged row
+    assert readmitted["conversations"] == run_rows(run_home)["no_reasoning"]["conversations"]
+
+
+def test_turning_the_invented_tools_filter_off_admits_the_corrupted_row(run_home, tmp_path):
+    lines = read_jsonl(exported(run_home, tmp_path, "sharegpt", "--discard_invented=False"))
+    assert prompt_names(lines) == set(PROMPTS) - {"failed", "no_reasoning"}
+
+
+def test_end_reasons_keeps_only_rows_that_ended_for_those_reasons(run_home, tmp_path):
+    lines = read_jsonl(exported(run_home, tmp_path, "sharegpt", "--end_reasons=max_turns,truncated"))
+    assert prompt_names(lines) == {"summary"}
+
+
+def test_min_tool_calls_leaves_out_rows_with_fewer_calls(run_home, tmp_path):
+    lines = read_jsonl(exported(run_home, tmp_path, "openai", "--min_tool_calls=2"))
+    assert prompt_names(lines) == {"two_calls", "summary"}
+
+
+def test_last_call_succeeded_leaves_out_rows_whose_last_tool_call_failed(run_home, tmp_path):
+    lines = read_jsonl(exported(run_home, tmp_path, "openai", "--last_call_succeeded"))
+    assert "bad_json" not in prompt_names(lines)
+    assert {"plain", "one_call", "two_calls"} <= prompt_names(lines)     # a row without calls has nothing failed
+
+
+def test_a_corrupted_attempt_replaced_by_rerun_corrupted_is_exported_once(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["[[invent]] inventive", "plain"])
+    args = [f"--dataset_file={dataset}", "--batch_size=4", f"--run_name={RUN}", "--distribution=terminal_only",
+            f"--base_url={endpoint.base_url}", "--model=scripted-model"]
+    assert run_cli(tmp_path, *args).returncode == 0
+    assert run_cli(tmp_path, *args, "--resume", "--rerun_corrupted").returncode == 0
+    assert len(batch_rows(tmp_path / "data" / RUN)) == 3
+    result = export_cli(tmp_path, "--export=sharegpt", "--discard_invented=False", f"--out={tmp_path / 'out.jsonl'}")
+    assert len(read_jsonl(tmp_path / "out.jsonl")) == 2
+    assert "  1 superseded" in result.stdout
+
+
+# -- parquet and hf ------------------------------------------------------------------------------------
+
+def test_parquet_loads_back_with_the_fixed_schema_and_the_rows_turns(run_home, tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    table = pq.read_table(exported(run_home, tmp_path, "parquet"))
+    assert table.schema == export.arrow_schema()
+    merged = read_jsonl(run_home / "data" / RUN / "trajectories.jsonl")
+    loaded = table.to_pylist()
+    assert [(r["prompt_index"], r["content_key"], r["conversations"]) for r in loaded] == [
+        (r["prompt_index"], r["content_key"], r["conversations"]) for r in merged]
+    assert [r["usage"] for r in loaded] == [r["usage"] for r in merged]
+    assert {entry["tool"] for entry in loaded[0]["tool_stats"]} == set(merged[0]["tool_stats"])
+
+
+def test_parquet_of_no_rows_is_a_valid_empty_file_with_the_schema(run_home, tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    table = pq.read_table(exported(run_home, tmp_path, "parquet", "--end_reasons=prompt_timeout"))
+    assert (table.num_rows, table.schema) == (0, export.arrow_schema())
+
+
+def test_hf_folder_opens_with_load_from_disk_holding_the_parquet_rows(run_home, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    pq = pytest.importorskip("pyarrow.parquet")
+    loaded = datasets.load_from_disk(str(exported(run_home, tmp_path, "hf")))
+    assert loaded.to_list() == pq.read_table(exported(run_home, tmp_path, "parquet")).to_pylist()
+
+
+def test_hf_export_replaces_an_earlier_one_and_opens_empty_when_no_row_passes(run_home, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    out = exported(run_home, tmp_path, "hf")
+    exported(run_home, tmp_path, "hf", "--end_reasons=prompt_timeout")
+    loaded = datasets.load_from_disk(str(out))
+    assert (loaded.num_rows, loaded.column_names) == (0, export.arrow_schema().names)
+
+
+def test_hf_export_never_replaces_a_folder_that_is_not_a_dataset(run_home, tmp_path):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "mine.txt").write_text("keep me")
+    result = run_cli(run_home, f"--run_name={RUN}", "--export=hf", f"--out={tmp_path / 'hf'}")
+    assert result.returncode == 1 and "is not a datasets folder" in result.stderr
+    assert (tmp_path / "hf" / "mine.txt").read_text() == "keep me"
+
+
+def test_a_missing_extra_is_named_with_the_command_that_installs_it(run_home):
+    blocked = (f"import runpy, sys; sys.path.insert(0, {str(REPO)!r}); sys.modules['pyarrow'] = None; "
+               f"sys.argv = ['batch_runner.py', '--export=parquet', '--run_name={RUN}']; "
+               f"runpy.run_path({str(REPO / 'batch_runner.py')!r}, run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", blocked], cwd=run_home, env=cli_environment(run_home),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip() == f"error: --export=parquet needs pyarrow, an optional extra: {install_hint('export')}"
+
+
+# -- the command line ----------------------------------------------------------------------------------
+
+def test_export_flags_on_a_run_are_refused_before_anything_starts(tmp_path):
+    result = run_cli(tmp_path, "--dataset_file=x.jsonl", "--batch_size=1", "--run_name=r", "--min_tool_calls=2")
+    assert result.returncode == 1
+    assert result.stderr.strip() == "error: --min_tool_calls applies only with --export=FORMAT"
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--export"], "--export needs a format: --export=openai|sharegpt|parquet|hf"),
+    (["--export=csv"], "--export must be one of openai, sharegpt, parquet, hf; got 'csv'"),
+    (["--export=openai", "--reasoning=hide"], "--reasoning must be one of think, field, drop; got 'hide'"),
+    (["--export=parquet", "--reasoning=drop"], "--reasoning applies to --export=openai"),
+    (["--export=openai", "--end_reasons=final_answer,error"], "--end_reasons takes comma-separated end reasons"),
+    (["--export=openai", "--min_tool_calls=-1"], "--min_tool_calls must be an integer >= 0"),
+])
+def test_a_bad_export_flag_gets_one_error_line_naming_it(run_home, flags, message):
+    result = run_cli(run_home, f"--run_name={RUN}", *flags)
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"error: {message}") and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_export_of_a_run_directory_that_is_not_there_names_it(tmp_path):
+    result = run_cli(tmp_path, "--export=openai", "--run_name=absent")
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: no run directory data/absent/ here")
+
+
+def test_a_line_that_is_json_but_not_a_row_stops_the_export_and_keeps_the_earlier_file(run_home, tmp_path):
+    home = tmp_path / "home"
+    (home / "data" / RUN).mkdir(parents=True)
+    for path in (run_home / "data" / RUN).glob("batch_*.jsonl"):
+        (home / "data" / RUN / path.name).write_bytes(path.read_bytes())
+    out = exported(home, tmp_path, "openai")
+    before = out.read_bytes()
+    with (home / "data" / RUN / "batch_0.jsonl").open("ab") as handle:
+        handle.write(b'{"not": "a row"}\n')
+    result = run_cli(home, f"--run_name={RUN}", "--export=openai", f"--out={out}")
+    assert result.returncode == 1
+    assert f"data/{RUN}/batch_0.jsonl line 5: not a batch_runner row" in result.stderr
+    assert out.read_bytes() == before and not out.with_name(out.name + ".tmp").exists()
