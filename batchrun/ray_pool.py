@@ -119,7 +119,9 @@ def node_environment_problem(kind: str) -> str | None:
     if kind == "bubblewrap":
         from batchrun.environments.bubblewrap import bubblewrap_problem
         return bubblewrap_problem()
-    program = getattr(environment_class(kind), "program", None)
+    backend = environment_class(kind)
+    cli = getattr(backend, "cli", None)
+    program = cli() if cli is not None else getattr(backend, "program", None)   # docker's may name podman
     if program is None:
         return None
     executable = shutil.which(program)
@@ -129,7 +131,7 @@ def node_environment_problem(kind: str) -> str | None:
         from batchrun.environments.container_cli import call_cli_blocking
         answer = call_cli_blocking([executable, "version", "--format", "{{.Server.Version}}"], timeout=30)
         if not answer.ok:
-            return f"the Docker engine is not reachable: {answer.message()}"
+            return f"the container engine ({program}) is not reachable: {answer.message()}"
     return None
 
 
