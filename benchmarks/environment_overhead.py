@@ -3,7 +3,8 @@
     python benchmarks/environment_overhead.py                  # 200 calls each
     python benchmarks/environment_overhead.py --commands 1000
 
-Prints the mean wall time of ``true`` in the local backend (a new bash per command), the bubblewrap
+Prints the wall time and the whole machine's CPU of a prompt (start, two commands, release), then the
+mean wall time of ``true`` in the local backend (a new bash per command), the bubblewrap
 backend (a command sent to the prompt's long-lived shell in its sandbox), and, for comparison, a new
 bwrap sandbox per command, which is what the long-lived shell saves. Then the mean wall time of
 read_file and write_file of a 1 KB file three directories deep, as the file tools make them (a
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import tempfile
 import time
@@ -23,7 +25,7 @@ from typing import Awaitable, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from batchrun.environments import confined_files, create_environment  # noqa: E402
+from batchrun.environments import confined_files, create_environment, environment_class  # noqa: E402
 from batchrun.environments.base import EnvironmentSettings  # noqa: E402
 from batchrun.environments.bubblewrap import (  # noqa: E402
     _sandbox_argv,          # the backend's own sandbox options, so the comparison is like for like
@@ -74,6 +76,37 @@ async def new_sandbox_ms(work_root: Path, commands: int) -> float:
     return await mean_ms(step, commands)
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds every core has spent busy since boot (the kernel's own threads included)."""
+    fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+async def prompt_ms(kind: str, work_root: Path, prompts: int) -> tuple[float, float]:
+    """(wall, machine CPU) milliseconds per prompt, prompts one after another as a session has them:
+    start the environment, run two commands, release it (bubblewrap resets the sandbox for the next
+    prompt instead of tearing it down). Machine CPU counts what the kernel spends on namespaces."""
+    settings = EnvironmentSettings(work_root=work_root / f"{kind}-prompts", run_label="bench")
+    environment = environment_class(kind)
+
+    async def prompt() -> None:
+        env = create_environment(kind, settings, prompt_index=0)
+        await env.start()
+        for _ in range(2):
+            assert (await env.run("true")).exit_code == 0
+        await env.release()
+    try:
+        for _ in range(WARM_UP):
+            await prompt()
+        busy, started = machine_busy_seconds(), time.perf_counter()
+        for _ in range(prompts):
+            await prompt()
+        wall, busy = time.perf_counter() - started, machine_busy_seconds() - busy
+    finally:
+        await environment.close_idle()
+    return wall / prompts * 1000, busy / prompts * 1000
+
+
 async def file_tools_ms(kind: str, work_root: Path, calls: int, openat2: bool) -> tuple[float, float]:
     """Mean (read_file, write_file) milliseconds of a small file, lookups by openat2 or by the walk."""
     usable = confined_files._openat2_usable
@@ -112,6 +145,10 @@ async def main(commands: int) -> None:
         if problem is None:
             print(f"  bubblewrap (one shell per prompt)     {await backend_ms('bubblewrap', work_root, commands):8.2f} ms")
             print(f"  new bwrap sandbox per command         {await new_sandbox_ms(work_root, commands):8.2f} ms")
+        print(f"per prompt (start, two commands, release) over {commands} prompts: wall / machine CPU")
+        for kind in ["local"] + (["bubblewrap"] if problem is None else []):
+            wall, busy = await prompt_ms(kind, work_root, commands)
+            print(f"  {kind:<36} {wall:8.2f} ms / {busy:5.2f} ms")
         print(f"mean per-call time of the file tools over {commands} calls ({len(SMALL_FILE)} bytes)")
         await print_file_tools("local", work_root, commands)
         if problem is None:

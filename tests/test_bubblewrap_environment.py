@@ -18,6 +18,7 @@ from conftest import live_processes_mentioning, wait_for
 
 from batchrun.environments import create_environment, default_environment_kind
 from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError, ToolError
+from batchrun.environments import bubblewrap
 from batchrun.environments.bubblewrap import BubblewrapEnvironment, bubblewrap_problem
 from batchrun.tools import ToolContext
 from batchrun.tools.files import search_files, write_file
@@ -452,44 +453,23 @@ def test_the_next_prompt_finds_none_of_the_ipc_objects_or_listening_sockets_the_
     assert after[0].output.split() == ["0", "bound"], after[0].output
 
 
-def sandbox_descendants(pid: int) -> list[int]:
-    pids, frontier = [], [pid]
-    while frontier:
-        current = frontier.pop()
-        with contextlib.suppress(OSError):
-            children = [int(c) for c in Path(f"/proc/{current}/task/{current}/children").read_text().split()]
-            pids += children
-            frontier += children
-    return pids
+def test_a_sandbox_whose_dev_was_changed_is_not_kept(tmp_path, monkeypatch):
+    # As an ordinary user's run makes it, even when the tests run as root: there the commands are the
+    # user namespace's root and own /dev.
+    monkeypatch.setattr(bubblewrap, "_RUNNING_AS_ROOT", False)
+    before, after = after_release(make_settings(tmp_path), ["rm -f /dev/fd && ln -s /tmp /dev/fd && echo changed"],
+                                  ["readlink /dev/fd"])
+    assert before[0].output == "changed\n"
+    assert before[-1].output != after[-1].output                          # a new sandbox
+    assert after[0].output.strip() == "/proc/self/fd"
 
 
-def test_a_sandbox_whose_dev_was_changed_is_not_kept(tmp_path):
-    """A command may change /dev where it owns it (a sandbox run by an ordinary user); where it cannot,
-    the test changes it from the host, through the sandbox's own root."""
-    async def scenario():
-        try:
-            one = BubblewrapEnvironment(make_settings(tmp_path), prompt_index=0)
-            await one.start()
-            first_id = (await one.run(SANDBOX_ID)).output
-            tampered = await one.run("rm -f /dev/fd && ln -s /tmp /dev/fd && echo changed")
-            if "changed" not in tampered.output:
-                inside = [pid for pid in sandbox_descendants(one._shell.process.pid)
-                          if os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")]
-                fd_link = Path(f"/proc/{inside[-1]}/root/dev/fd")
-                fd_link.unlink()
-                fd_link.symlink_to("/tmp")
-            await one.release()
-            two = BubblewrapEnvironment(make_settings(tmp_path), prompt_index=1)
-            await two.start()
-            try:
-                return first_id, (await two.run(SANDBOX_ID)).output, (await two.run("readlink /dev/fd")).output
-            finally:
-                await two.close()
-        finally:
-            await BubblewrapEnvironment.close_idle()
-    first_id, second_id, fd_target = asyncio.run(scenario())
-    assert first_id != second_id                          # a new sandbox
-    assert fd_target.strip() == "/proc/self/fd"
+@pytest.mark.skipif(os.geteuid() != 0, reason="only a root run's sandbox keeps its commands out of /dev")
+def test_a_root_runs_commands_cannot_change_dev(tmp_path):
+    [result] = run_commands(make_settings(tmp_path), "(rm -f /dev/fd; ln -s /tmp /dev/x; touch /dev/y; "
+                            "mkdir /dev/z) 2>/dev/null; readlink /dev/fd; ls /dev")
+    assert result.output.splitlines()[0] == "/proc/self/fd"
+    assert not {"x", "y", "z"} & set(result.output.split())
 
 
 def test_the_prompt_after_one_that_killed_its_sandboxs_shell_runs(tmp_path):

@@ -77,7 +77,8 @@ _SANDBOX_UID_BASE = 0x40000000
 _sandbox_numbers = itertools.count()
 
 # The shell inside the sandbox: $1 is the token it prints when ready, $2 the ulimit command that caps
-# it and everything it starts. It reads one line per command, ``run MARKER SECONDS $'WORKDIR'
+# it and everything it starts, $3 "watch-dev" where its commands could change /dev (a sandbox with a
+# user namespace, whose root owns /dev; a root run's sandbox user cannot write there). It reads one line per command, ``run MARKER SECONDS $'WORKDIR'
 # $'COMMAND'``, and answers with a MARKER line, the command's merged output, then a line
 # "MARKER STATUS" after a newline of its own. ``reap MARKER`` kills every other process of the sandbox
 # (kill -1 spares the caller and the sandbox's init) and answers with MARKER. ``reset MARKER`` readies
@@ -88,6 +89,7 @@ _sandbox_numbers = itertools.count()
 # compare. Its own stderr (bash's "Killed" notes about timed-out commands) is not output and goes nowhere.
 _SHELL = r"""
 eval "$2" || exit 1
+watch_dev=$3
 exec 2>/dev/null
 shopt -s nullglob dotglob
 run() {
@@ -101,6 +103,7 @@ reap() {
 }
 devices() {
     local listing
+    [ "$watch_dev" = watch-dev ] || return 0
     listing=$(stat -c '%n %F %a %u %N' /dev/*)
     printf '%s' "${listing//$'\n'/|}"
 }
@@ -306,7 +309,8 @@ class BubblewrapEnvironment(LocalEnvironment):
         argv = [*_sandbox_argv(bwrap.path, self.settings.allow_network, workspace=prompt_dir, limits=limits,
                                user_files=user_files),
                 "--", *_as_user(self._uid), "bash", "--noprofile", "--norc", "-c", _SHELL, "batchrun-shell",
-                ready, limits.ulimit_command(memory=self._cgroup is None)]
+                ready, limits.ulimit_command(memory=self._cgroup is None),
+                "watch-dev" if self._uid is None else "-"]
         if self._cgroup is not None:
             argv = self._cgroup.entry_argv(argv)
         # bwrap's own environment is the sandbox's too: inside, /proc/1/environ shows it.
