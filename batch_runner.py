@@ -15,8 +15,9 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, NoReturn
+from typing import Any, NoReturn
 
 import fire
 
@@ -29,14 +30,19 @@ from batchrun.dataset import DatasetError, DatasetPlan, iter_pending, plan_datas
 from batchrun.environments import environment_class, limits
 from batchrun.environments.base import EnvironmentSettings, run_identity
 from batchrun.export import EXPORT_FLAGS, ExportError, export_options, export_run, flags_without_export
+from batchrun.messages import Fatal, Finished, Task
 from batchrun.report_follower import ReportFailed, ReportFollower
-from batchrun.run_dir import (Checkpoint, RunDirectory, RunDirectoryError, ScanResult, earlier_outcomes,
-                              superseded_corrupted)
+from batchrun.run_dir import (
+    Checkpoint,
+    RunDirectory,
+    RunDirectoryError,
+    ScanResult,
+    earlier_outcomes,
+    superseded_corrupted,
+)
 from batchrun.security import Redactor
-from batchrun.messages import Task
 from batchrun.stats import ThisRun, build_statistics
-from batchrun.messages import Fatal, Finished
-from batchrun.workers import PoolStartError, WorkerPool, process_count
+from batchrun.workers import PoolStartError, ProcessPool, WorkerPool, process_count
 
 CHECKPOINT_MIN_INTERVAL = 1.0     # seconds; coalesces checkpoint rewrites when batches are tiny
 MAX_CORRUPTED_LINES_SHOWN = 20
@@ -162,13 +168,16 @@ class BatchRunner:
         return exit_code
 
     def _start_pool(self, env_settings: EnvironmentSettings, available: frozenset[str]) -> WorkerPool:
+        pool: WorkerPool
         if self.config.backend == "ray":
-            from batchrun.ray_pool import RayWorkerPool   # Ray is imported only when a run asks for it
+            from batchrun.ray_pool import RayWorkerPool  # Ray is imported only when a run asks for it
 
             pool = RayWorkerPool(self.config, env_settings, available)
-            self.console.print(pool.describe())
-            return pool   # type: ignore[return-value] — the same interface
-        return WorkerPool(self.config, env_settings, available)
+        else:
+            pool = ProcessPool(self.config, env_settings, available)
+        if where := pool.describe():
+            self.console.print(where)
+        return pool
 
     def _feed(self, pool: WorkerPool, tasks: Iterator[Task]) -> Fatal | None:
         """The scheduling loop: one task per free slot, every finished row persisted at once."""
@@ -294,7 +303,7 @@ class BatchRunner:
         except ReportFailed as exc:
             self._report_not_written(str(exc))
             return
-        except Exception as exc:  # noqa: BLE001 - any bug in the report is reported, not raised
+        except Exception as exc:
             self._report_not_written(f"{type(exc).__name__}: {exc}")
             return
         self.console.print(f"Report: {path}")

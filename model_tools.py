@@ -1,4 +1,6 @@
-"""The tool registry: every tool's OpenAI function schema, its toolset, its handler, its availability.
+"""The tool registry: everything about each tool — its OpenAI function schema, its toolset, its
+handler, its availability, whether it acts in the prompt's environment, its per-process tear-down.
+A new tool is one module of handlers and one :data:`TOOLS` entry; nothing else names it.
 
 The registry is fixed: its key set defines the ``tool_stats`` columns of every row, whatever is
 installed on the machine, so every trajectory file has one Arrow schema. What is *available* on this
@@ -8,6 +10,7 @@ machine is a separate question answered by :func:`unavailable_tools`.
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -20,12 +23,22 @@ Handler = Callable[[dict, ToolContext], Awaitable[dict]]
 
 @dataclass(frozen=True)
 class ToolSpec:
+    """One tool. Per-process set-up belongs in the handler, on first use (the browser starts Chromium on
+    its first call), so that a process that never calls the tool never pays for it; what such set-up
+    leaves running is stopped by ``process_teardown`` when the worker ends."""
+
     name: str
     toolset: str
     description: str
     parameters: dict
     handler_path: str                       # "module:function", imported on first use
     unavailable_reason: Callable[[], str | None] = lambda: None
+    # Acts in the prompt's environment (runs commands, reads or saves files there): a session offering
+    # it starts one; a session offering none of these starts none.
+    needs_environment: bool = False
+    # "module:function", a coroutine function of no arguments that the worker awaits once at its end,
+    # if that module was loaded in the process; tools sharing a module name it once.
+    process_teardown: str | None = None
 
     @property
     def schema(self) -> dict:
@@ -41,6 +54,9 @@ def _params(properties: dict[str, Any], required: list[str]) -> dict:
 
 _STRING = {"type": "string"}
 _INT = {"type": "integer"}
+# Every browser tool drives the worker's one shared Chromium, started by the first call.
+_BROWSER: dict[str, Any] = {"unavailable_reason": browser_unavailable,
+                            "process_teardown": "batchrun.tools.browser:close_browser"}
 _REF = {"type": "string", "description": "Element reference from the latest browser_snapshot, e.g. 'e12'."}
 
 TOOLS: tuple[ToolSpec, ...] = (
@@ -64,21 +80,21 @@ TOOLS: tuple[ToolSpec, ...] = (
                       "timeout": {**_INT, "description": "Seconds before the command is killed "
                                                          "(optional; capped by the run's limit)."}},
                      ["command"]),
-             "batchrun.tools.terminal:terminal"),
+             "batchrun.tools.terminal:terminal", needs_environment=True),
     ToolSpec("read_file", "file",
              "Read a text file from your working directory, optionally a window of lines.",
              _params({"path": {**_STRING, "description": "Path relative to the working directory."},
                       "offset": {**_INT, "description": "First line to return, 1-based (default 1)."},
                       "limit": {**_INT, "description": "How many lines to return (default 500)."}},
                      ["path"]),
-             "batchrun.tools.files:read_file"),
+             "batchrun.tools.files:read_file", needs_environment=True),
     ToolSpec("write_file", "file",
              "Write a text file in your working directory, creating directories as needed; "
              "replaces the file if it exists.",
              _params({"path": {**_STRING, "description": "Path relative to the working directory."},
                       "content": {**_STRING, "description": "The complete new file content."}},
                      ["path", "content"]),
-             "batchrun.tools.files:write_file"),
+             "batchrun.tools.files:write_file", needs_environment=True),
     ToolSpec("patch", "file",
              "Edit a file: replace an exact string (old_string -> new_string), or apply a unified diff.",
              _params({"path": {**_STRING, "description": "File to edit (not needed for a diff that names "
@@ -90,7 +106,7 @@ TOOLS: tuple[ToolSpec, ...] = (
                       "diff": {**_STRING, "description": "A unified diff to apply instead of "
                                                         "old_string/new_string."}},
                      []),
-             "batchrun.tools.files:patch"),
+             "batchrun.tools.files:patch", needs_environment=True),
     ToolSpec("search_files", "file",
              "Search your working directory: a regular expression over file contents, or a glob "
              "over file names.",
@@ -100,29 +116,29 @@ TOOLS: tuple[ToolSpec, ...] = (
                       "path": {**_STRING, "description": "Directory to search (default '.')."},
                       "max_results": {**_INT, "description": "At most this many matches (default 50)."}},
                      ["pattern"]),
-             "batchrun.tools.files:search_files"),
+             "batchrun.tools.files:search_files", needs_environment=True),
     ToolSpec("browser_navigate", "browser", "Open a URL in the browser and return a snapshot of the page.",
              _params({"url": {**_STRING, "description": "http(s) URL."}}, ["url"]),
-             "batchrun.tools.browser:navigate", browser_unavailable),
+             "batchrun.tools.browser:navigate", **_BROWSER),
     ToolSpec("browser_snapshot", "browser",
              "Return the current page as text with element references ([ref=eN]) for click and type.",
-             _params({}, []), "batchrun.tools.browser:snapshot", browser_unavailable),
+             _params({}, []), "batchrun.tools.browser:snapshot", **_BROWSER),
     ToolSpec("browser_click", "browser", "Click the element with the given reference.",
-             _params({"ref": _REF}, ["ref"]), "batchrun.tools.browser:click", browser_unavailable),
+             _params({"ref": _REF}, ["ref"]), "batchrun.tools.browser:click", **_BROWSER),
     ToolSpec("browser_type", "browser",
              "Type text into the input with the given reference (replacing what it held).",
              _params({"ref": _REF, "text": {**_STRING, "description": "Text to type."}}, ["ref", "text"]),
-             "batchrun.tools.browser:type_text", browser_unavailable),
+             "batchrun.tools.browser:type_text", **_BROWSER),
     ToolSpec("browser_scroll", "browser", "Scroll the page up or down.",
              _params({"direction": {"type": "string", "enum": ["up", "down"]}}, ["direction"]),
-             "batchrun.tools.browser:scroll", browser_unavailable),
+             "batchrun.tools.browser:scroll", **_BROWSER),
     ToolSpec("browser_back", "browser", "Go back to the previous page.",
-             _params({}, []), "batchrun.tools.browser:back", browser_unavailable),
+             _params({}, []), "batchrun.tools.browser:back", **_BROWSER),
     ToolSpec("browser_press", "browser", "Press a keyboard key (e.g. Enter, Tab, ArrowDown).",
              _params({"key": {**_STRING, "description": "Key name."}}, ["key"]),
-             "batchrun.tools.browser:press", browser_unavailable),
+             "batchrun.tools.browser:press", **_BROWSER),
     ToolSpec("browser_get_images", "browser", "List the images on the current page with their URLs and alt text.",
-             _params({}, []), "batchrun.tools.browser:get_images", browser_unavailable),
+             _params({}, []), "batchrun.tools.browser:get_images", **_BROWSER),
     # vision_analyze needs no configuration: by default it asks the run's own model and endpoint.
     ToolSpec("vision_analyze", "vision",
              "Answer a question about an image given by http(s) URL or by the path of a PNG, JPEG, GIF "
@@ -130,12 +146,13 @@ TOOLS: tuple[ToolSpec, ...] = (
              _params({"image": {**_STRING, "description": "Image URL or file path."},
                       "question": {**_STRING, "description": "What to find out about the image."}},
                      ["image", "question"]),
-             "batchrun.tools.vision:vision_analyze"),
+             "batchrun.tools.vision:vision_analyze", needs_environment=True),     # reads images from it
     ToolSpec("image_generate", "image_gen",
              "Generate an image from a text prompt; returns its URL, or the path of the image file "
              "saved in your working directory.",
              _params({"prompt": {**_STRING, "description": "Description of the image."}}, ["prompt"]),
-             "batchrun.tools.image_gen:image_generate", unavailable_line(image_provider)),
+             "batchrun.tools.image_gen:image_generate", unavailable_line(image_provider),
+             needs_environment=True),                                            # saves the image there
 )
 
 REGISTRY: dict[str, ToolSpec] = {tool.name: tool for tool in TOOLS}
@@ -170,6 +187,26 @@ def unavailable_tools() -> dict[str, str]:
         if reason:
             reasons[tool.name] = reason
     return reasons
+
+
+def needs_environment(tool_names: list[str] | tuple[str, ...]) -> bool:
+    """Whether a session offering these tools needs an environment."""
+    return any(REGISTRY[name].needs_environment for name in tool_names)
+
+
+async def tear_down_process() -> None:
+    """End what the tools started in this worker process (the browser's Chromium...). A tool module
+    this process never loaded started nothing, and is not imported just to be told so. One hook
+    failing must not keep the others from running: the worker is ending either way."""
+    for path in dict.fromkeys(tool.process_teardown for tool in REGISTRY.values() if tool.process_teardown):
+        module_name, _, function_name = path.partition(":")
+        module = sys.modules.get(module_name)
+        if module is None:
+            continue
+        try:
+            await getattr(module, function_name)()
+        except Exception:   # nothing useful to report at a worker's end; the next hook still runs
+            pass
 
 
 _handlers: dict[str, Handler] = {}

@@ -38,9 +38,10 @@ import multiprocessing
 import threading
 import time
 from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable, Protocol
+from typing import Protocol
 
 _FORK = multiprocessing.get_context("fork")
 

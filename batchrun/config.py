@@ -11,7 +11,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 from urllib.parse import urlparse
 
 import toolset_distributions
@@ -128,6 +128,14 @@ def boolean(flag: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
     raise UsageError(f"--{flag} is a switch: pass --{flag} or --{flag}=False, got {value!r}")
+
+
+@overload
+def text(flag: str, value: Any, *, required: Literal[True]) -> str: ...
+
+
+@overload
+def text(flag: str, value: Any, *, required: bool = False) -> str | None: ...
 
 
 def text(flag: str, value: Any, *, required: bool = False) -> str | None:
@@ -332,7 +340,7 @@ def build_config(**flags: Any) -> RunConfig:
     reasoning_effort = choice("reasoning_effort", flags["reasoning_effort"], REASONING_EFFORTS)
     prompt_timeout = flags["prompt_timeout"]
     terminal_env, terminal_env_reason = terminal_environment(distribution)
-    fields = dict(
+    return RunConfig(
         dataset_file=Path(dataset_text),
         batch_size=batch_size,
         run_name=run_name,
@@ -375,7 +383,7 @@ def build_config(**flags: Any) -> RunConfig:
         max_total_tokens=optional_positive_int("max_total_tokens", flags["max_total_tokens"]),
         backend=validate_backend(flags.get("backend", "local")),
         adaptive_concurrency=boolean("adaptive_concurrency", flags.get("adaptive_concurrency", True)),
+        # Last (arguments are evaluated in order), so that a bad flag is reported before the
+        # "no endpoint" guidance.
+        api_key=resolve_api_key(text("api_key", flags["api_key"]), base_url, base_url_given),
     )
-    # Last, so that a bad flag is reported before the "no endpoint" guidance.
-    api_key = resolve_api_key(text("api_key", flags["api_key"]), base_url, base_url_given)
-    return RunConfig(**fields, api_key=api_key)

@@ -79,8 +79,10 @@ def parse_line(raw: bytes, line_number: int) -> tuple[dict | None, str | None]:
         return None, None
     try:
         obj = json.loads(text)
-    except ValueError as exc:
+    except json.JSONDecodeError as exc:
         return None, f"line {line_number}: not valid JSON ({exc.msg}); skipped"
+    except ValueError as exc:   # valid JSON past one of Python's limits, such as an integer's digits
+        return None, f"line {line_number}: not readable JSON ({exc}); skipped"
     except RecursionError:
         return None, f"line {line_number}: JSON nested too deeply to read; skipped"
     if not isinstance(obj, dict):

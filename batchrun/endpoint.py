@@ -15,15 +15,16 @@ import random
 import socket
 import ssl
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from datetime import timezone
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import UTC
 from typing import Any
 from urllib.parse import urlparse
 
 import openai
 
-from batchrun.rate_limit import RateGate, wake_delay
+from batchrun.config import RunConfig
+from batchrun.model import CONTEXT_LENGTH, Message, ModelReply, PromptFailedError, RunFatalError
+from batchrun.rate_limit import Gate, wake_delay
 from batchrun.rows import Usage
 
 # The server says it has more than it can take: adaptive concurrency lowers the limit (batchrun.concurrency).
@@ -34,7 +35,7 @@ BACKOFF_CAP = 60.0
 # session of the run (a 429 pauses them all) for as long as the server cares to say.
 MAX_RETRY_AFTER = BACKOFF_CAP
 # The system's CA store, loaded once per process (at import, so before the pool forks workers share
-# it): every client loading its own cost 30 ms, times a client per 16 sessions in each worker. Not
+# it): loading it per client would be paid again for every client of every worker. Not
 # tools.clients' context: that one is httpx's, and httpx comes only with the optional web extra.
 TLS_CONTEXT = ssl.create_default_context()
 
@@ -43,28 +44,6 @@ TLS_CONTEXT = ssl.create_default_context()
 # has and refuses connections (or whose host does not resolve) is not there at all: the run stops at
 # once instead of retrying every prompt. Once it has answered, the same errors are a transient outage.
 _ANSWERED: set[str] = set()
-
-
-class RunFatalError(Exception):
-    """The whole run cannot work (bad key, unknown model, no credit): stop instead of failing every prompt."""
-
-
-CONTEXT_LENGTH = "context_length"     # error type of a conversation too long for the model
-
-
-class PromptFailedError(Exception):
-    """This prompt cannot be completed now; it leaves a failure row and is retried on resume."""
-
-    def __init__(self, message: str, error_type: str) -> None:
-        super().__init__(message)
-        self.error_type = error_type
-
-
-@dataclass
-class ModelReply:
-    message: dict
-    finish_reason: str | None
-    usage: Usage
 
 
 def make_client(base_url: str, api_key: str, *, timeout: float) -> openai.AsyncOpenAI:
@@ -77,7 +56,7 @@ def make_client(base_url: str, api_key: str, *, timeout: float) -> openai.AsyncO
 
 
 def preload_http_stack() -> None:
-    """Import what the HTTP stack loads only when its first client is built (a hundred modules, 60 ms).
+    """Import what the HTTP stack loads only when its first client is built (about a hundred modules).
     The pool calls this before forking, so workers share them instead of each loading its own; the
     client built here opens nothing and is dropped."""
     openai.DefaultAioHttpClient(verify=TLS_CONTEXT)
@@ -89,15 +68,67 @@ class ConversationBody:
     of the body (model, tools, options) once per session: a call costs its new messages, not the
     whole conversation and tool list again."""
 
-    def __init__(self, fields: dict) -> None:
+    def __init__(self, fields: Message) -> None:
         rest = _encode(fields)
         self._tail = b"]" + (b"," + rest[1:] if fields else b"}")
         self._messages: list[bytes] = []
 
-    def encode(self, messages: list[dict]) -> bytes:
+    def encode(self, messages: Sequence[Message]) -> bytes:
         for message in messages[len(self._messages):]:
             self._messages.append(_encode(message))
         return b'{"messages":[' + b",".join(self._messages) + self._tail
+
+
+class OpenAIModel:
+    """A session's :class:`~batchrun.model.Model` on the run's OpenAI-compatible endpoint: its
+    requests pass the run-wide ``gate`` and are retried by :func:`call_model`. The body with tools
+    and the one without (the summary at --max_turns) each keep their encoded messages."""
+
+    def __init__(self, client: openai.AsyncOpenAI, gate: Gate, config: RunConfig, tools: Sequence[Message]) -> None:
+        self._client, self._gate, self._config = client, gate, config
+        self._tools = list(tools)
+        self._bodies: dict[bool, ConversationBody] = {}
+
+    async def reply(self, messages: Sequence[Message], *, with_tools: bool) -> ModelReply:
+        body = self._bodies.get(with_tools)
+        if body is None:
+            body = self._bodies[with_tools] = ConversationBody(self._fields(with_tools))
+        config = self._config
+        return await call_model(self._client, self._gate, body=body.encode(messages), model=config.model,
+                                max_retries=config.max_retries, base_url=config.base_url)
+
+    def _fields(self, with_tools: bool) -> Message:
+        """Every field of a chat-completions call but its messages (provider routing and reasoning included)."""
+        fields: Message = {"model": self._config.model, **self._config.extra_body}
+        if self._tools and with_tools:
+            fields["tools"] = self._tools
+        if self._config.max_tokens:
+            fields["max_tokens"] = self._config.max_tokens
+        return fields
+
+
+class OpenAIEndpoint:
+    """A worker's :class:`~batchrun.model.ModelSource`: its clients of the run's endpoint and the
+    run-wide rate gate, shared by its sessions."""
+
+    def __init__(self, config: RunConfig, gate: Gate, *, clients: int) -> None:
+        self._config, self.gate = config, gate
+        self._clients = [make_client(config.base_url, config.api_key, timeout=config.request_timeout)
+                         for _ in range(clients)]
+
+    def model(self, prompt_index: int, tools: Sequence[Message]) -> OpenAIModel:
+        return OpenAIModel(self._client(prompt_index), self.gate, self._config, tools)
+
+    def tool_client(self, prompt_index: int) -> openai.AsyncOpenAI:
+        return self._client(prompt_index)
+
+    def _client(self, prompt_index: int) -> openai.AsyncOpenAI:
+        # Several small connection pools: the HTTP pool scans its connections on every request,
+        # so one pool shared by hundreds of sessions would cost O(sessions) per call.
+        return self._clients[prompt_index % len(self._clients)]
+
+    async def close(self) -> None:
+        await asyncio.gather(*(client.close() for client in self._clients), return_exceptions=True)
 
 
 def _encode(value: Any) -> bytes:
@@ -139,7 +170,7 @@ def _seconds_until(value: str | None) -> float | None:
     except (TypeError, ValueError, IndexError, OverflowError):
         return None
     if moment.tzinfo is None:      # "-0000": HTTP dates are GMT
-        moment = moment.replace(tzinfo=timezone.utc)
+        moment = moment.replace(tzinfo=UTC)
     return max(0.0, moment.timestamp() - time.time())
 
 
@@ -189,7 +220,8 @@ def _context_overflow(exc: openai.APIStatusError, detail: str) -> bool:
     if exc.status_code not in (400, 413, 422):
         return False
     body = exc.body if isinstance(exc.body, dict) else {}
-    inner = body.get("error") if isinstance(body.get("error"), dict) else body
+    error = body.get("error")
+    inner = error if isinstance(error, dict) else body
     said = " ".join(str(part) for part in (detail, inner.get("code"), inner.get("type")) if part).lower()
     return any(phrase in said for phrase in _CONTEXT_OVERFLOW_PHRASES)
 
@@ -321,7 +353,7 @@ def parse_reply(raw: bytes) -> ModelReply:
     return ModelReply(message=message, finish_reason=choice.get("finish_reason"), usage=_usage_from(data))
 
 
-async def call_model(client: openai.AsyncOpenAI, gate: RateGate, *, body: bytes, model: str, max_retries: int,
+async def call_model(client: openai.AsyncOpenAI, gate: Gate, *, body: bytes, model: str, max_retries: int,
                      base_url: str) -> ModelReply:
     """One chat completion, retried on transient errors with back-off honouring Retry-After."""
     attempt = 0

@@ -19,14 +19,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 import shutil
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from batchrun import rows
 from batchrun.config import UsageError, boolean, choice, non_negative_int, text, validate_run_name
@@ -98,9 +97,9 @@ def export_options(*, export: Any, run_name: Any, out: Any, reasoning: Any, disc
                    discard_invented: Any, end_reasons: Any, min_tool_calls: Any,
                    last_call_succeeded: Any) -> ExportOptions:
     """Validate the export's flags as the run validates its own: one UsageError naming the flag."""
-    if export is True:
+    fmt = None if export is True else choice("export", export, FORMATS)
+    if fmt is None:
         raise UsageError(f"--export needs a format: --export={'|'.join(FORMATS)}")
-    fmt = choice("export", export, FORMATS)
     run_dir = Path("data") / validate_run_name(run_name)
     for module in REQUIRED_MODULES.get(fmt, ()):
         if importlib.util.find_spec(module) is None:
@@ -145,24 +144,21 @@ class Conversation:
 
     tools: list[dict]          # OpenAI tool params, from the system turn's list
     prompt: str
-    turns: list[Turn]
+    turns: list[ReadAssistantTurn | HumanTurn]
 
     def calls(self) -> list[ToolCallRecord]:
         return list(rows.calls_of(self.turns))
-
-
-_TOOLS_LIST = re.compile(r"<tools>\n(.*)\n</tools>", re.DOTALL)
-_TOOL_RESPONSE = re.compile(r"<tool_response>\n(.*)\n</tool_response>")   # the payload is one JSON line
-_CALL_OPEN, _CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"
 
 
 def conversation(turns: list[dict]) -> Conversation:
     """A row's ``conversations`` read back into the session record it was rendered from."""
     if len(turns) < 2 or turns[0].get("from") != "system" or turns[1].get("from") != "human":
         raise ConversionError("a row starts with a system turn and the prompt")
-    record: list[Turn] = []
+    record: list[ReadAssistantTurn | HumanTurn] = []
     for turn in turns[2:]:
         speaker, value = turn.get("from"), turn.get("value")
+        if not isinstance(value, str):
+            raise ConversionError(f"a turn from {speaker!r} without a text value")
         if speaker == "human":
             record.append(HumanTurn(value))
         elif speaker == "gpt":
@@ -177,13 +173,11 @@ def conversation(turns: list[dict]) -> Conversation:
 def offered_tools(system_value: str) -> list[dict]:
     """The tools a system turn lists, as OpenAI tool params: the schemas the prompt was offered when it
     ran, whatever the registry says today."""
-    listed = _TOOLS_LIST.search(system_value)
-    signatures = rows.parsed_or_raw(listed.group(1)) if listed else []
     tools = []
-    for item in signatures if isinstance(signatures, list) else ():
-        if isinstance(item, dict) and item.get("type") == "function":    # format 1 listed OpenAI params
+    for item in rows.offered_tool_signatures(system_value):
+        if item.get("type") == "function":    # format 1 listed OpenAI params
             tools.append(item)
-        elif isinstance(item, dict) and isinstance(item.get("name"), str):
+        elif isinstance(item.get("name"), str):
             function = {key: item[key] for key in ("name", "description", "parameters") if item.get(key) is not None}
             tools.append({"type": "function", "function": function})
     return tools
@@ -202,16 +196,7 @@ def assistant_turn(value: str, position: int) -> ReadAssistantTurn:
     (taken from the end, as render_gpt_turn appends them). Calls get their ids from the tool turn that
     answers them; one left unanswered (a prompt time limit struck mid-turn) keeps the id made here."""
     reasoning, rest = rows.split_rendered_reasoning(value)
-    found: list[dict] = []
-    content = rest
-    while content.endswith(_CALL_CLOSE):
-        start = content.rfind(_CALL_OPEN)
-        opens_a_line = start == 0 or (start > 0 and content[start - 1] == "\n")
-        block = rows.rendered_calls(content[start:]) if opens_a_line else []
-        if len(block) != 1:
-            break
-        found.insert(0, block[0])
-        content = content[:max(start - 1, 0)]
+    content, found = rows.split_rendered_calls(rest)
     shown = value[:len(value) - len(rest) + len(content)]
     calls = [ToolCallRecord(id=f"unanswered_{position}_{index}", name=call["name"],
                             arguments=arguments_text(call.get("arguments", {}))) for index, call in enumerate(found)]
@@ -227,12 +212,12 @@ def arguments_text(arguments: Any) -> str:
     return json.dumps(arguments, ensure_ascii=False)
 
 
-def _answer(record: list[Turn], value: str) -> None:
+def _answer(record: Sequence[Turn], value: str) -> None:
     """Give the calls of the gpt turn before a tool turn their ids and results: each response answers
     the next call of its name (the session answers a turn's calls in order; one it never ran, when a
     time limit struck, has no response)."""
-    payloads = _TOOL_RESPONSE.findall(value)
-    if not payloads or "\n".join(f"<tool_response>\n{payload}\n</tool_response>" for payload in payloads) != value:
+    payloads = rows.rendered_tool_responses(value, exact=True)
+    if not payloads:
         raise ConversionError("a tool turn that is not <tool_response> blocks")
     turn = record[-1] if record else None
     if not isinstance(turn, AssistantTurn) or any(call.result is not None for call in turn.tool_calls):
@@ -392,9 +377,12 @@ def selected_rows(options: ExportOptions, summary: ExportSummary) -> Iterator[Ca
             except rows.RowError as exc:
                 raise ExportError(f"{path} line {line_number(path, offset)}: {exc}. The export stopped here "
                                   "rather than leave the row out without a word.") from None
-            candidate = Candidate(stored) if stored is not None else None
+            if stored is None:
+                summary.dropped["unreadable"] += 1
+                continue
+            candidate = Candidate(stored)
             try:
-                reason = "unreadable" if candidate is None else drop_reason(candidate, options, superseded)
+                reason = drop_reason(candidate, options, superseded)
             except ConversionError:
                 reason = "unconvertible"
             if reason is None:
@@ -463,7 +451,7 @@ def export_run(options: ExportOptions) -> ExportSummary:
     return summary
 
 
-def _write_file(out: Path, write: Callable[[Path], None]) -> None:
+def _write_file(out: Path, write: Callable[[Path], object]) -> None:
     """Write beside ``out`` and rename over it: an export that stops halfway leaves the old file (or none),
     never half of one that looks whole."""
     if out.is_dir():

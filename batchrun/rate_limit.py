@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import multiprocessing
 import random
 import time
-from typing import AsyncContextManager
+from contextlib import AbstractAsyncContextManager
 
-from batchrun.concurrency import UNLIMITED, Request, SharedLimit, request_slot
+from batchrun.concurrency import UNLIMITED, Limit, Request, SharedLimit, request_slot
 
 _FORK = multiprocessing.get_context("fork")
 # Paused requests resume spread over a quarter of the pause (0.1 s to 10 s) after it ends: were they
@@ -25,8 +26,20 @@ def wake_delay(remaining: float) -> float:
     return remaining + random.uniform(0, spread)
 
 
-class RateGate:
-    """Three run-wide limits in shared memory, consulted before every model request:
+def pace_interval(requests_per_minute: int | None) -> float:
+    """Seconds between two requests of the run under --requests_per_minute (0: no pace)."""
+    return 60.0 / requests_per_minute if requests_per_minute else 0.0
+
+
+def take_pace_slot(next_free: float, now: float, interval: float) -> tuple[float, float]:
+    """(when this request may go, the slot after it): each request takes the next free slot of the
+    run's pace, and a slot left unused in the past is not saved up for a burst later."""
+    slot = max(next_free, now)
+    return slot, slot + interval
+
+
+class Gate(abc.ABC):
+    """The run-wide limits every model request passes (what :func:`batchrun.endpoint.call_model` uses):
 
     * concurrency: at most so many requests in flight, a limit that adapts to the endpoint
       (batchrun.concurrency) unless ``adaptive`` is off;
@@ -35,36 +48,75 @@ class RateGate:
     * an optional requests-per-minute pace: each request takes the next free slot, so the
       processes together never exceed it.
 
-    ``workers``: how many worker processes take slots (each counts its own, see SharedLimit.reclaim).
+    A backend says where the pause and the pace are kept (shared memory, a Ray actor) and by which
+    clock; the waiting is the same for every backend.
     """
 
-    def __init__(self, requests_per_minute: int | None = None, *, ceiling: int = UNLIMITED,
-                 adaptive: bool = False, workers: int = 1) -> None:
-        self._resume_at = _FORK.Value("d", 0.0)
-        self._next_slot = _FORK.Value("d", 0.0)
-        self._interval = 60.0 / requests_per_minute if requests_per_minute else 0.0
-        self.limit = SharedLimit(ceiling, adaptive, workers)
+    limit: Limit
+    adaptive: bool
 
-    @property
-    def adaptive(self) -> bool:
-        return self.limit.adaptive
+    def __init__(self, requests_per_minute: int | None) -> None:
+        self._interval = pace_interval(requests_per_minute)
 
-    def slot(self) -> AsyncContextManager[Request]:
+    def slot(self) -> AbstractAsyncContextManager[Request]:
         """``async with gate.slot() as request``: wait until one more request may go (a slot, then any
         pause and pace), holding the slot while it is in flight; the caller tells ``request`` what came
         of it."""
         return request_slot(self.limit, self.wait)
 
     def pause(self, seconds: float) -> None:
-        with self._resume_at.get_lock():
-            self._resume_at.value = max(self._resume_at.value, time.monotonic() + seconds)
+        self._pause_until(self._now() + seconds)
 
     async def wait(self) -> None:
-        while (delay := self._resume_at.value - time.monotonic()) > 0:
-            await asyncio.sleep(wake_delay(delay))
+        while (delay := self._resume_at() - self._now()) > 0:
+            await asyncio.sleep(wake_delay(delay))     # not every session of the run at the same instant
         if self._interval:
-            with self._next_slot.get_lock():
-                slot = max(self._next_slot.value, time.monotonic())
-                self._next_slot.value = slot + self._interval
-            if (delay := slot - time.monotonic()) > 0:
+            slot = await self._reserve()
+            if (delay := slot - self._now()) > 0:
                 await asyncio.sleep(delay)
+
+    @abc.abstractmethod
+    def _now(self) -> float:
+        """The clock pauses and paced slots are kept in."""
+
+    @abc.abstractmethod
+    def _resume_at(self) -> float:
+        """When the run's pause ends, as far as this process knows."""
+
+    @abc.abstractmethod
+    def _pause_until(self, until: float) -> None:
+        """Hold every request of the run until ``until`` (a later pause already set stays)."""
+
+    @abc.abstractmethod
+    async def _reserve(self) -> float:
+        """This request's slot of the run's pace (see :func:`take_pace_slot`)."""
+
+
+class RateGate(Gate):
+    """The worker processes' gate: the limits in shared memory, inherited by the forked workers.
+
+    ``workers``: how many worker processes take slots (each counts its own, see SharedLimit.reclaim).
+    """
+
+    def __init__(self, requests_per_minute: int | None = None, *, ceiling: int = UNLIMITED,
+                 adaptive: bool = False, workers: int = 1) -> None:
+        super().__init__(requests_per_minute)
+        self._resume = _FORK.Value("d", 0.0)
+        self._next_slot = _FORK.Value("d", 0.0)
+        self.limit: SharedLimit = SharedLimit(ceiling, adaptive, workers)
+        self.adaptive = adaptive
+
+    def _now(self) -> float:
+        return time.monotonic()
+
+    def _resume_at(self) -> float:
+        return float(self._resume.value)
+
+    def _pause_until(self, until: float) -> None:
+        with self._resume.get_lock():
+            self._resume.value = max(self._resume.value, until)
+
+    async def _reserve(self) -> float:
+        with self._next_slot.get_lock():
+            slot, self._next_slot.value = take_pace_slot(self._next_slot.value, self._now(), self._interval)
+        return slot

@@ -2,7 +2,7 @@
 
 The parent stays the only writer of data/<run_name>/: an actor returns each prompt's row already
 encoded (a :class:`~batchrun.messages.Finished`, exactly what a worker process sends), and
-:class:`RayWorkerPool` has :class:`~batchrun.workers.WorkerPool`'s interface, so scheduling, rows,
+:class:`RayWorkerPool` is a :class:`~batchrun.workers.WorkerPool` as the local one is, so scheduling, rows,
 checkpoint, merge and resume are those of a local run.
 
 * Actors: one per CPU the run may use (at most ``--num_workers``), spread over the nodes, each running
@@ -38,24 +38,25 @@ import logging
 import multiprocessing
 import os
 import secrets
-import shutil
 import signal
 import socket
 import sys
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, AsyncContextManager, Callable
+from multiprocessing.process import BaseProcess
+from typing import Any
 
 from batchrun import concurrency
-from batchrun.concurrency import ConcurrencyFigures, Outcome, Request, Ticket
+from batchrun.concurrency import ConcurrencyFigures, Outcome, Ticket
 from batchrun.config import RunConfig
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.install_hint import install_hint
 from batchrun.messages import Fatal, Finished, Task
-from batchrun.rate_limit import wake_delay
-from batchrun.workers import PoolStartError, process_count
+from batchrun.rate_limit import Gate, pace_interval, take_pace_slot
+from batchrun.workers import PoolStartError, process_count, split_slots
 
 INSTALL_HINT = install_hint("ray")
 ACTOR_START_TIMEOUT = 180.0     # seconds for every actor to be placed, import the worker code and check its node
@@ -73,9 +74,9 @@ MAX_TMPDIR_LENGTH = 36
 WATCH_INTERVAL = 0.5            # seconds between the watcher's looks at the parent's descendants
 FIGURES_INTERVAL = 0.5          # seconds between questions to the gate actor for the live display
 PROBE_TIMEOUT = 5.0             # seconds for a TCP connection to RAY_ADDRESS's head before Ray is asked
-# Ray retries an unreachable head about 20 x 41 s. One attempt with a 10 s connection timeout bounds a
-# head that accepts connections but does not answer as Ray (measured: about 21 s); a user's own
-# setting of either variable wins.
+# Ray retries an unreachable head for many minutes by default. One attempt with a short connection
+# timeout bounds a head that accepts connections but does not answer as Ray (docs/performance.md has
+# the figures); a user's own setting of either variable wins.
 JOIN_ENVIRONMENT = {"RAY_NUM_REDIS_GET_RETRIES": "1", "RAY_py_gcs_connect_timeout_s": "10"}
 LOST_ACTOR_ERROR_TYPE = "worker_died"      # as for a local worker process that died under its prompts
 _FORK = multiprocessing.get_context("fork")
@@ -102,7 +103,7 @@ def unreachable(host: str, port: int) -> str | None:
     """Why no TCP connection to host:port opens within PROBE_TIMEOUT, or None when one does."""
     try:
         socket.create_connection((host, port), timeout=PROBE_TIMEOUT).close()
-    except socket.timeout:
+    except TimeoutError:
         return f"no answer within {PROBE_TIMEOUT:.0f} s"
     except OSError as exc:
         return exc.strerror or type(exc).__name__
@@ -116,23 +117,7 @@ def node_environment_problem(kind: str) -> str | None:
     """None when TERMINAL_ENV=kind can work on this node, else why not (cheap, once per actor)."""
     from batchrun.environments import environment_class
 
-    if kind == "bubblewrap":
-        from batchrun.environments.bubblewrap import bubblewrap_problem
-        return bubblewrap_problem()
-    backend = environment_class(kind)
-    cli = getattr(backend, "cli", None)
-    program = cli() if cli is not None else getattr(backend, "program", None)   # docker's may name podman
-    if program is None:
-        return None
-    executable = shutil.which(program)
-    if executable is None:
-        return f"`{program}` was not found on PATH"
-    if kind == "docker":
-        from batchrun.environments.container_cli import call_cli_blocking
-        answer = call_cli_blocking([executable, "version", "--format", "{{.Server.Version}}"], timeout=30)
-        if not answer.ok:
-            return f"the container engine ({program}) is not reachable: {answer.message()}"
-    return None
+    return environment_class(kind).node_problem()
 
 
 def node_tools_problem(distribution: str, available_tools: frozenset[str]) -> str | None:
@@ -154,11 +139,12 @@ def node_tools_problem(distribution: str, available_tools: frozenset[str]) -> st
 class SessionActor:
     """One Ray actor: many agent sessions at once on its asyncio loop, one call of :meth:`run` each."""
 
-    def __init__(self, slots: int, config: RunConfig, gate: "RayRateGate", env_settings: EnvironmentSettings,
+    def __init__(self, slots: int, config: RunConfig, gate: RayRateGate, env_settings: EnvironmentSettings,
                  available_tools: frozenset[str]) -> None:
-        from batchrun import worker_process   # the model client is imported on the worker side only
+        from batchrun import worker_process  # the model client is imported on the worker side only
 
         self._worker = worker_process
+        self._gate = gate
         self._services = worker_process.make_services(slots, config, gate, env_settings, available_tools)
         self._running: set[asyncio.Future] = set()
 
@@ -179,7 +165,7 @@ class SessionActor:
 
         problem = await asyncio.to_thread(problems)
         return {"node_id": ray.get_runtime_context().get_node_id(), "address": ray.util.get_node_ip_address(),
-                "pid": os.getpid(), "problem": problem, "gate": self._services.gate.limit.holder}
+                "pid": os.getpid(), "problem": problem, "gate": self._gate.limit.holder}
 
     def remove_leftovers(self) -> None:
         """What a crashed earlier run under this run name left on this node (once per node, before work)."""
@@ -202,7 +188,7 @@ class SessionActor:
 
 
 class GateKeeper:
-    """The run-wide rate limits (see :class:`batchrun.rate_limit.RateGate`) as a tiny actor.
+    """The run-wide rate limits (see :class:`batchrun.rate_limit.Gate`) as a tiny actor.
 
     Request slots are counted per holder (one per session actor), so that a lost actor's slots can be
     given back (:meth:`forget`); requests wait for a slot here, in arrival order."""
@@ -210,7 +196,7 @@ class GateKeeper:
     def __init__(self, requests_per_minute: int | None, ceiling: int, adaptive: bool) -> None:
         self._resume_at = 0.0           # wall clock: nodes' monotonic clocks are unrelated
         self._next_slot = 0.0
-        self._interval = 60.0 / requests_per_minute if requests_per_minute else 0.0
+        self._interval = pace_interval(requests_per_minute)
         self._changed = asyncio.Event()
         self._limit = concurrency.new_state(ceiling, adaptive)
         self._held: Counter[str] = Counter()
@@ -266,8 +252,7 @@ class GateKeeper:
         return self._resume_at
 
     async def reserve(self) -> float:
-        slot = max(self._next_slot, time.time())
-        self._next_slot = slot + self._interval
+        slot, self._next_slot = take_pace_slot(self._next_slot, time.time(), self._interval)
         return slot
 
 
@@ -293,52 +278,49 @@ class KeeperLimit:
     async def _give_back(self, admitted: Any) -> None:
         try:
             ticket = await admitted
-        except Exception:   # noqa: BLE001 — the keeper is gone (the run is ending), or it forgot this actor
+        except Exception:
             return
         self.finish(ticket, Outcome.UNSENT)
 
 
-class RayRateGate:
-    """RateGate's interface inside an actor: one limit on model requests at once across every actor, a
-    429 anywhere pauses every actor's new requests, and the requests-per-minute pace is one sequence of
-    slots for the whole run."""
+class RayRateGate(Gate):
+    """The gate inside an actor: one limit on model requests at once across every actor, a 429
+    anywhere pauses every actor's new requests, and the requests-per-minute pace is one sequence of
+    slots for the whole run, all kept by the :class:`GateKeeper`."""
 
     def __init__(self, keeper: Any, requests_per_minute: int | None, adaptive: bool) -> None:
+        super().__init__(requests_per_minute)
         self._keeper = keeper
         self._requests_per_minute = requests_per_minute
-        self._interval = 60.0 / requests_per_minute if requests_per_minute else 0.0
-        self._resume_at = 0.0
-        self._follower: asyncio.Future | None = None
+        self._resume = 0.0
+        self._follower: asyncio.Future[None] | None = None
         self.adaptive = adaptive
-        self.limit = KeeperLimit(keeper)
+        self.limit: KeeperLimit = KeeperLimit(keeper)
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         return RayRateGate, (self._keeper, self._requests_per_minute, self.adaptive)
 
-    def slot(self) -> AsyncContextManager[Request]:
-        return concurrency.request_slot(self.limit, self.wait)
+    def _now(self) -> float:
+        return time.time()        # wall clock: nodes' monotonic clocks are unrelated
 
-    def pause(self, seconds: float) -> None:
-        until = time.time() + seconds
-        self._resume_at = max(self._resume_at, until)
-        self._keeper.pause.remote(until)
-
-    async def wait(self) -> None:
+    def _resume_at(self) -> float:
         if self._follower is None:
             self._follower = asyncio.ensure_future(self._follow())
-        while (delay := self._resume_at - time.time()) > 0:
-            await asyncio.sleep(wake_delay(delay))     # not every session of the run at the same instant
-        if self._interval:
-            slot = await self._keeper.reserve.remote()
-            if (delay := slot - time.time()) > 0:
-                await asyncio.sleep(delay)
+        return self._resume
+
+    def _pause_until(self, until: float) -> None:
+        self._resume = max(self._resume, until)
+        self._keeper.pause.remote(until)
+
+    async def _reserve(self) -> float:
+        return float(await self._keeper.reserve.remote())
 
     async def _follow(self) -> None:
         """Learn of other actors' pauses as they happen."""
         try:
             while True:
-                self._resume_at = max(self._resume_at, await self._keeper.next_pause.remote(self._resume_at))
-        except Exception:   # noqa: BLE001 — the run is ending (the keeper is gone); nothing left to pace
+                self._resume = max(self._resume, await self._keeper.next_pause.remote(self._resume))
+        except Exception:
             return
 
 
@@ -447,7 +429,7 @@ def warn(text: str) -> None:
 
 
 class RayWorkerPool:
-    """WorkerPool's interface (submit / receive / free_slots / in_flight / stop / describe) over Ray actors."""
+    """A :class:`~batchrun.workers.WorkerPool` over Ray actors."""
 
     def __init__(self, config: RunConfig, env_settings: EnvironmentSettings, available_tools: frozenset[str]) -> None:
         self._address = os.environ.get("RAY_ADDRESS", "").strip() or None
@@ -465,7 +447,7 @@ class RayWorkerPool:
         self._figures: ConcurrencyFigures | None = None    # the keeper's, as last heard
         self._figures_asked: Any = None                     # ObjectRef of the question on its way
         self._figures_asked_at = 0.0
-        self._watcher: tuple[Connection, multiprocessing.Process] | None = None
+        self._watcher: tuple[Connection, BaseProcess] | None = None
         self._stopped = False
         self.ray: Any = None
         try:
@@ -512,7 +494,7 @@ class RayWorkerPool:
                 ray.init(address=self._address, logging_level=logging.ERROR, namespace="batch_runner")
         except PoolStartError:
             raise
-        except Exception as exc:   # noqa: BLE001 — Ray's many start-up failures all end the run alike
+        except Exception as exc:
             where = f"the Ray cluster at RAY_ADDRESS={self._address}" if self._address else "a local Ray"
             raise PoolStartError(f"could not start {where}: {type(exc).__name__}: {exc}") from None
         finally:
@@ -535,7 +517,7 @@ class RayWorkerPool:
             raise PoolStartError("the Ray cluster has no free CPU for the session actors "
                                  f"({ray.cluster_resources().get('CPU', 0):g} in all)")
         count = min(process_count(config.num_workers) if self._address is None else config.num_workers, cpus)
-        capacity = [config.num_workers // count + (1 if i < config.num_workers % count else 0) for i in range(count)]
+        capacity = split_slots(config.num_workers, count)
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         # The rate limits live beside the driver: every session needs them, and they must outlive
@@ -573,8 +555,8 @@ class RayWorkerPool:
         """Environments' leftovers on the nodes other than this one (the parent cleans its own), by one
         actor per node: before the first session and after the last."""
         ray = self.ray
-        here, cleaners = ray.get_runtime_context().get_node_id(), {}
-        for index, (actor, node) in enumerate(zip(self._actors, self._nodes)):
+        here, cleaners = ray.get_runtime_context().get_node_id(), dict[str, Any]()
+        for index, (actor, node) in enumerate(zip(self._actors, self._nodes, strict=False)):
             if index not in self._lost and node["node_id"] != here:
                 cleaners.setdefault(node["node_id"], actor)
         if cleaners:
@@ -587,11 +569,11 @@ class RayWorkerPool:
         return {node["node_id"]: node["address"] if addresses[node["address"]] == 1
                 else f"{node['address']} ({node['node_id'][:6]})" for node in self._nodes}
 
-    def describe(self) -> str:
+    def describe(self) -> str | None:
         """One start-up line: where the sessions run."""
         actors: Counter = Counter()
         sessions: Counter = Counter()
-        for node, slots in zip(self._nodes, self._capacity):
+        for node, slots in zip(self._nodes, self._capacity, strict=False):
             actors[node["node_id"]] += 1
             sessions[node["node_id"]] += slots
         labels = self._node_labels()
@@ -600,7 +582,7 @@ class RayWorkerPool:
                           f"{sessions[node]} sessions" for node in actors)
         return f"backend ray · {where} · {len(actors)} node{'s' if len(actors) > 1 else ''} ({nodes})"
 
-    # -- WorkerPool's interface ----------------------------------------------------------------------
+    # -- the WorkerPool protocol ----------------------------------------------------------------------
 
     @property
     def free_slots(self) -> int:
@@ -711,7 +693,7 @@ class RayWorkerPool:
     def _lost_twice(self, task: Task, losses: tuple[str, ...]) -> Finished:
         """The failure row of a prompt whose actor was lost twice: perhaps the prompt kills its worker,
         and it must not take every actor down. It is retried on resume, like every failure."""
-        from batchrun.worker_process import lost_task   # the model client's imports, only when needed
+        from batchrun.worker_process import lost_task  # the model client's imports, only when needed
 
         error = ("the Ray session actors running this prompt were lost twice: "
                  + "; ".join(f"actor {name}" for name in losses) + "; --resume runs it again")
@@ -752,7 +734,7 @@ class RayWorkerPool:
     def _discard(self, actor: Any) -> None:
         try:
             self.ray.kill(actor, no_restart=True)
-        except Exception:   # noqa: BLE001 — it is gone already
+        except Exception:
             pass
 
     def _actor_name(self, actor: int) -> str:
@@ -778,17 +760,17 @@ class RayWorkerPool:
                     live = [actor for index, actor in enumerate(self._actors) if index not in self._lost]
                     try:
                         ray.get([actor.stop.remote() for actor in live], timeout=STOP_GRACE_SECONDS)
-                    except Exception:   # noqa: BLE001 — a dead or stuck actor is killed below regardless
+                    except Exception:
                         pass
                     finished = self._finished_meanwhile()
                 try:
                     self._clean_other_nodes()
-                except Exception:   # noqa: BLE001 — the next run under this name cleans up instead
+                except Exception:
                     pass
                 if self._keeper is not None:
                     try:
                         self._figures = ray.get(self._keeper.figures.remote(), timeout=STOP_GRACE_SECONDS)
-                    except Exception:   # noqa: BLE001 — statistics then show the figures last heard
+                    except Exception:
                         pass
                 for actor in [*self._actors, *(replacement.actor for replacement in self._starting.values()),
                               self._keeper]:

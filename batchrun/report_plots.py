@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from batchrun.report import LogHistogram, RunSummary
+    from batchrun.report_summary import LogHistogram, RunSummary
 
 GREEN, RED, BLUE, GREY, AMBER, PURPLE, ORANGE = ("#2f9e63", "#d9534f", "#3b73d1", "#aab3c2", "#e3a21a",
                                                   "#7b5cc4", "#e8743b")
@@ -84,8 +84,8 @@ def draw(summary: RunSummary, expected: dict[str, float] | None, distribution: s
 
 
 def _draw_in_two_processes(matplotlib: Any, figures: dict[str, Callable[[], Figure | None]]) -> dict[str, str]:
-    """Every other figure is drawn in a forked child meanwhile: a figure is 50-200 ms of pure Python,
-    and the end of a run waits for them all. Not where another thread runs (a fork copies its locks
+    """Every other figure is drawn in a forked child meanwhile: drawing is pure Python, so one process
+    draws on one core, and the end of a run waits for every figure. Not where another thread runs (a fork copies its locks
     in whatever state they are), nor without fork; a child that fails leaves its figures to us."""
     names = list(figures)
     if not hasattr(os, "fork") or threading.active_count() > 1:

@@ -15,7 +15,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, cast
 
 import msgspec
 
@@ -133,7 +133,7 @@ class HumanTurn:
 Turn = AssistantTurn | HumanTurn
 
 
-def calls_of(turns: list[Turn]) -> Iterable[ToolCallRecord]:
+def calls_of(turns: Iterable[Turn]) -> Iterable[ToolCallRecord]:
     return (call for turn in turns if isinstance(turn, AssistantTurn) for call in turn.tool_calls)
 
 
@@ -207,6 +207,9 @@ def tool_response_content(result: str) -> Any:
 # its text already holds a <think>), and carries no trailing whitespace.
 THINK_OPEN, THINK_CLOSE = "<think>\n", "\n</think>\n"
 EMPTY_THINK = "<think>\n</think>\n"
+# Each call of a gpt turn, and each result of a tool turn, is one block holding one JSON line.
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"
+TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>\n", "\n</tool_response>"
 
 
 def split_rendered_reasoning(value: str) -> tuple[str, str]:
@@ -227,7 +230,7 @@ def render_gpt_turn(turn: AssistantTurn) -> dict:
     for call in turn.tool_calls:
         payload = json.dumps({"name": call.name, "arguments": parsed_or_raw(call.arguments)},
                              ensure_ascii=False)
-        parts.append(f"<tool_call>\n{payload}\n</tool_call>")
+        parts.append(TOOL_CALL_OPEN + payload + TOOL_CALL_CLOSE)
     body = "\n".join(parts)
     if turn.reasoning.strip():
         value = THINK_OPEN + turn.reasoning + THINK_CLOSE + body
@@ -237,6 +240,7 @@ def render_gpt_turn(turn: AssistantTurn) -> dict:
 
 
 _RENDERED_CALL = re.compile(r"<tool_call>\n(.*)\n</tool_call>")     # the payload is one JSON line
+_RENDERED_RESPONSE = re.compile(r"<tool_response>\n(.*)\n</tool_response>")
 _TOOLS_LIST = re.compile(r"<tools>\n(.*)\n</tools>", re.DOTALL)
 
 
@@ -250,15 +254,45 @@ def rendered_calls(gpt_value: str) -> list[dict]:
     return calls
 
 
-def offered_tool_names(system_value: str) -> list[str]:
-    """The tools a rendered system turn lists."""
+def split_rendered_calls(rest: str) -> tuple[str, list[dict]]:
+    """(text, calls) of a rendered gpt turn less its think block (the rest that
+    :func:`split_rendered_reasoning` returns): the inverse of :func:`render_gpt_turn`'s call blocks.
+    Calls are taken from the end, one block at a time, as the renderer appended them, so text in which
+    the model merely wrote a ``<tool_call>`` stays text."""
+    calls: list[dict] = []
+    text = rest
+    while text.endswith(TOOL_CALL_CLOSE):
+        start = text.rfind(TOOL_CALL_OPEN)
+        opens_a_line = start == 0 or (start > 0 and text[start - 1] == "\n")
+        block = rendered_calls(text[start:]) if opens_a_line else []
+        if len(block) != 1:
+            break
+        calls.insert(0, block[0])
+        text = text[:max(start - 1, 0)]
+    return text, calls
+
+
+def rendered_tool_responses(value: str, *, exact: bool = False) -> list[str]:
+    """The payloads (one JSON line each) of a rendered tool turn's ``<tool_response>`` blocks. With
+    ``exact``, none unless the turn is those blocks and nothing else, as :func:`render_tool_turn` wrote it."""
+    payloads = _RENDERED_RESPONSE.findall(value)
+    if exact and "\n".join(TOOL_RESPONSE_OPEN + payload + TOOL_RESPONSE_CLOSE for payload in payloads) != value:
+        return []
+    return payloads
+
+
+def offered_tool_signatures(system_value: str) -> list[dict]:
+    """The entries of a rendered system turn's tool list: name, description and parameters each
+    (format 1 listed OpenAI tool schemas, ``{"type": "function", "function": {...}}``)."""
     listed = _TOOLS_LIST.search(system_value)
     signatures = parsed_or_raw(listed.group(1)) if listed else []
-    if not isinstance(signatures, list):
-        return []
-    # Format 1 listed OpenAI tool schemas ({"type": "function", "function": {"name": ...}}).
-    names = [item.get("name", (item.get("function") or {}).get("name")) for item in signatures
-             if isinstance(item, dict)]
+    return [item for item in signatures if isinstance(item, dict)] if isinstance(signatures, list) else []
+
+
+def offered_tool_names(system_value: str) -> list[str]:
+    """The tools a rendered system turn lists."""
+    names = [item.get("name", (item.get("function") or {}).get("name"))
+             for item in offered_tool_signatures(system_value)]
     return [name for name in names if isinstance(name, str)]
 
 
@@ -267,7 +301,7 @@ def render_tool_turn(calls: list[ToolCallRecord]) -> dict:
     for call in calls:
         payload = json.dumps({"tool_call_id": call.id, "name": call.name,
                               "content": tool_response_content(call.result or "")}, ensure_ascii=False)
-        blocks.append(f"<tool_response>\n{payload}\n</tool_response>")
+        blocks.append(TOOL_RESPONSE_OPEN + payload + TOOL_RESPONSE_CLOSE)
     return {"from": "tool", "value": "\n".join(blocks)}
 
 
@@ -406,7 +440,8 @@ def encode_finished(result: SessionResult, *, batch_num: int, model: str, timest
         return encode_row(failure_row(result))
     trajectory = trajectory_row(result, batch_num=batch_num, model=model, timestamp=timestamp)
     line = encode_row(trajectory)
-    if discard_no_reasoning and read_stored_row(line).reasoning_counts()[0] == 0:
+    # A line just encoded from a trajectory is always a row, never None.
+    if discard_no_reasoning and cast(StoredRow, read_stored_row(line)).reasoning_counts()[0] == 0:
         return encode_row(tombstone_row(trajectory, NO_REASONING))
     return line
 
@@ -590,7 +625,7 @@ class StoredRow:
         row.setdefault("toolsets_sampled", row.get("toolsets_used") or [])
         row["invented_tool_calls"] = sum(call.name not in REGISTRY for turn in self._row.conversations or ()
                                          for call in turn.tool_calls)
-        return encode_row({key: row[key] for key in sorted(row, key=_KEY_ORDER.get)})
+        return encode_row({key: row[key] for key in sorted(row, key=_KEY_ORDER.__getitem__)})
 
 
 def read_stored_row(line: bytes) -> StoredRow | None:

@@ -11,17 +11,22 @@ import json
 import time
 from dataclasses import dataclass, field
 
-import openai
-
 import model_tools
 from batchrun.config import RunConfig
-from batchrun.endpoint import CONTEXT_LENGTH, ConversationBody, ModelReply, PromptFailedError, call_model
 from batchrun.environments import create_environment, environment_class
 from batchrun.environments.base import Environment, EnvironmentSettings, EnvironmentSetupError
 from batchrun.messages import Task
-from batchrun.rate_limit import RateGate
-from batchrun.rows import (AssistantTurn, HumanTurn, SessionResult, ToolCallRecord, Turn, Usage, is_invented,
-                           split_reasoning)
+from batchrun.model import CONTEXT_LENGTH, Message, ModelReply, ModelSource, PromptFailedError
+from batchrun.rows import (
+    AssistantTurn,
+    HumanTurn,
+    SessionResult,
+    ToolCallRecord,
+    Turn,
+    Usage,
+    is_invented,
+    split_reasoning,
+)
 from batchrun.security import Redactor
 from batchrun.time_limit import within
 from batchrun.tools import ModelAccess, ToolContext, ToolError
@@ -44,8 +49,6 @@ SUMMARY_REQUEST = ("You've reached the maximum number of tool-calling iterations
 # blocks (Anthropic thinking signatures, Gemini thought signatures) on the following calls.
 REASONING_FIELDS = ("reasoning", "reasoning_content", "reasoning_details")
 ENVIRONMENT_STARTS_AT_ONCE = 8
-# Toolsets whose tools act in the prompt's environment (vision reads images from it, image_gen saves there).
-ENVIRONMENT_TOOLSETS = frozenset({"terminal", "file", "vision", "image_gen"})
 
 
 @dataclass
@@ -53,8 +56,7 @@ class SessionServices:
     """What every session of a worker process shares."""
 
     config: RunConfig
-    clients: list[openai.AsyncOpenAI]
-    gate: RateGate
+    models: ModelSource        # each session's model (the run's endpoint: batchrun.endpoint.OpenAIEndpoint)
     env_settings: EnvironmentSettings
     available_tools: frozenset[str]
     redact: Redactor
@@ -62,11 +64,6 @@ class SessionServices:
     # Environments starting at once in this process: when hundreds of sessions begin together, the
     # first few get their sandboxes (and send their first requests) without waiting for them all.
     starting: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(ENVIRONMENT_STARTS_AT_ONCE))
-
-    def client_for(self, prompt_index: int) -> openai.AsyncOpenAI:
-        # Several small connection pools: the HTTP pool scans its connections on every request,
-        # so one pool shared by hundreds of sessions would cost O(sessions) per call.
-        return self.clients[prompt_index % len(self.clients)]
 
     def retire(self, env: Environment) -> None:
         """Release a finished session's environment in the background: its row need not wait while
@@ -76,14 +73,14 @@ class SessionServices:
         closing.add_done_callback(self.closing.discard)
 
     async def close(self) -> None:
-        """Finish closing environments (and end those kept for further prompts), then the clients'
+        """Finish closing environments (and end those kept for further prompts), then the model's
         connections, while the loop still runs."""
         await asyncio.gather(*self.closing, return_exceptions=True)
         await environment_class(self.config.terminal_env).close_idle()
-        await asyncio.gather(*(client.close() for client in self.clients), return_exceptions=True)
+        await self.models.close()
 
 
-def runtime_messages(config: RunConfig, prompt: str) -> list[dict]:
+def runtime_messages(config: RunConfig, prompt: str) -> list[Message]:
     """What the model sees first; the ephemeral prompt and prefill never reach the trajectory."""
     system = AGENT_PROMPT
     if config.ephemeral_system_prompt:
@@ -92,7 +89,7 @@ def runtime_messages(config: RunConfig, prompt: str) -> list[dict]:
             {"role": "user", "content": prompt}]
 
 
-def _tool_calls_of(message: dict, turn_number: int) -> list[ToolCallRecord]:
+def _tool_calls_of(message: Message, turn_number: int) -> list[ToolCallRecord]:
     calls = []
     for position, call in enumerate(message.get("tool_calls") or ()):
         function = call.get("function") or {}
@@ -104,12 +101,12 @@ def _tool_calls_of(message: dict, turn_number: int) -> list[ToolCallRecord]:
     return calls
 
 
-def _assistant_message(message: dict, calls: list[ToolCallRecord]) -> dict:
+def _assistant_message(message: Message, calls: list[ToolCallRecord]) -> Message:
     """The reply as it goes back to the endpoint in the conversation: as received, reasoning fields
     and each call's own extra fields included, with only what servers need filled in (an id, the
     arguments as text)."""
     # "" rather than None: some servers (llama.cpp) reject a null content beside tool_calls.
-    echoed: dict = {"role": "assistant", "content": message.get("content") or ""}
+    echoed: Message = {"role": "assistant", "content": message.get("content") or ""}
     for key in REASONING_FIELDS:
         if message.get(key) is not None:
             echoed[key] = message[key]
@@ -117,7 +114,7 @@ def _assistant_message(message: dict, calls: list[ToolCallRecord]) -> dict:
         received = message.get("tool_calls") or []
         echoed["tool_calls"] = [{**original, "id": call.id, "type": original.get("type") or "function",
                                  "function": {**original["function"], "arguments": call.arguments}}
-                                for original, call in zip(received, calls)]
+                                for original, call in zip(received, calls, strict=True)]
     return echoed
 
 
@@ -128,7 +125,8 @@ class Session:
         self.config = services.config
         self.offered_tools = [name for name in model_tools.tools_for_toolsets(task.toolsets)
                               if name in services.available_tools]
-        self.tool_schemas = [model_tools.REGISTRY[name].schema for name in self.offered_tools]
+        self.model = services.models.model(task.prompt_index,
+                                           [model_tools.REGISTRY[name].schema for name in self.offered_tools])
         self.turns: list[Turn] = []
         self.usage = Usage()
         self.api_calls = 0
@@ -150,7 +148,7 @@ class Session:
                 error, error_type = str(exc), exc.error_type
         except EnvironmentSetupError as exc:
             error, error_type = str(exc), "environment"
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if self._answered():    # keep what the paid-for turns produced, as a partial row
                 end_reason = "prompt_timeout"
             else:
@@ -170,7 +168,7 @@ class Session:
             end_reason=end_reason, error=redact(error) if error else None, error_type=error_type)
 
     async def _start_environment(self) -> None:
-        if not any(model_tools.TOOL_TO_TOOLSET_MAP[name] in ENVIRONMENT_TOOLSETS for name in self.offered_tools):
+        if not model_tools.needs_environment(self.offered_tools):
             return
         self.env = create_environment(self.config.terminal_env, self.services.env_settings,
                                       prompt_index=self.task.prompt_index, image=self.task.image,
@@ -184,7 +182,7 @@ class Session:
             self.tools = ToolContext(env=self.env, settings=self.services.env_settings,
                                      model=ModelAccess(base_url=config.base_url, api_key=config.api_key,
                                                        model=config.model,
-                                                       client=self.services.client_for(self.task.prompt_index)))
+                                                       client=self.services.models.tool_client(self.task.prompt_index)))
         return self.tools
 
     async def _close_tools(self) -> None:
@@ -200,29 +198,17 @@ class Session:
     def _answered(self) -> bool:
         return any(isinstance(turn, AssistantTurn) for turn in self.turns)
 
-    def _request_fields(self, *, with_tools: bool = True) -> dict:
-        """Every field of a chat-completions call but its messages (provider routing and reasoning included)."""
-        fields: dict = {"model": self.config.model, **self.config.extra_body}
-        if self.offered_tools and with_tools:
-            fields["tools"] = self.tool_schemas
-        if self.config.max_tokens:
-            fields["max_tokens"] = self.config.max_tokens
-        return fields
-
-    async def _call(self, body: ConversationBody, messages: list[dict]) -> ModelReply:
-        config = self.config
-        reply = await call_model(self.services.client_for(self.task.prompt_index), self.services.gate,
-                                 body=body.encode(messages), model=config.model, max_retries=config.max_retries,
-                                 base_url=config.base_url)
+    async def _call(self, messages: list[Message], *, with_tools: bool = True) -> ModelReply:
+        reply = await self.model.reply(messages, with_tools=with_tools)
         self.api_calls += 1
         self.usage.add(reply.usage)
         return reply
 
-    def _record(self, messages: list[dict], reply: ModelReply, turn: AssistantTurn) -> None:
+    def _record(self, messages: list[Message], reply: ModelReply, turn: AssistantTurn) -> None:
         self.turns.append(turn)
         messages.append(_assistant_message(reply.message, turn.tool_calls))
 
-    def _ask(self, messages: list[dict], text: str) -> None:
+    def _ask(self, messages: list[Message], text: str) -> None:
         self.turns.append(HumanTurn(text))
         messages.append({"role": "user", "content": text})
 
@@ -231,10 +217,9 @@ class Session:
         with no text is asked for again, one cut off by the output limit is asked to go on, and at
         --max_turns calls one more, without tools, asks for a summary."""
         messages = runtime_messages(self.config, self.task.prompt)
-        body = ConversationBody(self._request_fields())
         empty_retries = continuations = invented_streak = cut_calls = 0
         while self.api_calls < self.config.max_turns:
-            reply = await self._call(body, messages)
+            reply = await self._call(messages)
             reasoning, visible = split_reasoning(reply.message)
             calls = _tool_calls_of(reply.message, self.api_calls - 1)
             cut_off = reply.finish_reason == "length"
@@ -270,14 +255,14 @@ class Session:
         await self._summarise(messages)
         return "max_turns"
 
-    async def _summarise(self, messages: list[dict]) -> None:
+    async def _summarise(self, messages: list[Message]) -> None:
         """At --max_turns, one call without tools asks for a summary; the row keeps it (and the request)
         when the model gives one. A failure here only loses the summary, never the turns before it."""
         if not self._answered() or isinstance(self.turns[-1], HumanTurn):
             return
         request = [*messages, {"role": "user", "content": SUMMARY_REQUEST}]
         try:
-            reply = await self._call(ConversationBody(self._request_fields(with_tools=False)), request)
+            reply = await self._call(request, with_tools=False)
         except PromptFailedError:
             return
         reasoning, visible = split_reasoning(reply.message)
@@ -303,7 +288,7 @@ class Session:
             text = json.dumps(result, ensure_ascii=False)
         except ToolError as exc:
             text = _error(str(exc))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             text = _error(f"{call.name} did not finish within {self.config.tool_timeout:g}s")
         except Exception as exc:  # a tool bug must cost one tool call, not the whole prompt
             text = _error(f"{call.name} failed: {type(exc).__name__}: {exc}")

@@ -13,19 +13,21 @@ import signal
 import sys
 import threading
 import traceback
+from collections.abc import Collection
 from datetime import datetime
 from multiprocessing.connection import Connection
+from typing import Any
 
 from batchrun import rows
 from batchrun.config import RunConfig
-from batchrun.endpoint import RunFatalError, make_client
+from batchrun.endpoint import OpenAIEndpoint
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.messages import Fatal, Finished, Task
-from batchrun.rate_limit import RateGate
+from batchrun.model import RunFatalError
+from batchrun.rate_limit import Gate, RateGate
 from batchrun.security import Redactor
 from batchrun.session import Session, SessionServices
-from batchrun.tools.browser import close_browser
-from model_tools import toolsets_offering
+from model_tools import tear_down_process, toolsets_offering
 
 SESSIONS_PER_CLIENT = 16
 # A parent that stopped reading is stopping too; the last rows wait this long to be taken.
@@ -38,6 +40,7 @@ def _finished(result: rows.SessionResult, config: RunConfig) -> Finished:
                                 timestamp=datetime.now().isoformat(timespec="seconds"),
                                 discard_no_reasoning=config.discard_no_reasoning)
     stored = rows.read_stored_row(line)
+    assert stored is not None       # a row just encoded is always complete
     return Finished(prompt_index=result.prompt_index, batch_num=batch_num, status=stored.status,
                     row=line, api_calls=result.api_calls, usage=result.usage.as_dict(),
                     wall_time=result.wall_time, end_reason=result.end_reason, error=result.error,
@@ -65,15 +68,12 @@ def use_pidfd_child_watcher(loop: asyncio.AbstractEventLoop) -> None:
         asyncio.set_child_watcher(watcher)
 
 
-def make_services(slots: int, config: RunConfig, gate: RateGate, env_settings: EnvironmentSettings,
+def make_services(slots: int, config: RunConfig, gate: Gate, env_settings: EnvironmentSettings,
                   available_tools: frozenset[str]) -> SessionServices:
     """What one worker (process or Ray actor) shares between its ``slots`` concurrent sessions."""
-    client_count = max(1, math.ceil(slots / SESSIONS_PER_CLIENT))
-    return SessionServices(config=config, clients=[make_client(config.base_url, config.api_key,
-                                                               timeout=config.request_timeout)
-                                                   for _ in range(client_count)], gate=gate,
-                           env_settings=env_settings, available_tools=available_tools,
-                           redact=Redactor.from_environment(config.api_key))
+    models = OpenAIEndpoint(config, gate, clients=max(1, math.ceil(slots / SESSIONS_PER_CLIENT)))
+    return SessionServices(config=config, models=models, env_settings=env_settings,
+                           available_tools=available_tools, redact=Redactor.from_environment(config.api_key))
 
 
 async def outcome(task: Task, services: SessionServices) -> Finished | Fatal:
@@ -102,13 +102,13 @@ def lost_task(task: Task, config: RunConfig, error: str, error_type: str = "inte
     return _finished(_failed(task, error, error_type), config)
 
 
-async def shut_down(sessions: set[asyncio.Task], services: SessionServices) -> None:
-    """End a worker: cancel its sessions (each closes its environment), then close the shared
-    browser and the model clients."""
+async def shut_down(sessions: Collection[asyncio.Future[Any]], services: SessionServices) -> None:
+    """End a worker: cancel its sessions (each closes its environment), then end what the tools
+    started in the process (the shared browser...) and close the model clients."""
     for session in sessions:
         session.cancel()
     await asyncio.gather(*sessions, return_exceptions=True)
-    await close_browser()
+    await tear_down_process()
     await services.close()
 
 

@@ -18,6 +18,8 @@ import signal
 import time
 from dataclasses import asdict
 from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any, Protocol, cast
 
 from batchrun.concurrency import ConcurrencyFigures
 from batchrun.config import RunConfig
@@ -29,13 +31,13 @@ _FORK = multiprocessing.get_context("fork")
 STOP_GRACE_SECONDS = 15.0
 
 
-def _worker_entry(*args: object) -> None:
+def _worker_entry(*args: Any) -> None:
     from batchrun import worker_process
 
     worker_process.main(*args)
 
 
-def _death(process: multiprocessing.process.BaseProcess) -> str:
+def _death(process: BaseProcess) -> str:
     process.join(1.0)
     code = process.exitcode
     if code is not None and code < 0:
@@ -49,15 +51,18 @@ def _death(process: multiprocessing.process.BaseProcess) -> str:
             "the prompts it was running; --resume runs them again")
 
 
+def _ready(conns: list[Connection], timeout: float) -> list[Connection]:
+    """The pipe ends among ``conns`` with something to read (or closed), waiting at most ``timeout``."""
+    return cast("list[Connection]", wait(conns, timeout))
+
+
 class PoolStartError(RuntimeError):
     """The workers could not start (a backend's own failure, e.g. Ray); the message says why."""
 
 
 # A worker's loop is busy for a while when many of its sessions come back at once; a second process
-# per core runs meanwhile. Measured (benchmarks/throughput.py): one per core 0.85-0.88 of the ideal at
-# 64 sessions and 150-180 trajectories/s at 256; two per core 0.89-0.92 and 180-190; three or four per
-# core lose at 256. Since commands start from a thread (environments.command_output), one per core
-# matches two at 64 sessions (0.92) but still loses at 256 (191 against 226 trajectories/s).
+# per core keeps the core busy meanwhile. More per core only adds switching and memory (the figures,
+# from benchmarks/throughput.py, are in docs/performance.md).
 PROCESSES_PER_CORE = 2
 
 
@@ -65,8 +70,48 @@ def process_count(num_workers: int) -> int:
     return max(1, min(num_workers, PROCESSES_PER_CORE * (os.cpu_count() or 1)))
 
 
-class WorkerPool:
-    """A fixed set of worker processes with a known number of free session slots each."""
+def split_slots(sessions: int, workers: int) -> list[int]:
+    """Each worker's share of the run's session slots: as even as it goes, the first ones one more."""
+    return [sessions // workers + (1 if worker < sessions % workers else 0) for worker in range(workers)]
+
+
+class WorkerPool(Protocol):
+    """Where sessions run (local worker processes, Ray actors): the parent hands out one task per free
+    slot and receives each prompt's finished row, already encoded."""
+
+    @property
+    def free_slots(self) -> int:
+        """Tasks :meth:`submit` may be given now."""
+        ...
+
+    @property
+    def in_flight(self) -> int:
+        """Tasks handed out whose message has not come back yet (0: the pool is idle)."""
+        ...
+
+    @property
+    def concurrency(self) -> ConcurrencyFigures | None:
+        """The run-wide limit on model requests at once, as last known (None: not known yet)."""
+        ...
+
+    def describe(self) -> str | None:
+        """A start-up line on where the sessions run, where the start-up summary does not say it."""
+        ...
+
+    def submit(self, task: Task) -> None: ...
+
+    def receive(self, timeout: float) -> list[Finished | Fatal]:
+        """What came back, waiting at most ``timeout`` seconds for the first message."""
+        ...
+
+    def stop(self) -> list[Finished]:
+        """Cancel what runs and end the workers; the rows that finished meanwhile, to be kept."""
+        ...
+
+
+class ProcessPool:
+    """The local :class:`WorkerPool`: a fixed set of worker processes with a known number of free
+    session slots each."""
 
     def __init__(self, config: RunConfig, env_settings: EnvironmentSettings, available_tools: frozenset[str]) -> None:
         # The model client (half a second of imports) loads once, here, before the fork: workers
@@ -79,11 +124,10 @@ class WorkerPool:
         self.gate = RateGate(config.requests_per_minute, ceiling=config.num_workers,
                              adaptive=config.adaptive_concurrency, workers=count)
         self._config, self._env_settings, self._available_tools = config, env_settings, available_tools
-        self._capacity = [config.num_workers // count + (1 if i < config.num_workers % count else 0)
-                          for i in range(count)]
+        self._capacity = split_slots(config.num_workers, count)
         self._free = list(self._capacity)
         self._conns: list[Connection] = []
-        self._processes: list[multiprocessing.Process] = []
+        self._processes: list[BaseProcess] = []
         self._running: list[dict[int, Task]] = [{} for _ in self._capacity]   # per worker, by prompt index
         for worker, capacity in enumerate(self._capacity):
             conn, process = self._spawn(worker, capacity, self._conns)
@@ -91,7 +135,7 @@ class WorkerPool:
             self._processes.append(process)
 
     def _spawn(self, worker: int, capacity: int,
-               others: list[Connection]) -> tuple[Connection, multiprocessing.Process]:
+               others: list[Connection]) -> tuple[Connection, BaseProcess]:
         """Worker process number ``worker``, with ``capacity`` session slots; ``others`` are the parent's
         ends of the other workers' pipes, which the child must close."""
         parent_end, child_end = _FORK.Pipe(duplex=True)
@@ -101,6 +145,9 @@ class WorkerPool:
         process.start()
         child_end.close()
         return parent_end, process
+
+    def describe(self) -> str | None:
+        return None     # the start-up summary names the worker processes already
 
     @property
     def free_slots(self) -> int:
@@ -128,7 +175,7 @@ class WorkerPool:
         """Everything the workers have sent, waiting at most ``timeout`` for the first message; a
         worker that died is replaced and its prompts come back as failure rows."""
         messages: list[Finished | Fatal] = []
-        ready = wait(self._conns, timeout)
+        ready = _ready(self._conns, timeout)
         while ready:
             for conn in ready:
                 worker = self._conns.index(conn)
@@ -141,7 +188,7 @@ class WorkerPool:
                     self._free[worker] += 1
                     self._running[worker].pop(message.prompt_index, None)
                 messages.append(message)
-            ready = wait(self._conns, 0)
+            ready = _ready(self._conns, 0)
         return messages
 
     def _replace(self, worker: int) -> list[Finished]:
@@ -173,7 +220,7 @@ class WorkerPool:
         finished: list[Finished] = []
         open_conns = list(self._conns)
         while open_conns and time.monotonic() < deadline:
-            for conn in wait(open_conns, max(0.0, deadline - time.monotonic())):
+            for conn in _ready(open_conns, max(0.0, deadline - time.monotonic())):
                 try:
                     message = conn.recv()
                 except (EOFError, OSError):

@@ -33,10 +33,10 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from throughput import CALLS_PER_PROMPT, REPO, TOOL_TURNS, server_stats
 
@@ -187,7 +187,7 @@ def changing(args: argparse.Namespace) -> None:
           f"{args.changing_prompts} prompts in {elapsed:.1f} s, {stats['failed_prompts']} failed")
     print(f"{'t s':>6} {'K':>4} {'served at once':>14} {'answered':>8} {'429s':>5}")
     step = max(1, round(0.5 / SAMPLE_EVERY))
-    for before, after in zip(samples[::step], samples[step::step]):
+    for before, after in zip(samples[::step], samples[step::step], strict=False):
         at_once = (after.busy_seconds - before.busy_seconds) / (after.at - before.at)
         print(f"{after.at:>6.1f} {after.limit:>4} {at_once:>14.1f} {after.answered - before.answered:>8} "
               f"{after.rejected - before.rejected:>5}")

@@ -20,15 +20,15 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Awaitable, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from batchrun.environments import confined_files, create_environment, environment_class  # noqa: E402
 from batchrun.environments.base import EnvironmentSettings  # noqa: E402
 from batchrun.environments.bubblewrap import (  # noqa: E402
-    _sandbox_argv,          # the backend's own sandbox options, so the comparison is like for like
+    _sandbox_argv,  # the backend's own sandbox options, so the comparison is like for like
     _sandbox_environment,
     bubblewrap_problem,
     working_bwrap,
@@ -143,7 +143,8 @@ async def main(commands: int) -> None:
         print(f"mean per-command overhead over {commands} `true` commands")
         print(f"  local (new bash per command)          {await backend_ms('local', work_root, commands):8.2f} ms")
         if problem is None:
-            print(f"  bubblewrap (one shell per prompt)     {await backend_ms('bubblewrap', work_root, commands):8.2f} ms")
+            shell = await backend_ms("bubblewrap", work_root, commands)
+            print(f"  bubblewrap (one shell per prompt)     {shell:8.2f} ms")
             print(f"  new bwrap sandbox per command         {await new_sandbox_ms(work_root, commands):8.2f} ms")
         print(f"per prompt (start, two commands, release) over {commands} prompts: wall / machine CPU")
         for kind in ["local"] + (["bubblewrap"] if problem is None else []):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from scripted_endpoint import ScriptedEndpoint  # noqa: E402
+from scripted_endpoint import ScriptedEndpoint
 
 REPO = Path(__file__).resolve().parent.parent
 SECRET_VARIABLES = ("OPENROUTER_API_KEY", "OPENAI_API_KEY")

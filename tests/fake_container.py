@@ -64,7 +64,7 @@ class Container:
         self.dir = state() / "containers" / file_name(name)
 
     @classmethod
-    def all(cls) -> list["Container"]:
+    def all(cls) -> list[Container]:
         """Every container; one another command is creating or removing at this moment is skipped,
         as the real CLIs list only containers that fully exist."""
         folder = state() / "containers"

@@ -18,8 +18,8 @@ import types
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"   # before Ray is imported: it reads it then
 
-import ray._private.ray_constants as ray_constants  # noqa: E402
-from ray.scripts import scripts  # noqa: E402
+import ray._private.ray_constants as ray_constants
+from ray.scripts import scripts
 
 allowing_clusters = types.ModuleType(ray_constants.__name__)
 allowing_clusters.__dict__.update(ray_constants.__dict__)

@@ -78,9 +78,10 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 
 __all__ = [
     "ScriptedEndpoint",
@@ -472,7 +473,7 @@ class _Server(ThreadingHTTPServer):
     request_queue_size = 256
     daemon_threads = True
     allow_reuse_address = True
-    endpoint: "ScriptedEndpoint"
+    endpoint: ScriptedEndpoint
 
     def handle_error(self, request, client_address):  # silence client disconnects etc.
         pass
@@ -483,7 +484,7 @@ class _Handler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True
     server: _Server
 
-    def log_message(self, format, *args):  # noqa: A002 - silence request logging
+    def log_message(self, format, *args):
         pass
 
     # -- plumbing
@@ -610,7 +611,7 @@ class ScriptedEndpoint:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
-    def start(self) -> "ScriptedEndpoint":
+    def start(self) -> ScriptedEndpoint:
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="scripted-endpoint", daemon=True
@@ -625,7 +626,7 @@ class ScriptedEndpoint:
             self._thread = None
         self._server.server_close()
 
-    def __enter__(self) -> "ScriptedEndpoint":
+    def __enter__(self) -> ScriptedEndpoint:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -16,15 +16,15 @@ import tempfile
 from typing import Any
 
 import pytest
+from conftest import run_cli, write_dataset
 from rich.cells import cell_len
 from rich.console import Console
+from scripted_endpoint import ScriptedEndpoint
 
 from batchrun import concurrency
 from batchrun.concurrency import AimdState, ConcurrencyFigures, Outcome, SharedLimit, Ticket, slots
 from batchrun.console import RunConsole
 from batchrun.stats import ThisRun
-from conftest import run_cli, write_dataset
-from scripted_endpoint import ScriptedEndpoint
 
 FORK = multiprocessing.get_context("fork")
 
@@ -222,7 +222,7 @@ def test_a_lowered_limit_admits_fewer_requests_at_once():
         try:
             while True:
                 admitted.append(await asyncio.wait_for(limit.admit(), 0.5))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return len(admitted)
     assert asyncio.run(admitted_after_a_429()) == 3
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import batch_rows, endpoint_args, read_jsonl, run_cli, write_dataset
+from scripted_endpoint import OVERFLOW_ERRORS
 
 from batchrun.session import CONTINUE_REQUEST, MAX_CONTINUATIONS, MAX_EMPTY_RETRIES, SUMMARY_REQUEST
-from conftest import batch_rows, endpoint_args, read_jsonl, run_cli, write_dataset
 from model_tools import TOOLSETS
-from scripted_endpoint import OVERFLOW_ERRORS
 
 TERMINAL_CALL = '[[call terminal {"command": "echo hi"}]]'
 

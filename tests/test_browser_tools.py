@@ -16,20 +16,20 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Coroutine, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Coroutine, Iterator
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
+from conftest import batch_rows, endpoint_args, run_cli, write_dataset
 
 import model_tools
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.install_hint import install_hint
 from batchrun.time_limit import within
-from batchrun.tools import ToolContext, ToolError
-from batchrun.tools import browser
-from conftest import batch_rows, endpoint_args, run_cli, write_dataset
+from batchrun.tools import ToolContext, ToolError, browser
 
 if TYPE_CHECKING:
     from playwright.async_api import BrowserContext
@@ -377,7 +377,7 @@ def datagrams_after_webrtc(session: Session, site: str, listeners: list[socket.s
                            monkeypatch: pytest.MonkeyPatch) -> int:
     """Start WebRTC towards the listeners (with no allow variable set), wait until its TURN-over-TCP
     attempt reaches the gate, and count the datagrams the listeners got meanwhile and a little after."""
-    stun, turn, peer = ("%s:%d" % listener.getsockname() for listener in listeners)
+    stun, turn, peer = ("{}:{}".format(*listener.getsockname()) for listener in listeners)
     page = session.call("navigate", url=f"{site}/webrtc?stun={stun}&turn={turn}&peer={peer}")
     monkeypatch.delenv("WEB_ALLOW_PRIVATE")
     session.call("click", ref=ref(page, 'button "Start"'))

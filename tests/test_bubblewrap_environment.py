@@ -10,15 +10,14 @@ import secrets
 import shutil
 import threading
 import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import AsyncIterator, Iterator
 
 import pytest
 from conftest import live_processes_mentioning, wait_for
 
-from batchrun.environments import create_environment, default_environment_kind
+from batchrun.environments import bubblewrap, create_environment, default_environment_kind
 from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError, ToolError
-from batchrun.environments import bubblewrap
 from batchrun.environments.bubblewrap import BubblewrapEnvironment, bubblewrap_problem
 from batchrun.tools import ToolContext
 from batchrun.tools.files import search_files, write_file

@@ -11,9 +11,16 @@ import subprocess
 import time
 
 import pytest
-
-from conftest import (batch_rows, batch_runner_command, cli_environment, endpoint_args, human_prompt, read_jsonl,
-                      run_cli, write_dataset)
+from conftest import (
+    batch_rows,
+    batch_runner_command,
+    cli_environment,
+    endpoint_args,
+    human_prompt,
+    read_jsonl,
+    run_cli,
+    write_dataset,
+)
 
 DISTRIBUTION_NAMES = ("default", "image_gen", "research", "science", "development", "safe", "balanced", "minimal",
                       "terminal_only", "terminal_web", "creative", "reasoning", "browser_use", "browser_only",

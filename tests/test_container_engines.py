@@ -14,18 +14,27 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
+from conftest import (
+    batch_rows,
+    batch_runner_command,
+    cli_environment,
+    default_sigint,
+    endpoint_args,
+    read_jsonl,
+    run_cli,
+    wait_for,
+    write_dataset,
+)
+from container_backends import ENGINES, UNPULLABLE_IMAGE, EngineBackend, environment, make_backend, make_settings
 
-from batchrun.environments import environment_class
 from batchrun.environments import docker as docker_module
+from batchrun.environments import environment_class
 from batchrun.environments.base import EnvironmentSetupError, run_identity
 from batchrun.environments.limits import ResourceLimits
-from conftest import batch_rows, batch_runner_command, cli_environment, default_sigint, endpoint_args, read_jsonl, \
-    run_cli, wait_for, write_dataset
-from container_backends import ENGINES, UNPULLABLE_IMAGE, EngineBackend, environment, make_backend, make_settings
 
 
 @pytest.fixture(params=ENGINES)

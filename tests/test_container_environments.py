@@ -13,17 +13,6 @@ import multiprocessing
 import time
 
 import pytest
-
-from batchrun.environments import create_environment, environment_class
-from batchrun.environments import container as container_module
-from batchrun.environments import docker as docker_module
-from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError
-from batchrun.environments.container import ContainerEnvironment
-from batchrun.environments.image_lock import image_file_stem
-from batchrun.environments.singularity import sif_cache
-from batchrun.tools import ToolContext, ToolError
-from batchrun.tools.files import patch, read_file, search_files, write_file
-from batchrun.tools.terminal import terminal
 from container_backends import (
     BACKENDS,
     STAND_IN_IMAGE,
@@ -35,6 +24,17 @@ from container_backends import (
     make_backend,
     make_settings,
 )
+
+from batchrun.environments import container as container_module
+from batchrun.environments import create_environment, environment_class
+from batchrun.environments import docker as docker_module
+from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError
+from batchrun.environments.container import ContainerEnvironment
+from batchrun.environments.image_lock import image_file_stem
+from batchrun.environments.singularity import sif_cache
+from batchrun.tools import ToolContext, ToolError
+from batchrun.tools.files import patch, read_file, search_files, write_file
+from batchrun.tools.terminal import terminal
 
 
 @pytest.fixture(params=BACKENDS)

@@ -11,9 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from conftest import (REPO, cli_environment, endpoint_args, process_state, read_jsonl, run_cli, wait_for,
-                      write_dataset)
+from conftest import REPO, cli_environment, endpoint_args, process_state, read_jsonl, run_cli, wait_for, write_dataset
 from scripted_endpoint import ScriptedEndpoint
 
 DEMO = REPO / "data" / "demo.jsonl"

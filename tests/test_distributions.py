@@ -188,7 +188,7 @@ def test_sampling_an_unknown_distribution_raises() -> None:
 def test_format_distributions_lists_every_distribution_with_toolsets_highest_first() -> None:
     blocks = td.format_distributions().strip().split("\n\n")
     assert len(blocks) == len(EXPECTED)
-    for block, (name, (description, toolsets)) in zip(blocks, EXPECTED.items()):
+    for block, (name, (description, toolsets)) in zip(blocks, EXPECTED.items(), strict=True):
         header, *rows = block.splitlines()
         assert name in header and description in header
         listed = [(row.split()[1], int(row.split()[0].rstrip("%"))) for row in rows]

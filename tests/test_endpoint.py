@@ -14,12 +14,21 @@ import time
 
 import openai
 import pytest
-
-from batchrun.endpoint import (MAX_RETRY_AFTER, MalformedReplyError, PromptFailedError, RunFatalError, call_model,
-                               classify, make_client, parse_reply, retry_after_seconds)
-from batchrun.rate_limit import RateGate
 from conftest import batch_rows, read_jsonl, run_cli, write_dataset
 from scripted_endpoint import OVERFLOW_ERRORS, ScriptedEndpoint
+
+from batchrun.endpoint import (
+    MAX_RETRY_AFTER,
+    MalformedReplyError,
+    PromptFailedError,
+    RunFatalError,
+    call_model,
+    classify,
+    make_client,
+    parse_reply,
+    retry_after_seconds,
+)
+from batchrun.rate_limit import RateGate
 
 pytestmark = pytest.mark.timeout(120)
 

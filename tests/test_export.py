@@ -16,19 +16,23 @@ import sys
 from pathlib import Path
 
 import pytest
-from openai.types.chat import (ChatCompletionAssistantMessageParam, ChatCompletionMessageParam,
-                               ChatCompletionToolMessageParam, ChatCompletionToolParam,
-                               ChatCompletionUserMessageParam)
+from conftest import REPO, batch_rows, cli_environment, read_jsonl, run_cli, write_dataset
+from openai.types.chat import (
+    ChatCompletionAssistantMessageParam,
+    ChatCompletionMessageParam,
+    ChatCompletionToolMessageParam,
+    ChatCompletionToolParam,
+    ChatCompletionUserMessageParam,
+)
 from openai.types.shared_params import FunctionDefinition
 from pydantic import TypeAdapter
+from scripted_endpoint import ScriptedEndpoint
+from test_rows import FORMAT_1_SESSION, format_1_line, random_result
 
 from batchrun import export, rows
 from batchrun.install_hint import install_hint
 from batchrun.rows import AssistantTurn, HumanTurn, SessionResult, ToolCallRecord, Usage
 from batchrun.session import CONTINUE_REQUEST, SUMMARY_REQUEST
-from conftest import REPO, batch_rows, cli_environment, read_jsonl, run_cli, write_dataset
-from scripted_endpoint import ScriptedEndpoint
-from test_rows import FORMAT_1_SESSION, format_1_line, random_result
 
 RUN = "run"
 TERMINAL_CALL = '[[call terminal {"command": "echo hi"}]]'

@@ -17,8 +17,8 @@ import socket
 import stat
 import threading
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import AsyncIterator, Awaitable, Callable, Iterator
 
 import pytest
 from conftest import wait_for

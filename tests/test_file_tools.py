@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Awaitable, Callable
 
 import pytest
 

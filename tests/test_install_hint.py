@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from conftest import REPO
+
 from batchrun.install_hint import install_hint
 
 MODULE = REPO / "batchrun" / "install_hint.py"

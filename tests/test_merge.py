@@ -8,10 +8,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from conftest import endpoint_args, run_cli, write_dataset
 
 from batchrun import run_dir as run_dir_module
 from batchrun.run_dir import MERGE_RECORD, TRAJECTORIES, RunDirectory, RunDirectoryError
-from conftest import endpoint_args, run_cli, write_dataset
 
 PROMPTS = ([f"prompt {i}" for i in range(6)] + [f'[[call terminal {{"command": "echo {i}"}}]] command {i}' for i in range(4)]
            + ["[[invent]] inventive", "[[fail 400]] refused", "prompt 3"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import ipaddress
+import itertools
 import json
 import os
 import re
@@ -26,11 +27,26 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from conftest import (
+    PROMPTS_BESIDE_IT,
+    RATE_LIMITED_PROMPT,
+    REPO,
+    assert_the_429_paused_every_other_session,
+    batch_rows,
+    batch_runner_command,
+    cli_environment,
+    endpoint_args,
+    finished_row_count,
+    human_prompt,
+    last_user_message,
+    process_state,
+    read_jsonl,
+    record_arrivals,
+    run_cli,
+    wait_for,
+    write_dataset,
+)
 
-from conftest import (PROMPTS_BESIDE_IT, RATE_LIMITED_PROMPT, REPO, assert_the_429_paused_every_other_session,
-                      batch_rows, batch_runner_command, cli_environment, endpoint_args, finished_row_count,
-                      human_prompt, last_user_message, process_state, read_jsonl, record_arrivals, run_cli, wait_for,
-                      write_dataset)
 from batchrun.install_hint import install_hint
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
@@ -316,7 +332,7 @@ def test_requests_per_minute_paces_every_actor_together(tmp_path, endpoint):
     assert result.returncode == 0, result.stderr
     times = sorted(arrivals)
     assert len(times) == 4
-    assert all(later - earlier >= 0.45 for earlier, later in zip(times, times[1:]))   # one every 0.5 s
+    assert all(later - earlier >= 0.45 for earlier, later in itertools.pairwise(times))   # one every 0.5 s
 
 
 @needs_ray

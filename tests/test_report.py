@@ -13,13 +13,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
-from batchrun import report, rows
-from batchrun.install_hint import install_hint
-from batchrun.rows import AssistantTurn, SessionResult, ToolCallRecord, Usage
 from conftest import REPO, endpoint_args, run_cli, write_dataset
 from scripted_endpoint import ScriptedEndpoint
+
 import toolset_distributions
+from batchrun import report, report_summary, rows
+from batchrun.install_hint import install_hint
+from batchrun.rows import AssistantTurn, SessionResult, ToolCallRecord, Usage
 
 HOSTILE = '</script><script>alert("pwned")</script><img src=x onerror=alert(2)> & "quotes"'
 PROMPTS = [
@@ -343,10 +343,10 @@ def test_expected_toolset_shares_match_the_sampler() -> None:
 
 
 def test_the_timeline_widens_its_buckets_instead_of_growing() -> None:
-    timeline = report.Timeline()
+    timeline = report_summary.Timeline()
     for second in range(0, 100_000, 7):
         timeline.add(1_700_000_000 + second, completed=second % 2 == 0)
-    assert len(timeline.counts) <= report.TIMELINE_BUCKETS
+    assert len(timeline.counts) <= report_summary.TIMELINE_BUCKETS
     assert sum(a + b for _, a, b in timeline.points()) == len(range(0, 100_000, 7))
 
 
@@ -405,7 +405,7 @@ def test_long_trajectories_keep_their_beginning_and_end(tmp_path: Path) -> None:
 # --- figures that follow the rows, not how often they arrive -------------------------------------------
 
 def test_throughput_is_rows_over_the_time_they_were_worked_on_when_rows_arrive_seldom():
-    timeline = report.Timeline()
+    timeline = report_summary.Timeline()
     for index in range(10):                  # one row every 10 s, each worked on for 10 s
         timeline.add(1_000_000 + 10 * index, True, wall_time=10.0)
     assert 95 <= timeline.active_seconds() <= 105
@@ -413,7 +413,7 @@ def test_throughput_is_rows_over_the_time_they_were_worked_on_when_rows_arrive_s
 
 
 def test_throughput_leaves_out_the_pause_between_two_invocations():
-    timeline = report.Timeline()
+    timeline = report_summary.Timeline()
     for start in (1_000_000, 1_100_000):
         for index in range(10):
             timeline.add(start + index, True, wall_time=1.0)
@@ -421,11 +421,11 @@ def test_throughput_leaves_out_the_pause_between_two_invocations():
 
 
 def test_active_time_survives_the_timeline_widening_its_buckets():
-    timeline = report.Timeline()
-    for second in range(3 * report.TIMELINE_BUCKETS):
+    timeline = report_summary.Timeline()
+    for second in range(3 * report_summary.TIMELINE_BUCKETS):
         timeline.add(second, True, wall_time=1.0)
     assert timeline.width > 1
-    assert abs(timeline.active_seconds() - 3 * report.TIMELINE_BUCKETS) <= 2 * timeline.width
+    assert abs(timeline.active_seconds() - 3 * report_summary.TIMELINE_BUCKETS) <= 2 * timeline.width
 
 
 def summary_row(turns: list[AssistantTurn], *, key: str = "a" * 32, discard: bool = False,
@@ -438,7 +438,7 @@ def summary_row(turns: list[AssistantTurn], *, key: str = "a" * 32, discard: boo
 
 
 def test_reasoning_coverage_counts_the_turns_of_discarded_trajectories():
-    summary = report.RunSummary()
+    summary = report_summary.RunSummary()
     summary.add(summary_row([AssistantTurn("", "a"), AssistantTurn("", "b")], discard=True))
     summary.add(summary_row([AssistantTurn("r", "c")]))
     assert (summary.turns_with_reasoning, summary.turns_without_reasoning) == (1, 2)
@@ -446,14 +446,14 @@ def test_reasoning_coverage_counts_the_turns_of_discarded_trajectories():
 
 def test_a_corrupted_row_a_rerun_replaced_is_not_counted_as_corrupted():
     invented = [AssistantTurn("r", "", [ToolCallRecord("c1", "made_up", "{}", "Error: unknown")])]
-    summary = report.RunSummary(superseded=Counter({"k" * 32: 1}))
-    assert summary.add(summary_row(invented, key="k" * 32))[0] == report.SUPERSEDED
-    assert summary.add(summary_row(invented, key="k" * 32))[0] == report.CORRUPTED
-    assert (summary.statuses[report.CORRUPTED], summary.invented_tools["made_up"]) == (1, 1)
+    summary = report_summary.RunSummary(superseded=Counter({"k" * 32: 1}))
+    assert summary.add(summary_row(invented, key="k" * 32))[0] == report_summary.SUPERSEDED
+    assert summary.add(summary_row(invented, key="k" * 32))[0] == report_summary.CORRUPTED
+    assert (summary.statuses[report_summary.CORRUPTED], summary.invented_tools["made_up"]) == (1, 1)
 
 
 def test_the_toolset_table_shows_drawn_and_offered_toolsets_apart():
-    summary = report.RunSummary()
+    summary = report_summary.RunSummary()
     result = SessionResult(prompt_index=0, content_key="b" * 32, prompt="p", toolsets=["web", "terminal"],
                            offered_tools=["terminal"], turns=[AssistantTurn("r", "done")], api_calls=1,
                            usage=Usage(), wall_time=1.0, end_reason="final_answer")

@@ -3,20 +3,32 @@
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from conftest import (
+    batch_rows,
+    batch_runner_command,
+    cli_environment,
+    default_sigint,
+    endpoint_args,
+    finished_row_count,
+    human_prompt,
+    last_user_message,
+    process_state,
+    read_jsonl,
+    run_cli,
+    wait_for,
+    write_dataset,
+)
 
 from batchrun import rows, run_dir
 from batchrun.run_dir import RunDirectory, lines_at, scan_ranges, split_ranges
-from conftest import (batch_rows, batch_runner_command, cli_environment, default_sigint, endpoint_args,
-                      finished_row_count, human_prompt, last_user_message, process_state, read_jsonl, run_cli, wait_for,
-                      write_dataset)
 
 
 def base_args(tmp_path: Path, endpoint, dataset: Path, *extra: str, batch_size: int = 3) -> list[str]:

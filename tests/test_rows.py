@@ -10,9 +10,22 @@ import re
 
 import pytest
 
-from batchrun.rows import (ROW_FORMAT, AssistantTurn, HumanTurn, RowError, SessionResult, ToolCallRecord, Usage,
-                           content_key, encode_finished, read_stored_row, split_reasoning, tool_result_failed,
-                           trajectory_row)
+from batchrun import rows
+from batchrun.rows import (
+    ROW_FORMAT,
+    AssistantTurn,
+    HumanTurn,
+    RowError,
+    SessionResult,
+    ToolCallRecord,
+    Usage,
+    content_key,
+    encode_finished,
+    read_stored_row,
+    split_reasoning,
+    tool_result_failed,
+    trajectory_row,
+)
 from model_tools import REGISTRY, TOOL_NAMES
 
 EMPTY_THINK = "<think>\n</think>\n"
@@ -841,3 +854,31 @@ def test_conversations_match_the_reference_runner_byte_for_byte():
                                   '"name": "terminal", "content": ""}\n</tool_response>'},
         {"from": "gpt", "value": "<think>\n</think>\nDone."},
     ], ensure_ascii=False)
+
+
+# --- reading the rendered turns back: the one reader the report and the export share ----------------------
+
+def test_the_calls_of_a_rendered_gpt_turn_read_back_as_they_were_made():
+    turn = AssistantTurn("thinking", "Let me look.", [call("terminal", '{"command": "ls"}'), call("read_file")])
+    _, rest = rows.split_rendered_reasoning(rows.render_gpt_turn(turn)["value"])
+    text, calls = rows.split_rendered_calls(rest)
+    assert text == "Let me look."
+    assert calls == [{"name": "terminal", "arguments": {"command": "ls"}}, {"name": "read_file", "arguments": {}}]
+
+
+def test_a_tool_call_the_model_only_wrote_in_its_text_stays_text():
+    written = 'I would send <tool_call>\n{"name": "terminal", "arguments": {}}\n</tool_call> but did not.'
+    _, rest = rows.split_rendered_reasoning(rows.render_gpt_turn(AssistantTurn("r", written))["value"])
+    assert rows.split_rendered_calls(rest) == (written, [])
+
+
+def test_the_results_of_a_rendered_tool_turn_read_back_one_json_line_each():
+    value = rows.render_tool_turn([call("terminal", result="out"), call("read_file", result='{"ok": true}')])["value"]
+    payloads = [json.loads(payload) for payload in rows.rendered_tool_responses(value, exact=True)]
+    assert [(p["name"], p["content"]) for p in payloads] == [("terminal", "out"), ("read_file", {"ok": True})]
+
+
+def test_a_tool_turn_with_text_beside_its_blocks_is_not_read_exactly():
+    value = rows.render_tool_turn([call("terminal", result="out")])["value"] + "\ntrailing words"
+    assert rows.rendered_tool_responses(value, exact=True) == []
+    assert len(rows.rendered_tool_responses(value)) == 1

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pyarrow as pa
-import pytest
 import pyarrow.json as paj
-
+import pytest
 from conftest import batch_rows, endpoint_args, human_prompt, read_jsonl, run_cli, write_dataset
+
 from model_tools import TOOL_NAMES
 
 TOOL_PROMPT = ('make a file [[call write_file {"path": "notes/a.txt", "content": "hello"}]] '
@@ -257,7 +258,7 @@ def test_each_call_sends_the_whole_conversation_so_far_with_the_offered_tools(tm
     assert run_prompts(tmp_path, endpoint, [prompt]).returncode == 0
     requests = endpoint.requests
     assert [len(r["messages"]) for r in requests] == [2, 4, 6]
-    for earlier, later in zip(requests, requests[1:]):
+    for earlier, later in itertools.pairwise(requests):
         assert later["messages"][:len(earlier["messages"])] == earlier["messages"]
         assert later["tools"] == earlier["tools"] and later["model"] == "scripted-model"
     assert "one" in requests[1]["messages"][-1]["content"] and "two" in requests[2]["messages"][-1]["content"]

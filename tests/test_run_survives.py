@@ -10,7 +10,16 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import wait_for, batch_rows, batch_runner_command, cli_environment, endpoint_args, read_jsonl, run_cli, write_dataset
+from conftest import (
+    batch_rows,
+    batch_runner_command,
+    cli_environment,
+    endpoint_args,
+    read_jsonl,
+    run_cli,
+    wait_for,
+    write_dataset,
+)
 
 KILL_WORKER = '[[call terminal {"command": "kill -9 $PPID"}]] kill the worker'
 

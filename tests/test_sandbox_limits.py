@@ -6,8 +6,8 @@ import asyncio
 import contextlib
 import secrets
 import shutil
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import AsyncIterator, Iterator
 
 import pytest
 from conftest import live_processes_mentioning, wait_for

@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
-from conftest import (PROMPTS_BESIDE_IT, RATE_LIMITED_PROMPT, assert_the_429_paused_every_other_session, batch_rows,
-                      endpoint_args, human_prompt, read_jsonl, record_arrivals, run_cli, write_dataset)
+from conftest import (
+    PROMPTS_BESIDE_IT,
+    RATE_LIMITED_PROMPT,
+    assert_the_429_paused_every_other_session,
+    batch_rows,
+    endpoint_args,
+    human_prompt,
+    read_jsonl,
+    record_arrivals,
+    run_cli,
+    write_dataset,
+)
 
 
 def run(tmp_path, endpoint, prompts, *extra):

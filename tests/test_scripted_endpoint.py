@@ -13,7 +13,7 @@ import openai
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from scripted_endpoint import (  # noqa: E402
+from scripted_endpoint import (
     MALFORMED_KINDS,
     DirectiveError,
     ScriptedEndpoint,

@@ -13,10 +13,10 @@ import json
 import socket
 import ssl
 import threading
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Awaitable, Callable
 from urllib.parse import parse_qs, urlsplit
 
 import openai
@@ -28,8 +28,7 @@ import model_tools
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.environments.local import LocalEnvironment
 from batchrun.install_hint import install_hint
-from batchrun.tools import ModelAccess, ToolContext, ToolError
-from batchrun.tools import clients, configuration
+from batchrun.tools import ModelAccess, ToolContext, ToolError, clients, configuration
 from batchrun.tools.address_policy import address_refusal
 from batchrun.tools.extract import MAX_CHARS, MAX_PAGE_BYTES, web_extract
 from batchrun.tools.image_gen import image_generate
@@ -444,7 +443,7 @@ def self_signed_certificate(directory: Path, host: str) -> tuple[Path, Path]:
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, host)])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     certificate = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
                    .serial_number(x509.random_serial_number())
                    .not_valid_before(now - datetime.timedelta(hours=1))

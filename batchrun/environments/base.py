@@ -104,6 +104,13 @@ class Environment(abc.ABC):
             shutil.rmtree(settings.work_root, ignore_errors=True)
 
     @classmethod
+    def node_problem(cls) -> str | None:
+        """None when this backend can work on the machine this runs on, else one line saying why not.
+        A Ray actor asks once, so a node that cannot run the run's environments is found before it takes
+        prompts; it must be cheap. Backends that need something of the machine extend this."""
+        return None
+
+    @classmethod
     async def close_idle(cls) -> None:
         """Called once in each worker after its last prompt: end whatever the backend keeps between
         prompts of the process. Backends that keep something extend this."""

@@ -6,8 +6,8 @@ the prompt's directory at /workspace as the only writable place that outlives th
 it, no network at all (not even the host's 127.0.0.1), and the limits of ``limits.ResourceLimits``
 (a size-capped /tmp, and a control group or per-process limits for memory, processes and file
 size). The prompt's commands share one long-lived
-shell inside one sandbox, so a command costs what starting it costs (a few ms), not a new sandbox
-(about 10-30 ms more; benchmarks/environment_overhead.py measures both).
+shell inside one sandbox, so a command costs what starting it costs, not a new sandbox as well
+(benchmarks/environment_overhead.py measures both; docs/performance.md has the figures).
 
 The file tools act on the same directory from the host, with the local backend's confinement.
 
@@ -154,6 +154,10 @@ class BubblewrapEnvironment(LocalEnvironment):
         self._uid = _sandbox_uid() if _RUNNING_AS_ROOT else None     # who commands run as, if not the runner
         self._lock = asyncio.Lock()     # one shell runs one command at a time
         self._starting: asyncio.Future[asyncio.subprocess.Process] | None = None    # a start cut short
+
+    @classmethod
+    def node_problem(cls) -> str | None:
+        return bubblewrap_problem()
 
     async def start(self) -> None:
         """Take a sandbox an earlier prompt of this process left ready, else create the prompt
@@ -319,7 +323,10 @@ class BubblewrapEnvironment(LocalEnvironment):
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
             pass_fds=user_files or ()))
         if user_files is not None:      # bwrap has its own copies once it runs
-            creating.add_done_callback(lambda _: [os.close(fd) for fd in user_files])
+            def close_user_files(_: object) -> None:
+                for fd in user_files:
+                    os.close(fd)
+            creating.add_done_callback(close_user_files)
         try:
             process = await asyncio.shield(creating)
         except asyncio.CancelledError:

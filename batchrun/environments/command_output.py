@@ -15,7 +15,7 @@ import queue
 import signal
 import subprocess
 import threading
-from typing import Callable
+from typing import Callable, cast
 
 from batchrun.environments.base import CommandResult
 from batchrun.time_limit import within
@@ -106,9 +106,8 @@ async def start_process(argv: list[str], *, cwd: str | os.PathLike | None, env: 
 
     The start happens in a thread of its own: the kernel holds the starting thread until the child
     has exec'd, a millisecond or more on a busy machine, and in the event loop's thread every other
-    session of the process would wait too (measured with 16 sessions running commands: the loop
-    stalled 9-11 ms at the median, 0.3 ms with the start in a thread). A session cancelled meanwhile
-    leaves no command behind: it is killed as soon as it exists.
+    session of the process would wait too (docs/performance.md has the stall measured both ways). A
+    session cancelled meanwhile leaves no command behind: it is killed as soon as it exists.
     """
     started = _starter().start(argv, cwd, env, output_fd)
     try:
@@ -164,7 +163,7 @@ def _settle(started: asyncio.Future[subprocess.Popen], popen: subprocess.Popen |
     elif error is not None:
         started.set_exception(error)
     else:
-        started.set_result(popen)
+        started.set_result(cast(subprocess.Popen, popen))     # there is one whenever there is no error
 
 
 _STARTER: _Starter | None = None
@@ -197,29 +196,29 @@ class ChildProcess:
         if self._popen.poll() is None:
             if self._exit is None:
                 self._exit = asyncio.get_running_loop().create_future()
-                self._watch_exit()
+                self._watch_exit(self._exit)
             await asyncio.shield(self._exit)      # a cancelled waiter leaves the others waiting
         return self._popen.returncode
 
-    def _watch_exit(self) -> None:
+    def _watch_exit(self, done: asyncio.Future[None]) -> None:
         loop = asyncio.get_running_loop()
         try:
             pidfd = os.pidfd_open(self.pid)
         except (AttributeError, OSError):       # no pidfds here: poll
-            self._exit_poller = loop.create_task(self._poll_exit())
+            self._exit_poller = loop.create_task(self._poll_exit(done))
             return
 
         def exited() -> None:
             if self._popen.poll() is not None:
                 loop.remove_reader(pidfd)
                 os.close(pidfd)
-                self._exit.set_result(None)
+                done.set_result(None)
         loop.add_reader(pidfd, exited)
 
-    async def _poll_exit(self) -> None:
+    async def _poll_exit(self, done: asyncio.Future[None]) -> None:
         while self._popen.poll() is None:
             await asyncio.sleep(_EXIT_POLL_SECONDS)
-        self._exit.set_result(None)
+        done.set_result(None)
 
 
 async def wait_for_exit(process: asyncio.subprocess.Process | ChildProcess, timeout: float) -> bool:
@@ -250,11 +249,11 @@ class _PipeReader:
         self._loop = asyncio.get_running_loop()
         self.finished: asyncio.Future[None] = self._loop.create_future()    # end of file, or closed
         os.set_blocking(fd, False)
-        self._loop.add_reader(fd, self._read)
+        self._loop.add_reader(fd, self._read, fd)
 
-    def _read(self) -> None:
+    def _read(self, fd: int) -> None:
         try:
-            data = os.read(self._fd, _READ_CHUNK_BYTES)
+            data = os.read(fd, _READ_CHUNK_BYTES)
         except BlockingIOError:
             return
         except OSError:

@@ -284,7 +284,7 @@ def _open_beneath(directory: int, path: str, flags: int) -> int | None:
     followed only while they stay beneath it, /proc's magic links never); None whenever openat2
     cannot or will not, and the walk decides."""
     global _openat2_usable
-    if not _openat2_usable:
+    if not _openat2_usable or _SYS_OPENAT2 is None:    # usable implies a number; this says so to mypy
         return None
     how = _OpenHow(flags, 0, _RESOLVE_BENEATH | _RESOLVE_NO_MAGICLINKS)
     fd = _libc.syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(directory),

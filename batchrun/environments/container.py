@@ -112,6 +112,8 @@ async def to_completion(step: Awaitable[T]) -> T:
 class ContainerEnvironment(Environment):
     """One container per prompt; subclasses reach the runtime and run programs in the container."""
 
+    image: str      # never None here: the settings' default image stands in for a row without one
+
     def __init__(self, settings: EnvironmentSettings, *, prompt_index: int,
                  image: str | None = None, cwd: str | None = None) -> None:
         super().__init__(settings, prompt_index=prompt_index, image=image or settings.default_image, cwd=cwd)
@@ -254,6 +256,12 @@ class CliContainerEnvironment(ContainerEnvironment):
     def cli(cls) -> str:
         """The program this run drives (a name looked up on PATH, or a path)."""
         return cls.program
+
+    @classmethod
+    def node_problem(cls) -> str | None:
+        if shutil.which(cls.cli()) is None:
+            return f"`{cls.cli()}` was not found on PATH"
+        return None
 
     @classmethod
     def find_program(cls) -> str:

@@ -33,6 +33,8 @@ CLI_VARIABLE = "TERMINAL_CONTAINER_CLI"
 _reachable_engines: set[str] = set()
 _present_images: set[tuple[str, str]] = set()
 _questions = SingleFlight()
+# A running engine answers `version` at once; a node check must not hold up the actor for long.
+_NODE_CHECK_TIMEOUT = 30.0
 
 
 class DockerEnvironment(CliContainerEnvironment):
@@ -44,6 +46,18 @@ class DockerEnvironment(CliContainerEnvironment):
     @classmethod
     def cli(cls) -> str:
         return variable(CLI_VARIABLE) or cls.program
+
+    @classmethod
+    def node_problem(cls) -> str | None:
+        """The CLI alone starts no container: its engine must answer too."""
+        executable = shutil.which(cls.cli())
+        if executable is None:
+            return super().node_problem()
+        answer = call_cli_blocking([executable, "version", "--format", "{{.Server.Version}}"],
+                                   timeout=_NODE_CHECK_TIMEOUT)
+        if not answer.ok:
+            return f"the container engine ({cls.cli()}) is not reachable: {answer.message()}"
+        return None
 
     async def _check_runtime(self) -> None:
         """``image inspect`` fails alike for "no engine" and "no image", so ask the engine first."""

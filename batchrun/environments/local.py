@@ -48,7 +48,8 @@ class LocalEnvironment(Environment):
         super().__init__(settings, prompt_index=prompt_index, image=image, cwd=cwd)
         self.prompt_dir: Path | None = None      # the per-prompt directory; HOME of its commands
         self.workdir: Path | None = None         # where commands start: prompt_dir or the row's cwd in it
-        self._processes: list[ChildProcess] = []
+        # Commands, and (for the bubblewrap backend, which starts them from the event loop) sandboxes.
+        self._processes: list[ChildProcess | asyncio.subprocess.Process] = []
         self._cgroup: PromptCgroup | None = None
         self._closed = False
 
@@ -224,7 +225,7 @@ def _group_exists(pgid: int) -> bool:
     return True
 
 
-async def _reap(processes: list[ChildProcess]) -> None:
+async def _reap(processes: list[ChildProcess | asyncio.subprocess.Process]) -> None:
     """Wait briefly for killed commands, so they are reaped rather than left as zombies."""
     if not processes:
         return

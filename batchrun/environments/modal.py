@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from batchrun.environments.base import CommandResult, EnvironmentSettings, EnvironmentSetupError
 from batchrun.environments.command_output import OutputCollector
@@ -30,6 +31,9 @@ from batchrun.environments.single_flight import SingleFlight
 from batchrun.install_hint import install_hint
 from batchrun.time_limit import within
 
+if TYPE_CHECKING:   # an optional extra: imported where a prompt needs it (modal_sdk)
+    from modal import App, Sandbox
+
 APP_NAME = "batch_runner"
 RUN_TAG = "batch_runner.run"
 PROMPT_TAG = "batch_runner.prompt"
@@ -39,7 +43,7 @@ SANDBOX_LIFETIME = 24 * 3600
 MEMORY_REQUEST_MB = 1024
 
 # Per process: the app, looked up once and shared by the sessions that ask together.
-_apps: dict[str, object] = {}
+_apps: dict[str, App] = {}
 _questions = SingleFlight()
 
 
@@ -62,9 +66,9 @@ class ModalEnvironment(ContainerEnvironment):
     def __init__(self, settings: EnvironmentSettings, *, prompt_index: int,
                  image: str | None = None, cwd: str | None = None) -> None:
         super().__init__(settings, prompt_index=prompt_index, image=image, cwd=cwd)
-        self._modal: ModuleType | None = None
-        self._app: object | None = None
-        self._sandbox: object | None = None
+        self._modal: ModuleType     # from _find_runtime, start()'s first step, on
+        self._app: App | None = None
+        self._sandbox: Sandbox | None = None
 
     def _find_runtime(self) -> None:
         self._modal = modal_sdk()
@@ -72,7 +76,7 @@ class ModalEnvironment(ContainerEnvironment):
     async def _check_runtime(self) -> None:
         self._app = _apps.get(APP_NAME) or await _questions.run("app", self._lookup_app)
 
-    async def _lookup_app(self) -> object:
+    async def _lookup_app(self) -> App:
         modal = self._modal
         try:
             app = await within(HOUSEKEEPING_TIMEOUT, modal.App.lookup.aio(APP_NAME, create_if_missing=True))
@@ -103,6 +107,12 @@ class ModalEnvironment(ContainerEnvironment):
         if self._sandbox is not None:
             await within(HOUSEKEEPING_TIMEOUT, self._sandbox.terminate.aio())
 
+    def _created(self) -> Sandbox:
+        """The prompt's sandbox; running anything in it before start() made it is a bug."""
+        if self._sandbox is None:
+            raise RuntimeError("the Modal sandbox is not running (start() not called, or it failed)")
+        return self._sandbox
+
     async def _exec(self, argv: list[str], *, workdir: str, stdin: bytes | None = None) -> CliResult:
         try:
             return await within(HOUSEKEEPING_TIMEOUT, self._exec_captured(argv, workdir, stdin or b""))
@@ -112,7 +122,7 @@ class ModalEnvironment(ContainerEnvironment):
             return CliResult(returncode=127, stdout=b"", stderr=f"Modal: {exc}")
 
     async def _exec_captured(self, argv: list[str], workdir: str, stdin: bytes) -> CliResult:
-        process = await self._sandbox.exec.aio(*argv, workdir=workdir, text=False)
+        process = await self._created().exec.aio(*argv, workdir=workdir, text=False)
         if stdin:
             process.stdin.write(stdin)
         process.stdin.write_eof()
@@ -127,7 +137,7 @@ class ModalEnvironment(ContainerEnvironment):
         collector = OutputCollector(self.settings.max_output_chars)
 
         async def follow() -> int:
-            process = await self._sandbox.exec.aio(*argv, workdir=self.workdir, text=False)
+            process = await self._created().exec.aio(*argv, workdir=self.workdir, text=False)
             process.stdin.write_eof()       # a command reading its input gets end-of-file, not a hang
             await process.stdin.drain.aio()
             async for chunk in process.stdout:

@@ -43,3 +43,10 @@ class ToolContext:
     model: ModelAccess | None = None
     state: dict[str, Any] = field(default_factory=dict)
     cleanups: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+    def environment(self) -> Environment:
+        """The prompt's environment, for the tools that cannot work without one (a session offers them
+        only with one, so its absence is reported, not assumed away)."""
+        if self.env is None:
+            raise ToolError("this tool needs the prompt's working directory, and this session has none")
+        return self.env

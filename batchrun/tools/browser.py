@@ -41,7 +41,7 @@ import tempfile
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Protocol, TypedDict, TypeVar
 from urllib.parse import urlsplit
 
 from batchrun.install_hint import install_hint
@@ -308,6 +308,14 @@ async def _runs(*argv: str) -> bool:
         return False
 
 
+class _LaunchOptions(TypedDict):
+    """What both launches (direct and through bwrap) pass to ``BrowserType.launch``."""
+
+    args: list[str]
+    env: dict[str, str | float | bool] | None     # Playwright's own type: it takes numbers too
+    timeout: float
+
+
 class _BrowserHost:
     """This process's Chromium, launched on first use and relaunched if it died; bound to one event
     loop, because Playwright's connection is."""
@@ -334,11 +342,12 @@ class _BrowserHost:
         executable = chromium_executable()
         if executable is None:
             raise ToolError(f"no Chromium found: {INSTALL_HINT}")
-        environment = None
+        environment: dict[str, str | float | bool] | None = None
         temporary = tempfile.gettempdir()
         if len(temporary) > TMPDIR_CHARS:
             environment, temporary = {**os.environ, "TMPDIR": "/tmp"}, "/tmp"
-        options = {"args": list(CHROMIUM_ARGS), "env": environment, "timeout": LAUNCH_TIMEOUT_S * 1000}
+        options: _LaunchOptions = {"args": list(CHROMIUM_ARGS), "env": environment,
+                                   "timeout": LAUNCH_TIMEOUT_S * 1000}
         try:
             self._playwright = await async_playwright().start()
             bwrap = await _isolating_bwrap()
@@ -377,7 +386,7 @@ class _BrowserHost:
 
 
 async def _launch_isolated(chromium: BrowserType, bwrap: str, executable: str, directory: Path,
-                           options: dict) -> tuple[Browser, socket.socket]:
+                           options: _LaunchOptions) -> tuple[Browser, socket.socket]:
     """Launch Chromium in a network namespace of its own; returns it and the socket listening for
     its gates in that namespace.
 
@@ -414,7 +423,12 @@ async def _receive_socket(handover: socket.socket) -> socket.socket:
     connection, _ = await loop.sock_accept(handover)
     with connection:
         arrived = loop.create_future()
-        loop.add_reader(connection, lambda: arrived.done() or arrived.set_result(None))
+
+        def readable() -> None:
+            if not arrived.done():
+                arrived.set_result(None)
+
+        loop.add_reader(connection, readable)
         try:
             await arrived
         finally:
@@ -618,7 +632,8 @@ def _capped(result: dict) -> dict:
         cut.add(field)
         return value[:limit]
 
-    capped = {key: value if key == "snapshot" else text(key, value) for key, value in result.items()}
+    capped: dict[str, Any] = {key: value if key == "snapshot" else text(key, value)
+                              for key, value in result.items()}
     if "images" in capped:
         capped["images"] = [{field: text(field, value) for field, value in image.items()}
                             for image in capped["images"]]

@@ -25,10 +25,10 @@ def _tls_context() -> ssl.SSLContext:
 
 
 def http_client(timeout: float, *, headers: dict[str, str] | None = None,
-                **options: object) -> httpx.AsyncClient:
+                trust_env: bool = True) -> httpx.AsyncClient:
     """An httpx client with the shared TLS context and our User-Agent; use it with ``async with``."""
     return httpx.AsyncClient(verify=_tls_context(), timeout=timeout,
-                             headers={"User-Agent": USER_AGENT, **(headers or {})}, **options)
+                             headers={"User-Agent": USER_AGENT, **(headers or {})}, trust_env=trust_env)
 
 
 def openai_client(ctx: ToolContext, slot: str, *, base_url: str, api_key: str | None,
@@ -39,8 +39,11 @@ def openai_client(ctx: ToolContext, slot: str, *, base_url: str, api_key: str | 
     """
     client = ctx.state.get(slot)
     if client is None:
+        # openai 3 annotates http_client as an httpx2 client but accepts an httpx one too (it checks for
+        # either); openai 2 annotates httpx, where this ignore is unused.
         client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key or "unused", timeout=timeout,
-                                    max_retries=2, http_client=http_client(timeout))
+                                    max_retries=2,
+                                    http_client=http_client(timeout))  # type: ignore[arg-type, unused-ignore]
         ctx.state[slot] = client
         ctx.cleanups.append(client.close)
     return client

@@ -98,7 +98,7 @@ async def read_file(args: dict, ctx: ToolContext) -> dict:
     path = _required_string(args, "path")
     offset = positive_int(args, "offset", 1)
     limit = positive_int(args, "limit", DEFAULT_READ_LIMIT)
-    data = await ctx.env.read_file(path)
+    data = await ctx.environment().read_file(path)
     _refuse_binary(data, path)
     lines = _split_lines(data.decode("utf-8", errors="replace"))
     if offset > max(len(lines), 1):
@@ -113,7 +113,7 @@ async def write_file(args: dict, ctx: ToolContext) -> dict:
     path = _required_string(args, "path")
     content = _required_string(args, "content", allow_empty=True)
     data = _encode(content)
-    written = await ctx.env.write_file(path, data)
+    written = await ctx.environment().write_file(path, data)
     return {"path": written, "bytes_written": len(data)}
 
 
@@ -134,7 +134,7 @@ async def _replace_string(args: dict, ctx: ToolContext) -> dict:
     old = _required_string(args, "old_string")
     new = _required_string(args, "new_string", allow_empty=True)
     replace_all = _boolean(args, "replace_all")
-    text = _editable_text(await ctx.env.read_file(path), path)
+    text = _editable_text(await ctx.environment().read_file(path), path)
     count = text.count(old)
     if count == 0:
         raise ToolError(f"old_string was not found in {path!r}; read the file and copy the text "
@@ -142,7 +142,7 @@ async def _replace_string(args: dict, ctx: ToolContext) -> dict:
     if count > 1 and not replace_all:
         raise ToolError(f"old_string occurs {count} times in {path!r}; add surrounding context to "
                         "make it unique, or set replace_all to true to replace every occurrence")
-    written = await ctx.env.write_file(path, _encode(text.replace(old, new)))
+    written = await ctx.environment().write_file(path, _encode(text.replace(old, new)))
     return {"path": written, "replacements": count}
 
 
@@ -313,18 +313,18 @@ async def _apply_diff(diff: str, default_path: str | None, ctx: ToolContext) -> 
             created.add(target)
             current = _Lines([], True)
         else:
-            current = _Lines.parse(_editable_text(await ctx.env.read_file(target), target))
+            current = _Lines.parse(_editable_text(await ctx.environment().read_file(target), target))
         results[target] = _apply_hunks(current, file_patch.hunks, target)
     files = []
     for target, text in results.items():
-        written = await ctx.env.write_file(target, _encode(text.render()))
+        written = await ctx.environment().write_file(target, _encode(text.render()))
         files.append({"path": written, "created": target in created})
     return {"files": files}
 
 
 async def _refuse_existing(path: str, ctx: ToolContext) -> None:
     """A diff from /dev/null creates a file; overwriting one that exists would lose it."""
-    result = await ctx.env.run(f"test -e {shlex.quote(path)}")
+    result = await ctx.environment().run(f"test -e {shlex.quote(path)}")
     if result.exit_code == 0:
         raise ToolError(f"the diff creates {path!r}, which already exists; diff against its content instead")
 
@@ -364,7 +364,7 @@ def _guarded(root: str, command: str) -> str:
 
 
 async def _run_search(root: str, command: str, ctx: ToolContext) -> CommandResult:
-    result = await ctx.env.run(_guarded(root, command))
+    result = await ctx.environment().run(_guarded(root, command))
     if result.timed_out:
         raise ToolError("the search timed out; narrow it with a more specific 'path' or pattern")
     if result.exit_code == _SEARCH_PATH_MISSING:

@@ -18,7 +18,7 @@ async def terminal(args: dict, ctx: ToolContext) -> dict:
     if not isinstance(command, str) or not command.strip():
         raise ToolError("'command' must be a non-empty string")
     timeout = _timeout(args.get("timeout"), ctx.settings.command_timeout)
-    result = await ctx.env.run(command, timeout=timeout)
+    result = await ctx.environment().run(command, timeout=timeout)
     if result.timed_out:
         return {"output": result.output, "exit_code": None,
                 "error": f"Command timed out after {timeout:g}s and was killed"}

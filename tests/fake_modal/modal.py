@@ -24,11 +24,12 @@ import secrets
 import sys
 import threading
 import types
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))     # tests/, for fake_container
-from fake_container import Container, container_env, log_call, pull_fails  # noqa: E402
+from fake_container import Container, container_env, log_call, pull_fails
 
 __version__ = "0.0-fake"
 
@@ -75,7 +76,7 @@ def _blocking(awaitable: Any) -> Any:
     def target() -> None:
         try:
             outcome["value"] = asyncio.run(awaitable)
-        except BaseException as exc:     # noqa: BLE001 - raised again in the caller's thread
+        except BaseException as exc:
             outcome["error"] = exc
     thread = threading.Thread(target=target)
     thread.start()
@@ -119,7 +120,7 @@ class App:
 
     @_dual
     async def lookup(cls, name: str, *, client: Any = None, environment_name: str | None = None,
-                     create_if_missing: bool = False) -> "App":
+                     create_if_missing: bool = False) -> App:
         _log("App.lookup", name=name, create_if_missing=create_if_missing)
         if config.config.get("token_id") == "rejected":
             raise AuthError("Token ID is malformed or invalid")
@@ -131,7 +132,7 @@ class Image:
         self.tag = tag
 
     @staticmethod
-    def from_registry(tag: str, secret: Any = None, **kwargs: Any) -> "Image":
+    def from_registry(tag: str, secret: Any = None, **kwargs: Any) -> Image:
         _log("Image.from_registry", tag=tag, **kwargs)
         return Image(tag)
 
@@ -202,7 +203,7 @@ class Sandbox:
     async def create(cls, *args: str, app: App | None = None, tags: dict[str, str] | None = None,
                      image: Image | None = None, timeout: int | None = 300, workdir: str | None = None,
                      block_network: bool = False, memory: int | tuple[int, int] | None = None,
-                     **others: Any) -> "Sandbox":
+                     **others: Any) -> Sandbox:
         _log("Sandbox.create", args=args, app=app, tags=tags, image=image and image.tag, timeout=timeout,
              workdir=workdir, block_network=block_network, memory=memory, **others)
         if image is not None and pull_fails(image.tag):
@@ -215,7 +216,7 @@ class Sandbox:
 
     @_dual
     async def list(cls, *, app_id: str | None = None, tags: dict[str, str] | None = None,
-                   client: Any = None) -> AsyncIterator["Sandbox"]:
+                   client: Any = None) -> AsyncIterator[Sandbox]:
         _log("Sandbox.list", app_id=app_id, tags=tags)
         for container in Container.all():
             meta = container.meta

@@ -1,0 +1,57 @@
+"""The code's shape, checked by a test rather than by a reader: the modules of batchrun/ and the
+top-level modules import one another without a cycle, so each layer of the data path can be read,
+tested and replaced below the ones that use it."""
+
+from __future__ import annotations
+
+import ast
+import graphlib
+from pathlib import Path
+
+from conftest import REPO
+
+
+def project_modules() -> dict[str, Path]:
+    """Dotted module name -> file, for the top-level modules and everything under batchrun/."""
+    found = {path.stem: path for path in REPO.glob("*.py")}
+    for path in (REPO / "batchrun").rglob("*.py"):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imported_names(node: ast.Import | ast.ImportFrom, package: str) -> list[str]:
+    """Every dotted name an import statement may load: ``from a import b`` loads a, and a.b if that
+    is a module."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = node.module or ""
+    if node.level:
+        parent = package.split(".")[:len(package.split(".")) - node.level + 1]
+        base = ".".join([*parent, base] if base else parent)
+    return [base, *(f"{base}.{alias.name}" for alias in node.names)]
+
+
+def project_imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The project modules a module imports anywhere: at the top, in a function, or only for the
+    type checker (a cycle a lazy import hides is still two modules that cannot be read apart)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for target in imported_names(node, package):
+                while target and target not in known:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    found.add(target)
+    return found
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    modules = project_modules()
+    graph = {name: project_imports(name, path, set(modules)) for name, path in modules.items()}
+    assert "batchrun.report" in graph and "model_tools" in graph       # the walk found the code
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as error:
+        raise AssertionError(f"import cycle: {' -> '.join(error.args[1])}") from None

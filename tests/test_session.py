@@ -1,0 +1,185 @@
+"""The session loop on its own, over an in-process model that plays a script: what it asks the model
+again, what it keeps, and what each call is sent. No HTTP here; tests/test_agent_loop.py checks the
+same rules end to end through the CLI and the scripted endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import inspect
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import batch_runner
+import model_tools
+from batchrun.config import RunConfig, build_config
+from batchrun.environments.base import EnvironmentSettings
+from batchrun.messages import Task
+from batchrun.model import CONTEXT_LENGTH, Message, ModelReply, PromptFailedError
+from batchrun.rows import AssistantTurn, HumanTurn, SessionResult, Usage
+from batchrun.security import Redactor
+from batchrun.session import CONTINUE_REQUEST, MAX_EMPTY_RETRIES, SUMMARY_REQUEST, Session, SessionServices
+
+ECHO = {"command": "echo hi"}
+
+
+def say(content: str, *, finish_reason: str = "stop", **fields: Any) -> ModelReply:
+    return ModelReply(message={"role": "assistant", "content": content, **fields}, finish_reason=finish_reason,
+                      usage=Usage(prompt_tokens=10, completion_tokens=5))
+
+
+def call(name: str, arguments: dict[str, Any], **fields: Any) -> ModelReply:
+    tool_call = {"id": f"call_{name}", "type": "function",
+                 "function": {"name": name, "arguments": json.dumps(arguments)}}
+    return ModelReply(message={"role": "assistant", "content": "", "tool_calls": [tool_call], **fields},
+                      finish_reason="tool_calls", usage=Usage(prompt_tokens=10, completion_tokens=5))
+
+
+class ScriptedModel:
+    """Answers each call with the next reply of its script (an exception is raised instead), and
+    keeps what every call was sent."""
+
+    def __init__(self, script: list[ModelReply | Exception]) -> None:
+        self.script = list(script)
+        self.calls: list[tuple[list[Message], bool]] = []
+
+    async def reply(self, messages: Sequence[Message], *, with_tools: bool) -> ModelReply:
+        self.calls.append((copy.deepcopy(list(messages)), with_tools))
+        step = self.script.pop(0)
+        if isinstance(step, Exception):
+            raise step
+        return step
+
+
+class ScriptedModels:
+    """The ModelSource of a worker whose every session plays the same script."""
+
+    def __init__(self, model: ScriptedModel) -> None:
+        self.scripted = model
+        self.offered: list[Sequence[Message]] = []
+
+    def model(self, prompt_index: int, tools: Sequence[Message]) -> ScriptedModel:
+        self.offered.append(tools)
+        return self.scripted
+
+    def tool_client(self, prompt_index: int) -> None:
+        return None
+
+    async def close(self) -> None:
+        pass
+
+
+def run_config(**flags: Any) -> RunConfig:
+    """The CLI's defaults, as a run of the terminal tools on the local backend."""
+    defaults = {name: parameter.default for name, parameter in inspect.signature(batch_runner.main).parameters.items()
+                if parameter.default is not inspect.Parameter.empty}
+    return build_config(**{**defaults, "dataset_file": "unused.jsonl", "batch_size": 1, "run_name": "session",
+                           "distribution": "terminal_only", "base_url": "http://127.0.0.1:9/v1",
+                           "api_key": "sk-test", "model": "scripted-model", **flags})
+
+
+@pytest.fixture(autouse=True)
+def local_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TERMINAL_ENV", "local")
+
+
+TASK = Task(prompt_index=0, prompt="do the task", image=None, cwd=None, content_key="key", toolsets=("terminal",))
+
+
+def worker_services(tmp_path: Path, models: ScriptedModels, **flags: Any) -> SessionServices:
+    return SessionServices(config=run_config(**flags), models=models,
+                           env_settings=EnvironmentSettings(work_root=tmp_path, run_label="session-test"),
+                           available_tools=frozenset(model_tools.TOOL_NAMES), redact=Redactor([]))
+
+
+def run_session(tmp_path: Path, script: list[ModelReply | Exception], **flags: Any) -> tuple[SessionResult,
+                                                                                             ScriptedModel]:
+    model = ScriptedModel(script)
+    services = worker_services(tmp_path, ScriptedModels(model), **flags)
+
+    async def session() -> SessionResult:
+        try:
+            return await Session(TASK, services).run()
+        finally:
+            await services.close()
+
+    return asyncio.run(session()), model
+
+
+def test_an_empty_answer_is_asked_for_again_and_only_the_real_answer_is_kept(tmp_path):
+    result, model = run_session(tmp_path, [say(""), say("The answer.")])
+    assert (result.end_reason, result.api_calls) == ("final_answer", 2)
+    assert result.turns == [AssistantTurn(reasoning="", content="The answer.")]
+    assert model.calls[0][0] == model.calls[1][0]     # asked again with the same conversation
+
+
+def test_an_answer_that_stays_empty_ends_the_session_with_empty_answer(tmp_path):
+    result, _ = run_session(tmp_path, [say("")] * (MAX_EMPTY_RETRIES + 1))
+    assert (result.end_reason, result.turns) == ("empty_answer", [])
+
+
+def test_a_cut_off_answer_is_asked_to_continue_and_every_piece_is_kept(tmp_path):
+    result, model = run_session(tmp_path, [say("First half", finish_reason="length"), say("second half.")])
+    assert result.end_reason == "final_answer"
+    assert result.turns == [AssistantTurn(reasoning="", content="First half"), HumanTurn(CONTINUE_REQUEST),
+                            AssistantTurn(reasoning="", content="second half.")]
+    assert model.calls[1][0][-2:] == [{"role": "assistant", "content": "First half"},
+                                      {"role": "user", "content": CONTINUE_REQUEST}]
+
+
+def test_a_context_overflow_after_a_tool_turn_keeps_that_turn(tmp_path):
+    overflow = PromptFailedError("the conversation no longer fits the model's context", CONTEXT_LENGTH)
+    result, _ = run_session(tmp_path, [call("terminal", ECHO), overflow])
+    assert (result.end_reason, result.error) == (CONTEXT_LENGTH, None)
+    [turn] = result.turns
+    assert isinstance(turn, AssistantTurn) and turn.tool_calls[0].name == "terminal"
+    assert "hi" in (turn.tool_calls[0].result or "")
+
+
+def test_a_context_overflow_before_any_answer_fails_the_prompt(tmp_path):
+    overflow = PromptFailedError("the conversation no longer fits the model's context", CONTEXT_LENGTH)
+    result, _ = run_session(tmp_path, [overflow])
+    assert (result.end_reason, result.error_type) == ("error", CONTEXT_LENGTH)
+
+
+def test_at_max_turns_one_call_without_tools_asks_for_a_summary(tmp_path):
+    script = [call("terminal", ECHO), call("terminal", ECHO), say("What I found.")]
+    result, model = run_session(tmp_path, script, max_turns=2)
+    assert (result.end_reason, result.api_calls) == ("max_turns", 3)
+    assert [with_tools for _, with_tools in model.calls] == [True, True, False]
+    assert model.calls[-1][0][-1] == {"role": "user", "content": SUMMARY_REQUEST}
+    assert result.turns[-2:] == [HumanTurn(SUMMARY_REQUEST), AssistantTurn(reasoning="", content="What I found.")]
+
+
+def test_a_summary_that_fails_leaves_the_session_ending_on_its_last_tool_turn(tmp_path):
+    script = [call("terminal", ECHO), call("terminal", ECHO), PromptFailedError("HTTP 400: no", "http_400")]
+    result, _ = run_session(tmp_path, script, max_turns=2)
+    assert (result.end_reason, result.error) == ("max_turns", None)
+    assert [type(turn) for turn in result.turns] == [AssistantTurn, AssistantTurn]
+
+
+def test_calling_a_tool_that_was_not_offered_three_turns_running_ends_with_invented_tools(tmp_path):
+    result, model = run_session(tmp_path, [call("web_search", {"query": "x"})] * 3)
+    assert result.end_reason == "invented_tools"
+    answer = json.loads(model.calls[1][0][-1]["content"])
+    assert "unknown tool 'web_search'" in answer["error"] and "terminal" in answer["error"]
+
+
+@pytest.mark.parametrize("form", ["reasoning", "reasoning_content", "reasoning_details"])
+def test_reasoning_goes_back_to_the_model_exactly_as_it_came(tmp_path, form):
+    reasoning: Any = [{"type": "reasoning.text", "text": "Because.", "signature": "sig"}] \
+        if form == "reasoning_details" else "Because."
+    result, model = run_session(tmp_path, [call("terminal", ECHO, **{form: reasoning}), say("Done.")])
+    assert result.end_reason == "final_answer"
+    echoed = model.calls[1][0][-2]
+    assert echoed["role"] == "assistant" and echoed[form] == reasoning
+
+
+def test_the_model_is_built_offering_the_schemas_of_the_offered_tools(tmp_path):
+    source = ScriptedModels(ScriptedModel([]))
+    session = Session(TASK, worker_services(tmp_path, source))
+    assert [schema["function"]["name"] for schema in source.offered[0]] == session.offered_tools == ["terminal"]
