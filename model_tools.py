@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from batchrun.tools import ToolContext
 from batchrun.tools.browser import unavailable_reason as browser_unavailable

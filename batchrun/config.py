@@ -33,11 +33,13 @@ _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 NO_ENDPOINT_GUIDANCE = """\
 error: no API key and no endpoint. batch_runner needs an OpenAI-compatible endpoint; pick one:
   OpenRouter (the default):  export OPENROUTER_API_KEY=sk-or-...   then run the same command again
-  OpenAI:                    export OPENAI_API_KEY=sk-...  and add --base_url=https://api.openai.com/v1 --model=gpt-4.1-mini
+  OpenAI:                    export OPENAI_API_KEY=sk-...
+                             and add --base_url=https://api.openai.com/v1 --model=gpt-4.1-mini
   Ollama (local, no key):    ollama pull qwen3:8b  then add --base_url=http://localhost:11434/v1 --model=qwen3:8b
   vLLM (local, no key):      vllm serve Qwen/Qwen3-8B --enable-auto-tool-choice --tool-call-parser hermes
                              then add --base_url=http://localhost:8000/v1 --model=Qwen/Qwen3-8B
-  llama.cpp (local, no key): llama-server -m model.gguf --jinja --port 8080  then add --base_url=http://localhost:8080/v1 --model=local
+  llama.cpp (local, no key): llama-server -m model.gguf --jinja --port 8080
+                             then add --base_url=http://localhost:8080/v1 --model=local
 No model at hand? Try it with the scripted one the tests use: README.md, "Try it without a model"."""
 
 

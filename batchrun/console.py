@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import textwrap
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, RenderResult

@@ -10,12 +10,11 @@ from __future__ import annotations
 import json
 from array import array
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 from batchrun.rows import content_key
-
 
 # Bad lines named one by one; past these a count stands for the rest, so a file of 500 bad lines
 # cannot bury the console (the total goes to the summary and statistics.json).

@@ -22,10 +22,11 @@ import os
 import shutil
 import tempfile
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 from batchrun import rows
 from batchrun.config import UsageError, boolean, choice, non_negative_int, text, validate_run_name

@@ -19,11 +19,12 @@ import os
 import random
 import re
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import toolset_distributions
 from batchrun import report_plots, rows
@@ -453,7 +454,8 @@ def _notices(run_dir: Path, summary: RunSummary, plotted: bool) -> str:
 def render(run_dir: Path, summary: RunSummary, sample: TrajectorySample) -> str:
     """The whole page as text."""
     info = {**_read_json(run_dir / CHECKPOINT), **_read_json(run_dir / STATISTICS)}
-    distribution = info.get("distribution") if isinstance(info.get("distribution"), str) else ""
+    named = info.get("distribution")
+    distribution = named if isinstance(named, str) else ""
     expected = expected_toolset_shares(distribution) if distribution else None
     plots = report_plots.draw(summary, expected, distribution)
     shown = sample.chosen()

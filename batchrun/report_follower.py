@@ -82,6 +82,6 @@ def _follow(conn: Connection, run_dir: Path, parent_pid: int) -> None:
         outcome = ("done", str(report.save(scan)))
     except EOFError:
         return
-    except Exception as exc:  # noqa: BLE001 - any bug in the report is told to the parent, never raised
+    except Exception as exc:
         outcome = ("error", f"{type(exc).__name__}: {exc}")
     conn.send(outcome)

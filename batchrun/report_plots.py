@@ -12,18 +12,20 @@ import json
 import os
 import re
 import threading
+from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
+    from matplotlib.typing import RcKeyType
 
     from batchrun.report_summary import LogHistogram, RunSummary
 
 GREEN, RED, BLUE, GREY, AMBER, PURPLE, ORANGE = ("#2f9e63", "#d9534f", "#3b73d1", "#aab3c2", "#e3a21a",
                                                   "#7b5cc4", "#e8743b")
-STYLE = {
+STYLE: dict[RcKeyType, Any] = {
     "svg.fonttype": "none",          # real text: small, selectable, in the page's font
     "font.family": "sans-serif",
     "font.size": 9,
@@ -85,8 +87,9 @@ def draw(summary: RunSummary, expected: dict[str, float] | None, distribution: s
 
 def _draw_in_two_processes(matplotlib: Any, figures: dict[str, Callable[[], Figure | None]]) -> dict[str, str]:
     """Every other figure is drawn in a forked child meanwhile: drawing is pure Python, so one process
-    draws on one core, and the end of a run waits for every figure. Not where another thread runs (a fork copies its locks
-    in whatever state they are), nor without fork; a child that fails leaves its figures to us."""
+    draws on one core, and the end of a run waits for every figure. Not where another thread runs (a
+    fork copies its locks in whatever state they are), nor without fork; a child that fails leaves its
+    figures to us."""
     names = list(figures)
     if not hasattr(os, "fork") or threading.active_count() > 1:
         return _draw(matplotlib, figures, names)
@@ -153,7 +156,7 @@ def _tools(Figure: type[Figure], summary: RunSummary) -> Figure | None:
     axes = figure.subplots()
     axes.barh(names, success, color=GREEN, label="success")
     bars = axes.barh(names, failure, left=success, color=RED, label="failure")
-    _bar_labels(axes, bars, [f"{f / (s + f):.0%} failed" if f else "" for s, f in zip(success, failure)])
+    _bar_labels(axes, bars, [f"{f / (s + f):.0%} failed" if f else "" for s, f in zip(success, failure, strict=True)])
     axes.set_title("Tool calls by result")
     axes.set_xlabel("calls")
     _counts_axis(axes.xaxis)
@@ -320,12 +323,14 @@ def _timeline(Figure: type[Figure], summary: RunSummary) -> Figure | None:
         kept.append(kept[-1] + done + partial)
     figure = Figure(figsize=(WIDTH, 2.6))
     axes = figure.subplots()
-    axes.fill_between(times, kept, color=AMBER, alpha=0.35, label="kept (completed + partial)")
-    axes.plot(times, kept, color=AMBER)
-    axes.fill_between(times, completed, color=GREEN, alpha=0.45, label="completed")
-    axes.plot(times, completed, color=GREEN)
+    # matplotlib plots datetimes (through its unit converters), but its stubs admit only numbers for x.
+    axes.fill_between(times, kept, color=AMBER, alpha=0.35,  # type: ignore[arg-type]
+                      label="kept (completed + partial)")
+    axes.plot(times, kept, color=AMBER)  # type: ignore[arg-type]
+    axes.fill_between(times, completed, color=GREEN, alpha=0.45, label="completed")  # type: ignore[arg-type]
+    axes.plot(times, completed, color=GREEN)  # type: ignore[arg-type]
     pad = max((times[-1] - times[0]) * 0.03, timedelta(seconds=5))   # a short run must not span years of axis
-    axes.set_xlim(times[0] - pad, times[-1] + pad)
+    axes.set_xlim(times[0] - pad, times[-1] + pad)  # type: ignore[arg-type]
     locator = AutoDateLocator()
     axes.xaxis.set_major_locator(locator)
     axes.xaxis.set_major_formatter(ConciseDateFormatter(locator))

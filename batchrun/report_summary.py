@@ -8,7 +8,7 @@ import functools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from batchrun import rows
 from model_tools import TOOL_NAMES
@@ -89,7 +89,8 @@ class Timeline:
         """How long rows were being worked on: the union over buckets of [earliest start, bucket end],
         so the pauses between invocations do not count and rows arriving seldom are not taken for one
         a second."""
-        total, span_start, span_end = 0.0, None, None
+        total, span_start = 0.0, 0.0        # span_start means something once span_end is set
+        span_end: float | None = None
         for key in sorted(self.counts):
             start, end = min(self.starts[key], key * self.width), (key + 1) * self.width
             if span_end is not None and start <= span_end:
@@ -102,15 +103,15 @@ class Timeline:
 
     def points(self) -> list[tuple[datetime, int, int]]:
         """(bucket start, completed, partial) in time order."""
-        return [(datetime.fromtimestamp(key * self.width, timezone.utc).replace(tzinfo=None), *counts)
-                for key, counts in sorted(self.counts.items())]
+        return [(datetime.fromtimestamp(key * self.width, UTC).replace(tzinfo=None), completed, partial)
+                for key, (completed, partial) in sorted(self.counts.items())]
 
 
 @functools.lru_cache(maxsize=1024)       # many rows share each second
 def _epoch(timestamp: str) -> int | None:
     """Seconds of a row's naive ISO timestamp, read as UTC only to get a stable number."""
     try:
-        return int(datetime.fromisoformat(timestamp).replace(tzinfo=timezone.utc).timestamp())
+        return int(datetime.fromisoformat(timestamp).replace(tzinfo=UTC).timestamp())
     except ValueError:
         return None
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable, cast
+from typing import Any, cast
 
 import msgspec
 
@@ -145,7 +146,7 @@ class Usage:
     cached_tokens: int = 0
     cost: float = 0.0
 
-    def add(self, other: "Usage") -> None:
+    def add(self, other: Usage) -> None:
         self.prompt_tokens += other.prompt_tokens
         self.completion_tokens += other.completion_tokens
         self.reasoning_tokens += other.reasoning_tokens

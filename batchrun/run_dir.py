@@ -17,11 +17,12 @@ import multiprocessing
 import os
 import re
 from collections import Counter
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import IO, Callable, Iterator
+from typing import IO
 
 from batchrun import rows
 from batchrun.stats import MergeStatistics

@@ -21,7 +21,7 @@ class Redactor:
         self._pattern = re.compile("|".join(map(re.escape, values))) if values else None
 
     @classmethod
-    def from_environment(cls, api_key: str) -> "Redactor":
+    def from_environment(cls, api_key: str) -> Redactor:
         secrets = [api_key] + [value for name, value in os.environ.items() if _SECRET_NAME.search(name)]
         return cls(secrets)
 

@@ -9,8 +9,8 @@ time per call. ``asyncio.timeout`` (3.11+) cancels the awaiting task itself and 
 from __future__ import annotations
 
 import asyncio
-import sys
-from typing import Awaitable, TypeVar
+from collections.abc import Awaitable
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -18,7 +18,5 @@ T = TypeVar("T")
 async def within(seconds: float | None, awaitable: Awaitable[T]) -> T:
     """``await awaitable``, raising TimeoutError (after cancelling it) once ``seconds`` have passed;
     None means no limit."""
-    if sys.version_info < (3, 11):
-        return await asyncio.wait_for(awaitable, seconds)
     async with asyncio.timeout(seconds):
         return await awaitable

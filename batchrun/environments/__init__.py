@@ -30,7 +30,7 @@ def default_environment_kind() -> tuple[str, str]:
     """(kind, why) for runs that leave TERMINAL_ENV unset: isolated where bubblewrap can sandbox here,
     else local, with the reason; the caller decides whether a run may go on without isolation (only
     one that never offers the terminal or file tools may)."""
-    from batchrun.environments.bubblewrap import working_bwrap   # runs bwrap once; only when asked
+    from batchrun.environments.bubblewrap import working_bwrap  # runs bwrap once; only when asked
 
     found = working_bwrap()
     if isinstance(found, str):

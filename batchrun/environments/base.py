@@ -9,10 +9,10 @@ session ends — also on errors and cancellation — so no state leaks between p
 from __future__ import annotations
 
 import abc
-import os
-import shutil
 import hashlib
+import os
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,7 +110,7 @@ class Environment(abc.ABC):
         prompts; it must be cheap. Backends that need something of the machine extend this."""
         return None
 
-    @classmethod
+    @classmethod  # noqa: B027 - empty on purpose: most backends keep nothing between prompts
     async def close_idle(cls) -> None:
         """Called once in each worker after its last prompt: end whatever the backend keeps between
         prompts of the process. Backends that keep something extend this."""
@@ -140,7 +140,7 @@ class Environment(abc.ABC):
     async def close(self) -> None:
         """Tear everything down. Idempotent; never raises."""
 
-    async def __aenter__(self) -> "Environment":
+    async def __aenter__(self) -> Environment:
         await self.start()
         return self
 

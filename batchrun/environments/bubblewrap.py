@@ -35,9 +35,9 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 from batchrun.environments.base import (
     DEFAULT_PATH,
@@ -78,15 +78,16 @@ _sandbox_numbers = itertools.count()
 
 # The shell inside the sandbox: $1 is the token it prints when ready, $2 the ulimit command that caps
 # it and everything it starts, $3 "watch-dev" where its commands could change /dev (a sandbox with a
-# user namespace, whose root owns /dev; a root run's sandbox user cannot write there). It reads one line per command, ``run MARKER SECONDS $'WORKDIR'
-# $'COMMAND'``, and answers with a MARKER line, the command's merged output, then a line
-# "MARKER STATUS" after a newline of its own. ``reap MARKER`` kills every other process of the sandbox
-# (kill -1 spares the caller and the sandbox's init) and answers with MARKER. ``reset MARKER`` readies
-# the sandbox for another prompt: every other process killed (until none is left), /tmp and /dev/shm
-# emptied, SysV IPC objects removed (each only when there is something to remove: a reset of a tidy
-# sandbox starts one process); it answers "MARKER DEVICES", DEVICES being what ``devices`` says of /dev
-# then ("busy" if processes kept appearing). The ready line carries /dev as bwrap made it, to
-# compare. Its own stderr (bash's "Killed" notes about timed-out commands) is not output and goes nowhere.
+# user namespace, whose root owns /dev; a root run's sandbox user cannot write there). It reads one
+# line per command, ``run MARKER SECONDS $'WORKDIR' $'COMMAND'``, and answers with a MARKER line, the
+# command's merged output, then a line "MARKER STATUS" after a newline of its own. ``reap MARKER``
+# kills every other process of the sandbox (kill -1 spares the caller and the sandbox's init) and
+# answers with MARKER. ``reset MARKER`` readies the sandbox for another prompt: every other process
+# killed (until none is left), /tmp and /dev/shm emptied, SysV IPC objects removed (each only when there
+# is something to remove: a reset of a tidy sandbox starts at most one process); it answers "MARKER
+# DEVICES", DEVICES being what ``devices`` says of /dev then ("busy" if processes kept appearing). The
+# ready line carries /dev as bwrap made it, to compare. Its own stderr (bash's "Killed" notes about
+# timed-out commands) is not output and goes nowhere.
 _SHELL = r"""
 eval "$2" || exit 1
 watch_dev=$3
@@ -206,7 +207,7 @@ class BubblewrapEnvironment(LocalEnvironment):
             try:
                 status = await within(limit + _SHELL_GRACE_SECONDS,
                                       shell.run(command, _inside(prompt_dir, workdir), limit, collector.feed))
-            except asyncio.TimeoutError:    # past timeout(1)'s kill: the shell itself is stuck
+            except TimeoutError:    # past timeout(1)'s kill: the shell itself is stuck
                 await self._discard_shell()
                 output, truncated = collector.finish()
                 return CommandResult(output=output, exit_code=None, timed_out=True, truncated=truncated)
@@ -226,7 +227,7 @@ class BubblewrapEnvironment(LocalEnvironment):
                 # goes with it.
                 try:
                     reaped = await within(_SHELL_GRACE_SECONDS, shell.reap())
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     reaped = False
                 if not reaped:
                     await self._discard_shell()
@@ -261,7 +262,7 @@ class BubblewrapEnvironment(LocalEnvironment):
             return False
         try:
             devices = await within(_RESET_SECONDS, shell.reset())
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         if devices != shell.devices:
             return False
@@ -326,6 +327,7 @@ class BubblewrapEnvironment(LocalEnvironment):
             def close_user_files(_: object) -> None:
                 for fd in user_files:
                     os.close(fd)
+
             creating.add_done_callback(close_user_files)
         try:
             process = await asyncio.shield(creating)
@@ -342,7 +344,7 @@ class BubblewrapEnvironment(LocalEnvironment):
         said, devices = bytearray(), bytearray()
         try:
             started = await within(_STARTUP_SECONDS, shell.ready(ready, said, devices))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             started = False
         if not started:
             await self._stop(process)

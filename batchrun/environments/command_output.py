@@ -15,7 +15,8 @@ import queue
 import signal
 import subprocess
 import threading
-from typing import Callable, cast
+from collections.abc import Callable
+from typing import cast
 
 from batchrun.environments.base import CommandResult
 from batchrun.time_limit import within
@@ -141,7 +142,7 @@ class _Starter:
             try:
                 popen = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=output_fd,
                                          stderr=subprocess.STDOUT, start_new_session=True)
-            except Exception as exc:   # noqa: BLE001 - raised in the session that asked
+            except Exception as exc:
                 error = exc
             finally:
                 os.close(output_fd)
@@ -225,7 +226,7 @@ async def wait_for_exit(process: asyncio.subprocess.Process | ChildProcess, time
     """True once the process has exited, False if it is still running after ``timeout`` seconds."""
     try:
         await within(timeout, process.wait())
-    except asyncio.TimeoutError:    # not yet the built-in TimeoutError on Python 3.10
+    except TimeoutError:
         return False
     return True
 

@@ -25,9 +25,10 @@ import posixpath
 import secrets
 import stat
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import TypeVar
 
 from batchrun.environments.base import ToolError
 

@@ -21,8 +21,9 @@ import math
 import secrets
 import shutil
 import time
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Awaitable, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
 
 from batchrun.environments.base import (
     CommandResult,
@@ -153,7 +154,7 @@ class ContainerEnvironment(Environment):
         if self._creating:
             try:
                 await to_completion(self._remove())
-            except Exception:       # noqa: BLE001 — a failed clean-up must not fail the prompt
+            except Exception:
                 pass
 
     # -- what the tools use ----------------------------------------------------------------------

@@ -17,7 +17,8 @@ from batchrun.time_limit import within
 # An engine's messages can be long (a pull's whole progress log); the end says what went wrong.
 _MESSAGE_CHARS = 1000
 # Words the engines put around every explanation; without them the reason comes first.
-_BOILERPLATE = re.compile(r"(?:docker: )?Error response from daemon: |^Error: |\s*Run '[^']*--help' for more information\.?")
+_BOILERPLATE = re.compile(r"(?:docker: )?Error response from daemon: |^Error: "
+                          r"|\s*Run '[^']*--help' for more information\.?")
 
 
 @dataclass
@@ -51,7 +52,7 @@ async def call_cli(argv: list[str], *, timeout: float, stdin: bytes | None = Non
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
     try:
         stdout, stderr = await within(timeout, process.communicate(stdin))
-    except asyncio.TimeoutError:
+    except TimeoutError:
         kill_group(process.pid)
         await wait_for_exit(process, timeout=5.0)
         return CliResult(returncode=None, stdout=b"", stderr="")

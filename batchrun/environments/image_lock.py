@@ -32,7 +32,7 @@ class ImageLock:
         self._path = directory / f"{image_file_stem(image)}.lock"
         self._fd: int | None = None
 
-    async def __aenter__(self) -> "ImageLock":
+    async def __aenter__(self) -> ImageLock:
         self._path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:

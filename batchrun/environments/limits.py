@@ -60,7 +60,7 @@ class ResourceLimits:
             parts.insert(0, f"-v {self.memory_mb * 1024}")
         return f"ulimit {' '.join(parts)}"
 
-    def exceeded(self, events: "LimitEvents") -> str | None:
+    def exceeded(self, events: LimitEvents) -> str | None:
         """A line for the model when a command ran into a limit, else None."""
         notes = []
         if events.memory:
@@ -75,7 +75,7 @@ class LimitEvents:
     memory: int = 0         # processes killed for memory
     processes: int = 0      # forks refused at the process cap
 
-    def __sub__(self, other: "LimitEvents") -> "LimitEvents":
+    def __sub__(self, other: LimitEvents) -> LimitEvents:
         return LimitEvents(self.memory - other.memory, self.processes - other.processes)
 
 
@@ -147,7 +147,7 @@ class PromptCgroup:
         self.directories = directories
 
     @classmethod
-    def create(cls, run_id: str, name: str, limits: ResourceLimits) -> "PromptCgroup | None":
+    def create(cls, run_id: str, name: str, limits: ResourceLimits) -> PromptCgroup | None:
         """A new group with ``limits`` under the run's directory; None where none can be made."""
         hierarchy = _hierarchy()
         if hierarchy is None:

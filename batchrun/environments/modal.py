@@ -82,7 +82,7 @@ class ModalEnvironment(ContainerEnvironment):
             app = await within(HOUSEKEEPING_TIMEOUT, modal.App.lookup.aio(APP_NAME, create_if_missing=True))
         except modal.exception.AuthError as exc:
             raise setup_error("Modal refused the credentials (run `modal token new`)", str(exc)) from None
-        except (modal.exception.Error, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, modal.exception.Error, OSError) as exc:
             raise setup_error("Modal is not reachable", str(exc) or type(exc).__name__) from None
         _apps[APP_NAME] = app
         return app
@@ -99,7 +99,7 @@ class ModalEnvironment(ContainerEnvironment):
                 tags={RUN_TAG: self.settings.run_label, PROMPT_TAG: str(self.prompt_index)},
                 timeout=SANDBOX_LIFETIME, workdir="/", block_network=not self.settings.allow_network,
                 memory=(min(MEMORY_REQUEST_MB, caps.memory_mb), caps.memory_mb)))
-        except (modal.exception.Error, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, modal.exception.Error, OSError) as exc:
             raise setup_error(f"cannot start a Modal sandbox from {self.image}",
                               str(exc) or type(exc).__name__) from None
 
@@ -116,7 +116,7 @@ class ModalEnvironment(ContainerEnvironment):
     async def _exec(self, argv: list[str], *, workdir: str, stdin: bytes | None = None) -> CliResult:
         try:
             return await within(HOUSEKEEPING_TIMEOUT, self._exec_captured(argv, workdir, stdin or b""))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return CliResult(returncode=None, stdout=b"", stderr="")
         except (self._modal.exception.Error, OSError) as exc:
             return CliResult(returncode=127, stdout=b"", stderr=f"Modal: {exc}")
@@ -146,7 +146,7 @@ class ModalEnvironment(ContainerEnvironment):
 
         try:
             exit_code = await within(timeout, follow())
-        except asyncio.TimeoutError:
+        except TimeoutError:
             output, truncated = collector.finish()
             return CommandResult(output=output, exit_code=None, timed_out=True, truncated=truncated)
         except (self._modal.exception.Error, OSError) as exc:

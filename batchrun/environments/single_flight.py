@@ -7,7 +7,8 @@ and whether the image is there — hundreds of CLI processes for two answers.
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable, Hashable, TypeVar
+from collections.abc import Awaitable, Callable, Hashable
+from typing import TypeVar
 
 T = TypeVar("T")
 

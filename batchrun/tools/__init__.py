@@ -7,8 +7,9 @@ failure. The schemas and the toolset of every tool live in ``model_tools.py``.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from batchrun.environments.base import Environment, EnvironmentSettings, ToolError
 

@@ -39,9 +39,10 @@ import subprocess
 import sys
 import tempfile
 from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Protocol, TypedDict, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, TypeVar
 from urllib.parse import urlsplit
 
 from batchrun.install_hint import install_hint
@@ -153,7 +154,7 @@ class _Gate:
                 return
             try:
                 upstream_reader, upstream = await self._connect(host, port)
-            except (ToolError, OSError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, ToolError, OSError) as exc:
                 self.failures.append(str(exc) or f"cannot connect to {host}:{port}")
                 writer.write(b"\x05\x02\x00\x01" + bytes(6))
                 return
@@ -175,7 +176,7 @@ class _Gate:
         for address in await allowed_addresses(host, port):
             try:
                 return await within(CONNECT_TIMEOUT_S, asyncio.open_connection(address, port))
-            except (OSError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, OSError) as exc:
                 error = OSError(f"cannot connect to {host}:{port}: {exc or 'timed out'}")
         raise error
 
@@ -302,7 +303,7 @@ async def _runs(*argv: str) -> bool:
         return False
     try:
         return await within(LAUNCH_TIMEOUT_S, process.wait()) == 0
-    except asyncio.TimeoutError:
+    except TimeoutError:
         process.kill()
         await process.wait()
         return False
@@ -505,12 +506,13 @@ class _Tab:
     async def acting(self, what: str) -> AsyncIterator[None]:
         """Turn Playwright's errors during an action into a ToolError the model can act on, and a time-out
         on a page that no longer answers into _Unresponsive."""
-        from playwright.async_api import Error, TimeoutError as PlaywrightTimeout
+        from playwright.async_api import Error
+        from playwright.async_api import TimeoutError as PlaywrightTimeout
 
         self.gate.failures.clear()
         try:
             yield
-        except (asyncio.TimeoutError, PlaywrightTimeout) as exc:
+        except (TimeoutError, PlaywrightTimeout) as exc:
             if not await _responds(self.page):
                 raise _Unresponsive(what) from None
             raise ToolError(f"{what} failed: "
@@ -528,7 +530,7 @@ async def _responds(page: Page) -> bool:
 
     try:
         await _answer(page.evaluate("0"))
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return False
     except Error:           # closed, or between two documents: not stuck
         pass

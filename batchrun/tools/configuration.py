@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from batchrun.install_hint import install_hint
 

@@ -56,7 +56,7 @@ async def _extract_one(client: httpx.AsyncClient, url: str) -> dict:
         title, text = await asyncio.to_thread(_readable_text, page)   # parsing is CPU work
     except ToolError as exc:
         return {"url": url, "error": str(exc)}
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return {"url": url, "error": f"no complete response within {FETCH_SECONDS:g}s"}
     result = {"url": url}
     if page.redirects:

@@ -187,7 +187,7 @@ class _Lines:
     ends_with_newline: bool
 
     @classmethod
-    def parse(cls, text: str) -> "_Lines":
+    def parse(cls, text: str) -> _Lines:
         lines = text.split("\n")
         if text.endswith("\n") or not text:
             lines.pop()

@@ -8,10 +8,10 @@ saved in the prompt's environment, so the model gets a path its other tools can 
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import uuid
+from typing import cast
 
 import httpx
 import openai
@@ -38,7 +38,7 @@ async def image_generate(args: dict, ctx: ToolContext) -> dict:
     generate = _fal(provider, prompt) if provider.name == "fal" else _openai_images(provider, prompt, ctx)
     try:
         image = await within(IMAGE_SECONDS, generate)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise ToolError(f"no image within {IMAGE_SECONDS:g}s") from None
     if isinstance(image, str) and image.startswith("data:"):
         image = _data_url_bytes(image)
@@ -49,8 +49,9 @@ async def image_generate(args: dict, ctx: ToolContext) -> dict:
 
 async def _openai_images(provider: Backend, prompt: str, ctx: ToolContext) -> str | bytes:
     """The image's URL or its bytes. response_format is not sent: gpt-image models refuse it."""
-    client = openai_client(ctx, "image_gen_client", base_url=provider.base_url, api_key=provider.api_key,
-                           timeout=IMAGE_SECONDS)
+    # configuration gives the openai provider a base URL always (OpenAI's own unless one is set).
+    client = openai_client(ctx, "image_gen_client", base_url=cast(str, provider.base_url),
+                           api_key=provider.api_key, timeout=IMAGE_SECONDS)
     try:
         response = await client.images.generate(model=provider.model, prompt=prompt, n=1)
     except openai.APIError as exc:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import html
 import re
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import httpx
 
@@ -36,7 +37,7 @@ async def web_search(args: dict, ctx: ToolContext) -> dict:
         raise ToolError(f"web_search is not configured: {exc}") from None
     try:
         results = await within(SEARCH_SECONDS, _SEARCHES[backend.name](backend, query, count))
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise ToolError(f"{backend.name} search did not answer within {SEARCH_SECONDS:g}s") from None
     return {"results": [result for result in results if result["url"]][:count]}
 
@@ -88,9 +89,9 @@ async def _brave(backend: Backend, query: str, count: int) -> list[dict]:
     """Brave Search API: GET /web/search with X-Subscription-Token -> web.results[].title/url/description."""
     data = await _json(backend, "GET", f"{backend.base_url}/web/search", params={"q": query, "count": count},
                        headers={"X-Subscription-Token": backend.api_key, "Accept": "application/json"})
-    web = data.get("web") if isinstance(data.get("web"), dict) else {}
+    web = data.get("web")
     return [_result(item.get("title"), item.get("url"), item.get("description"))
-            for item in _items(web.get("results"))]
+            for item in _items(web.get("results") if isinstance(web, dict) else None)]
 
 
 async def _tavily(backend: Backend, query: str, count: int) -> list[dict]:

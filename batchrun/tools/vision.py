@@ -7,11 +7,11 @@ to fetch; a file from the prompt's environment is sent inline as a base64 data U
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import re
 
 import openai
+from openai.types.chat import ChatCompletionContentPartParam
 
 from batchrun.time_limit import within
 from batchrun.tools import ToolContext, ToolError
@@ -28,15 +28,16 @@ _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 async def vision_analyze(args: dict, ctx: ToolContext) -> dict:
     """``{"answer": ...}``: the vision model's reply to ``question`` about ``image``."""
     image, question = non_empty_text(args, "image"), non_empty_text(args, "question")
-    content = [{"type": "text", "text": question},
-               {"type": "image_url", "image_url": {"url": await _image_url(image, ctx)}}]
+    content: list[ChatCompletionContentPartParam] = [
+        {"type": "text", "text": question},
+        {"type": "image_url", "image_url": {"url": await _image_url(image, ctx)}}]
     client, model = _vision_model(ctx)
     call = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}])
     try:
         response = await within(VISION_SECONDS, call)
     except openai.APIError as exc:
         raise ToolError(f"the vision model call failed: {exc}") from None
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise ToolError(f"the vision model did not answer within {VISION_SECONDS:g}s") from None
     answer = response.choices[0].message.content if response.choices else None
     if not answer or not answer.strip():
@@ -50,12 +51,13 @@ def _vision_model(ctx: ToolContext) -> tuple[openai.AsyncOpenAI, str]:
     model = variable("VISION_MODEL") or (ctx.model.model if ctx.model else None)
     if model is None:
         raise ToolError("no vision model: set VISION_MODEL")
-    if base_url is None and ctx.model is None:
-        raise ToolError("no vision endpoint: set VISION_BASE_URL")
-    if base_url or api_key:
-        return openai_client(ctx, "vision_client", base_url=base_url or ctx.model.base_url, api_key=api_key,
-                             timeout=VISION_SECONDS), model
-    return ctx.model.client.with_options(timeout=VISION_SECONDS, max_retries=2), model
+    if base_url is None:
+        if ctx.model is None:
+            raise ToolError("no vision endpoint: set VISION_BASE_URL")
+        if api_key is None:
+            return ctx.model.client.with_options(timeout=VISION_SECONDS, max_retries=2), model
+        base_url = ctx.model.base_url
+    return openai_client(ctx, "vision_client", base_url=base_url, api_key=api_key, timeout=VISION_SECONDS), model
 
 
 async def _image_url(image: str, ctx: ToolContext) -> str:
