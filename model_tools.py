@@ -37,6 +37,9 @@ class ToolSpec:
     # Acts in the prompt's environment (runs commands, reads or saves files there): a session offering
     # it starts one; a session offering none of these starts none.
     needs_environment: bool = False
+    # Acts on what the model wrote (its commands, its file edits): never offered where no sandbox holds
+    # the environment, unless the user chose an unisolated one.
+    needs_isolation: bool = False
     # "module:function", a coroutine function of no arguments that the worker awaits once at its end,
     # if that module was loaded in the process; tools sharing a module name it once.
     process_teardown: str | None = None
@@ -81,21 +84,24 @@ TOOLS: tuple[ToolSpec, ...] = (
                       "timeout": {**_INT, "description": "Seconds before the command is killed "
                                                          "(optional; capped by the run's limit)."}},
                      ["command"]),
-             "batchrun.tools.terminal:terminal", needs_environment=True),
+             "batchrun.tools.terminal:terminal", needs_environment=True,
+             needs_isolation=True),
     ToolSpec("read_file", "file",
              "Read a text file from your working directory, optionally a window of lines.",
              _params({"path": {**_STRING, "description": "Path relative to the working directory."},
                       "offset": {**_INT, "description": "First line to return, 1-based (default 1)."},
                       "limit": {**_INT, "description": "How many lines to return (default 500)."}},
                      ["path"]),
-             "batchrun.tools.files:read_file", needs_environment=True),
+             "batchrun.tools.files:read_file", needs_environment=True,
+             needs_isolation=True),
     ToolSpec("write_file", "file",
              "Write a text file in your working directory, creating directories as needed; "
              "replaces the file if it exists.",
              _params({"path": {**_STRING, "description": "Path relative to the working directory."},
                       "content": {**_STRING, "description": "The complete new file content."}},
                      ["path", "content"]),
-             "batchrun.tools.files:write_file", needs_environment=True),
+             "batchrun.tools.files:write_file", needs_environment=True,
+             needs_isolation=True),
     ToolSpec("patch", "file",
              "Edit a file: replace an exact string (old_string -> new_string), or apply a unified diff.",
              _params({"path": {**_STRING, "description": "File to edit (not needed for a diff that names "
@@ -107,7 +113,8 @@ TOOLS: tuple[ToolSpec, ...] = (
                       "diff": {**_STRING, "description": "A unified diff to apply instead of "
                                                         "old_string/new_string."}},
                      []),
-             "batchrun.tools.files:patch", needs_environment=True),
+             "batchrun.tools.files:patch", needs_environment=True,
+             needs_isolation=True),
     ToolSpec("search_files", "file",
              "Search your working directory: a regular expression over file contents, or a glob "
              "over file names.",
@@ -117,7 +124,8 @@ TOOLS: tuple[ToolSpec, ...] = (
                       "path": {**_STRING, "description": "Directory to search (default '.')."},
                       "max_results": {**_INT, "description": "At most this many matches (default 50)."}},
                      ["pattern"]),
-             "batchrun.tools.files:search_files", needs_environment=True),
+             "batchrun.tools.files:search_files", needs_environment=True,
+             needs_isolation=True),
     ToolSpec("browser_navigate", "browser", "Open a URL in the browser and return a snapshot of the page.",
              _params({"url": {**_STRING, "description": "http(s) URL."}}, ["url"]),
              "batchrun.tools.browser:navigate", **_BROWSER),
@@ -193,6 +201,11 @@ def unavailable_tools() -> dict[str, str]:
 def needs_environment(tool_names: list[str] | tuple[str, ...]) -> bool:
     """Whether a session offering these tools needs an environment."""
     return any(REGISTRY[name].needs_environment for name in tool_names)
+
+
+def toolsets_needing_isolation(toolsets: set[str] | frozenset[str]) -> set[str]:
+    """Those of ``toolsets`` that hold a tool acting on what the model wrote (see ToolSpec.needs_isolation)."""
+    return {toolset for toolset in toolsets if any(REGISTRY[name].needs_isolation for name in TOOLSETS[toolset])}
 
 
 async def tear_down_process() -> None:

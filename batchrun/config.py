@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, overload
 from urllib.parse import urlparse
 
+import model_tools
 import toolset_distributions
 from batchrun.environments import ENVIRONMENT_KINDS, default_environment_kind
 from batchrun.environments.base import EnvironmentSettings
@@ -248,11 +249,6 @@ def validate_run_name(value: Any) -> str:
 DEFAULT_IMAGE = EnvironmentSettings.default_image
 
 
-# Toolsets whose tools run what the model wrote (commands, file edits): never without isolation,
-# unless the user chose so.
-COMMAND_TOOLSETS = frozenset({"terminal", "file"})
-
-
 def terminal_environment(distribution: str) -> tuple[str, str]:
     """(kind, why) from TERMINAL_ENV; unset means the isolated sandbox.
 
@@ -262,7 +258,8 @@ def terminal_environment(distribution: str) -> tuple[str, str]:
     kind = os.environ.get("TERMINAL_ENV", "").strip()
     if not kind:
         kind, why = default_environment_kind()
-        if kind != "bubblewrap" and toolset_distributions.possible_toolsets(distribution) & COMMAND_TOOLSETS:
+        possible = toolset_distributions.possible_toolsets(distribution)
+        if kind != "bubblewrap" and model_tools.toolsets_needing_isolation(possible):
             raise UsageError(
                 f"no sandbox for model-written commands: {why.removeprefix('bubblewrap unavailable: ')}\n"
                 f"The {distribution!r} distribution offers the terminal and file tools. Choose one:\n"

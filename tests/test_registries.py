@@ -53,6 +53,17 @@ class ClosedServices:
         pass
 
 
+def test_a_toolset_holding_a_tool_that_acts_on_what_the_model_wrote_needs_isolation(monkeypatch) -> None:
+    register(monkeypatch, "probe_runner", needs_isolation=True)
+    monkeypatch.setitem(model_tools.TOOLSETS, "probe", ("probe_runner",))
+    assert model_tools.toolsets_needing_isolation({"probe", "web", "terminal"}) == {"probe", "terminal"}
+
+
+def test_the_terminal_and_file_tools_need_isolation_and_the_others_do_not() -> None:
+    isolated = {name for name, spec in model_tools.REGISTRY.items() if spec.needs_isolation}
+    assert isolated == {"terminal", "read_file", "write_file", "patch", "search_files"}
+
+
 def test_a_session_offering_a_tool_that_needs_an_environment_gets_one(monkeypatch) -> None:
     register(monkeypatch, "probe_in_sandbox", needs_environment=True)
     assert model_tools.needs_environment(["web_search", "probe_in_sandbox"])
