@@ -117,9 +117,10 @@ ipc_in_use() {
 }
 reset() {
     local rounds=0 left
-    while kill -9 -1; do
+    while kill -9 -1; do    # a killed process can be signalled until it has finished exiting
         rounds=$((rounds + 1))
-        [ "$rounds" -lt 1000 ] || { printf '%s busy\n' "$1"; return; }
+        [ "$rounds" -lt 300 ] || { printf '%s busy\n' "$1"; return; }
+        [ "$rounds" -lt 20 ] || sleep 0.01
     done
     left=(/tmp/* /dev/shm/*)
     if [ "${#left[@]}" -gt 0 ]; then
@@ -137,6 +138,7 @@ while IFS= read -r line; do eval "$line"; done
 # milliseconds of CPU per prompt, a reset about one. At most this many wait per process.
 _MAX_IDLE_SANDBOXES = 32
 _RESET_SECONDS = 5.0
+_SETTLE_CHECKS, _SETTLE_PAUSE_SECONDS = 20, 0.025
 
 
 class BubblewrapEnvironment(LocalEnvironment):
@@ -266,7 +268,7 @@ class BubblewrapEnvironment(LocalEnvironment):
             return False
         if devices != shell.devices:
             return False
-        if self._cgroup is not None and self._cgroup.process_count() > shell.processes:
+        if self._cgroup is not None and not await _only_own_processes(self._cgroup, shell.processes):
             return False
         prompt_dir = self.prompt_dir
         await asyncio.to_thread(_empty_directory, prompt_dir)
@@ -502,6 +504,16 @@ class _IdleSandboxes:
 
 
 _IDLE = _IdleSandboxes()
+
+
+async def _only_own_processes(cgroup: PromptCgroup, own: int) -> bool:
+    """Whether the sandbox's control group holds no more than its ``own`` processes, waiting a little
+    for killed ones, which stay in the group until they have finished exiting."""
+    for _ in range(_SETTLE_CHECKS):
+        if cgroup.process_count() <= own:
+            return True
+        await asyncio.sleep(_SETTLE_PAUSE_SECONDS)
+    return False
 
 
 def _inside(prompt_dir: Path, workdir: Path) -> str:
