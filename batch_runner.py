@@ -271,22 +271,20 @@ class BatchRunner:
                 self.console.warn(f"resuming with --{key}={now}, but this run started with {before}")
 
     def _finish(self, plan: DatasetPlan, *, interrupted: bool = False) -> None:
-        corrupted_found = 0
-        superseded = Counter(self.superseded_corrupted)
+        found: set[tuple[str, int, str]] = set()      # corrupted rows this merge read for the first time
 
         def on_corrupted(batch_file: str, prompt_index: int, invented: list[str], key: str) -> None:
-            nonlocal corrupted_found
-            if superseded[key] > 0:      # an attempt a --rerun_corrupted resume replaced
-                superseded[key] -= 1
-                return
-            corrupted_found += 1
-            if corrupted_found <= MAX_CORRUPTED_LINES_SHOWN:
-                self.console.print(f"⚠️  left out of trajectories.jsonl: {batch_file} prompt "
-                                   f"{prompt_index} calls invented tool(s) {', '.join(invented)}")
+            found.add((batch_file, prompt_index, key))
 
         merge = self.run_dir.merge(on_corrupted)
-        if corrupted_found > MAX_CORRUPTED_LINES_SHOWN:
-            self.console.print(f"... and {corrupted_found - MAX_CORRUPTED_LINES_SHOWN} more corrupted rows")
+        # Only the live ones: a row a --rerun_corrupted resume replaced is an earlier attempt.
+        new = [(name, index, invented) for name, index, invented, key in merge.live_corrupted(self.superseded_corrupted)
+               if (name, index, key) in found]
+        for name, index, invented in new[:MAX_CORRUPTED_LINES_SHOWN]:
+            self.console.print(f"⚠️  left out of trajectories.jsonl: {name} prompt {index} calls invented "
+                               f"tool(s) {', '.join(invented)}")
+        if len(new) > MAX_CORRUPTED_LINES_SHOWN:
+            self.console.print(f"... and {len(new) - MAX_CORRUPTED_LINES_SHOWN} more corrupted rows")
         statistics = build_statistics(run_name=self.config.run_name, distribution=self.config.distribution,
                                       model=self.config.model, batch_size=self.config.batch_size,
                                       total_prompts=plan.total, skipped_dataset_lines=plan.skipped_lines,

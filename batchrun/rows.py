@@ -626,7 +626,8 @@ class StoredRow:
         row.setdefault("toolsets_sampled", row.get("toolsets_used") or [])
         row["invented_tool_calls"] = sum(call.name not in REGISTRY for turn in self._row.conversations or ()
                                          for call in turn.tool_calls)
-        return encode_row({key: row[key] for key in sorted(row, key=_KEY_ORDER.__getitem__)})
+        last = len(_KEY_ORDER)      # a key of the row's own (added by hand, say) goes after ours
+        return encode_row({key: row[key] for key in sorted(row, key=lambda key: _KEY_ORDER.get(key, last))})
 
 
 def read_stored_row(line: bytes) -> StoredRow | None:

@@ -179,6 +179,14 @@ def test_a_prompt_that_invents_tools_again_after_a_rerun_is_counted_once(tmp_pat
     assert "All prompts have already been processed!" in resumed.stdout
 
 
+def test_the_row_a_rerun_invents_tools_in_again_is_named_as_left_out(tmp_path, endpoint):
+    prompts = ["[[invent]] make things up"]
+    first = run(tmp_path, endpoint, prompts)
+    assert first.stdout.count("left out of trajectories.jsonl") == 1
+    rerun = run(tmp_path, endpoint, prompts, "--resume", "--rerun_corrupted")
+    assert rerun.stdout.count("left out of trajectories.jsonl") == 1, rerun.stdout
+
+
 def test_a_rerun_that_fails_leaves_its_prompt_to_the_next_resume(tmp_path, endpoint):
     assert run(tmp_path, endpoint, ["[[invent]] make things up"]).returncode == 0
     endpoint.script = lambda body: (500, {"error": {"message": "down"}}, {})

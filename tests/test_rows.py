@@ -742,6 +742,13 @@ def test_a_format_1_row_is_read_with_the_rules_it_was_written_under(with_format_
     assert stored.reasoning_counts() == (1, 1)
 
 
+def test_a_format_1_row_keeps_a_key_of_its_own_when_upgraded():
+    row = json.loads(format_1_line(FORMAT_1_SESSION))
+    line = json.dumps({**row, "notes": "added by hand"}).encode() + b"\n"
+    upgraded = json.loads(read_stored_row(line).upgraded())
+    assert upgraded["notes"] == "added by hand" and list(upgraded)[-1] == "notes"
+
+
 @pytest.mark.parametrize("with_format_key", [True, False], ids=["format_1", "before_formats"])
 def test_a_format_1_row_is_upgraded_to_the_keys_and_turn_shape_of_a_current_row(with_format_key):
     upgraded = json.loads(read_stored_row(format_1_line(FORMAT_1_SESSION, with_format_key=with_format_key)).upgraded())
