@@ -58,6 +58,18 @@ def _failed(task: Task, error: str, error_type: str) -> rows.SessionResult:
         wall_time=0.0, end_reason="error", error=error, error_type=error_type)
 
 
+def outlive_ctrl_c() -> None:
+    """Ctrl-C reaches the whole process group; the parent decides how to stop, workers follow it.
+    The signal is caught and dropped rather than ignored: an ignored SIGINT stays ignored in every
+    program the commands start (a sleep, a test runner, ``timeout -s INT``), which then cannot be
+    interrupted; a caught one is back to its default in them."""
+    signal.signal(signal.SIGINT, _drop_signal)
+
+
+def _drop_signal(signum: int, frame: object) -> None:
+    pass
+
+
 def use_pidfd_child_watcher(loop: asyncio.AbstractEventLoop) -> None:
     """Python 3.11 watches each of asyncio's subprocesses (a sandbox's bwrap, a container CLI call)
     with a new thread; a pidfd costs a file descriptor. (3.12+ chooses pidfds by itself and
@@ -178,6 +190,5 @@ def main(conn: Connection, siblings: list[Connection], worker: int, slots: int, 
     for inherited in siblings:
         inherited.close()
     gate.limit.bind(worker)     # the parent gives back this process's request slots if it dies
-    # Ctrl-C reaches the whole process group; the parent decides how to stop, workers follow it.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    outlive_ctrl_c()
     asyncio.run(_serve(conn, make_services(slots, config, gate, env_settings, available_tools)))

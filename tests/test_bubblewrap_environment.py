@@ -249,6 +249,28 @@ def test_time_out_kills_the_command_and_its_background_child_and_the_next_comman
     assert time.monotonic() - started < 10
 
 
+def test_a_command_that_stops_itself_is_killed_at_its_time_limit(tmp_path):
+    started = time.monotonic()
+    results = run_commands(make_settings(tmp_path), "echo before; kill -STOP $$; echo after", "echo next", timeout=1)
+    assert results[0].timed_out and results[0].output == "before\n"
+    assert results[1].output == "next\n" and not results[1].timed_out
+    assert time.monotonic() - started < 10
+
+
+def test_a_time_out_that_comes_as_the_command_ends_changes_nothing(tmp_path):
+    # The runner's signal reaches the shell after the command's end, while it waits for the next line.
+    async def scenario():
+        async with sandbox(make_settings(tmp_path)) as env:
+            first = await env.run("echo first > /tmp/mark; exit 3")
+            shell = env._shell
+            assert shell is not None and shell.interrupt()
+            await asyncio.sleep(0.2)
+            return first, await env.run("cat /tmp/mark"), env._shell is shell
+    first, second, same_shell = asyncio.run(scenario())
+    assert (first.exit_code, first.timed_out) == (3, False)
+    assert (second.output, second.exit_code, same_shell) == ("first\n", 0, True)
+
+
 def test_a_command_that_exits_with_the_killed_status_early_is_not_a_time_out(tmp_path):
     result, = run_commands(make_settings(tmp_path), "kill -9 $$")
     assert (result.exit_code, result.timed_out) == (137, False)
@@ -274,8 +296,7 @@ def test_a_dead_shell_is_replaced_and_the_workspace_kept(tmp_path):
 
 
 def test_a_stuck_shell_is_replaced_after_the_deadline(tmp_path):
-    # Stops the sandbox's shell itself (the parent of timeout, whose child this bash is).
-    stop_shell = "read -r -a stat < /proc/$PPID/stat; kill -STOP ${stat[3]}"
+    stop_shell = "kill -STOP $PPID"     # the sandbox's shell itself, whose child this bash is
     started = time.monotonic()
     results = run_commands(make_settings(tmp_path), stop_shell, "echo fresh", timeout=1)
     assert results[0].timed_out
@@ -473,7 +494,7 @@ def test_a_root_runs_commands_cannot_change_dev(tmp_path):
 
 
 def test_the_prompt_after_one_that_killed_its_sandboxs_shell_runs(tmp_path):
-    kill_shell = "kill -9 $(cut -d ' ' -f 4 /proc/$PPID/stat)"      # the parent of timeout(1): the shell
+    kill_shell = "kill -9 $PPID"      # the sandbox's shell
     before, after = after_release(make_settings(tmp_path), [kill_shell, "echo again"], ["echo fine"])
     assert before[1].output == "again\n"
     assert after[0].output == "fine\n"

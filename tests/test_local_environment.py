@@ -12,7 +12,7 @@ from conftest import live_processes_mentioning, wait_for
 
 from batchrun.environments import ENVIRONMENT_KINDS, create_environment
 from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError
-from batchrun.environments.local import LocalEnvironment
+from batchrun.environments.local import DiskUsageWalk, LocalEnvironment
 from batchrun.tools import ToolContext, ToolError
 from batchrun.tools.terminal import terminal
 
@@ -252,3 +252,16 @@ def test_terminal_tool_timeout_is_capped_by_the_run_limit(tmp_path):
 def test_terminal_tool_rejects_invalid_arguments(tmp_path, args):
     with pytest.raises(ToolError):
         run_terminal(tmp_path, args)
+
+
+def test_the_workspace_walk_goes_on_where_it_paused(tmp_path):
+    for number in range(30):
+        directory = tmp_path / f"d{number % 3}"
+        directory.mkdir(exist_ok=True)
+        (directory / f"f{number}").write_bytes(os.urandom(8192))
+    total = sum(os.stat(path).st_blocks * 512 for path in tmp_path.rglob("*"))
+    paused = DiskUsageWalk(tmp_path, total - 1)
+    assert paused.run(max_entries=5) is None
+    assert paused.run() is True
+    assert DiskUsageWalk(tmp_path, total).run(max_entries=5) is None
+    assert DiskUsageWalk(tmp_path, total).run() is False

@@ -105,6 +105,16 @@ def test_a_workspace_over_its_limit_is_reported_to_the_model(tmp_path: Path, kin
     assert "workspace holds more than its limit of 4 MB" in (result.error or "")
 
 
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_a_workspace_over_its_limit_is_reported_when_its_many_files_come_first(tmp_path: Path, kind: str) -> None:
+    # More entries than the walk takes on the event loop, so the part over the limit is found by the
+    # rest of the walk, in a thread.
+    commands = ("mkdir -p many/deeper && for i in $(seq 300); do : > many/f$i; : > many/deeper/g$i; done; "
+                "head -c 5000000 /dev/urandom > many/deeper/big")
+    [result] = run(kind, settings(tmp_path, workspace_mb=4), commands)
+    assert "workspace holds more than its limit of 4 MB" in (result.error or "")
+
+
 DETACHED = {"setsid": "setsid sleep {marker} > /dev/null 2>&1 &",
             "double fork": "( (sleep {marker} > /dev/null 2>&1 &) & )"}
 

@@ -34,7 +34,7 @@ import secrets
 import shutil
 import signal
 import subprocess
-import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -63,12 +63,12 @@ _ETC_ENTRIES = ("ld.so.cache", "alternatives", "ssl/certs", "ssl/openssl.cnf", "
                 "nsswitch.conf", "localtime", "hosts")
 _NETWORK_ETC_ENTRIES = ("resolv.conf", "host.conf", "gai.conf")
 _STARTUP_SECONDS = 10.0
-# timeout(1) kills a command at its limit and the shell reports at once; a shell that stays silent
-# this much longer is stuck, and its sandbox is replaced.
+# At a command's time limit the shell kills the command's process group and reports at once; a shell
+# that stays silent this much longer is stuck, and its sandbox is replaced.
 _SHELL_GRACE_SECONDS = 2.0
 _KILL_WAIT_SECONDS = 5.0
 _READ_CHUNK_BYTES = 65536
-# timeout -s KILL kills its own process group, itself included, so a time-out reads as this status.
+# How a command killed at its time limit ends.
 _KILLED_STATUS = 128 + signal.SIGKILL
 _RUNNING_AS_ROOT = os.geteuid() == 0
 # A root run gives each sandbox a uid of its own from this range, which ordinary hosts leave unused, so
@@ -79,8 +79,12 @@ _sandbox_numbers = itertools.count()
 # The shell inside the sandbox: $1 is the token it prints when ready, $2 the ulimit command that caps
 # it and everything it starts, $3 "watch-dev" where its commands could change /dev (a sandbox with a
 # user namespace, whose root owns /dev; a root run's sandbox user cannot write there). It reads one
-# line per command, ``run MARKER SECONDS $'WORKDIR' $'COMMAND'``, and answers with a MARKER line, the
-# command's merged output, then a line "MARKER STATUS" after a newline of its own. ``reap MARKER``
+# line per command, ``run MARKER $'WORKDIR' $'COMMAND'``, and answers with a MARKER line, the command's
+# merged output, then a line "MARKER STATUS" after a newline of its own. The command is a job in a
+# process group of its own (started under set -m) that the shell waits for; the time limit is kept by the
+# runner, which at the limit sends the shell SIGUSR1, whose trap kills the job's whole process group
+# (a timeout(1) process per command would cost as much CPU as the command's own bash). A signal that
+# comes as the command ends, or while the shell waits for the next line, changes nothing. ``reap MARKER``
 # kills every other process of the sandbox (kill -1 spares the caller and the sandbox's init) and
 # answers with MARKER. ``reset MARKER`` readies the sandbox for another prompt: every other process
 # killed (until none is left), /tmp and /dev/shm emptied, SysV IPC objects removed (each only when there
@@ -93,10 +97,25 @@ eval "$2" || exit 1
 watch_dev=$3
 exec 2>/dev/null
 shopt -s nullglob dotglob
+trap 'expired=1; kill -9 -- "-$job"' USR1
 run() {
+    local status again
     printf '%s\n' "$1"
-    cd -- "$3" 2>&1 && timeout -s KILL "$2" bash -c "$4" </dev/null 2>&1
-    printf '\n%s %d\n' "$1" "$?"
+    if cd -- "$2" 2>&1; then
+        expired=
+        set -m      # only while starting it: job control's own waiting can spin (bash 5.2, wait -f)
+        bash -c "$3" </dev/null 2>&1 &
+        job=$!
+        set +m      # so wait ignores a job that stops itself, as a foreground command's shell would
+        wait "$job"; status=$?
+        if [ -n "$expired" ]; then      # the wait was cut short by the trap (or the job had ended)
+            wait "$job"; again=$?
+            [ "$again" -eq 127 ] || status=$again
+        fi
+    else
+        status=1
+    fi
+    printf '\n%s %d\n' "$1" "$status"
 }
 reap() {
     kill -9 -1
@@ -131,7 +150,10 @@ reset() {
     printf '%s ' "$1"; devices; printf '\n'
 }
 printf '%s ' "$1"; devices; printf '\n'
-while IFS= read -r line; do eval "$line"; done
+while :; do
+    IFS= read -r line || { [ $? -gt 128 ] && continue; break; }    # > 128: a late SIGUSR1, not the end
+    eval "$line"
+done
 """
 # A finished prompt's sandbox is reset and kept for the next prompt of the process (see _IdleSandboxes)
 # instead of being torn down: making and destroying a sandbox's namespaces costs the kernel several
@@ -175,7 +197,7 @@ class BubblewrapEnvironment(LocalEnvironment):
         await super().start()
         try:
             if self._uid is not None:
-                await asyncio.to_thread(self._hand_directories_to, self._uid)
+                self._hand_directories_to(self._uid)
             self._shell = await self._launch()
         except EnvironmentSetupError:
             await self.close()   # a failed start is not followed by close()
@@ -187,7 +209,7 @@ class BubblewrapEnvironment(LocalEnvironment):
         self.prompt_dir, self.workdir, self._cgroup = sandbox.directory, workdir, sandbox.cgroup
         self._uid, self._shell = sandbox.uid, sandbox.shell
         if self._uid is not None:
-            await asyncio.to_thread(self._hand_directories_to, self._uid)
+            self._hand_directories_to(self._uid)
         self._processes.append(sandbox.shell.process)
 
     async def run(self, command: str, timeout: float | None = None) -> CommandResult:
@@ -205,11 +227,9 @@ class BubblewrapEnvironment(LocalEnvironment):
             shell = self._shell
             before = self.limit_events()
             collector = OutputCollector(self.settings.max_output_chars)
-            started = time.monotonic()
             try:
-                status = await within(limit + _SHELL_GRACE_SECONDS,
-                                      shell.run(command, _inside(prompt_dir, workdir), limit, collector.feed))
-            except TimeoutError:    # past timeout(1)'s kill: the shell itself is stuck
+                status, expired = await shell.run(command, _inside(prompt_dir, workdir), limit, collector.feed)
+            except TimeoutError:    # the shell did not answer the time-out: it is stuck
                 await self._discard_shell()
                 output, truncated = collector.finish()
                 return CommandResult(output=output, exit_code=None, timed_out=True, truncated=truncated)
@@ -224,7 +244,7 @@ class BubblewrapEnvironment(LocalEnvironment):
                 return CommandResult(output=output, exit_code=None, truncated=truncated,
                                      error="the sandbox's shell died; the next command gets a new one "
                                            f"(files in {MOUNT_POINT} are kept)")
-            if status == _KILLED_STATUS and time.monotonic() - started >= limit:
+            if expired and status == _KILLED_STATUS:
                 # What the command left running (setsid or double-forked, out of timeout's reach)
                 # goes with it.
                 try:
@@ -271,7 +291,8 @@ class BubblewrapEnvironment(LocalEnvironment):
         if self._cgroup is not None and not await _only_own_processes(self._cgroup, shell.processes):
             return False
         prompt_dir = self.prompt_dir
-        await asyncio.to_thread(_empty_directory, prompt_dir)
+        if _holds_anything(prompt_dir):     # many prompts leave nothing: no thread needed
+            await asyncio.to_thread(_empty_directory, prompt_dir)
         if not _IDLE.put(self.settings, _Sandbox(shell, prompt_dir, self._cgroup, self._uid)):
             return False
         self._closed, self._shell, self._cgroup = True, None, None
@@ -289,7 +310,8 @@ class BubblewrapEnvironment(LocalEnvironment):
             await asyncio.to_thread(remove_tree, sandbox.directory)
 
     def _hand_directories_to(self, uid: int) -> None:
-        """The prompt directory, and the row's cwd made in it, belong to the sandbox's user."""
+        """The prompt directory, and the row's cwd made in it, belong to the sandbox's user (a few
+        chown calls on directories just made: quick enough for the event loop)."""
         prompt_dir, workdir = self._require_started()
         directory = workdir
         while True:
@@ -306,7 +328,8 @@ class BubblewrapEnvironment(LocalEnvironment):
 
     async def _launch(self) -> _Shell:
         """Start bwrap with the shell inside and wait until the shell says it is ready."""
-        bwrap = await asyncio.to_thread(working_bwrap)   # the first call starts a probe sandbox
+        # The first call in a process starts a probe sandbox; later ones read the cache.
+        bwrap = working_bwrap() if working_bwrap.cache_info().currsize else await asyncio.to_thread(working_bwrap)
         if isinstance(bwrap, str):
             raise EnvironmentSetupError(bwrap)
         prompt_dir, _ = self._require_started()
@@ -353,6 +376,7 @@ class BubblewrapEnvironment(LocalEnvironment):
             message = said.decode("utf-8", errors="replace").strip() or "no message"
             raise EnvironmentSetupError(f"the bubblewrap sandbox did not start: {message}")
         shell.devices = devices.decode("ascii", errors="replace")
+        shell.watch(process.pid)
         # The sandbox's own processes (bwrap, its init, the shell): a reset must leave no more.
         shell.processes = self._cgroup.process_count() if self._cgroup is not None else 0
         return shell
@@ -380,6 +404,33 @@ class _Shell:
         self._buffer = bytearray()
         self.devices = ""       # /dev as bwrap made it (see _SHELL's devices)
         self.processes = 0      # processes of the sandbox's control group with no command running
+        self._pidfd: int | None = None     # the shell process itself, to signal it at a time limit
+
+    def watch(self, bwrap_pid: int) -> None:
+        """Find the shell among bwrap's processes (bwrap, the sandbox's init, the shell: one chain
+        while nothing else runs) and hold a pidfd on it, which can never signal another process."""
+        pid = bwrap_pid
+        try:
+            for _ in range(2):
+                children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+                if len(children) != 1:
+                    return
+                pid = int(children[0])
+            pidfd = os.pidfd_open(pid)
+        except (OSError, ValueError):
+            return      # no way to interrupt a command: a time-out replaces the sandbox instead
+        self._pidfd = pidfd
+        weakref.finalize(self, os.close, pidfd)
+
+    def interrupt(self) -> bool:
+        """Have the shell kill the command it runs (its SIGUSR1 trap); False if it cannot be asked."""
+        if self._pidfd is None:
+            return False
+        try:
+            signal.pidfd_send_signal(self._pidfd, signal.SIGUSR1)
+        except OSError:
+            return False
+        return True
 
     async def ready(self, token: str, said: bytearray, devices: bytearray) -> bool:
         """Wait for the ready line; what came before goes to ``said``, the /dev it reports to ``devices``."""
@@ -400,26 +451,41 @@ class _Shell:
             return devices.decode("ascii", errors="replace")
         return None
 
-    async def run(self, command: str, workdir: str, limit: float, sink: Callable[[bytes], None]) -> int | None:
-        """Run one command, passing its output to ``sink``; its exit status, None if the shell died.
+    async def run(self, command: str, workdir: str, limit: float,
+                  sink: Callable[[bytes], None]) -> tuple[int | None, bool]:
+        """Run one command, passing its output to ``sink``: its exit status (None if the shell died)
+        and whether its time limit expired. TimeoutError if the shell does not answer the time-out.
 
         Each command has its own random marker, so late output of an earlier command's background
         child, read before the marker, is dropped, and no output can pass for the end of a command.
         """
         marker = f"batchrun-{secrets.token_hex(16)}"
-        # "timeout 0" means no limit; a limit below a millisecond is still one.
-        line = f"run {marker} {max(limit, 0.001):.3f} {_bash_quoted(workdir)} {_bash_quoted(command)}\n"
+        line = f"run {marker} {_bash_quoted(workdir)} {_bash_quoted(command)}\n"
         try:
             self._stdin.write(line.encode("ascii"))
             await self._stdin.drain()
         except (BrokenPipeError, ConnectionResetError):
-            return None
+            return None, False
         status = bytearray()
-        if (await self.read_until(f"{marker}\n".encode(), None)
-                and await self.read_until(f"\n{marker} ".encode(), sink)
-                and await self.read_until(b"\n", status.extend)):
-            return int(status)
-        return None
+        # read_until can be cut short and called again, so the reading goes on after the time-out.
+        parts = [(f"{marker}\n".encode(), None), (f"\n{marker} ".encode(), sink), (b"\n", status.extend)]
+
+        async def answer() -> bool:
+            while parts:
+                if not await self.read_until(*parts[0]):
+                    return False
+                parts.pop(0)
+            return True
+
+        expired = False
+        try:
+            answered = await within(limit, answer())
+        except TimeoutError:
+            if not self.interrupt():
+                raise
+            expired = True
+            answered = await within(_SHELL_GRACE_SECONDS, answer())
+        return (int(status) if answered else None), expired
 
     async def reap(self) -> bool:
         """Kill every process in the sandbox but the shell; False if the shell did not answer."""
@@ -519,6 +585,14 @@ async def _only_own_processes(cgroup: PromptCgroup, own: int) -> bool:
 def _inside(prompt_dir: Path, workdir: Path) -> str:
     """Where ``workdir`` is as the sandbox sees it."""
     return posixpath.normpath(posixpath.join(MOUNT_POINT, os.path.relpath(workdir, prompt_dir)))
+
+
+def _holds_anything(directory: Path) -> bool:
+    try:
+        with os.scandir(directory) as entries:
+            return next(entries, None) is not None
+    except OSError:
+        return True     # whatever stands in the way, emptying it deals with it
 
 
 def _empty_directory(directory: Path) -> None:

@@ -16,6 +16,7 @@ import os
 import posixpath
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from batchrun.environments.base import (
@@ -119,23 +120,24 @@ class LocalEnvironment(Environment):
         return self._cgroup.events() if self._cgroup is not None else LimitEvents()
 
     async def with_limit_notes(self, result: CommandResult, before: LimitEvents) -> CommandResult:
-        """``result`` with an error saying which limit the command ran into, if it ran into one."""
+        """``result`` with an error saying which limit the command ran into, if it ran into one.
+
+        The workspace is walked after every command: on the event loop while it is small (a hop to a
+        thread and back waits behind every other session of the process), in a thread beyond that."""
         prompt_dir, _ = self._require_started()
-        notes = await asyncio.to_thread(self._limit_notes, prompt_dir, before)
+        limits = self.settings.limits
+        notes = [note] if (note := limits.exceeded(self.limit_events() - before)) else []
+        walk = DiskUsageWalk(prompt_dir, limits.workspace_mb * MIB)
+        over = walk.run(max_entries=INLINE_WALK_ENTRIES)
+        if over is None:
+            over = await asyncio.to_thread(walk.run)
+        if over:
+            notes.append(f"the workspace holds more than its limit of {limits.workspace_mb} MB; "
+                         "delete files before writing more")
         if not notes:
             return result
         error = "; ".join(([result.error] if result.error else []) + notes)
         return dataclasses.replace(result, error=error)
-
-    def _limit_notes(self, prompt_dir: Path, before: LimitEvents) -> list[str]:
-        """The limits struck since ``before``; reads the control group and walks the workspace, so
-        it runs in a thread, once per command."""
-        limits = self.settings.limits
-        notes = [note] if (note := limits.exceeded(self.limit_events() - before)) else []
-        if disk_usage_over(prompt_dir, limits.workspace_mb * MIB):
-            notes.append(f"the workspace holds more than its limit of {limits.workspace_mb} MB; "
-                         "delete files before writing more")
-        return notes
 
     async def read_file(self, path: str) -> bytes:
         """The file's bytes; refuses escapes, anything but a regular file, and files over the size limit.
@@ -193,28 +195,52 @@ class LocalEnvironment(Environment):
         self._processes = [process for process in self._processes if _group_exists(process.pid)]
 
 
-def disk_usage_over(root: Path, limit_bytes: int) -> bool:
+# Entries of the workspace walked on the event loop after a command (a few hundred microseconds).
+INLINE_WALK_ENTRIES = 200
+
+
+class DiskUsageWalk:
     """Whether the files under ``root`` take more than ``limit_bytes`` of disk (blocks, so a sparse
-    file counts what it really uses). Links are not followed; the walk stops once over."""
-    used = 0
-    pending = [str(root)]
-    while pending:
-        try:
-            entries = os.scandir(pending.pop())
-        except OSError:
-            continue
-        with entries:
-            for entry in entries:
+    file counts what it really uses). Links are not followed; the walk stops once over. It can pause
+    after some entries and go on later (in a thread) where it left off."""
+
+    def __init__(self, root: Path, limit_bytes: int) -> None:
+        self._limit = limit_bytes
+        self._used = 0
+        self._pending = [str(root)]
+        self._directory: Iterator[os.DirEntry[str]] | None = None      # being read
+
+    def run(self, max_entries: int | None = None) -> bool | None:
+        """True once over the limit, False when all is walked, None after ``max_entries`` entries."""
+        seen = 0
+        while True:
+            if self._directory is None:
+                if not self._pending:
+                    return False
+                try:
+                    self._directory = os.scandir(self._pending.pop())
+                except OSError:
+                    continue
+            for entry in self._directory:
                 try:
                     info = entry.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                used += info.st_blocks * 512
-                if used > limit_bytes:
+                self._used += info.st_blocks * 512
+                if self._used > self._limit:
+                    self._close()
                     return True
                 if stat.S_ISDIR(info.st_mode):
-                    pending.append(entry.path)
-    return False
+                    self._pending.append(entry.path)
+                seen += 1
+                if max_entries is not None and seen >= max_entries:
+                    return None
+            self._close()
+
+    def _close(self) -> None:
+        if self._directory is not None:
+            self._directory.close()       # type: ignore[attr-defined]  # a scandir iterator
+            self._directory = None
 
 
 def _group_exists(pgid: int) -> bool:
