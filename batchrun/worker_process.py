@@ -124,7 +124,7 @@ async def shut_down(sessions: Collection[asyncio.Future[Any]], services: Session
     await services.close()
 
 
-async def _serve(conn: Connection, services: SessionServices) -> None:
+async def _serve(conn: Connection, services: SessionServices, slots: int) -> None:
     loop = asyncio.get_running_loop()
     use_pidfd_child_watcher(loop)
     inbox: asyncio.Queue = asyncio.Queue()
@@ -141,8 +141,14 @@ async def _serve(conn: Connection, services: SessionServices) -> None:
     outbox = _Outbox(conn)
     fatal = asyncio.Event()
 
+    # The parent hands out a few tasks more than there are slots; they wait here, first come first served.
+    free_slot = asyncio.Semaphore(slots)
+
     async def run_one(task: Task) -> None:
-        message = await outcome(task, services)
+        async with free_slot:
+            if fatal.is_set():      # the run is stopping: a task still waiting never starts
+                return
+            message = await outcome(task, services)
         if not fatal.is_set():     # after a run-wide failure the parent stops: one Fatal, nothing more
             if isinstance(message, Fatal):
                 fatal.set()
@@ -191,4 +197,4 @@ def main(conn: Connection, siblings: list[Connection], worker: int, slots: int, 
         inherited.close()
     gate.limit.bind(worker)     # the parent gives back this process's request slots if it dies
     outlive_ctrl_c()
-    asyncio.run(_serve(conn, make_services(slots, config, gate, env_settings, available_tools)))
+    asyncio.run(_serve(conn, make_services(slots, config, gate, env_settings, available_tools), slots))

@@ -1,13 +1,14 @@
 """Worker processes: each runs many agent sessions concurrently on one asyncio loop.
 
 Sessions mostly wait on the network, so a process holds many of them; there are two processes per
-core at most (see PROCESSES_PER_CORE). The parent hands out one task per free slot (per-prompt
-scheduling: a slow prompt holds one slot, never a batch) and receives finished rows already encoded,
-so its own work per row is a write.
+core at most (see PROCESSES_PER_CORE). The parent hands out tasks one prompt at a time (a slow prompt
+holds one session slot, never a batch) and receives finished rows already encoded, so its own work per
+row is a write. Each process also holds a few tasks waiting for a slot (see waiting_places), so that a
+session that ends is followed at once, not after a round trip to the parent.
 
 A worker process can die under a prompt (a model command that kills its parent, the kernel's OOM
-killer): the prompts it was running get failure rows that say so, which resume retries, a new
-process takes its place, and the run goes on.
+killer): the prompts it was running get failure rows that say so, which resume retries, the ones
+still waiting go to the new process that takes its place, and the run goes on.
 """
 
 from __future__ import annotations
@@ -70,6 +71,13 @@ def process_count(num_workers: int) -> int:
     return max(1, min(num_workers, PROCESSES_PER_CORE * (os.cpu_count() or 1)))
 
 
+def waiting_places(slots: int) -> int:
+    """Tasks a worker process holds beyond its ``slots`` sessions: one per eight, so that sessions that
+    end together (their replies come back together) find their next task there. None for a process of
+    few slots, where a task waiting behind one slow prompt would wait long while other processes idle."""
+    return slots // 8
+
+
 def split_slots(sessions: int, workers: int) -> list[int]:
     """Each worker's share of the run's session slots: as even as it goes, the first ones one more."""
     return [sessions // workers + (1 if worker < sessions % workers else 0) for worker in range(workers)]
@@ -124,8 +132,9 @@ class ProcessPool:
         self.gate = RateGate(config.requests_per_minute, ceiling=config.num_workers,
                              adaptive=config.adaptive_concurrency, workers=count)
         self._config, self._env_settings, self._available_tools = config, env_settings, available_tools
-        self._capacity = split_slots(config.num_workers, count)
-        self._free = list(self._capacity)
+        self._capacity = split_slots(config.num_workers, count)     # sessions at once, per process
+        self._places = [slots + waiting_places(slots) for slots in self._capacity]   # tasks held, per process
+        self._free = list(self._places)
         self._conns: list[Connection] = []
         self._processes: list[BaseProcess] = []
         self._running: list[dict[int, Task]] = [{} for _ in self._capacity]   # per worker, by prompt index
@@ -155,7 +164,7 @@ class ProcessPool:
 
     @property
     def in_flight(self) -> int:
-        return sum(self._capacity) - sum(self._free)
+        return sum(self._places) - sum(self._free)
 
     @property
     def concurrency(self) -> ConcurrencyFigures:
@@ -163,7 +172,9 @@ class ProcessPool:
         return self.gate.limit.figures()
 
     def submit(self, task: Task) -> None:
-        worker = max(range(len(self._free)), key=self._free.__getitem__)   # the least loaded process
+        self._send(max(range(len(self._free)), key=self._free.__getitem__), task)   # the least loaded process
+
+    def _send(self, worker: int, task: Task) -> None:
         self._free[worker] -= 1
         self._running[worker][task.prompt_index] = task
         try:
@@ -192,18 +203,25 @@ class ProcessPool:
         return messages
 
     def _replace(self, worker: int) -> list[Finished]:
-        """Failure rows for the prompts of a worker that died, and a new worker in its place."""
+        """Failure rows for the prompts a worker that died was running, and a new worker in its place,
+        given the tasks that were still waiting for a slot."""
         from batchrun.worker_process import lost_task
 
         dead = self._processes[worker]
         why = _death(dead)
         self._conns[worker].close()
-        lost = [lost_task(task, self._config, why, "worker_died") for task in self._running[worker].values()]
+        # A worker starts its tasks in the order they came (a first-come semaphore), so those still
+        # waiting are the ones handed out last.
+        tasks = list(self._running[worker].values())
+        running, waiting = tasks[:self._capacity[worker]], tasks[self._capacity[worker]:]
+        lost = [lost_task(task, self._config, why, "worker_died") for task in running]
         self._running[worker].clear()
-        self._free[worker] = self._capacity[worker]
+        self._free[worker] = self._places[worker]
         self.gate.limit.reclaim(worker)      # the model requests it had in flight are over
         others = [conn for i, conn in enumerate(self._conns) if i != worker]
         self._conns[worker], self._processes[worker] = self._spawn(worker, self._capacity[worker], others)
+        for task in waiting:
+            self._send(worker, task)
         return lost
 
     def stop(self) -> list[Finished]:

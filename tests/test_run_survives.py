@@ -53,6 +53,22 @@ def test_resume_runs_a_prompt_that_killed_its_worker_once_more(tmp_path, endpoin
     assert sorted(statuses) == [("done", 1), ("failed", 0), ("failed", 0)]
 
 
+def test_the_prompts_waiting_in_a_worker_that_dies_run_in_its_successor(tmp_path, endpoint):
+    # 64 sessions make processes of 8 or more slots, each holding tasks waiting for a slot as well. The
+    # worker dies once the prompts it runs have all asked the model something (all at once: no adaptive
+    # concurrency holding some back).
+    prompts = ["[[sleep 2]] " + KILL_WORKER] + [f"[[sleep 3]] question {number}" for number in range(90)]
+    result = run_prompts(tmp_path, endpoint, prompts, "--num_workers=64", "--adaptive_concurrency=False")
+    assert result.returncode == 2, result.stdout + result.stderr
+    rows = {row["prompt_index"]: row for row in batch_rows(tmp_path / "data" / "run")}
+    assert sorted(rows) == list(range(len(prompts)))
+    started = {request["messages"][1]["content"] for request in endpoint.requests}
+    failed = [index for index, row in rows.items() if row.get("failed")]
+    assert 0 in failed and len(failed) < 20
+    assert [prompts[index] for index in failed if prompts[index] not in started] == [], \
+        "a prompt that was waiting for a slot failed with the worker"
+
+
 def test_two_runs_with_one_name_in_two_directories_do_not_touch_each_other(tmp_path, endpoint):
     prompt = ('[[call terminal {"command": "echo kept > keep.txt; sleep 2; cat keep.txt"}]] '
               '[[sleep 0.5]] keep a file')
