@@ -136,6 +136,8 @@ class BatchRunner:
         exit_code, fatal = EXIT_OK, None
         try:
             fatal = self._feed(pool, self._planned_tasks(plan))
+            if fatal is None:       # every row is written: the report's plots are drawn while the run ends
+                self._report.rows_written(self.config.distribution)
         except KeyboardInterrupt:
             exit_code = EXIT_INTERRUPTED
         except RuntimeError as exc:   # the pool itself failed (Ray lost every actor)

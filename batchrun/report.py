@@ -451,13 +451,30 @@ def _notices(run_dir: Path, summary: RunSummary, plotted: bool) -> str:
     return "".join(f'<p class="notice">{html.escape(text)}</p>' for text in texts)
 
 
-def render(run_dir: Path, summary: RunSummary, sample: TrajectorySample) -> str:
-    """The whole page as text."""
+@dataclass(frozen=True)
+class Plots:
+    """The page's figures (SVG text by name; None without matplotlib) and what they were drawn from.
+    They need only the rows and the distribution, so a run has them drawn while it ends."""
+
+    svg: dict[str, str] | None
+    distribution: str
+    rows: int
+
+
+def draw_plots(summary: RunSummary, distribution: str) -> Plots:
+    expected = expected_toolset_shares(distribution) if distribution else None
+    return Plots(report_plots.draw(summary, expected, distribution), distribution, summary.row_count)
+
+
+def render(run_dir: Path, summary: RunSummary, sample: TrajectorySample, drawn: Plots | None = None) -> str:
+    """The whole page as text; ``drawn`` plots are used if they show these rows and distribution."""
     info = {**_read_json(run_dir / CHECKPOINT), **_read_json(run_dir / STATISTICS)}
     named = info.get("distribution")
     distribution = named if isinstance(named, str) else ""
     expected = expected_toolset_shares(distribution) if distribution else None
-    plots = report_plots.draw(summary, expected, distribution)
+    if drawn is None or (drawn.distribution, drawn.rows) != (distribution, summary.row_count):
+        drawn = draw_plots(summary, distribution)
+    plots = drawn.svg
     shown = sample.chosen()
     plot = (plots or {}).get
     body = "".join([
@@ -500,10 +517,10 @@ def write_report(run_dir: Path, sample_limit: int = SAMPLE_LIMIT) -> Path:
     return save(scan)
 
 
-def save(scan: RunScan) -> Path:
+def save(scan: RunScan, drawn: Plots | None = None) -> Path:
     """Write the page of what ``scan`` has read; replaced atomically so an open page never sees half a file."""
     run_dir = scan.run_dir.path
-    page = render(run_dir, scan.summary, scan.sample)
+    page = render(run_dir, scan.summary, scan.sample, drawn)
     target = run_dir / REPORT_FILE
     temp = target.with_name(target.name + ".tmp")
     temp.write_text(page, encoding="utf-8")

@@ -3,9 +3,9 @@
 Drawing the report only once the last row is in cost every run a second or more before it could
 exit (importing matplotlib, then drawing), plus a read of every batch file: tens of seconds for a
 million rows. The helper loads matplotlib at once and follows the batch files as the parent writes
-them, at the lowest CPU priority, so it only uses time the run leaves idle; at the end it reads the
-last rows and draws the page. It never writes anything but the report, and it ends by itself when
-the parent is gone (even after kill -9).
+them, at the lowest CPU priority, so it only uses time the run leaves idle; once the last row is
+written it draws the plots while the run ends (workers stopping, the merge), then the page. It never
+writes anything but the report, and it ends by itself when the parent is gone (even after kill -9).
 """
 
 from __future__ import annotations
@@ -37,6 +37,14 @@ class ReportFollower:
         self._process.start()
         child_end.close()
         self._conn = parent_end
+
+    def rows_written(self, distribution: str) -> None:
+        """Every row of the run is written: the helper draws the plots now, while the run ends (stops
+        its workers, merges, writes the statistics the page also shows)."""
+        try:
+            self._conn.send(distribution)
+        except OSError:
+            pass    # it ended early; finish() says why
 
     def finish(self) -> Path:
         """The report of every row written so far, once the helper has drawn it."""
@@ -73,13 +81,19 @@ def _follow(conn: Connection, run_dir: Path, parent_pid: int) -> None:
     try:
         report_plots.preload()
         scan = report.RunScan(run_dir)
-        while not conn.poll(FOLLOW_INTERVAL_SECONDS):
-            if os.getppid() != parent_pid:
-                return
+        drawn = None
+        while True:
+            if not conn.poll(FOLLOW_INTERVAL_SECONDS):
+                if os.getppid() != parent_pid:
+                    return
+                scan.read_new_rows()
+                continue
+            distribution = conn.recv()     # the run's distribution once every row is written, None to finish
             scan.read_new_rows()
-        conn.recv()
-        scan.read_new_rows()
-        outcome = ("done", str(report.save(scan)))
+            if distribution is None:
+                break
+            drawn = report.draw_plots(scan.summary, distribution)
+        outcome = ("done", str(report.save(scan, drawn)))     # drawn again if rows came after all
     except EOFError:
         return
     except Exception as exc:

@@ -3,6 +3,7 @@ headless Chromium; and the streaming builder on a synthetic run of thousands of 
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 import random
@@ -278,6 +279,20 @@ def test_a_scan_in_steps_counts_each_row_once_while_rows_are_still_being_written
     assert scan.summary.tools == once.summary.tools and scan.summary.batch_files == 3
     assert scan.summary.unreadable_lines == 0      # the half-written last line is not a row yet
     assert {row["s"] for row in scan.sample.chosen()} == {row["s"] for row in once.sample.chosen()}
+
+
+def test_plots_drawn_before_the_end_are_used_only_if_no_row_came_after_them(tmp_path: Path) -> None:
+    run_dir = tmp_path / "data" / "run"
+    write_synthetic_run(run_dir, 40)
+    scan = report.RunScan(run_dir)
+    scan.read_new_rows()
+    early = report.Plots(svg={"tools": "<svg>drawn early</svg>"}, distribution="terminal_only",
+                         rows=scan.summary.row_count)
+    assert "drawn early" in report.render(run_dir, scan.summary, scan.sample, early)
+    stale = dataclasses.replace(early, rows=scan.summary.row_count - 1)
+    assert "drawn early" not in report.render(run_dir, scan.summary, scan.sample, stale)
+    other = dataclasses.replace(early, distribution="default")
+    assert "drawn early" not in report.render(run_dir, scan.summary, scan.sample, other)
 
 
 def test_the_report_of_a_resumed_run_covers_the_rows_of_earlier_invocations(tmp_path: Path, endpoint) -> None:
