@@ -301,13 +301,14 @@ class BubblewrapEnvironment(LocalEnvironment):
 
     @classmethod
     async def close_idle(cls) -> None:
-        """Kill the sandboxes left waiting for prompts in this process (its work is done)."""
-        for sandbox in _IDLE.take_all():
+        """Kill the sandboxes left waiting for prompts in this process (its work is done): all at once,
+        as the kernel tears each one's namespaces down in its own time."""
+        idle = _IDLE.take_all()
+        for sandbox in idle:
             kill_group(sandbox.shell.process.pid)
-            await wait_for_exit(sandbox.shell.process, _KILL_WAIT_SECONDS)
-            if sandbox.cgroup is not None:
-                await asyncio.to_thread(sandbox.cgroup.remove)
-            await asyncio.to_thread(remove_tree, sandbox.directory)
+        await asyncio.gather(*(wait_for_exit(sandbox.shell.process, _KILL_WAIT_SECONDS) for sandbox in idle))
+        if idle:
+            await asyncio.to_thread(_remove_sandboxes, idle)
 
     def _hand_directories_to(self, uid: int) -> None:
         """The prompt directory, and the row's cwd made in it, belong to the sandbox's user (a few
@@ -570,6 +571,14 @@ class _IdleSandboxes:
 
 
 _IDLE = _IdleSandboxes()
+
+
+def _remove_sandboxes(sandboxes: list[_Sandbox]) -> None:
+    """The control groups and directories of killed sandboxes."""
+    for sandbox in sandboxes:
+        if sandbox.cgroup is not None:
+            sandbox.cgroup.remove()
+        remove_tree(sandbox.directory)
 
 
 async def _only_own_processes(cgroup: PromptCgroup, own: int) -> bool:
