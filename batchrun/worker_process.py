@@ -58,7 +58,7 @@ def _failed(task: Task, error: str, error_type: str) -> rows.SessionResult:
         wall_time=0.0, end_reason="error", error=error, error_type=error_type)
 
 
-def outlive_ctrl_c() -> None:
+def _outlive_ctrl_c() -> None:
     """Ctrl-C reaches the whole process group; the parent decides how to stop, workers follow it.
     The signal is caught and dropped rather than ignored: an ignored SIGINT stays ignored in every
     program the commands start (a sleep, a test runner, ``timeout -s INT``), which then cannot be
@@ -196,5 +196,5 @@ def main(conn: Connection, siblings: list[Connection], worker: int, slots: int, 
     for inherited in siblings:
         inherited.close()
     gate.limit.bind(worker)     # the parent gives back this process's request slots if it dies
-    outlive_ctrl_c()
+    _outlive_ctrl_c()
     asyncio.run(_serve(conn, make_services(slots, config, gate, env_settings, available_tools), slots))

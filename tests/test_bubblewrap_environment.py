@@ -249,6 +249,34 @@ def test_time_out_kills_the_command_and_its_background_child_and_the_next_comman
     assert time.monotonic() - started < 10
 
 
+def test_a_time_out_in_a_sandbox_with_a_user_namespace_keeps_its_shell(tmp_path, monkeypatch):
+    # As an ordinary user's run makes it, even when the tests run as root: the runner signals a shell
+    # in a user namespace of its own.
+    monkeypatch.setattr(bubblewrap, "_RUNNING_AS_ROOT", False)
+
+    async def scenario():
+        async with sandbox(make_settings(tmp_path, command_timeout=1)) as env:
+            shell = env._shell
+            timed_out = await env.run("sleep 1000 & echo started; sleep 30")
+            return timed_out, await env.run("pgrep -c -x sleep || true"), env._shell is shell
+    timed_out, after, same_shell = asyncio.run(scenario())
+    assert timed_out.timed_out and timed_out.output == "started\n"
+    assert after.output == "0\n" and same_shell
+
+
+def test_a_time_limit_that_ends_before_the_shell_starts_the_command_still_kills_it(tmp_path):
+    async def scenario():
+        async with sandbox(make_settings(tmp_path)) as env:
+            shell = env._shell
+            started = time.monotonic()
+            results = [await env.run("sleep 5", timeout=0.0001) for _ in range(20)]
+            elapsed = time.monotonic() - started
+            return results, await env.run("echo next"), env._shell is shell, elapsed
+    results, after, same_shell, elapsed = asyncio.run(scenario())
+    assert all(result.timed_out for result in results) and elapsed < 10
+    assert after.output == "next\n" and same_shell
+
+
 def test_a_command_that_stops_itself_is_killed_at_its_time_limit(tmp_path):
     started = time.monotonic()
     results = run_commands(make_settings(tmp_path), "echo before; kill -STOP $$; echo after", "echo next", timeout=1)
@@ -258,17 +286,18 @@ def test_a_command_that_stops_itself_is_killed_at_its_time_limit(tmp_path):
 
 
 def test_a_time_out_that_comes_as_the_command_ends_changes_nothing(tmp_path):
-    # The runner's signal reaches the shell after the command's end, while it waits for the next line.
+    # The runner's signal reaches the shell after the command's end, while it waits for the next line:
+    # neither the shell nor what the command left running in the background is touched.
     async def scenario():
         async with sandbox(make_settings(tmp_path)) as env:
-            first = await env.run("echo first > /tmp/mark; exit 3")
+            first = await env.run("sleep 1000 & echo first > /tmp/mark; exit 3")
             shell = env._shell
             assert shell is not None and shell.interrupt()
             await asyncio.sleep(0.2)
-            return first, await env.run("cat /tmp/mark"), env._shell is shell
+            return first, await env.run("cat /tmp/mark; pgrep -c -x sleep"), env._shell is shell
     first, second, same_shell = asyncio.run(scenario())
     assert (first.exit_code, first.timed_out) == (3, False)
-    assert (second.output, second.exit_code, same_shell) == ("first\n", 0, True)
+    assert (second.output, second.exit_code, same_shell) == ("first\n1\n", 0, True)
 
 
 def test_a_command_that_exits_with_the_killed_status_early_is_not_a_time_out(tmp_path):

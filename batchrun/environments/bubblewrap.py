@@ -97,21 +97,24 @@ eval "$2" || exit 1
 watch_dev=$3
 exec 2>/dev/null
 shopt -s nullglob dotglob
-trap 'expired=1; kill -9 -- "-$job"' USR1
+job=
+trap 'expired=1; [ -z "$job" ] || kill -9 -- "-$job"' USR1
 run() {
     local status again
-    printf '%s\n' "$1"
+    expired=
+    printf '%s\n' "$1"     # from here on the runner may signal
     if cd -- "$2" 2>&1; then
-        expired=
         set -m      # only while starting it: job control's own waiting can spin (bash 5.2, wait -f)
         bash -c "$3" </dev/null 2>&1 &
         job=$!
         set +m      # so wait ignores a job that stops itself, as a foreground command's shell would
+        [ -z "$expired" ] || kill -9 -- "-$job"     # the time-out came before the job had started
         wait "$job"; status=$?
         if [ -n "$expired" ]; then      # the wait was cut short by the trap (or the job had ended)
             wait "$job"; again=$?
             [ "$again" -eq 127 ] || status=$again
         fi
+        job=    # a signal that comes late must not reach what this command left running
     else
         status=1
     fi
@@ -471,21 +474,31 @@ class _Shell:
         # read_until can be cut short and called again, so the reading goes on after the time-out.
         parts = [(f"{marker}\n".encode(), None), (f"\n{marker} ".encode(), sink), (b"\n", status.extend)]
 
+        async def answer_part() -> bool:
+            if not await self.read_until(*parts[0]):
+                return False
+            parts.pop(0)
+            return True
+
         async def answer() -> bool:
             while parts:
-                if not await self.read_until(*parts[0]):
+                if not await answer_part():
                     return False
-                parts.pop(0)
             return True
 
         expired = False
         try:
             answered = await within(limit, answer())
         except TimeoutError:
-            if not self.interrupt():
-                raise
             expired = True
-            answered = await within(_SHELL_GRACE_SECONDS, answer())
+            async with asyncio.timeout(_SHELL_GRACE_SECONDS):
+                # Not before the shell has read the whole line and started on it (its first answer): a
+                # signal while it reads could cut the line.
+                if len(parts) == 3 and not await answer_part():
+                    return None, expired        # the shell died
+                if not self.interrupt():
+                    raise TimeoutError from None
+                answered = await answer()
         return (int(status) if answered else None), expired
 
     async def reap(self) -> bool:
