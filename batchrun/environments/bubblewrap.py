@@ -248,7 +248,7 @@ class BubblewrapEnvironment(LocalEnvironment):
                                      error="the sandbox's shell died; the next command gets a new one "
                                            f"(files in {MOUNT_POINT} are kept)")
             if expired and status == _KILLED_STATUS:
-                # What the command left running (setsid or double-forked, out of timeout's reach)
+                # What the command left running out of its process group (setsid, double-forked)
                 # goes with it.
                 try:
                     reaped = await within(_SHELL_GRACE_SECONDS, shell.reap())
