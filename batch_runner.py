@@ -46,6 +46,9 @@ from batchrun.workers import PoolStartError, ProcessPool, WorkerPool, process_co
 
 CHECKPOINT_MIN_INTERVAL = 1.0     # seconds; coalesces checkpoint rewrites when batches are tiny
 MAX_CORRUPTED_LINES_SHOWN = 20
+# Sandboxes each worker process keeps started ahead of need: a prompt takes one and never waits for its
+# sandbox, and the next is ready long before another prompt ends.
+SPARE_SANDBOXES = 2
 # Exit codes: every prompt of this invocation done / the run stopped (bad input, a run-wide endpoint
 # error, the lock) / the run finished but some prompts failed (--resume retries them) / Ctrl-C.
 EXIT_OK, EXIT_ERROR, EXIT_SOME_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -242,7 +245,8 @@ class BatchRunner:
         settings = EnvironmentSettings(work_root=Path(tempfile.gettempdir()) / "batch_runner" / identity,
                                        run_label=identity, command_timeout=config.command_timeout,
                                        keep_workdirs=config.keep_workdirs, default_image=config.default_image,
-                                       allow_network=config.allow_network, limits=config.limits)
+                                       allow_network=config.allow_network, limits=config.limits,
+                                       spare_sandboxes=SPARE_SANDBOXES)
         environment_class(config.terminal_env).remove_leftovers(settings)
         return settings
 

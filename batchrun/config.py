@@ -295,7 +295,8 @@ def terminal_environment(distribution: str) -> tuple[str, str]:
 
 # Variable -> field of ResourceLimits: the environment variables that change a prompt's limits.
 LIMIT_VARIABLES = {"TERMINAL_MEMORY_MB": "memory_mb", "TERMINAL_MAX_PROCESSES": "processes",
-                   "TERMINAL_TMP_MB": "tmp_mb", "TERMINAL_WORKSPACE_MB": "workspace_mb"}
+                   "TERMINAL_TMP_MB": "tmp_mb", "TERMINAL_WORKSPACE_MB": "workspace_mb",
+                   "TERMINAL_DISK_RESERVE_MB": "disk_reserve_mb"}
 
 
 def resource_limits() -> ResourceLimits:

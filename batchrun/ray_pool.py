@@ -53,6 +53,7 @@ from batchrun import concurrency
 from batchrun.concurrency import ConcurrencyFigures, Outcome, Ticket
 from batchrun.config import RunConfig
 from batchrun.environments.base import EnvironmentSettings
+from batchrun.environments.seccomp import leave_session_keyring
 from batchrun.install_hint import install_hint
 from batchrun.messages import Fatal, Finished, Task
 from batchrun.rate_limit import Gate, pace_interval, take_pace_slot
@@ -145,6 +146,7 @@ class SessionActor:
 
         self._worker = worker_process
         self._gate = gate
+        leave_session_keyring()    # before any sandbox or browser starts: see seccomp.leave_session_keyring
         self._services = worker_process.make_services(slots, config, gate, env_settings, available_tools)
         self._running: set[asyncio.Future] = set()
 

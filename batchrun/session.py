@@ -65,12 +65,14 @@ class SessionServices:
     # first few get their sandboxes (and send their first requests) without waiting for them all.
     starting: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(ENVIRONMENT_STARTS_AT_ONCE))
 
-    def retire(self, env: Environment) -> None:
-        """Release a finished session's environment in the background: its row need not wait while
-        a sandbox is reset for the next prompt or torn down."""
+    async def retire(self, env: Environment) -> None:
+        """Release a finished session's environment before its row is made: a prompt that filled the disk
+        has its directory gone before the row needs the space. The release runs to its end even when the
+        session is cancelled meanwhile (close() waits for it)."""
         closing = asyncio.get_running_loop().create_task(env.release())
         self.closing.add(closing)
         closing.add_done_callback(self.closing.discard)
+        await asyncio.shield(closing)
 
     async def close(self) -> None:
         """Finish closing environments (and end those kept for further prompts), then the model's
@@ -157,7 +159,7 @@ class Session:
         finally:
             await self._close_tools()
             if self.env is not None:
-                self.services.retire(self.env)
+                await self.services.retire(self.env)
         while self.turns and isinstance(self.turns[-1], HumanTurn):    # a request the model never answered
             self.turns.pop()
         redact = self.services.redact

@@ -22,6 +22,7 @@ from batchrun import rows
 from batchrun.config import RunConfig
 from batchrun.endpoint import OpenAIEndpoint
 from batchrun.environments.base import EnvironmentSettings
+from batchrun.environments.seccomp import leave_session_keyring
 from batchrun.messages import Fatal, Finished, Task
 from batchrun.model import RunFatalError
 from batchrun.rate_limit import Gate, RateGate
@@ -197,4 +198,5 @@ def main(conn: Connection, siblings: list[Connection], worker: int, slots: int, 
         inherited.close()
     gate.limit.bind(worker)     # the parent gives back this process's request slots if it dies
     _outlive_ctrl_c()
+    leave_session_keyring()
     asyncio.run(_serve(conn, make_services(slots, config, gate, env_settings, available_tools), slots))

@@ -25,14 +25,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from batchrun.environments import confined_files, create_environment, environment_class  # noqa: E402
+# bubblewrap's own sandbox options, so that the comparison is like for like.
+from batchrun.environments import bubblewrap, confined_files, create_environment, environment_class  # noqa: E402
 from batchrun.environments.base import EnvironmentSettings  # noqa: E402
-from batchrun.environments.bubblewrap import (  # noqa: E402
-    _sandbox_argv,  # the backend's own sandbox options, so the comparison is like for like
-    _sandbox_environment,
-    bubblewrap_problem,
-    working_bwrap,
-)
+from batchrun.environments.bubblewrap import bubblewrap_problem, working_bwrap  # noqa: E402
 
 WARM_UP = 5
 SMALL_FILE = b"x" * 1024
@@ -64,14 +60,23 @@ async def backend_ms(kind: str, work_root: Path, commands: int) -> float:
 async def new_sandbox_ms(work_root: Path, commands: int) -> float:
     workspace = work_root / "per-command"
     workspace.mkdir()
-    limits = EnvironmentSettings(work_root=work_root, run_label="bench").limits
+    settings = EnvironmentSettings(work_root=work_root, run_label="bench")
     bwrap = working_bwrap()
     assert not isinstance(bwrap, str), bwrap
-    argv = [*_sandbox_argv(bwrap.path, allow_network=False, workspace=workspace, limits=limits),
-            "--", "bash", "-c", "true"]
+    uid = bubblewrap._sandbox_uid() if os.geteuid() == 0 else None
+    if uid is not None:
+        os.chown(workspace, uid, uid)
+    way = bubblewrap._way(bwrap, work_root, uid)
+    root = bubblewrap._root_descriptor(work_root, False)
 
     async def step() -> None:
-        process = await asyncio.create_subprocess_exec(*argv, env=_sandbox_environment())
+        descriptors = bubblewrap._Descriptors(root, workspace, way.passwd_uid())
+        try:
+            argv = [*way.argv(False, settings.limits, descriptors), "--", *way.shell_prefix(), "bash", "-c", "true"]
+            process = await asyncio.create_subprocess_exec(*argv, env=bubblewrap._sandbox_environment(),
+                                                           pass_fds=descriptors.passed(), **way.spawn_identity())
+        finally:
+            descriptors.close()
         assert await process.wait() == 0
     return await mean_ms(step, commands)
 
@@ -84,9 +89,10 @@ def machine_busy_seconds() -> float:
 
 async def prompt_ms(kind: str, work_root: Path, prompts: int) -> tuple[float, float]:
     """(wall, machine CPU) milliseconds per prompt, prompts one after another as a session has them:
-    start the environment, run two commands, release it (bubblewrap resets the sandbox for the next
-    prompt instead of tearing it down). Machine CPU counts what the kernel spends on namespaces."""
-    settings = EnvironmentSettings(work_root=work_root / f"{kind}-prompts", run_label="bench")
+    start the environment, run two commands, release it (bubblewrap kills the sandbox and takes one of
+    the spares for the next prompt). Machine CPU counts what the kernel spends on namespaces."""
+    # As a run's workers have them: a few sandboxes started ahead of need.
+    settings = EnvironmentSettings(work_root=work_root / f"{kind}-prompts", run_label="bench", spare_sandboxes=2)
     environment = environment_class(kind)
 
     async def prompt() -> None:
@@ -138,6 +144,7 @@ async def print_file_tools(kind: str, work_root: Path, calls: int) -> None:
 
 async def main(commands: int) -> None:
     with tempfile.TemporaryDirectory(prefix="environment-overhead-") as scratch:
+        os.chmod(scratch, 0o755)        # as $TMPDIR/batch_runner is: open for a root run's sandbox users
         work_root = Path(scratch)
         problem = bubblewrap_problem()
         print(f"mean per-command overhead over {commands} `true` commands")

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -143,3 +146,26 @@ def live_processes_mentioning(text: str) -> list[int]:
 
 def finished_row_count(run_dir: Path) -> int:
     return sum(path.read_bytes().count(b"\n") for path in run_dir.glob("batch_*.jsonl"))
+
+
+@pytest.fixture(params=["user-namespace", "setpriv"])
+def sandbox_home(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
+    """Where a test's sandboxes live, once for each way a root run starts them: as the sandbox's uid in a
+    user namespace of its own (the run's directories open to every user, as under /tmp), and without a
+    user namespace, the shell dropping to that uid (a run whose directories only root may enter: pytest's
+    own tmp_path). A runner that is not root always takes the first."""
+    from batchrun.environments.bubblewrap import working_bwrap
+    found = working_bwrap()
+    if request.param == "setpriv":
+        if os.geteuid() != 0 or isinstance(found, str) or not found.setpriv:
+            pytest.skip("only a root run on a host that allows sandboxes without a user namespace has this way")
+        yield tmp_path
+        return
+    if os.geteuid() == 0 and (isinstance(found, str) or not found.user_namespace):
+        pytest.skip("this host allows no unprivileged user namespace")
+    home = Path(tempfile.mkdtemp(prefix="batchrun-test-"))
+    os.chmod(home, 0o755)
+    try:
+        yield home
+    finally:
+        shutil.rmtree(home, ignore_errors=True)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import http.server
 import os
 import secrets
-import shutil
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -16,22 +17,21 @@ from pathlib import Path
 import pytest
 from conftest import live_processes_mentioning, wait_for
 
-from batchrun.environments import bubblewrap, create_environment, default_environment_kind
+from batchrun.environments import create_environment, default_environment_kind
 from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError, ToolError
 from batchrun.environments.bubblewrap import BubblewrapEnvironment, bubblewrap_problem
 from batchrun.tools import ToolContext
 from batchrun.tools.files import search_files, write_file
 from batchrun.tools.terminal import terminal
 
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
-                                reason="bubblewrap is not installed (apt-get install bubblewrap; CI installs it)")
+pytestmark = pytest.mark.skipif(bubblewrap_problem() is not None, reason=f"no sandbox here: {bubblewrap_problem()}")
 
 SECRETS = {"OPENAI_API_KEY": "sk-test-openai-0123456789", "OPENROUTER_API_KEY": "sk-or-test-0123456789",
            "AWS_SECRET_ACCESS_KEY": "aws-test-secret-0123456789", "GITHUB_TOKEN": "ghp_test0123456789"}
 
 
-def make_settings(tmp_path: Path, **overrides: object) -> EnvironmentSettings:
-    return EnvironmentSettings(work_root=tmp_path / "work", run_label="test", **overrides)
+def make_settings(home: Path, **overrides: object) -> EnvironmentSettings:
+    return EnvironmentSettings(work_root=home / "work", run_label="test", **overrides)
 
 
 @contextlib.asynccontextmanager
@@ -90,19 +90,19 @@ def host_processes_with(argument: str) -> list[int]:
 
 # --- availability -------------------------------------------------------------------------------
 
-def test_bubblewrap_is_usable_here_and_the_default_kind(tmp_path):
+def test_bubblewrap_is_usable_here_and_the_default_kind(sandbox_home):
     assert bubblewrap_problem() is None
     kind, why = default_environment_kind()
     assert kind == "bubblewrap" and why.startswith("isolated sandbox, ") and "bwrap" in why
-    env = create_environment("bubblewrap", make_settings(tmp_path), prompt_index=0)
+    env = create_environment("bubblewrap", make_settings(sandbox_home), prompt_index=0)
     assert isinstance(env, BubblewrapEnvironment) and env.kind == "bubblewrap"
 
 
 # --- isolation ----------------------------------------------------------------------------------
 
-def test_commands_cannot_write_outside_the_workspace(tmp_path):
+def test_commands_cannot_write_outside_the_workspace(sandbox_home):
     name = f"batchrun-sandbox-{secrets.token_hex(8)}"
-    result, = run_commands(make_settings(tmp_path),
+    result, = run_commands(make_settings(sandbox_home),
                            f"for dir in /usr /etc / /bin; do touch $dir/{name} 2>/dev/null && echo wrote $dir; done; "
                            f"echo inside > /tmp/{name} && cat /tmp/{name}")
     assert result.output == "inside\n"
@@ -110,12 +110,12 @@ def test_commands_cannot_write_outside_the_workspace(tmp_path):
     assert not any(Path(place, name).exists() for place in ("/usr", "/etc", "/", "/usr/bin"))
 
 
-def test_commands_cannot_read_host_files_outside_what_is_bound(tmp_path, monkeypatch):
+def test_commands_cannot_read_host_files_outside_what_is_bound(tmp_path, monkeypatch, sandbox_home):
     users_dir = tmp_path / "users-project"
     users_dir.mkdir()
     (users_dir / "notes.txt").write_text("private notes")
     monkeypatch.chdir(users_dir)
-    result, = run_commands(make_settings(tmp_path),
+    result, = run_commands(make_settings(sandbox_home),
                            f"cat /etc/shadow /root/.bashrc {users_dir}/notes.txt; ls /root /home; "
                            f"ls -A /; ls -A /etc")
     assert "private notes" not in result.output
@@ -125,29 +125,29 @@ def test_commands_cannot_read_host_files_outside_what_is_bound(tmp_path, monkeyp
     assert "workspace" in listing and "usr" in listing
 
 
-def test_the_users_secrets_are_not_in_the_sandbox(tmp_path, monkeypatch):
+def test_the_users_secrets_are_not_in_the_sandbox(monkeypatch, sandbox_home):
     for name, value in SECRETS.items():
         monkeypatch.setenv(name, value)
-    result, = run_commands(make_settings(tmp_path),
+    result, = run_commands(make_settings(sandbox_home),
                            "env; for f in /proc/[0-9]*/environ /proc/[0-9]*/cmdline; do tr '\\0' '\\n' < $f; done")
     assert "HOME=/workspace" in result.output
     for value in SECRETS.values():
         assert value not in result.output
 
 
-def test_no_network_not_even_the_hosts_loopback(tmp_path, host_server):
-    result, = run_commands(make_settings(tmp_path), http_get(host_server))
+def test_no_network_not_even_the_hosts_loopback(host_server, sandbox_home):
+    result, = run_commands(make_settings(sandbox_home), http_get(host_server))
     assert result.exit_code != 0 and "200" not in result.output
 
 
-def test_network_allowed_reaches_the_hosts_loopback(tmp_path, host_server):
-    result, = run_commands(make_settings(tmp_path, allow_network=True), http_get(host_server))
+def test_network_allowed_reaches_the_hosts_loopback(host_server, sandbox_home):
+    result, = run_commands(make_settings(sandbox_home, allow_network=True), http_get(host_server))
     assert result.exit_code == 0 and "200 OK" in result.output
 
 
-def test_state_does_not_leak_between_prompts(tmp_path):
+def test_state_does_not_leak_between_prompts(sandbox_home):
     async def scenario():
-        settings = make_settings(tmp_path)
+        settings = make_settings(sandbox_home)
         async with sandbox(settings, prompt_index=1) as first, sandbox(settings, prompt_index=2) as second:
             await first.run("echo first-prompt > /tmp/mark; echo first-prompt > /workspace/mark; "
                             "sleep 54321.5 &")
@@ -157,11 +157,11 @@ def test_state_does_not_leak_between_prompts(tmp_path):
     assert "first-prompt" not in result.output and "54321.5" not in result.output
 
 
-def test_close_kills_everything_in_the_sandbox_and_removes_the_directory(tmp_path):
+def test_close_kills_everything_in_the_sandbox_and_removes_the_directory(sandbox_home):
     argument = f"{secrets.randbelow(10**6) + 10**6}.5"
 
     async def scenario():
-        env = BubblewrapEnvironment(make_settings(tmp_path), prompt_index=0)
+        env = BubblewrapEnvironment(make_settings(sandbox_home), prompt_index=0)
         await env.start()
         await env.run(f"setsid sleep {argument} >/dev/null 2>&1 & nohup sleep {argument} >/dev/null 2>&1 &")
         assert len(wait_for_count(argument, 2)) == 2
@@ -173,8 +173,8 @@ def test_close_kills_everything_in_the_sandbox_and_removes_the_directory(tmp_pat
     assert not env.prompt_dir.exists()
 
 
-def test_a_sandbox_start_cancelled_at_any_point_leaves_no_process_behind(tmp_path):
-    settings = make_settings(tmp_path)
+def test_a_sandbox_start_cancelled_at_any_point_leaves_no_process_behind(tmp_path, sandbox_home):
+    settings = make_settings(sandbox_home)
 
     async def cancel_after(turns: int) -> None:
         env = BubblewrapEnvironment(settings, prompt_index=turns)
@@ -198,8 +198,8 @@ def test_a_sandbox_start_cancelled_at_any_point_leaves_no_process_behind(tmp_pat
 
 # --- the shell ----------------------------------------------------------------------------------
 
-def test_output_exit_codes_and_multi_line_commands(tmp_path):
-    results = run_commands(make_settings(tmp_path), "printf 'no newline'", "exit 3",
+def test_output_exit_codes_and_multi_line_commands(sandbox_home):
+    results = run_commands(make_settings(sandbox_home), "printf 'no newline'", "exit 3",
                            "echo 'it'\"'\"'s' \\\\ $'\\t'x\necho second line >&2", "printf 'caf\\xc3\\xa9 \\xff'",
                            "echo 'naïve — 日本'")
     assert (results[0].output, results[0].exit_code) == ("no newline", 0)
@@ -209,39 +209,39 @@ def test_output_exit_codes_and_multi_line_commands(tmp_path):
     assert results[4].output == "naïve — 日本\n"
 
 
-def test_output_over_the_cap_is_cut_with_a_note(tmp_path):
-    result, = run_commands(make_settings(tmp_path, max_output_chars=100), "yes | head -c 100000")
+def test_output_over_the_cap_is_cut_with_a_note(sandbox_home):
+    result, = run_commands(make_settings(sandbox_home, max_output_chars=100), "yes | head -c 100000")
     assert result.truncated and result.exit_code == 0
     assert result.output.startswith("y\n" * 50)
     assert result.output.endswith("[output truncated: 99900 more characters not shown]")
 
 
-def test_commands_start_in_the_working_directory_without_carry_over(tmp_path):
-    results = run_commands(make_settings(tmp_path), "cd /tmp && export X=1 && pwd", "pwd; echo ${X:-unset}")
+def test_commands_start_in_the_working_directory_without_carry_over(sandbox_home):
+    results = run_commands(make_settings(sandbox_home), "cd /tmp && export X=1 && pwd", "pwd; echo ${X:-unset}")
     assert results[0].output == "/tmp\n"
     assert results[1].output == "/workspace\nunset\n"
 
 
 @pytest.mark.parametrize("cwd", ["/workspace/repo/src", "repo/src"])
-def test_rows_cwd_is_honoured_inside_the_workspace(tmp_path, cwd):
+def test_rows_cwd_is_honoured_inside_the_workspace(cwd, sandbox_home):
     async def scenario():
-        async with sandbox(make_settings(tmp_path), cwd=cwd) as env:
+        async with sandbox(make_settings(sandbox_home), cwd=cwd) as env:
             result = await env.run("pwd; echo made > here.txt")
             return result, (env.prompt_dir / "repo" / "src" / "here.txt").read_text()
     result, written = asyncio.run(scenario())
     assert result.output == "/workspace/repo/src\n" and written == "made\n"
 
 
-def test_rows_cwd_escaping_the_workspace_fails_setup_and_leaves_nothing(tmp_path):
-    env = BubblewrapEnvironment(make_settings(tmp_path), prompt_index=0, cwd="/workspace/../elsewhere")
+def test_rows_cwd_escaping_the_workspace_fails_setup_and_leaves_nothing(tmp_path, sandbox_home):
+    env = BubblewrapEnvironment(make_settings(sandbox_home), prompt_index=0, cwd="/workspace/../elsewhere")
     with pytest.raises(EnvironmentSetupError, match="outside"):
         asyncio.run(env.start())
-    assert list((tmp_path / "work").iterdir()) == []
+    assert [path.name for path in (sandbox_home / "work").iterdir() if not path.name.startswith(".root")] == []
 
 
-def test_time_out_kills_the_command_and_its_background_child_and_the_next_command_works(tmp_path):
+def test_time_out_kills_the_command_and_its_background_child_and_the_next_command_works(sandbox_home):
     started = time.monotonic()
-    results = run_commands(make_settings(tmp_path, command_timeout=1),
+    results = run_commands(make_settings(sandbox_home, command_timeout=1),
                            "sleep 1000 & echo $! > /tmp/child; echo started; sleep 30",
                            "kill -0 $(cat /tmp/child) && echo alive || echo gone")
     assert results[0].timed_out and results[0].exit_code is None and results[0].output == "started\n"
@@ -249,13 +249,9 @@ def test_time_out_kills_the_command_and_its_background_child_and_the_next_comman
     assert time.monotonic() - started < 10
 
 
-def test_a_time_out_in_a_sandbox_with_a_user_namespace_keeps_its_shell(tmp_path, monkeypatch):
-    # As an ordinary user's run makes it, even when the tests run as root: the runner signals a shell
-    # in a user namespace of its own.
-    monkeypatch.setattr(bubblewrap, "_RUNNING_AS_ROOT", False)
-
+def test_a_time_out_keeps_the_sandboxs_shell(sandbox_home):
     async def scenario():
-        async with sandbox(make_settings(tmp_path, command_timeout=1)) as env:
+        async with sandbox(make_settings(sandbox_home, command_timeout=1)) as env:
             shell = env._shell
             timed_out = await env.run("sleep 1000 & echo started; sleep 30")
             return timed_out, await env.run("pgrep -c -x sleep || true"), env._shell is shell
@@ -264,9 +260,9 @@ def test_a_time_out_in_a_sandbox_with_a_user_namespace_keeps_its_shell(tmp_path,
     assert after.output == "0\n" and same_shell
 
 
-def test_a_time_limit_that_ends_before_the_shell_starts_the_command_still_kills_it(tmp_path):
+def test_a_time_limit_that_ends_before_the_shell_starts_the_command_still_kills_it(sandbox_home):
     async def scenario():
-        async with sandbox(make_settings(tmp_path)) as env:
+        async with sandbox(make_settings(sandbox_home)) as env:
             shell = env._shell
             started = time.monotonic()
             results = [await env.run("sleep 5", timeout=0.0001) for _ in range(20)]
@@ -277,22 +273,22 @@ def test_a_time_limit_that_ends_before_the_shell_starts_the_command_still_kills_
     assert after.output == "next\n" and same_shell
 
 
-def test_a_command_that_stops_itself_is_killed_at_its_time_limit(tmp_path):
+def test_a_command_that_stops_itself_is_killed_at_its_time_limit(sandbox_home):
     started = time.monotonic()
-    results = run_commands(make_settings(tmp_path), "echo before; kill -STOP $$; echo after", "echo next", timeout=1)
+    results = run_commands(make_settings(sandbox_home), "echo before; kill -STOP $$; echo after", "echo next", timeout=1)
     assert results[0].timed_out and results[0].output == "before\n"
     assert results[1].output == "next\n" and not results[1].timed_out
     assert time.monotonic() - started < 10
 
 
-def test_a_time_out_that_comes_as_the_command_ends_changes_nothing(tmp_path):
+def test_a_time_out_that_comes_as_the_command_ends_changes_nothing(sandbox_home):
     # The runner's signal reaches the shell after the command's end, while it waits for the next line:
     # neither the shell nor what the command left running in the background is touched.
     async def scenario():
-        async with sandbox(make_settings(tmp_path)) as env:
+        async with sandbox(make_settings(sandbox_home)) as env:
             first = await env.run("sleep 1000 & echo first > /tmp/mark; exit 3")
             shell = env._shell
-            assert shell is not None and shell.interrupt()
+            assert shell is not None and shell.signal(signal.SIGUSR1)
             await asyncio.sleep(0.2)
             return first, await env.run("cat /tmp/mark; pgrep -c -x sleep"), env._shell is shell
     first, second, same_shell = asyncio.run(scenario())
@@ -300,14 +296,14 @@ def test_a_time_out_that_comes_as_the_command_ends_changes_nothing(tmp_path):
     assert (second.output, second.exit_code, same_shell) == ("first\n1\n", 0, True)
 
 
-def test_a_command_that_exits_with_the_killed_status_early_is_not_a_time_out(tmp_path):
-    result, = run_commands(make_settings(tmp_path), "kill -9 $$")
+def test_a_command_that_exits_with_the_killed_status_early_is_not_a_time_out(sandbox_home):
+    result, = run_commands(make_settings(sandbox_home), "kill -9 $$")
     assert (result.exit_code, result.timed_out) == (137, False)
 
 
-def test_background_child_does_not_hang_the_call_and_late_output_is_dropped(tmp_path):
+def test_background_child_does_not_hang_the_call_and_late_output_is_dropped(sandbox_home):
     async def scenario():
-        async with sandbox(make_settings(tmp_path)) as env:
+        async with sandbox(make_settings(sandbox_home)) as env:
             started = time.monotonic()
             first = await env.run("(sleep 0.3; echo late) & echo now")
             elapsed = time.monotonic() - started
@@ -318,37 +314,37 @@ def test_background_child_does_not_hang_the_call_and_late_output_is_dropped(tmp_
     assert second.output == "next\n"
 
 
-def test_a_dead_shell_is_replaced_and_the_workspace_kept(tmp_path):
-    results = run_commands(make_settings(tmp_path), "echo kept > file", "kill -9 -1", "cat file")
+def test_a_dead_shell_is_replaced_and_the_workspace_kept(sandbox_home):
+    results = run_commands(make_settings(sandbox_home), "echo kept > file", "kill -9 -1", "cat file")
     assert results[1].error and "died" in results[1].error
     assert (results[2].output, results[2].exit_code) == ("kept\n", 0)
 
 
-def test_a_stuck_shell_is_replaced_after_the_deadline(tmp_path):
+def test_a_stuck_shell_is_replaced_after_the_deadline(sandbox_home):
     stop_shell = "kill -STOP $PPID"     # the sandbox's shell itself, whose child this bash is
     started = time.monotonic()
-    results = run_commands(make_settings(tmp_path), stop_shell, "echo fresh", timeout=1)
+    results = run_commands(make_settings(sandbox_home), stop_shell, "echo fresh", timeout=1)
     assert results[0].timed_out
     assert results[1].output == "fresh\n"
     assert time.monotonic() - started < 10
 
 
-def test_many_commands_in_a_row(tmp_path):
+def test_many_commands_in_a_row(sandbox_home):
     async def scenario():
-        async with sandbox(make_settings(tmp_path)) as env:
+        async with sandbox(make_settings(sandbox_home)) as env:
             return [await env.run(f"echo {number}") for number in range(200)]
     results = asyncio.run(scenario())
     assert [result.output for result in results] == [f"{number}\n" for number in range(200)]
 
 
-def test_a_nul_byte_in_a_command_is_an_error(tmp_path):
-    result, = run_commands(make_settings(tmp_path), "echo a\0b")
+def test_a_nul_byte_in_a_command_is_an_error(sandbox_home):
+    result, = run_commands(make_settings(sandbox_home), "echo a\0b")
     assert result.error and "NUL" in result.error
 
 
-def test_terminal_tool_time_out_is_an_error(tmp_path):
+def test_terminal_tool_time_out_is_an_error(sandbox_home):
     async def scenario():
-        async with sandbox(make_settings(tmp_path)) as env:
+        async with sandbox(make_settings(sandbox_home)) as env:
             return await terminal({"command": "echo partial; sleep 30", "timeout": 1},
                                   ToolContext(env=env, settings=env.settings))
     result = asyncio.run(scenario())
@@ -358,9 +354,9 @@ def test_terminal_tool_time_out_is_an_error(tmp_path):
 
 # --- files --------------------------------------------------------------------------------------
 
-def test_files_written_inside_are_readable_by_the_file_tools_and_back(tmp_path):
+def test_files_written_inside_are_readable_by_the_file_tools_and_back(sandbox_home):
     async def scenario():
-        async with sandbox(make_settings(tmp_path), cwd="/workspace/repo") as env:
+        async with sandbox(make_settings(sandbox_home), cwd="/workspace/repo") as env:
             await env.run("echo from-command > made.txt")
             read_relative = await env.read_file("made.txt")
             read_absolute = await env.read_file("/workspace/repo/made.txt")
@@ -378,9 +374,9 @@ def test_files_written_inside_are_readable_by_the_file_tools_and_back(tmp_path):
 
 @pytest.mark.parametrize("path", ["/etc/passwd", "/workspace/../etc/passwd", "/workspacex/a", "../../x",
                                   "escape/passwd"])
-def test_file_tools_cannot_escape_the_workspace(tmp_path, path):
+def test_file_tools_cannot_escape_the_workspace(path, sandbox_home):
     async def scenario():
-        async with sandbox(make_settings(tmp_path)) as env:
+        async with sandbox(make_settings(sandbox_home)) as env:
             await env.run("mkdir escape && ln -s /etc/passwd escape/passwd && ln -s / root-link")
             with pytest.raises(ToolError, match="outside the working directory"):
                 await env.read_file(path)
@@ -391,39 +387,39 @@ def test_file_tools_cannot_escape_the_workspace(tmp_path, path):
 
 # --- a runner started as root gives the sandbox none of root's power over the host ---------------------------
 
-def test_a_command_cannot_write_a_kernel_setting_even_when_the_runner_is_root(tmp_path):
+def test_a_command_cannot_write_a_kernel_setting_even_when_the_runner_is_root(sandbox_home):
     # Writing back the value already there: harmless if the sandbox fails to stop it.
-    [result] = run_commands(make_settings(tmp_path),
+    [result] = run_commands(make_settings(sandbox_home),
                             'v=$(cat /proc/sys/vm/swappiness) && printf "%s\\n" "$v" > /proc/sys/vm/swappiness '
                             '&& echo WROTE')
     assert "WROTE" not in result.output
 
 
-def test_a_command_cannot_change_the_hosts_device_nodes(tmp_path):
+def test_a_command_cannot_change_the_hosts_device_nodes(sandbox_home):
     before = Path("/dev/zero").stat()
-    [result] = run_commands(make_settings(tmp_path), "touch -m -d @1000000000 /dev/zero; chmod 666 /dev/zero && echo CHMOD")
+    [result] = run_commands(make_settings(sandbox_home), "touch -m -d @1000000000 /dev/zero; chmod 666 /dev/zero && echo CHMOD")
     assert Path("/dev/zero").stat().st_mtime == before.st_mtime
     assert "CHMOD" not in result.output
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a runner that is not root hands its sandboxes no privilege to drop")
-def test_commands_of_a_root_run_are_an_unprivileged_user_the_sandbox_can_name(tmp_path):
-    [result] = run_commands(make_settings(tmp_path), "id -u; whoami; grep CapEff /proc/self/status")
+def test_commands_of_a_root_run_are_an_unprivileged_user_the_sandbox_can_name(sandbox_home):
+    [result] = run_commands(make_settings(sandbox_home), "id -u; whoami; grep CapEff /proc/self/status")
     uid, name, capabilities = result.output.splitlines()
     assert int(uid) != 0 and name == "sandbox" and capabilities.split()[1] == "0000000000000000"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a runner that is not root hands its sandboxes no privilege to drop")
-def test_a_setuid_program_does_not_give_a_root_runs_commands_root_again(tmp_path):
-    [result] = run_commands(make_settings(tmp_path), "su -c 'id -u' root </dev/null 2>&1; "
+def test_a_setuid_program_does_not_give_a_root_runs_commands_root_again(sandbox_home):
+    [result] = run_commands(make_settings(sandbox_home), "su -c 'id -u' root </dev/null 2>&1; "
                             "find /usr/bin -perm -4000 -exec {} --version \\; >/dev/null 2>&1; id -u")
     assert result.output.strip().splitlines()[-1] != "0"
     assert "\n0\n" not in "\n" + result.output
 
 
-def test_files_the_file_tools_write_are_the_commands_to_change_and_the_other_way_round(tmp_path):
+def test_files_the_file_tools_write_are_the_commands_to_change_and_the_other_way_round(sandbox_home):
     async def scenario():
-        async with sandbox(make_settings(tmp_path)) as env:
+        async with sandbox(make_settings(sandbox_home)) as env:
             await env.write_file("made/by/tool.txt", b"tool\n")
             appended = await env.run("echo command >> made/by/tool.txt && mkdir -p made/by/cmd && "
                                      "echo x > made/by/cmd/new.txt && cat made/by/tool.txt")
@@ -442,14 +438,16 @@ def test_a_work_directory_under_one_only_root_may_enter_still_works(tmp_path):
     assert (result.exit_code, result.output) == (0, "hi\n")
 
 
-# --- a finished prompt's sandbox serves the next prompt, with nothing of the first left --------------------------
+# --- every prompt gets a sandbox no earlier prompt used ------------------------------------------------------------
 
-SANDBOX_ID = "readlink /proc/self/ns/net; stat -c %Y /proc/1"     # the same for every prompt a sandbox serves
+SANDBOX_ID = "readlink /proc/self/ns/net /proc/self/ns/pid /proc/self/ns/ipc /proc/self/ns/mnt"
 
 
 def after_release(settings: EnvironmentSettings, first: list[str], second: list[str]) -> tuple[list, list]:
     """Run ``first`` in one prompt's sandbox, release it as a finished session does, run ``second`` in the
-    next prompt's (the same sandbox where it was safe to keep); each list ends with SANDBOX_ID's output."""
+    next prompt's, taken from the spares a worker keeps; each list ends with SANDBOX_ID's output."""
+    settings = dataclasses.replace(settings, spare_sandboxes=2)
+
     async def scenario():
         try:
             one = BubblewrapEnvironment(settings, prompt_index=0)
@@ -468,49 +466,42 @@ def after_release(settings: EnvironmentSettings, first: list[str], second: list[
     return asyncio.run(scenario())
 
 
-def test_a_released_sandbox_serves_the_next_prompt(tmp_path):
-    before, after = after_release(make_settings(tmp_path), ["true"], ["true"])
-    assert before[-1].output == after[-1].output
+def test_the_next_prompt_gets_a_sandbox_of_its_own(sandbox_home):
+    before, after = after_release(make_settings(sandbox_home), ["true"], ["true"])
+    assert not set(before[-1].output.split()) & set(after[-1].output.split())
 
 
-def test_the_next_prompt_finds_none_of_the_files_the_first_left(tmp_path):
+def test_the_next_prompt_finds_none_of_the_files_the_first_left(sandbox_home):
     plant = ("echo a > /workspace/left.txt && echo b > /tmp/left.txt && echo c > /tmp/.hidden && "
              "echo d > /dev/shm/left && mkdir -p /tmp/locked/in /workspace/locked && echo e > /tmp/locked/in/f && "
              "chmod 000 /tmp/locked /workspace/locked")
-    before, after = after_release(make_settings(tmp_path), [plant], ["find /workspace /tmp /dev/shm -mindepth 1"])
+    before, after = after_release(make_settings(sandbox_home), [plant], ["find /workspace /tmp /dev/shm -mindepth 1"])
     assert before[0].exit_code == 0, before[0]
-    assert before[-1].output == after[-1].output                         # it was reused
     assert (after[0].exit_code, after[0].output) == (0, "")
 
 
-def test_the_next_prompt_finds_none_of_the_processes_the_first_left(tmp_path):
+def test_the_next_prompt_finds_none_of_the_processes_the_first_left(sandbox_home):
     plant = "(setsid sleep 1000 &) ; nohup sleep 1001 >/dev/null 2>&1 & (sleep 1002 & disown) ; true"
-    before, after = after_release(make_settings(tmp_path), [plant], ["cat /proc/[0-9]*/cmdline | tr '\\0' ' '"])
-    assert before[-1].output == after[-1].output
-    assert not {"sleep 1000", "sleep 1001", "sleep 1002"} & {part.strip() for part in after[0].output.split("\n")} \
-        and "sleep 100" not in after[0].output, after[0].output
+    before, after = after_release(make_settings(sandbox_home), [plant], ["cat /proc/[0-9]*/cmdline | tr '\\0' ' '"])
+    assert "sleep 100" not in after[0].output, after[0].output
 
 
-def test_the_next_prompt_finds_none_of_the_ipc_objects_or_listening_sockets_the_first_left(tmp_path):
+def test_the_next_prompt_finds_none_of_the_ipc_objects_or_sockets_the_first_left(sandbox_home):
     listen = ("python3 -c 'import socket, time; s = socket.socket(); s.bind((\"127.0.0.1\", 5555)); s.listen(); "
+              "c = socket.create_connection((\"127.0.0.1\", 5555)); a, _ = s.accept(); a.close(); c.close(); "
               "print(\"listening\", flush=True); time.sleep(1000)' > /workspace/log 2>&1 &"
               " for i in $(seq 100); do grep -q listening /workspace/log && break; sleep 0.05; done")
-    before, after = after_release(make_settings(tmp_path), ["ipcmk -M 4096 && ipcmk -Q && ipcmk -S 1", listen],
-                                  ["ipcs -m -q -s | grep -c '^0x' ; python3 -c 'import socket; s = socket.socket(); "
+    before, after = after_release(make_settings(sandbox_home), ["ipcmk -M 4096 && ipcmk -Q && ipcmk -S 1", listen],
+                                  ["ipcs -m -q -s | grep -c '^0x' ; tail -n +2 /proc/net/tcp | wc -l; "
+                                   "python3 -c 'import socket; s = socket.socket(); "
                                    "s.bind((\"127.0.0.1\", 5555)); print(\"bound\")'"])
     assert before[0].exit_code == 0, before[0]
-    assert before[-1].output == after[-1].output
-    assert after[0].output.split() == ["0", "bound"], after[0].output
+    assert after[0].output.split() == ["0", "0", "bound"], after[0].output
 
 
-def test_a_sandbox_whose_dev_was_changed_is_not_kept(tmp_path, monkeypatch):
-    # As an ordinary user's run makes it, even when the tests run as root: there the commands are the
-    # user namespace's root and own /dev.
-    monkeypatch.setattr(bubblewrap, "_RUNNING_AS_ROOT", False)
-    before, after = after_release(make_settings(tmp_path), ["rm -f /dev/fd && ln -s /tmp /dev/fd && echo changed"],
-                                  ["readlink /dev/fd"])
-    assert before[0].output == "changed\n"
-    assert before[-1].output != after[-1].output                          # a new sandbox
+def test_a_changed_dev_does_not_reach_the_next_prompt(sandbox_home):
+    # Commands own /dev in a sandbox with a user namespace; without one they cannot change it at all.
+    _, after = after_release(make_settings(sandbox_home), ["rm -f /dev/fd; ln -s /tmp /dev/fd"], ["readlink /dev/fd"])
     assert after[0].output.strip() == "/proc/self/fd"
 
 
@@ -522,15 +513,53 @@ def test_a_root_runs_commands_cannot_change_dev(tmp_path):
     assert not {"x", "y", "z"} & set(result.output.split())
 
 
-def test_the_prompt_after_one_that_killed_its_sandboxs_shell_runs(tmp_path):
+def test_the_prompt_after_one_that_killed_its_sandboxs_shell_runs(sandbox_home):
     kill_shell = "kill -9 $PPID"      # the sandbox's shell
-    before, after = after_release(make_settings(tmp_path), [kill_shell, "echo again"], ["echo fine"])
+    before, after = after_release(make_settings(sandbox_home), [kill_shell, "echo again"], ["echo fine"])
     assert before[1].output == "again\n"
     assert after[0].output == "fine\n"
 
 
-def test_kept_directories_are_never_reused(tmp_path):
-    settings = make_settings(tmp_path, keep_workdirs=True)
+def test_kept_directories_are_named_after_their_prompt_and_left(sandbox_home):
+    settings = make_settings(sandbox_home, keep_workdirs=True)
     before, after = after_release(settings, ["echo kept > /workspace/f"], ["ls /workspace"])
-    assert before[-1].output != after[-1].output and after[0].output == ""
-    assert [path.read_text() for path in (tmp_path / "work").glob("prompt-*/f")] == ["kept\n"]
+    assert after[0].output == ""
+    assert [path.read_text() for path in (sandbox_home / "work").glob("prompt-0-*/f")] == ["kept\n"]
+
+
+# --- what the runner reads from a sandbox is bounded ----------------------------------------------------------------
+
+# Reads the current command's marker out of the shell's memory, as a command that took its shell over can,
+# and answers in the shell's place: a status line that never ends.
+FORGED_STATUS = r"""python3 - $PPID <<'EOF'
+import os, re, sys
+pid = sys.argv[1]
+markers = set()
+with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+    for line in maps:
+        start, end = (int(part, 16) for part in line.split()[0].split("-"))
+        if "rw" in line.split()[1]:
+            try:
+                mem.seek(start)
+                markers.update(re.findall(rb"batchrun-[0-9a-f]{32}", mem.read(end - start)))
+            except OSError:
+                pass
+out = os.fdopen(1, "wb", buffering=0)
+for marker in markers:
+    out.write(b"\n" + marker + b" ")
+chunk = b"9" * 65536
+for _ in range(2000):      # 128 MB of status, no newline
+    out.write(chunk)
+EOF"""
+
+
+def test_a_shell_that_answers_without_end_is_not_read_without_end(sandbox_home):
+    async def scenario():
+        async with sandbox(make_settings(sandbox_home, command_timeout=60)) as env:
+            started = time.monotonic()
+            forged = await env.run(FORGED_STATUS)
+            return forged, time.monotonic() - started, await env.run("echo next")
+    forged, elapsed, after = asyncio.run(scenario())
+    assert forged.exit_code is None and "shell" in (forged.error or "")
+    assert elapsed < 30
+    assert after.output == "next\n"

@@ -12,7 +12,8 @@ from conftest import live_processes_mentioning, wait_for
 
 from batchrun.environments import ENVIRONMENT_KINDS, create_environment
 from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError
-from batchrun.environments.local import DiskUsageWalk, LocalEnvironment
+from batchrun.environments.disk_usage import DiskUsageWalk
+from batchrun.environments.local import LocalEnvironment
 from batchrun.tools import ToolContext, ToolError
 from batchrun.tools.terminal import terminal
 

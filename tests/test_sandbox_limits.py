@@ -6,18 +6,20 @@ import asyncio
 import contextlib
 import secrets
 import shutil
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
 from conftest import live_processes_mentioning, wait_for
 
 from batchrun.environments import create_environment
-from batchrun.environments.base import Environment, EnvironmentSettings
+from batchrun.environments.base import Environment, EnvironmentSettings, ToolError
+from batchrun.environments.bubblewrap import bubblewrap_problem
+from batchrun.environments.disk_usage import disk_usage
 from batchrun.environments.limits import ResourceLimits, cgroups_available, remove_run_leftovers
 
 BACKENDS = ["local", pytest.param("bubblewrap", marks=pytest.mark.skipif(
-    shutil.which("bwrap") is None, reason="bubblewrap is not installed (CI installs it)"))]
+    bubblewrap_problem() is not None, reason=f"no sandbox here: {bubblewrap_problem()}"))]
 needs_cgroups = pytest.mark.skipif(not cgroups_available(),
                                    reason="no control group can be created here (needs root and cgroupfs)")
 
@@ -84,8 +86,8 @@ def test_process_limit_refuses_more_processes_and_says_so(tmp_path: Path, kind: 
 
 
 def test_tmp_is_capped_in_the_sandbox(tmp_path: Path) -> None:
-    if shutil.which("bwrap") is None:
-        pytest.skip("bubblewrap is not installed")
+    if bubblewrap_problem() is not None:
+        pytest.skip(f"no sandbox here: {bubblewrap_problem()}")
     [result] = run("bubblewrap", settings(tmp_path, tmp_mb=8), "head -c 20000000 /dev/zero > /tmp/big")
     assert result.exit_code != 0
     assert "No space left on device" in result.output
@@ -102,7 +104,7 @@ def test_a_file_larger_than_the_workspace_limit_cannot_be_written(tmp_path: Path
 def test_a_workspace_over_its_limit_is_reported_to_the_model(tmp_path: Path, kind: str) -> None:
     commands = "for f in a b c; do head -c 3000000 /dev/urandom > $f; done"
     [result] = run(kind, settings(tmp_path, workspace_mb=4), commands)
-    assert "workspace holds more than its limit of 4 MB" in (result.error or "")
+    assert "workspace went over its limit of 4 MB" in (result.error or "")
 
 
 @pytest.mark.parametrize("kind", BACKENDS)
@@ -112,7 +114,7 @@ def test_a_workspace_over_its_limit_is_reported_when_its_many_files_come_first(t
     commands = ("mkdir -p many/deeper && for i in $(seq 300); do : > many/f$i; : > many/deeper/g$i; done; "
                 "head -c 5000000 /dev/urandom > many/deeper/big")
     [result] = run(kind, settings(tmp_path, workspace_mb=4), commands)
-    assert "workspace holds more than its limit of 4 MB" in (result.error or "")
+    assert "workspace went over its limit of 4 MB" in (result.error or "")
 
 
 DETACHED = {"setsid": "setsid sleep {marker} > /dev/null 2>&1 &",
@@ -154,3 +156,77 @@ def test_detached_children_die_when_their_command_times_out(tmp_path: Path, kind
                                     10, "the detached child to die")
             assert (await env.run("echo still works")).output.strip() == "still works"
     asyncio.run(scenario())
+
+
+# --- the workspace limit holds while the prompt's processes write, and the disk keeps its reserve ----------------
+
+def workspace_bytes(env: Environment) -> int:
+    return disk_usage(env.prompt_dir)    # type: ignore[attr-defined]  # local and bubblewrap have one
+
+
+def test_fallocate_cannot_reserve_space_in_the_sandbox(tmp_path: Path) -> None:
+    if bubblewrap_problem() is not None:
+        pytest.skip(f"no sandbox here: {bubblewrap_problem()}")
+    [result] = run("bubblewrap", settings(tmp_path, workspace_mb=100),
+                   "fallocate -l 4G big; ls -s big; python3 -c 'import os; fd = os.open(\"slow\", os.O_CREAT | "
+                   "os.O_WRONLY); os.posix_fallocate(fd, 0, 1 << 20); print(os.fstat(fd).st_blocks)'")
+    assert "Operation not supported" in result.output
+    assert result.output.split()[-1] == "2048"       # the C library writes instead, as the limit expects
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_a_command_writing_past_the_workspace_limit_is_stopped_while_it_runs(tmp_path: Path, kind: str) -> None:
+    async def scenario() -> tuple:
+        async with environment(kind, settings(tmp_path, workspace_mb=50)) as env:
+            # Twenty files, each under the largest-file limit, 1 GB in all: only a watch stops it.
+            result = await env.run("for i in $(seq 20); do head -c 50000000 /dev/zero > f$i; done; echo finished")
+            return result, workspace_bytes(env)
+    result, used = asyncio.run(scenario())
+    assert "finished" not in result.output
+    assert "workspace went over its limit of 50 MB" in (result.error or "")
+    assert used < 250 * 2**20
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_a_writer_left_in_the_background_is_stopped_between_commands(tmp_path: Path, kind: str) -> None:
+    async def scenario() -> tuple:
+        async with environment(kind, settings(tmp_path, workspace_mb=50)) as env:
+            await env.run("(for i in $(seq 40); do head -c 25000000 /dev/zero > f$i; done) > /dev/null 2>&1 &")
+            watch = env._watch   # type: ignore[attr-defined]
+            await wait_until(lambda: watch.reason is not None)
+            return await env.run("echo next"), workspace_bytes(env)
+    after, used = asyncio.run(scenario())
+    assert after.output == "next\n" and "workspace went over its limit of 50 MB" in (after.error or "")
+    assert used < 250 * 2**20
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_a_prompt_cannot_take_the_disks_reserve(tmp_path: Path, kind: str) -> None:
+    free_mb = shutil.disk_usage(tmp_path).free // 2**20
+    # A reserve just below what is free now: the first 64 MB or so of writing reaches it.
+    limits = settings(tmp_path, workspace_mb=10_000, disk_reserve_mb=max(free_mb - 64, 1))
+
+    async def scenario() -> tuple:
+        async with environment(kind, limits) as env:
+            result = await env.run("for i in $(seq 40); do head -c 25000000 /dev/zero > f$i; done; echo finished")
+            return result, workspace_bytes(env)
+    result, used = asyncio.run(scenario())
+    assert "finished" not in result.output and "almost full" in (result.error or "")
+    assert used < 500 * 2**20
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_the_file_tools_refuse_a_write_past_the_workspace_limit(tmp_path: Path, kind: str) -> None:
+    async def scenario() -> None:
+        async with environment(kind, settings(tmp_path, workspace_mb=4)) as env:
+            await env.run("head -c 3500000 /dev/zero > big")
+            await env.run("true")       # the walk after this command counts the 3.5 MB
+            with pytest.raises(ToolError, match="over its limit of 4 MB"):
+                await env.write_file("more.bin", b"x" * 1_000_000)
+    asyncio.run(scenario())
+
+
+async def wait_until(condition: Callable[[], bool], seconds: float = 30) -> None:
+    async with asyncio.timeout(seconds):
+        while not condition():
+            await asyncio.sleep(0.01)

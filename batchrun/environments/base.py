@@ -80,6 +80,7 @@ class EnvironmentSettings:
     default_image: str = "python:3.11-slim"
     allow_network: bool = False          # isolated backends: let commands reach the network
     limits: ResourceLimits = field(default_factory=ResourceLimits)
+    spare_sandboxes: int = 0             # sandboxes a worker keeps started ahead of need (bubblewrap)
 
 
 class Environment(abc.ABC):

