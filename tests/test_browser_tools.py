@@ -14,6 +14,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Coroutine, Iterator
@@ -402,8 +403,9 @@ def drain(listeners: list[socket.socket]) -> int:
     return count
 
 
-def chromium_network_namespaces() -> dict[int, str]:
-    """The network namespace of each Chromium process this test process started, by process id."""
+def chromium_pids(ancestor: int | None = None) -> list[int]:
+    """The Chromium processes that ``ancestor`` (this test process) started, through the driver and
+    the sandbox."""
     children: dict[int, list[int]] = {}
     names: dict[int, str] = {}
     for entry in Path("/proc").iterdir():
@@ -414,13 +416,21 @@ def chromium_network_namespaces() -> dict[int, str]:
                 continue
             children.setdefault(int(rest.split()[1]), []).append(int(entry.name))
             names[int(entry.name)] = name.split("(", 1)[1]
-    found, pending = {}, [os.getpid()]
+    found, pending = [], [ancestor or os.getpid()]
     while pending:
         for child in children.get(pending.pop(), []):
             pending.append(child)
             if "chrom" in names[child]:
-                with contextlib.suppress(OSError):
-                    found[child] = os.readlink(f"/proc/{child}/ns/net")
+                found.append(child)
+    return found
+
+
+def chromium_network_namespaces() -> dict[int, str]:
+    """The network namespace of each Chromium process this test process started, by process id."""
+    found = {}
+    for pid in chromium_pids():
+        with contextlib.suppress(OSError):
+            found[pid] = os.readlink(f"/proc/{pid}/ns/net")
     return found
 
 
@@ -471,6 +481,171 @@ def test_where_bubblewrap_cannot_isolate_it_the_webrtc_flags_keep_its_udp_in(
     finally:
         session.end()
         loop.run_until_complete(browser.close_browser())
+
+
+# --- what Chromium itself may touch ---------------------------------------------------------------
+
+SECRET = "sk-test-secret"
+UNPRIVILEGED_UID = 65534        # nobody
+# Launched as an unprivileged user: says whether bubblewrap can make Chromium's sandbox for it, opens
+# the page in argv[1] and says its title, and waits for a line on stdin before it closes the browser.
+AS_ANOTHER_USER = """
+import asyncio, sys
+from pathlib import Path
+import model_tools
+from batchrun.environments.base import EnvironmentSettings
+from batchrun.tools import ToolContext, browser
+
+async def main():
+    print("sandbox" if await browser._isolating_bwrap() else "no sandbox", flush=True)
+    ctx = ToolContext(env=None, settings=EnvironmentSettings(work_root=Path("."), run_label="test"))
+    print((await model_tools.dispatch("browser_navigate", {"url": sys.argv[1]}, ctx))["title"], flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    await browser.close_browser()
+
+asyncio.run(main())
+"""
+
+
+@pytest.fixture
+def fresh_browser(loop: asyncio.AbstractEventLoop) -> Iterator[None]:
+    """A browser launched for this test alone (by its first call), closed after it."""
+    loop.run_until_complete(browser.close_browser())
+    yield
+    loop.run_until_complete(browser.close_browser())
+
+
+def running_chromium(session: Session, site: str) -> list[int]:
+    """The Chromium processes (browser, renderer, helpers) once a page is open."""
+    session.call("navigate", url=site + "/")
+    pids = chromium_pids()
+    assert pids
+    return pids
+
+
+def proc_status(pid: int) -> dict[str, list[str]]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {name: value.split() for name, value in (line.split(":", 1) for line in lines)}
+
+
+def mount_table(pid: int) -> dict[str, tuple[list[str], str, list[str]]]:
+    """Each mount point of the process's mount namespace: its options, file system type, and the
+    file system's own options."""
+    table = {}
+    for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
+        mount, file_system = line.split(" - ")
+        fields, (kind, _, options) = mount.split(), file_system.split()
+        table[fields[4]] = (fields[5].split(","), kind, options.split(","))
+    return table
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only a root run has root to hand on")
+def test_in_a_root_run_every_chromium_process_is_an_unprivileged_user(session: Session, site: str) -> None:
+    for pid in running_chromium(session, site):
+        with contextlib.suppress(FileNotFoundError):       # a helper that ended meanwhile
+            status = proc_status(pid)
+            assert "0" not in status["Uid"] + status["Gid"] and status["Groups"] == [], (pid, status)
+            assert int(status["CapEff"][0], 16) == int(status["CapPrm"][0], 16) == 0, (pid, status)
+
+
+def test_chromium_sees_none_of_the_hosts_private_places(session: Session, site: str, tmp_path: Path) -> None:
+    runners_file = tempfile.NamedTemporaryFile(prefix="runners-file-")      # in the runner's tmp dir
+    with runners_file:
+        private = ["/root", "/home", "/work", "/var", "/srv", "/run", "/mnt", str(Path.cwd()),
+                   str(tmp_path), runners_file.name, str(Path(sys.executable).resolve())]
+        for pid in running_chromium(session, site):
+            with contextlib.suppress(FileNotFoundError):
+                root = f"/proc/{pid}/root"
+                assert os.path.isfile(f"{root}/usr/bin/env")               # what it does see is readable
+                assert [path for path in private if os.path.lexists(root + path)] == [], pid
+
+
+def test_chromiums_root_and_usr_are_read_only(session: Session, site: str) -> None:
+    for pid in running_chromium(session, site):
+        with contextlib.suppress(FileNotFoundError):
+            table = mount_table(pid)
+            assert "ro" in table["/"][0] and "ro" in table["/usr"][0], pid
+
+
+def test_chromium_can_write_only_its_size_capped_tmp_and_dev_shm(session: Session, site: str) -> None:
+    profiles = set()
+    for pid in running_chromium(session, site):
+        with contextlib.suppress(FileNotFoundError):
+            table = mount_table(pid)
+            writable = {point for point, (options, kind, _) in table.items() if "rw" in options
+                        and point != "/dev" and kind not in ("devtmpfs", "devpts", "proc")}
+            assert writable == {"/tmp", "/dev/shm"}, (pid, writable)
+            assert all(any(option.startswith("size=") for option in table[point][2]) for point in writable)
+            profiles |= {word for word in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                         if word.startswith(b"--user-data-dir=")}
+    assert profiles and all(profile.startswith(b"--user-data-dir=/tmp/") for profile in profiles), profiles
+
+
+def test_chromiums_environment_holds_none_of_the_runners_secrets(fresh_browser: None, session: Session, site: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", SECRET)       # in the runner's environment when the browser starts
+    environments = []
+    for pid in running_chromium(session, site):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            environments.append(Path(f"/proc/{pid}/environ").read_bytes())
+    assert environments and not any(SECRET.encode() in environment for environment in environments)
+
+
+def test_in_an_ordinary_users_run_chromium_has_a_user_namespace_and_no_capabilities(
+        fresh_browser: None, session: Session, site: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # As an ordinary user's run makes it, even when the tests run as root.
+    monkeypatch.setattr(browser, "_RUNNING_AS_ROOT", False)
+    for pid in running_chromium(session, site):
+        with contextlib.suppress(FileNotFoundError):
+            assert os.readlink(f"/proc/{pid}/ns/user") != os.readlink("/proc/self/ns/user"), pid
+            status = proc_status(pid)
+            assert int(status["CapEff"][0], 16) == int(status["CapPrm"][0], 16) == 0, (pid, status)
+
+
+def test_a_chromium_outside_usr_is_shown_its_own_directory_alone(fresh_browser: None, session: Session, site: str,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    installation = tmp_path / "opt" / "chromium"       # as Google's, in /opt/google/chrome
+    installation.mkdir(parents=True)
+    (installation / "chromium").write_text('#!/bin/sh\nexec /usr/bin/chromium "$@"\n')
+    (installation / "chromium").chmod(0o755)
+    (tmp_path / "opt" / "beside-it").write_text("not for Chromium")
+    monkeypatch.setenv("BROWSER_EXECUTABLE", str(installation / "chromium"))
+    for pid in running_chromium(session, site):
+        with contextlib.suppress(FileNotFoundError):
+            root = f"/proc/{pid}/root"
+            assert os.path.isfile(f"{root}{installation}/chromium") and not os.path.lexists(f"{root}{tmp_path}/opt/beside-it")
+
+
+def as_unprivileged_user(*argv: str) -> list[str]:
+    return ["setpriv", f"--reuid={UNPRIVILEGED_UID}", f"--regid={UNPRIVILEGED_UID}", "--clear-groups", "--", *argv]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the tests already run as an ordinary user: see the other tests")
+def test_an_ordinary_users_chromium_runs_as_that_user_in_a_user_namespace(loop: asyncio.AbstractEventLoop,
+                                                                         site: str) -> None:
+    with tempfile.TemporaryDirectory() as home:         # tmp_path is private to root
+        os.chown(home, UNPRIVILEGED_UID, UNPRIVILEGED_UID)
+        env = {"PATH": os.environ["PATH"], "HOME": home, "TMPDIR": home, "WEB_ALLOW_PRIVATE": "1"}
+        if subprocess.run(as_unprivileged_user(sys.executable, "-c", "import playwright, batchrun"), env=env,
+                          capture_output=True).returncode != 0:
+            pytest.skip(f"user {UNPRIVILEGED_UID} cannot run this Python with its packages ({sys.executable})")
+        child = subprocess.Popen(as_unprivileged_user(sys.executable, "-c", AS_ANOTHER_USER, site + "/"), env=env,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        seen = {}
+        try:
+            assert child.stdout is not None
+            if child.stdout.readline() == "no sandbox\n":        # as where its Python is not readable inside one
+                pytest.skip(f"bubblewrap cannot make Chromium's sandbox for user {UNPRIVILEGED_UID} here")
+            title = child.stdout.readline()
+            for pid in chromium_pids(child.pid):
+                with contextlib.suppress(FileNotFoundError):
+                    seen[pid] = os.readlink(f"/proc/{pid}/ns/user"), set(proc_status(pid)["Uid"])
+        finally:
+            _, errors = child.communicate("\n", timeout=30)
+    assert title == "Home\n" and child.returncode == 0, errors
+    assert seen and all(user_namespace != os.readlink("/proc/self/ns/user") and uids == {str(UNPRIVILEGED_UID)}
+                        for user_namespace, uids in seen.values()), seen
 
 
 # --- sessions ------------------------------------------------------------------------------------
@@ -539,7 +714,8 @@ def test_cli_run_browses_and_leaves_no_chromium_behind(loop, tmp_path: Path, end
     assert (opening, closing) == ("<tool_response>", "</tool_response>")
     snapshot = json.loads(payload)["content"]["snapshot"]
     assert "Welcome" in snapshot and "</tool_response>" in snapshot and "<tool_call>" in snapshot
-    # Chromium's profile lives under the run's TMPDIR (tmp_path/tmp), which names its processes.
+    # The bwrap that holds Chromium's sandbox names the run's TMPDIR (tmp_path/tmp, where Playwright made a
+    # profile that Chromium never sees) and outlives every process in it.
     deadline = time.monotonic() + 10
     while chromium_processes(str(tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.1)

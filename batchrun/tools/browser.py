@@ -15,6 +15,11 @@ covers what Chromium chooses to proxy (WebRTC sent UDP straight to its targets),
 can make one, Chromium runs in a network namespace of its own that holds nothing but a loopback
 interface and the gate's listening socket: no protocol, present or future, has another way out.
 
+There Chromium also runs in a sandbox like the terminal's, since a page is as hostile as a command:
+not as root (a root run's Chromium is a user of its own; an ordinary user's has a user namespace
+without capabilities), with the system read-only and no file of the host's beyond what Chromium
+reads, its profile in a size-capped /tmp of its own, and none of the runner's environment.
+
 A page chooses its title, URLs and texts and may stop answering altogether, so every result is cut
 to fixed sizes (saying what was cut), every call that waits on the page is bounded, and a page that
 stops answering is closed with its tab rather than left to block the session's later calls.
@@ -45,6 +50,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict, TypeVar
 from urllib.parse import urlsplit
 
+from batchrun.environments.base import DEFAULT_PATH, scrubbed_environment
+from batchrun.environments.limits import MIB
 from batchrun.install_hint import install_hint
 from batchrun.time_limit import within
 from batchrun.tools import ToolContext, ToolError
@@ -79,16 +86,27 @@ CHROMIUM_ARGS = ("--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  "--webrtc-ip-handling-policy=disable_non_proxied_udp", "--force-webrtc-ip-handling-policy")
 GATE_PORT = 1080              # in Chromium's own network namespace, where nothing else listens
-# The first process of Chromium's network namespace: it opens the gate's listening socket there, hands
-# it to the worker through a Unix socket (a path, which namespaces of the network do not separate), and
-# becomes Chromium. Python itself is the one interpreter sure to be there.
+# Chromium's sandbox keeps its profile (PROFILE) and its pages' shared memory (Playwright passes
+# --disable-dev-shm-usage) in a /tmp of its own, in memory: each of /tmp and /dev/shm holds at most this.
+SANDBOX_TMP_MB = 1024
+PROFILE = "/tmp/profile"
+# What of /etc Chromium reads besides what every program does: its policies, the settings Debian's
+# launcher sources, and fontconfig's.
+_CHROMIUM_ETC = ("chromium", "chromium.d", "fonts")
+_RUNNING_AS_ROOT = os.geteuid() == 0
+# The first process of Chromium's network namespace, which still sees the host's files: it opens the
+# gate's listening socket there, hands it to the worker through a Unix socket (a path, which network
+# namespaces do not separate), and becomes Chromium's sandbox, given PROFILE for the profile that
+# Playwright made on the host (Chromium never sees that directory). Python itself is the one
+# interpreter sure to be there.
 _ENTER_NAMESPACE = f"""
 import os, socket, sys
 gate = socket.create_server(("0.0.0.0", {GATE_PORT}), backlog=socket.SOMAXCONN)
 with socket.socket(socket.AF_UNIX) as handover:
     handover.connect(sys.argv[1])
     socket.send_fds(handover, [b"gate"], [gate.fileno()])
-os.execv(sys.argv[2], sys.argv[2:])
+command = ["--user-data-dir={PROFILE}" if word.startswith("--user-data-dir=") else word for word in sys.argv[2:]]
+os.execv(command[0], command)
 """
 # Chromium's singleton socket goes to $TMPDIR/org.chromium.Chromium.XXXXXX/SingletonSocket (45 more
 # characters), and a Unix socket path holds at most 107: Chromium aborts at start under a deeper TMPDIR.
@@ -275,20 +293,71 @@ _namespace_probes: dict[str, bool] = {}
 
 
 def _namespace_argv(bwrap: str) -> list[str]:
-    """bwrap's options: the host's whole file system as it is, and a network of its own."""
+    """bwrap's options for the network namespace's first process: the host's files as they are, and a
+    network of its own."""
     return [bwrap, "--dev-bind", "/", "/", "--unshare-net", "--die-with-parent", "--"]
 
 
+def _sandbox_argv(bwrap: str, uid: int | None, installation: str | None) -> list[str]:
+    """The command prefix that runs a program in Chromium's sandbox, inside the network namespace.
+
+    The sandbox sees the system read-only (/usr, and of /etc what Chromium and its libraries read),
+    ``installation`` read-only (the directory of a Chromium outside /usr), its own size-capped /tmp and
+    /dev/shm, and nothing else of the host: no home, no run directory, none of the runner's environment.
+    In a root run (``uid`` given) it has no user namespace, as the terminal sandbox: it runs as ``uid``,
+    a user of its own, on nosuid mounts; otherwise in a user namespace without capabilities.
+    """
+    from batchrun.environments.bubblewrap import _ETC_ENTRIES, _SYSTEM_LINKS, _as_user
+
+    argv = [bwrap, "--die-with-parent", "--new-session"]
+    if uid is None:
+        argv += ["--unshare-all", "--share-net", "--cap-drop", "ALL"]
+    else:
+        argv += ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
+                 "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    argv += ["--ro-bind", "/usr", "/usr"]
+    for name in _SYSTEM_LINKS:
+        host = f"/{name}"
+        if os.path.islink(host):
+            argv += ["--symlink", os.readlink(host), host]
+        elif os.path.isdir(host):
+            argv += ["--ro-bind", host, host]
+    # bwrap makes the parents of mount points private (0700), which a root run's sandbox user could not enter.
+    argv += ["--perms", "0755", "--dir", "/etc", "--perms", "0755", "--dir", "/etc/ssl"]
+    for name in _ETC_ENTRIES + _CHROMIUM_ETC:
+        argv += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+    argv += ["--dev", "/dev", "--proc", "/proc"]
+    for place in ("/tmp", "/dev/shm"):     # made by bwrap, so open to all, as on a host
+        argv += ["--perms", "1777", "--size", str(SANDBOX_TMP_MB * MIB), "--tmpfs", place]
+    if installation is not None:            # after /tmp, which would hide one there
+        for parent in reversed(Path(installation).parents[:-1]):
+            argv += ["--perms", "0755", "--dir", str(parent)]
+        argv += ["--ro-bind", installation, installation]
+    # Last, as bwrap creates mount points in order: the root, a tmpfs holding them, read-only.
+    argv += ["--remount-ro", "/", "--clearenv"]
+    for name, value in {**scrubbed_environment(home="/tmp"), "PATH": DEFAULT_PATH}.items():
+        argv += ["--setenv", name, value]
+    return [*argv, "--", *_as_user(uid)]
+
+
+def _installation(program: str) -> str | None:
+    """The directory to show Chromium's sandbox for ``program`` (a resolved path): none for one in /usr."""
+    return None if program.startswith("/usr/") else os.path.dirname(program)
+
+
 async def _isolating_bwrap() -> str | None:
-    """The first bwrap (the system's, then the bundled one: the sandbox's own choice) that can make a
-    network namespace here (installed is not enough: a container may forbid namespaces); each is
-    tried once per process."""
-    from batchrun.environments.bubblewrap import bwrap_candidates
+    """The first bwrap (the system's, then the bundled one: the sandbox's own choice) that can make
+    Chromium's network namespace and its sandbox here (installed is not enough: a container may forbid
+    namespaces); each is tried once per process."""
+    from batchrun.environments.bubblewrap import _sandbox_uid, bwrap_candidates
 
     for candidate in bwrap_candidates():
         bwrap = candidate.path
         if bwrap not in _namespace_probes:
-            _namespace_probes[bwrap] = await _runs(*_namespace_argv(bwrap), sys.executable, "-I", "-S", "-c", "")
+            uid = _sandbox_uid() if _RUNNING_AS_ROOT else None
+            _namespace_probes[bwrap] = await _runs(
+                *_namespace_argv(bwrap), sys.executable, "-I", "-S", "-c",
+                "import os, sys; os.execv(sys.argv[1], sys.argv[1:])", *_sandbox_argv(bwrap, uid, None), "true")
         if _namespace_probes[bwrap]:
             return bwrap
     return None
@@ -388,15 +457,19 @@ class _BrowserHost:
 
 async def _launch_isolated(chromium: BrowserType, bwrap: str, executable: str, directory: Path,
                            options: _LaunchOptions) -> tuple[Browser, socket.socket]:
-    """Launch Chromium in a network namespace of its own; returns it and the socket listening for
-    its gates in that namespace.
+    """Launch Chromium in its sandbox, in a network namespace of its own; returns it and the socket
+    listening for its gates in that namespace.
 
     Playwright starts a single executable, so a script in ``directory`` wraps Chromium in bwrap.
     """
+    from batchrun.environments.bubblewrap import _sandbox_uid
+
     handover_path = directory / "handover"
     wrapper = directory / "chromium"
+    program = os.path.realpath(executable)
+    sandbox = _sandbox_argv(bwrap, _sandbox_uid() if _RUNNING_AS_ROOT else None, _installation(program))
     wrapper.write_text("#!/bin/sh\nexec " + shlex.join([*_namespace_argv(bwrap), sys.executable, "-I", "-S", "-c",
-                                                        _ENTER_NAMESPACE, str(handover_path), executable])
+                                                        _ENTER_NAMESPACE, str(handover_path), *sandbox, program])
                        + ' "$@"\n')
     wrapper.chmod(0o700)
     with socket.socket(socket.AF_UNIX) as handover:
