@@ -26,7 +26,7 @@ MOUNT_POINT = "/workspace"
 SYSTEM_LINKS = ("bin", "lib", "lib64", "sbin")
 # What of /etc programs need: the loader cache, alternatives, TLS roots, the time zone, name service
 # order, localhost.
-_ETC_ENTRIES = ("ld.so.cache", "alternatives", "ssl/certs", "ssl/openssl.cnf", "nsswitch.conf", "localtime", "hosts")
+ETC_ENTRIES = ("ld.so.cache", "alternatives", "ssl/certs", "ssl/openssl.cnf", "nsswitch.conf", "localtime", "hosts")
 _NETWORK_ETC_ENTRIES = ("resolv.conf", "host.conf", "gai.conf")
 _MOUNT_POINTS = ("usr", "dev", "proc", "tmp", MOUNT_POINT.lstrip("/"))
 
@@ -80,7 +80,7 @@ def _build(root: Path, *, allow_network: bool) -> None:
     etc = root / "etc"
     (etc / "ssl").mkdir(mode=0o755, parents=True)
     os.chmod(etc, 0o755)
-    for name in _ETC_ENTRIES + (_NETWORK_ETC_ENTRIES if allow_network else ()):
+    for name in ETC_ENTRIES + (_NETWORK_ETC_ENTRIES if allow_network else ()):
         _copy_etc_entry(Path("/etc") / name, etc / name)
     passwd, group = user_entries(SANDBOX_UID)
     for name, text in (("passwd", passwd), ("group", group)):

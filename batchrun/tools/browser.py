@@ -307,7 +307,8 @@ def _sandbox_argv(bwrap: str, uid: int | None, installation: str | None) -> list
     In a root run (``uid`` given) it has no user namespace, as the terminal sandbox: it runs as ``uid``,
     a user of its own, on nosuid mounts; otherwise in a user namespace without capabilities.
     """
-    from batchrun.environments.bubblewrap import _ETC_ENTRIES, _SYSTEM_LINKS, _as_user
+    from batchrun.environments.bubblewrap import _as_user
+    from batchrun.environments.sandbox_root import ETC_ENTRIES, SYSTEM_LINKS
 
     argv = [bwrap, "--die-with-parent", "--new-session"]
     if uid is None:
@@ -316,7 +317,7 @@ def _sandbox_argv(bwrap: str, uid: int | None, installation: str | None) -> list
         argv += ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
                  "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     argv += ["--ro-bind", "/usr", "/usr"]
-    for name in _SYSTEM_LINKS:
+    for name in SYSTEM_LINKS:
         host = f"/{name}"
         if os.path.islink(host):
             argv += ["--symlink", os.readlink(host), host]
@@ -324,7 +325,7 @@ def _sandbox_argv(bwrap: str, uid: int | None, installation: str | None) -> list
             argv += ["--ro-bind", host, host]
     # bwrap makes the parents of mount points private (0700), which a root run's sandbox user could not enter.
     argv += ["--perms", "0755", "--dir", "/etc", "--perms", "0755", "--dir", "/etc/ssl"]
-    for name in _ETC_ENTRIES + _CHROMIUM_ETC:
+    for name in ETC_ENTRIES + _CHROMIUM_ETC:
         argv += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
     argv += ["--dev", "/dev", "--proc", "/proc"]
     for place in ("/tmp", "/dev/shm"):     # made by bwrap, so open to all, as on a host
