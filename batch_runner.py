@@ -522,7 +522,8 @@ tools      --distribution=NAME (--list_distributions shows them all)  --max_turn
 limits     --prompt_timeout  --tool_timeout  --command_timeout (seconds)  --max_cost=USD
            --max_total_tokens=N  --requests_per_minute=N
            --adaptive_concurrency=False (requests at once stay at --num_workers, 429s or not)
-           TERMINAL_MEMORY_MB, TERMINAL_MAX_PROCESSES, TERMINAL_TMP_MB, TERMINAL_WORKSPACE_MB
+           TERMINAL_MEMORY_MB, TERMINAL_MAX_PROCESSES, TERMINAL_TMP_MB, TERMINAL_WORKSPACE_MB,
+           TERMINAL_DISK_RESERVE_MB
 
 Start with README.md; every flag, the row format and the environments: docs/ (e.g. docs/command-line.md).
 Exit codes: 0 done, 2 some prompts failed (--resume retries them), 1 stopped, 130 interrupted."""
