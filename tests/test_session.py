@@ -183,3 +183,19 @@ def test_the_model_is_built_offering_the_schemas_of_the_offered_tools(tmp_path):
     source = ScriptedModels(ScriptedModel([]))
     session = Session(TASK, worker_services(tmp_path, source))
     assert [schema["function"]["name"] for schema in source.offered[0]] == session.offered_tools == ["terminal"]
+
+
+def test_the_prompts_directory_is_gone_before_its_session_returns_the_result(tmp_path):
+    # The row is written after the session returns: a prompt that filled the disk frees it first.
+    services = worker_services(tmp_path, ScriptedModels(ScriptedModel(
+        [call("terminal", {"command": "head -c 100000 /dev/zero > big"}), say("Done.")])))
+
+    async def session() -> bool:
+        try:
+            session = Session(TASK, services)
+            await session.run()
+            assert session.env is not None
+            return session.env.prompt_dir.exists()      # type: ignore[attr-defined]  # the local backend's
+        finally:
+            await services.close()
+    assert asyncio.run(session()) is False
