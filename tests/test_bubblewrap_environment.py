@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import live_processes_mentioning, wait_for
 
-from batchrun.environments import create_environment, default_environment_kind
+from batchrun.environments import bubblewrap, create_environment, default_environment_kind
 from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError, ToolError
 from batchrun.environments.bubblewrap import BubblewrapEnvironment, bubblewrap_problem
 from batchrun.tools import ToolContext
@@ -563,3 +563,65 @@ def test_a_shell_that_answers_without_end_is_not_read_without_end(sandbox_home):
     assert forged.exit_code is None and "shell" in (forged.error or "")
     assert elapsed < 30
     assert after.output == "next\n"
+
+
+# --- spares: sandboxes started ahead of need ----------------------------------------------------------------------
+
+def spare_pids() -> list[int]:
+    return [sandbox.shell.process.pid for ready in bubblewrap._spares._ready.values() for sandbox in ready]
+
+
+def test_a_prompt_takes_a_spare_started_before_it_and_the_next_one_is_started(sandbox_home):
+    settings = make_settings(sandbox_home, spare_sandboxes=2)
+
+    async def scenario():
+        try:
+            first = BubblewrapEnvironment(settings, prompt_index=0)
+            await first.start()
+            async with asyncio.timeout(30):
+                while len(spare_pids()) < 2:
+                    await asyncio.sleep(0.01)
+            ready = spare_pids()
+            second = BubblewrapEnvironment(settings, prompt_index=1)
+            await second.start()
+            taken = second._shell.process.pid
+            async with asyncio.timeout(30):
+                while len(spare_pids()) < 2:
+                    await asyncio.sleep(0.01)
+            await first.close()
+            await second.close()
+            return ready, taken, spare_pids()
+        finally:
+            await BubblewrapEnvironment.close_idle()
+    ready, taken, refilled = asyncio.run(scenario())
+    assert taken in ready and taken not in refilled
+
+
+def test_prompts_started_together_never_share_a_sandbox(sandbox_home):
+    settings = make_settings(sandbox_home, spare_sandboxes=2)
+
+    async def scenario():
+        try:
+            envs = [BubblewrapEnvironment(settings, prompt_index=index) for index in range(8)]
+            await asyncio.gather(*(env.start() for env in envs))
+            identities = [(await env.run(SANDBOX_ID)).output for env in envs]
+            await asyncio.gather(*(env.close() for env in envs))
+            return identities
+        finally:
+            await BubblewrapEnvironment.close_idle()
+    identities = asyncio.run(scenario())
+    assert len(set(identities)) == 8
+
+
+def test_the_spares_leave_nothing_behind_when_the_worker_ends(sandbox_home):
+    settings = make_settings(sandbox_home, spare_sandboxes=2)
+
+    async def scenario():
+        env = BubblewrapEnvironment(settings, prompt_index=0)
+        await env.start()
+        await env.close()
+        await BubblewrapEnvironment.close_idle()
+    asyncio.run(scenario())
+    assert [path.name for path in (sandbox_home / "work").iterdir() if not path.name.startswith(".root")] == []
+    wait_for(lambda: live_processes_mentioning(str(sandbox_home / "work")) == [], timeout=5,
+             what="every spare sandbox to be gone")
