@@ -72,9 +72,9 @@ async def new_sandbox_ms(work_root: Path, commands: int) -> float:
     async def step() -> None:
         descriptors = bubblewrap._Descriptors(root, workspace, way.passwd_uid())
         try:
-            argv = [*way.argv(False, settings.limits, descriptors), "--", *way.shell_prefix(), "bash", "-c", "true"]
+            argv = way.command(False, settings.limits, descriptors, ["bash", "-c", "true"])
             process = await asyncio.create_subprocess_exec(*argv, env=bubblewrap._sandbox_environment(),
-                                                           pass_fds=descriptors.passed(), **way.spawn_identity())
+                                                           pass_fds=descriptors.passed())
         finally:
             descriptors.close()
         assert await process.wait() == 0
