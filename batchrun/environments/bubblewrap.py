@@ -244,7 +244,9 @@ class BubblewrapEnvironment(LocalEnvironment):
         """Kill the sandbox (bwrap and the sandbox's init are one process group, and the kernel ends
         everything in a sandbox whose init dies), then the local backend's clean-up. A start that was cut
         short is let finish first, and what it made destroyed."""
-        self._shell = None
+        shell, self._shell = self._shell, None
+        if shell is not None and not self._closed:
+            await self._kill(shell)
         creating, self._creating = self._creating, None
         if creating is not None:
             with contextlib.suppress(Exception):
@@ -295,7 +297,12 @@ class BubblewrapEnvironment(LocalEnvironment):
     async def _discard_shell(self) -> None:
         shell, self._shell = self._shell, None
         if shell is not None:
-            await shell.kill()
+            await self._kill(shell)
+
+    async def _kill(self, shell: _Shell) -> None:
+        """Kill a shell's sandbox and forget its process group, whose id may serve another group later."""
+        await shell.kill()
+        if shell.process in self._processes:
             self._processes.remove(shell.process)
 
 
@@ -311,9 +318,12 @@ class _Sandbox:
 
     async def destroy(self) -> None:
         await self.shell.kill()
+        await asyncio.to_thread(self._remove)
+
+    def _remove(self) -> None:
         if self.cgroup is not None:
-            await asyncio.to_thread(self.cgroup.remove)
-        await asyncio.to_thread(remove_tree, self.directory)
+            self.cgroup.remove()
+        remove_tree(self.directory)
 
 
 def _in_background(work: Coroutine[Any, Any, None]) -> None:
