@@ -52,7 +52,7 @@ class WorkspaceWatch:
         self.limit_bytes = limit_bytes
         self.stop = stop
         self.used = 0
-        self.stopped_at = -1            # what it held when its processes were last stopped
+        self.stopped_at = -_MIN_ROOM_BYTES      # what it held when its processes were last stopped
         self.reason: str | None = None
         self.due = time.monotonic()
 
@@ -64,7 +64,9 @@ class WorkspaceWatch:
         look again."""
         grew = used > self.used
         self.used = used
-        if used > self.limit_bytes and used > self.stopped_at:
+        # Over the limit and grown since the last stop, by more than the allocation the filesystem may
+        # still add to what was written then (delayed allocation, metadata).
+        if used > self.limit_bytes and used > self.stopped_at + _MIN_ROOM_BYTES:
             self.stopped(f"the workspace went over its limit of {self.limit_bytes // MIB} MB (it holds "
                          f"{used // MIB} MB)")
         elif grew and self._guard.low_on_space(self.directory):
