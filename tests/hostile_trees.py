@@ -115,6 +115,7 @@ def as_prompt_user(home: Path, action: Callable[[], T]) -> T:
     with os.fdopen(reader, "rb") as pipe:
         data = pipe.read()
     os.waitpid(pid, 0)
+    assert data, "the prompt user's process died without an answer"
     ok, value = pickle.loads(data)
     assert ok, f"the prompt user's action failed:\n{value}"
     return value  # type: ignore[return-value]

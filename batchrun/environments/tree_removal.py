@@ -42,16 +42,14 @@ def _remove(parent: int, name: str) -> None:
         return
     with cursor:
         for _ in range(_PASSES):
-            with contextlib.suppress(Moved):
+            try:
                 _empty(cursor)
-                try:
-                    os.rmdir(name, dir_fd=parent)
-                    return
-                except FileNotFoundError:
-                    return
-                except OSError:
-                    pass
-            cursor.restart()
+                os.rmdir(name, dir_fd=parent)
+                return
+            except FileNotFoundError:
+                return
+            except (Moved, OSError):        # moved under the walk, or filled again meanwhile
+                cursor.restart()
 
 
 def _empty(cursor: TreeCursor) -> None:
