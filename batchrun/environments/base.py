@@ -12,11 +12,11 @@ import abc
 import hashlib
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from batchrun.environments.limits import ResourceLimits, remove_run_leftovers
+from batchrun.environments.tree_removal import remove_tree
 
 # Variables a model-written command may see. Everything else in the user's environment (API keys,
 # tokens, cloud credentials) is withheld: an allow-list cannot leak a secret nobody thought of.
@@ -102,7 +102,7 @@ class Environment(abc.ABC):
         same run label left behind (directories, containers, control groups). Backends extend this."""
         remove_run_leftovers(settings.run_label)
         if settings.work_root.exists() and not settings.keep_workdirs:
-            shutil.rmtree(settings.work_root, ignore_errors=True)
+            remove_tree(settings.work_root)
 
     @classmethod
     def node_problem(cls) -> str | None:

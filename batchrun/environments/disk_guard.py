@@ -28,7 +28,7 @@ import weakref
 from collections.abc import Callable
 from pathlib import Path
 
-from batchrun.environments.disk_usage import INLINE_WALK_ENTRIES, DiskUsageWalk, disk_usage
+from batchrun.environments.disk_usage import FULL, INLINE_WALK_ENTRIES, DiskUsageWalk, disk_usage
 from batchrun.environments.limits import MIB
 
 TICK_SECONDS = 0.02
@@ -83,10 +83,11 @@ class WorkspaceWatch:
         """Walk the workspace now (a command just ended): on the event loop while it is small, since a hop
         to a thread waits behind every other session of the process, in a thread beyond that."""
         started = time.monotonic()
-        walk = DiskUsageWalk(self.directory, 1 << 62)
-        if walk.run(max_entries=INLINE_WALK_ENTRIES) is None:
-            await asyncio.to_thread(walk.run)
-        self.counted(walk.used, time.monotonic() - started)
+        walk = DiskUsageWalk(self.directory, FULL)
+        given_up = walk.run(max_entries=INLINE_WALK_ENTRIES)
+        if given_up is None:
+            given_up = await asyncio.to_thread(walk.run)
+        self.counted(FULL if given_up else walk.used, time.monotonic() - started)
 
     def refuses(self, size: int) -> str | None:
         """Why a file tool may not add ``size`` bytes to the workspace now, if it may not."""

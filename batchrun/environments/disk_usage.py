@@ -7,57 +7,110 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
+from batchrun.environments.tree_cursor import Moved, TreeCursor
+
 # Entries of the workspace walked on the event loop after a command (a few hundred microseconds).
 INLINE_WALK_ENTRIES = 200
 
 
 class DiskUsageWalk:
     """Whether the files under ``root`` take more than ``limit_bytes`` of disk (blocks, so a sparse
-    file counts what it really uses). Links are not followed; the walk stops once over. It can pause
-    after some entries and go on later (in a thread) where it left off."""
+    file counts what it really uses). It stops once over, and can pause after some entries and go on
+    later (in a thread) where it left off.
+
+    Nothing a command does hides files from it: it goes by descriptors (``TreeCursor``), so a tree
+    deeper than PATH_MAX is walked to its end, and a directory the runner's own user may not read is
+    made readable to it (the workspace is the prompt's; root reads it as it is). It follows no link."""
 
     def __init__(self, root: Path, limit_bytes: int) -> None:
+        self._root = root
         self._limit = limit_bytes
         self.used = 0       # bytes counted so far (all of them once run() returns False)
-        self._pending = [str(root)]
-        self._directory: Iterator[os.DirEntry[str]] | None = None      # being read
+        self._cursor: TreeCursor | None = None
+        self._entries: Iterator[os.DirEntry[str]] | None = None      # the current directory, being read
+        self._restarts = 0
+        self._answer: bool | None = None
 
     def run(self, max_entries: int | None = None) -> bool | None:
         """True once over the limit, False when all is walked, None after ``max_entries`` entries."""
+        if self._answer is not None:
+            return self._answer
+        if self._cursor is None:
+            self._cursor = TreeCursor.at(self._root, stat.S_IRUSR | stat.S_IXUSR)
+            if self._cursor is None:
+                return self._finish(False)
+            self._entries = _read(self._cursor)
+        while True:
+            try:
+                return self._walk(self._cursor, max_entries)
+            except Moved:
+                # Only a process moving directories while the walk runs gets here: past a few times,
+                # what it may be hiding counts as over.
+                if self._restarts == _WALK_RESTARTS:
+                    return self._finish(True)
+                self._restarts += 1
+                self.used = 0
+                self._close_entries()
+                self._cursor.restart()
+                self._entries = _read(self._cursor)
+
+    def _walk(self, cursor: TreeCursor, max_entries: int | None) -> bool | None:
         seen = 0
         while True:
-            if self._directory is None:
-                if not self._pending:
-                    return False
-                try:
-                    self._directory = os.scandir(self._pending.pop())
-                except OSError:
-                    continue
-            for entry in self._directory:
-                try:
-                    info = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                self.used += info.st_blocks * 512
-                if self.used > self._limit:
-                    self._close()
-                    return True
-                if stat.S_ISDIR(info.st_mode):
-                    self._pending.append(entry.path)
-                seen += 1
-                if max_entries is not None and seen >= max_entries:
-                    return None
-            self._close()
+            if self._entries is not None:
+                for entry in self._entries:
+                    try:
+                        info = cursor.attempt(os.lstat, entry.name)
+                    except OSError:
+                        continue        # gone since it was listed
+                    self.used += info.st_blocks * 512
+                    if self.used > self._limit:
+                        return self._finish(True)
+                    if stat.S_ISDIR(info.st_mode):
+                        cursor.pending.append(entry.name)
+                    seen += 1
+                    if max_entries is not None and seen >= max_entries:
+                        return None
+                self._close_entries()
+            elif cursor.pending:
+                if cursor.enter(cursor.pending.pop()):
+                    self._entries = _read(cursor)
+            elif cursor.at_root:
+                return self._finish(False)
+            else:
+                cursor.leave()
 
-    def _close(self) -> None:
-        if self._directory is not None:
-            self._directory.close()       # type: ignore[attr-defined]  # a scandir iterator
-            self._directory = None
+    def _finish(self, over: bool) -> bool:
+        self._close_entries()
+        if self._cursor is not None:
+            self._cursor.close()
+        self._answer = over
+        return over
 
+    def _close_entries(self) -> None:
+        if self._entries is not None:
+            self._entries.close()       # type: ignore[attr-defined]  # a scandir iterator
+            self._entries = None
+
+
+# Times the workspace walk starts again because a directory moved under it, before it gives up.
+_WALK_RESTARTS = 8
+
+
+def _read(cursor: TreeCursor) -> Iterator[os.DirEntry[str]] | None:
+    """The entries of the cursor's current directory, read as they are asked for."""
+    try:
+        return os.scandir(cursor.fd)
+    except OSError:
+        return None
 
 
 def disk_usage(root: Path) -> int:
-    """The bytes of disk the files under ``root`` take (blocks: a sparse file counts what it uses)."""
-    walk = DiskUsageWalk(root, 1 << 62)
-    walk.run()
-    return walk.used
+    """The bytes of disk the files under ``root`` take (blocks: a sparse file counts what it uses); a
+    tree that kept moving under the walk counts as full."""
+    walk = DiskUsageWalk(root, FULL)
+    return FULL if walk.run() else walk.used
+
+
+#: What disk_usage answers for a tree it could not walk to the end.
+FULL = 1 << 62
