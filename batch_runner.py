@@ -394,7 +394,7 @@ def main(dataset_file: str | None = None, batch_size: int | None = None, run_nam
          max_tokens: int | None = None, providers_allowed: Any = None, providers_ignored: Any = None,
          providers_order: Any = None, provider_sort: str | None = None, reasoning_effort: str | None = None,
          reasoning_disabled: bool = False, ephemeral_system_prompt: str | None = None, log_prefix_chars: int = 100,
-         prefill_messages_file: str | None = None, seed: int | None = None, discard_no_reasoning: bool = True,
+         prefill_messages_file: str | None = None, seed: int | None = None, discard_no_reasoning: bool | None = None,
          rerun_corrupted: bool = False, max_retries: int = 6, request_timeout: float = 600,
          prompt_timeout: float | None = None,
          tool_timeout: float = 120, command_timeout: float = 60, keep_workdirs: bool = False,

@@ -363,7 +363,9 @@ def build_config(**flags: Any) -> RunConfig:
         log_prefix_chars=non_negative_int("log_prefix_chars", flags["log_prefix_chars"]),
         prefill_messages=load_prefill(flags["prefill_messages_file"]),
         seed=None if flags["seed"] is None else non_negative_int("seed", flags["seed"]),
-        discard_no_reasoning=boolean("discard_no_reasoning", flags["discard_no_reasoning"]),
+        # None when not given: on by default for a run (an export then follows each row's own fate).
+        discard_no_reasoning=flags["discard_no_reasoning"] is None or boolean("discard_no_reasoning",
+                                                                               flags["discard_no_reasoning"]),
         rerun_corrupted=boolean("rerun_corrupted", flags["rerun_corrupted"]),
         max_retries=non_negative_int("max_retries", flags["max_retries"]),
         request_timeout=positive_seconds("request_timeout", flags["request_timeout"]),
