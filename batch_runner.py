@@ -24,7 +24,14 @@ import fire
 import model_tools
 import toolset_distributions
 from batchrun import report, rows
-from batchrun.config import DEFAULT_MODEL, RunConfig, UsageError, build_config, validate_run_name
+from batchrun.config import (
+    DEFAULT_MODEL,
+    RunConfig,
+    UsageError,
+    build_config,
+    provider_routing_note,
+    validate_run_name,
+)
 from batchrun.console import RunConsole
 from batchrun.dataset import DatasetError, DatasetPlan, iter_pending, plan_dataset, require_valid_prompt
 from batchrun.environments import environment_class, limits
@@ -337,6 +344,8 @@ class BatchRunner:
             by_reason[reason].append(name)
         for reason, names in by_reason.items():
             out.print(f"unavailable: {', '.join(names)} — {reason}")
+        if routing := provider_routing_note(config):
+            out.warn(routing)
         if config.reasoning_disabled and config.discard_no_reasoning:
             out.warn("--reasoning_disabled: the no-reasoning filter will discard every sample. "
                      "Add --discard_no_reasoning=False to keep them.")
