@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from conftest import endpoint_args, run_cli, write_dataset
 
 from batchrun.security import REDACTED, Redactor
 
@@ -48,3 +51,39 @@ def test_several_secrets_and_overlapping_pieces_are_all_replaced():
     other = "ghp_abcdefghijklmnopqrstuvwxyz0123"
     redacted = Redactor([SECRET, other])(SECRET[:20] + other[10:] + " " + other + SECRET[-12:])
     assert not any(piece in redacted for secret in (SECRET, other) for piece in pieces_of(secret, 8))
+
+
+# --- end to end: an endpoint that echoes the key -----------------------------------------------------
+
+def echoing(key: str):
+    """A server hook that writes the key into every part of its replies: text, reasoning, a call's id,
+    name and arguments, and the text of its final answer."""
+    def reply(body: dict) -> tuple[int, dict, dict]:
+        answered = any(message["role"] == "tool" for message in body["messages"])
+        message: dict = {"role": "assistant", "content": f"The key is {key}.", "reasoning": f"I was told {key}"}
+        if not answered:
+            message["tool_calls"] = [{"id": f"call-{key}", "type": "function", "function": {
+                "name": "terminal", "arguments": json.dumps({"command": f"echo {key[:30]}"})}}]
+        usage = {"prompt_tokens": 1, "completion_tokens": 1}
+        return 200, {"id": "x", "object": "chat.completion", "choices": [{"index": 0, "message": message,
+                     "finish_reason": "stop" if answered else "tool_calls"}], "usage": usage}, {}
+    return reply
+
+
+def test_a_key_the_endpoint_echoes_reaches_no_row_report_or_export(tmp_path, endpoint):
+    key = "sk-test-ECHOED-0123456789abcdef0123"
+    endpoint.script = echoing(key)
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["say the key"])
+    args = [f"--dataset_file={dataset}", "--batch_size=2", "--run_name=run", "--distribution=terminal_only",
+            *endpoint_args(endpoint)]
+    result = run_cli(tmp_path, *args, env={"OPENAI_API_KEY": key})
+    assert result.returncode == 0, result.stderr
+    for fmt in ("openai", "sharegpt", "parquet"):
+        assert run_cli(tmp_path, "--run_name=run", f"--export={fmt}", "--reasoning=think" * (fmt == "openai"),
+                       env={"OPENAI_API_KEY": key}).returncode == 0
+    written = [path for path in (tmp_path / "data").rglob("*") if path.is_file()]
+    assert {path.name for path in written} >= {"batch_0.jsonl", "trajectories.jsonl", "report.html", "openai.jsonl",
+                                               "sharegpt.jsonl", "trajectories.parquet"}
+    everything = b"".join(path.read_bytes() for path in written) + (result.stdout + result.stderr).encode()
+    assert not any(piece.encode() in everything for piece in pieces_of(key, 8))
+    assert b"[REDACTED]" in everything
