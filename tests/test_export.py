@@ -647,3 +647,11 @@ def test_openai_exports_of_runs_offering_one_tool_load_with_the_features_the_doc
     loaded = datasets.load_dataset("json", data_files=[str(one), str(export_of(runs_home, "busy", "openai", tmp_path))],
                                    split="train", cache_dir=str(tmp_path / "cache"), features=features)
     assert loaded.num_rows == 3 and loaded[0]["tools"][0]["function"]["name"] == "web_extract"
+
+
+def test_a_row_whose_arguments_are_nested_too_deep_to_parse_exports_them_as_text():
+    deep = "[" * 100_000 + "]" * 100_000
+    row = trajectory([AssistantTurn("r", "", [call(arguments=deep, result='{"error": "too deep"}')]),
+                      AssistantTurn("r", "Done.")])
+    [tool_call] = openai_line_of(row, "drop")["messages"][1]["tool_calls"]
+    assert tool_call["function"]["arguments"] == deep
