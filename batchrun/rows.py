@@ -727,6 +727,9 @@ class StoredRow:
         return self._row.wall_time_seconds
 
     def error_type(self) -> str | None:
+        """A failure's cause; for an older row that kept no reply, why its session stopped asking."""
+        if self.status == FAILED and not self._row.failed:
+            return self._row.end_reason
         return self._row.error_type
 
     def discard_reason(self) -> str | None:

@@ -503,7 +503,8 @@ def facts_from_parsed_row(line: bytes) -> dict:
             "reasoning_counts": (with_reasoning, len(gpt_turns) - with_reasoning),
             "toolsets_used": row.get("toolsets_used", []),
             "metadata": (row["metadata"]["timestamp"], row["metadata"]["model"]) if "metadata" in row else None,
-            "wall_time": row["wall_time_seconds"], "error_type": row.get("error_type"),
+            "wall_time": row["wall_time_seconds"],
+            "error_type": row["end_reason"] if status == "failed" and not row.get("failed") else row.get("error_type"),
             "discard_reason": row.get("discarded")}
 
 
@@ -1006,4 +1007,6 @@ def test_an_older_row_that_kept_no_reply_reads_as_a_failure_resume_runs_again(di
     row["conversations"] = row["conversations"][:2]            # system and prompt only
     if discarded:
         row.update(discarded="no_reasoning", prompt="Do it.")
-    assert read_stored_row(json.dumps(row).encode() + b"\n").status == "failed"
+    row["end_reason"] = "empty_answer"
+    stored = read_stored_row(json.dumps(row).encode() + b"\n")
+    assert (stored.status, stored.error_type()) == ("failed", "empty_answer")
