@@ -471,8 +471,8 @@ END_REASONS = {
     "final_answer": "the model answered without calling a tool",
     "max_turns": "--max_turns model calls were made (then one more, without tools, asked for a summary)",
     "invented_tools": "the model called tools it was not offered in 3 turns in a row",
-    "truncated": "a reply stayed cut off by the output limit after 3 requests to continue "
-                 "(or its tool calls were cut off twice)",
+    "truncated": "a reply stayed cut off by the output limit (after 3 requests to continue, its tool calls "
+                 "twice in a row, or while it reasoned)",
     "empty_answer": "the model's answer had no text after 3 more requests",
     "context_length": "the conversation outgrew the model's context",
     "prompt_timeout": "the prompt's --prompt_timeout passed",
