@@ -24,7 +24,14 @@ import fire
 import model_tools
 import toolset_distributions
 from batchrun import report, rows
-from batchrun.config import DEFAULT_MODEL, RunConfig, UsageError, build_config, validate_run_name
+from batchrun.config import (
+    DEFAULT_MODEL,
+    RunConfig,
+    UsageError,
+    build_config,
+    provider_routing_note,
+    validate_run_name,
+)
 from batchrun.console import RunConsole
 from batchrun.dataset import DatasetError, DatasetPlan, iter_pending, plan_dataset, require_valid_prompt
 from batchrun.environments import environment_class, limits
@@ -341,6 +348,8 @@ class BatchRunner:
             by_reason[reason].append(name)
         for reason, names in by_reason.items():
             out.print(f"unavailable: {', '.join(names)} — {reason}")
+        if routing := provider_routing_note(config):
+            out.warn(routing)
         if config.reasoning_disabled and config.discard_no_reasoning:
             out.warn("--reasoning_disabled: the no-reasoning filter will discard every sample. "
                      "Add --discard_no_reasoning=False to keep them.")
@@ -398,7 +407,7 @@ def main(dataset_file: str | None = None, batch_size: int | None = None, run_nam
          max_tokens: int | None = None, providers_allowed: Any = None, providers_ignored: Any = None,
          providers_order: Any = None, provider_sort: str | None = None, reasoning_effort: str | None = None,
          reasoning_disabled: bool = False, ephemeral_system_prompt: str | None = None, log_prefix_chars: int = 100,
-         prefill_messages_file: str | None = None, seed: int | None = None, discard_no_reasoning: bool = True,
+         prefill_messages_file: str | None = None, seed: int | None = None, discard_no_reasoning: bool | None = None,
          rerun_corrupted: bool = False, max_retries: int = 6, request_timeout: float = 600,
          prompt_timeout: float | None = None,
          tool_timeout: float = 120, command_timeout: float = 60, keep_workdirs: bool = False,

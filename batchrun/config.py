@@ -228,6 +228,24 @@ def build_extra_body(*, base_url: str, providers_allowed: list[str] | None, prov
     return extra
 
 
+# Provider routing is OpenRouter's extension of the request; the flags that make it.
+ROUTING_FLAGS = {"only": "--providers_allowed", "ignore": "--providers_ignored", "order": "--providers_order",
+                 "sort": "--provider_sort"}
+
+
+def provider_routing_note(config: RunConfig) -> str | None:
+    """What to say once at start when provider routing goes to an endpoint that is not OpenRouter. It
+    is sent all the same: a proxy in front of OpenRouter needs it, and dropping what the user asked for
+    would be a silence of its own; but a server that does not know the field ignores it or refuses
+    every request, and the user should know which."""
+    routing = config.extra_body.get("provider")
+    if not routing or is_openrouter(config.base_url):
+        return None
+    flags = ", ".join(ROUTING_FLAGS[key] for key in ROUTING_FLAGS if key in routing)
+    return (f"{flags}: OpenRouter's provider routing, sent as \"provider\" to {config.base_url}, which is not "
+            "OpenRouter: a server that does not know the field ignores it, or refuses every request (HTTP 400)")
+
+
 def validate_base_url(value: Any) -> str:
     url = text("base_url", value, required=True)
     parsed = urlparse(url)
@@ -364,7 +382,9 @@ def build_config(**flags: Any) -> RunConfig:
         log_prefix_chars=non_negative_int("log_prefix_chars", flags["log_prefix_chars"]),
         prefill_messages=load_prefill(flags["prefill_messages_file"]),
         seed=None if flags["seed"] is None else non_negative_int("seed", flags["seed"]),
-        discard_no_reasoning=boolean("discard_no_reasoning", flags["discard_no_reasoning"]),
+        # None when not given: on by default for a run (an export then follows each row's own fate).
+        discard_no_reasoning=flags["discard_no_reasoning"] is None or boolean("discard_no_reasoning",
+                                                                               flags["discard_no_reasoning"]),
         rerun_corrupted=boolean("rerun_corrupted", flags["rerun_corrupted"]),
         max_retries=non_negative_int("max_retries", flags["max_retries"]),
         request_timeout=positive_seconds("request_timeout", flags["request_timeout"]),

@@ -334,6 +334,8 @@ def parse_reply(raw: bytes) -> ModelReply:
         data = json.loads(raw)
     except ValueError:
         raise MalformedReplyError(f"reply is not JSON: {_preview(raw)!r}") from None
+    except RecursionError:
+        raise MalformedReplyError(f"reply is nested too deeply to read: {_preview(raw)!r}") from None
     if not isinstance(data, dict):
         raise MalformedReplyError(f"reply is not a JSON object: {_preview(raw)}")
     choices = data.get("choices")

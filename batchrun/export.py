@@ -7,15 +7,18 @@ failure rows hold no trajectory, and corrupted rows that a ``--rerun_corrupted``
 (``superseded_corrupted`` in checkpoint.json) are earlier attempts.
 
 Everything streams: rows are read line by line and written as they come (Parquet a row group at a
-time), so memory stays bounded however many rows a run has. Every exported row carries the
-``prompt_index`` and ``content_key`` of the row it came from.
+time), so memory stays bounded however many rows a run has. Every exported row can be traced to the
+row it came from: its ``prompt_index`` and ``content_key``, in the row itself, or (``openai``, whose
+lines hold only what OpenAI's format defines) in a manifest beside the file.
 
-Rows keep only ``{from, value}`` per turn; the ``openai`` format recovers the structured calls from
-the rendered turns (the inverse of rows.render_conversations), losslessly: see docs/export.md.
+Rows keep only ``{from, value}`` per turn and a record of how each gpt turn was rendered; the
+``openai`` format reads the structured calls back by that record (rows.read_gpt_turn), losslessly:
+see docs/export.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -36,7 +39,8 @@ from batchrun.run_dir import RunDirectory, line_number, lines_at, superseded_cor
 
 FORMATS = ("openai", "sharegpt", "parquet", "hf")
 # Where a turn's reasoning goes in the openai format: inline as the row's own think block, a
-# `reasoning_content` field, or nowhere.
+# `reasoning_content` field, or nowhere (the default: a model trained on OpenAI's format must not
+# learn to print it).
 REASONING_MODES = ("think", "field", "drop")
 DEFAULT_OUT = {"openai": "export/openai.jsonl", "sharegpt": "export/sharegpt.jsonl",
                "parquet": "export/trajectories.parquet", "hf": "export/hf"}
@@ -57,6 +61,7 @@ DROP_REASONS = {
     "end_reason": "an end reason that --end_reasons does not list",
     "min_tool_calls": "fewer tool calls than --min_tool_calls",
     "last_call_failed": "the last tool call failed or got no result",
+    "unfinished": "no answer after the last tool call (--export=sharegpt keeps them)",
     "unconvertible": "turns that do not read as one conversation",
 }
 
@@ -82,8 +87,8 @@ class ExportOptions:
     format: str
     run_dir: Path
     out: Path
-    reasoning: str = "think"
-    discard_no_reasoning: bool = True
+    reasoning: str = "drop"
+    discard_no_reasoning: bool | None = None       # None: each row as the run decided (see drop_reason)
     discard_invented: bool = True
     end_reasons: frozenset[str] | None = None      # None: every end reason
     min_tool_calls: int = 0
@@ -110,8 +115,9 @@ def export_options(*, export: Any, run_name: Any, out: Any, reasoning: Any, disc
     out_text = text("out", out)
     return ExportOptions(
         format=fmt, run_dir=run_dir, out=Path(out_text) if out_text else run_dir / DEFAULT_OUT[fmt],
-        reasoning=choice("reasoning", reasoning, REASONING_MODES) or "think",
-        discard_no_reasoning=boolean("discard_no_reasoning", discard_no_reasoning),
+        reasoning=choice("reasoning", reasoning, REASONING_MODES) or "drop",
+        discard_no_reasoning=None if discard_no_reasoning is None else boolean("discard_no_reasoning",
+                                                                                discard_no_reasoning),
         discard_invented=boolean("discard_invented", discard_invented),
         end_reasons=_end_reasons(end_reasons), min_tool_calls=non_negative_int("min_tool_calls", min_tool_calls),
         last_call_succeeded=boolean("last_call_succeeded", last_call_succeeded))
@@ -150,12 +156,21 @@ class Conversation:
     def calls(self) -> list[ToolCallRecord]:
         return list(rows.calls_of(self.turns))
 
+    def ends_on_an_answer(self) -> bool:
+        """Whether the last turn is an answer without calls: a conversation that ends on a tool result,
+        or on calls that never got one (a --prompt_timeout while tools ran), is refused by strict
+        validators and chat templates."""
+        last = self.turns[-1] if self.turns else None
+        return isinstance(last, AssistantTurn) and not last.tool_calls
 
-def conversation(turns: list[dict]) -> Conversation:
-    """A row's ``conversations`` read back into the session record it was rendered from."""
+
+def conversation(turns: list[dict], layouts: list[rows.GptLayout]) -> Conversation:
+    """A row's ``conversations`` read back into the session record it was rendered from, each gpt
+    turn by its layout (the row's ``gpt_turns``)."""
     if len(turns) < 2 or turns[0].get("from") != "system" or turns[1].get("from") != "human":
         raise ConversionError("a row starts with a system turn and the prompt")
     record: list[ReadAssistantTurn | HumanTurn] = []
+    gpt_layouts = iter(layouts)
     for turn in turns[2:]:
         speaker, value = turn.get("from"), turn.get("value")
         if not isinstance(value, str):
@@ -163,12 +178,26 @@ def conversation(turns: list[dict]) -> Conversation:
         if speaker == "human":
             record.append(HumanTurn(value))
         elif speaker == "gpt":
-            record.append(assistant_turn(value, len(record)))
+            layout = next(gpt_layouts, None)
+            if layout is None:
+                raise ConversionError("more gpt turns than the row's gpt_turns records")
+            record.append(assistant_turn(value, layout, len(record)))
         elif speaker == "tool":
             _answer(record, value)
         else:
             raise ConversionError(f"a turn from {speaker!r}")
     return Conversation(tools=offered_tools(turns[0]["value"]), prompt=turns[1]["value"], turns=record)
+
+
+def layouts_of(row: dict) -> list[rows.GptLayout]:
+    """A current row's ``gpt_turns`` as read_gpt_turn takes them."""
+    recorded = row.get("gpt_turns")
+    if not isinstance(recorded, list):
+        raise ConversionError("a row without gpt_turns")
+    try:
+        return [(int(entry["reasoning_chars"]), int(entry["tool_calls"])) for entry in recorded]
+    except (TypeError, KeyError, ValueError):
+        raise ConversionError("a gpt_turns entry that is not {reasoning_chars, tool_calls}") from None
 
 
 def offered_tools(system_value: str) -> list[dict]:
@@ -192,25 +221,17 @@ class ReadAssistantTurn(AssistantTurn):
     shown: str = ""
 
 
-def assistant_turn(value: str, position: int) -> ReadAssistantTurn:
-    """A rendered gpt turn: its think block, its text, then its calls, one ``<tool_call>`` block each
-    (taken from the end, as render_gpt_turn appends them). Calls get their ids from the tool turn that
-    answers them; one left unanswered (a prompt time limit struck mid-turn) keeps the id made here."""
-    reasoning, rest = rows.split_rendered_reasoning(value)
-    content, found = rows.split_rendered_calls(rest)
-    shown = value[:len(value) - len(rest) + len(content)]
+def assistant_turn(value: str, layout: rows.GptLayout, position: int) -> ReadAssistantTurn:
+    """A rendered gpt turn, read by its layout. Calls get their ids from the tool turn that answers
+    them; one left unanswered (a prompt time limit struck mid-turn) keeps the id made here."""
+    try:
+        read = rows.read_gpt_turn(value, layout)
+    except rows.LayoutError as exc:
+        raise ConversionError(str(exc)) from None
     calls = [ToolCallRecord(id=f"unanswered_{position}_{index}", name=call["name"],
-                            arguments=arguments_text(call.get("arguments", {}))) for index, call in enumerate(found)]
-    return ReadAssistantTurn(reasoning=reasoning, content=content, tool_calls=calls,
-                             shown=shown if content else shown.removesuffix("\n"))
-
-
-def arguments_text(arguments: Any) -> str:
-    """The arguments as the text a model sends: the renderer wrote arguments that parse as JSON as their
-    value and any other text as it was, so such text goes back unchanged and everything else as JSON."""
-    if isinstance(arguments, str) and rows.parsed_or_raw(arguments) == arguments:
-        return arguments
-    return json.dumps(arguments, ensure_ascii=False)
+                            arguments=rows.arguments_text(call.get("arguments", {})))
+             for index, call in enumerate(read.calls)]
+    return ReadAssistantTurn(reasoning=read.reasoning, content=read.text, tool_calls=calls, shown=read.shown)
 
 
 def _answer(record: Sequence[Turn], value: str) -> None:
@@ -258,7 +279,11 @@ def openai_messages(chat: Conversation, reasoning: str) -> list[dict]:
 
 def _assistant_message(turn: ReadAssistantTurn, reasoning: str) -> dict:
     content = turn.shown if reasoning == "think" else turn.content
-    message: dict[str, Any] = {"role": "assistant", "content": content or (None if turn.tool_calls else "")}
+    # weight 1 (train on this message) is OpenAI's default, written out: it gives assistant messages
+    # keys that user messages lack in every file, so datasets reads the messages of any two exports
+    # alike (as JSON values) whether or not either run made a tool call.
+    message: dict[str, Any] = {"role": "assistant", "content": content or (None if turn.tool_calls else ""),
+                               "weight": 1}
     if reasoning == "field" and turn.reasoning:
         message["reasoning_content"] = turn.reasoning
     if turn.tool_calls:
@@ -269,10 +294,22 @@ def _assistant_message(turn: ReadAssistantTurn, reasoning: str) -> dict:
 
 
 def openai_line(candidate: Candidate, reasoning: str) -> bytes:
+    """A line of OpenAI's chat fine-tuning format, holding only the keys it defines. parallel_tool_calls
+    is not written: runs never set it, so the model worked under its default (true), which is what an
+    absent key means."""
     chat = candidate.conversation
-    return rows.encode_row({"messages": openai_messages(chat, reasoning), "tools": chat.tools,
-                            "prompt_index": candidate.stored.prompt_index,
+    return rows.encode_row({"messages": openai_messages(chat, reasoning), "tools": chat.tools})
+
+
+def manifest_line(candidate: Candidate) -> bytes:
+    """The manifest's line for an exported line: which row of the run it came from."""
+    return rows.encode_row({"prompt_index": candidate.stored.prompt_index,
                             "content_key": candidate.stored.content_key})
+
+
+def manifest_path(out: Path) -> Path:
+    """Where the manifest of an openai export goes: beside it, ``openai.jsonl`` -> ``openai.manifest.jsonl``."""
+    return out.with_name(f"{out.name.removesuffix('.jsonl')}.manifest.jsonl")
 
 
 def arrow_schema() -> Any:
@@ -287,6 +324,8 @@ def arrow_schema() -> Any:
         pa.field("prompt_index", pa.int64()), pa.field("content_key", pa.string()),
         pa.field("conversations", pa.list_(pa.struct([pa.field("from", pa.string()),
                                                       pa.field("value", pa.string())]))),
+        pa.field("gpt_turns", pa.list_(pa.struct([pa.field("reasoning_chars", pa.int64()),
+                                                  pa.field("tool_calls", pa.int64())]))),
         pa.field("model", pa.string()), pa.field("timestamp", pa.string()), pa.field("batch_num", pa.int64()),
         pa.field("completed", pa.bool_()), pa.field("partial", pa.bool_()), pa.field("end_reason", pa.string()),
         pa.field("api_calls", pa.int64()),
@@ -300,8 +339,8 @@ def arrow_schema() -> Any:
 def arrow_record(candidate: Candidate) -> dict:
     row = candidate.row
     metadata = row.get("metadata") or {}
-    return {**{key: row.get(key) for key in ("prompt_index", "content_key", "completed", "partial", "end_reason",
-                                             "api_calls", "toolsets_used", "toolsets_sampled",
+    return {**{key: row.get(key) for key in ("prompt_index", "content_key", "gpt_turns", "completed", "partial",
+                                             "end_reason", "api_calls", "toolsets_used", "toolsets_sampled",
                                              "invented_tool_calls", "usage", "wall_time_seconds")},
             "conversations": [{"from": turn["from"], "value": turn["value"]} for turn in row["conversations"]],
             "model": metadata.get("model"), "timestamp": metadata.get("timestamp"),
@@ -330,7 +369,7 @@ class Candidate:
 
     @cached_property
     def conversation(self) -> Conversation:
-        return conversation(self.row["conversations"])
+        return conversation(self.row["conversations"], layouts_of(self.row))
 
     def sharegpt_line(self) -> bytes:
         """The row as the merge writes it: its own bytes when it is a current trajectory row."""
@@ -352,6 +391,8 @@ class ExportSummary:
         total = self.kept + sum(self.dropped.values())
         lines = [f"exported {self.kept} of {total} rows of {options.run_dir}/ to {options.out}",
                  f"format: {described[options.format]}"]
+        if options.format == "openai":
+            lines.append(f"manifest: {manifest_path(options.out)} (the run row of each line)")
         if self.dropped:
             lines.append("left out:")
             width = max(len(str(count)) for count in self.dropped.values())
@@ -364,7 +405,8 @@ class ExportSummary:
         return lines
 
 
-_REASONING_WORDS = {"think": "inline as <think> blocks", "field": "as reasoning_content", "drop": "dropped"}
+_REASONING_WORDS = {"think": "inline as <think> blocks", "field": "as reasoning_content",
+                    "drop": "dropped (--reasoning=think or field keeps it)"}
 
 
 def selected_rows(options: ExportOptions, summary: ExportSummary) -> Iterator[Candidate]:
@@ -407,7 +449,10 @@ def drop_reason(candidate: Candidate, options: ExportOptions, superseded: Counte
         return discarded
     if invented and options.discard_invented:
         return "invented_tools"
-    if options.discard_no_reasoning and stored.reasoning_counts()[0] == 0:
+    # Unless told, as the run decided for each row: a tombstone is a row its filter discarded, and a
+    # row without reasoning that is no tombstone was written with the filter off.
+    if (discarded == rows.NO_REASONING if options.discard_no_reasoning is None
+            else options.discard_no_reasoning and stored.reasoning_counts()[0] == 0):
         return "no_reasoning"
     if discarded is not None and candidate.row.get("conversations") is None:
         return "no_trajectory"
@@ -420,6 +465,8 @@ def drop_reason(candidate: Candidate, options: ExportOptions, superseded: Counte
         if options.last_call_succeeded and calls and (calls[-1].result is None
                                                       or rows.tool_result_failed(calls[-1].result)):
             return "last_call_failed"
+        if options.format == "openai" and not candidate.conversation.ends_on_an_answer():
+            return "unfinished"
     return None
 
 
@@ -444,32 +491,42 @@ def export_run(options: ExportOptions) -> ExportSummary:
         _write_hf(options.out, candidates)
     elif options.format == "parquet":
         _write_file(options.out, lambda temp: _write_parquet(temp, candidates))
+    elif options.format == "openai":
+        _write_files([options.out, manifest_path(options.out)], lambda temps: _write_lines(
+            temps, ((openai_line(candidate, options.reasoning), manifest_line(candidate)) for candidate in candidates)))
     else:
-        line: Callable[[Candidate], bytes] = (
-            (lambda candidate: openai_line(candidate, options.reasoning)) if options.format == "openai"
-            else Candidate.sharegpt_line)
-        _write_file(options.out, lambda temp: _write_lines(temp, map(line, candidates)))
+        _write_files([options.out], lambda temps: _write_lines(temps, ((line.sharegpt_line(),) for line in candidates)))
     return summary
 
 
 def _write_file(out: Path, write: Callable[[Path], object]) -> None:
-    """Write beside ``out`` and rename over it: an export that stops halfway leaves the old file (or none),
-    never half of one that looks whole."""
-    if out.is_dir():
-        raise ExportError(f"--out={out} is a directory; --export writes a file there")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    temp = out.with_name(out.name + ".tmp")
+    _write_files([out], lambda temps: write(temps[0]))
+
+
+def _write_files(outs: list[Path], write: Callable[[list[Path]], object]) -> None:
+    """Write beside each of ``outs`` and rename over them, the first last: an export that stops
+    halfway leaves the old files (or none), never half of one that looks whole."""
+    for out in outs:
+        if out.is_dir():
+            raise ExportError(f"--out={out} is a directory; --export writes a file there")
+    outs[0].parent.mkdir(parents=True, exist_ok=True)
+    temps = [out.with_name(out.name + ".tmp") for out in outs]
     try:
-        write(temp)
-        os.replace(temp, out)
+        write(temps)
+        for temp, out in reversed(list(zip(temps, outs, strict=True))):
+            os.replace(temp, out)
     finally:
-        temp.unlink(missing_ok=True)
+        for temp in temps:
+            temp.unlink(missing_ok=True)
 
 
-def _write_lines(path: Path, lines: Iterable[bytes]) -> None:
-    with path.open("wb") as handle:
-        for line in lines:
-            handle.write(line)
+def _write_lines(paths: list[Path], lines: Iterable[tuple[bytes, ...]]) -> None:
+    """Each item's lines, one to each of ``paths``, in order."""
+    with contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(path.open("wb")) for path in paths]
+        for items in lines:
+            for handle, line in zip(handles, items, strict=True):
+                handle.write(line)
 
 
 def _row_groups(candidates: Iterable[Candidate]) -> Iterator[list[dict]]:

@@ -13,13 +13,14 @@ all inside it.
 from __future__ import annotations
 
 import html
+import itertools
 import json
 import math
 import os
 import random
 import re
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from importlib import resources
@@ -154,10 +155,13 @@ def _system_turn(text: str) -> dict:
     return {"r": "system", "t": clip(text, SYSTEM_TEXT_LIMIT), "tools": rows.offered_tool_names(text)}
 
 
-def _gpt_turn(turn: dict, offered: list[str]) -> dict:
+def _gpt_turn(turn: dict, offered: list[str], layout: rows.GptLayout | None) -> dict:
     text = turn.get("value") or ""
-    reasoning, rest = rows.split_rendered_reasoning(text)
-    visible, found = rows.split_rendered_calls(rest)
+    try:
+        read = rows.read_gpt_turn(text, layout)
+    except rows.LayoutError:        # a row edited by hand: shown as the text it is
+        read = rows.ReadGptTurn(reasoning="", text=text, calls=[], shown=text)
+    reasoning, visible, found = read.reasoning, read.text, read.calls
     calls = [{"n": call["name"], "a": _clip_value(call.get("arguments")),
               "inv": rows.is_invented(call["name"], offered)}
              for call in found[:CALLS_PER_TURN]]
@@ -180,12 +184,12 @@ def _tool_turn(turn: dict) -> dict:
     return {"r": "tool", "res": results, "more": max(0, len(blocks) - CALLS_PER_TURN)}
 
 
-def _turn(turn: dict, offered: list[str]) -> dict:
+def _turn(turn: dict, offered: list[str], layouts: Iterator[rows.GptLayout | None]) -> dict:
     role = turn.get("from")
     if role == "system":
         return _system_turn(turn.get("value") or "")
     if role == "gpt":
-        return _gpt_turn(turn, offered)
+        return _gpt_turn(turn, offered, next(layouts, None))
     if role == "tool":
         return _tool_turn(turn)
     return {"r": "human" if role == "human" else str(role), "t": clip(turn.get("value") or "")}
@@ -217,7 +221,9 @@ def sampled_row(row: rows.StoredRow, status: str, batch_file: str) -> dict:
         return item
     conversations = [turn for turn in data["conversations"] if isinstance(turn, dict)]
     system = next((turn.get("value") or "" for turn in conversations if turn.get("from") == "system"), "")
-    turns = [_turn(turn, rows.offered_tool_names(system)) for turn in conversations]
+    recorded = row.layouts()      # None for a row of format 1 or 2: its turns are read by their text
+    layouts: Iterator[rows.GptLayout | None] = iter(recorded) if recorded is not None else itertools.repeat(None)
+    turns = [_turn(turn, rows.offered_tool_names(system), layouts) for turn in conversations]
     stats = data.get("tool_stats") or {}
     item.update(p=next((t["t"] for t in turns if t["r"] == "human"), ""), turns=_within_budget(turns),
                 tools=[n for n, e in stats.items() if isinstance(e, dict) and e.get("count")],

@@ -71,10 +71,13 @@ def split_reasoning(message: dict) -> tuple[str, str]:
         details = _details_text(message.get("reasoning_details"))
         if details.strip():
             found.append(details.strip())
-    inline = [m.group(2).strip() for m in _THINK_BLOCK.finditer(content)]
-    if inline:
+    # Taken out until none is left: taking one out can join the text around it into another
+    # ("<thi<think></think>nk>...</think>"), and the visible text never holds a think block.
+    inline: list[str] = []
+    while blocks := [m.group(2).strip() for m in _THINK_BLOCK.finditer(content)]:
+        inline += blocks
         content = _THINK_BLOCK.sub("", content)
-    else:
+    if not inline:
         unclosed = _UNCLOSED_THINK.match(content)
         if unclosed:  # a truncated reply may open a think block it never closes
             inline = [unclosed.group(2).strip()]
@@ -187,11 +190,21 @@ def render_system_turn(tool_names: Iterable[str]) -> str:
 
 
 def parsed_or_raw(text: str) -> Any:
-    """JSON text as its value; anything else (invalid JSON a model wrote, plain output) as the text."""
+    """JSON text as its value; anything else (invalid JSON a model wrote, JSON nested deeper than
+    Python reads, plain output) as the text."""
     try:
         return json.loads(text)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):
         return text
+
+
+def arguments_text(arguments: Any) -> str:
+    """A call's arguments as rendered (see :func:`render_gpt_turn`) back into the text the model sent:
+    arguments that parse as JSON were written as their value and any other text as it was, so such
+    text goes back unchanged and everything else as JSON."""
+    if isinstance(arguments, str) and parsed_or_raw(arguments) == arguments:
+        return arguments
+    return json.dumps(arguments, ensure_ascii=False)
 
 
 def tool_response_content(result: str) -> Any:
@@ -271,6 +284,96 @@ def split_rendered_calls(rest: str) -> tuple[str, list[dict]]:
         calls.insert(0, block[0])
         text = text[:max(start - 1, 0)]
     return text, calls
+
+
+# How a gpt turn was rendered, recorded beside the conversation (a row's "gpt_turns", one entry per gpt
+# turn): the length of its reasoning (0: none) and how many calls it made. Its text cannot tell: a
+# reply may itself write "</think>" or end in a "<tool_call>" block, and a reader of the text alone
+# would take that for reasoning, or for a call that was never made.
+GptLayout = tuple[int, int]       # (reasoning characters, tool calls)
+
+
+def gpt_layout(turn: AssistantTurn) -> dict:
+    return {"reasoning_chars": len(turn.reasoning) if turn.reasoning.strip() else 0,
+            "tool_calls": len(turn.tool_calls)}
+
+
+class LayoutError(ValueError):
+    """A gpt turn whose text is not what its recorded layout renders (a row edited by hand)."""
+
+
+@dataclass
+class ReadGptTurn:
+    """A rendered gpt turn read back: the parts render_gpt_turn was given."""
+
+    reasoning: str
+    text: str
+    calls: list[dict]       # {"name": ..., "arguments": ...} as the turn wrote them
+    shown: str              # the turn as the row shows it, less its calls: think block and text
+
+
+def read_gpt_turn(value: str, layout: GptLayout | None) -> ReadGptTurn:
+    """The one reader of a gpt turn: by its recorded layout, and proven by rendering it again; by
+    the rules its text was written under for a row from before layouts were recorded (``None``).
+    Raises LayoutError when the turn is not what its layout renders."""
+    if layout is None:
+        return _read_by_text(value)
+    reasoning_chars, call_count = layout
+    head, calls = _take_calls(value, call_count)
+    if reasoning_chars:
+        close = len(THINK_OPEN) + reasoning_chars
+        reasoning = head[len(THINK_OPEN):close]
+        text = head[close + len(THINK_CLOSE) - 1:].removeprefix("\n")
+    else:
+        # An empty block, or none when the text holds a "<think>"; a session's text never starts
+        # with a think block (split_reasoning takes them all out), so a leading one is the empty block.
+        empty = EMPTY_THINK.rstrip("\n")
+        reasoning, text = "", head[len(empty):].removeprefix("\n") if head.startswith(empty) else head
+    turn = ReadGptTurn(reasoning=reasoning, text=text, calls=calls, shown=head)
+    if _rendered(turn) != value:
+        raise LayoutError(f"a gpt turn is not what its record ({reasoning_chars} characters of reasoning, "
+                          f"{call_count} calls) renders")
+    return turn
+
+
+def _take_calls(value: str, count: int) -> tuple[str, list[dict]]:
+    """(the rest, the last ``count`` call blocks of a rendered gpt turn). Each block is its own three
+    lines, its payload one JSON line, so from the end each block is found exactly."""
+    calls: list[dict] = []
+    rest = value
+    for taken in range(count):
+        if taken:
+            rest = rest.removesuffix("\n")      # blocks are joined by a newline
+        start = rest.rfind(TOOL_CALL_OPEN)
+        payload = rest[start + len(TOOL_CALL_OPEN):len(rest) - len(TOOL_CALL_CLOSE)]
+        call = parsed_or_raw(payload)
+        if (start < 0 or not rest.endswith(TOOL_CALL_CLOSE) or "\n" in payload or not isinstance(call, dict)
+                or not isinstance(call.get("name"), str)):
+            raise LayoutError(f"a gpt turn has fewer than the {count} calls its record names")
+        calls.insert(0, call)
+        rest = rest[:start]
+    return (rest.removesuffix("\n") if count else rest), calls
+
+
+def _rendered(turn: ReadGptTurn) -> str:
+    calls = [ToolCallRecord(id="", name=call["name"], arguments=arguments_text(call.get("arguments", {})))
+             for call in turn.calls]
+    return render_gpt_turn(AssistantTurn(reasoning=turn.reasoning, content=turn.text, tool_calls=calls))["value"]
+
+
+def _read_by_text(value: str) -> ReadGptTurn:
+    """How rows of formats 1 and 2, which kept no layout, are read: reasoning up to the first closing
+    tag, calls taken from the end while the text ends in a call block."""
+    reasoning, rest = split_rendered_reasoning(value)
+    text, calls = split_rendered_calls(rest)
+    shown = value[:len(value) - len(rest) + len(text)]
+    return ReadGptTurn(reasoning=reasoning, text=text, calls=calls, shown=shown if text else shown.removesuffix("\n"))
+
+
+def layout_by_text(value: str) -> dict:
+    """The layout rows of formats 1 and 2 are read by (see _read_by_text), for their upgrade."""
+    turn = _read_by_text(value)
+    return {"reasoning_chars": len(turn.reasoning), "tool_calls": len(turn.calls)}
 
 
 def rendered_tool_responses(value: str, *, exact: bool = False) -> list[str]:
@@ -368,8 +471,8 @@ END_REASONS = {
     "final_answer": "the model answered without calling a tool",
     "max_turns": "--max_turns model calls were made (then one more, without tools, asked for a summary)",
     "invented_tools": "the model called tools it was not offered in 3 turns in a row",
-    "truncated": "a reply stayed cut off by the output limit after 3 requests to continue "
-                 "(or its tool calls were cut off twice)",
+    "truncated": "a reply stayed cut off by the output limit (after 3 requests to continue, its tool calls "
+                 "twice in a row, or while it reasoned)",
     "empty_answer": "the model's answer had no text after 3 more requests",
     "context_length": "the conversation outgrew the model's context",
     "prompt_timeout": "the prompt's --prompt_timeout passed",
@@ -379,8 +482,9 @@ COMPLETED_END_REASONS = frozenset({"final_answer"})
 
 # Every row carries "format": ROW_FORMAT. A reader refuses rows of a higher format (their meaning may
 # have changed) and reads older ones: format 1 (or no key) put a "tool_calls" list on gpt turns and
-# judged invented tools by the registry; the merge writes such rows upgraded (StoredRow.upgraded).
-ROW_FORMAT = 2
+# judged invented tools by the registry; formats 1 and 2 kept no "gpt_turns" (their turns are read by
+# their text, see read_gpt_turn). The merge writes such rows upgraded (StoredRow.upgraded).
+ROW_FORMAT = 3
 
 
 def invented_call_count(turns: list[Turn], offered_tools: list[str]) -> int:
@@ -396,6 +500,7 @@ def trajectory_row(result: SessionResult, *, batch_num: int, model: str, timesta
         "content_key": result.content_key,
         "conversations": render_conversations(result.offered_tools, result.prompt, result.turns),
         "metadata": {"batch_num": batch_num, "timestamp": timestamp, "model": model},
+        "gpt_turns": [gpt_layout(turn) for turn in result.turns if isinstance(turn, AssistantTurn)],
         "completed": completed,
         "partial": not completed,
         "api_calls": result.api_calls,
@@ -414,7 +519,8 @@ def trajectory_row(result: SessionResult, *, batch_num: int, model: str, timesta
 
 # The keys of a trajectory row in the order it writes them; an upgraded older row follows it too.
 _KEY_ORDER = {key: position for position, key in enumerate((
-    "format", "prompt_index", "content_key", "conversations", "metadata", "completed", "partial", "api_calls",
+    "format", "prompt_index", "content_key", "conversations", "metadata", "gpt_turns", "completed", "partial",
+    "api_calls",
     "toolsets_used", "toolsets_sampled", "tool_stats", "tool_error_counts", "invented_tool_calls", "usage",
     "wall_time_seconds", "end_reason", "discarded"))}
 
@@ -497,12 +603,18 @@ class _Metadata(msgspec.Struct):
     model: str = ""
 
 
+class _GptLayout(msgspec.Struct):
+    reasoning_chars: int
+    tool_calls: int
+
+
 class _Row(msgspec.Struct):
     prompt_index: int
     content_key: str
     end_reason: str
     format: int | None = None                  # None: written before rows carried a format
     conversations: list[_Turn] | None = None   # a trajectory row (a tombstone keeps it too)
+    gpt_turns: list[_GptLayout] | None = None  # None: a row of format 1 or 2
     invented_tool_calls: int | None = None     # None: a format 1 row
     discarded: str | None = None               # a tombstone
     failed: bool = False                       # a failure row
@@ -524,17 +636,19 @@ _ROW = msgspec.json.Decoder(_Row)
 _VERSION = msgspec.json.Decoder(_Versioned)
 _TEXT = msgspec.json.Decoder(str)
 _EMPTY_THINK_JSON = json.dumps(EMPTY_THINK.rstrip("\n")).encode()[:-1]   # how a turn without reasoning starts, encoded
+_FORMAT_1_EMPTY_THINK = re.compile(r"\A<think>\n\n</think>")
 
 
 class StoredRow:
     """One row of a batch file, with the facts resume, merge, statistics and the report need."""
 
-    __slots__ = ("line", "status", "_row")
+    __slots__ = ("line", "status", "_row", "_invented")
 
-    def __init__(self, line: bytes, status: str, row: _Row) -> None:
+    def __init__(self, line: bytes, status: str, row: _Row, invented: list[str] | None = None) -> None:
         self.line = line
         self.status = status
         self._row = row
+        self._invented = invented       # read with the row when it has any (read_stored_row)
 
     @property
     def prompt_index(self) -> int:
@@ -549,6 +663,11 @@ class StoredRow:
         """False for a row of an earlier format (see ROW_FORMAT)."""
         return self._row.format == ROW_FORMAT
 
+    def layouts(self) -> list[GptLayout] | None:
+        """How each gpt turn was rendered (see read_gpt_turn); None for a row of format 1 or 2."""
+        recorded = self._row.gpt_turns
+        return None if recorded is None else [(turn.reasoning_chars, turn.tool_calls) for turn in recorded]
+
     def invented_tools(self) -> list[str]:
         """The tools this row calls that it was not offered (see is_invented): a row that names
         any is corrupted, left out of the merged file."""
@@ -556,15 +675,15 @@ class StoredRow:
         if row.invented_tool_calls is None:      # format 1: what it recorded, judged by the registry
             return list(dict.fromkeys(call.name for turn in row.conversations or () for call in turn.tool_calls
                                       if call.name not in REGISTRY))
-        if not row.invented_tool_calls:
-            return []
-        turns = [(turn.speaker, _TEXT.decode(turn.value)) for turn in row.conversations or ()]
-        offered = next((offered_tool_names(text) for speaker, text in turns if speaker == "system"), [])
-        return list(dict.fromkeys(call["name"] for speaker, text in turns if speaker == "gpt"
-                                  for call in rendered_calls(text) if is_invented(call["name"], offered)))
+        if self._invented is None:
+            self._invented = _invented_names(row) if row.invented_tool_calls else []
+        return self._invented
 
     def reasoning_counts(self) -> tuple[int, int]:
         """(gpt turns with reasoning, gpt turns without)."""
+        if self._row.gpt_turns is not None:
+            with_reasoning = sum(turn.reasoning_chars > 0 for turn in self._row.gpt_turns)
+            return with_reasoning, len(self._row.gpt_turns) - with_reasoning
         with_reasoning = without = 0
         for turn in self._row.conversations or ():
             if turn.speaker != "gpt":
@@ -608,6 +727,9 @@ class StoredRow:
         return self._row.wall_time_seconds
 
     def error_type(self) -> str | None:
+        """A failure's cause; for an older row that kept no reply, why its session stopped asking."""
+        if self.status == FAILED and not self._row.failed:
+            return self._row.end_reason
         return self._row.error_type
 
     def discard_reason(self) -> str | None:
@@ -620,12 +742,17 @@ class StoredRow:
         if self.is_current:
             return self.line
         row = json.loads(self.line)
-        for turn in row.get("conversations") or ():
+        conversations = row.get("conversations") or ()
+        for turn in conversations:
             turn.pop("tool_calls", None)
+            if self._row.invented_tool_calls is None and turn.get("from") == "gpt":   # format 1's empty block
+                turn["value"] = _FORMAT_1_EMPTY_THINK.sub(EMPTY_THINK.rstrip("\n"), turn["value"], count=1)
         row["format"] = ROW_FORMAT
         row.setdefault("toolsets_sampled", row.get("toolsets_used") or [])
-        row["invented_tool_calls"] = sum(call.name not in REGISTRY for turn in self._row.conversations or ()
-                                         for call in turn.tool_calls)
+        if self._row.invented_tool_calls is None:
+            row["invented_tool_calls"] = sum(call.name not in REGISTRY for turn in self._row.conversations or ()
+                                             for call in turn.tool_calls)
+        row["gpt_turns"] = [layout_by_text(turn["value"]) for turn in conversations if turn.get("from") == "gpt"]
         last = len(_KEY_ORDER)      # a key of the row's own (added by hand, say) goes after ours
         return encode_row({key: row[key] for key in sorted(row, key=lambda key: _KEY_ORDER.get(key, last))})
 
@@ -634,13 +761,23 @@ def read_stored_row(line: bytes) -> StoredRow | None:
     """The row on a line; None for a line that is not JSON (cut short by a crash, or blank).
 
     Raises RowError for JSON that is not a row, and for a row of a newer format than this version's.
+    A row without a single gpt turn reads as a failure (older versions wrote such rows when a model
+    gave only empty answers): it holds nothing to train on, and resume runs its prompt again.
     """
     row = _decoded(line)
     if row is None:
         return None
     if row.format is not None and row.format > ROW_FORMAT:
         raise _newer_format(row.format)
+    gpt_turns = 0
+    for turn in row.conversations or ():
+        if memoryview(turn.value)[:1] != b'"':
+            raise RowError(f'not a batch_runner row (a "{turn.speaker}" turn\'s "value" is not text); '
+                           "fix or remove this line")
+        gpt_turns += turn.speaker == "gpt"
     if row.failed:
+        status = FAILED
+    elif row.conversations is not None and not gpt_turns:
         status = FAILED
     elif row.discarded is not None:
         status = DISCARDED
@@ -649,11 +786,30 @@ def read_stored_row(line: bytes) -> StoredRow | None:
     else:
         raise RowError('not a batch_runner row (none of "conversations", "discarded", "failed"); '
                        "fix or remove this line")
-    for turn in row.conversations or ():
-        if memoryview(turn.value)[:1] != b'"':
-            raise RowError(f'not a batch_runner row (a "{turn.speaker}" turn\'s "value" is not text); '
-                           "fix or remove this line")
-    return StoredRow(line, status, row)
+    recorded = row.gpt_turns is not None or row.format == ROW_FORMAT
+    if row.conversations is not None and recorded and len(row.gpt_turns or ()) != gpt_turns:
+        raise RowError(f'not a batch_runner row ("gpt_turns" records {len(row.gpt_turns or ())} gpt turns, '
+                       f'"conversations" holds {gpt_turns}); fix or remove this line')
+    # Read now, when the row has any, so that a turn that is not what its record renders is refused
+    # here, with the line it is on.
+    invented = _invented_names(row) if row.gpt_turns is not None and row.invented_tool_calls else None
+    return StoredRow(line, status, row, invented)
+
+
+def _invented_names(row: _Row) -> list[str]:
+    """The invented tools a row of format 2 or later calls, once each in order of first call: the
+    calls its gpt turns made, by the one reader of turns (read_gpt_turn)."""
+    turns = [(turn.speaker, _TEXT.decode(turn.value)) for turn in row.conversations or ()]
+    offered = next((offered_tool_names(text) for speaker, text in turns if speaker == "system"), [])
+    gpt_values = [text for speaker, text in turns if speaker == "gpt"]
+    layouts: list[GptLayout | None] = ([(turn.reasoning_chars, turn.tool_calls) for turn in row.gpt_turns]
+                                       if row.gpt_turns is not None else [None] * len(gpt_values))
+    try:
+        calls = [call for text, layout in zip(gpt_values, layouts, strict=True)
+                 for call in read_gpt_turn(text, layout).calls]
+    except LayoutError as exc:
+        raise RowError(f"not a batch_runner row ({exc}); fix or remove this line") from None
+    return list(dict.fromkeys(call["name"] for call in calls if is_invented(call["name"], offered)))
 
 
 def _decoded(line: bytes) -> _Row | None:

@@ -18,6 +18,7 @@ from batchrun.environments.base import Environment, EnvironmentSettings, Environ
 from batchrun.messages import Task
 from batchrun.model import CONTEXT_LENGTH, Message, ModelReply, ModelSource, PromptFailedError
 from batchrun.rows import (
+    END_REASONS,
     AssistantTurn,
     HumanTurn,
     SessionResult,
@@ -26,6 +27,7 @@ from batchrun.rows import (
     Usage,
     is_invented,
     split_reasoning,
+    tool_result_failed,
 )
 from batchrun.security import Redactor
 from batchrun.time_limit import within
@@ -49,6 +51,7 @@ SUMMARY_REQUEST = ("You've reached the maximum number of tool-calling iterations
 # blocks (Anthropic thinking signatures, Gemini thought signatures) on the following calls.
 REASONING_FIELDS = ("reasoning", "reasoning_content", "reasoning_details")
 ENVIRONMENT_STARTS_AT_ONCE = 8
+KEPT_ARGUMENT_CHARS = 2_000      # of arguments too large for any tool, which the tool refused
 
 
 @dataclass
@@ -91,16 +94,28 @@ def runtime_messages(config: RunConfig, prompt: str) -> list[Message]:
             {"role": "user", "content": prompt}]
 
 
-def _tool_calls_of(message: Message, turn_number: int) -> list[ToolCallRecord]:
+def _tool_calls_of(message: Message, turn_number: int, redact: Redactor) -> list[ToolCallRecord]:
+    """The reply's calls, redacted: an endpoint that echoes a secret into a call must not hand it to
+    the tool (and through it to a command or a web request), nor to the row."""
     calls = []
     for position, call in enumerate(message.get("tool_calls") or ()):
         function = call.get("function") or {}
         arguments = function.get("arguments")
         if not isinstance(arguments, str):   # a few servers send an object; the row wants text
             arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
-        calls.append(ToolCallRecord(id=str(call.get("id") or f"call_{turn_number}_{position}"),
-                                    name=str(function.get("name") or ""), arguments=arguments))
+        calls.append(ToolCallRecord(id=redact(str(call.get("id") or f"call_{turn_number}_{position}")),
+                                    name=redact(str(function.get("name") or "")), arguments=redact(arguments)))
     return calls
+
+
+def _kept_arguments(call: ToolCallRecord, limit: int) -> str:
+    """What the row keeps of a call's arguments: all of them, unless they are longer than any tool
+    takes (``limit``: the largest file the file tools write) and the tool refused them; then their
+    start and their size, so that one refused 100 MB write does not make a 100 MB row."""
+    if len(call.arguments) <= limit or not tool_result_failed(call.result or ""):
+        return call.arguments
+    return (call.arguments[:KEPT_ARGUMENT_CHARS]
+            + f"\n[arguments cut: {len(call.arguments):,} characters, the first {KEPT_ARGUMENT_CHARS:,} kept]")
 
 
 def _assistant_message(message: Message, calls: list[ToolCallRecord]) -> Message:
@@ -201,8 +216,8 @@ class Session:
         return any(isinstance(turn, AssistantTurn) for turn in self.turns)
 
     async def _call(self, messages: list[Message], *, with_tools: bool = True) -> ModelReply:
+        self.api_calls += 1     # every request sent counts, also one the endpoint refuses (a context overflow)
         reply = await self.model.reply(messages, with_tools=with_tools)
-        self.api_calls += 1
         self.usage.add(reply.usage)
         return reply
 
@@ -215,15 +230,27 @@ class Session:
         messages.append({"role": "user", "content": text})
 
     async def _loop(self) -> str:
+        """The conversation, then why it ended; a session that kept no reply at all (only empty
+        answers, or only reasoning) fails, so that resume runs its prompt again."""
+        end_reason = await self._converse()
+        if not self._answered():
+            raise PromptFailedError(f"the model gave no reply with text or a tool call: {END_REASONS[end_reason]}",
+                                    end_reason)
+        return end_reason
+
+    async def _converse(self) -> str:
         """Call the model and run its tools until it answers, as the reference loop does: an answer
         with no text is asked for again, one cut off by the output limit is asked to go on, and at
-        --max_turns calls one more, without tools, asks for a summary."""
+        --max_turns calls one more, without tools, asks for a summary. Each counter of requests
+        again concerns one reply: it starts over once a reply is kept (once one is not cut off, for
+        requests to continue)."""
         messages = runtime_messages(self.config, self.task.prompt)
+        redact = self.services.redact
         empty_retries = continuations = invented_streak = cut_calls = 0
         while self.api_calls < self.config.max_turns:
             reply = await self._call(messages)
             reasoning, visible = split_reasoning(reply.message)
-            calls = _tool_calls_of(reply.message, self.api_calls - 1)
+            calls = _tool_calls_of(reply.message, self.api_calls - 1, redact)
             cut_off = reply.finish_reason == "length"
             if calls and cut_off:        # its last call's arguments may be cut mid-way: ask once more
                 if cut_calls:
@@ -237,7 +264,11 @@ class Session:
                     return "empty_answer"
                 empty_retries += 1
                 continue
-            self._record(messages, reply, AssistantTurn(reasoning=reasoning, content=visible, tool_calls=calls))
+            empty_retries = cut_calls = 0
+            self._record(messages, reply, AssistantTurn(reasoning=redact(reasoning), content=redact(visible),
+                                                        tool_calls=calls))
+            if not cut_off:
+                continuations = 0
             if not calls:
                 if not cut_off:
                     return "final_answer"
@@ -251,6 +282,7 @@ class Session:
                 call.result, was_invented = await self._run_tool(call)
                 invented |= was_invented
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": call.result})
+                call.arguments = _kept_arguments(call, self.services.env_settings.max_file_bytes)
             invented_streak = invented_streak + 1 if invented else 0
             if invented_streak >= MAX_INVENTED_TURNS:
                 return "invented_tools"
@@ -269,8 +301,9 @@ class Session:
             return
         reasoning, visible = split_reasoning(reply.message)
         if visible:
+            redact = self.services.redact
             self._ask(messages, SUMMARY_REQUEST)
-            self._record(messages, reply, AssistantTurn(reasoning=reasoning, content=visible))
+            self._record(messages, reply, AssistantTurn(reasoning=redact(reasoning), content=redact(visible)))
 
     async def _run_tool(self, call: ToolCallRecord) -> tuple[str, bool]:
         """(result JSON text, whether the model invented the tool)."""
@@ -281,6 +314,9 @@ class Session:
             args = json.loads(call.arguments) if call.arguments.strip() else {}
         except ValueError as exc:
             return _error(f"arguments are not valid JSON ({exc}); send a JSON object matching the "
+                          f"{call.name} schema"), False
+        except RecursionError:
+            return _error(f"arguments are nested too deeply to read; send a JSON object matching the "
                           f"{call.name} schema"), False
         if not isinstance(args, dict):
             return _error(f"arguments must be a JSON object, got {type(args).__name__}"), False

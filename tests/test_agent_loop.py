@@ -57,6 +57,21 @@ def test_an_answer_that_stays_empty_ends_the_row_partial_with_empty_answer(tmp_p
     assert [speaker for speaker, _ in dialogue(row)] == ["gpt", "tool"]      # no empty gpt turn is kept
 
 
+@pytest.mark.parametrize("filter_flag", [(), ("--discard_no_reasoning=False",)], ids=["filter_on", "filter_off"])
+@pytest.mark.parametrize("empty", ["[[empty always]]", "[[empty always think]]"], ids=["empty", "think_only"])
+def test_a_model_that_never_gives_a_usable_reply_leaves_a_failure_row_resume_runs_again(tmp_path, endpoint,
+                                                                                      empty, filter_flag):
+    result = run(tmp_path, endpoint, [f"{empty} answer me"], *filter_flag)
+    assert result.returncode == 2, result.stdout            # some prompts failed: resume retries them
+    row = only_row(tmp_path)
+    assert (row.get("failed"), row["error_type"], row["api_calls"]) == (True, "empty_answer", 1 + MAX_EMPTY_RETRIES)
+    assert "discarded" not in row and "conversations" not in row
+    assert (tmp_path / "data" / "run" / "trajectories.jsonl").read_bytes() == b""
+    endpoint.reset()
+    run(tmp_path, endpoint, [f"{empty} answer me"], "--resume", *filter_flag)
+    assert len(endpoint.requests) == 1 + MAX_EMPTY_RETRIES
+
+
 # --- answers cut off by the output limit ----------------------------------------------------------------
 
 def test_a_cut_off_answer_is_asked_to_continue_and_every_piece_is_kept(tmp_path, endpoint):

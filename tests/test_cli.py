@@ -6,6 +6,7 @@ before any model call and before data/<run_name>/ exists.
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import time
@@ -22,6 +23,11 @@ from conftest import (
     write_dataset,
 )
 
+import batch_runner
+from batchrun.config import build_config, provider_routing_note
+
+DEFAULTS = {name: parameter.default for name, parameter in inspect.signature(batch_runner.main).parameters.items()
+            if parameter.default is not inspect.Parameter.empty}
 DISTRIBUTION_NAMES = ("default", "image_gen", "research", "science", "development", "safe", "balanced", "minimal",
                       "terminal_only", "terminal_web", "creative", "reasoning", "browser_use", "browser_only",
                       "browser_tasks", "terminal_tasks", "mixed_tasks")
@@ -167,6 +173,26 @@ def test_providers_allowed_given_as_a_comma_list_reaches_the_request(tmp_path, e
     assert result.returncode == 0, result.stderr
     [request] = endpoint.requests
     assert request["provider"] == {"only": ["a", "b"]}
+
+
+def test_provider_routing_sent_to_an_endpoint_that_is_not_openrouter_is_said_once_at_start(tmp_path, endpoint):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, "--provider_sort=price", "--providers_ignored=x"))
+    assert result.returncode == 0, result.stderr
+    said = " ".join(result.stderr.split())
+    assert said.count("OpenRouter's provider routing") == 1
+    assert "--providers_ignored, --provider_sort" in said and endpoint.base_url in said
+    assert endpoint.requests[0]["provider"] == {"ignore": ["x"], "sort": "price"}     # sent all the same
+
+
+def test_no_word_about_provider_routing_without_its_flags(tmp_path, endpoint):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint))
+    assert result.returncode == 0 and "provider routing" not in result.stderr
+
+
+def test_provider_routing_to_openrouter_needs_no_word():
+    config = build_config(**{**DEFAULTS, "dataset_file": "d.jsonl", "batch_size": 1, "run_name": "r",
+                             "base_url": "https://openrouter.ai/api/v1", "api_key": "k", "provider_sort": "price"})
+    assert config.extra_body["provider"] == {"sort": "price"} and provider_routing_note(config) is None
 
 
 def test_numeric_run_name_is_accepted(tmp_path, endpoint):

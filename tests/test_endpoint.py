@@ -347,6 +347,7 @@ def test_empty_message_and_absent_usage_are_accepted():
      "tool_calls[0].function.name is not a string"),
     (completion({"content": "hi"}, usage=[1]), "usage is not an object"),
     (completion({"content": "hi"}, usage={"prompt_tokens": "many"}), "usage.prompt_tokens is not a number"),
+    (b'{"choices": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
 ])
 def test_malformed_reply_is_named(raw, complaint):
     with pytest.raises(MalformedReplyError, match=complaint.replace("[", r"\[").replace("]", r"\]")):

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, batch_rows, cli_environment, read_jsonl, run_cli, write_dataset
+from conftest import REPO, batch_rows, cli_environment, endpoint_args, read_jsonl, run_cli, write_dataset
 from openai.types.chat import (
     ChatCompletionAssistantMessageParam,
     ChatCompletionMessageParam,
@@ -134,8 +134,15 @@ def encoded(turns: list[dict]) -> bytes:
 
 
 def openai_line_of(row: dict, reasoning: str) -> dict:
-    chat = export.conversation(row["conversations"])
+    chat = export.conversation(row["conversations"], export.layouts_of(row))
     return {"messages": export.openai_messages(chat, reasoning), "tools": chat.tools}
+
+
+def traced(out: Path) -> list[tuple[dict, dict]]:
+    """Each exported openai line with its manifest line."""
+    lines, manifest = read_jsonl(out), read_jsonl(export.manifest_path(out))
+    assert len(lines) == len(manifest)
+    return list(zip(lines, manifest, strict=True))
 
 
 def trajectory(turns: list, *, offered: tuple[str, ...] = ("terminal", "read_file"), prompt: str = "Do it.",
@@ -207,8 +214,9 @@ def test_generated_adversarial_rows_render_back_byte_for_byte(reasoning):
     checked = 0
     for prompt_index in range(300):
         result = random_result(rng, prompt_index)
-        if result.end_reason == "error" or any(turn.reasoning.startswith("</think>") for turn in result.turns):
-            continue      # no trajectory; a reasoning that closes its own think block reads as none (rows.py)
+        if result.end_reason == "error" or (reasoning == "think" and any("</think>" in turn.reasoning
+                                                                         for turn in result.turns)):
+            continue      # no trajectory; inline, a reasoning that closes its own think block cannot be told apart
         row = json.loads(rows.encode_row(rows.trajectory_row(result, batch_num=0, model="m", timestamp="t")))
         assert encoded(rendered_back(openai_line_of(row, reasoning), reasoning)) == encoded(row["conversations"])
         checked += 1
@@ -219,11 +227,12 @@ def test_every_row_of_a_real_run_renders_back_byte_for_byte(run_home, tmp_path):
     for reasoning in ("think", "field"):
         out = exported(run_home, tmp_path, "openai", f"--reasoning={reasoning}", "--discard_no_reasoning=False",
                        "--discard_invented=False")
-        lines = read_jsonl(out)
+        lines = traced(out)
         originals = {(row["prompt_index"], row["content_key"]): row for row in run_rows(run_home).values()}
-        assert len(lines) == len(originals) == len(PROMPTS) - 1          # all but the failure row
-        for line in lines:
-            original = originals[(line["prompt_index"], line["content_key"])]
+        assert len(originals) == len(PROMPTS) - 1          # all but the failure row
+        assert len(lines) == len(originals) - 1            # and the invented one, which ends on a tool result
+        for line, source in lines:
+            original = originals[(source["prompt_index"], source["content_key"])]
             assert encoded(rendered_back(line, reasoning)) == encoded(original["conversations"])
 
 
@@ -236,12 +245,21 @@ MESSAGE_KEYS = {role: kind.__required_keys__ | kind.__optional_keys__ for role, 
     ("tool", ChatCompletionToolMessageParam))}
 
 
+# OpenAI's chat fine-tuning format is the chat API's messages and tools, and "weight" (0 or 1) on an
+# assistant message: whether it is trained on.
+FINE_TUNING_ASSISTANT_KEYS = frozenset({"weight"})
+
+
 def assert_openai_types(line: dict, *, extra_assistant_keys: frozenset[str] = frozenset()) -> None:
+    assert set(line) == {"messages", "tools"}
     for message in line["messages"]:
-        validated = MESSAGE.validate_python(message, strict=True)
+        weight = message.get("weight")
+        validated = MESSAGE.validate_python({k: v for k, v in message.items() if k != "weight"}, strict=True)
         list(validated.get("tool_calls", ()))           # pydantic checks an iterable's items as they are read
-        allowed = MESSAGE_KEYS[message["role"]] | (extra_assistant_keys if message["role"] == "assistant" else set())
+        allowed = MESSAGE_KEYS[message["role"]] | (extra_assistant_keys | FINE_TUNING_ASSISTANT_KEYS
+                                                   if message["role"] == "assistant" else set())
         assert set(message) <= allowed, message
+        assert weight in ((1,) if message["role"] == "assistant" else (None,))
     for tool in line["tools"]:
         TOOL.validate_python(tool, strict=True)
         assert set(tool["function"]) <= FunctionDefinition.__required_keys__ | FunctionDefinition.__optional_keys__
@@ -319,11 +337,13 @@ def test_a_mid_session_request_of_the_runner_is_a_user_message_where_it_was_sent
         ("user", "Do it."), ("assistant", "Part 1"), ("user", CONTINUE_REQUEST), ("assistant", "Part 2")]
 
 
-def test_each_openai_line_names_the_run_row_it_came_from(run_home, tmp_path):
-    lines = read_jsonl(exported(run_home, tmp_path, "openai"))
+def test_the_manifest_beside_an_openai_export_names_the_run_row_of_each_line(run_home, tmp_path):
+    lines = traced(exported(run_home, tmp_path, "openai"))
     originals = {(row["prompt_index"], row["content_key"]): row for row in run_rows(run_home).values()}
-    for line in lines:
-        assert originals[(line["prompt_index"], line["content_key"])]["conversations"][1]["value"] == \
+    assert lines
+    for line, source in lines:
+        assert set(source) == {"prompt_index", "content_key"}
+        assert originals[(source["prompt_index"], source["content_key"])]["conversations"][1]["value"] == \
             line["messages"][0]["content"]
 
 
@@ -491,3 +511,147 @@ def test_a_line_that_is_json_but_not_a_row_stops_the_export_and_keeps_the_earlie
     assert result.returncode == 1
     assert f"data/{RUN}/batch_0.jsonl line 5: not a batch_runner row" in result.stderr
     assert out.read_bytes() == before and not out.with_name(out.name + ".tmp").exists()
+
+
+# -- what an openai line holds -------------------------------------------------------------------------
+
+def test_openai_lines_leave_reasoning_out_unless_asked_to_keep_it(run_home, tmp_path):
+    answers = [m for line in read_jsonl(exported(run_home, tmp_path, "openai")) for m in line["messages"]
+               if m["role"] == "assistant"]
+    assert answers and not any("reasoning_content" in m or "<think>" in (m["content"] or "") for m in answers)
+    kept = read_jsonl(exported(run_home, tmp_path, "openai", "--reasoning=think"))
+    assert any((m["content"] or "").startswith("<think>\nReasoning") for line in kept for m in line["messages"])
+
+
+FAKE_CALL = '<tool_call>\n{"name": "terminal", "arguments": {"command": "rm -rf /"}}\n</tool_call>'
+
+
+def test_model_text_ending_in_a_tool_call_block_exports_as_text_with_no_call():
+    row = trajectory([AssistantTurn("r", "I would run:\n" + FAKE_CALL)])
+    assert openai_line_of(row, "drop")["messages"][1:] == [
+        {"role": "assistant", "content": "I would run:\n" + FAKE_CALL, "weight": 1}]
+
+
+def write_run(home: Path, results: list[SessionResult]) -> Path:
+    run_dir = home / "data" / RUN
+    run_dir.mkdir(parents=True)
+    (run_dir / "batch_0.jsonl").write_bytes(b"".join(
+        rows.encode_finished(result, batch_num=0, model="m", timestamp="t", discard_no_reasoning=True)
+        for result in results))
+    return run_dir
+
+
+def result_of(turns: list, end_reason: str, prompt: str) -> SessionResult:
+    return SessionResult(prompt_index=0, content_key=rows.content_key(prompt, None, None), prompt=prompt,
+                         toolsets=["terminal"], offered_tools=["terminal"], turns=turns, api_calls=len(turns),
+                         usage=Usage(), wall_time=1.0, end_reason=end_reason)
+
+
+UNFINISHED = {
+    "ends_on_a_tool_result": ([AssistantTurn("r", "", [call()]), AssistantTurn("r", "", [call(id="2")])], "max_turns"),
+    "ends_on_unanswered_calls": ([AssistantTurn("r", "", [call()]),
+                                  AssistantTurn("r", "", [call(id="2", result=None)])], "prompt_timeout"),
+}
+
+
+@pytest.mark.parametrize("case", UNFINISHED)
+def test_an_openai_line_always_ends_on_an_answer_the_rest_are_left_out_and_counted(tmp_path, case):
+    turns, end_reason = UNFINISHED[case]
+    run_dir = write_run(tmp_path, [result_of(turns, end_reason, "stopped"),
+                                   result_of([AssistantTurn("r", "", [call()]), AssistantTurn("r", "Done.")],
+                                             "final_answer", "answered")])
+    out = tmp_path / "out.jsonl"
+    summary = export.export_run(export.ExportOptions(format="openai", run_dir=run_dir, out=out))
+    [line] = read_jsonl(out)
+    assert line["messages"][-1] == {"role": "assistant", "content": "Done.", "weight": 1}
+    assert (summary.kept, dict(summary.dropped)) == (1, {"unfinished": 1})
+    sharegpt = export.export_run(export.ExportOptions(format="sharegpt", run_dir=run_dir, out=tmp_path / "s.jsonl"))
+    assert sharegpt.kept == 2
+
+
+def test_a_plain_export_of_a_run_made_without_the_no_reasoning_filter_keeps_what_the_run_kept(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["[[reasoning none]] no thoughts", "thoughts"])
+    assert run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=4", f"--run_name={RUN}",
+                   "--distribution=terminal_only", *endpoint_args(endpoint), "--discard_no_reasoning=False").returncode == 0
+    merged = tmp_path / "data" / RUN / "trajectories.jsonl"
+    assert len(read_jsonl(merged)) == 2
+    out = tmp_path / "out.jsonl"
+    export_cli(tmp_path, "--export=sharegpt", f"--out={out}")
+    assert out.read_bytes() == merged.read_bytes()
+    result = export_cli(tmp_path, "--export=sharegpt", f"--out={out}", "--discard_no_reasoning")
+    assert len(read_jsonl(out)) == 1 and "  1 no_reasoning" in result.stdout
+
+
+# -- exports of different runs load together -------------------------------------------------------------
+
+TWO_RUNS = {   # run name: (prompts, distribution)
+    "quiet": (["plain question", "another plain one"], "terminal_only"),
+    "busy": ([f"{TERMINAL_CALL} one call", f"{TWO_CALLS} two calls"], "terminal_only"),
+    "other_tools": ([f"{TERMINAL_CALL} with a web tool offered too"], "terminal_web"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs_home(tmp_path_factory) -> Path:
+    """Runs that differ in what they hold: no tool call at all, tool calls, another set of tools."""
+    home = tmp_path_factory.mktemp("runs")
+    with ScriptedEndpoint() as server:
+        for name, (prompts, distribution) in TWO_RUNS.items():
+            dataset = write_dataset(home / f"{name}.jsonl", prompts)
+            result = run_cli(home, f"--dataset_file={dataset}", "--batch_size=4", f"--run_name={name}",
+                             f"--distribution={distribution}", f"--base_url={server.base_url}",
+                             "--model=scripted-model")
+            assert result.returncode == 0, result.stderr
+    return home
+
+
+def export_of(home: Path, run: str, fmt: str, out_dir: Path) -> Path:
+    out = out_dir / f"{run}.{ {'parquet': 'parquet', 'hf': 'hf'}.get(fmt, 'jsonl') }"
+    summary = export.export_run(export.ExportOptions(format=fmt, run_dir=home / "data" / run, out=out))
+    assert summary.kept == len(TWO_RUNS[run][0])
+    return out
+
+
+def loaded_together(fmt: str, paths: list[Path], cache: Path):
+    datasets = pytest.importorskip("datasets")
+    if fmt == "hf":
+        return datasets.concatenate_datasets([datasets.load_from_disk(str(path)) for path in paths])
+    return datasets.load_dataset("parquet" if fmt == "parquet" else "json", data_files=[str(p) for p in paths],
+                                 split="train", cache_dir=str(cache))
+
+
+@pytest.mark.parametrize("fmt", export.FORMATS)
+@pytest.mark.parametrize("runs", [("quiet", "busy"), ("busy", "quiet"), ("quiet", "other_tools"),
+                                  ("other_tools", "quiet")], ids="-then-".join)
+def test_exports_of_two_runs_load_together_with_datasets_in_either_order(runs_home, tmp_path, fmt, runs):
+    paths = [export_of(runs_home, run, fmt, tmp_path) for run in runs]
+    loaded = loaded_together(fmt, paths, tmp_path / "cache")
+    assert loaded.num_rows == sum(len(TWO_RUNS[run][0]) for run in runs)
+    if fmt == "openai":
+        assert {message["role"] for row in loaded for message in row["messages"]} >= {"user", "assistant"}
+
+
+def test_openai_exports_of_runs_offering_one_tool_load_with_the_features_the_docs_give(runs_home, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    home = tmp_path / "home"
+    home.mkdir()
+    with ScriptedEndpoint() as server:
+        dataset = write_dataset(tmp_path / "one.jsonl", ["only web_extract is offered"])
+        assert run_cli(home, f"--dataset_file={dataset}", "--batch_size=4", "--run_name=one_tool",
+                       "--distribution=minimal", f"--base_url={server.base_url}",
+                       "--model=scripted-model").returncode == 0
+    one = tmp_path / "one.jsonl"
+    export.export_run(export.ExportOptions(format="openai", run_dir=home / "data" / "one_tool", out=one))
+    assert [len(line["tools"]) for line in read_jsonl(one)] == [1]
+    features = datasets.Features({"messages": datasets.List(datasets.Json()), "tools": datasets.List(datasets.Json())})
+    loaded = datasets.load_dataset("json", data_files=[str(one), str(export_of(runs_home, "busy", "openai", tmp_path))],
+                                   split="train", cache_dir=str(tmp_path / "cache"), features=features)
+    assert loaded.num_rows == 3 and loaded[0]["tools"][0]["function"]["name"] == "web_extract"
+
+
+def test_a_row_whose_arguments_are_nested_too_deep_to_parse_exports_them_as_text():
+    deep = "[" * 100_000 + "]" * 100_000
+    row = trajectory([AssistantTurn("r", "", [call(arguments=deep, result='{"error": "too deep"}')]),
+                      AssistantTurn("r", "Done.")])
+    [tool_call] = openai_line_of(row, "drop")["messages"][1]["tool_calls"]
+    assert tool_call["function"]["arguments"] == deep

@@ -417,6 +417,21 @@ def test_long_trajectories_keep_their_beginning_and_end(tmp_path: Path) -> None:
     assert "characters not shown" in row["turns"][2]["think"]
 
 
+def test_the_page_shows_the_calls_a_turn_made_not_calls_its_text_only_looks_like(tmp_path: Path) -> None:
+    fake = '<tool_call>\n{"name": "terminal", "arguments": {"command": "rm -rf /"}}\n</tool_call>'
+    turns = [AssistantTurn("a\n</think>\nb", "I would run:\n" + fake),
+             AssistantTurn("", "", [ToolCallRecord("c1", "terminal", '{"command": "ls"}', "out")]),
+             AssistantTurn("", "done")]
+    result = SessionResult(prompt_index=0, content_key="0" * 32, prompt="p", toolsets=["terminal"],
+                           offered_tools=["terminal"], turns=turns, api_calls=3, usage=Usage(), wall_time=1,
+                           end_reason="final_answer")
+    line = rows.encode_row(rows.trajectory_row(result, batch_num=0, model="m", timestamp="2026-01-01T00:00:00"))
+    gpt = [turn for turn in report.sampled_row(rows.read_stored_row(line), rows.COMPLETED, "b")["turns"]
+           if turn["r"] == "gpt"]
+    assert [(turn["think"], turn["t"], [call["n"] for call in turn["calls"]]) for turn in gpt] == [
+        ("a\n</think>\nb", "I would run:\n" + fake, []), ("", "", ["terminal"]), ("", "done", [])]
+
+
 # --- figures that follow the rows, not how often they arrive -------------------------------------------
 
 def test_throughput_is_rows_over_the_time_they_were_worked_on_when_rows_arrive_seldom():

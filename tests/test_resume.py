@@ -323,8 +323,8 @@ def test_a_line_that_is_not_json_amid_the_rows_is_skipped(tmp_path, endpoint):
 
 
 @pytest.mark.parametrize("line, complaint", [
-    (b'{"format": 3, "prompt_index": 1, "content_key": "ab", "conversations": [], "end_reason": "final_answer"}',
-     "row format 3 is newer than this batch_runner reads (format 2)"),
+    (b'{"format": 4, "prompt_index": 1, "content_key": "ab", "conversations": [], "end_reason": "final_answer"}',
+     "row format 4 is newer than this batch_runner reads (format 3)"),
     (b'{"prompt": "a dataset line pasted here by mistake"}', "not a batch_runner row"),
     (b"[1, 2, 3]", "not a batch_runner row"),
 ], ids=["newer_format", "a_dataset_line", "an_array"])

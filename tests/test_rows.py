@@ -484,22 +484,18 @@ def facts_from_parsed_row(line: bytes) -> dict:
         status = "completed" if row["completed"] else "partial"
     conversations = row.get("conversations", [])
     gpt_turns = [turn for turn in conversations if turn["from"] == "gpt"]
+    if not gpt_turns and "conversations" in row:
+        status = "failed"                   # no reply was kept: nothing to train on, run again
     invented: list[str] = []
     if row.get("invented_tool_calls"):
         offered = [tool["name"] for tool in offered_signatures(conversations[0]["value"])]
-        for turn in gpt_turns:
-            for payload in re.findall(r"<tool_call>\n(.*)\n</tool_call>", turn["value"]):   # one JSON line each
-                try:
-                    name = json.loads(payload)["name"]
-                except (ValueError, TypeError, KeyError):
-                    continue                    # text of the reply that only looks like a call
+        for turn, layout in zip(gpt_turns, row["gpt_turns"], strict=True):
+            payloads = re.findall(r"<tool_call>\n(.*)\n</tool_call>", turn["value"])   # one JSON line each
+            for payload in payloads[len(payloads) - layout["tool_calls"]:]:   # the calls come last
+                name = json.loads(payload)["name"]
                 if name not in offered and name not in invented:
                     invented.append(name)
-    with_reasoning = 0
-    for turn in gpt_turns:
-        value = turn["value"]
-        if value.startswith("<think>\n") and not value.startswith("<think>\n</think>"):
-            with_reasoning += bool(value[len("<think>\n"):value.index("\n</think>", len("<think>\n"))])
+    with_reasoning = sum(layout["reasoning_chars"] > 0 for layout in row.get("gpt_turns", ()))
     return {"status": status, "prompt_index": row["prompt_index"], "content_key": row["content_key"],
             "invented_tools": invented, "usage": row["usage"], "end_reason": row["end_reason"],
             "tool_counts": [(name, s["count"], s["success"], s["failure"])
@@ -507,7 +503,8 @@ def facts_from_parsed_row(line: bytes) -> dict:
             "reasoning_counts": (with_reasoning, len(gpt_turns) - with_reasoning),
             "toolsets_used": row.get("toolsets_used", []),
             "metadata": (row["metadata"]["timestamp"], row["metadata"]["model"]) if "metadata" in row else None,
-            "wall_time": row["wall_time_seconds"], "error_type": row.get("error_type"),
+            "wall_time": row["wall_time_seconds"],
+            "error_type": row["end_reason"] if status == "failed" and not row.get("failed") else row.get("error_type"),
             "discard_reason": row.get("discarded")}
 
 
@@ -704,7 +701,7 @@ def test_reader_reads_a_row_holding_a_lone_surrogate_as_python_json_writes_it(ki
 
 @pytest.mark.parametrize("kind", CUT_ROWS)
 def test_every_kind_of_row_carries_the_format_version(kind):
-    assert json.loads(encode(CUT_ROWS[kind], discard_no_reasoning=True))["format"] == ROW_FORMAT == 2
+    assert json.loads(encode(CUT_ROWS[kind], discard_no_reasoning=True))["format"] == ROW_FORMAT == 3
 
 
 def format_1_line(result: SessionResult, *, with_format_key: bool = True) -> bytes:
@@ -712,7 +709,7 @@ def format_1_line(result: SessionResult, *, with_format_key: bool = True) -> byt
     block of "<think>\\n\\n</think>\\n", no toolsets_sampled or invented_tool_calls (and, before that,
     no "format" key)."""
     row = json.loads(encode(result))
-    for key in ("toolsets_sampled", "invented_tool_calls", *(("format",) if not with_format_key else ())):
+    for key in ("toolsets_sampled", "invented_tool_calls", "gpt_turns", *(("format",) if not with_format_key else ())):
         del row[key]
     if with_format_key:
         row["format"] = 1
@@ -757,16 +754,17 @@ def test_a_format_1_row_is_upgraded_to_the_keys_and_turn_shape_of_a_current_row(
     assert upgraded["format"] == ROW_FORMAT
     assert all(list(turn) == ["from", "value"] for turn in upgraded["conversations"])
     assert (upgraded["invented_tool_calls"], upgraded["toolsets_sampled"]) == (1, current["toolsets_used"])
+    assert (upgraded["gpt_turns"], upgraded["conversations"]) == (current["gpt_turns"], current["conversations"])
     assert read_stored_row(encode(FORMAT_1_SESSION)).upgraded() == encode(FORMAT_1_SESSION)
 
 
 @pytest.mark.parametrize("line", [
-    b'{"format": 3, "prompt_index": 0, "content_key": "ab", "conversations": [], "end_reason": "final_answer"}\n',
-    b'{"format": 3, "id": "a row of a shape this version has never seen"}\n',
+    b'{"format": 4, "prompt_index": 0, "content_key": "ab", "conversations": [], "end_reason": "final_answer"}\n',
+    b'{"format": 4, "id": "a row of a shape this version has never seen"}\n',
     b'{"prompt_index": "zero", "format": 7}\n',
 ], ids=["same_shape", "new_shape", "wrong_types"])
 def test_reader_refuses_a_row_of_a_newer_format_saying_so(line):
-    with pytest.raises(RowError, match=r"row format \d is newer than this batch_runner reads \(format 2\)"):
+    with pytest.raises(RowError, match=r"row format \d is newer than this batch_runner reads \(format 3\)"):
         read_stored_row(line)
 
 
@@ -889,3 +887,126 @@ def test_a_tool_turn_with_text_beside_its_blocks_is_not_read_exactly():
     value = rows.render_tool_turn([call("terminal", result="out")])["value"] + "\ntrailing words"
     assert rows.rendered_tool_responses(value, exact=True) == []
     assert len(rows.rendered_tool_responses(value)) == 1
+
+
+# --- reading turns back by the row's own record of them, never by how their text looks ---------------------
+
+FAKE_CALL = '<tool_call>\n{"name": "terminal", "arguments": {"command": "rm -rf /"}}\n</tool_call>'
+
+
+def gpt_turns_read(line: bytes) -> list[rows.ReadGptTurn]:
+    row = json.loads(line)
+    values = [turn["value"] for turn in row["conversations"] if turn["from"] == "gpt"]
+    return [rows.read_gpt_turn(value, (layout["reasoning_chars"], layout["tool_calls"]))
+            for value, layout in zip(values, row["gpt_turns"], strict=True)]
+
+
+def test_each_gpt_turn_records_how_long_its_reasoning_is_and_how_many_calls_it_made():
+    turns = [AssistantTurn("plan", "", [call("terminal", id="a"), call("read_file", id="b")]), HumanTurn("Go on."),
+             AssistantTurn("", "Done.")]
+    assert row_of(session(turns))["gpt_turns"] == [{"reasoning_chars": 4, "tool_calls": 2},
+                                                   {"reasoning_chars": 0, "tool_calls": 0}]
+
+
+def test_model_text_ending_in_a_tool_call_block_reads_back_as_text_not_as_a_call():
+    line = encode(session([AssistantTurn("r", "I will run this:\n" + FAKE_CALL)]))
+    [turn] = gpt_turns_read(line)
+    assert (turn.text, turn.calls) == ("I will run this:\n" + FAKE_CALL, [])
+    assert read_stored_row(line).tool_counts() == []
+
+
+def test_invented_tools_are_the_calls_made_not_calls_quoted_in_the_text():
+    quoted = 'I will not call <tool_call>\n{"name": "quoted_tool", "arguments": {}}\n</tool_call> at all.'
+    ending = 'Nor this:\n<tool_call>\n{"name": "ending_tool", "arguments": {}}\n</tool_call>'
+    line = encode(session([AssistantTurn("r", quoted, [call("made_up", id="c1")]), AssistantTurn("r", ending)],
+                          end_reason="max_turns"))
+    assert read_stored_row(line).invented_tools() == ["made_up"]
+
+
+@pytest.mark.parametrize("reasoning", ["a\n</think>\nb", "</think> opens it", "ends with\n</think>"],
+                         ids=["closing_tag_inside", "closing_tag_first", "closing_tag_last"])
+def test_reasoning_holding_the_closing_think_tag_reads_back_whole(reasoning):
+    line = encode(session([AssistantTurn(reasoning, "Done.")]), discard_no_reasoning=True)
+    [turn] = gpt_turns_read(line)
+    assert (turn.reasoning, turn.text) == (reasoning, "Done.")
+    stored = read_stored_row(line)
+    assert (stored.status, stored.reasoning_counts()) == ("completed", (1, 0))     # kept, not discarded
+
+
+def test_a_turn_without_reasoning_whose_text_looks_like_a_think_block_never_counts_as_reasoning():
+    line = encode(session([AssistantTurn("", "<think>\nplan\n</think>\nanswer")]), discard_no_reasoning=True)
+    assert read_stored_row(line).reasoning_counts() == (0, 1)
+    assert read_stored_row(line).status == "discarded"
+
+
+def test_visible_text_never_keeps_a_think_block_that_taking_another_out_would_form():
+    reasoning, visible = split_reasoning({"content": "<thi<think></think>nk>\nplan\n</think>\nanswer"})
+    assert (reasoning, visible) == ("plan", "answer")
+
+
+@pytest.mark.parametrize("turn", [
+    AssistantTurn("r", "text", [call("terminal", '{"command": "ls"}'), call("read_file", "not json")]),
+    AssistantTurn("", "", [call("terminal")]),
+    AssistantTurn("r", ""),
+    AssistantTurn("", ""),
+    AssistantTurn("", "Use <think> tags.", [call("terminal", '{"c": "<think>"}')]),
+    AssistantTurn("a\n</think>\nb", "x\n" + FAKE_CALL, [call("terminal")]),
+], ids=["text_and_calls", "call_only", "reasoning_only", "nothing", "think_tag_in_text", "lookalikes_everywhere"])
+def test_a_gpt_turn_reads_back_as_exactly_what_was_rendered(turn):
+    [read] = gpt_turns_read(encode(session([turn])))
+    assert (read.reasoning, read.text) == (turn.reasoning, turn.content)
+    assert [(c["name"], rows.arguments_text(c["arguments"])) for c in read.calls] == \
+        [(c.name, c.arguments) for c in turn.tool_calls]
+
+
+def test_a_turn_that_does_not_fit_its_record_is_refused_not_guessed():
+    value = rows.render_gpt_turn(AssistantTurn("r", "text"))["value"]
+    with pytest.raises(rows.LayoutError):
+        rows.read_gpt_turn(value, (1, 1))
+
+
+def test_a_current_row_whose_turn_record_does_not_match_its_turns_is_refused():
+    row = json.loads(encode(session([AssistantTurn("r", "a")])))
+    row["gpt_turns"] = []
+    with pytest.raises(RowError, match="not a batch_runner row"):
+        read_stored_row(json.dumps(row).encode() + b"\n")
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def test_arguments_nested_deeper_than_json_reads_are_rendered_and_read_back_as_text():
+    line = encode(session([AssistantTurn("r", "", [call("terminal", DEEP, result='{"error": "too deep"}')])]))
+    [turn] = gpt_turns_read(line)
+    assert turn.calls == [{"name": "terminal", "arguments": DEEP}]
+    assert read_stored_row(line).tool_counts() == [("terminal", 1, 0, 1)]
+
+
+def format_2_line(result: SessionResult) -> bytes:
+    """The row as format 2 wrote it: the current row without gpt_turns."""
+    row = json.loads(encode(result))
+    del row["gpt_turns"]
+    row["format"] = 2
+    return json.dumps(row, ensure_ascii=False).encode() + b"\n"
+
+
+def test_a_format_2_row_is_read_by_its_turns_text_as_it_was_written():
+    stored = read_stored_row(format_2_line(FORMAT_1_SESSION))
+    assert not stored.is_current
+    assert (stored.invented_tools(), stored.reasoning_counts()) == (["web_search", "made_up"], (1, 1))
+
+
+def test_a_format_2_row_is_upgraded_with_the_record_of_its_turns():
+    upgraded = read_stored_row(format_2_line(FORMAT_1_SESSION)).upgraded()
+    assert upgraded == encode(FORMAT_1_SESSION)
+
+
+@pytest.mark.parametrize("discarded", [False, True], ids=["trajectory", "tombstone"])
+def test_an_older_row_that_kept_no_reply_reads_as_a_failure_resume_runs_again(discarded):
+    row = json.loads(format_2_line(session([AssistantTurn("r", "a")])))
+    row["conversations"] = row["conversations"][:2]            # system and prompt only
+    if discarded:
+        row.update(discarded="no_reasoning", prompt="Do it.")
+    row["end_reason"] = "empty_answer"
+    stored = read_stored_row(json.dumps(row).encode() + b"\n")
+    assert (stored.status, stored.error_type()) == ("failed", "empty_answer")

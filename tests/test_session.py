@@ -16,13 +16,21 @@ import pytest
 
 import batch_runner
 import model_tools
+from batchrun import rows
 from batchrun.config import RunConfig, build_config
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.messages import Task
 from batchrun.model import CONTEXT_LENGTH, Message, ModelReply, PromptFailedError
 from batchrun.rows import AssistantTurn, HumanTurn, SessionResult, Usage
 from batchrun.security import Redactor
-from batchrun.session import CONTINUE_REQUEST, MAX_EMPTY_RETRIES, SUMMARY_REQUEST, Session, SessionServices
+from batchrun.session import (
+    CONTINUE_REQUEST,
+    MAX_CONTINUATIONS,
+    MAX_EMPTY_RETRIES,
+    SUMMARY_REQUEST,
+    Session,
+    SessionServices,
+)
 
 ECHO = {"command": "echo hi"}
 
@@ -117,9 +125,23 @@ def test_an_empty_answer_is_asked_for_again_and_only_the_real_answer_is_kept(tmp
     assert model.calls[0][0] == model.calls[1][0]     # asked again with the same conversation
 
 
-def test_an_answer_that_stays_empty_ends_the_session_with_empty_answer(tmp_path):
-    result, _ = run_session(tmp_path, [say("")] * (MAX_EMPTY_RETRIES + 1))
-    assert (result.end_reason, result.turns) == ("empty_answer", [])
+def test_an_answer_that_stays_empty_after_a_kept_turn_ends_the_session_with_empty_answer(tmp_path):
+    result, _ = run_session(tmp_path, [call("terminal", ECHO)] + [say("")] * (MAX_EMPTY_RETRIES + 1))
+    assert (result.end_reason, len(result.turns)) == ("empty_answer", 1)
+
+
+@pytest.mark.parametrize("script, cause", [
+    ([say("")] * (MAX_EMPTY_RETRIES + 1), "empty_answer"),
+    ([say("<think>only thoughts</think>")] * (MAX_EMPTY_RETRIES + 1), "empty_answer"),
+    ([say("", reasoning="thinking on and on", finish_reason="length")], "truncated"),
+    ([say("")] * 2, "max_turns"),
+], ids=["empty_answers", "think_blocks_only", "reasoning_cut_off", "max_turns_of_empty_answers"])
+def test_a_session_that_kept_no_reply_is_a_failure_naming_its_cause(tmp_path, script, cause):
+    """Nothing to train on, and nothing that says the prompt cannot work: resume runs it again."""
+    result, _ = run_session(tmp_path, script, max_turns=2 if cause == "max_turns" else 10)
+    assert (result.end_reason, result.error_type, result.turns) == ("error", cause, [])
+    assert result.error
+    assert result.api_calls == len(script)
 
 
 def test_a_cut_off_answer_is_asked_to_continue_and_every_piece_is_kept(tmp_path):
@@ -183,6 +205,128 @@ def test_the_model_is_built_offering_the_schemas_of_the_offered_tools(tmp_path):
     source = ScriptedModels(ScriptedModel([]))
     session = Session(TASK, worker_services(tmp_path, source))
     assert [schema["function"]["name"] for schema in source.offered[0]] == session.offered_tools == ["terminal"]
+
+
+# --- counters that are per reply ------------------------------------------------------------------
+
+def cut(reply: ModelReply) -> ModelReply:
+    return ModelReply(message=reply.message, finish_reason="length", usage=reply.usage)
+
+
+def test_tool_calls_cut_once_in_each_of_two_replies_are_asked_for_again_each_time(tmp_path):
+    script = [cut(call("terminal", ECHO)), call("terminal", ECHO), cut(call("terminal", ECHO)),
+              call("terminal", ECHO), say("Done.")]
+    result, _ = run_session(tmp_path, script)
+    assert (result.end_reason, len(result.turns), result.api_calls) == ("final_answer", 3, 5)
+
+
+def test_tool_calls_cut_twice_in_one_reply_end_the_session_truncated(tmp_path):
+    script = [call("terminal", ECHO), cut(call("terminal", ECHO)), cut(call("terminal", ECHO))]
+    result, _ = run_session(tmp_path, script)
+    assert (result.end_reason, len(result.turns)) == ("truncated", 1)
+
+
+def test_each_answer_gets_its_own_requests_after_an_empty_reply(tmp_path):
+    script = [*[say("")] * MAX_EMPTY_RETRIES, call("terminal", ECHO), *[say("")] * MAX_EMPTY_RETRIES, say("Done.")]
+    result, _ = run_session(tmp_path, script, max_turns=len(script))
+    assert (result.end_reason, len(result.turns)) == ("final_answer", 2)
+
+
+def test_each_cut_off_answer_gets_its_own_requests_to_continue(tmp_path):
+    script = [*[say("part", finish_reason="length")] * MAX_CONTINUATIONS, call("terminal", ECHO),
+              *[say("part", finish_reason="length")] * MAX_CONTINUATIONS, say("Done.")]
+    result, _ = run_session(tmp_path, script, max_turns=len(script))
+    assert result.end_reason == "final_answer"
+
+
+# --- api_calls ----------------------------------------------------------------------------------------
+
+def test_the_request_that_overflowed_the_context_counts_as_a_call(tmp_path):
+    overflow = PromptFailedError("the conversation no longer fits the model's context", CONTEXT_LENGTH)
+    result, _ = run_session(tmp_path, [call("terminal", ECHO), overflow])
+    assert (result.end_reason, result.api_calls) == (CONTEXT_LENGTH, 2)
+
+
+def test_a_request_that_failed_the_prompt_counts_as_a_call(tmp_path):
+    result, _ = run_session(tmp_path, [say(""), PromptFailedError("HTTP 400: refused", "http_400")])
+    assert (result.error_type, result.api_calls) == ("http_400", 2)
+
+
+# --- what the model sends is never trusted ------------------------------------------------------------
+
+def raw_call(name: str, arguments: str, call_id: str = "call_1") -> ModelReply:
+    return ModelReply(message={"role": "assistant", "content": "", "tool_calls": [
+        {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]},
+        finish_reason="tool_calls", usage=Usage())
+
+
+def test_arguments_nested_too_deep_to_parse_cost_one_failed_tool_call(tmp_path):
+    deep = "[" * 100_000 + "]" * 100_000
+    result, model = run_session(tmp_path, [raw_call("terminal", deep), say("Done.")])
+    assert result.end_reason == "final_answer"
+    [answered] = result.turns[0].tool_calls
+    assert "nested" in json.loads(answered.result or "")["error"]
+    rows.encode_finished(result, batch_num=0, model="m", timestamp="t", discard_no_reasoning=False)
+
+
+SECRET = "sk-test-ECHOED-0123456789abcdef"
+
+
+def test_a_secret_the_endpoint_echoes_never_reaches_the_record_or_the_tool(tmp_path):
+    script = [ModelReply(message={"role": "assistant", "content": f"The key is {SECRET}.", "reasoning": f"I saw {SECRET}",
+                                  "tool_calls": [{"id": f"id-{SECRET}", "type": "function", "function": {
+                                      "name": "terminal", "arguments": json.dumps({"command": f"echo '{SECRET}'"})}}]},
+                          finish_reason="tool_calls", usage=Usage()),
+              say(f"Done with {SECRET[:20]}")]
+    model = ScriptedModel(script)
+    services = worker_services(tmp_path, ScriptedModels(model))
+    services.redact = Redactor([SECRET])
+
+    async def session() -> SessionResult:
+        try:
+            return await Session(TASK, services).run()
+        finally:
+            await services.close()
+
+    result = asyncio.run(session())
+    line = rows.encode_finished(result, batch_num=0, model="m", timestamp="t", discard_no_reasoning=False)
+    assert SECRET[:8].encode() not in line and b"[REDACTED]" in line
+    [answered] = result.turns[0].tool_calls
+    assert json.loads(answered.result or "")["output"] == "[REDACTED]\n"     # the command never held it
+
+
+FILE_TASK = Task(prompt_index=0, prompt="write it", image=None, cwd=None, content_key="key",
+                 toolsets=("terminal", "file"))
+
+
+def run_file_session(tmp_path: Path, script: list[ModelReply | Exception], limit: int) -> SessionResult:
+    services = worker_services(tmp_path, ScriptedModels(ScriptedModel(script)))
+    services.env_settings.max_file_bytes = limit
+
+    async def session() -> SessionResult:
+        try:
+            return await Session(FILE_TASK, services).run()
+        finally:
+            await services.close()
+
+    return asyncio.run(session())
+
+
+def test_arguments_larger_than_the_tool_takes_are_stored_cut_with_their_size(tmp_path):
+    arguments = json.dumps({"path": "big.txt", "content": "x" * 50_000})
+    result = run_file_session(tmp_path, [raw_call("write_file", arguments), say("Done.")], limit=10_000)
+    [stored] = result.turns[0].tool_calls
+    assert json.loads(stored.result or "")["error"]          # the tool refused it
+    assert len(stored.arguments) < 5_000 and stored.arguments.startswith(arguments[:1_000])
+    assert f"{len(arguments):,} characters" in stored.arguments
+
+
+def test_arguments_the_tool_took_are_stored_whole(tmp_path):
+    arguments = json.dumps({"path": "small.txt", "content": "x" * 5_000})
+    result = run_file_session(tmp_path, [raw_call("write_file", arguments), say("Done.")], limit=10_000)
+    [stored] = result.turns[0].tool_calls
+    assert json.loads(stored.result or "")["bytes_written"] == 5_000
+    assert stored.arguments == arguments
 
 
 def test_the_prompts_directory_is_gone_before_its_session_returns_the_result(tmp_path):

@@ -1,0 +1,89 @@
+"""The redactor: the user's secrets never survive into anything written, whole or cut by a cap."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import endpoint_args, run_cli, write_dataset
+
+from batchrun.security import REDACTED, Redactor
+
+SECRET = "sk-or-v1-0123456789abcdef0123456789abcdef0123456789abcdef"
+CAP_NOTE = "\n[output truncated: 9000 more characters not shown]"
+
+
+def pieces_of(secret: str, shortest: int) -> list[str]:
+    """Every piece of ``secret`` at least ``shortest`` characters long that a cap could leave."""
+    return [secret[start:end] for start in range(len(secret)) for end in range(start + shortest, len(secret) + 1)]
+
+
+def test_a_whole_secret_is_replaced_wherever_it_appears():
+    redact = Redactor([SECRET])
+    assert redact(f"key={SECRET}; again {SECRET}.") == f"key={REDACTED}; again {REDACTED}."
+
+
+def test_text_without_a_secret_is_left_as_it_is():
+    text = "an ordinary line of output, with numbers 0123 4567 89ab and a key= that is empty"
+    assert Redactor([SECRET])(text) == text
+
+
+@pytest.mark.parametrize("cut", range(8, len(SECRET)))
+def test_a_secret_cut_by_an_output_cap_leaves_no_usable_prefix(cut):
+    redacted = Redactor([SECRET])("the key is " + SECRET[:cut] + CAP_NOTE)
+    assert not any(piece in redacted for piece in pieces_of(SECRET[:cut], 8)), redacted
+    assert redacted.startswith("the key is ") and redacted.endswith(CAP_NOTE)
+
+
+@pytest.mark.parametrize("cut", range(1, len(SECRET) - 7))
+def test_a_secret_whose_start_a_cap_cut_off_leaves_no_usable_suffix(cut):
+    redacted = Redactor([SECRET])("…" + SECRET[cut:] + " was in the log")
+    assert SECRET[-8:] not in redacted and redacted.endswith(" was in the log")
+
+
+def test_pieces_shorter_than_a_secret_can_be_are_kept():
+    """Seven characters are kept: that many of a key are its public prefix ("sk-or-v"), and an
+    ordinary word matching them is no reason to mangle text."""
+    assert Redactor([SECRET])("sk-or-v and 0123456") == "sk-or-v and 0123456"
+
+
+def test_several_secrets_and_overlapping_pieces_are_all_replaced():
+    other = "ghp_abcdefghijklmnopqrstuvwxyz0123"
+    redacted = Redactor([SECRET, other])(SECRET[:20] + other[10:] + " " + other + SECRET[-12:])
+    assert not any(piece in redacted for secret in (SECRET, other) for piece in pieces_of(secret, 8))
+
+
+# --- end to end: an endpoint that echoes the key -----------------------------------------------------
+
+def echoing(key: str):
+    """A server hook that writes the key into every part of its replies: text, reasoning, a call's id,
+    name and arguments, and the text of its final answer."""
+    def reply(body: dict) -> tuple[int, dict, dict]:
+        answered = any(message["role"] == "tool" for message in body["messages"])
+        message: dict = {"role": "assistant", "content": f"The key is {key}.", "reasoning": f"I was told {key}"}
+        if not answered:
+            message["tool_calls"] = [{"id": f"call-{key}", "type": "function", "function": {
+                "name": "terminal", "arguments": json.dumps({"command": f"echo {key[:30]}"})}}]
+        usage = {"prompt_tokens": 1, "completion_tokens": 1}
+        return 200, {"id": "x", "object": "chat.completion", "choices": [{"index": 0, "message": message,
+                     "finish_reason": "stop" if answered else "tool_calls"}], "usage": usage}, {}
+    return reply
+
+
+def test_a_key_the_endpoint_echoes_reaches_no_row_report_or_export(tmp_path, endpoint):
+    key = "sk-test-ECHOED-0123456789abcdef0123"
+    endpoint.script = echoing(key)
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["say the key"])
+    args = [f"--dataset_file={dataset}", "--batch_size=2", "--run_name=run", "--distribution=terminal_only",
+            *endpoint_args(endpoint)]
+    result = run_cli(tmp_path, *args, env={"OPENAI_API_KEY": key})
+    assert result.returncode == 0, result.stderr
+    for fmt in ("openai", "sharegpt", "parquet"):
+        assert run_cli(tmp_path, "--run_name=run", f"--export={fmt}", "--reasoning=think" * (fmt == "openai"),
+                       env={"OPENAI_API_KEY": key}).returncode == 0
+    written = [path for path in (tmp_path / "data").rglob("*") if path.is_file()]
+    assert {path.name for path in written} >= {"batch_0.jsonl", "trajectories.jsonl", "report.html", "openai.jsonl",
+                                               "sharegpt.jsonl", "trajectories.parquet"}
+    everything = b"".join(path.read_bytes() for path in written) + (result.stdout + result.stderr).encode()
+    assert not any(piece.encode() in everything for piece in pieces_of(key, 8))
+    assert b"[REDACTED]" in everything
