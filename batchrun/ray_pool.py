@@ -202,13 +202,25 @@ class GateKeeper:
         self._held: Counter[str] = Counter()
         self._lost: set[str] = set()
         self._waiting: deque[tuple[str, asyncio.Future[Ticket]]] = deque()
+        self._growth: asyncio.TimerHandle | None = None
 
     async def admit(self, holder: str) -> Ticket:
         if not self._waiting and concurrency.has_room(self._limit):
             return self._take(holder)
         waiter: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
         self._waiting.append((holder, waiter))
+        if self._growth is None:
+            self._grow_with_time()
         return await waiter
+
+    def _grow_with_time(self) -> None:
+        """At the start of the run, time raises the limit while requests wait (concurrency.grow_with_time)."""
+        self._growth = None
+        self._limit.waiting = len(self._waiting)
+        delay = concurrency.grow_with_time(self._limit, time.monotonic())
+        self._serve()
+        if delay is not None and self._waiting:
+            self._growth = asyncio.get_running_loop().call_later(delay, self._grow_with_time)
 
     async def finish(self, holder: str, ticket: Ticket, outcome: Outcome, latency: float) -> None:
         if holder in self._lost:
