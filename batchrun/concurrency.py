@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import enum
+import math
 import multiprocessing
 import threading
 import time
@@ -57,8 +58,9 @@ INITIAL_LIMIT = 16          # requests at once before anything is known
 # (one round trip, a new connection's handshakes included), so that a doubling past the server's limit
 # is refused before the next one.
 START_DOUBLING = 0.5
-# A worker whose loop runs its timers this much late may hold refusals it has not read yet: the start's
-# next doubling waits a whole START_DOUBLING after it.
+# A worker whose loop runs its timers this much late was busy (sending what the last doubling let
+# out, most often) and may hold refusals it has not read yet: the start's next doubling waits a whole
+# START_DOUBLING after it.
 LATE_LOOP = 0.1
 BACKOFF = 0.95              # a refusal leaves this share of the concurrency at which it came
 # Slots per round right after a decrease: the slot given up comes back after three or four rounds.
@@ -87,7 +89,7 @@ class AimdState(ctypes.Structure):
     _fields_ = [("limit", ctypes.c_double), ("ceiling", ctypes.c_double), ("adaptive", ctypes.c_bool),
                 ("in_flight", ctypes.c_long), ("waiting", ctypes.c_long),   # requests waiting for a slot
                 ("starting", ctypes.c_bool),            # nothing has pushed back yet
-                ("doubled_at", ctypes.c_double),        # CLOCK_MONOTONIC of the start's last doubling (0: none yet)
+                ("next_doubling", ctypes.c_double),     # CLOCK_MONOTONIC when the start may double (0: not set)
                 ("step", ctypes.c_double),
                 ("epoch", ctypes.c_long),               # bumped by every decrease
                 ("round_size", ctypes.c_long),          # judged answers that make this round
@@ -133,7 +135,7 @@ def reset(state: AimdState, ceiling: int, adaptive: bool) -> AimdState:
     state.ceiling, state.adaptive, state.starting = float(ceiling), adaptive, adaptive
     state.step = STEP_AFTER_DECREASE
     state.in_flight = state.waiting = state.epoch = state.requests = state.overloaded = 0
-    state.doubled_at = state.usual_latency = 0.0
+    state.next_doubling = state.usual_latency = 0.0
     _begin_round(state)
     return state
 
@@ -235,13 +237,13 @@ def grow_with_time(state: AimdState, now: float) -> float | None:
         return None
     if state.waiting == 0:
         return START_DOUBLING
-    if state.doubled_at == 0.0:      # the first wait: the requests sent so far have just gone out
-        state.doubled_at = now
-    if (due := state.doubled_at + START_DOUBLING - now) > 0:
+    if state.next_doubling == 0.0:      # the first wait: the requests sent so far have just gone out
+        state.next_doubling = now + START_DOUBLING
+    if (due := state.next_doubling - now) > 0:
         return due
     state.limit = min(state.ceiling, 2 * state.limit)
     state.highest = max(state.highest, state.limit)
-    state.doubled_at = now
+    state.next_doubling = now + START_DOUBLING
     # A round is the answers to what this limit lets out: one begun under the old limit would be made
     # of the quickest answers among more requests than it counts, too quick for the usual latency.
     _begin_round(state)
@@ -249,10 +251,10 @@ def grow_with_time(state: AimdState, now: float) -> float | None:
 
 
 def hold_growth(state: AimdState, now: float) -> None:
-    """The start's next doubling waits a whole START_DOUBLING from ``now``: a refusal may have come
-    back unread meanwhile."""
-    if state.starting and state.doubled_at:
-        state.doubled_at = max(state.doubled_at, now)
+    """A worker's loop ran late at ``now``: what it sent last may be refused without its having read
+    so, and the start doubles no sooner than START_DOUBLING from now."""
+    if state.starting and state.next_doubling:
+        state.next_doubling = max(state.next_doubling, now + START_DOUBLING)
 
 
 def figures(state: AimdState) -> ConcurrencyFigures:
@@ -312,7 +314,7 @@ class SharedLimit:
     """The run-wide limit for the worker processes, in shared memory; forked children inherit it.
 
     Free slots are a process-shared semaphore, so a session waiting in one process is woken by a request
-    finishing in another without polling, and the processes are served in turn. A lower limit takes free
+    finishing in another without polling; each process takes its share of them. A lower limit takes free
     slots back, or owes them (``debt``) until requests in flight finish. Each process counts the slots it
     holds and the requests it has waiting, so that a worker process that dies leaves neither behind
     (:meth:`reclaim`).
@@ -351,13 +353,20 @@ class SharedLimit:
             self._queued[self._holder] += 1
             self._state.waiting += 1
 
-    def wait_and_take(self) -> Ticket:
-        """A slot for a request in the line, blocking this thread until one is free."""
+    def wait_and_take(self, most: int) -> list[Ticket]:
+        """Slots for up to ``most`` requests in the line: blocking this thread until one is free, then
+        this process's share of the others free, by the requests each process has waiting (one
+        process taking them all would leave its loop to send them alone while the others idle)."""
         self._free.acquire()
         with self._lock:
-            self._queued[self._holder] -= 1
-            self._state.waiting -= 1
-            return self._take()
+            free = 1 + self._free.get_value()
+            share = math.ceil(free * self._queued[self._holder] / max(1, self._state.waiting))
+            count = 1
+            while count < min(most, share) and self._free.acquire(False):
+                count += 1
+            self._queued[self._holder] -= count
+            self._state.waiting -= count
+            return [self._take() for _ in range(count)]
 
     def _take(self) -> Ticket:
         self._held[self._holder] += 1
@@ -416,7 +425,9 @@ class SharedLimit:
 
 class _Line:
     """One process's sessions waiting for a slot, in arrival order. A thread of its own blocks on the
-    shared semaphore while any wait and hands each slot it gets to the first of them.
+    shared semaphore while any wait and hands the slots it gets to the first of them: all the free
+    slots they want in one wake-up of the loop, because each wake-up waits for the loop to let go of
+    the interpreter, and a busy loop does so only every few milliseconds.
 
     While sessions wait at the start of the run, the loop (not the thread) asks for the limit's growth
     with time: the growth assumes that a refusal would have been read by now, which holds only for a
@@ -426,7 +437,8 @@ class _Line:
         self._limit = limit
         self._loop = asyncio.get_running_loop()
         self._waiting: deque[asyncio.Future[Ticket]] = deque()
-        self._wanted = threading.Semaphore(0)     # one per session that joined the line
+        self._wanted = 0                          # slots the line still has to fetch
+        self._wanted_changed = threading.Condition()
         self._growth: asyncio.TimerHandle | None = None
         self._grown = False                       # time will not raise the limit any more
         threading.Thread(target=self._fetch, name="concurrency-line", daemon=True).start()
@@ -437,7 +449,9 @@ class _Line:
         waiter: asyncio.Future[Ticket] = self._loop.create_future()
         self._waiting.append(waiter)
         self._limit.join_line()
-        self._wanted.release()
+        with self._wanted_changed:
+            self._wanted += 1
+            self._wanted_changed.notify()
         if self._growth is None and not self._grown:
             self.grow(due=self._loop.time())
         try:
@@ -460,17 +474,23 @@ class _Line:
 
     def _fetch(self) -> None:
         while True:
-            self._wanted.acquire()
-            ticket = self._limit.wait_and_take()
+            with self._wanted_changed:
+                self._wanted_changed.wait_for(lambda: self._wanted > 0)
+                wanted = self._wanted
+            tickets = self._limit.wait_and_take(wanted)
+            with self._wanted_changed:
+                self._wanted -= len(tickets)
             try:
-                self._loop.call_soon_threadsafe(self._hand_over, ticket)
+                self._loop.call_soon_threadsafe(self._hand_over, tickets)
             except RuntimeError:      # the loop is closed: the process is ending
                 return
 
-    def _hand_over(self, ticket: Ticket) -> None:
-        while self._waiting:
-            waiter = self._waiting.popleft()
-            if not waiter.cancelled():
-                waiter.set_result(ticket)
-                return
-        self._limit.finish(ticket, Outcome.UNSENT)     # whoever wanted it gave up meanwhile
+    def _hand_over(self, tickets: list[Ticket]) -> None:
+        for ticket in tickets:
+            while self._waiting:
+                waiter = self._waiting.popleft()
+                if not waiter.cancelled():
+                    waiter.set_result(ticket)
+                    break
+            else:
+                self._limit.finish(ticket, Outcome.UNSENT)     # whoever wanted it gave up meanwhile

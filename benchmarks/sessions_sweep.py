@@ -14,7 +14,7 @@ For each session count it prints trajectories/s over the whole run (start-up, me
 the ideal (sessions / (model calls per prompt x latency)) and their ratio, the steady ratio (from the
 first model request to the last reply), the requests the endpoint served at once on average over that
 span (the ideal is the sessions, less the time they spend in tools) and at most, the seconds from the
-first request until it first served 90% of the sessions, the run's concurrency limit (highest and
+start of the run until it first served 90% of the sessions, the run's concurrency limit (highest and
 final, from statistics.json), the runner's CPU milliseconds per trajectory (the whole process tree),
 and the peak RSS (summed over the tree: shared pages count once per process), peak PSS and peak
 process count of the tree (sampled every --sample-every seconds; reading thousands of processes'
@@ -106,11 +106,13 @@ class TreeSampler(threading.Thread):
 
 
 class ServedWatcher(threading.Thread):
-    """When the endpoint first served SERVED_SHARE of the sessions at once, and the most it served."""
+    """When the endpoint first served SERVED_SHARE of the sessions at once (seconds after ``started``,
+    the run's start: from the first request would favour a run whose first request came late), and
+    the most it served."""
 
-    def __init__(self, base_url: str, sessions: int) -> None:
+    def __init__(self, base_url: str, sessions: int, started: float) -> None:
         super().__init__(daemon=True)
-        self.base_url, self.sessions = base_url, sessions
+        self.base_url, self.sessions, self.started = base_url, sessions, started
         self.most = 0
         self.all_in_flight_at: float | None = None
         self.stopped = threading.Event()
@@ -119,9 +121,8 @@ class ServedWatcher(threading.Thread):
         while not self.stopped.wait(0.25):
             stats = server_stats(self.base_url)
             self.most = max(self.most, stats["serving"])
-            if (self.all_in_flight_at is None and stats["first_request"] is not None
-                    and stats["serving"] >= SERVED_SHARE * self.sessions):
-                self.all_in_flight_at = time.monotonic() - stats["first_request"]
+            if self.all_in_flight_at is None and stats["serving"] >= SERVED_SHARE * self.sessions:
+                self.all_in_flight_at = time.monotonic() - self.started
 
 
 @dataclass
@@ -162,7 +163,7 @@ def run_sweep_point(args: argparse.Namespace, sessions: int, adaptive: bool) -> 
              "--run_name=bench", f"--distribution={distribution(args.tool_turns)}", f"--num_workers={sessions}",
              f"--base_url={base_url}", "--model=bench", "--max_retries=0", f"--adaptive_concurrency={adaptive}"],
             cwd=work, env={**os.environ, "TMPDIR": work}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        sampler, watcher = TreeSampler(process.pid, args.sample_every), ServedWatcher(base_url, sessions)
+        sampler, watcher = TreeSampler(process.pid, args.sample_every), ServedWatcher(base_url, sessions, started)
         sampler.start()
         watcher.start()
         _, stderr = process.communicate()
@@ -231,15 +232,16 @@ def run_one_worker(args: argparse.Namespace, sessions: int, adaptive: bool) -> N
         parent_end, child_end = fork.Pipe(duplex=True)
         worker = fork.Process(target=worker_process.main, daemon=True,
                               args=(child_end, [parent_end], 0, sessions, config, gate, settings, available))
+        started = time.monotonic()
         worker.start()
         child_end.close()
         assert worker.pid is not None
-        sampler, watcher = TreeSampler(worker.pid, args.sample_every), ServedWatcher(base_url, sessions)
+        sampler, watcher = TreeSampler(worker.pid, args.sample_every), ServedWatcher(base_url, sessions, started)
         sampler.start()
         watcher.start()
         tasks = (Task(prompt_index=i, prompt=f"benchmark prompt {i}", image=None, cwd=None, content_key=str(i),
                       toolsets=("terminal",) if args.tool_turns else ("web",)) for i in range(prompts))
-        started, sent, done, failed = time.monotonic(), 0, 0, 0
+        sent = done = failed = 0
         for task in tasks:     # as the parent does: the sessions, and a few tasks waiting for one
             if sent - done >= sessions + waiting_places(sessions):
                 failed += not finished_prompt(parent_end)

@@ -242,10 +242,11 @@ def test_a_held_start_waits_a_whole_interval_before_its_next_doubling():
     state = concurrency.new_state(4096, adaptive=True)
     state.waiting = 4096
     concurrency.grow_with_time(state, 100.0)
-    concurrency.hold_growth(state, 100.0 + concurrency.START_DOUBLING)
-    concurrency.grow_with_time(state, 100.0 + 1.5 * concurrency.START_DOUBLING)
+    late = 100.0 + 3 * concurrency.START_DOUBLING
+    concurrency.hold_growth(state, late)
+    assert concurrency.grow_with_time(state, late) == pytest.approx(concurrency.START_DOUBLING)
     assert slots(state) == concurrency.INITIAL_LIMIT
-    concurrency.grow_with_time(state, 100.0 + 2 * concurrency.START_DOUBLING)
+    concurrency.grow_with_time(state, late + concurrency.START_DOUBLING)
     assert slots(state) == 2 * concurrency.INITIAL_LIMIT
 
 
@@ -431,6 +432,27 @@ def test_requests_waiting_at_the_ray_gate_keeper_get_the_slots_the_start_adds_wi
         await asyncio.wait_for(asyncio.gather(*admissions), 30)
         return (await keeper.figures()).limit
     assert asyncio.run(admitted_without_answers()) == 64
+
+
+def test_a_worker_process_takes_every_free_slot_its_line_wants_at_once_and_no_more():
+    limit = SharedLimit(5, adaptive=False)
+    for _ in range(6):
+        limit.join_line()
+    assert len(limit.wait_and_take(3)) == 3         # three wanted: two stay free
+    assert len(limit.wait_and_take(10)) == 2        # only what is free: it does not wait for more
+    assert limit.figures().limit == 5 and limit.try_take() is None
+
+
+def test_worker_processes_share_the_free_slots_by_the_requests_each_has_waiting():
+    limit = SharedLimit(4, adaptive=False, holders=2)
+    for holder in (0, 1):
+        limit.bind(holder)
+        for _ in range(4):
+            limit.join_line()
+    limit.bind(0)
+    assert len(limit.wait_and_take(4)) == 2
+    limit.bind(1)
+    assert len(limit.wait_and_take(4)) == 2
 
 
 def _hold_slots_and_wait(limit: SharedLimit, ready: Any) -> None:
