@@ -8,11 +8,12 @@ under it, the way TCP's congestion window does (AIMD):
 * every request is admitted against one run-wide limit on requests in flight: requests, not sessions,
   because a session busy in a tool asks nothing of the endpoint;
 * the start, until something first pushes back: every answer raises the limit by one (it doubles per
-  round of answers, like TCP's slow start), and while requests wait for a slot it also doubles every
-  START_DOUBLING seconds without any answer. A refusal comes back at once, an answer only after the
-  model wrote it: against an endpoint that takes many seconds per answer, waiting for answers would
-  keep most sessions idle for minutes, while time without a refusal already says the server took
-  what it was sent;
+  round of answers, like TCP's slow start), and while requests wait for a slot it also doubles once
+  no request has gone out for START_DOUBLING seconds. A refusal comes back at once, an answer only
+  after the model wrote it: against an endpoint that takes many seconds per answer, waiting for
+  answers would keep most sessions idle for minutes, while time without a refusal already says the
+  server took what it was sent (and against a quick one, answers keep requests going out, and
+  answers raise the limit);
 * after the start, each answer raises the limit by ``step / limit``, so by ``step`` per round of
   answers; the step doubles every round in which nothing pushed back. After a decrease the step
   starts small: the limit creeps up to where the server refused last and probes past it only after a
@@ -228,9 +229,17 @@ def _raise(state: AimdState) -> None:
     state.highest = max(state.highest, state.limit)
 
 
+def note_sent(state: AimdState, now: float) -> None:
+    """A request goes out at ``now``: the start doubles no sooner than START_DOUBLING after it (slots
+    whose requests have not gone yet tell nothing of the server)."""
+    if state.starting:
+        state.next_doubling = max(state.next_doubling, now + START_DOUBLING)
+
+
 def grow_with_time(state: AimdState, now: float) -> float | None:
     """The start's growth without answers: while requests wait and nothing has pushed back, the limit
-    doubles every START_DOUBLING seconds (``now``: CLOCK_MONOTONIC, which every process shares).
+    doubles once no request has gone out for START_DOUBLING seconds (``now``: CLOCK_MONOTONIC, which
+    every process shares).
     Callers ask while requests wait for a slot; the answer is how many seconds until they should ask
     again, None once time will not raise the limit any more."""
     if not state.starting or state.limit >= state.ceiling:
@@ -287,6 +296,9 @@ class Limit(Protocol):
 
     async def admit(self) -> Ticket: ...
 
+    def sent(self) -> None:
+        """A request admitted earlier goes out now (see :func:`note_sent`)."""
+
     def finish(self, ticket: Ticket, outcome: Outcome, latency: float = 0.0) -> None: ...
 
 
@@ -298,6 +310,7 @@ async def request_slot(limit: Limit, ready: Callable[[], Awaitable[None]]) -> As
     request: Request | None = None
     try:
         await ready()
+        limit.sent()
         request = Request()
         yield request
     finally:
@@ -339,6 +352,11 @@ class SharedLimit:
         if self._line is None:
             self._line = _Line(self)
         return await self._line.admit()
+
+    def sent(self) -> None:
+        if self._state.starting:        # read without the lock: once over, the start never comes back
+            with self._lock:
+                note_sent(self._state, time.monotonic())
 
     def try_take(self) -> Ticket | None:
         """A slot at once, if one is free."""

@@ -241,6 +241,7 @@ class GateKeeper:
 
     def _take(self, holder: str) -> Ticket:
         self._held[holder] += 1
+        concurrency.note_sent(self._limit, time.monotonic())     # see KeeperLimit.sent
         return concurrency.admit(self._limit)
 
     def _serve(self) -> None:
@@ -283,6 +284,10 @@ class KeeperLimit:
             # The keeper hands the slot out all the same once one is free: give it back then.
             asyncio.ensure_future(self._give_back(admitted))
             raise
+
+    def sent(self) -> None:
+        """The keeper counts a request as gone when it hands out its slot: one more call to it per
+        request, to say so a moment later, would cost more than the difference."""
 
     def finish(self, ticket: Ticket, outcome: Outcome, latency: float = 0.0) -> None:
         self._keeper.finish.remote(self.holder, ticket, outcome, latency)

@@ -124,6 +124,7 @@ class Simulated:
 
     def _request(self, ticket: Ticket) -> None:
         self.sent += 1
+        concurrency.note_sent(self.state, self.now)
         if self.capacity is not None and self.serving >= self.capacity:
             self.refused += 1
             self._push(self.now + self.REFUSAL_SECONDS, "refusal", ticket, 0.0)
@@ -208,6 +209,18 @@ def test_the_start_doubles_the_limit_no_more_often_than_its_interval():
     delay = concurrency.grow_with_time(state, 100.0 + concurrency.START_DOUBLING / 4)
     assert slots(state) == concurrency.INITIAL_LIMIT
     assert delay == pytest.approx(concurrency.START_DOUBLING * 3 / 4)
+
+
+def test_the_start_doubles_only_once_no_request_has_gone_out_for_its_interval():
+    # Slots handed out whose requests have not gone yet (their sessions' loop was busy) are untested.
+    state = concurrency.new_state(4096, adaptive=True)
+    state.waiting = 4096
+    concurrency.grow_with_time(state, 100.0)
+    concurrency.note_sent(state, 100.0 + 0.8 * concurrency.START_DOUBLING)
+    concurrency.grow_with_time(state, 100.0 + concurrency.START_DOUBLING)
+    assert slots(state) == concurrency.INITIAL_LIMIT
+    concurrency.grow_with_time(state, 100.0 + 1.8 * concurrency.START_DOUBLING)
+    assert slots(state) == 2 * concurrency.INITIAL_LIMIT
 
 
 def test_once_a_request_was_refused_time_no_longer_raises_the_limit():
