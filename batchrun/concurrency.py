@@ -239,14 +239,13 @@ def note_sent(state: AimdState, now: float) -> None:
 def grow_with_time(state: AimdState, now: float) -> float | None:
     """The start's growth without answers: while requests wait and nothing has pushed back, the limit
     doubles once no request has gone out for START_DOUBLING seconds (``now``: CLOCK_MONOTONIC, which
-    every process shares).
-    Callers ask while requests wait for a slot; the answer is how many seconds until they should ask
-    again, None once time will not raise the limit any more."""
+    every process shares). Callers ask while requests wait for a slot; the answer is how many seconds
+    until they should ask again, None once time will not raise the limit any more."""
     if not state.starting or state.limit >= state.ceiling:
         return None
     if state.waiting == 0:
         return START_DOUBLING
-    if state.next_doubling == 0.0:      # the first wait: the requests sent so far have just gone out
+    if state.next_doubling == 0.0:      # no request said it went out: those admitted so far go now
         state.next_doubling = now + START_DOUBLING
     if (due := state.next_doubling - now) > 0:
         return due
@@ -260,8 +259,8 @@ def grow_with_time(state: AimdState, now: float) -> float | None:
 
 
 def hold_growth(state: AimdState, now: float) -> None:
-    """A worker's loop ran late at ``now``: what it sent last may be refused without its having read
-    so, and the start doubles no sooner than START_DOUBLING from now."""
+    """A worker's loop ran late at ``now``: refusals of what it sent last may have come back unread,
+    so the start doubles no sooner than START_DOUBLING from now."""
     if state.starting and state.next_doubling:
         state.next_doubling = max(state.next_doubling, now + START_DOUBLING)
 

@@ -71,9 +71,9 @@ def serve_rounds(state: AimdState, capacity: int, rounds: int) -> tuple[int, int
 class Simulated:
     """The controller between sessions that always have a request to send (no tools) and a simulated
     server, on a simulated clock. The server answers request number n after ``latency(n)`` seconds
-    and, beyond ``capacity`` requests at once, refuses at once. The start's growth with time is asked
-    for where the worker's line thread asks: whenever requests wait, and again when the delay it
-    returned has passed."""
+    and, beyond ``capacity`` requests at once, refuses at once. Each request says when it goes out,
+    and the start's growth with time is asked for as a worker asks: whenever requests wait, and again
+    when the delay it returned has passed."""
 
     REFUSAL_SECONDS = 0.005
 
