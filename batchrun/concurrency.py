@@ -353,7 +353,9 @@ class SharedLimit:
         return await self._line.admit()
 
     def sent(self) -> None:
-        if self._state.starting:        # read without the lock: once over, the start never comes back
+        # Read without the lock: neither comes back once over (only a decrease lowers the limit from
+        # the ceiling, and it ends the start), and an endpoint that never pushes back keeps the start.
+        if self._state.starting and self._state.limit < self._state.ceiling:
             with self._lock:
                 note_sent(self._state, time.monotonic())
 
