@@ -204,13 +204,25 @@ class GateKeeper:
         self._held: Counter[str] = Counter()
         self._lost: set[str] = set()
         self._waiting: deque[tuple[str, asyncio.Future[Ticket]]] = deque()
+        self._growth: asyncio.TimerHandle | None = None
 
     async def admit(self, holder: str) -> Ticket:
         if not self._waiting and concurrency.has_room(self._limit):
             return self._take(holder)
         waiter: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
         self._waiting.append((holder, waiter))
+        if self._growth is None:
+            self._grow_with_time()
         return await waiter
+
+    def _grow_with_time(self) -> None:
+        """At the start of the run, time raises the limit while requests wait (concurrency.grow_with_time)."""
+        self._growth = None
+        self._limit.waiting = len(self._waiting)
+        delay = concurrency.grow_with_time(self._limit, time.monotonic())
+        self._serve()
+        if delay is not None and self._waiting:
+            self._growth = asyncio.get_running_loop().call_later(delay, self._grow_with_time)
 
     async def finish(self, holder: str, ticket: Ticket, outcome: Outcome, latency: float) -> None:
         if holder in self._lost:
@@ -231,6 +243,7 @@ class GateKeeper:
 
     def _take(self, holder: str) -> Ticket:
         self._held[holder] += 1
+        concurrency.note_sent(self._limit, time.monotonic())     # see KeeperLimit.sent
         return concurrency.admit(self._limit)
 
     def _serve(self) -> None:
@@ -273,6 +286,10 @@ class KeeperLimit:
             # The keeper hands the slot out all the same once one is free: give it back then.
             asyncio.ensure_future(self._give_back(admitted))
             raise
+
+    def sent(self) -> None:
+        """The keeper counts a request as gone when it hands out its slot: one more call to it per
+        request, to say so a moment later, would cost more than the difference."""
 
     def finish(self, ticket: Ticket, outcome: Outcome, latency: float = 0.0) -> None:
         self._keeper.finish.remote(self.holder, ticket, outcome, latency)

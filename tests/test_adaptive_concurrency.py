@@ -5,6 +5,7 @@ for every worker process or Ray actor."""
 from __future__ import annotations
 
 import asyncio
+import heapq
 import importlib.util
 import io
 import json
@@ -13,6 +14,8 @@ import os
 import shutil
 import signal
 import tempfile
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -24,15 +27,16 @@ from scripted_endpoint import ScriptedEndpoint
 from batchrun import concurrency
 from batchrun.concurrency import AimdState, ConcurrencyFigures, Outcome, SharedLimit, Ticket, slots
 from batchrun.console import RunConsole
+from batchrun.ray_pool import GateKeeper
 from batchrun.stats import ThisRun
 
 FORK = multiprocessing.get_context("fork")
 
 
 def limited_state(limit: float, *, ceiling: int = 256, waiting: int = 100) -> AimdState:
-    """A controller at ``limit``, past its first rounds, with requests waiting for a slot."""
+    """A controller at ``limit``, past its start (something pushed back once), with requests waiting."""
     state = concurrency.new_state(ceiling, adaptive=True)
-    state.limit, state.step, state.waiting = limit, 1.0, waiting
+    state.limit, state.step, state.waiting, state.starting, state.round_size = limit, 1.0, waiting, False, limit
     return state
 
 
@@ -62,6 +66,80 @@ def serve_rounds(state: AimdState, capacity: int, rounds: int) -> tuple[int, int
             concurrency.finish(state, ticket, Outcome.ANSWERED, 0.2)
         history.append(slots(state))
     return requests, refused, history
+
+
+class Simulated:
+    """The controller between sessions that always have a request to send (no tools) and a simulated
+    server, on a simulated clock. The server answers request number n after ``latency(n)`` seconds
+    and, beyond ``capacity`` requests at once, refuses at once. Each request says when it goes out,
+    and the start's growth with time is asked for as a worker asks: whenever requests wait, and again
+    when the delay it returned has passed."""
+
+    REFUSAL_SECONDS = 0.005
+
+    def __init__(self, sessions: int, latency: Callable[[int], float], capacity: int | None = None) -> None:
+        self.state = concurrency.new_state(sessions, adaptive=True)
+        self.sessions, self.latency, self.capacity = sessions, latency, capacity
+        self.now = 0.0
+        self.sent = self.refused = self.serving = 0
+        self.served_seconds = 0.0            # requests being served, summed over time
+        self._events: list[tuple[float, int, str, Ticket | None, float]] = []
+        self._tick_at: float | None = None
+
+    def run(self, until: float) -> Simulated:
+        self._send()
+        while self._events and self._events[0][0] <= until:
+            at, _, kind, ticket, latency = heapq.heappop(self._events)
+            self._advance(at)
+            self.state.waiting = self.sessions - self.state.in_flight
+            if kind == "answer":
+                self.serving -= 1
+                concurrency.finish(self.state, ticket, Outcome.ANSWERED, latency)
+            elif kind == "refusal":
+                concurrency.finish(self.state, ticket, Outcome.OVERLOADED)
+            else:
+                self._tick_at = None
+            self._send()
+        self._advance(until)
+        return self
+
+    def _advance(self, to: float) -> None:
+        self.served_seconds += self.serving * (to - self.now)
+        self.now = to
+
+    def _send(self) -> None:
+        while True:
+            while concurrency.has_room(self.state) and self.state.in_flight < self.sessions:
+                self._request(concurrency.admit(self.state))
+            self.state.waiting = self.sessions - self.state.in_flight
+            if not self.state.waiting:
+                return
+            before = slots(self.state)
+            delay = concurrency.grow_with_time(self.state, self.now)
+            if slots(self.state) == before:
+                break
+        if delay is not None and self._tick_at is None:
+            self._tick_at = self.now + delay
+            self._push(self._tick_at, "tick", None, 0.0)
+
+    def _request(self, ticket: Ticket) -> None:
+        self.sent += 1
+        concurrency.note_sent(self.state, self.now)
+        if self.capacity is not None and self.serving >= self.capacity:
+            self.refused += 1
+            self._push(self.now + self.REFUSAL_SECONDS, "refusal", ticket, 0.0)
+        else:
+            self.serving += 1
+            latency = self.latency(self.sent)
+            self._push(self.now + latency, "answer", ticket, latency)
+
+    def _push(self, at: float, kind: str, ticket: Ticket | None, latency: float) -> None:
+        heapq.heappush(self._events, (at, self.sent, kind, ticket, latency))
+
+
+def spread(low: float, high: float) -> Callable[[int], float]:
+    """Latencies spread evenly over [low, high], in a scrambled order (as answers of varied length come)."""
+    return lambda n: low + (high - low) * ((n * 7919) % 1000) / 999
 
 
 # -- the controller ---------------------------------------------------------------------------------
@@ -105,12 +183,119 @@ def test_answers_to_requests_sent_before_a_decrease_do_not_raise_the_limit():
     assert state.limit == lowered
 
 
-def test_from_the_start_the_limit_grows_by_more_than_half_every_round():
+def test_until_something_pushes_back_every_answer_raises_the_limit_by_one():
     state = concurrency.new_state(256, adaptive=True)
-    state.waiting = 100
-    start = slots(state)
+    state.waiting = 300
     answer_rounds(state, 3)
-    assert slots(state) >= start * 1.5 ** 3
+    assert slots(state) == concurrency.INITIAL_LIMIT * 2 ** 3
+
+
+def test_while_requests_wait_and_nothing_pushes_back_the_limit_doubles_with_time_alone():
+    state = concurrency.new_state(4096, adaptive=True)
+    state.waiting = 4096
+    fill(state)
+    assert concurrency.grow_with_time(state, 100.0) == concurrency.START_DOUBLING    # the clock starts
+    limits = []
+    for doubling in range(1, 9):
+        concurrency.grow_with_time(state, 100.0 + doubling * concurrency.START_DOUBLING)
+        limits.append(slots(state))
+    assert limits == [32, 64, 128, 256, 512, 1024, 2048, 4096]
+
+
+def test_the_start_doubles_the_limit_no_more_often_than_its_interval():
+    state = concurrency.new_state(4096, adaptive=True)
+    state.waiting = 4096
+    concurrency.grow_with_time(state, 100.0)
+    delay = concurrency.grow_with_time(state, 100.0 + concurrency.START_DOUBLING / 4)
+    assert slots(state) == concurrency.INITIAL_LIMIT
+    assert delay == pytest.approx(concurrency.START_DOUBLING * 3 / 4)
+
+
+def test_the_start_doubles_only_once_no_request_has_gone_out_for_its_interval():
+    # Slots handed out whose requests have not gone yet (their sessions' loop was busy) are untested.
+    state = concurrency.new_state(4096, adaptive=True)
+    state.waiting = 4096
+    concurrency.grow_with_time(state, 100.0)
+    concurrency.note_sent(state, 100.0 + 0.8 * concurrency.START_DOUBLING)
+    concurrency.grow_with_time(state, 100.0 + concurrency.START_DOUBLING)
+    assert slots(state) == concurrency.INITIAL_LIMIT
+    concurrency.grow_with_time(state, 100.0 + 1.8 * concurrency.START_DOUBLING)
+    assert slots(state) == 2 * concurrency.INITIAL_LIMIT
+
+
+def test_once_a_request_was_refused_time_no_longer_raises_the_limit():
+    state = concurrency.new_state(4096, adaptive=True)
+    state.waiting = 4096
+    tickets = fill(state)
+    concurrency.grow_with_time(state, 100.0)
+    concurrency.finish(state, tickets[0], Outcome.OVERLOADED)
+    lowered = state.limit
+    assert concurrency.grow_with_time(state, 200.0) is None
+    assert state.limit == lowered
+
+
+def test_time_leaves_alone_a_limit_that_keeps_nobody_waiting():
+    state = concurrency.new_state(4096, adaptive=True)
+    state.waiting = 0
+    concurrency.grow_with_time(state, 100.0)
+    concurrency.grow_with_time(state, 200.0)
+    assert slots(state) == concurrency.INITIAL_LIMIT
+
+
+def test_time_stops_raising_the_limit_at_the_ceiling():
+    state = concurrency.new_state(100, adaptive=True)
+    state.waiting = 100
+    concurrency.grow_with_time(state, 100.0)
+    for doubling in range(1, 5):
+        delay = concurrency.grow_with_time(state, 100.0 + doubling * concurrency.START_DOUBLING)
+    assert slots(state) == 100 and delay is None
+
+
+def test_a_held_start_waits_a_whole_interval_before_its_next_doubling():
+    state = concurrency.new_state(4096, adaptive=True)
+    state.waiting = 4096
+    concurrency.grow_with_time(state, 100.0)
+    late = 100.0 + 3 * concurrency.START_DOUBLING
+    concurrency.hold_growth(state, late)
+    assert concurrency.grow_with_time(state, late) == pytest.approx(concurrency.START_DOUBLING)
+    assert slots(state) == concurrency.INITIAL_LIMIT
+    concurrency.grow_with_time(state, late + concurrency.START_DOUBLING)
+    assert slots(state) == 2 * concurrency.INITIAL_LIMIT
+
+
+def test_with_adaptation_off_time_does_nothing():
+    state = concurrency.new_state(64, adaptive=False)
+    state.waiting = 100
+    assert concurrency.grow_with_time(state, 100.0) is None
+
+
+@pytest.mark.parametrize(("sessions", "latency", "within"), [(2048, 10.0, 4.0), (8192, 30.0, 5.0)])
+def test_against_a_slow_endpoint_every_session_is_in_flight_long_before_the_first_answer(sessions, latency, within):
+    simulated = Simulated(sessions, lambda n: latency).run(until=within)
+    assert simulated.state.in_flight == sessions
+
+
+def test_a_uniformly_slow_endpoint_is_not_taken_for_one_that_queues():
+    simulated = Simulated(2048, lambda n: 10.0).run(until=120.0)
+    assert simulated.state.lowest == concurrency.INITIAL_LIMIT      # never lowered
+    assert slots(simulated.state) == 2048
+
+
+@pytest.mark.parametrize(("sessions", "low", "high"), [(2048, 1.0, 19.0), (64, 0.05, 0.95), (256, 0.2, 10.0)])
+def test_replies_of_widely_varied_latency_are_not_taken_for_a_server_that_queues(sessions, low, high):
+    # The first answers to come back are the quickest: compared with them, the usual ones look slow.
+    simulated = Simulated(sessions, spread(low, high)).run(until=40 * high)
+    assert simulated.state.lowest == concurrency.INITIAL_LIMIT
+    assert slots(simulated.state) == sessions
+
+
+@pytest.mark.parametrize("latency", [0.2, 1.0, 10.0])
+def test_under_a_concurrency_limit_the_run_keeps_it_served_with_few_refusals(latency):
+    """256 sessions against a server of 32 requests at once (benchmarks/concurrency_limit.py's case)."""
+    simulated = Simulated(256, lambda n: latency, capacity=32).run(until=300 * latency)
+    assert simulated.served_seconds / simulated.now >= 0.9 * 32
+    assert simulated.refused <= 0.05 * simulated.sent
+    assert slots(simulated.state) <= 32
 
 
 def test_the_limit_never_exceeds_the_ceiling():
@@ -144,11 +329,12 @@ def test_the_limit_follows_a_server_whose_capacity_changes():
         assert 0.8 * capacity <= slots(state) <= capacity + 1, capacity
 
 
-def test_rising_latency_lowers_the_limit():
+def test_rising_latency_lowers_the_limit_within_two_rounds():
+    # The round under way when answers turn slow is partly answered already: the next one is all slow.
     state = limited_state(32)
     answer_rounds(state, 5, latency=0.2)
     raised = state.limit
-    answer_rounds(state, 1, latency=2.0)
+    answer_rounds(state, 2, latency=2.0)
     assert state.limit < raised
 
 
@@ -225,6 +411,61 @@ def test_a_lowered_limit_admits_fewer_requests_at_once():
         except TimeoutError:
             return len(admitted)
     assert asyncio.run(admitted_after_a_429()) == 3
+
+
+def test_requests_waiting_in_a_worker_process_get_the_slots_the_start_adds_with_time():
+    async def admitted_without_answers() -> int:
+        limit = SharedLimit(64, adaptive=True)
+        admissions = [asyncio.ensure_future(limit.admit()) for _ in range(64)]
+        # No request is answered: only time can raise the limit from its first 16.
+        await asyncio.wait_for(asyncio.gather(*admissions), 30)
+        return limit.figures().limit
+    assert asyncio.run(admitted_without_answers()) == 64
+
+
+def test_a_worker_whose_loop_ran_late_doubles_the_limit_only_a_whole_interval_after():
+    """A loop that was busy may not have read the refusals that came back meanwhile."""
+    async def seconds_from_the_stall_to_the_doubling() -> float:
+        limit = SharedLimit(64, adaptive=True)
+        admissions = [asyncio.ensure_future(limit.admit()) for _ in range(64)]
+        await asyncio.sleep(0)        # 16 admitted, the others wait: the start's clock runs
+        time.sleep(3 * concurrency.START_DOUBLING)     # the loop is stuck past its doubling
+        caught_up = time.monotonic()
+        await asyncio.wait([a for a in admissions if not a.done()], return_when=asyncio.FIRST_COMPLETED)
+        doubled = time.monotonic()
+        await asyncio.wait_for(asyncio.gather(*admissions), 30)
+        return doubled - caught_up
+    assert asyncio.run(seconds_from_the_stall_to_the_doubling()) >= concurrency.START_DOUBLING
+
+
+def test_requests_waiting_at_the_ray_gate_keeper_get_the_slots_the_start_adds_with_time():
+    async def admitted_without_answers() -> int:
+        keeper = GateKeeper(None, 64, adaptive=True)      # the actor's class, used without Ray
+        admissions = [asyncio.ensure_future(keeper.admit("actor")) for _ in range(64)]
+        await asyncio.wait_for(asyncio.gather(*admissions), 30)
+        return (await keeper.figures()).limit
+    assert asyncio.run(admitted_without_answers()) == 64
+
+
+def test_a_worker_process_takes_every_free_slot_its_line_wants_at_once_and_no_more():
+    limit = SharedLimit(5, adaptive=False)
+    for _ in range(6):
+        limit.join_line()
+    assert len(limit.wait_and_take(3)) == 3         # three wanted: two stay free
+    assert len(limit.wait_and_take(10)) == 2        # only what is free: it does not wait for more
+    assert limit.figures().limit == 5 and limit.try_take() is None
+
+
+def test_worker_processes_share_the_free_slots_by_the_requests_each_has_waiting():
+    limit = SharedLimit(4, adaptive=False, holders=2)
+    for holder in (0, 1):
+        limit.bind(holder)
+        for _ in range(4):
+            limit.join_line()
+    limit.bind(0)
+    assert len(limit.wait_and_take(4)) == 2
+    limit.bind(1)
+    assert len(limit.wait_and_take(4)) == 2
 
 
 def _hold_slots_and_wait(limit: SharedLimit, ready: Any) -> None:
