@@ -25,10 +25,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-# bubblewrap's own sandbox options, so that the comparison is like for like.
-from batchrun.environments import bubblewrap, confined_files, create_environment, environment_class  # noqa: E402
+from batchrun.environments import confined_files, create_environment, environment_class  # noqa: E402
 from batchrun.environments.base import EnvironmentSettings  # noqa: E402
-from batchrun.environments.bubblewrap import bubblewrap_problem, working_bwrap  # noqa: E402
+
+# bubblewrap's own sandbox options, so that the comparison is like for like.
+from batchrun.environments.bubblewrap import (  # noqa: E402
+    bubblewrap_problem,
+    program,
+    working_bwrap,
+)
 
 WARM_UP = 5
 SMALL_FILE = b"x" * 1024
@@ -63,17 +68,16 @@ async def new_sandbox_ms(work_root: Path, commands: int) -> float:
     settings = EnvironmentSettings(work_root=work_root, run_label="bench")
     bwrap = working_bwrap()
     assert not isinstance(bwrap, str), bwrap
-    uid = bubblewrap._sandbox_uid() if os.geteuid() == 0 else None
+    uid = program.sandbox_uid() if program.RUNNING_AS_ROOT else None
     if uid is not None:
         os.chown(workspace, uid, uid)
-    way = bubblewrap._way(bwrap, work_root, uid)
-    root = bubblewrap._root_descriptor(work_root, False)
+    root = program.root_descriptor(work_root, False)
 
     async def step() -> None:
-        descriptors = bubblewrap._Descriptors(root, workspace, way.passwd_uid())
+        descriptors = program.Descriptors(root, workspace, uid)
         try:
-            argv = way.command(False, settings.limits, descriptors, ["bash", "-c", "true"])
-            process = await asyncio.create_subprocess_exec(*argv, env=bubblewrap._sandbox_environment(),
+            argv = program.sandbox_command(bwrap.path, False, settings.limits, descriptors, uid, ["bash", "-c", "true"])
+            process = await asyncio.create_subprocess_exec(*argv, env=program.sandbox_environment(),
                                                            pass_fds=descriptors.passed())
         finally:
             descriptors.close()
@@ -144,7 +148,6 @@ async def print_file_tools(kind: str, work_root: Path, calls: int) -> None:
 
 async def main(commands: int) -> None:
     with tempfile.TemporaryDirectory(prefix="environment-overhead-") as scratch:
-        os.chmod(scratch, 0o755)        # as $TMPDIR/batch_runner is: open for a root run's sandbox users
         work_root = Path(scratch)
         problem = bubblewrap_problem()
         print(f"mean per-command overhead over {commands} `true` commands")

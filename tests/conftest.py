@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -148,24 +145,14 @@ def finished_row_count(run_dir: Path) -> int:
     return sum(path.read_bytes().count(b"\n") for path in run_dir.glob("batch_*.jsonl"))
 
 
-@pytest.fixture(params=["user-namespace", "setpriv"])
-def sandbox_home(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
-    """Where a test's sandboxes live, once for each way a root run starts them: as the sandbox's uid in a
-    user namespace of its own (the run's directories open to every user, as under /tmp), and without a
-    user namespace, the shell dropping to that uid (a run whose directories only root may enter: pytest's
-    own tmp_path). A runner that is not root always takes the first."""
-    from batchrun.environments.bubblewrap import working_bwrap
-    found = working_bwrap()
-    if request.param == "setpriv":
-        if os.geteuid() != 0 or isinstance(found, str) or not found.setpriv:
-            pytest.skip("only a root run on a host that allows sandboxes without a user namespace has this way")
-        yield tmp_path
-        return
-    if os.geteuid() == 0 and (isinstance(found, str) or not found.user_namespace):
-        pytest.skip("this host allows no unprivileged user namespace")
-    home = Path(tempfile.mkdtemp(prefix="batchrun-test-"))
-    os.chmod(home, 0o755)
-    try:
-        yield home
-    finally:
-        shutil.rmtree(home, ignore_errors=True)
+@pytest.fixture(params=["as-this-run", "user-namespace"])
+def sandbox_home(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Where a test's sandboxes live, once for each way they are made: as this run makes them (a root
+    run's: no user namespace, the shell dropping to a uid of its own), and as an ordinary user's run
+    does (a user namespace of its own). As root, the second is built as an ordinary user's would be but
+    maps the sandbox to root outside, so tests of what root's sandboxes may not do take only the first."""
+    if request.param == "user-namespace" and os.geteuid() == 0:
+        from batchrun.environments.bubblewrap import program, sandbox
+        monkeypatch.setattr(program, "RUNNING_AS_ROOT", False)
+        monkeypatch.setattr(sandbox, "RUNNING_AS_ROOT", False)
+    return tmp_path

@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 from conftest import live_processes_mentioning, wait_for
 
-from batchrun.environments import bubblewrap, create_environment, default_environment_kind
+from batchrun.environments import create_environment, default_environment_kind
 from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError, ToolError
 from batchrun.environments.bubblewrap import BubblewrapEnvironment, bubblewrap_problem
+from batchrun.environments.bubblewrap import sandbox as sandbox_module
 from batchrun.tools import ToolContext
 from batchrun.tools.files import search_files, write_file
 from batchrun.tools.terminal import terminal
@@ -387,31 +388,31 @@ def test_file_tools_cannot_escape_the_workspace(path, sandbox_home):
 
 # --- a runner started as root gives the sandbox none of root's power over the host ---------------------------
 
-def test_a_command_cannot_write_a_kernel_setting_even_when_the_runner_is_root(sandbox_home):
+def test_a_command_cannot_write_a_kernel_setting_even_when_the_runner_is_root(tmp_path):
     # Writing back the value already there: harmless if the sandbox fails to stop it.
-    [result] = run_commands(make_settings(sandbox_home),
+    [result] = run_commands(make_settings(tmp_path),
                             'v=$(cat /proc/sys/vm/swappiness) && printf "%s\\n" "$v" > /proc/sys/vm/swappiness '
                             '&& echo WROTE')
     assert "WROTE" not in result.output
 
 
-def test_a_command_cannot_change_the_hosts_device_nodes(sandbox_home):
+def test_a_command_cannot_change_the_hosts_device_nodes(tmp_path):
     before = Path("/dev/zero").stat()
-    [result] = run_commands(make_settings(sandbox_home), "touch -m -d @1000000000 /dev/zero; chmod 666 /dev/zero && echo CHMOD")
+    [result] = run_commands(make_settings(tmp_path), "touch -m -d @1000000000 /dev/zero; chmod 666 /dev/zero && echo CHMOD")
     assert Path("/dev/zero").stat().st_mtime == before.st_mtime
     assert "CHMOD" not in result.output
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a runner that is not root hands its sandboxes no privilege to drop")
-def test_commands_of_a_root_run_are_an_unprivileged_user_the_sandbox_can_name(sandbox_home):
-    [result] = run_commands(make_settings(sandbox_home), "id -u; whoami; grep CapEff /proc/self/status")
+def test_commands_of_a_root_run_are_an_unprivileged_user_the_sandbox_can_name(tmp_path):
+    [result] = run_commands(make_settings(tmp_path), "id -u; whoami; grep CapEff /proc/self/status")
     uid, name, capabilities = result.output.splitlines()
     assert int(uid) != 0 and name == "sandbox" and capabilities.split()[1] == "0000000000000000"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a runner that is not root hands its sandboxes no privilege to drop")
-def test_a_setuid_program_does_not_give_a_root_runs_commands_root_again(sandbox_home):
-    [result] = run_commands(make_settings(sandbox_home), "su -c 'id -u' root </dev/null 2>&1; "
+def test_a_setuid_program_does_not_give_a_root_runs_commands_root_again(tmp_path):
+    [result] = run_commands(make_settings(tmp_path), "su -c 'id -u' root </dev/null 2>&1; "
                             "find /usr/bin -perm -4000 -exec {} --version \\; >/dev/null 2>&1; id -u")
     assert result.output.strip().splitlines()[-1] != "0"
     assert "\n0\n" not in "\n" + result.output
@@ -568,7 +569,7 @@ def test_a_shell_that_answers_without_end_is_not_read_without_end(sandbox_home):
 # --- spares: sandboxes started ahead of need ----------------------------------------------------------------------
 
 def spare_pids() -> list[int]:
-    return [sandbox.shell.process.pid for ready in bubblewrap._spares._ready.values() for sandbox in ready]
+    return [spare.shell.process.pid for spare in sandbox_module.spares.ready()]
 
 
 def test_a_prompt_takes_a_spare_started_before_it_and_the_next_one_is_started(sandbox_home):

