@@ -32,7 +32,7 @@ from batchrun import rows
 from batchrun.config import UsageError, boolean, choice, non_negative_int, text, validate_run_name
 from batchrun.install_hint import install_hint
 from batchrun.rows import AssistantTurn, HumanTurn, ToolCallRecord, Turn
-from batchrun.run_dir import RunDirectory, line_number, lines_at, superseded_corrupted
+from batchrun.run_dir import RunDirectory, line_number, lines_at, superseded_corrupted, temp_beside
 
 FORMATS = ("openai", "sharegpt", "parquet", "hf")
 # Where a turn's reasoning goes in the openai format: inline as the row's own think block, a
@@ -458,7 +458,7 @@ def _write_file(out: Path, write: Callable[[Path], object]) -> None:
     if out.is_dir():
         raise ExportError(f"--out={out} is a directory; --export writes a file there")
     out.parent.mkdir(parents=True, exist_ok=True)
-    temp = out.with_name(out.name + ".tmp")
+    temp = temp_beside(out)     # another export (or the same command twice) may be writing beside it too
     try:
         write(temp)
         os.replace(temp, out)
