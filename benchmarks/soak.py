@@ -181,7 +181,7 @@ def main() -> None:
                 continue
             peak_fds = max(peak_fds, current.parent.fds, *(w.fds for w in current.workers))
             peak_processes = max(peak_processes, current.processes)
-            if current.prompts >= next_line:
+            if current.prompts >= next_line and current.workers:     # not once the run is ending
                 rate = (current.prompts - last_prompts) / (current.seconds - last_seconds)
                 print(current.row(rate), flush=True)
                 lines.append(current)
