@@ -39,6 +39,7 @@ from batchrun.run_dir import (
     RunDirectoryError,
     ScanResult,
     earlier_outcomes,
+    is_disk_full,
     size_text,
     superseded_corrupted,
 )
@@ -574,6 +575,11 @@ def export_cli(flags: dict[str, Any], console: RunConsole) -> int:
         summary = export_run(options)
     except (UsageError, ExportError) as exc:
         console.error(str(exc))
+        return EXIT_ERROR
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        console.error(f"{DiskFull(options.out, 0)}. The file there is kept as it was; make room and export again.")
         return EXIT_ERROR
     for line in summary.lines():
         console.print(line)

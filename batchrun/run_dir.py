@@ -84,9 +84,9 @@ class DiskFull(RunDirectoryError):
         mount, kind = filesystem_of(path)
         usage = os.statvfs(mount)
         free, total = usage.f_bavail * usage.f_frsize, usage.f_blocks * usage.f_frsize
-        super().__init__(f"no space left on the disk for {path}: writing it needs about {size_text(needed)}, and "
-                         f"the filesystem that holds it ({kind} at {mount}) has {size_text(free)} free of "
-                         f"{size_text(total)}")
+        wanted = f"writing it needs about {size_text(needed)}, and " if needed else ""
+        super().__init__(f"no space left on the disk for {path}: {wanted}the filesystem that holds it ({kind} at "
+                         f"{mount}) has {size_text(free)} free of {size_text(total)}")
 
 
 def is_disk_full(exc: BaseException) -> bool:

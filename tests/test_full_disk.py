@@ -181,6 +181,21 @@ def test_report_on_a_full_disk_says_so_in_one_line_and_keeps_the_old_page(small_
     assert temporary_files(page.parent) == []
 
 
+def test_an_export_on_a_full_disk_says_so_in_one_line_and_keeps_the_old_file(small_disk, endpoint, tmp_path):
+    assert run_on(small_disk, endpoint, [f"question {number}" for number in range(10)],
+                  dataset_dir=tmp_path).returncode == 0
+    out = small_disk / "export.jsonl"
+    out.write_text("the earlier export\n")
+    fill(small_disk)
+    result = run_cli(small_disk / "home", "--run_name=run", "--export=sharegpt", f"--out={out}")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert result.stderr.count("error:") == 1 and "no space left" in result.stderr.lower()
+    assert str(out) in result.stderr
+    assert out.read_text() == "the earlier export\n"
+    assert temporary_files(small_disk) == []
+
+
 # ---------------------------------------------------------------------------------------------
 # Each file the run rewrites, on a disk with no room for the new version
 
