@@ -62,7 +62,7 @@ class DatasetPlan:
     skipped_lines: int
     pending_with_image: int = 0                  # pending prompts that name a container image
     pending_offsets: array = field(default_factory=lambda: array("q"))
-    pending_occurrences: array = field(default_factory=lambda: array("L"))   # per pending line: see DatasetRecord
+    pending_occurrences: array = field(default_factory=lambda: array("I"))   # per pending line: see DatasetRecord
 
     @property
     def pending(self) -> int:
