@@ -235,23 +235,29 @@ class BatchRunner:
 
     def _persist(self, finished: list[Finished]) -> None:
         """Append rows to their batch files and make them durable before they count as done: one
-        write and one fdatasync per batch file (a group commit). When the disk is full, the rows not
-        written are held back for one more try at the stop (see _stop), and DiskFull goes up."""
+        write and one fdatasync per batch file, one sync of the directory for the files created (a
+        group commit). When the disk is full, the rows not written are held back for one more try
+        at the stop (see _stop), and DiskFull goes up."""
         by_batch: dict[int, list[Finished]] = {}
         for message in finished:
             by_batch.setdefault(message.batch_num, []).append(message)
-        groups = list(by_batch.items())
-        for position, (batch_num, messages) in enumerate(groups):
-            data = b"".join(message.row for message in messages)
-            try:
-                self.run_dir.append(batch_num, data)
-            except DiskFull:
-                self._held_back = [message for _, unwritten in groups[position:] for message in unwritten]
-                raise
-            self._row_bytes += len(data)
-            self._rows_written += len(messages)
-            for message in messages:
-                self._record(message)
+        groups = list(by_batch.values())
+        written = 0
+        try:
+            for messages in groups:
+                data = b"".join(message.row for message in messages)
+                self.run_dir.append(messages[0].batch_num, data)
+                self._row_bytes += len(data)
+                written += 1
+        except DiskFull:
+            self._held_back = [message for messages in groups[written:] for message in messages]
+            raise
+        finally:
+            self.run_dir.sync_names()
+            for messages in groups[:written]:
+                self._rows_written += len(messages)
+                for message in messages:
+                    self._record(message)
 
     def _stop(self, pool: WorkerPool, env_settings: EnvironmentSettings) -> DiskFull | None:
         """End the workers (their sessions stop, their environments close) and keep the rows that

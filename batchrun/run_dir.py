@@ -323,6 +323,7 @@ class RunDirectory:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock_fd: int | None = None
+        self._created = False       # a batch file was created since the last sync_names()
 
     # -- ownership ------------------------------------------------------------------------------
 
@@ -407,7 +408,8 @@ class RunDirectory:
         The file is open only meanwhile, so the descriptors a run holds do not grow with its number
         of batch files (opening costs microseconds; the fdatasync, milliseconds). Rows that do not
         all fit, or cannot be synced, are cut off again: half a row left at the end would be glued
-        to the next row a later run appends.
+        to the next row a later run appends. The name of a file this creates is durable once
+        :meth:`sync_names` has run (one directory sync for all the files of a group commit).
         """
         path = self.path / f"batch_{batch_num}.jsonl"
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
@@ -425,8 +427,13 @@ class RunDirectory:
                 raise
         finally:
             os.close(fd)
-        if start == 0:      # a new file: its name must be as durable as its rows
+        self._created |= start == 0
+
+    def sync_names(self) -> None:
+        """Make the names of the batch files created since the last call durable."""
+        if self._created:
             _fsync_dir(self.path)
+            self._created = False
 
     def write_checkpoint(self, checkpoint: Checkpoint) -> None:
         atomic_write_json(self.path / CHECKPOINT, checkpoint.as_json())
