@@ -56,9 +56,10 @@ def sample_rows() -> dict[str, bytes]:
         turn([rows.ToolCallRecord("call_0", "made_up_tool", "{}", '{"error": "unknown tool"}')]), turn([], "ok")]})
     failed = rows.SessionResult(**{**result.__dict__, "turns": [], "end_reason": "error",
                                    "error": "HTTP 400: bad request", "error_type": "http_400"})
-    kinds = {"ok": rows.trajectory_row(result, batch_num=0, model="m", timestamp="2026-11-30T00:00:00"),
+    ok = rows.trajectory_row(result, batch_num=0, model="m", timestamp="2026-11-30T00:00:00")
+    kinds = {"ok": ok,
              "invented": rows.trajectory_row(invented, batch_num=0, model="m", timestamp="2026-11-30T00:00:00"),
-             "failed": rows.failure_row(failed), "discarded": rows.tombstone_row(result)}
+             "failed": rows.failure_row(failed), "discarded": rows.tombstone_row(ok, rows.NO_REASONING)}
     return {name: rows.encode_row(row) for name, row in kinds.items()}
 
 
