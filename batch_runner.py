@@ -39,7 +39,7 @@ from batchrun.run_dir import (
     RunDirectoryError,
     ScanResult,
     earlier_outcomes,
-    is_disk_full,
+    full_disk_named,
     size_text,
     superseded_corrupted,
 )
@@ -578,14 +578,13 @@ def export_cli(flags: dict[str, Any], console: RunConsole) -> int:
     try:
         options = export_options(run_name=flags["run_name"], discard_no_reasoning=flags["discard_no_reasoning"],
                                  **{name: flags[name] for name in EXPORT_FLAGS})
-        summary = export_run(options)
+        with full_disk_named(options.out):
+            summary = export_run(options)
     except (UsageError, ExportError) as exc:
         console.error(str(exc))
         return EXIT_ERROR
-    except OSError as exc:
-        if not is_disk_full(exc):
-            raise
-        console.error(f"{DiskFull(options.out, 0)}. The file there is kept as it was; make room and export again.")
+    except DiskFull as exc:
+        console.error(f"{exc}. The file there is kept as it was; make room and export again.")
         return EXIT_ERROR
     for line in summary.lines():
         console.print(line)

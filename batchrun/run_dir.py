@@ -93,6 +93,17 @@ def is_disk_full(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
+@contextmanager
+def full_disk_named(path: Path, needed: int = 0) -> Iterator[None]:
+    """A full disk met inside the block becomes DiskFull for ``path`` (see DiskFull)."""
+    try:
+        yield
+    except OSError as exc:
+        if is_disk_full(exc):
+            raise DiskFull(path, needed) from exc
+        raise
+
+
 def filesystem_of(path: Path) -> tuple[str, str]:
     """(mount point, filesystem type) of the filesystem that holds ``path`` (or would)."""
     mount = os.path.realpath(path)
@@ -138,18 +149,17 @@ def replacing(path: Path, *, needed: int = 0, durable: bool = True) -> Iterator[
     way, the temporary file is removed and ``path`` keeps its old content; a full disk raises
     DiskFull (``needed``: the size of the new version, where known)."""
     temp = temp_beside(path)
-    try:
-        with temp.open("xb") as handle:
-            yield handle
-            handle.flush()
-            if durable:
-                os.fsync(handle.fileno())
-        os.replace(temp, path)
-    except BaseException as exc:
-        temp.unlink(missing_ok=True)
-        if is_disk_full(exc):
-            raise DiskFull(path, needed) from exc
-        raise
+    with full_disk_named(path, needed):
+        try:
+            with temp.open("xb") as handle:
+                yield handle
+                handle.flush()
+                if durable:
+                    os.fsync(handle.fileno())
+            os.replace(temp, path)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
     if durable:
         _fsync_dir(path.parent)
 
@@ -329,13 +339,9 @@ class RunDirectory:
 
     def acquire(self) -> None:
         lock = self.path / LOCK
-        try:
+        with full_disk_named(lock):
             self.path.mkdir(parents=True, exist_ok=True)
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-        except OSError as exc:
-            if is_disk_full(exc):
-                raise DiskFull(lock, 0) from exc
-            raise
         try:
             # A POSIX record lock belongs to this process alone: forked workers do not inherit it,
             # so a killed runner frees the directory at once even while its workers wind down.
@@ -412,21 +418,20 @@ class RunDirectory:
         :meth:`sync_names` has run (one directory sync for all the files of a group commit).
         """
         path = self.path / f"batch_{batch_num}.jsonl"
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
-        try:
-            start = os.lseek(fd, 0, os.SEEK_END)
+        with full_disk_named(path, len(rows_data)):
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
             try:
-                written = 0
-                while written < len(rows_data):
-                    written += os.write(fd, rows_data[written:])
-                os.fdatasync(fd)
-            except OSError as exc:
-                os.ftruncate(fd, start)
-                if is_disk_full(exc):
-                    raise DiskFull(path, len(rows_data)) from exc
-                raise
-        finally:
-            os.close(fd)
+                start = os.lseek(fd, 0, os.SEEK_END)
+                try:
+                    written = 0
+                    while written < len(rows_data):
+                        written += os.write(fd, rows_data[written:])
+                    os.fdatasync(fd)
+                except OSError:
+                    os.ftruncate(fd, start)
+                    raise
+            finally:
+                os.close(fd)
         self._created |= start == 0
 
     def sync_names(self) -> None:
@@ -488,17 +493,15 @@ class RunDirectory:
                                 on_corrupted: Callable) -> tuple[MergeStatistics, dict]:
         part = read_merge_part([(path, previous.offsets.get(path.name, 0), path.stat().st_size) for path in files])
         path = self.path / TRAJECTORIES
-        with path.open("r+b") as out:
+        with path.open("r+b") as out, full_disk_named(path, part.kept_bytes):
             # A merge that crashed after appending left rows past the recorded size: they go, and
             # their batch lines are read again.
             out.truncate(previous.trajectories_bytes)
             try:
                 copy_kept_rows(out.fileno(), previous.trajectories_bytes, part.kept)
                 os.fsync(out.fileno())
-            except OSError as exc:      # what was merged before stays whole, without a half row after it
+            except OSError:     # what was merged before stays whole, without a half row after it
                 out.truncate(previous.trajectories_bytes)
-                if is_disk_full(exc):
-                    raise DiskFull(path, part.kept_bytes) from exc
                 raise
         return _combined([part], previous.offsets, previous.statistics, on_corrupted)
 
