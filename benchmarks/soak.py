@@ -9,7 +9,8 @@ terminal command per prompt by default: two model calls) with the open-file limi
 Every ``--every`` prompts it prints the throughput since the last line and, for the parent, the worker
 processes (the largest and all together) and the report's helper, RSS and PSS, open descriptors,
 and the processes in the run's whole tree (sandboxes included). At the end it prints how each figure
-moved from the line nearest ``--from`` prompts to the last one: growth shows there.
+moved from the line nearest ``--from`` prompts to the last one taken while prompts ran (after the last
+row the run stops its workers and merges): growth shows there.
 """
 
 from __future__ import annotations
@@ -181,7 +182,8 @@ def main() -> None:
                 continue
             peak_fds = max(peak_fds, current.parent.fds, *(w.fds for w in current.workers))
             peak_processes = max(peak_processes, current.processes)
-            if current.prompts >= next_line and current.workers:     # not once the run is ending
+            # Lines while prompts run; once the last row is in, the run stops its workers and merges.
+            if next_line <= current.prompts < args.prompts:
                 rate = (current.prompts - last_prompts) / (current.seconds - last_seconds)
                 print(current.row(rate), flush=True)
                 lines.append(current)
