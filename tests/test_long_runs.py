@@ -21,10 +21,12 @@ from conftest import (
     batch_runner_command,
     cli_environment,
     endpoint_args,
+    finished_row_count,
     read_jsonl,
     run_cli,
     write_dataset,
 )
+from test_report import page_data
 
 from batchrun import report, rows
 from batchrun.dataset import iter_pending, plan_dataset
@@ -185,6 +187,20 @@ def test_the_report_helper_reads_every_row_once_however_the_window_moves(tmp_pat
     follower.read_all()
     summary = follower.scan.summary
     assert summary.row_count == 10 + 5 and summary.batch_files == 7
+
+
+def test_the_report_a_run_draws_counts_every_row_once_when_retries_land_in_old_batch_files(tmp_path, endpoint):
+    prompts = [f"[[fail 400 1]] question {number}" if number % 7 == 0 else f"question {number}"
+               for number in range(60)]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    args = [f"--dataset_file={dataset}", "--batch_size=1", "--run_name=run", "--distribution=terminal_only",
+            *endpoint_args(endpoint)]
+    assert run_cli(tmp_path, *args, env={"TERMINAL_ENV": "local"}).returncode == 2      # 9 failed
+    resumed = run_cli(tmp_path, *args, "--resume", env={"TERMINAL_ENV": "local"})
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    run_dir = tmp_path / "data" / "run"
+    page = (run_dir / report.REPORT_FILE).read_text(encoding="utf-8")
+    assert page_data(page)["total"] == finished_row_count(run_dir) == 60 + 9
 
 
 def test_the_report_counts_a_bounded_number_of_distinct_invented_names(stored_lines):
