@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
 
-from throughput import endpoint, tree_pids  # noqa: E402
+from throughput import endpoint, tree_pids, tree_pss_bytes  # noqa: E402
 
 PROGRESS = re.compile(r"\[([\d,]+)/([\d,]+)\]")
 SAMPLE_SECONDS = 1.0
@@ -71,8 +71,15 @@ def python_children(pid: int) -> list[int]:
             found += [int(child) for child in (task / "children").read_text().split()]
     except OSError:
         return []
-    mine = Path(f"/proc/{pid}/exe").resolve() if Path(f"/proc/{pid}/exe").exists() else None
-    return [child for child in found if Path(f"/proc/{child}/exe").resolve() == mine]
+    mine = executable(pid)
+    return [child for child in found if mine is not None and executable(child) == mine]
+
+
+def executable(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:         # gone meanwhile
+        return None
 
 
 @dataclass
@@ -83,6 +90,7 @@ class Snapshot:
     workers: list[Process]
     report: Process | None
     processes: int
+    tree_pss: int   # every process of the run's tree: what the run takes of the machine's memory
 
     def row(self, rate: float) -> str:
         mb = 1 << 20
@@ -94,13 +102,14 @@ class Snapshot:
                 f"{self.parent.rss / mb:>7.1f} {self.parent.pss / mb:>7.1f} {self.parent.fds:>5} "
                 f"{len(self.workers):>3} {biggest / mb:>7.1f} {workers_rss / mb:>7.1f} {workers_pss / mb:>7.1f} "
                 f"{max((w.fds for w in self.workers), default=0):>5} "
-                f"{report.rss / mb:>7.1f} {report.pss / mb:>7.1f} {report.fds:>5} {self.processes:>6}")
+                f"{report.rss / mb:>7.1f} {report.pss / mb:>7.1f} {report.fds:>5} {self.processes:>6} "
+                f"{self.tree_pss / mb:>8.1f}")
 
 
 HEADER = (f"{'prompts':>8} {'seconds':>7} {'traj/s':>7} "
           f"{'par RSS':>7} {'par PSS':>7} {'p fds':>5} "
           f"{'wkr':>3} {'wmaxRSS':>7} {'wrk RSS':>7} {'wrk PSS':>7} {'w fds':>5} "
-          f"{'rep RSS':>7} {'rep PSS':>7} {'r fds':>5} {'procs':>6}")
+          f"{'rep RSS':>7} {'rep PSS':>7} {'r fds':>5} {'procs':>6} {'tree PSS':>8}")
 
 
 def snapshot(pid: int, prompts: int, seconds: float) -> Snapshot | None:
@@ -116,7 +125,7 @@ def snapshot(pid: int, prompts: int, seconds: float) -> Snapshot | None:
             report = figures
         else:
             workers.append(figures)
-    return Snapshot(prompts, seconds, parent, workers, report, len(tree_pids(pid)))
+    return Snapshot(prompts, seconds, parent, workers, report, len(tree_pids(pid)), tree_pss_bytes(pid))
 
 
 class Progress(threading.Thread):
@@ -209,6 +218,8 @@ def main() -> None:
             if first.report and last.report:
                 print(f"  report   RSS {change(first.report.rss, last.report.rss)}, PSS "
                       f"{change(first.report.pss, last.report.pss)}")
+            print(f"  the whole tree, PSS {change(first.tree_pss, last.tree_pss)} (pages a worker copies on "
+                  f"writing move PSS from the process it shared them with to the worker)")
             print(f"  descriptors: parent {first.parent.fds} -> {last.parent.fds}, largest worker "
                   f"{max(w.fds for w in first.workers)} -> {max(w.fds for w in last.workers)}; "
                   f"processes {first.processes} -> {last.processes}")
