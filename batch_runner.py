@@ -14,7 +14,7 @@ import os
 import sys
 import tempfile
 import time
-from collections import Counter, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
@@ -41,15 +41,18 @@ from batchrun.messages import Fatal, Finished, Task
 from batchrun.report_follower import ReportFailed, ReportFollower
 from batchrun.run_dir import (
     Checkpoint,
+    DiskFull,
     RunDirectory,
     RunDirectoryError,
     ScanResult,
     earlier_outcomes,
+    full_disk_named,
+    size_text,
     superseded_corrupted,
 )
 from batchrun.security import Redactor
 from batchrun.stats import ThisRun, build_statistics
-from batchrun.workers import PoolStartError, ProcessPool, WorkerPool, process_count
+from batchrun.workers import PoolStartError, ProcessPool, WorkerPool, process_count, raise_open_file_limit
 
 CHECKPOINT_MIN_INTERVAL = 1.0     # seconds; coalesces checkpoint rewrites when batches are tiny
 MAX_CORRUPTED_LINES_SHOWN = 20
@@ -57,7 +60,7 @@ MAX_CORRUPTED_LINES_SHOWN = 20
 # sandbox, and the next is ready long before another prompt ends.
 SPARE_SANDBOXES = 2
 # Exit codes: every prompt of this invocation done / the run stopped (bad input, a run-wide endpoint
-# error, the lock) / the run finished but some prompts failed (--resume retries them) / Ctrl-C.
+# error, the lock, a full disk) / the run finished but some prompts failed (--resume retries them) / Ctrl-C.
 EXIT_OK, EXIT_ERROR, EXIT_SOME_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
@@ -76,11 +79,19 @@ class BatchRunner:
         self._checkpoint_due = False
         self._last_checkpoint = 0.0
         self._total_prompts = 0
+        self._pending_prompts = 0                 # of this invocation's plan
         self._report: ReportFollower | None = None     # the report's helper, while prompts run
+        self._held_back: list[Finished] = []      # rows a full disk refused, tried once more at the stop
+        self._row_bytes = self._rows_written = 0  # this invocation's, to tell a full disk what is needed
+        # Prompts handed out whose rows are not written yet, in the order handed out, which is the
+        # order of their indexes: the first is the lowest (see _publish_progress).
+        self._open_prompts: OrderedDict[int, None] = OrderedDict()
+        self._highest_index = -1                  # of the prompts handed out
 
     # -- the run --------------------------------------------------------------------------------
 
     def run(self) -> int:
+        raise_open_file_limit()
         try:
             self.run_dir.acquire()
         except RunDirectoryError as exc:
@@ -88,6 +99,11 @@ class BatchRunner:
             return EXIT_ERROR
         try:
             return self._run_locked()
+        except DiskFull as exc:     # a checkpoint, the merge or the statistics found no room
+            if self._report is not None:
+                self._report.cancel()
+            self.console.error(self._disk_full_message(exc))
+            return EXIT_ERROR
         except RunDirectoryError as exc:    # a batch file line the resume scan or the merge cannot read
             self.console.error(str(exc))
             return EXIT_ERROR
@@ -117,6 +133,7 @@ class BatchRunner:
             return EXIT_ERROR
         self.done_prompts = plan.already_done
         self._total_prompts = plan.total
+        self._pending_prompts = plan.pending
         if plan.pending:     # never more sessions (nor worker processes) than prompts to run
             self.config = config = dataclasses.replace(config, num_workers=min(config.num_workers, plan.pending))
         self._print_startup(plan, scan, live_corrupted)
@@ -143,21 +160,24 @@ class BatchRunner:
             self._report.cancel()
             return EXIT_INTERRUPTED
         self.console.start_progress(plan.total, plan.already_done, self.this_run)
-        exit_code, fatal = EXIT_OK, None
+        exit_code, fatal, disk_full = EXIT_OK, None, None
         try:
             fatal = self._feed(pool, self._planned_tasks(plan))
             if fatal is None:       # every row is written: the report's plots are drawn while the run ends
                 self._report.rows_written(self.config.distribution)
         except KeyboardInterrupt:
             exit_code = EXIT_INTERRUPTED
+        except DiskFull as exc:
+            disk_full = exc
         except RuntimeError as exc:   # the pool itself failed (Ray lost every actor)
             fatal = Fatal(str(exc))
         finally:
             self.console.stop_progress()
-            self._persist(pool.stop())
-            self.this_run.concurrency = pool.concurrency
-            self._write_checkpoint()
-            environment_class(self.config.terminal_env).remove_leftovers(env_settings)
+            disk_full = self._stop(pool, env_settings) or disk_full
+        if disk_full is not None:
+            self._report.cancel()
+            self.console.error(self._disk_full_message(disk_full))
+            return EXIT_ERROR
         if fatal is not None:
             self._report.cancel()
             self.console.error(f"{fatal.message}\nThe run stopped; finished prompts are saved. Fix the problem and "
@@ -201,6 +221,8 @@ class BatchRunner:
                     exhausted = True
                 else:
                     pool.submit(task)
+                    self._open_prompts[task.prompt_index] = None
+                    self._highest_index = task.prompt_index
             if pool.in_flight == 0:
                 return None
             messages = pool.receive(timeout=1.0)
@@ -210,14 +232,74 @@ class BatchRunner:
             if fatal := next((message for message in messages if isinstance(message, Fatal)), None):
                 return fatal
             self._maybe_checkpoint()
+            self._publish_progress()
+
+    def _publish_progress(self) -> None:
+        """Tell the report's helper which batch files can still grow: none below the lowest batch
+        of a prompt not yet written (prompts are handed out in index order), none above the highest
+        handed out."""
+        if self._report is not None:
+            first_open = next(iter(self._open_prompts), self._highest_index + 1)
+            batch_size = self.config.batch_size
+            self._report.progress(first_open // batch_size, self._highest_index // batch_size)
 
     def _persist(self, finished: list[Finished]) -> None:
-        """Append rows to their batch files and make them durable before they count as done."""
+        """Append rows to their batch files and make them durable before they count as done: one
+        write and one fdatasync per batch file, one sync of the directory for the files created (a
+        group commit). When the disk is full, the rows not written are held back for one more try
+        at the stop (see _stop), and DiskFull goes up."""
+        by_batch: dict[int, list[Finished]] = {}
         for message in finished:
-            self.run_dir.append(message.batch_num, message.row)
-        self.run_dir.sync()
-        for message in finished:
-            self._record(message)
+            by_batch.setdefault(message.batch_num, []).append(message)
+        groups = list(by_batch.values())
+        written = 0
+        try:
+            for messages in groups:
+                data = b"".join(message.row for message in messages)
+                self.run_dir.append(messages[0].batch_num, data)
+                self._row_bytes += len(data)
+                written += 1
+        except DiskFull:
+            self._held_back = [message for messages in groups[written:] for message in messages]
+            raise
+        finally:
+            self.run_dir.sync_names()
+            for messages in groups[:written]:
+                self._rows_written += len(messages)
+                for message in messages:
+                    self._record(message)
+
+    def _stop(self, pool: WorkerPool, env_settings: EnvironmentSettings) -> DiskFull | None:
+        """End the workers (their sessions stop, their environments close) and keep the rows that
+        finished meanwhile, with those a full disk held back: the sandboxes that are gone by then may
+        have made room. The environments' leftovers are removed whatever happens."""
+        held_back, self._held_back = self._held_back, []
+        try:
+            finished = pool.stop()
+            self.this_run.concurrency = pool.concurrency
+            self._persist([*held_back, *finished])
+            self._write_checkpoint()
+        except DiskFull as exc:
+            return exc
+        finally:
+            environment_class(self.config.terminal_env).remove_leftovers(env_settings)
+        return None
+
+    def _disk_full_message(self, exc: DiskFull) -> str:
+        """What is full, what it needs, what was kept and what to do, as one message."""
+        lines = [f"{exc}.", "The run stopped; every row written before is kept."]
+        if lost := len(self._held_back):
+            lines.append(f"{lost} finished prompt{'s' if lost != 1 else ''} could not be written; --resume runs "
+                         f"{'them' if lost != 1 else 'it'} again.")
+        left = self._pending_prompts - self.this_run.processed
+        rows_known = self._rows_written + lost
+        if left > 0 and rows_known:
+            per_row = (self._row_bytes + sum(len(message.row) for message in self._held_back)) // rows_known
+            lines.append(f"Finishing the run needs roughly {size_text(2 * left * per_row)} more: {left:,} prompts "
+                         f"left at about {size_text(per_row)} a row, each written to its batch file and again to "
+                         f"trajectories.jsonl.")
+        lines.append("Make room there, then run the same command with --resume.")
+        return " ".join(lines)
 
     def _budget_spent(self) -> str | None:
         """Why no further prompt may start (--max_cost / --max_total_tokens reached), if so."""
@@ -230,6 +312,7 @@ class BatchRunner:
         return None
 
     def _record(self, finished: Finished) -> None:
+        self._open_prompts.pop(finished.prompt_index, None)
         self.this_run.record(finished.status, finished.usage, finished.api_calls, finished.error_type)
         self.batch_stats[finished.status] += 1
         if finished.status != rows.FAILED:
@@ -494,7 +577,11 @@ def write_report_cli(run_name: Any, console: RunConsole) -> int:
         console.error(f"no run directory {run_dir}/ here — --report reads data/<run_name>/ under the current "
                       "directory; check --run_name or cd to where the run was started")
         return EXIT_ERROR
-    path = report.write_report(run_dir)
+    try:
+        path = report.write_report(run_dir)
+    except DiskFull as exc:
+        console.error(f"{exc}. The report there is kept as it was; make room and run --report again.")
+        return EXIT_ERROR
     console.print(f"Report: {path} (open it in a browser; it needs no network)")
     return EXIT_OK
 
@@ -504,9 +591,13 @@ def export_cli(flags: dict[str, Any], console: RunConsole) -> int:
     try:
         options = export_options(run_name=flags["run_name"], discard_no_reasoning=flags["discard_no_reasoning"],
                                  **{name: flags[name] for name in EXPORT_FLAGS})
-        summary = export_run(options)
+        with full_disk_named(options.out):
+            summary = export_run(options)
     except (UsageError, ExportError) as exc:
         console.error(str(exc))
+        return EXIT_ERROR
+    except DiskFull as exc:
+        console.error(f"{exc}. The file there is kept as it was; make room and export again.")
         return EXIT_ERROR
     for line in summary.lines():
         console.print(line)

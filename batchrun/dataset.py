@@ -1,8 +1,8 @@
 """Dataset loading: validate once, remember only where the pending prompts are.
 
 A dataset may hold millions of lines, so nothing here keeps prompts in memory: the plan stores the
-byte offset of every pending line, and :func:`iter_pending` re-reads them one at a time as workers
-need work.
+byte offset of every pending line (and how many earlier lines hold the same prompt), and
+:func:`iter_pending` re-reads them one at a time as workers need work, holding nothing per prompt.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class DatasetPlan:
     skipped_lines: int
     pending_with_image: int = 0                  # pending prompts that name a container image
     pending_offsets: array = field(default_factory=lambda: array("q"))
+    pending_occurrences: array = field(default_factory=lambda: array("I"))   # per pending line: see DatasetRecord
 
     @property
     def pending(self) -> int:
@@ -147,6 +148,7 @@ def plan_dataset(path: Path, *, max_samples: int | None, done_counts: Counter,
     dataset order, so three copies of a prompt with two finished leave exactly one pending."""
     check_dataset_file(path)
     remaining_done = Counter(done_counts)
+    seen: Counter = Counter()       # valid lines so far per content key: gone once the plan is made
     plan = DatasetPlan(path=path, total=0, already_done=0, skipped_lines=0)
     skipped = SkippedLines(warn)
     for number, offset, raw in _lines(path):
@@ -163,7 +165,9 @@ def plan_dataset(path: Path, *, max_samples: int | None, done_counts: Counter,
             plan.already_done += 1
         else:
             plan.pending_offsets.append(offset)
+            plan.pending_occurrences.append(seen[key])
             plan.pending_with_image += fields["image"] is not None
+        seen[key] += 1
         plan.total += 1
     skipped.finish()
     plan.skipped_lines = skipped.count
@@ -174,11 +178,10 @@ def plan_dataset(path: Path, *, max_samples: int | None, done_counts: Counter,
 
 def iter_pending(plan: DatasetPlan, *, max_samples: int | None) -> Iterator[DatasetRecord]:
     """The pending records of a plan, streamed from disk in dataset order."""
-    wanted = iter(plan.pending_offsets)
-    next_offset = next(wanted, None)
-    if next_offset is None:
+    wanted = zip(plan.pending_offsets, plan.pending_occurrences, strict=True)
+    next_wanted = next(wanted, None)
+    if next_wanted is None:
         return
-    occurrences: Counter = Counter()
     index = 0
     for number, offset, raw in _lines(plan.path):
         if max_samples is not None and index >= max_samples:
@@ -186,11 +189,10 @@ def iter_pending(plan: DatasetPlan, *, max_samples: int | None) -> Iterator[Data
         fields, _warning = parse_line(raw, number)
         if fields is None:
             continue
-        key = content_key(fields["prompt"], fields["image"], fields["cwd"])
-        if offset == next_offset:
-            yield DatasetRecord(index, fields["prompt"], fields["image"], fields["cwd"], key, occurrences[key])
-            next_offset = next(wanted, None)
-            if next_offset is None:
+        if offset == next_wanted[0]:
+            key = content_key(fields["prompt"], fields["image"], fields["cwd"])
+            yield DatasetRecord(index, fields["prompt"], fields["image"], fields["cwd"], key, next_wanted[1])
+            next_wanted = next(wanted, None)
+            if next_wanted is None:
                 return
-        occurrences[key] += 1
         index += 1

@@ -35,7 +35,7 @@ from batchrun import rows
 from batchrun.config import UsageError, boolean, choice, non_negative_int, text, validate_run_name
 from batchrun.install_hint import install_hint
 from batchrun.rows import AssistantTurn, HumanTurn, ToolCallRecord, Turn
-from batchrun.run_dir import RunDirectory, line_number, lines_at, superseded_corrupted
+from batchrun.run_dir import RunDirectory, line_number, lines_at, superseded_corrupted, temp_beside
 
 FORMATS = ("openai", "sharegpt", "parquet", "hf")
 # Where a turn's reasoning goes in the openai format: inline as the row's own think block, a
@@ -510,7 +510,8 @@ def _write_files(outs: list[Path], write: Callable[[list[Path]], object]) -> Non
         if out.is_dir():
             raise ExportError(f"--out={out} is a directory; --export writes a file there")
     outs[0].parent.mkdir(parents=True, exist_ok=True)
-    temps = [out.with_name(out.name + ".tmp") for out in outs]
+    # another export (or the same command twice) may be writing beside them too
+    temps = [temp_beside(out) for out in outs]
     try:
         write(temps)
         for temp, out in reversed(list(zip(temps, outs, strict=True))):

@@ -57,7 +57,7 @@ from batchrun.environments.seccomp import leave_session_keyring
 from batchrun.install_hint import install_hint
 from batchrun.messages import Fatal, Finished, Task
 from batchrun.rate_limit import Gate, pace_interval, take_pace_slot
-from batchrun.workers import PoolStartError, process_count, split_slots
+from batchrun.workers import PoolStartError, process_count, raise_open_file_limit, split_slots
 
 INSTALL_HINT = install_hint("ray")
 ACTOR_START_TIMEOUT = 180.0     # seconds for every actor to be placed, import the worker code and check its node
@@ -144,6 +144,7 @@ class SessionActor:
                  available_tools: frozenset[str]) -> None:
         from batchrun import worker_process  # the model client is imported on the worker side only
 
+        raise_open_file_limit()     # an actor is not forked from the parent: it lifts its own
         self._worker = worker_process
         self._gate = gate
         leave_session_keyring()    # before any sandbox or browser starts: see seccomp.leave_session_keyring

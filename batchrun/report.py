@@ -16,7 +16,6 @@ import html
 import itertools
 import json
 import math
-import os
 import random
 import re
 from collections import Counter
@@ -31,7 +30,15 @@ import toolset_distributions
 from batchrun import report_plots, rows
 from batchrun.install_hint import install_hint
 from batchrun.report_summary import CORRUPTED, SUPERSEDED, RunSummary, Timeline
-from batchrun.run_dir import CHECKPOINT, STATISTICS, RunDirectory, line_number, lines_at, superseded_corrupted
+from batchrun.run_dir import (
+    CHECKPOINT,
+    STATISTICS,
+    RunDirectory,
+    line_number,
+    lines_at,
+    replacing,
+    superseded_corrupted,
+)
 
 REPORT_FILE = "report.html"
 SAMPLE_LIMIT = 500              # trajectories embedded in the page at most
@@ -254,11 +261,16 @@ class RunScan:
         files = self.run_dir.batch_files()
         self.summary.batch_files = len(files)
         for path in files:
-            position = self._read_up_to.get(path, 0)
-            for offset, line in lines_at(path, position):
-                self._add(line, path, offset)
-                position = offset + len(line)
-            self._read_up_to[path] = position      # a row still being written is read next time
+            self._read_up_to[path] = self.read_rows(path, self._read_up_to.get(path, 0))
+
+    def read_rows(self, path: Path, start: int) -> int:
+        """Count the complete rows of one batch file from byte ``start`` on; returns where they end
+        (a row still being written is read next time)."""
+        position = start
+        for offset, line in lines_at(path, start):
+            self._add(line, path, offset)
+            position = offset + len(line)
+        return position
 
     def _add(self, line: bytes, path: Path, offset: int) -> None:
         try:
@@ -528,7 +540,7 @@ def save(scan: RunScan, drawn: Plots | None = None) -> Path:
     run_dir = scan.run_dir.path
     page = render(run_dir, scan.summary, scan.sample, drawn)
     target = run_dir / REPORT_FILE
-    temp = target.with_name(target.name + ".tmp")
-    temp.write_text(page, encoding="utf-8")
-    os.replace(temp, target)
+    data = page.encode("utf-8")
+    with replacing(target, needed=len(data), durable=False) as handle:    # a page, not a record: no fsync
+        handle.write(data)
     return target

@@ -6,6 +6,10 @@ million rows. The helper loads matplotlib at once and follows the batch files as
 them, at the lowest CPU priority, so it only uses time the run leaves idle; once the last row is
 written it draws the plots while the run ends (workers stopping, the merge), then the page. It never
 writes anything but the report, and it ends by itself when the parent is gone (even after kill -9).
+
+It follows only the batch files that can still grow: the parent publishes, in shared memory, the
+lowest batch that has a prompt still running or waiting and the highest that has been handed one, so
+what the helper holds and reads per round depends on the prompts in flight, not on the length of the run.
 """
 
 from __future__ import annotations
@@ -13,10 +17,13 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+from array import array
+from collections.abc import MutableSequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 from batchrun import report, report_plots
+from batchrun.run_dir import BATCH_FILE
 
 _FORK = multiprocessing.get_context("fork")
 FOLLOW_INTERVAL_SECONDS = 2.0
@@ -32,11 +39,19 @@ class ReportFollower:
 
     def __init__(self, run_dir: Path) -> None:
         parent_end, child_end = _FORK.Pipe(duplex=True)
-        self._process = _FORK.Process(target=_follow, args=(child_end, run_dir, os.getpid()), daemon=True,
-                                      name="report")
+        # [lowest batch with a prompt still open, highest batch handed a prompt]: nothing handed out yet.
+        self._window = _FORK.RawArray("q", [0, -1])
+        self._process = _FORK.Process(target=_follow, args=(child_end, run_dir, os.getpid(), self._window),
+                                      daemon=True, name="report")
         self._process.start()
         child_end.close()
         self._conn = parent_end
+
+    def progress(self, lowest_open: int, highest: int) -> None:
+        """Batch files below ``lowest_open`` will get no more rows in this run; none above ``highest``
+        has been handed a prompt yet."""
+        self._window[1] = highest       # highest first: the helper reads lowest first (see BatchFollower)
+        self._window[0] = lowest_open
 
     def rows_written(self, distribution: str) -> None:
         """Every row of the run is written: the helper draws the plots now, while the run ends (stops
@@ -75,21 +90,80 @@ class ReportFollower:
         return self._process.exitcode
 
 
-def _follow(conn: Connection, run_dir: Path, parent_pid: int) -> None:
+class BatchFollower:
+    """Reads the rows of a run directory as they are written, rereading only the batch files the
+    run can still append to (see the module's docstring): every round finishes the files that fell
+    below the window and rereads those inside it."""
+
+    def __init__(self, scan: report.RunScan, window: MutableSequence[int]) -> None:
+        self.scan = scan
+        self._window = window
+        self._base = 0                      # the batch number of _ends[0]
+        self._ends = array("q")             # per batch from _base: where the rows read end; -1: no file yet
+        self._files = 0
+
+    def read_existing(self) -> None:
+        """Every row already written (once, at the start)."""
+        for path in self.scan.run_dir.batch_files():
+            match = BATCH_FILE.match(path.name)
+            assert match is not None        # batch_files() lists only names that match
+            self._read(int(match.group(1)))
+        self.scan.summary.batch_files = self._files
+
+    def read_new(self) -> None:
+        """The rows written since the last round."""
+        lowest = self._window[0]            # before highest: the parent writes them the other way round
+        highest = self._window[1]
+        if lowest > self._base:             # done in this run: read one last time, then forgotten
+            for number in range(self._base, lowest):
+                self._read(number)
+            del self._ends[:lowest - self._base]
+            self._base = lowest
+        for number in range(self._base, highest + 1):
+            self._read(number)
+        self.scan.summary.batch_files = self._files
+
+    def read_all(self) -> None:
+        """Every row written so far: the run's work is over, so the window no longer matters."""
+        for number in range(self._base, max(self._window[1] + 1, self._base + len(self._ends))):
+            self._read(number)
+        self.scan.summary.batch_files = self._files
+
+    def _read(self, number: int) -> None:
+        index = number - self._base
+        if index >= len(self._ends):
+            self._ends.extend([-1] * (index + 1 - len(self._ends)))
+        path = self.scan.run_dir.path / f"batch_{number}.jsonl"
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            return
+        end = self._ends[index]
+        if end < 0:
+            self._files += 1
+            end = 0
+        if size > end:
+            end = self.scan.read_rows(path, end)
+        self._ends[index] = end
+
+
+def _follow(conn: Connection, run_dir: Path, parent_pid: int, window: MutableSequence[int]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C reaches the group; the parent decides
     os.nice(NICENESS)
     try:
         report_plots.preload()
         scan = report.RunScan(run_dir)
+        follower = BatchFollower(scan, window)
+        follower.read_existing()
         drawn = None
         while True:
             if not conn.poll(FOLLOW_INTERVAL_SECONDS):
                 if os.getppid() != parent_pid:
                     return
-                scan.read_new_rows()
+                follower.read_new()
                 continue
             distribution = conn.recv()     # the run's distribution once every row is written, None to finish
-            scan.read_new_rows()
+            follower.read_all()
             if distribution is None:
                 break
             drawn = report.draw_plots(scan.summary, distribution)

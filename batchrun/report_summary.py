@@ -14,6 +14,8 @@ from batchrun import rows
 from model_tools import TOOL_NAMES
 
 MAX_TRACKED_FAILURES = 100_000  # failed prompts followed to see whether a retry succeeded
+MAX_INVENTED_NAMES = 200        # invented tool names counted one by one; the page lists the commonest
+OTHER_INVENTED_NAMES = "(other names)"
 TIMELINE_BUCKETS = 2000         # time buckets at most; they widen as a long run needs
 BINS_PER_DECADE = 10
 CORRUPTED = "corrupted"         # a trajectory row naming an invented tool: left out of the merged file
@@ -179,7 +181,9 @@ class RunSummary:
                 self.statuses[SUPERSEDED] += 1
                 return SUPERSEDED, {}
             self.statuses[CORRUPTED] += 1
-            self.invented_tools.update(invented)
+            for name in invented:       # a model can make up a new name in every row
+                known = name in self.invented_tools or len(self.invented_tools) < MAX_INVENTED_NAMES
+                self.invented_tools[name if known else OTHER_INVENTED_NAMES] += 1
             return CORRUPTED, {}
         return row.status, self._add_trajectory(row, usage)
 

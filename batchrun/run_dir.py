@@ -5,6 +5,11 @@ the merge take linear time and memory bounded by the number of distinct prompts,
 merge also remembers where it stopped (``.merge.json``), so the next one reads only what is new.
 Every row is read by :func:`rows.read_stored_row`; a line that is JSON but not a row this version
 understands stops the scan or the merge with a RunDirectoryError naming its file and line.
+
+A write that fails (a full disk above all) leaves every file as it was: rows are appended whole or
+not at all, and a file that is rewritten (checkpoint, statistics, the merged file and its record,
+the report) is written beside itself under a name of its own and renamed over the old one only once
+it is complete and durable.
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ import json
 import multiprocessing
 import os
 import re
+import secrets
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -68,15 +75,100 @@ def line_number(path: Path, offset: int) -> int:
     return newlines + 1
 
 
+class DiskFull(RunDirectoryError):
+    """A write found no room on its filesystem (ENOSPC, or the user's quota: EDQUOT). The message
+    says which file, the filesystem that holds it, what is free there and what the write needed."""
+
+    def __init__(self, path: Path, needed: int) -> None:
+        self.path, self.needed = path, needed
+        mount, kind = filesystem_of(path)
+        usage = os.statvfs(mount)
+        free, total = usage.f_bavail * usage.f_frsize, usage.f_blocks * usage.f_frsize
+        wanted = f"writing it needs about {size_text(needed)}, and " if needed else ""
+        super().__init__(f"no space left on the disk for {path}: {wanted}the filesystem that holds it ({kind} at "
+                         f"{mount}) has {size_text(free)} free of {size_text(total)}")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextmanager
+def full_disk_named(path: Path, needed: int = 0) -> Iterator[None]:
+    """A full disk met inside the block becomes DiskFull for ``path`` (see DiskFull)."""
+    try:
+        yield
+    except OSError as exc:
+        if is_disk_full(exc):
+            raise DiskFull(path, needed) from exc
+        raise
+
+
+def filesystem_of(path: Path) -> tuple[str, str]:
+    """(mount point, filesystem type) of the filesystem that holds ``path`` (or would)."""
+    mount = os.path.realpath(path)
+    while not os.path.ismount(mount):
+        mount = os.path.dirname(mount)
+    kind = "filesystem"
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as mounts:
+            for line in mounts:       # the last entry for a mount point is the one in effect
+                fields = line.split()
+                if len(fields) > 2 and _unescaped(fields[1]) == mount:
+                    kind = fields[2]
+    except OSError:
+        pass
+    return mount, kind
+
+
+def _unescaped(field: str) -> str:
+    """A path as /proc/self/mounts writes it, its spaces, tabs and backslashes as octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), field)
+
+
+def size_text(count: int) -> str:
+    if count < 1024:
+        return f"{count} byte{'s' if count != 1 else ''}"
+    if count < 1 << 20:
+        return f"{count / 1024:.0f} KB"
+    if count < 1 << 30:
+        return f"{count / (1 << 20):.1f} MB"
+    return f"{count / (1 << 30):.1f} GB"
+
+
+def temp_beside(path: Path) -> Path:
+    """A temporary name beside ``path`` that no other writer uses: two processes may rewrite one file
+    at once (the run's report process and ``--report``), and each must rename its own whole file."""
+    return path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+@contextmanager
+def replacing(path: Path, *, needed: int = 0, durable: bool = True) -> Iterator[IO[bytes]]:
+    """A new version of ``path``: written to a temporary file beside it, made durable (unless
+    ``durable`` is False), and renamed over the old one when the block ends. If anything fails on the
+    way, the temporary file is removed and ``path`` keeps its old content; a full disk raises
+    DiskFull (``needed``: the size of the new version, where known)."""
+    temp = temp_beside(path)
+    with full_disk_named(path, needed):
+        try:
+            with temp.open("xb") as handle:
+                yield handle
+                handle.flush()
+                if durable:
+                    os.fsync(handle.fileno())
+            os.replace(temp, path)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+    if durable:
+        _fsync_dir(path.parent)
+
+
 def atomic_write_json(path: Path, data: dict, *, indent: int | None = None) -> None:
-    """Write temp, fsync, rename: a reader (or a crash) sees the old file or the new one, never half."""
-    temp = path.with_name(path.name + ".tmp")
-    with temp.open("w", encoding="utf-8") as handle:
-        json.dump(data, handle, ensure_ascii=False, indent=indent)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temp, path)
-    _fsync_dir(path.parent)
+    """A reader (or a crash, or a full disk) sees the old file or the new one, never half."""
+    encoded = json.dumps(data, ensure_ascii=False, indent=indent).encode("utf-8")
+    with replacing(path, needed=len(encoded)) as handle:
+        handle.write(encoded)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -240,37 +332,38 @@ def split_ranges(files: list[Path], parts: int) -> list[list[FileRange]]:
 class RunDirectory:
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._lock_handle: IO | None = None
-        self._open: dict[int, IO[bytes]] = {}
-        self._dirty: set[int] = set()
+        self._lock_fd: int | None = None
+        self._created = False       # a batch file was created since the last sync_names()
 
     # -- ownership ------------------------------------------------------------------------------
 
     def acquire(self) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
-        handle = (self.path / LOCK).open("a+")
+        lock = self.path / LOCK
+        with full_disk_named(lock):
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         try:
             # A POSIX record lock belongs to this process alone: forked workers do not inherit it,
             # so a killed runner frees the directory at once even while its workers wind down.
-            fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            handle.close()
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
             raise RunDirectoryError(
                 f"{self.path} is in use by batch_runner (pid {holder}). Wait for that run to finish, "
                 "or start a separate one with a different --run_name.") from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(str(os.getpid()))
-        handle.flush()
-        self._lock_handle = handle
+        self._lock_fd = fd
+        os.ftruncate(fd, 0)
+        try:
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+        except OSError as exc:      # the pid only names the holder to a second run; the lock holds without it
+            if not is_disk_full(exc):
+                raise
 
     def release(self) -> None:
-        self.close_batches()
-        if self._lock_handle is not None:
-            self._lock_handle.close()
-            self._lock_handle = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def batch_files(self) -> list[Path]:
         found = [(int(m.group(1)), p) for p in self.path.glob("batch_*.jsonl") if (m := BATCH_FILE.match(p.name))]
@@ -315,26 +408,37 @@ class RunDirectory:
 
     # -- writing --------------------------------------------------------------------------------
 
-    def append(self, batch_num: int, line: bytes) -> None:
-        handle = self._open.get(batch_num)
-        if handle is None:
-            handle = self._open[batch_num] = (self.path / f"batch_{batch_num}.jsonl").open("ab")
-        handle.write(line)
-        self._dirty.add(batch_num)
+    def append(self, batch_num: int, rows_data: bytes) -> None:
+        """Append whole rows to a batch file and make them durable before returning.
 
-    def sync(self) -> None:
-        """Make every appended row durable: one flush+fsync per touched file (group commit)."""
-        for batch_num in self._dirty:
-            handle = self._open[batch_num]
-            handle.flush()
-            os.fdatasync(handle.fileno())
-        self._dirty.clear()
+        The file is open only meanwhile, so the descriptors a run holds do not grow with its number
+        of batch files (opening costs microseconds; the fdatasync, milliseconds). Rows that do not
+        all fit, or cannot be synced, are cut off again: half a row left at the end would be glued
+        to the next row a later run appends. The name of a file this creates is durable once
+        :meth:`sync_names` has run (one directory sync for all the files of a group commit).
+        """
+        path = self.path / f"batch_{batch_num}.jsonl"
+        with full_disk_named(path, len(rows_data)):
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            try:
+                start = os.lseek(fd, 0, os.SEEK_END)
+                try:
+                    written = 0
+                    while written < len(rows_data):
+                        written += os.write(fd, rows_data[written:])
+                    os.fdatasync(fd)
+                except OSError:
+                    os.ftruncate(fd, start)
+                    raise
+            finally:
+                os.close(fd)
+        self._created |= start == 0
 
-    def close_batches(self) -> None:
-        self.sync()
-        for handle in self._open.values():
-            handle.close()
-        self._open.clear()
+    def sync_names(self) -> None:
+        """Make the names of the batch files created since the last call durable."""
+        if self._created:
+            _fsync_dir(self.path)
+            self._created = False
 
     def write_checkpoint(self, checkpoint: Checkpoint) -> None:
         atomic_write_json(self.path / CHECKPOINT, checkpoint.as_json())
@@ -359,7 +463,6 @@ class RunDirectory:
         matches the files, only rows written since are read and appended; otherwise the whole file
         is rewritten (a big directory shared out over one process per core) and atomically replaced.
         """
-        self.close_batches()
         files = self.batch_files()
         previous = self._read_merge_record(files)
         if previous is None:
@@ -372,31 +475,34 @@ class RunDirectory:
 
     def _rewrite_trajectories(self, files: list[Path], on_corrupted: Callable) -> tuple[MergeStatistics, dict]:
         groups = split_ranges(files, read_processes(files))
-        temp = self.path / (TRAJECTORIES + ".tmp")
-        with temp.open("wb") as out:
-            if len(groups) == 1:
-                parts = [read_merge_part(groups[0])]
+        target = self.path / TRAJECTORIES
+        if len(groups) == 1:
+            parts = [read_merge_part(groups[0])]
+            with replacing(target, needed=parts[0].kept_bytes) as out:
                 copy_kept_rows(out.fileno(), 0, parts[0].kept)
-            else:
-                with _reading_pool(len(groups)) as pool:
-                    parts = list(pool.map(read_merge_part, groups))
-                    starts = [sum(part.kept_bytes for part in parts[:index]) for index in range(len(parts))]
+        else:
+            with _reading_pool(len(groups)) as pool:
+                parts = list(pool.map(read_merge_part, groups))
+                starts = [sum(part.kept_bytes for part in parts[:index]) for index in range(len(parts))]
+                with replacing(target, needed=sum(part.kept_bytes for part in parts)) as out:
                     # Each process copies its rows into place; the kernel moves the bytes.
-                    list(pool.map(_copy_into, [temp] * len(parts), starts, [part.kept for part in parts]))
-            os.fsync(out.fileno())
-        os.replace(temp, self.path / TRAJECTORIES)
-        _fsync_dir(self.path)
+                    list(pool.map(_copy_into, [Path(out.name)] * len(parts), starts, [part.kept for part in parts]))
         return _combined(parts, {}, MergeStatistics(), on_corrupted)
 
     def _append_to_trajectories(self, files: list[Path], previous: MergeRecord,
                                 on_corrupted: Callable) -> tuple[MergeStatistics, dict]:
         part = read_merge_part([(path, previous.offsets.get(path.name, 0), path.stat().st_size) for path in files])
-        with (self.path / TRAJECTORIES).open("r+b") as out:
+        path = self.path / TRAJECTORIES
+        with path.open("r+b") as out, full_disk_named(path, part.kept_bytes):
             # A merge that crashed after appending left rows past the recorded size: they go, and
             # their batch lines are read again.
             out.truncate(previous.trajectories_bytes)
-            copy_kept_rows(out.fileno(), previous.trajectories_bytes, part.kept)
-            os.fsync(out.fileno())
+            try:
+                copy_kept_rows(out.fileno(), previous.trajectories_bytes, part.kept)
+                os.fsync(out.fileno())
+            except OSError:     # what was merged before stays whole, without a half row after it
+                out.truncate(previous.trajectories_bytes)
+                raise
         return _combined([part], previous.offsets, previous.statistics, on_corrupted)
 
     def _read_merge_record(self, files: list[Path]) -> MergeRecord | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import resource
 import signal
 import time
 from dataclasses import asdict
@@ -65,6 +66,15 @@ class PoolStartError(RuntimeError):
 # per core keeps the core busy meanwhile. More per core only adds switching and memory (the figures,
 # from benchmarks/throughput.py, are in docs/performance.md).
 PROCESSES_PER_CORE = 2
+
+
+def raise_open_file_limit() -> None:
+    """Lift this process's soft limit on open descriptors to its hard limit. A worker's sessions each
+    hold a connection, pipes and pidfds, so a few hundred of them outgrow the common soft limit of
+    1024 long before the hard limit; forked workers inherit the raised one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard and hard != resource.RLIM_INFINITY:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def process_count(num_workers: int) -> int:

@@ -56,9 +56,10 @@ def sample_rows() -> dict[str, bytes]:
         turn([rows.ToolCallRecord("call_0", "made_up_tool", "{}", '{"error": "unknown tool"}')]), turn([], "ok")]})
     failed = rows.SessionResult(**{**result.__dict__, "turns": [], "end_reason": "error",
                                    "error": "HTTP 400: bad request", "error_type": "http_400"})
-    kinds = {"ok": rows.trajectory_row(result, batch_num=0, model="m", timestamp="2026-11-30T00:00:00"),
+    ok = rows.trajectory_row(result, batch_num=0, model="m", timestamp="2026-11-30T00:00:00")
+    kinds = {"ok": ok,
              "invented": rows.trajectory_row(invented, batch_num=0, model="m", timestamp="2026-11-30T00:00:00"),
-             "failed": rows.failure_row(failed), "discarded": rows.tombstone_row(result)}
+             "failed": rows.failure_row(failed), "discarded": rows.tombstone_row(ok, rows.NO_REASONING)}
     return {name: rows.encode_row(row) for name, row in kinds.items()}
 
 
@@ -100,25 +101,26 @@ def append_resumed_rows(run_dir: Path, first: int, count: int) -> None:
 def measure(phase: str, run_dir: Path) -> None:
     """Runs inside a fresh process: one phase, then prints a JSON line of figures."""
     from batchrun import report, report_plots
+    from batchrun.report_follower import BatchFollower
     from batchrun.run_dir import RunDirectory
 
     directory = RunDirectory(run_dir)
     if phase == "report-end":       # what the report process has done by the time the run ends
         report_plots.preload()
-        followed = report.RunScan(run_dir)
-        followed.read_new_rows()
+        follower = BatchFollower(report.RunScan(run_dir), [0, len(directory.batch_files()) - 1])
+        follower.read_existing()
         append_resumed_rows(run_dir, 10**9, LAST_ROWS)
     cpu_before = _cpu_seconds()
     started = time.perf_counter()
     if phase == "scan":
-        directory.scan(rerun_corrupted=False)
+        directory.scan()
     elif phase == "merge":
         directory.merge(lambda *_: None)
     elif phase == "report":
         report.write_report(run_dir)
     else:
-        followed.read_new_rows()
-        report.save(followed)
+        follower.read_all()
+        report.save(follower.scan)
     elapsed = time.perf_counter() - started
     peak_mb = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 1024
     print(json.dumps({"phase": phase, "seconds": elapsed, "cpu_seconds": _cpu_seconds() - cpu_before,

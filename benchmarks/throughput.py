@@ -85,10 +85,10 @@ def children_cpu_seconds() -> float:
 
 
 @contextmanager
-def endpoint(latency: float, jitter: float) -> Iterator[str]:
+def endpoint(latency: float, jitter: float, tool_turns: int = TOOL_TURNS) -> Iterator[str]:
     """benchmarks/fast_endpoint.py in its own process; yields its base URL."""
     server = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "fast_endpoint.py"), f"--latency={latency}",
-                               f"--jitter={jitter}", f"--tool-turns={TOOL_TURNS}"], stdout=subprocess.PIPE, text=True)
+                               f"--jitter={jitter}", f"--tool-turns={tool_turns}"], stdout=subprocess.PIPE, text=True)
     try:
         yield f"http://127.0.0.1:{server.stdout.readline().strip()}/v1"
     finally:

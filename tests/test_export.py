@@ -510,7 +510,7 @@ def test_a_line_that_is_json_but_not_a_row_stops_the_export_and_keeps_the_earlie
     result = run_cli(home, f"--run_name={RUN}", "--export=openai", f"--out={out}")
     assert result.returncode == 1
     assert f"data/{RUN}/batch_0.jsonl line 5: not a batch_runner row" in result.stderr
-    assert out.read_bytes() == before and not out.with_name(out.name + ".tmp").exists()
+    assert out.read_bytes() == before and not list(out.parent.glob(out.name + ".*tmp"))
 
 
 # -- what an openai line holds -------------------------------------------------------------------------

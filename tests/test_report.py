@@ -97,8 +97,8 @@ def test_report_flag_needs_an_existing_run_directory(tmp_path: Path, args: list[
 
 
 def test_a_report_that_cannot_be_written_does_not_fail_the_run(tmp_path: Path, endpoint) -> None:
-    blocker = tmp_path / "data" / "run" / (report.REPORT_FILE + ".tmp")
-    blocker.mkdir(parents=True)                              # writing the temp file fails
+    blocker = tmp_path / "data" / "run" / report.REPORT_FILE / "in-the-way"
+    blocker.mkdir(parents=True)                              # renaming the page into place fails
     dataset = write_dataset(tmp_path / "dataset.jsonl", ["plain question"])
     result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=1", "--run_name=run",
                      "--distribution=terminal_only", *endpoint_args(endpoint))

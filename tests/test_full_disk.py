@@ -1,0 +1,278 @@
+"""A full disk stops the run cleanly: one message, nothing already written damaged, and --resume
+finishes once there is room again. The disk is real: a small tmpfs of its own holds the run
+directory and TMPDIR (the default layout, where sandboxes' workspaces live beside the run's files),
+and it is filled for real, so every write meets the kernel's own ENOSPC."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import batch_rows, endpoint_args, live_processes_mentioning, read_jsonl, run_cli, write_dataset
+
+from batchrun import report
+from batchrun.run_dir import CHECKPOINT, MERGE_RECORD, TRAJECTORIES, DiskFull, RunDirectory, atomic_write_json
+
+DISK_BYTES = 8 << 20
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """An 8 MB filesystem of its own, unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("a full disk is made by mounting a small tmpfs, which needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES}", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        if subprocess.run(["umount", str(disk)]).returncode != 0:
+            subprocess.run(["umount", "--lazy", str(disk)], check=True)
+            raise AssertionError(f"{disk} was still in use after the test (a process left running?)")
+
+
+def fill(disk: Path, leave: int = 0) -> Path:
+    """Take every free byte of ``disk`` but about ``leave``; returns the file that holds them."""
+    filler = disk / f"filler-{uuid.uuid4().hex}"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, bytes(1 << 16))
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    os.truncate(filler, max(0, filler.stat().st_size - leave))
+    return filler
+
+
+def assert_only_complete_rows(run_dir: Path) -> None:
+    for path in run_dir.glob("batch_*.jsonl"):
+        data = path.read_bytes()
+        assert not data or data.endswith(b"\n"), f"{path.name} ends in half a row"
+        for line in data.splitlines():
+            json.loads(line)
+
+
+def temporary_files(directory: Path) -> list[str]:
+    return sorted(path.name for path in directory.iterdir() if ".tmp" in path.name)
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole run, through the real CLI
+
+
+def run_on(disk: Path, endpoint, prompts: list[str], *extra: str, dataset_dir: Path):
+    """The CLI with its working directory (so data/run/) and TMPDIR on ``disk``; the dataset elsewhere."""
+    home = disk / "home"
+    home.mkdir(exist_ok=True)
+    dataset = write_dataset(dataset_dir / "dataset.jsonl", prompts)
+    return run_cli(home, f"--dataset_file={dataset}", "--batch_size=10", "--run_name=run",
+                   "--distribution=terminal_only", *endpoint_args(endpoint), *extra,
+                   env={"TERMINAL_ENV": "local"})
+
+
+def fills_the_disk_once(disk: Path) -> str:
+    """A prompt whose command takes all the free space of ``disk`` the first time it runs (a file
+    outside its own directory, as the unisolated local environment allows), and nothing after."""
+    marker, filler = disk / "filled-once", disk / "filled-by-a-prompt"
+    command = f"test -e {marker} || (touch {marker}; cat /dev/zero > {filler}); true"
+    return f"[[call terminal {json.dumps({'command': command})}]] fill the disk"
+
+
+def test_a_prompt_that_fills_the_disk_stops_the_run_with_one_message_and_every_earlier_row_kept(
+        small_disk, endpoint, tmp_path):
+    prompts = ["question 0", "question 1", fills_the_disk_once(small_disk), "question 3"]
+    result = run_on(small_disk, endpoint, prompts, "--num_workers=1", dataset_dir=tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "Traceback" not in output
+    assert result.stderr.count("error:") == 1, result.stderr
+    message = result.stderr
+    assert "no space left" in message.lower()
+    assert "data/run/batch_0.jsonl" in message
+    assert str(small_disk) in message and "tmpfs" in message       # which filesystem
+    assert "free" in message and "--resume" in message
+    run_dir = small_disk / "home" / "data" / "run"
+    assert_only_complete_rows(run_dir)
+    assert sorted(row["prompt_index"] for row in batch_rows(run_dir)) == [0, 1]
+    assert temporary_files(run_dir) == []
+
+
+def test_resume_on_a_still_full_disk_stops_the_same_clean_way_and_finishes_once_there_is_room(
+        small_disk, endpoint, tmp_path):
+    prompts = ["question 0", fills_the_disk_once(small_disk), "question 2", "question 3"]
+    run_on(small_disk, endpoint, prompts, "--num_workers=1", dataset_dir=tmp_path)
+    run_dir = small_disk / "home" / "data" / "run"
+    before = {path.name: path.read_bytes() for path in run_dir.glob("batch_*.jsonl")}
+
+    again = run_on(small_disk, endpoint, prompts, "--num_workers=1", "--resume", dataset_dir=tmp_path)
+    assert again.returncode == 1, again.stdout + again.stderr
+    assert "Traceback" not in again.stdout + again.stderr
+    assert again.stderr.count("error:") == 1 and "no space left" in again.stderr.lower()
+    assert {path.name: path.read_bytes() for path in run_dir.glob("batch_*.jsonl")} == before
+
+    (small_disk / "filled-by-a-prompt").unlink()
+    finished = run_on(small_disk, endpoint, prompts, "--num_workers=1", "--resume", dataset_dir=tmp_path)
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert sorted(row["prompt_index"] for row in read_jsonl(run_dir / TRAJECTORIES)) == [0, 1, 2, 3]
+    assert sorted(row["prompt_index"] for row in batch_rows(run_dir)) == [0, 1, 2, 3]
+    assert temporary_files(run_dir) == []
+
+
+def test_the_sessions_in_flight_when_the_disk_fills_are_stopped_and_run_again_on_resume(
+        small_disk, endpoint, tmp_path):
+    marker = f"still-running-{uuid.uuid4().hex[:8]}"
+    slow = f'[[call terminal {{"command": "sleep 600; echo {marker}"}}]] a long command'
+    prompts = [slow, "[[sleep 0.5]] " + fills_the_disk_once(small_disk)]
+    result = run_on(small_disk, endpoint, prompts, "--num_workers=2", dataset_dir=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert live_processes_mentioning(marker) == []
+    assert live_processes_mentioning(str(tmp_path / "dataset.jsonl")) == []     # no worker left behind
+    run_dir = small_disk / "home" / "data" / "run"
+    assert_only_complete_rows(run_dir)
+    assert batch_rows(run_dir) == []
+
+
+def test_a_merge_that_does_not_fit_keeps_the_merged_file_and_resume_merges_once_there_is_room(
+        small_disk, endpoint, tmp_path):
+    prompts = [f"question {number}" for number in range(20)]
+    assert run_on(small_disk, endpoint, prompts, dataset_dir=tmp_path).returncode == 0
+    run_dir = small_disk / "home" / "data" / "run"
+    merged = (run_dir / TRAJECTORIES).read_bytes()
+    (run_dir / MERGE_RECORD).unlink()           # the next merge rewrites trajectories.jsonl whole
+    filler = fill(small_disk, leave=len(merged) // 2)      # room for the checkpoint, not the merged file
+
+    again = run_on(small_disk, endpoint, prompts, "--resume", dataset_dir=tmp_path)
+    assert again.returncode == 1, again.stdout + again.stderr
+    assert "Traceback" not in again.stdout + again.stderr
+    assert again.stderr.count("error:") == 1 and "no space left" in again.stderr.lower()
+    assert TRAJECTORIES in again.stderr
+    assert (run_dir / TRAJECTORIES).read_bytes() == merged
+    assert temporary_files(run_dir) == []
+
+    filler.unlink()
+    finished = run_on(small_disk, endpoint, prompts, "--resume", dataset_dir=tmp_path)
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert (run_dir / TRAJECTORIES).read_bytes() == merged
+
+
+def test_report_on_a_full_disk_says_so_in_one_line_and_keeps_the_old_page(small_disk, endpoint, tmp_path):
+    assert run_on(small_disk, endpoint, ["question"], dataset_dir=tmp_path).returncode == 0
+    page = small_disk / "home" / "data" / "run" / report.REPORT_FILE
+    before = page.read_bytes()
+    fill(small_disk)
+    result = run_cli(small_disk / "home", "--report", "--run_name=run")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert result.stderr.count("error:") == 1 and "no space left" in result.stderr.lower()
+    assert page.read_bytes() == before
+    assert temporary_files(page.parent) == []
+
+
+def test_an_export_on_a_full_disk_says_so_in_one_line_and_keeps_the_old_file(small_disk, endpoint, tmp_path):
+    assert run_on(small_disk, endpoint, [f"question {number}" for number in range(10)],
+                  dataset_dir=tmp_path).returncode == 0
+    out = small_disk / "export.jsonl"
+    out.write_text("the earlier export\n")
+    fill(small_disk)
+    result = run_cli(small_disk / "home", "--run_name=run", "--export=sharegpt", f"--out={out}")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert result.stderr.count("error:") == 1 and "no space left" in result.stderr.lower()
+    assert str(out) in result.stderr
+    assert out.read_text() == "the earlier export\n"
+    assert temporary_files(small_disk) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Each file the run rewrites, on a disk with no room for the new version
+
+
+def test_a_row_that_does_not_fit_leaves_its_batch_file_as_it_was(small_disk):
+    directory = RunDirectory(small_disk / "run")
+    directory.path.mkdir()
+    directory.append(0, b'{"first": "row"}\n')
+    before = (directory.path / "batch_0.jsonl").read_bytes()
+    fill(small_disk, leave=8192)                # room for the start of the next row, not all of it
+    with pytest.raises(DiskFull) as raised:
+        directory.append(0, b'{"row": "' + b"x" * 200_000 + b'"}\n')
+    assert (directory.path / "batch_0.jsonl").read_bytes() == before
+    assert raised.value.needed == 200_012
+
+
+def test_a_checkpoint_that_does_not_fit_keeps_the_old_one_and_leaves_no_temporary_file(small_disk):
+    path = small_disk / CHECKPOINT
+    atomic_write_json(path, {"completed_prompts": 1})
+    fill(small_disk)
+    with pytest.raises(DiskFull):
+        atomic_write_json(path, {"completed_prompts": 2, "padding": "x" * 100_000})
+    assert json.loads(path.read_text()) == {"completed_prompts": 1}
+    assert temporary_files(small_disk) == []
+
+
+def test_the_full_disk_message_names_the_file_the_filesystem_what_is_free_and_what_was_needed(small_disk):
+    fill(small_disk)
+    with pytest.raises(DiskFull) as raised:
+        atomic_write_json(small_disk / "statistics.json", {"padding": "x" * 300_000})
+    message = str(raised.value)
+    assert f"{small_disk}/statistics.json" in message
+    assert f"tmpfs at {small_disk}" in message
+    assert "0 bytes free of 8.0 MB" in message
+    assert "needs about 293 KB" in message
+
+
+def test_a_report_that_does_not_fit_keeps_the_old_page(small_disk, endpoint, tmp_path):
+    assert run_on(small_disk, endpoint, ["question"], dataset_dir=tmp_path).returncode == 0
+    run_dir = small_disk / "home" / "data" / "run"
+    before = (run_dir / report.REPORT_FILE).read_bytes()
+    fill(small_disk)
+    with pytest.raises(DiskFull):
+        report.write_report(run_dir)
+    assert (run_dir / report.REPORT_FILE).read_bytes() == before
+    assert temporary_files(run_dir) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Two writers of one file
+
+
+@pytest.mark.parametrize("name, write", [
+    (CHECKPOINT, lambda path: atomic_write_json(path, {"written": True})),
+    (report.REPORT_FILE, lambda path: report.write_report(path.parent)),
+])
+def test_a_rewrite_does_not_use_the_temporary_name_another_writer_may_hold(tmp_path, name, write):
+    """``--report`` during a run writes report.html while the run's report process may: each must
+    write its own temporary file, or one renames the other's half-written page into place."""
+    run_dir = tmp_path / "data" / "run"
+    run_dir.mkdir(parents=True)
+    target = run_dir / name
+    held = target.with_name(target.name + ".tmp")
+    held.mkdir()                                 # another writer's temporary file, mid-way
+    write(target)
+    assert target.is_file() and held.is_dir()
+    assert temporary_files(run_dir) == [held.name]
+
+
+def test_an_export_does_not_use_the_temporary_name_another_writer_may_hold(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["question"])
+    assert run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=1", "--run_name=run",
+                   "--distribution=terminal_only", *endpoint_args(endpoint),
+                   env={"TERMINAL_ENV": "local"}).returncode == 0
+    out = tmp_path / "export.jsonl"
+    held = out.with_name(out.name + ".tmp")
+    held.mkdir()
+    result = run_cli(tmp_path, "--run_name=run", "--export=sharegpt", f"--out={out}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert len(read_jsonl(out)) == 1 and held.is_dir()
