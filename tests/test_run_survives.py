@@ -99,11 +99,9 @@ def test_two_runs_with_one_name_in_two_directories_do_not_touch_each_other(tmp_p
 def _hidden(paths: list[str], argv: list[str]) -> list[str]:
     """``argv`` run in a mount namespace where each of ``paths`` is covered by an empty file or
     directory, as on a machine that lacks them."""
-    covers = []
-    for path in paths:
-        cover = "/dev/null" if os.path.isfile(path) else "$(mktemp -d)"
-        covers.append(f'mount --bind {cover} "{path}"')
-    script = " && ".join(covers) + ' && exec "$@"'
+    covers = [f'mount --bind /dev/null "{path}"' if os.path.isfile(path) else f'mount -t tmpfs none "{path}"'
+              for path in paths]
+    script = "".join(f"{cover} && " for cover in covers) + 'exec "$@"'
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *argv]
 
 
