@@ -334,15 +334,29 @@ print(json.dumps([list(forked), forked == alone]))
     assert same
 
 
-def test_without_matplotlib_the_report_has_tables_and_says_how_to_get_plots(tmp_path: Path, monkeypatch) -> None:
+def test_without_matplotlib_each_plot_says_in_its_place_what_draws_it(tmp_path: Path, monkeypatch) -> None:
     run_dir = tmp_path / "data" / "small"
     write_synthetic_run(run_dir, 50)
     monkeypatch.setitem(sys.modules, "matplotlib", None)           # import matplotlib -> ImportError
     page = report.write_report(run_dir).read_text(encoding="utf-8")
     assert "<svg" not in page
     assert "<table>" in page and "terminal" in page
-    assert html.escape(install_hint("report")) in page
-    assert "--report --run_name=small" in page
+    panels = re.findall(r'<section class="panel">(.*?)</section>', page, re.S)
+    assert len(panels) == 7
+    for panel in panels:
+        [place] = re.findall(r'<div class="plot missing">(.*?)</div>', panel, re.S)
+        assert "matplotlib" in place and html.escape(install_hint("report")) in place
+        assert "--report --run_name=small" in place
+
+
+def test_a_plot_with_nothing_to_draw_says_so_in_its_place(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    run_dir = tmp_path / "data" / "empty"
+    run_dir.mkdir(parents=True)
+    page = report.write_report(run_dir).read_text(encoding="utf-8")
+    panels = re.findall(r'<section class="panel"><h2>(.*?)</h2>(.*?)</section>', page, re.S)
+    for title, panel in panels:
+        assert "<svg" in panel or "<table>" in panel or "Nothing to plot" in panel, title
 
 
 def test_expected_toolset_shares_match_the_sampler() -> None:
