@@ -38,8 +38,9 @@ TEXT_LIMIT = 2500               # characters kept of one text of a sampled row (
 SYSTEM_TEXT_LIMIT = 1200        # the system turn is the same long tool list in every row
 ROW_BUDGET = 24_000             # characters of turns kept per sampled row; the middle turns go first
 CALLS_PER_TURN = 20             # tool calls / results kept per turn
-# Said in place of each plot where matplotlib is missing, and where a plot has no rows to draw.
-PLOTS_HINT = "This plot needs matplotlib: {install}, then {program} --report --run_name={run_name}"
+# Said (as HTML) in place of each plot where matplotlib is missing, and where a plot has no rows to draw.
+PLOTS_HINT = ("This plot needs matplotlib: <code>{install}</code>, "
+              "then <code>{program} --report --run_name={run_name}</code>")
 NOTHING_TO_PLOT = "Nothing to plot yet."
 
 # How many rows of each kind the sample keeps, and which kinds are shown first when it is full.
@@ -423,10 +424,11 @@ def _section(title: str, figure: str, body: str, note: str = "") -> str:
 
 
 def _figure(svg: str | None, missing: str) -> str:
-    """A plot, or in its place (a panel would otherwise stand empty) what keeps it from being drawn."""
+    """A plot, or in its place (a panel would otherwise stand empty) ``missing``: HTML saying what keeps
+    it from being drawn."""
     if svg:
         return f'<div class="plot">{svg}</div>'
-    return f'<div class="plot missing">{html.escape(missing)}</div>'
+    return f'<div class="plot missing">{missing}</div>'
 
 
 def _sample_note(summary: RunSummary, sample: TrajectorySample, shown: int) -> str:
@@ -483,7 +485,8 @@ def render(run_dir: Path, summary: RunSummary, sample: TrajectorySample, drawn: 
     plots = drawn.svg
     shown = sample.chosen()
     missing = (NOTHING_TO_PLOT if plots is not None else
-               PLOTS_HINT.format(install=install_hint("report"), program=program(), run_name=run_dir.name))
+               PLOTS_HINT.format(**{key: html.escape(value) for key, value in (
+                   ("install", install_hint("report")), ("program", program()), ("run_name", run_dir.name))}))
 
     def plot(name: str) -> str:
         return _figure((plots or {}).get(name), missing)
