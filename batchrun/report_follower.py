@@ -3,9 +3,13 @@
 Drawing the report only once the last row is in cost every run a second or more before it could
 exit (importing matplotlib, then drawing), plus a read of every batch file: tens of seconds for a
 million rows. The helper loads matplotlib at once and follows the batch files as the parent writes
-them, at the lowest CPU priority, so it only uses time the run leaves idle; once the last row is
-written it draws the plots while the run ends (workers stopping, the merge), then the page. It never
-writes anything but the report, and it ends by itself when the parent is gone (even after kill -9).
+them; once the last row is written it draws the plots while the run ends (workers stopping, the
+merge), then the page. It never writes anything but the report, and it ends by itself when the
+parent is gone (even after kill -9).
+
+It runs at the run's own CPU priority: the end of the run waits for it, and a process at a lower one,
+on a machine busy with other work, gets next to no CPU time (its priority cannot be raised again
+without privileges).
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ from batchrun import report, report_plots
 
 _FORK = multiprocessing.get_context("fork")
 FOLLOW_INTERVAL_SECONDS = 2.0
-NICENESS = 19
 
 
 class ReportFailed(Exception):
@@ -77,7 +80,6 @@ class ReportFollower:
 
 def _follow(conn: Connection, run_dir: Path, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C reaches the group; the parent decides
-    os.nice(NICENESS)
     try:
         report_plots.preload()
         scan = report.RunScan(run_dir)

@@ -3,18 +3,21 @@ headless Chromium; and the streaming builder on a synthetic run of thousands of 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import html
 import json
+import os
 import random
 import re
 import subprocess
 import sys
+import threading
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import REPO, endpoint_args, run_cli, write_dataset
+from conftest import REPO, batch_runner_command, cli_environment, endpoint_args, run_cli, wait_for, write_dataset
 from scripted_endpoint import ScriptedEndpoint
 
 import toolset_distributions
@@ -105,6 +108,44 @@ def test_a_report_that_cannot_be_written_does_not_fail_the_run(tmp_path: Path, e
     assert result.returncode == 0, result.stderr
     assert "run report was not written" in result.stdout + result.stderr
     assert (tmp_path / "data" / "run" / "trajectories.jsonl").stat().st_size > 0
+
+
+def _descendants(pid: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            children += [int(child) for child in (task / "children").read_text().split()]
+    return children + [grandchild for child in children for grandchild in _descendants(child)]
+
+
+def test_every_process_of_a_run_works_at_the_priority_the_run_was_started_with(tmp_path: Path, endpoint) -> None:
+    # The end of a run waits for its report process: at a lower priority, on a machine busy with other
+    # work, it gets next to no CPU time, and the run's exit waits minutes for it.
+    checked = threading.Event()
+
+    def hold_until_checked(body: dict) -> None:
+        checked.wait(60)
+        return None     # then answer as the prompt says
+
+    endpoint.script = hold_until_checked
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["plain question"])
+    run = subprocess.Popen(batch_runner_command(f"--dataset_file={dataset}", "--batch_size=1", "--run_name=run",
+                                                "--distribution=terminal_only", *endpoint_args(endpoint)),
+                           cwd=tmp_path, env=cli_environment(tmp_path), stdin=subprocess.DEVNULL,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: endpoint.requests, 60, "the model call")
+        started_with = os.getpriority(os.PRIO_PROCESS, run.pid)
+        priorities = {}
+        for pid in _descendants(run.pid):
+            with contextlib.suppress(ProcessLookupError):      # a process that ended meanwhile
+                priorities[pid] = os.getpriority(os.PRIO_PROCESS, pid)
+    finally:
+        checked.set()
+        out, err = run.communicate(timeout=120)
+    assert run.returncode == 0, out + err
+    assert len(priorities) >= 2, priorities                     # the report process and a worker at least
+    assert set(priorities.values()) == {started_with}, priorities
 
 
 # ---------------------------------------------------------------------------------------------
