@@ -24,6 +24,7 @@ import toolset_distributions
 from batchrun import report, report_summary, rows
 from batchrun.install_hint import install_hint
 from batchrun.rows import AssistantTurn, SessionResult, ToolCallRecord, Usage
+from batchrun.tools.browser import chromium_executable
 
 HOSTILE = '</script><script>alert("pwned")</script><img src=x onerror=alert(2)> & "quotes"'
 PROMPTS = [
@@ -37,7 +38,6 @@ PROMPTS = [
     "plain question one",
     "plain question two",
 ]
-CHROMIUM = Path("/usr/bin/chromium")
 BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
@@ -155,10 +155,11 @@ def test_every_process_of_a_run_works_at_the_priority_the_run_was_started_with(t
 @pytest.fixture(scope="module")
 def browser():
     sync_api = pytest.importorskip("playwright.sync_api")
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} is not installed")
+    chromium = chromium_executable()       # found as the browser tools find it
+    if chromium is None:
+        pytest.skip("no Chromium here: apt-get install chromium (or set BROWSER_EXECUTABLE)")
     with sync_api.sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS)
+        launched = playwright.chromium.launch(executable_path=chromium, args=BROWSER_ARGS)
         yield launched
         launched.close()
 
