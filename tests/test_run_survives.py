@@ -125,6 +125,7 @@ def _run_hidden(tmp_path: Path, endpoint, hide: list[str], prompt: str, distribu
 
 
 @needs_root
+@pytest.mark.bubblewrap        # in .ci/run's second step, with Debian's bwrap to hide
 def test_without_a_system_bwrap_the_bundled_one_sandboxes_the_commands(tmp_path, endpoint):
     system_bwrap = shutil.which("bwrap")
     hide = [system_bwrap] if system_bwrap else []
