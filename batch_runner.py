@@ -14,7 +14,7 @@ import os
 import sys
 import tempfile
 import time
-from collections import Counter, OrderedDict, defaultdict
+from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
@@ -34,9 +34,10 @@ from batchrun.config import (
 )
 from batchrun.console import RunConsole
 from batchrun.dataset import DatasetError, DatasetPlan, iter_pending, plan_dataset, require_valid_prompt
-from batchrun.environments import environment_class, limits
+from batchrun.environments import ENVIRONMENT_KINDS, environment_class, limits
 from batchrun.environments.base import EnvironmentSettings, run_identity
 from batchrun.export import EXPORT_FLAGS, ExportError, export_options, export_run, flags_without_export
+from batchrun.install_hint import program
 from batchrun.messages import Fatal, Finished, Task
 from batchrun.report_follower import ReportFailed, ReportFollower
 from batchrun.run_dir import (
@@ -404,7 +405,7 @@ class BatchRunner:
 
     def _report_not_written(self, reason: str) -> None:
         self.console.warn(f"the run report was not written ({reason}); "
-                          f"python batch_runner.py --report --run_name={self.config.run_name} retries it")
+                          f"{program()} --report --run_name={self.config.run_name} retries it")
 
     def _print_startup(self, plan: DatasetPlan, scan: ScanResult, live_corrupted: int) -> None:
         config, out = self.config, self.console
@@ -425,12 +426,8 @@ class BatchRunner:
             out.print(f"limits per prompt: {caps.memory_mb} MB memory, {caps.processes} processes, "
                       + (f"{caps.tmp_mb} MB /tmp, " if config.terminal_env == "bubblewrap" else "")
                       + f"{caps.workspace_mb} MB workspace · {limits.mechanism()}")
-        unavailable = model_tools.unavailable_tools()
-        by_reason: dict[str, list[str]] = defaultdict(list)
-        for name, reason in unavailable.items():
-            by_reason[reason].append(name)
-        for reason, names in by_reason.items():
-            out.print(f"unavailable: {', '.join(names)} — {reason}")
+        for line in model_tools.unavailable_lines(model_tools.unavailable_tools()):
+            out.print(f"unavailable: {line}")
         if routing := provider_routing_note(config):
             out.warn(routing)
         if config.reasoning_disabled and config.discard_no_reasoning:
@@ -538,11 +535,11 @@ def run_cli(flags: dict[str, Any], unknown_flags: dict[str, Any]) -> int:
         import difflib
         name = next(iter(unknown_flags))
         close = difflib.get_close_matches(name, _FLAG_NAMES, n=1)
-        hint = f" — did you mean --{close[0]}?" if close else " — python batch_runner.py --help lists the main ones"
+        hint = f" — did you mean --{close[0]}?" if close else f" — {program()} --help lists the main ones"
         console.error(f"unknown flag --{name}{hint}")
         return EXIT_ERROR
     if flags["list_distributions"] is True:
-        console.out.print(toolset_distributions.format_distributions(), markup=False, highlight=False)
+        list_distributions(console)
         return EXIT_OK
     if flags["report"] is True:
         return write_report_cli(flags["run_name"], console)
@@ -564,6 +561,17 @@ def run_cli(flags: dict[str, Any], unknown_flags: dict[str, Any]) -> int:
         return EXIT_ERROR
     console.redact = Redactor.from_environment(config.api_key)
     return BatchRunner(config, console).run()
+
+
+def list_distributions(console: RunConsole) -> None:
+    """--list_distributions: every distribution, each toolset marked where this machine cannot offer it
+    now, then what would enable the tools missing (as the start-up summary says it)."""
+    unavailable = model_tools.unavailable_tools()
+    listing = toolset_distributions.format_distributions(
+        lambda entry: model_tools.unavailable_note(toolset_distributions.entry_members(entry), unavailable))
+    console.out.print(listing, markup=False, highlight=False)
+    for line in model_tools.unavailable_lines(unavailable):
+        console.print(f"unavailable: {line}")
 
 
 def write_report_cli(run_name: Any, console: RunConsole) -> int:
@@ -604,10 +612,11 @@ def export_cli(flags: dict[str, Any], console: RunConsole) -> int:
     return EXIT_OK
 
 
+# The help page; {program} and {kinds} (the values of TERMINAL_ENV) are filled in as it is printed.
 USAGE = """\
-usage: python batch_runner.py --dataset_file=FILE --batch_size=N --run_name=NAME [options]
+usage: {program} --dataset_file=FILE --batch_size=N --run_name=NAME [options]
 
-Runs a tool-using agent over every prompt of FILE (JSONL, one {"prompt": ...} per line) and writes
+Runs a tool-using agent over every prompt of FILE (JSONL, one {{"prompt": ...}} per line) and writes
 ShareGPT trajectories to data/NAME/ (trajectories.jsonl, batch_*.jsonl, statistics.json).
 
 endpoint   --model=ID  --base_url=URL  --api_key=KEY (else OPENROUTER_API_KEY / OPENAI_API_KEY)
@@ -618,7 +627,7 @@ export     --export=openai|sharegpt|parquet|hf --run_name=NAME (write the rows f
            --out=PATH  --reasoning=think|field|drop  --end_reasons=R,...  --min_tool_calls=N
            --last_call_succeeded  --discard_invented=False  --discard_no_reasoning=False (docs/export.md)
 tools      --distribution=NAME (--list_distributions shows them all)  --max_turns=N
-           TERMINAL_ENV=bubblewrap|local|docker|singularity (where commands run)
+           TERMINAL_ENV={kinds} (where commands run)
 limits     --prompt_timeout  --tool_timeout  --command_timeout (seconds)  --max_cost=USD
            --max_total_tokens=N  --requests_per_minute=N
            --adaptive_concurrency=False (requests at once stay at --num_workers, 429s or not)
@@ -634,7 +643,7 @@ def cli() -> None:
     asked = arguments[:arguments.index("--")] if "--" in arguments else arguments
     if not arguments or "--help" in asked or "-h" in asked:
         try:
-            print(USAGE)
+            print(USAGE.format(program=program(), kinds="|".join(ENVIRONMENT_KINDS)))
         except BrokenPipeError:     # piped into head or less and closed: nothing more to say
             pass
         exit_without_teardown(EXIT_OK)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -196,6 +197,28 @@ def unavailable_tools() -> dict[str, str]:
         if reason:
             reasons[tool.name] = reason
     return reasons
+
+
+def unavailable_lines(unavailable: dict[str, str]) -> list[str]:
+    """"tools — what enables them", one line per reason, for the start-up summary and --list_distributions."""
+    by_reason: dict[str, list[str]] = defaultdict(list)
+    for name, reason in unavailable.items():
+        by_reason[reason].append(name)
+    return [f"{', '.join(names)} — {reason}" for reason, names in by_reason.items()]
+
+
+def unavailable_note(toolsets: tuple[str, ...], unavailable: dict[str, str]) -> str | None:
+    """What of these toolsets (one distribution entry) ``unavailable`` leaves out, for --list_distributions:
+    None when nothing, "unavailable here" when all of it, else the toolsets and tools missing."""
+    missing: list[str] = []
+    for toolset in toolsets:
+        gone = [name for name in TOOLSETS[toolset] if name in unavailable]
+        missing += [toolset] if len(gone) == len(TOOLSETS[toolset]) else gone
+    if not missing:
+        return None
+    if missing == list(toolsets):
+        return "unavailable here"
+    return f"{', '.join(missing)} unavailable here"
 
 
 def needs_environment(tool_names: list[str] | tuple[str, ...]) -> bool:

@@ -7,6 +7,7 @@ loading the tool registry; the tests check every name here against ``model_tools
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 COMBO_SEPARATOR = "+"
 
@@ -139,14 +140,16 @@ def rng_for_prompt(seed: int | None, prompt_key: str) -> random.Random:
     return random.Random(f"{seed}:{prompt_key}")
 
 
-def format_distributions() -> str:
-    """Plain-text listing for ``--list_distributions``: each distribution, likeliest toolsets first."""
+def format_distributions(note: Callable[[str], str | None] = lambda entry: None) -> str:
+    """Plain-text listing for ``--list_distributions``: each distribution, likeliest toolsets first, an
+    entry followed by ``note(entry)`` in parentheses where that says something."""
     lines: list[str] = []
     for name, distribution in DISTRIBUTIONS.items():
         toolsets = distribution["toolsets"]
         lines.append(f"{name}: {distribution['description']}")
         # sorted() is stable, so entries with equal probability keep table order.
         for entry in sorted(toolsets, key=lambda e: -toolsets[e]):
-            lines.append(f"    {toolsets[entry]:>3}%  {entry}")
+            said = note(entry)
+            lines.append(f"    {toolsets[entry]:>3}%  {entry}" + (f"  ({said})" if said else ""))
         lines.append("")
     return "\n".join(lines).rstrip("\n") + "\n"

@@ -243,7 +243,7 @@ class RunConsole:
         if finished.status == rows.FAILED:
             figures.append("failed — will retry on resume")
         else:
-            figures += [f"{finished.api_calls} calls", f"{finished.wall_time:.1f}s"]
+            figures += [f"{finished.api_calls} model calls", f"{finished.wall_time:.1f}s"]
         if finished.status == rows.DISCARDED:
             figures.append("discarded: no reasoning")
         elif finished.status == rows.PARTIAL:
@@ -270,7 +270,8 @@ class RunConsole:
     @staticmethod
     def _detail_segments(finished: Finished) -> list[str]:
         usage = finished.usage
-        tools = ", ".join(f"{name}×{count}" for name, count in finished.tool_calls) or "none"
+        tools = ", ".join(f"{name}×{count}" + (f" ({failed} failed)" if failed else "")
+                          for name, count, failed in finished.tool_calls) or "none"
         return [f"toolsets {', '.join(finished.toolsets)}", f"tools used: {tools}",
                 f"tokens {usage['prompt_tokens']:,}+{usage['completion_tokens']:,}", f"${usage['cost']:.4f}",
                 f"batch {finished.batch_num}", f"end {finished.end_reason}"]

@@ -1,12 +1,15 @@
-"""The one command that installs an optional extra, in the form that works for this installation.
+"""The commands messages tell the user to type, in the form that works for this installation: the
+one that installs an optional extra, and the program itself.
 
 Every message that tells the user to install something optional (web tools, browser, Ray, report
-plots) takes its command from here, so the console, the start-up summary and the report agree.
+plots) or to run batch_runner again takes its command from here, so the console, the start-up
+summary, the help page and the report agree.
 """
 
 from __future__ import annotations
 
 import shlex
+import sys
 from pathlib import Path
 
 DISTRIBUTION = "batch-runner"
@@ -35,3 +38,9 @@ def install_hint(extra: str) -> str:
     if checkout is not None:
         return f"pip install -e {shlex.quote(f'{checkout}[{extra}]')}"
     return f"pip install {shlex.quote(f'{DISTRIBUTION}[{extra}]')}"
+
+
+def program() -> str:
+    """The program as the user started it: ``batch_runner`` (the command ``pip install`` made) or
+    ``python batch_runner.py`` (the script of a checkout)."""
+    return "batch_runner" if Path(sys.argv[0]).name == "batch_runner" else "python batch_runner.py"

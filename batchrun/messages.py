@@ -33,7 +33,7 @@ class Finished:
     error_type: str | None
     prompt_preview: str
     toolsets: tuple[str, ...]                  # toolsets whose tools the model was offered (for --verbose)
-    tool_calls: tuple[tuple[str, int], ...]    # (tool, calls) of the tools it used
+    tool_calls: tuple[tuple[str, int, int], ...]    # (tool, calls, failed calls) of the tools it used
 
 
 @dataclass

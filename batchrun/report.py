@@ -28,7 +28,7 @@ from typing import Any
 
 import toolset_distributions
 from batchrun import report_plots, rows
-from batchrun.install_hint import install_hint
+from batchrun.install_hint import install_hint, program
 from batchrun.report_summary import CORRUPTED, SUPERSEDED, RunSummary, Timeline
 from batchrun.run_dir import (
     CHECKPOINT,
@@ -46,7 +46,10 @@ TEXT_LIMIT = 2500               # characters kept of one text of a sampled row (
 SYSTEM_TEXT_LIMIT = 1200        # the system turn is the same long tool list in every row
 ROW_BUDGET = 24_000             # characters of turns kept per sampled row; the middle turns go first
 CALLS_PER_TURN = 20             # tool calls / results kept per turn
-PLOTS_HINT = "Plots need matplotlib: {install}, then python batch_runner.py --report --run_name={run_name}"
+# Said (as HTML) in place of each plot where matplotlib is missing, and where a plot has no rows to draw.
+PLOTS_HINT = ("This plot needs matplotlib: <code>{install}</code>, "
+              "then <code>{program} --report --run_name={run_name}</code>")
+NOTHING_TO_PLOT = "Nothing to plot yet."
 
 # How many rows of each kind the sample keeps, and which kinds are shown first when it is full.
 QUOTAS = {"failed": 30, "corrupted": 30, "partial": 30, "tool_failed": 20, "discarded": 30, "tool": 20,
@@ -433,10 +436,17 @@ def _reasoning_table(summary: RunSummary) -> str:
           for kind, n in summary.trajectory_reasoning.most_common()]])
 
 
-def _section(title: str, plot: str | None, body: str, note: str = "") -> str:
-    figure = f'<div class="plot">{plot}</div>' if plot else ""
+def _section(title: str, figure: str, body: str, note: str = "") -> str:
     note_html = f'<p class="muted">{html.escape(note)}</p>' if note else ""
     return f'<section class="panel"><h2>{html.escape(title)}</h2>{note_html}{figure}{body}</section>'
+
+
+def _figure(svg: str | None, missing: str) -> str:
+    """A plot, or in its place (a panel would otherwise stand empty) ``missing``: HTML saying what keeps
+    it from being drawn."""
+    if svg:
+        return f'<div class="plot">{svg}</div>'
+    return f'<div class="plot missing">{missing}</div>'
 
 
 def _sample_note(summary: RunSummary, sample: TrajectorySample, shown: int) -> str:
@@ -458,14 +468,12 @@ def _header(run_dir: Path, summary: RunSummary, info: dict) -> str:
     return f'<header><h1>Run report · {html.escape(run_dir.name)}</h1><div class="facts">{items}</div></header>'
 
 
-def _notices(run_dir: Path, summary: RunSummary, plotted: bool) -> str:
+def _notices(summary: RunSummary) -> str:
     texts = []
     if summary.refused_lines:
         texts.append(f"{summary.refused_lines:,} line(s) of the batch files are JSON but not rows this version of "
                      f"batch_runner reads: no figure below counts them, and --resume stops on them. The first: "
                      f"{summary.first_refused}")
-    if not plotted:
-        texts.append(PLOTS_HINT.format(install=install_hint("report"), run_name=run_dir.name))
     return "".join(f'<p class="notice">{html.escape(text)}</p>' for text in texts)
 
 
@@ -494,9 +502,15 @@ def render(run_dir: Path, summary: RunSummary, sample: TrajectorySample, drawn: 
         drawn = draw_plots(summary, distribution)
     plots = drawn.svg
     shown = sample.chosen()
-    plot = (plots or {}).get
+    missing = (NOTHING_TO_PLOT if plots is not None else
+               PLOTS_HINT.format(**{key: html.escape(value) for key, value in (
+                   ("install", install_hint("report")), ("program", program()), ("run_name", run_dir.name))}))
+
+    def plot(name: str) -> str:
+        return _figure((plots or {}).get(name), missing)
+
     body = "".join([
-        _header(run_dir, summary, info), _notices(run_dir, summary, plots is not None),
+        _header(run_dir, summary, info), _notices(summary),
         f'<div class="cards">{_cards(summary, info)}</div>',
         '<div class="grid">',
         _section("Tool calls", plot("tools"), _tool_table(summary),

@@ -3,9 +3,13 @@
 Drawing the report only once the last row is in cost every run a second or more before it could
 exit (importing matplotlib, then drawing), plus a read of every batch file: tens of seconds for a
 million rows. The helper loads matplotlib at once and follows the batch files as the parent writes
-them, at the lowest CPU priority, so it only uses time the run leaves idle; once the last row is
-written it draws the plots while the run ends (workers stopping, the merge), then the page. It never
-writes anything but the report, and it ends by itself when the parent is gone (even after kill -9).
+them; once the last row is written it draws the plots while the run ends (workers stopping, the
+merge), then the page. It never writes anything but the report, and it ends by itself when the
+parent is gone (even after kill -9).
+
+It runs at the run's own CPU priority: the end of the run waits for it, and a process at a lower one,
+on a machine busy with other work, gets next to no CPU time (its priority cannot be raised again
+without privileges).
 
 It follows only the batch files that can still grow: the parent publishes, in shared memory, the
 lowest batch that has a prompt still running or waiting and the highest that has been handed one, so
@@ -27,7 +31,6 @@ from batchrun.run_dir import BATCH_FILE
 
 _FORK = multiprocessing.get_context("fork")
 FOLLOW_INTERVAL_SECONDS = 2.0
-NICENESS = 19
 
 
 class ReportFailed(Exception):
@@ -149,7 +152,6 @@ class BatchFollower:
 
 def _follow(conn: Connection, run_dir: Path, parent_pid: int, window: MutableSequence[int]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C reaches the group; the parent decides
-    os.nice(NICENESS)
     try:
         report_plots.preload()
         scan = report.RunScan(run_dir)

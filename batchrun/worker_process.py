@@ -47,7 +47,7 @@ def _finished(result: rows.SessionResult, config: RunConfig) -> Finished:
                     wall_time=result.wall_time, end_reason=result.end_reason, error=result.error,
                     error_type=result.error_type, prompt_preview=result.prompt[:config.log_prefix_chars],
                     toolsets=tuple(toolsets_offering(result.toolsets, result.offered_tools)),
-                    tool_calls=tuple((name, count) for name, count, _, _ in stored.tool_counts()))
+                    tool_calls=tuple((name, count, failure) for name, count, _, failure in stored.tool_counts()))
 
 
 def _failed(task: Task, error: str, error_type: str) -> rows.SessionResult:

@@ -20,6 +20,18 @@ REPO = Path(__file__).resolve().parent.parent
 SECRET_VARIABLES = ("OPENROUTER_API_KEY", "OPENAI_API_KEY")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``bubblewrap`` start sandboxes with the bwrap the product picks (the system's, else
+    the bundled one); where none can sandbox, they skip saying why."""
+    marked = [item for item in items if item.get_closest_marker("bubblewrap")]
+    if not marked:
+        return
+    from batchrun.environments.bubblewrap import bubblewrap_problem
+    if (problem := bubblewrap_problem()) is not None:
+        for item in marked:
+            item.add_marker(pytest.mark.skip(reason=f"no bubblewrap sandbox here: {problem}"))
+
+
 @pytest.fixture
 def endpoint():
     with ScriptedEndpoint() as server:

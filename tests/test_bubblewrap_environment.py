@@ -25,7 +25,7 @@ from batchrun.tools import ToolContext
 from batchrun.tools.files import search_files, write_file
 from batchrun.tools.terminal import terminal
 
-pytestmark = pytest.mark.skipif(bubblewrap_problem() is not None, reason=f"no sandbox here: {bubblewrap_problem()}")
+pytestmark = pytest.mark.bubblewrap
 
 SECRETS = {"OPENAI_API_KEY": "sk-test-openai-0123456789", "OPENROUTER_API_KEY": "sk-or-test-0123456789",
            "AWS_SECRET_ACCESS_KEY": "aws-test-secret-0123456789", "GITHUB_TOKEN": "ghp_test0123456789"}
@@ -303,15 +303,16 @@ def test_a_command_that_exits_with_the_killed_status_early_is_not_a_time_out(san
 
 
 def test_background_child_does_not_hang_the_call_and_late_output_is_dropped(sandbox_home):
+    # The child writes only once released from outside, after the call returned and before the next
+    # one: the call cannot have waited for it.
     async def scenario():
         async with sandbox(make_settings(sandbox_home)) as env:
-            started = time.monotonic()
-            first = await env.run("(sleep 0.3; echo late) & echo now")
-            elapsed = time.monotonic() - started
-            await asyncio.sleep(1)
-            return first, elapsed, await env.run("echo next")
-    first, elapsed, second = asyncio.run(scenario())
-    assert first.output == "now\n" and elapsed < 0.3
+            first = await env.run("mkfifo go; (read line < go; echo late; : > written) & echo now")
+            await asyncio.to_thread((env.prompt_dir / "go").write_text, "go\n")
+            await asyncio.to_thread(wait_for, (env.prompt_dir / "written").exists, 30, "the late output")
+            return first, await env.run("echo next")
+    first, second = asyncio.run(scenario())
+    assert (first.output, first.exit_code, first.timed_out) == ("now\n", 0, False)
     assert second.output == "next\n"
 
 

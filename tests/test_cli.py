@@ -9,7 +9,9 @@ from __future__ import annotations
 import inspect
 import json
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import (
@@ -317,13 +319,29 @@ def test_list_distributions_prints_every_distribution_with_probabilities(tmp_pat
     result = run_cli(tmp_path, "--list_distributions")
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
-    headers = [line.split(":")[0] for line in result.stdout.splitlines() if line and not line.startswith(" ")]
+    headers = [line.split(":")[0] for line in result.stdout.split("\nunavailable: ")[0].splitlines()
+               if line and not line.startswith(" ")]
     assert headers == list(DISTRIBUTION_NAMES)
     assert "All available tools, all the time" in result.stdout
     assert "97%  browser+search" in result.stdout
     terminal_only = result.stdout.split("terminal_only:")[1].split("\n\n")[0]
     assert [line.split() for line in terminal_only.splitlines()[1:]] == [["100%", "terminal"], ["100%", "file"]]
     assert not (tmp_path / "data").exists()
+
+
+def test_list_distributions_marks_the_toolsets_this_machine_cannot_offer_and_says_why(tmp_path):
+    result = run_cli(tmp_path, "--list_distributions",
+                     env={"BROWSER_EXECUTABLE": str(tmp_path / "no-chromium"), "SEARXNG_URL": "http://127.0.0.1:9"})
+    assert result.returncode == 0, result.stderr
+
+    def entries(name: str) -> list[str]:
+        return [" ".join(line.split()) for line in result.stdout.split(f"\n{name}:")[1].split("\n\n")[0].splitlines()[1:]]
+
+    assert entries("browser_only") == ["100% browser (unavailable here)"]
+    assert entries("browser_tasks")[0] == "97% browser+search (browser unavailable here)"
+    assert "100% terminal" in entries("terminal_web") and "100% web" in entries("terminal_web")
+    why = " ".join(result.stdout.split("\nunavailable: browser_navigate, ")[1].split("\nunavailable: ")[0].split())
+    assert "BROWSER_EXECUTABLE" in why and "[browser]" in why
 
 
 # -- an existing run directory ----------------------------------------
@@ -425,3 +443,22 @@ def test_help_and_no_arguments_print_the_usage_page(tmp_path, asking):
     assert result.stdout.startswith("usage: python batch_runner.py --dataset_file=FILE --batch_size=N --run_name=NAME")
     assert "--list_distributions" in result.stdout and "README.md" in result.stdout
     assert not (tmp_path / "data").exists()
+
+
+def test_help_names_the_installed_command_when_run_as_it(tmp_path):
+    command = Path(sys.executable).parent / "batch_runner"
+    if not command.exists():
+        pytest.skip(f"no {command}: pip install -e . installs it")
+    result = subprocess.run([str(command), "--help"], cwd=tmp_path, env=cli_environment(tmp_path),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: batch_runner --dataset_file=FILE")
+    assert "python batch_runner.py" not in result.stdout
+
+
+def test_help_lists_every_terminal_env_kind(tmp_path):
+    from batchrun.environments import ENVIRONMENT_KINDS
+    result = run_cli(tmp_path, "--help")
+    [line] = [line for line in result.stdout.splitlines() if "TERMINAL_ENV=" in line]
+    assert line.split("TERMINAL_ENV=")[1].split()[0] == "|".join(ENVIRONMENT_KINDS)
+    assert {"bubblewrap", "modal", "apptainer"} <= set(ENVIRONMENT_KINDS)

@@ -31,12 +31,13 @@ def run_console(out: Console, *, verbose: bool = False, redact=lambda text: text
 
 
 def finished(prompt_index: int, status: str = rows.COMPLETED, *, preview: str = LONG_PROMPT,
-             error: str | None = None, usage: dict | None = None) -> Finished:
+             error: str | None = None, usage: dict | None = None,
+             tool_calls: tuple[tuple[str, int, int], ...] = (("terminal", 1, 0),)) -> Finished:
     return Finished(prompt_index=prompt_index, batch_num=0, status=status, row=b"", api_calls=3,
                     usage=usage or {"prompt_tokens": 1234, "completion_tokens": 567, "cost": 0.0123},
                     wall_time=0.4, end_reason="max_turns", error=error,
                     error_type="http_400" if status == rows.FAILED else None, prompt_preview=preview,
-                    toolsets=("terminal", "file"), tool_calls=(("terminal", 1),))
+                    toolsets=("terminal", "file"), tool_calls=tool_calls)
 
 
 def record(console: RunConsole, this_run: ThisRun, outcome: Finished) -> None:
@@ -95,7 +96,7 @@ def test_per_prompt_line_shortens_a_long_prompt_to_the_80_columns_and_keeps_the_
     console.stop_progress()
     line = next(line for line in lines_of(out) if "[3/10]" in line)
     assert cell_len(line) <= 80 and line.endswith("…")
-    assert line.startswith("✅ [3/10] prompt 7 · 3 calls · 0.4s · Write a detailed essay")
+    assert line.startswith("✅ [3/10] prompt 7 · 3 model calls · 0.4s · Write a detailed essay")
 
 
 def test_per_prompt_line_uses_the_width_of_a_wider_terminal_for_the_prompt():
@@ -134,6 +135,15 @@ def test_verbose_details_wrap_at_separators_not_inside_figures():
     assert "tokens 1,234,567+7,654,321" in "\n".join(details) and "$123.4567" in "\n".join(details)
 
 
+def test_verbose_details_count_the_failed_calls_of_each_tool():
+    out = recording_console(terminal=True, width=160)
+    console, this_run = run_console(out, verbose=True), ThisRun()
+    console.start_progress(10, 0, this_run)
+    record(console, this_run, finished(0, tool_calls=(("terminal", 3, 0), ("read_file", 2, 1), ("patch", 1, 1))))
+    console.stop_progress()
+    assert "tools used: terminal×3, read_file×2 (1 failed), patch×1 (1 failed)" in "\n".join(lines_of(out))
+
+
 def test_log_file_lines_are_laid_out_for_80_columns_whatever_width_rich_assumes():
     out = recording_console(terminal=False, width=200)
     console, this_run = run_console(out), ThisRun()
@@ -142,7 +152,7 @@ def test_log_file_lines_are_laid_out_for_80_columns_whatever_width_rich_assumes(
     console.status_line()
     printed = lines_of(out)
     assert widest(printed) <= 80
-    assert printed[0].startswith("✅ [1/10] prompt 0 · 3 calls · 0.4s · Write") and printed[0].endswith("…")
+    assert printed[0].startswith("✅ [1/10] prompt 0 · 3 model calls · 0.4s · Write") and printed[0].endswith("…")
     assert printed[1].startswith("progress: 1/10 prompts · ") and "ETA" in " ".join(printed[1:])
 
 

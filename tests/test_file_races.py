@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import socket
 import stat
 import threading
@@ -27,9 +26,6 @@ from batchrun.environments import confined_files
 from batchrun.environments.base import EnvironmentSettings, ToolError
 from batchrun.environments.bubblewrap import BubblewrapEnvironment
 from batchrun.environments.local import LocalEnvironment
-
-needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
-                                 reason="bubblewrap is not installed (apt-get install bubblewrap)")
 
 CALLS = 300
 # After CALLS calls, calls go on until both outcomes were seen (the race was on), at most this long.
@@ -155,7 +151,7 @@ def unblocked_after(fifo: Path) -> threading.Timer:
 
 # --- races ----------------------------------------------------------------------------------------
 
-@needs_bwrap
+@pytest.mark.bubblewrap
 def test_reads_through_a_directory_swapped_with_an_outside_symlink_never_return_the_outside_file(tmp_path):
     async def scenario():
         async with swapping(tmp_path, "d", "l") as env:
@@ -165,7 +161,7 @@ def test_reads_through_a_directory_swapped_with_an_outside_symlink_never_return_
     assert set(results) == {INSIDE} and refusals
 
 
-@needs_bwrap
+@pytest.mark.bubblewrap
 def test_writes_through_a_directory_swapped_with_an_outside_symlink_never_land_outside(tmp_path):
     async def scenario():
         async with swapping(tmp_path, "d", "l") as env:
@@ -175,7 +171,7 @@ def test_writes_through_a_directory_swapped_with_an_outside_symlink_never_land_o
     assert results and refusals
 
 
-@needs_bwrap
+@pytest.mark.bubblewrap
 def test_reads_of_a_file_swapped_with_an_outside_symlink_never_return_the_outside_file(tmp_path):
     async def scenario():
         async with swapping(tmp_path, "d/f", "l", link_to="outside/f") as env:
@@ -185,7 +181,7 @@ def test_reads_of_a_file_swapped_with_an_outside_symlink_never_return_the_outsid
     assert set(results) == {INSIDE} and refusals
 
 
-@needs_bwrap
+@pytest.mark.bubblewrap
 def test_writes_to_a_file_swapped_with_an_outside_symlink_never_change_the_outside_file(tmp_path):
     async def scenario():
         async with swapping(tmp_path, "d/f", "l", link_to="outside/f") as env:
@@ -267,7 +263,7 @@ def test_local_refuses_to_write_a_file_hard_linked_from_outside(local, tmp_path)
     assert secret.read_bytes() == SECRET and os.path.samefile(secret, local.prompt_dir / "hl")
 
 
-@needs_bwrap
+@pytest.mark.bubblewrap
 def test_bubblewrap_reads_a_file_hard_linked_inside_the_workspace(tmp_path):
     async def scenario():
         async with sandbox(tmp_path) as env:
@@ -314,7 +310,7 @@ def test_local_follows_an_absolute_symlink_into_its_own_directory(local):
     assert asyncio.run(local.read_file("link.txt")) == b"here\n"
 
 
-@needs_bwrap
+@pytest.mark.bubblewrap
 def test_bubblewrap_follows_a_symlink_to_an_absolute_workspace_path(tmp_path):
     async def scenario():
         async with sandbox(tmp_path) as env:

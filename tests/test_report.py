@@ -3,24 +3,28 @@ headless Chromium; and the streaming builder on a synthetic run of thousands of 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import html
 import json
+import os
 import random
 import re
 import subprocess
 import sys
+import threading
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import REPO, endpoint_args, run_cli, write_dataset
+from conftest import REPO, batch_runner_command, cli_environment, endpoint_args, run_cli, wait_for, write_dataset
 from scripted_endpoint import ScriptedEndpoint
 
 import toolset_distributions
 from batchrun import report, report_summary, rows
 from batchrun.install_hint import install_hint
 from batchrun.rows import AssistantTurn, SessionResult, ToolCallRecord, Usage
+from batchrun.tools.browser import chromium_executable
 
 HOSTILE = '</script><script>alert("pwned")</script><img src=x onerror=alert(2)> & "quotes"'
 PROMPTS = [
@@ -34,7 +38,6 @@ PROMPTS = [
     "plain question one",
     "plain question two",
 ]
-CHROMIUM = Path("/usr/bin/chromium")
 BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
@@ -107,6 +110,44 @@ def test_a_report_that_cannot_be_written_does_not_fail_the_run(tmp_path: Path, e
     assert (tmp_path / "data" / "run" / "trajectories.jsonl").stat().st_size > 0
 
 
+def _descendants(pid: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            children += [int(child) for child in (task / "children").read_text().split()]
+    return children + [grandchild for child in children for grandchild in _descendants(child)]
+
+
+def test_every_process_of_a_run_works_at_the_priority_the_run_was_started_with(tmp_path: Path, endpoint) -> None:
+    # The end of a run waits for its report process: at a lower priority, on a machine busy with other
+    # work, it gets next to no CPU time, and the run's exit waits minutes for it.
+    checked = threading.Event()
+
+    def hold_until_checked(body: dict) -> None:
+        checked.wait(60)
+        return None     # then answer as the prompt says
+
+    endpoint.script = hold_until_checked
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["plain question"])
+    run = subprocess.Popen(batch_runner_command(f"--dataset_file={dataset}", "--batch_size=1", "--run_name=run",
+                                                "--distribution=terminal_only", *endpoint_args(endpoint)),
+                           cwd=tmp_path, env=cli_environment(tmp_path), stdin=subprocess.DEVNULL,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: endpoint.requests, 60, "the model call")
+        started_with = os.getpriority(os.PRIO_PROCESS, run.pid)
+        priorities = {}
+        for pid in _descendants(run.pid):
+            with contextlib.suppress(ProcessLookupError):      # a process that ended meanwhile
+                priorities[pid] = os.getpriority(os.PRIO_PROCESS, pid)
+    finally:
+        checked.set()
+        out, err = run.communicate(timeout=120)
+    assert run.returncode == 0, out + err
+    assert len(priorities) >= 2, priorities                     # the report process and a worker at least
+    assert set(priorities.values()) == {started_with}, priorities
+
+
 # ---------------------------------------------------------------------------------------------
 # In a real browser
 
@@ -114,10 +155,11 @@ def test_a_report_that_cannot_be_written_does_not_fail_the_run(tmp_path: Path, e
 @pytest.fixture(scope="module")
 def browser():
     sync_api = pytest.importorskip("playwright.sync_api")
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} is not installed")
+    chromium = chromium_executable()       # found as the browser tools find it
+    if chromium is None:
+        pytest.skip("no Chromium here: apt-get install chromium (or set BROWSER_EXECUTABLE)")
     with sync_api.sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS)
+        launched = playwright.chromium.launch(executable_path=chromium, args=BROWSER_ARGS)
         yield launched
         launched.close()
 
@@ -334,15 +376,29 @@ print(json.dumps([list(forked), forked == alone]))
     assert same
 
 
-def test_without_matplotlib_the_report_has_tables_and_says_how_to_get_plots(tmp_path: Path, monkeypatch) -> None:
+def test_without_matplotlib_each_plot_says_in_its_place_what_draws_it(tmp_path: Path, monkeypatch) -> None:
     run_dir = tmp_path / "data" / "small"
     write_synthetic_run(run_dir, 50)
     monkeypatch.setitem(sys.modules, "matplotlib", None)           # import matplotlib -> ImportError
     page = report.write_report(run_dir).read_text(encoding="utf-8")
     assert "<svg" not in page
     assert "<table>" in page and "terminal" in page
-    assert html.escape(install_hint("report")) in page
-    assert "--report --run_name=small" in page
+    panels = re.findall(r'<section class="panel">(.*?)</section>', page, re.S)
+    assert len(panels) == 7
+    for panel in panels:
+        [place] = re.findall(r'<div class="plot missing">(.*?)</div>', panel, re.S)
+        assert "matplotlib" in place and html.escape(install_hint("report")) in place
+        assert "--report --run_name=small" in place
+
+
+def test_a_plot_with_nothing_to_draw_says_so_in_its_place(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    run_dir = tmp_path / "data" / "empty"
+    run_dir.mkdir(parents=True)
+    page = report.write_report(run_dir).read_text(encoding="utf-8")
+    panels = re.findall(r'<section class="panel"><h2>(.*?)</h2>(.*?)</section>', page, re.S)
+    for title, panel in panels:
+        assert "<svg" in panel or "<table>" in panel or "Nothing to plot" in panel, title
 
 
 def test_expected_toolset_shares_match_the_sampler() -> None:

@@ -213,10 +213,8 @@ def test_provider_and_reasoning_flags_reach_the_request_body(tmp_path, endpoint)
     assert request["reasoning"] == {"effort": "high"} and request["max_tokens"] == 50
 
 
+@pytest.mark.bubblewrap
 def test_default_environment_is_the_bubblewrap_sandbox_when_it_works(tmp_path, endpoint):
-    from batchrun.environments.bubblewrap import bubblewrap_problem
-    if bubblewrap_problem():
-        pytest.skip(f"bubblewrap cannot sandbox here: {bubblewrap_problem()}")
     result = run_prompts(tmp_path, endpoint, ['[[call terminal {"command": "pwd; touch made-here"}]] where am i'])
     assert result.returncode == 0, result.stderr
     assert "environment bubblewrap (isolated sandbox, " in result.stdout and "limits per prompt:" in result.stdout
@@ -246,15 +244,26 @@ def test_local_environment_runs_commands_in_a_fresh_directory_not_the_users(tmp_
     assert list((tmp_path / "tmp" / "batch_runner").glob("run/*")) == []      # removed afterwards
 
 
-@pytest.mark.parametrize("terminal_env", ["local", "bubblewrap"])
+@pytest.mark.parametrize("terminal_env", ["local", pytest.param("bubblewrap", marks=pytest.mark.bubblewrap)])
 def test_a_command_can_interrupt_what_it_started(tmp_path, endpoint, terminal_env):
     # Ctrl-C must not stop the workers, but the programs a command starts get SIGINT as on any
-    # shell: a sleep sent SIGINT ends with status 130 at once, not after its 30 seconds.
-    prompt = '[[call terminal {"command": "sleep 30 & kill -INT $!; wait $!; echo status=$?"}]] interrupt it'
+    # shell: an ignored SIGINT would stay ignored in every one of them. A program that sends itself
+    # SIGINT dies of it (status 130) before its next line. It runs in the foreground: bash starts
+    # background jobs (`&`) with SIGINT ignored whatever it inherited.
+    prompt = ('[[call terminal {"command": "sh -c \'kill -INT $$; echo survived\'; echo status=$?"}]] '
+              'interrupt it')
     result = run_prompts(tmp_path, endpoint, [prompt], env={"TERMINAL_ENV": terminal_env})
     assert result.returncode == 0, result.stdout + result.stderr
     [row] = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
-    assert "status=130" in row["conversations"][3]["value"]
+    output = row["conversations"][3]["value"]
+    assert "status=130" in output and "survived" not in output
+
+
+def test_verbose_shows_a_failed_tool_call_as_failed(tmp_path, endpoint):
+    prompt = '[[call read_file {"path": "missing.txt"}]] [[call terminal {"command": "true"}]] read it'
+    result = run_prompts(tmp_path, endpoint, [prompt], "--verbose")
+    assert result.returncode == 0, result.stderr
+    assert "tools used: terminal×1, read_file×1 (1 failed)" in " ".join(result.stdout.split())
 
 
 def test_verbose_shows_toolsets_tools_and_tokens_per_prompt(tmp_path, endpoint):

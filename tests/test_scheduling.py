@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import time
+
 from conftest import (
     PROMPTS_BESIDE_IT,
     RATE_LIMITED_PROMPT,
     assert_the_429_paused_every_other_session,
     batch_rows,
     endpoint_args,
+    finished_row_count,
     human_prompt,
+    last_user_message,
     read_jsonl,
     record_arrivals,
     run_cli,
@@ -75,9 +79,21 @@ def test_token_cap_stops_admitting_prompts(tmp_path, endpoint):
 
 
 def test_a_slow_prompt_holds_one_slot_while_the_others_finish(tmp_path, endpoint):
-    prompts = ["[[sleep 3]] straggler", *[f"quick {i}" for i in range(9)]]
+    # The straggler's reply waits until the nine other rows are written (a minute at most), which
+    # they are only if they do not wait for it.
+    run_dir = tmp_path / "data" / "run"
+
+    def hold_the_straggler(body: dict) -> None:
+        if last_user_message(body) == "straggler":
+            deadline = time.monotonic() + 60
+            while finished_row_count(run_dir) < 9 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return None     # then answer as the prompt says
+
+    endpoint.script = hold_the_straggler
+    prompts = ["straggler", *[f"quick {i}" for i in range(9)]]
     result = run(tmp_path, endpoint, prompts, "--num_workers=2")
     assert result.returncode == 0, result.stderr
-    written = [human_prompt(row) for row in batch_rows(tmp_path / "data" / "run")]
-    assert written[-1] == "[[sleep 3]] straggler"
+    written = [human_prompt(row) for row in batch_rows(run_dir)]
+    assert written[-1] == "straggler"
     assert sorted(written[:-1]) == sorted(prompts[1:])

@@ -7,12 +7,13 @@ import importlib
 from batchrun.environments.base import Environment, EnvironmentSettings
 
 # kind -> "module:Class". Imports are lazy so a backend's dependencies cost nothing unless it is used.
+# The default first: the help page and error messages list the kinds in this order.
 ENVIRONMENT_KINDS: dict[str, str] = {
+    "bubblewrap": "batchrun.environments.bubblewrap:BubblewrapEnvironment",
     "local": "batchrun.environments.local:LocalEnvironment",
     "docker": "batchrun.environments.docker:DockerEnvironment",
     "singularity": "batchrun.environments.singularity:SingularityEnvironment",
     "apptainer": "batchrun.environments.singularity:ApptainerEnvironment",
-    "bubblewrap": "batchrun.environments.bubblewrap:BubblewrapEnvironment",
     "modal": "batchrun.environments.modal:ModalEnvironment",
 }
 
