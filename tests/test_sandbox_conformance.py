@@ -35,7 +35,10 @@ FINGERPRINT = textwrap.dedent(r"""
         cut -d' ' -f18,19,41 /proc/$pid/stat      # priority, nice, policy
     done
     for pid in $PPID 1; do cat /proc/$pid/limits; done
-    section keys; cat /proc/keys /proc/key-users 2>&1 | cut -d' ' -f2-
+    # The keys this sandbox can see, by type and description. Left out: usage counts, /proc/key-users and
+    # the anonymous session keyrings ("_ses") that the run's workers (and, on this machine, other runs of
+    # the same uid) make and drop while the test runs; no prompt can make a key of any kind.
+    section keys; awk '!($8 == "keyring" && $9 == "_ses:") { $1 = $3 = ""; print }' /proc/keys 2>&1
     section mounts; cut -d' ' -f4- /proc/self/mountinfo
     section places
     for place in / /workspace /tmp /dev /dev/shm; do
