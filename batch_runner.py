@@ -46,7 +46,6 @@ from batchrun.run_dir import (
     RunDirectory,
     RunDirectoryError,
     ScanResult,
-    earlier_outcomes,
     full_disk_named,
     size_text,
     superseded_corrupted,
@@ -122,6 +121,8 @@ class BatchRunner:
         scan = self.run_dir.scan() if config.resume else ScanResult()
         if config.resume:
             self._continue_checkpoint()
+            # From the rows themselves: the checkpoint misses those written after it, before a kill.
+            self.batch_stats = Counter(scan.rows_by_status)
         live_corrupted = sum(scan.live_corrupted(self.superseded_corrupted).values())
         done_counts = scan.done(rerun_corrupted=config.rerun_corrupted, superseded=self.superseded_corrupted)
         if config.rerun_corrupted:    # every corrupted row so far is replaced by the attempt about to run
@@ -358,9 +359,8 @@ class BatchRunner:
         self._last_checkpoint = time.monotonic()
 
     def _continue_checkpoint(self) -> None:
-        """On resume: keep the outcome counts of earlier invocations; warn about changed arguments."""
+        """On resume: keep the corrupted rows superseded so far; warn about changed arguments."""
         previous = self.run_dir.read_checkpoint() or {}
-        self.batch_stats.update(earlier_outcomes(previous))
         self.superseded_corrupted = superseded_corrupted(previous)
         for key in ("model", "distribution", "dataset_file"):
             before, now = previous.get(key), str(getattr(self.config, key))

@@ -203,8 +203,9 @@ def lines_at(path: Path, start: int = 0, end: int | None = None) -> Iterator[tup
 @dataclass
 class Checkpoint:
     """checkpoint.json, the same size however long the run: prompts done as a count, and rows per
-    outcome. Resume finds done prompts by content in the batch files, never here; it takes the outcome
-    counts of earlier invocations from here, and the arguments to warn when they changed."""
+    outcome. Resume finds done prompts, and counts rows per outcome, in the batch files, never here
+    (rows written after the last checkpoint, before a kill, are there only); it reads the arguments
+    here, to warn when they changed."""
 
     run_name: str
     dataset_file: str
@@ -231,18 +232,6 @@ def superseded_corrupted(checkpoint: dict) -> Counter:
     recorded = checkpoint.get("superseded_corrupted")
     return Counter({key: count for key, count in recorded.items() if isinstance(key, str) and isinstance(count, int)}
                    if isinstance(recorded, dict) else {})
-
-
-def earlier_outcomes(checkpoint: dict) -> Counter:
-    """Rows per outcome that a checkpoint records; earlier versions kept them per batch."""
-    outcomes: Counter = Counter()
-    stats = checkpoint.get("batch_stats")
-    for key, value in (stats.items() if isinstance(stats, dict) else ()):
-        if isinstance(value, dict):
-            outcomes.update({status: count for status, count in value.items() if isinstance(count, int)})
-        elif isinstance(value, int):
-            outcomes[key] += value
-    return outcomes
 
 
 @dataclass

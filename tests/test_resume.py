@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from conftest import (
     wait_for,
     write_dataset,
 )
+from scripted_endpoint import prompt_text
 
 from batchrun import rows, run_dir
 from batchrun.run_dir import RunDirectory, lines_at, scan_ranges, split_ranges
@@ -363,7 +365,7 @@ def test_the_checkpoint_counts_done_prompts_and_rows_per_outcome_over_every_invo
     assert {"run_name", "last_updated", "total_prompts"} <= set(checkpoint) and checkpoint["total_prompts"] == 4
 
 
-def test_a_checkpoint_of_an_earlier_version_is_continued(tmp_path, endpoint):
+def test_a_checkpoint_of_an_earlier_version_is_replaced_by_counts_of_the_batch_files(tmp_path, endpoint):
     dataset = write_dataset(tmp_path / "dataset.jsonl", ["a", "b"])
     assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--max_samples=1")).returncode == 0
     checkpoint_path = tmp_path / "data" / "run" / "checkpoint.json"
@@ -372,7 +374,7 @@ def test_a_checkpoint_of_an_earlier_version_is_continued(tmp_path, endpoint):
     checkpoint_path.write_text(json.dumps(earlier))
     assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume")).returncode == 0
     checkpoint = json.loads(checkpoint_path.read_text())
-    assert (checkpoint["completed_prompts"], checkpoint["batch_stats"]) == (2, {"completed": 2, "failed": 3})
+    assert (checkpoint["completed_prompts"], checkpoint["batch_stats"]) == (2, {"completed": 2})
 
 
 def test_resume_warns_when_an_argument_differs_from_the_checkpoint(tmp_path, endpoint):
@@ -382,3 +384,102 @@ def test_resume_warns_when_an_argument_differs_from_the_checkpoint(tmp_path, end
     assert result.returncode == 0, result.stderr
     assert "resuming with --model=another-model, but this run started with scripted-model" in \
         " ".join(result.stderr.split())         # wrapped at 80 columns in a log file
+
+
+# -- the figures after kill -9 ------------------------------------------------------------------------------
+
+class HeldReplies:
+    """An endpoint script that holds the reply to a prompt's request number ``request`` (0-based) until
+    released, so that a test can kill the runner while that session waits; once ``open_all`` runs, no
+    reply waits."""
+
+    def __init__(self, endpoint, holds: dict[str, int]) -> None:
+        self.holds = holds
+        self.released = {marker: threading.Event() for marker in holds}
+        self.arrived = {marker: threading.Event() for marker in holds}
+        self.seen: Counter = Counter()
+        self.lock = threading.Lock()
+        endpoint.script = self
+
+    def __call__(self, body: dict) -> None:
+        prompt = prompt_text(body)
+        for marker, request in self.holds.items():
+            if marker in prompt:
+                with self.lock:
+                    number = self.seen[marker]
+                    self.seen[marker] += 1
+                if number == request:
+                    self.arrived[marker].set()
+                    self.released[marker].wait(60)
+        return None     # then the prompt's own directives answer
+
+    def release(self, marker: str) -> None:
+        self.released[marker].set()
+
+    def open_all(self) -> None:
+        for event in self.released.values():
+            event.set()
+
+
+def recount(run_dir: Path) -> Counter:
+    """Rows per outcome, read from the batch files themselves."""
+    found: Counter = Counter()
+    for path in sorted(run_dir.glob("batch_*.jsonl")):
+        for _, line in lines_at(path):
+            row = rows.read_stored_row(line)
+            assert row is not None
+            found[row.status] += 1
+    return found
+
+
+def rows_usage(run_dir: Path) -> dict:
+    total = Counter()
+    for path in sorted(run_dir.glob("batch_*.jsonl")):
+        for _, line in lines_at(path):
+            total.update(rows.read_stored_row(line).usage())
+    return dict(total)
+
+
+CUT_OFF_PROMPT = '[[call terminal {"command": "echo four"}]] fourth, cut off by the kill'
+
+
+def kill_after_a_checkpoint_with_rows_behind_it(tmp_path: Path, endpoint, dataset: Path, *extra: str,
+                                                spend_recorded: bool = True) -> HeldReplies:
+    """The first invocation, killed with kill -9 once checkpoint.json counts two rows, a third row is
+    written after it, and a fourth session has had one reply (recorded as spent, with ``spend_recorded``)
+    and waits for its second."""
+    run = tmp_path / "data" / "run"
+    held = HeldReplies(endpoint, {"third": 0, "fourth": 1})
+    process = subprocess.Popen(batch_runner_command(*base_args(tmp_path, endpoint, dataset, "--num_workers=4",
+                                                               *extra, batch_size=2)),
+                               cwd=tmp_path, env=cli_environment(tmp_path), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: (run / "checkpoint.json").exists(), what="the first checkpoint")
+        assert json.loads((run / "checkpoint.json").read_text())["batch_stats"] == {"completed": 2}
+        held.release("third")
+        wait_for(lambda: finished_row_count(run) == 3, what="the third row")
+        assert held.arrived["fourth"].wait(60)
+        if spend_recorded:
+            wait_for(lambda: spent_records(run).count(b"\n") >= 1, what="the fourth session's reply recorded")
+    finally:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+    held.open_all()
+    return held
+
+
+def spent_records(run: Path) -> bytes:
+    path = run / run_dir.SPENT
+    return path.read_bytes() if path.exists() else b""
+
+
+def test_after_kill_9_and_resume_the_checkpoint_counts_every_row_in_the_batch_files(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["first", "second", "third", CUT_OFF_PROMPT])
+    kill_after_a_checkpoint_with_rows_behind_it(tmp_path, endpoint, dataset, spend_recorded=False)
+    run = tmp_path / "data" / "run"
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume", batch_size=2))
+    assert result.returncode == 0, result.stderr
+    checkpoint = json.loads((run / "checkpoint.json").read_text())
+    assert checkpoint["batch_stats"] == recount(run) == {"completed": 4}
+    assert checkpoint["completed_prompts"] == 4
