@@ -171,8 +171,6 @@ class BatchRunner:
             exit_code = EXIT_INTERRUPTED
         except DiskFull as exc:
             disk_full = exc
-        except RuntimeError as exc:   # the pool itself failed (Ray lost every actor)
-            fatal = Fatal(str(exc))
         finally:
             self.console.stop_progress()
             disk_full = self._stop(pool, env_settings) or disk_full
@@ -193,6 +191,11 @@ class BatchRunner:
             self.console.print(f"Stopped admitting prompts: {cap}. {plan.pending - self.this_run.processed} "
                                "prompts were not started; --resume continues them (the cap counts per invocation).",
                                style="yellow")
+        if self._every_row_discarded():
+            self.console.print(f"Every row of this run was discarded: no assistant turn had reasoning. "
+                               f"--discard_no_reasoning=False keeps such rows (the batch files hold them: "
+                               f"{program()} --export=sharegpt --run_name={self.config.run_name} "
+                               f"--discard_no_reasoning=False exports them).", style="yellow")
         if exit_code == EXIT_INTERRUPTED:
             return exit_code
         if failed := self.this_run.statuses[rows.FAILED]:
@@ -200,6 +203,11 @@ class BatchRunner:
                                "above); run the same command with --resume to retry them.", style="yellow")
             return EXIT_SOME_FAILED
         return exit_code
+
+    def _every_row_discarded(self) -> bool:
+        """This invocation wrote rows, and the no-reasoning filter discarded every one it did not fail."""
+        statuses = self.this_run.statuses
+        return statuses[rows.DISCARDED] > 0 and statuses[rows.COMPLETED] + statuses[rows.PARTIAL] == 0
 
     def _start_pool(self, env_settings: EnvironmentSettings, available: frozenset[str]) -> WorkerPool:
         pool: WorkerPool
