@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import model_tools
@@ -67,6 +68,8 @@ class SessionServices:
     # Environments starting at once in this process: when hundreds of sessions begin together, the
     # first few get their sandboxes (and send their first requests) without waiting for them all.
     starting: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(ENVIRONMENT_STARTS_AT_ONCE))
+    # Told of every model call's usage as its reply arrives (prompt index, usage): see messages.Spent.
+    on_spent: Callable[[int, Usage], None] | None = None
 
     async def retire(self, env: Environment) -> None:
         """Release a finished session's environment before its row is made: a prompt that filled the disk
@@ -219,6 +222,8 @@ class Session:
         self.api_calls += 1     # every request sent counts, also one the endpoint refuses (a context overflow)
         reply = await self.model.reply(messages, with_tools=with_tools)
         self.usage.add(reply.usage)
+        if self.services.on_spent is not None:
+            self.services.on_spent(self.task.prompt_index, reply.usage)
         return reply
 
     def _record(self, messages: list[Message], reply: ModelReply, turn: AssistantTurn) -> None:

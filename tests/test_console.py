@@ -15,7 +15,7 @@ from batchrun import rows
 from batchrun.console import RunConsole
 from batchrun.messages import Finished
 from batchrun.security import Redactor
-from batchrun.stats import MergeStatistics, ThisRun, build_statistics
+from batchrun.stats import MergeStatistics, ThisRun, build_statistics, empty_usage
 
 LONG_PROMPT = ("Write a detailed essay about the history of the Roman empire, its institutions, its wars "
                "and its fall, with citations for every claim")
@@ -50,7 +50,7 @@ def record(console: RunConsole, this_run: ThisRun, outcome: Finished) -> None:
 def statistics(this_run: ThisRun, merge: MergeStatistics) -> dict:
     return build_statistics(run_name="run", distribution="default", model="m", batch_size=10, total_prompts=100,
                             skipped_dataset_lines=0, duration=12.3, merge=merge, this_run=this_run,
-                            superseded_corrupted=Counter())
+                            superseded_corrupted=Counter(), unfinished=empty_usage())
 
 
 def usage(prompt: int, completion: int, reasoning: int = 0, cached: int = 0, cost: float = 0.0) -> dict:

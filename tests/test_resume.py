@@ -217,6 +217,8 @@ def test_resume_scan_shared_out_over_processes_counts_what_one_process_counts(tm
     alone = scan_ranges([(p, 0, p.stat().st_size) for p in directory.batch_files()])
     monkeypatch.setattr(run_dir, "PARALLEL_READ_MIN_BYTES", 0)
     shared = directory.scan()
+    assert shared.usage == pytest.approx(alone.usage)      # costs added in another order
+    shared.usage = alone.usage
     assert shared == alone
     assert shared.rows_by_status[rows.FAILED] == 1 and sum(shared.corrupted_by_key.values()) == 1
     assert sum(shared.done(rerun_corrupted=False, superseded=Counter()).values()) == 14
@@ -483,3 +485,53 @@ def test_after_kill_9_and_resume_the_checkpoint_counts_every_row_in_the_batch_fi
     checkpoint = json.loads((run / "checkpoint.json").read_text())
     assert checkpoint["batch_stats"] == recount(run) == {"completed": 4}
     assert checkpoint["completed_prompts"] == 4
+
+
+def usage_of_replies(replies: int) -> dict:
+    """What the scripted endpoint reports for ``replies`` replies, in the keys of statistics.json."""
+    return {"prompt_tokens": 100 * replies, "completion_tokens": 20 * replies, "reasoning_tokens": 5 * replies,
+            "cached_tokens": 10 * replies, "cost": round(0.001 * replies, 8)}
+
+
+def test_after_kill_9_and_resume_statistics_equal_a_recount_plus_the_cut_off_sessions_spend(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["first", "second", "third", CUT_OFF_PROMPT])
+    held = kill_after_a_checkpoint_with_rows_behind_it(tmp_path, endpoint, dataset)
+    assert held.seen["fourth"] == 2       # one reply, then the request the kill cut off
+    run = tmp_path / "data" / "run"
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume", batch_size=2))
+    assert result.returncode == 0, result.stderr
+    statistics = json.loads((run / "statistics.json").read_text())
+    found = recount(run)
+    assert json.loads((run / "checkpoint.json").read_text())["batch_stats"] == found
+    assert statistics["trajectories_in_merged_file"] == found["completed"] + found["partial"] == 4
+    assert statistics["spent_by_unfinished_sessions"] == usage_of_replies(1)
+    in_rows = rows_usage(run)
+    assert statistics["usage"] == {key: pytest.approx(value + usage_of_replies(1)[key])
+                                   for key, value in in_rows.items()}
+    assert in_rows["prompt_tokens"] == 100 * len(batch_rows(run)) + 100    # the fourth's row has two replies
+
+
+def test_max_cost_counts_what_earlier_invocations_spent_cut_off_sessions_included(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["first", "second", "third", CUT_OFF_PROMPT])
+    # Three rows at $0.001 spent $0.003, below the cap; the cut-off session's one reply takes the run over.
+    kill_after_a_checkpoint_with_rows_behind_it(tmp_path, endpoint, dataset, "--max_cost=0.0035")
+    endpoint.reset()
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume", "--max_cost=0.0035",
+                                          batch_size=2))
+    assert result.returncode == 0, result.stderr
+    assert endpoint.requests == []
+    said = " ".join(result.stdout.split())
+    assert "spending cap reached: $0.0040 of --max_cost=$0.0035" in said
+    assert "the cap counts the whole run, earlier invocations included" in said
+
+
+def test_max_cost_reached_by_one_invocation_stops_the_next_at_once(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["first", "second"])
+    arguments = base_args(tmp_path, endpoint, dataset, "--num_workers=1", "--max_cost=0.001")
+    assert run_cli(tmp_path, *arguments).returncode == 0
+    assert len(endpoint.requests) == 1
+    endpoint.reset()
+    result = run_cli(tmp_path, *arguments, "--resume")
+    assert result.returncode == 0, result.stderr
+    assert endpoint.requests == []
+    assert "spending cap reached: $0.0010 of --max_cost=$0.001" in " ".join(result.stdout.split())
