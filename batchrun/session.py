@@ -151,16 +151,15 @@ class Session:
         self.usage = Usage()
         self.api_calls = 0
         self.env: Environment | None = None
+        self._starting_environment = False
         self.tools: ToolContext | None = None
 
     async def run(self) -> SessionResult:
         started = time.monotonic()
         end_reason, error, error_type = "error", None, None
         try:
-            # Before any model call: a prompt whose environment cannot start (an image that cannot
-            # be pulled) fails without spending tokens.
-            await self._start_environment()
-            end_reason = await within(self.config.prompt_timeout, self._loop())
+            # The time limit covers the environment's start (a slow image pull or Modal start) too.
+            end_reason = await within(self.config.prompt_timeout, self._started_then_loop())
         except PromptFailedError as exc:
             if exc.error_type == CONTEXT_LENGTH and self._answered():
                 end_reason = CONTEXT_LENGTH     # keep the paid-for turns; rerunning would overflow again
@@ -172,7 +171,9 @@ class Session:
             if self._answered():    # keep what the paid-for turns produced, as a partial row
                 end_reason = "prompt_timeout"
             else:
-                error = f"prompt time limit of {self.config.prompt_timeout:g}s reached before the first model reply"
+                waiting = "while its environment was starting" if self._starting_environment else \
+                    "before the first model reply"
+                error = f"prompt time limit of {self.config.prompt_timeout:g}s reached {waiting}"
                 error_type = "prompt_timeout"
         finally:
             await self._close_tools()
@@ -186,6 +187,14 @@ class Session:
             toolsets=list(self.task.toolsets), offered_tools=self.offered_tools, turns=self.turns,
             api_calls=self.api_calls, usage=self.usage, wall_time=time.monotonic() - started,
             end_reason=end_reason, error=redact(error) if error else None, error_type=error_type)
+
+    async def _started_then_loop(self) -> str:
+        # Before any model call: a prompt whose environment cannot start (an image that cannot
+        # be pulled) fails without spending tokens.
+        self._starting_environment = True
+        await self._start_environment()
+        self._starting_environment = False
+        return await self._loop()
 
     async def _start_environment(self) -> None:
         if not model_tools.needs_environment(self.offered_tools):
