@@ -531,8 +531,8 @@ def main(dataset_file: str | None = None, batch_size: int | None = None, run_nam
     run prompts whose rows named invented tools again), --max_retries (transient endpoint errors),
     --request_timeout (seconds one model call waits for the endpoint),
     --prompt_timeout / --tool_timeout / --command_timeout (seconds), --keep_workdirs,
-    --requests_per_minute (shared by all workers), --max_cost (USD) / --max_total_tokens (this
-    invocation: stop admitting prompts once reached, let running ones finish),
+    --requests_per_minute (shared by all workers), --max_cost (USD) / --max_total_tokens (the whole
+    run, earlier invocations included: stop admitting prompts once reached, let running ones finish),
     --backend=ray (sessions in Ray actors: a private local Ray, or the cluster at RAY_ADDRESS),
     --adaptive_concurrency=False (always up to --num_workers model requests at once, instead of as
     many as the endpoint takes without 429s or slowing down).
