@@ -38,21 +38,22 @@ from batchrun.environments import ENVIRONMENT_KINDS, environment_class, limits
 from batchrun.environments.base import EnvironmentSettings, run_identity
 from batchrun.export import EXPORT_FLAGS, ExportError, export_options, export_run, flags_without_export
 from batchrun.install_hint import program
-from batchrun.messages import Fatal, Finished, Task
+from batchrun.messages import Fatal, Finished, Spent, Task
 from batchrun.report_follower import ReportFailed, ReportFollower
 from batchrun.run_dir import (
+    SPENT,
     Checkpoint,
     DiskFull,
     RunDirectory,
     RunDirectoryError,
     ScanResult,
-    earlier_outcomes,
+    SpentLedger,
     full_disk_named,
     size_text,
     superseded_corrupted,
 )
 from batchrun.security import Redactor
-from batchrun.stats import ThisRun, build_statistics
+from batchrun.stats import ThisRun, add_usage, build_statistics, empty_usage
 from batchrun.workers import PoolStartError, ProcessPool, WorkerPool, process_count, raise_open_file_limit
 
 CHECKPOINT_MIN_INTERVAL = 1.0     # seconds; coalesces checkpoint rewrites when batches are tiny
@@ -77,6 +78,8 @@ class BatchRunner:
         self.batch_stats: Counter = Counter()     # rows per outcome, every invocation under this run name
         self.done_prompts = 0                     # completed, partial or discarded, every invocation
         self.superseded_corrupted: Counter = Counter()   # see run_dir.Checkpoint
+        self.spent = SpentLedger(self.run_dir.path / SPENT)
+        self._earlier_rows_usage = empty_usage()  # what the rows of earlier invocations spent
         self._checkpoint_due = False
         self._last_checkpoint = 0.0
         self._total_prompts = 0
@@ -109,6 +112,7 @@ class BatchRunner:
             self.console.error(str(exc))
             return EXIT_ERROR
         finally:
+            self.spent.close()
             self.run_dir.release()
 
     def _run_locked(self) -> int:
@@ -122,6 +126,10 @@ class BatchRunner:
         scan = self.run_dir.scan() if config.resume else ScanResult()
         if config.resume:
             self._continue_checkpoint()
+            # From the rows themselves: the checkpoint misses those written after it, before a kill.
+            self.batch_stats = Counter(scan.rows_by_status)
+            self._earlier_rows_usage = scan.usage
+        self.spent.start(resume=config.resume)
         live_corrupted = sum(scan.live_corrupted(self.superseded_corrupted).values())
         done_counts = scan.done(rerun_corrupted=config.rerun_corrupted, superseded=self.superseded_corrupted)
         if config.rerun_corrupted:    # every corrupted row so far is replaced by the attempt about to run
@@ -170,8 +178,6 @@ class BatchRunner:
             exit_code = EXIT_INTERRUPTED
         except DiskFull as exc:
             disk_full = exc
-        except RuntimeError as exc:   # the pool itself failed (Ray lost every actor)
-            fatal = Fatal(str(exc))
         finally:
             self.console.stop_progress()
             disk_full = self._stop(pool, env_settings) or disk_full
@@ -190,8 +196,14 @@ class BatchRunner:
         self._finish(plan, interrupted=exit_code == EXIT_INTERRUPTED)
         if (cap := self._budget_spent()) and self.this_run.processed < plan.pending:
             self.console.print(f"Stopped admitting prompts: {cap}. {plan.pending - self.this_run.processed} "
-                               "prompts were not started; --resume continues them (the cap counts per invocation).",
+                               "prompts were not started (the cap counts the whole run, earlier invocations included: "
+                               "--resume with a higher cap continues them).",
                                style="yellow")
+        if self._every_row_discarded():
+            self.console.print(f"Every row of this run was discarded: no assistant turn had reasoning. "
+                               f"--discard_no_reasoning=False keeps such rows (the batch files hold them: "
+                               f"{program()} --export=sharegpt --run_name={self.config.run_name} "
+                               f"--discard_no_reasoning=False exports them).", style="yellow")
         if exit_code == EXIT_INTERRUPTED:
             return exit_code
         if failed := self.this_run.statuses[rows.FAILED]:
@@ -199,6 +211,11 @@ class BatchRunner:
                                "above); run the same command with --resume to retry them.", style="yellow")
             return EXIT_SOME_FAILED
         return exit_code
+
+    def _every_row_discarded(self) -> bool:
+        """This invocation wrote rows, and the no-reasoning filter discarded every one it did not fail."""
+        statuses = self.this_run.statuses
+        return statuses[rows.DISCARDED] > 0 and statuses[rows.COMPLETED] + statuses[rows.PARTIAL] == 0
 
     def _start_pool(self, env_settings: EnvironmentSettings, available: frozenset[str]) -> WorkerPool:
         pool: WorkerPool
@@ -229,7 +246,8 @@ class BatchRunner:
             messages = pool.receive(timeout=1.0)
             self.this_run.concurrency = pool.concurrency
             # Every row that arrived is kept, also those that came with a run-wide failure.
-            self._persist([message for message in messages if isinstance(message, Finished)])
+            self._persist([message for message in messages if isinstance(message, Finished)],
+                          [message for message in messages if isinstance(message, Spent)])
             if fatal := next((message for message in messages if isinstance(message, Fatal)), None):
                 return fatal
             self._maybe_checkpoint()
@@ -244,11 +262,11 @@ class BatchRunner:
             batch_size = self.config.batch_size
             self._report.progress(first_open // batch_size, self._highest_index // batch_size)
 
-    def _persist(self, finished: list[Finished]) -> None:
+    def _persist(self, finished: list[Finished], spent: list[Spent]) -> None:
         """Append rows to their batch files and make them durable before they count as done: one
         write and one fdatasync per batch file, one sync of the directory for the files created (a
-        group commit). When the disk is full, the rows not written are held back for one more try
-        at the stop (see _stop), and DiskFull goes up."""
+        group commit), which the replies' usage (see SpentLedger) joins. When the disk is full, the
+        rows not written are held back for one more try at the stop (see _stop), and DiskFull goes up."""
         by_batch: dict[int, list[Finished]] = {}
         for message in finished:
             by_batch.setdefault(message.batch_num, []).append(message)
@@ -265,10 +283,12 @@ class BatchRunner:
             raise
         finally:
             self.run_dir.sync_names()
-            for messages in groups[:written]:
-                self._rows_written += len(messages)
-                for message in messages:
-                    self._record(message)
+            kept = [message for messages in groups[:written] for message in messages]
+            self.spent.record(spent, kept)
+            self.spent.sync()
+            self._rows_written += len(kept)
+            for message in kept:
+                self._record(message)
 
     def _stop(self, pool: WorkerPool, env_settings: EnvironmentSettings) -> DiskFull | None:
         """End the workers (their sessions stop, their environments close) and keep the rows that
@@ -276,9 +296,10 @@ class BatchRunner:
         have made room. The environments' leftovers are removed whatever happens."""
         held_back, self._held_back = self._held_back, []
         try:
-            finished = pool.stop()
+            stopped = pool.stop()
             self.this_run.concurrency = pool.concurrency
-            self._persist([*held_back, *finished])
+            self._persist([*held_back, *(message for message in stopped if isinstance(message, Finished))],
+                          [message for message in stopped if isinstance(message, Spent)])
             self._write_checkpoint()
         except DiskFull as exc:
             return exc
@@ -302,9 +323,16 @@ class BatchRunner:
         lines.append("Make room there, then run the same command with --resume.")
         return " ".join(lines)
 
+    def _run_spend(self) -> dict:
+        """What the whole run has spent, every invocation: rows, and sessions cut off or still running."""
+        usage = dict(self._earlier_rows_usage)
+        add_usage(usage, self.this_run.usage)
+        add_usage(usage, self.spent.unfinished())
+        return usage
+
     def _budget_spent(self) -> str | None:
-        """Why no further prompt may start (--max_cost / --max_total_tokens reached), if so."""
-        usage, config = self.this_run.usage, self.config
+        """Why no further prompt may start (--max_cost / --max_total_tokens reached by the whole run), if so."""
+        usage, config = self._run_spend(), self.config
         if config.max_cost is not None and usage["cost"] >= config.max_cost:
             return f"spending cap reached: ${usage['cost']:.4f} of --max_cost=${config.max_cost:g}"
         tokens = usage["prompt_tokens"] + usage["completion_tokens"]
@@ -358,9 +386,8 @@ class BatchRunner:
         self._last_checkpoint = time.monotonic()
 
     def _continue_checkpoint(self) -> None:
-        """On resume: keep the outcome counts of earlier invocations; warn about changed arguments."""
+        """On resume: keep the corrupted rows superseded so far; warn about changed arguments."""
         previous = self.run_dir.read_checkpoint() or {}
-        self.batch_stats.update(earlier_outcomes(previous))
         self.superseded_corrupted = superseded_corrupted(previous)
         for key in ("model", "distribution", "dataset_file"):
             before, now = previous.get(key), str(getattr(self.config, key))
@@ -386,7 +413,8 @@ class BatchRunner:
                                       model=self.config.model, batch_size=self.config.batch_size,
                                       total_prompts=plan.total, skipped_dataset_lines=plan.skipped_lines,
                                       duration=time.monotonic() - self.started, merge=merge, this_run=self.this_run,
-                                      superseded_corrupted=self.superseded_corrupted)
+                                      superseded_corrupted=self.superseded_corrupted,
+                                      unfinished=self.spent.unfinished())
         self.run_dir.write_statistics(statistics)
         self.console.summary(statistics, merge.batch_files, interrupted=interrupted)
         self._write_report()
@@ -503,8 +531,8 @@ def main(dataset_file: str | None = None, batch_size: int | None = None, run_nam
     run prompts whose rows named invented tools again), --max_retries (transient endpoint errors),
     --request_timeout (seconds one model call waits for the endpoint),
     --prompt_timeout / --tool_timeout / --command_timeout (seconds), --keep_workdirs,
-    --requests_per_minute (shared by all workers), --max_cost (USD) / --max_total_tokens (this
-    invocation: stop admitting prompts once reached, let running ones finish),
+    --requests_per_minute (shared by all workers), --max_cost (USD) / --max_total_tokens (the whole
+    run, earlier invocations included: stop admitting prompts once reached, let running ones finish),
     --backend=ray (sessions in Ray actors: a private local Ray, or the cluster at RAY_ADDRESS),
     --adaptive_concurrency=False (always up to --num_workers model requests at once, instead of as
     many as the endpoint takes without 429s or slowing down).

@@ -1,5 +1,5 @@
 """What the user sees: live progress over prompts on a terminal, plain lines elsewhere,
-and the end-of-run summary. Every line passes through the redactor first.
+and the end-of-run summary. Every line passes through the redactor first, then :func:`shown`.
 
 Lines are laid out for the width they will be read at (the terminal's, or 80 columns in a log file):
 figures are kept whole and moved to a continuation line when they do not fit, and only free text
@@ -9,6 +9,7 @@ an emoji takes two.
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 import time
@@ -33,6 +34,17 @@ MIN_PREVIEW = 12              # with less room a preview stub says nothing; leav
 MIN_BAR, MAX_BAR = 10, 40     # a shorter progress bar is noise; a longer one adds nothing
 RULE_WIDTH = 60
 MAX_ERROR_CHARS = 200         # without --verbose a failure's message is one line of at most this
+
+
+# C0 controls but newline and tab, DEL and C1 controls: what a terminal may take as a command.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def shown(text: str) -> str:
+    """``text`` with its control characters written as escapes (``\x1b``). Prompts come from
+    downloaded datasets and replies from the model: printed raw, ESC[2J would clear the screen and
+    OSC 52 write the user's clipboard. Rich's markup escaping leaves them be."""
+    return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
 
 
 def _wrapped(text: str) -> list[str]:
@@ -168,21 +180,21 @@ class RunConsole:
         """Every write to stdout ends here, so that a live progress display stays below it. A log
         file gets the line as laid out (rich does not wrap it again at whatever width it guesses).
         A Text is neither markup nor emoji codes, so a prompt's brackets and colons print as they are."""
-        self.out.print(Text(line, style=style or ""), soft_wrap=not self.interactive)
+        self.out.print(Text(shown(line), style=style or ""), soft_wrap=not self.interactive)
 
     def _emit_lines(self, lines: Iterable[str], style: str | None = None) -> None:
         for line in lines:
             self._emit(self.redact(line), style)
 
     def warn(self, text: str) -> None:
-        text = self.redact(f"warning: {text}")
+        text = shown(self.redact(f"warning: {text}"))
         for line in ([text] if self.err.is_terminal else _wrapped(text)):
             self.err.print(line, style="yellow", markup=False, soft_wrap=not self.err.is_terminal)
 
     def error(self, text: str) -> None:
         """One clear ``error:`` line (or block) on stderr; the caller then exits 1."""
         text = text if text.startswith("error:") else f"error: {text}"
-        self.err.print(self.redact(text), style="bold red", markup=False)
+        self.err.print(shown(self.redact(text)), style="bold red", markup=False)
 
     # -- progress -------------------------------------------------------------------------------
 
@@ -355,7 +367,7 @@ class RunConsole:
         for column in ("count", "success", "failure", "success rate"):
             table.add_column(column, justify="right", no_wrap=True)    # a figure is never wrapped
         for name, entry in sorted(used, key=lambda item: -item[1]["count"]):
-            table.add_row(*(Text(self.redact(cell)) for cell in (
+            table.add_row(*(Text(shown(self.redact(cell))) for cell in (
                 name, f"{entry['count']:,}", f"{entry['success']:,}", f"{entry['failure']:,}",
                 f"{entry['success_rate']:.1f}%")))
         self._emit_lines(["Tool usage (merged file, all runs):"])

@@ -37,5 +37,15 @@ class Finished:
 
 
 @dataclass
+class Spent:
+    """What one model call of a session still running cost, sent as its reply arrives. The row
+    carries a session's whole usage, but a session cut off (kill -9, a stop, a worker that died)
+    never has one: these let the parent count what it spent all the same."""
+
+    prompt_index: int
+    usage: dict
+
+
+@dataclass
 class Fatal:
     message: str

@@ -55,7 +55,7 @@ from batchrun.config import RunConfig
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.environments.seccomp import leave_session_keyring
 from batchrun.install_hint import install_hint
-from batchrun.messages import Fatal, Finished, Task
+from batchrun.messages import Fatal, Finished, Spent, Task
 from batchrun.rate_limit import Gate, pace_interval, take_pace_slot
 from batchrun.workers import PoolStartError, process_count, raise_open_file_limit, split_slots
 
@@ -636,7 +636,7 @@ class RayWorkerPool:
     def submit(self, task: Task) -> None:
         self._dispatch(Attempt(task))
 
-    def receive(self, timeout: float) -> list[Finished | Fatal]:
+    def receive(self, timeout: float) -> list[Finished | Fatal | Spent]:
         """Every finished result, waiting at most ``timeout`` for the first one. A lost actor's prompts
         are sent again (or get failure rows); only losing every actor ends the run (a Fatal, after the
         rows that arrived with it)."""
@@ -648,7 +648,7 @@ class RayWorkerPool:
         ready, _ = ray.wait(watched, num_returns=1, timeout=timeout)
         if ready and len(watched) > 1:
             ready, _ = ray.wait(watched, num_returns=len(watched), timeout=0)
-        messages: list[Finished | Fatal] = []
+        messages: list[Finished | Fatal | Spent] = []
         for ref in ready:
             if ref in self._starting:
                 self._replacement_started(ref, self._starting.pop(ref))
@@ -763,7 +763,7 @@ class RayWorkerPool:
 
     # -- stop ----------------------------------------------------------------------------------------
 
-    def stop(self) -> list[Finished]:
+    def stop(self) -> list[Finished | Spent]:
         """Cancel in-flight sessions (their environments are cleaned up), end the actors, and stop the
         Ray this runner started (or leave the cluster).
 
@@ -773,7 +773,7 @@ class RayWorkerPool:
             return []
         self._stopped = True
         ray = self.ray
-        finished: list[Finished] = []
+        finished: list[Finished | Spent] = []
         try:
             if ray is not None and ray.is_initialized():
                 if self._pending:
@@ -807,10 +807,10 @@ class RayWorkerPool:
                 watcher.join(10)
         return finished
 
-    def _finished_meanwhile(self) -> list[Finished]:
+    def _finished_meanwhile(self) -> list[Finished | Spent]:
         ray = self.ray
         ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=0)
-        finished = []
+        finished: list[Finished | Spent] = []
         for ref in ready:
             try:
                 message = ray.get(ref)

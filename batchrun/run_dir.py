@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import IO
 
 from batchrun import rows
-from batchrun.stats import MergeStatistics
+from batchrun.messages import Finished, Spent
+from batchrun.stats import USAGE_KEYS, MergeStatistics, add_usage, empty_usage
 from model_tools import REGISTRY
 
 BATCH_FILE = re.compile(r"^batch_(\d+)\.jsonl$")
@@ -40,6 +41,7 @@ TRAJECTORIES = "trajectories.jsonl"
 CHECKPOINT = "checkpoint.json"
 STATISTICS = "statistics.json"
 LOCK = ".lock"
+SPENT = "spent.jsonl"
 MERGE_RECORD = ".merge.json"
 # A record is only trusted by a merge with the same rules: the same registry decides what is corrupted,
 # and the same form of the figures it carries.
@@ -203,8 +205,9 @@ def lines_at(path: Path, start: int = 0, end: int | None = None) -> Iterator[tup
 @dataclass
 class Checkpoint:
     """checkpoint.json, the same size however long the run: prompts done as a count, and rows per
-    outcome. Resume finds done prompts by content in the batch files, never here; it takes the outcome
-    counts of earlier invocations from here, and the arguments to warn when they changed."""
+    outcome. Resume finds done prompts, and counts rows per outcome, in the batch files, never here
+    (rows written after the last checkpoint, before a kill, are there only); it reads the arguments
+    here, to warn when they changed."""
 
     run_name: str
     dataset_file: str
@@ -233,18 +236,6 @@ def superseded_corrupted(checkpoint: dict) -> Counter:
                    if isinstance(recorded, dict) else {})
 
 
-def earlier_outcomes(checkpoint: dict) -> Counter:
-    """Rows per outcome that a checkpoint records; earlier versions kept them per batch."""
-    outcomes: Counter = Counter()
-    stats = checkpoint.get("batch_stats")
-    for key, value in (stats.items() if isinstance(stats, dict) else ()):
-        if isinstance(value, dict):
-            outcomes.update({status: count for status, count in value.items() if isinstance(count, int)})
-        elif isinstance(value, int):
-            outcomes[key] += value
-    return outcomes
-
-
 @dataclass
 class ScanResult:
     """What earlier runs left: finished rows per content key, and what counts as done."""
@@ -253,8 +244,10 @@ class ScanResult:
     rows_by_status: Counter = field(default_factory=Counter)
     corrupted_by_key: Counter = field(default_factory=Counter)   # corrupted rows, ever, per content key
     unreadable_lines: int = 0
+    usage: dict = field(default_factory=empty_usage)             # of every row
 
     def add(self, other: ScanResult) -> None:
+        add_usage(self.usage, other.usage)
         self.done_counts.update(other.done_counts)
         self.rows_by_status.update(other.rows_by_status)
         self.corrupted_by_key.update(other.corrupted_by_key)
@@ -270,6 +263,86 @@ class ScanResult:
         if rerun_corrupted:
             return Counter(self.done_counts)
         return self.done_counts + self.live_corrupted(superseded)
+
+
+class SpentLedger:
+    """spent.jsonl: what sessions spent, reply by reply, until their rows carry it.
+
+    A row holds its session's whole usage, but a session cut off (kill -9, a stop, a worker that
+    died) leaves none, and its replies were paid for all the same. The parent appends a line per
+    reply (``{"prompt": i, "spent": usage}``) and one per row written (``{"prompt": i, "row": usage}``):
+    what a prompt spent beyond its row, or without one, was spent by a session cut off. Lines are
+    written as they arrive (a killed runner's writes stay in the kernel's cache) and made durable
+    with the rows' group commit, not one sync per reply. Each invocation starts by folding the file
+    into one line, ``{"carried": usage}``, so it stays small however long the run.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._carried = empty_usage()            # cut off in earlier invocations
+        self._cut_off = empty_usage()            # prompts of this invocation that spent beyond their rows
+        self._open: dict[int, dict] = {}         # prompt index -> spent so far, no row yet
+        self._open_total = empty_usage()
+        self._fd: int | None = None
+        self._unsynced = False
+
+    def start(self, *, resume: bool) -> None:
+        """Take in what earlier invocations left (a fresh run starts from nothing), as one line."""
+        if resume and self.path.exists():
+            for _, line in lines_at(self.path):
+                try:
+                    self._take(json.loads(line))
+                except (ValueError, TypeError, KeyError, AttributeError):
+                    continue     # not a line this version wrote: it counts nothing
+            self._carried = self.unfinished()
+            self._cut_off, self._open, self._open_total = empty_usage(), {}, empty_usage()
+        with replacing(self.path) as handle:
+            handle.write(json.dumps({"carried": self._carried}).encode() + b"\n")
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+
+    def unfinished(self) -> dict:
+        """Spent by sessions that left no row (or spent beyond it), every invocation so far."""
+        total = dict(self._carried)
+        add_usage(total, self._cut_off)
+        add_usage(total, self._open_total)
+        return {key: round(value, 8) if key == "cost" else value for key, value in total.items()}
+
+    def record(self, spent: list[Spent], written: list[Finished]) -> None:
+        """Replies' usage, then rows just written (a reply always comes before its session's row)."""
+        records = ([{"prompt": event.prompt_index, "spent": event.usage} for event in spent]
+                   + [{"prompt": row.prompt_index, "row": row.usage} for row in written])
+        if not records or self._fd is None:
+            return
+        data = b"".join(json.dumps(record).encode() + b"\n" for record in records)
+        with full_disk_named(self.path, len(data)):
+            written_bytes = 0
+            while written_bytes < len(data):
+                written_bytes += os.write(self._fd, data[written_bytes:])
+        self._unsynced = True
+        for record in records:
+            self._take(record)
+
+    def sync(self) -> None:
+        if self._unsynced and self._fd is not None:
+            with full_disk_named(self.path):
+                os.fdatasync(self._fd)
+            self._unsynced = False
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def _take(self, record: dict) -> None:
+        if "carried" in record:
+            add_usage(self._carried, record["carried"])
+        elif "spent" in record:
+            add_usage(self._open.setdefault(record["prompt"], empty_usage()), record["spent"])
+            add_usage(self._open_total, record["spent"])
+        elif "row" in record and (spent := self._open.pop(record["prompt"], None)) is not None:
+            add_usage(self._open_total, {key: -spent[key] for key in USAGE_KEYS})
+            add_usage(self._cut_off, {key: max(0, round(spent[key] - (record["row"].get(key) or 0), 8))
+                                      for key in USAGE_KEYS})
 
 
 FileRange = tuple[Path, int, int]
@@ -289,6 +362,7 @@ def scan_ranges(ranges: list[FileRange]) -> ScanResult:
                 result.unreadable_lines += 1
                 continue
             result.rows_by_status[row.status] += 1
+            add_usage(result.usage, row.usage())
             if row.status == rows.FAILED:
                 continue
             if row.status != rows.DISCARDED and row.invented_tools():

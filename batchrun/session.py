@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import model_tools
@@ -67,6 +68,8 @@ class SessionServices:
     # Environments starting at once in this process: when hundreds of sessions begin together, the
     # first few get their sandboxes (and send their first requests) without waiting for them all.
     starting: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(ENVIRONMENT_STARTS_AT_ONCE))
+    # Told of every model call's usage as its reply arrives (prompt index, usage): see messages.Spent.
+    on_spent: Callable[[int, Usage], None] | None = None
 
     async def retire(self, env: Environment) -> None:
         """Release a finished session's environment before its row is made: a prompt that filled the disk
@@ -148,16 +151,15 @@ class Session:
         self.usage = Usage()
         self.api_calls = 0
         self.env: Environment | None = None
+        self._starting_environment = False
         self.tools: ToolContext | None = None
 
     async def run(self) -> SessionResult:
         started = time.monotonic()
         end_reason, error, error_type = "error", None, None
         try:
-            # Before any model call: a prompt whose environment cannot start (an image that cannot
-            # be pulled) fails without spending tokens.
-            await self._start_environment()
-            end_reason = await within(self.config.prompt_timeout, self._loop())
+            # The time limit covers the environment's start (a slow image pull or Modal start) too.
+            end_reason = await within(self.config.prompt_timeout, self._started_then_loop())
         except PromptFailedError as exc:
             if exc.error_type == CONTEXT_LENGTH and self._answered():
                 end_reason = CONTEXT_LENGTH     # keep the paid-for turns; rerunning would overflow again
@@ -169,7 +171,9 @@ class Session:
             if self._answered():    # keep what the paid-for turns produced, as a partial row
                 end_reason = "prompt_timeout"
             else:
-                error = f"prompt time limit of {self.config.prompt_timeout:g}s reached before the first model reply"
+                waiting = "while its environment was starting" if self._starting_environment else \
+                    "before the first model reply"
+                error = f"prompt time limit of {self.config.prompt_timeout:g}s reached {waiting}"
                 error_type = "prompt_timeout"
         finally:
             await self._close_tools()
@@ -183,6 +187,14 @@ class Session:
             toolsets=list(self.task.toolsets), offered_tools=self.offered_tools, turns=self.turns,
             api_calls=self.api_calls, usage=self.usage, wall_time=time.monotonic() - started,
             end_reason=end_reason, error=redact(error) if error else None, error_type=error_type)
+
+    async def _started_then_loop(self) -> str:
+        # Before any model call: a prompt whose environment cannot start (an image that cannot
+        # be pulled) fails without spending tokens.
+        self._starting_environment = True
+        await self._start_environment()
+        self._starting_environment = False
+        return await self._loop()
 
     async def _start_environment(self) -> None:
         if not model_tools.needs_environment(self.offered_tools):
@@ -219,6 +231,8 @@ class Session:
         self.api_calls += 1     # every request sent counts, also one the endpoint refuses (a context overflow)
         reply = await self.model.reply(messages, with_tools=with_tools)
         self.usage.add(reply.usage)
+        if self.services.on_spent is not None:
+            self.services.on_spent(self.task.prompt_index, reply.usage)
         return reply
 
     def _record(self, messages: list[Message], reply: ModelReply, turn: AssistantTurn) -> None:

@@ -17,12 +17,12 @@ from model_tools import TOOL_NAMES
 USAGE_KEYS = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens", "cost")
 
 
-def _add_usage(total: dict, usage: dict | None) -> None:
+def add_usage(total: dict, usage: dict | None) -> None:
     for key in USAGE_KEYS:
         total[key] += (usage or {}).get(key) or 0
 
 
-def _empty_usage() -> dict:
+def empty_usage() -> dict:
     return {key: 0 for key in USAGE_KEYS}
 
 
@@ -32,13 +32,13 @@ class ThisRun:
 
     statuses: Counter = field(default_factory=Counter)
     failures_by_cause: Counter = field(default_factory=Counter)
-    usage: dict = field(default_factory=_empty_usage)
+    usage: dict = field(default_factory=empty_usage)
     api_calls: int = 0
     concurrency: ConcurrencyFigures | None = None     # as the pool last reported it
 
     def record(self, status: str, usage: dict, api_calls: int, error_type: str | None) -> None:
         self.statuses[status] += 1
-        _add_usage(self.usage, usage)
+        add_usage(self.usage, usage)
         self.api_calls += api_calls
         if status == rows.FAILED:
             self.failures_by_cause[error_type or "unknown"] += 1
@@ -60,12 +60,12 @@ class MergeStatistics:
     end_reasons: Counter = field(default_factory=Counter)
     discarded: int = 0
     corrupted: list[tuple[str, int, list[str], str]] = field(default_factory=list)   # file, index, tools, key
-    usage: dict = field(default_factory=_empty_usage)
+    usage: dict = field(default_factory=empty_usage)
     batch_files: int = 0
 
     def on_row(self, row: rows.StoredRow) -> None:
         """Called for every readable row that is not corrupted; merged rows are trajectory rows."""
-        _add_usage(self.usage, row.usage())
+        add_usage(self.usage, row.usage())
         if row.status == rows.FAILED:
             return
         # Reasoning coverage is over every assistant turn of the run, the discarded ones' too.
@@ -114,7 +114,7 @@ class MergeStatistics:
                    usage={key: state["usage"][key] for key in USAGE_KEYS})
 
     def on_corrupted(self, batch_file: str, row: rows.StoredRow, invented: list[str]) -> None:
-        _add_usage(self.usage, row.usage())
+        add_usage(self.usage, row.usage())
         self.corrupted.append((batch_file, row.prompt_index, invented, row.content_key))
 
     def live_corrupted(self, superseded: Counter) -> list[tuple[str, int, list[str], str]]:
@@ -154,10 +154,18 @@ class MergeStatistics:
                 "coverage_percent": round(100 * self.turns_with_reasoning / total, 2) if total else 0.0}
 
 
+def _rounded(usage: dict) -> dict:
+    return {key: round(value, 8) if key == "cost" else value for key, value in usage.items()}
+
+
 def build_statistics(*, run_name: str, distribution: str, model: str, batch_size: int, total_prompts: int,
                      skipped_dataset_lines: int, duration: float, merge: MergeStatistics, this_run: ThisRun,
-                     superseded_corrupted: Counter) -> dict:
+                     superseded_corrupted: Counter, unfinished: dict) -> dict:
+    """``unfinished``: spent by sessions that left no row (cut off by a kill or a stop), which the
+    run's usage includes beside its rows'."""
     corrupted = merge.live_corrupted(superseded_corrupted)
+    usage = dict(merge.usage)
+    add_usage(usage, unfinished)
     return {
         "run_name": run_name,
         "distribution": distribution,
@@ -180,7 +188,8 @@ def build_statistics(*, run_name: str, distribution: str, model: str, batch_size
         "filtered_corrupted": len(corrupted),
         "corrupted_entries": [{"batch_file": name, "prompt_index": index, "invented_tools": invented}
                               for name, index, invented, _key in corrupted[:100]],
-        "usage": {key: round(value, 8) if key == "cost" else value for key, value in merge.usage.items()},
+        "usage": _rounded(usage),
+        "spent_by_unfinished_sessions": _rounded(unfinished),
         "this_run": {
             "prompts_processed": this_run.processed,
             "completed": this_run.statuses[rows.COMPLETED],
@@ -188,7 +197,7 @@ def build_statistics(*, run_name: str, distribution: str, model: str, batch_size
             "failed": this_run.statuses[rows.FAILED],
             "discarded_no_reasoning": this_run.statuses[rows.DISCARDED],
             "api_calls": this_run.api_calls,
-            "usage": {key: round(value, 8) if key == "cost" else value for key, value in this_run.usage.items()},
+            "usage": _rounded(this_run.usage),
             "duration_seconds": round(duration, 3),
             **({"concurrency": this_run.concurrency.as_dict()} if this_run.concurrency else {}),
         },

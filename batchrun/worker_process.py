@@ -23,7 +23,7 @@ from batchrun.config import RunConfig
 from batchrun.endpoint import OpenAIEndpoint
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.environments.seccomp import leave_session_keyring
-from batchrun.messages import Fatal, Finished, Task
+from batchrun.messages import Fatal, Finished, Spent, Task
 from batchrun.model import RunFatalError
 from batchrun.rate_limit import Gate, RateGate
 from batchrun.security import Redactor
@@ -140,6 +140,8 @@ async def _serve(conn: Connection, services: SessionServices, slots: int) -> Non
 
     threading.Thread(target=read_parent, daemon=True).start()
     outbox = _Outbox(conn)
+    # Each reply's usage goes to the parent on the rows' own path, before the row that adds it up.
+    services.on_spent = lambda prompt_index, usage: outbox.put(Spent(prompt_index, usage.as_dict()))
     fatal = asyncio.Event()
 
     # The parent hands out a few tasks more than there are slots; they wait here, first come first served.
@@ -170,11 +172,11 @@ class _Outbox:
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
-        self._queue: queue.SimpleQueue[Finished | Fatal | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Finished | Fatal | Spent | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._send_all, daemon=True)
         self._thread.start()
 
-    def put(self, message: Finished | Fatal) -> None:
+    def put(self, message: Finished | Fatal | Spent) -> None:
         self._queue.put(message)
 
     def close(self) -> None:

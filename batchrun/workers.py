@@ -26,7 +26,7 @@ from typing import Any, Protocol, cast
 from batchrun.concurrency import ConcurrencyFigures
 from batchrun.config import RunConfig
 from batchrun.environments.base import EnvironmentSettings
-from batchrun.messages import Fatal, Finished, Task
+from batchrun.messages import Fatal, Finished, Spent, Task
 from batchrun.rate_limit import RateGate
 
 _FORK = multiprocessing.get_context("fork")
@@ -118,12 +118,13 @@ class WorkerPool(Protocol):
 
     def submit(self, task: Task) -> None: ...
 
-    def receive(self, timeout: float) -> list[Finished | Fatal]:
+    def receive(self, timeout: float) -> list[Finished | Fatal | Spent]:
         """What came back, waiting at most ``timeout`` seconds for the first message."""
         ...
 
-    def stop(self) -> list[Finished]:
-        """Cancel what runs and end the workers; the rows that finished meanwhile, to be kept."""
+    def stop(self) -> list[Finished | Spent]:
+        """Cancel what runs and end the workers; the rows that finished meanwhile, to be kept, and
+        what the sessions cut off spent."""
         ...
 
 
@@ -192,10 +193,10 @@ class ProcessPool:
         except OSError:
             pass    # the worker is gone; receive() notices and fails its prompts, this one included
 
-    def receive(self, timeout: float) -> list[Finished | Fatal]:
+    def receive(self, timeout: float) -> list[Finished | Fatal | Spent]:
         """Everything the workers have sent, waiting at most ``timeout`` for the first message; a
         worker that died is replaced and its prompts come back as failure rows."""
-        messages: list[Finished | Fatal] = []
+        messages: list[Finished | Fatal | Spent] = []
         ready = _ready(self._conns, timeout)
         while ready:
             for conn in ready:
@@ -234,18 +235,18 @@ class ProcessPool:
             self._send(worker, task)
         return lost
 
-    def stop(self) -> list[Finished]:
+    def stop(self) -> list[Finished | Spent]:
         """Cancel in-flight sessions (their environments are cleaned up) and end the processes.
 
         Returns the rows that finished meanwhile, to be persisted like any other: a session that
-        ended just before the stop has been paid for."""
+        ended just before the stop has been paid for; and what the sessions' replies meanwhile cost."""
         for conn in self._conns:
             try:
                 conn.send(None)
             except OSError:
                 pass
         deadline = time.monotonic() + STOP_GRACE_SECONDS
-        finished: list[Finished] = []
+        finished: list[Finished | Spent] = []
         open_conns = list(self._conns)
         while open_conns and time.monotonic() < deadline:
             for conn in _ready(open_conns, max(0.0, deadline - time.monotonic())):
@@ -254,7 +255,7 @@ class ProcessPool:
                 except (EOFError, OSError):
                     open_conns.remove(conn)
                     continue
-                if isinstance(message, Finished):
+                if isinstance(message, (Finished, Spent)):
                     finished.append(message)
         for process in self._processes:
             process.join(max(0.0, deadline - time.monotonic()))

@@ -7,6 +7,7 @@ import io
 import re
 from collections import Counter
 
+from conftest import endpoint_args, run_cli, write_dataset
 from rich.cells import cell_len
 from rich.console import Console
 
@@ -14,7 +15,7 @@ from batchrun import rows
 from batchrun.console import RunConsole
 from batchrun.messages import Finished
 from batchrun.security import Redactor
-from batchrun.stats import MergeStatistics, ThisRun, build_statistics
+from batchrun.stats import MergeStatistics, ThisRun, build_statistics, empty_usage
 
 LONG_PROMPT = ("Write a detailed essay about the history of the Roman empire, its institutions, its wars "
                "and its fall, with citations for every claim")
@@ -49,7 +50,7 @@ def record(console: RunConsole, this_run: ThisRun, outcome: Finished) -> None:
 def statistics(this_run: ThisRun, merge: MergeStatistics) -> dict:
     return build_statistics(run_name="run", distribution="default", model="m", batch_size=10, total_prompts=100,
                             skipped_dataset_lines=0, duration=12.3, merge=merge, this_run=this_run,
-                            superseded_corrupted=Counter())
+                            superseded_corrupted=Counter(), unfinished=empty_usage())
 
 
 def usage(prompt: int, completion: int, reasoning: int = 0, cached: int = 0, cost: float = 0.0) -> dict:
@@ -246,3 +247,43 @@ def test_a_secret_where_the_preview_is_cut_is_redacted_not_half_shown():
     record(console, this_run, finished(0, preview="use the key " + secret + " to call the API and report back"))
     printed = out.file.getvalue()
     assert "sk-live" not in printed and "[REDACTED]" in printed
+
+
+# -- untrusted text on the console --------------------------------------------------------------------------
+
+CLEAR_SCREEN = "\x1b[2J"
+CLIPBOARD_WRITE = "\x1b]52;c;cm0gLXJmIH4=\x07"     # OSC 52: set the terminal's clipboard
+
+
+def run_with_console(tmp_path, endpoint, prompts, *extra):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    return run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=5", "--run_name=run",
+                   "--distribution=terminal_only", *endpoint_args(endpoint), *extra)
+
+
+def assert_escaped(output: str, *sequences: str) -> None:
+    assert "\x1b" not in output and "\x07" not in output
+    for sequence in sequences:
+        assert sequence.encode("unicode_escape").decode() in output
+
+
+def test_control_characters_of_a_dataset_prompt_are_shown_escaped(tmp_path, endpoint):
+    result = run_with_console(tmp_path, endpoint, [f"{CLEAR_SCREEN}wipe {CLIPBOARD_WRITE}copy"])
+    assert result.returncode == 0, result.stderr
+    assert_escaped(result.stdout, CLEAR_SCREEN, CLIPBOARD_WRITE)
+
+
+def test_control_characters_of_a_model_reply_are_shown_escaped_in_verbose_lines(tmp_path, endpoint):
+    result = run_with_console(tmp_path, endpoint, [f"[[call evil{CLEAR_SCREEN}tool]] call it"], "--verbose")
+    assert result.returncode == 0, result.stderr
+    assert "tools used" in result.stdout
+    assert_escaped(result.stdout + result.stderr, CLEAR_SCREEN)
+
+
+def test_control_characters_of_an_endpoint_error_are_shown_escaped(tmp_path, endpoint):
+    endpoint.script = lambda body: (400, {"error": {"message": f"refused {CLIPBOARD_WRITE} {CLEAR_SCREEN}",
+                                                    "type": "invalid_request_error"}}, {})
+    result = run_with_console(tmp_path, endpoint, ["any prompt"], "--verbose")
+    assert result.returncode == 2, result.stderr
+    assert "refused" in result.stdout
+    assert_escaped(result.stdout + result.stderr, CLEAR_SCREEN, CLIPBOARD_WRITE[:-1])  # its BEL is dropped on the way

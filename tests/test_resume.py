@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from conftest import (
     wait_for,
     write_dataset,
 )
+from scripted_endpoint import prompt_text
 
 from batchrun import rows, run_dir
 from batchrun.run_dir import RunDirectory, lines_at, scan_ranges, split_ranges
@@ -215,6 +217,8 @@ def test_resume_scan_shared_out_over_processes_counts_what_one_process_counts(tm
     alone = scan_ranges([(p, 0, p.stat().st_size) for p in directory.batch_files()])
     monkeypatch.setattr(run_dir, "PARALLEL_READ_MIN_BYTES", 0)
     shared = directory.scan()
+    assert shared.usage == pytest.approx(alone.usage)      # costs added in another order
+    shared.usage = alone.usage
     assert shared == alone
     assert shared.rows_by_status[rows.FAILED] == 1 and sum(shared.corrupted_by_key.values()) == 1
     assert sum(shared.done(rerun_corrupted=False, superseded=Counter()).values()) == 14
@@ -363,7 +367,7 @@ def test_the_checkpoint_counts_done_prompts_and_rows_per_outcome_over_every_invo
     assert {"run_name", "last_updated", "total_prompts"} <= set(checkpoint) and checkpoint["total_prompts"] == 4
 
 
-def test_a_checkpoint_of_an_earlier_version_is_continued(tmp_path, endpoint):
+def test_a_checkpoint_of_an_earlier_version_is_replaced_by_counts_of_the_batch_files(tmp_path, endpoint):
     dataset = write_dataset(tmp_path / "dataset.jsonl", ["a", "b"])
     assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--max_samples=1")).returncode == 0
     checkpoint_path = tmp_path / "data" / "run" / "checkpoint.json"
@@ -372,7 +376,7 @@ def test_a_checkpoint_of_an_earlier_version_is_continued(tmp_path, endpoint):
     checkpoint_path.write_text(json.dumps(earlier))
     assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume")).returncode == 0
     checkpoint = json.loads(checkpoint_path.read_text())
-    assert (checkpoint["completed_prompts"], checkpoint["batch_stats"]) == (2, {"completed": 2, "failed": 3})
+    assert (checkpoint["completed_prompts"], checkpoint["batch_stats"]) == (2, {"completed": 2})
 
 
 def test_resume_warns_when_an_argument_differs_from_the_checkpoint(tmp_path, endpoint):
@@ -382,3 +386,152 @@ def test_resume_warns_when_an_argument_differs_from_the_checkpoint(tmp_path, end
     assert result.returncode == 0, result.stderr
     assert "resuming with --model=another-model, but this run started with scripted-model" in \
         " ".join(result.stderr.split())         # wrapped at 80 columns in a log file
+
+
+# -- the figures after kill -9 ------------------------------------------------------------------------------
+
+class HeldReplies:
+    """An endpoint script that holds the reply to a prompt's request number ``request`` (0-based) until
+    released, so that a test can kill the runner while that session waits; once ``open_all`` runs, no
+    reply waits."""
+
+    def __init__(self, endpoint, holds: dict[str, int]) -> None:
+        self.holds = holds
+        self.released = {marker: threading.Event() for marker in holds}
+        self.arrived = {marker: threading.Event() for marker in holds}
+        self.seen: Counter = Counter()
+        self.lock = threading.Lock()
+        endpoint.script = self
+
+    def __call__(self, body: dict) -> None:
+        prompt = prompt_text(body)
+        for marker, request in self.holds.items():
+            if marker in prompt:
+                with self.lock:
+                    number = self.seen[marker]
+                    self.seen[marker] += 1
+                if number == request:
+                    self.arrived[marker].set()
+                    self.released[marker].wait(60)
+        return None     # then the prompt's own directives answer
+
+    def release(self, marker: str) -> None:
+        self.released[marker].set()
+
+    def open_all(self) -> None:
+        for event in self.released.values():
+            event.set()
+
+
+def recount(run_dir: Path) -> Counter:
+    """Rows per outcome, read from the batch files themselves."""
+    found: Counter = Counter()
+    for path in sorted(run_dir.glob("batch_*.jsonl")):
+        for _, line in lines_at(path):
+            row = rows.read_stored_row(line)
+            assert row is not None
+            found[row.status] += 1
+    return found
+
+
+def rows_usage(run_dir: Path) -> dict:
+    total = Counter()
+    for path in sorted(run_dir.glob("batch_*.jsonl")):
+        for _, line in lines_at(path):
+            total.update(rows.read_stored_row(line).usage())
+    return dict(total)
+
+
+CUT_OFF_PROMPT = '[[call terminal {"command": "echo four"}]] fourth, cut off by the kill'
+
+
+def kill_after_a_checkpoint_with_rows_behind_it(tmp_path: Path, endpoint, dataset: Path, *extra: str,
+                                                spend_recorded: bool = True) -> HeldReplies:
+    """The first invocation, killed with kill -9 once checkpoint.json counts two rows, a third row is
+    written after it, and a fourth session has had one reply (recorded as spent, with ``spend_recorded``)
+    and waits for its second."""
+    run = tmp_path / "data" / "run"
+    held = HeldReplies(endpoint, {"third": 0, "fourth": 1})
+    process = subprocess.Popen(batch_runner_command(*base_args(tmp_path, endpoint, dataset, "--num_workers=4",
+                                                               *extra, batch_size=2)),
+                               cwd=tmp_path, env=cli_environment(tmp_path), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: (run / "checkpoint.json").exists(), what="the first checkpoint")
+        assert json.loads((run / "checkpoint.json").read_text())["batch_stats"] == {"completed": 2}
+        held.release("third")
+        wait_for(lambda: finished_row_count(run) == 3, what="the third row")
+        assert held.arrived["fourth"].wait(60)
+        if spend_recorded:
+            wait_for(lambda: spent_records(run).count(b"\n") >= 1, what="the fourth session's reply recorded")
+    finally:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+    held.open_all()
+    return held
+
+
+def spent_records(run: Path) -> bytes:
+    path = run / run_dir.SPENT
+    return path.read_bytes() if path.exists() else b""
+
+
+def test_after_kill_9_and_resume_the_checkpoint_counts_every_row_in_the_batch_files(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["first", "second", "third", CUT_OFF_PROMPT])
+    kill_after_a_checkpoint_with_rows_behind_it(tmp_path, endpoint, dataset, spend_recorded=False)
+    run = tmp_path / "data" / "run"
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume", batch_size=2))
+    assert result.returncode == 0, result.stderr
+    checkpoint = json.loads((run / "checkpoint.json").read_text())
+    assert checkpoint["batch_stats"] == recount(run) == {"completed": 4}
+    assert checkpoint["completed_prompts"] == 4
+
+
+def usage_of_replies(replies: int) -> dict:
+    """What the scripted endpoint reports for ``replies`` replies, in the keys of statistics.json."""
+    return {"prompt_tokens": 100 * replies, "completion_tokens": 20 * replies, "reasoning_tokens": 5 * replies,
+            "cached_tokens": 10 * replies, "cost": round(0.001 * replies, 8)}
+
+
+def test_after_kill_9_and_resume_statistics_equal_a_recount_plus_the_cut_off_sessions_spend(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["first", "second", "third", CUT_OFF_PROMPT])
+    held = kill_after_a_checkpoint_with_rows_behind_it(tmp_path, endpoint, dataset)
+    assert held.seen["fourth"] == 2       # one reply, then the request the kill cut off
+    run = tmp_path / "data" / "run"
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume", batch_size=2))
+    assert result.returncode == 0, result.stderr
+    statistics = json.loads((run / "statistics.json").read_text())
+    found = recount(run)
+    assert json.loads((run / "checkpoint.json").read_text())["batch_stats"] == found
+    assert statistics["trajectories_in_merged_file"] == found["completed"] + found["partial"] == 4
+    assert statistics["spent_by_unfinished_sessions"] == usage_of_replies(1)
+    in_rows = rows_usage(run)
+    assert statistics["usage"] == {key: pytest.approx(value + usage_of_replies(1)[key])
+                                   for key, value in in_rows.items()}
+    assert in_rows["prompt_tokens"] == 100 * len(batch_rows(run)) + 100    # the fourth's row has two replies
+
+
+def test_max_cost_counts_what_earlier_invocations_spent_cut_off_sessions_included(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["first", "second", "third", CUT_OFF_PROMPT])
+    # Three rows at $0.001 spent $0.003, below the cap; the cut-off session's one reply takes the run over.
+    kill_after_a_checkpoint_with_rows_behind_it(tmp_path, endpoint, dataset, "--max_cost=0.0035")
+    endpoint.reset()
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume", "--max_cost=0.0035",
+                                          batch_size=2))
+    assert result.returncode == 0, result.stderr
+    assert endpoint.requests == []
+    said = " ".join(result.stdout.split())
+    assert "spending cap reached: $0.0040 of --max_cost=$0.0035" in said
+    assert "the cap counts the whole run, earlier invocations included" in said
+
+
+def test_max_cost_reached_by_one_invocation_stops_the_next_at_once(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["first", "second"])
+    arguments = base_args(tmp_path, endpoint, dataset, "--num_workers=1", "--max_cost=0.001")
+    assert run_cli(tmp_path, *arguments).returncode == 0
+    assert len(endpoint.requests) == 1
+    endpoint.reset()
+    result = run_cli(tmp_path, *arguments, "--resume")
+    assert result.returncode == 0, result.stderr
+    assert endpoint.requests == []
+    assert "spending cap reached: $0.0010 of --max_cost=$0.001" in " ".join(result.stdout.split())

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import subprocess
+import sys
 
 import pyarrow as pa
 import pyarrow.json as paj
 import pytest
-from conftest import batch_rows, endpoint_args, human_prompt, read_jsonl, run_cli, write_dataset
+from conftest import batch_rows, cli_environment, endpoint_args, human_prompt, read_jsonl, run_cli, write_dataset
 
 from model_tools import TOOL_NAMES
 
@@ -282,3 +284,34 @@ def test_each_call_sends_the_whole_conversation_so_far_with_the_offered_tools(tm
         assert later["messages"][:len(earlier["messages"])] == earlier["messages"]
         assert later["tools"] == earlier["tools"] and later["model"] == "scripted-model"
     assert "one" in requests[1]["messages"][-1]["content"] and "two" in requests[2]["messages"][-1]["content"]
+
+
+def test_a_run_whose_every_row_was_discarded_names_the_flag_that_keeps_them(tmp_path, endpoint):
+    result = run_prompts(tmp_path, endpoint, ["[[reasoning none]] no thoughts", "[[reasoning none]] none either"])
+    assert result.returncode == 0, result.stderr
+    said = " ".join(result.stdout.split())
+    assert "Every row of this run was discarded: no assistant turn had reasoning" in said
+    assert "--discard_no_reasoning=False keeps such rows" in said
+    assert "--export=sharegpt --run_name=run --discard_no_reasoning=False exports them" in said
+
+
+def test_a_run_with_a_kept_row_does_not_speak_of_every_row_discarded(tmp_path, endpoint):
+    result = run_prompts(tmp_path, endpoint, ["[[reasoning none]] no thoughts", "with thoughts"])
+    assert result.returncode == 0, result.stderr
+    assert "Every row of this run was discarded" not in " ".join(result.stdout.split())
+
+
+def test_a_bug_in_the_scheduling_loop_shows_its_traceback_rather_than_a_resume_hint(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["question"])
+    bug = ("import sys, batch_runner\n"
+           "def broken(self):\n"
+           "    raise RuntimeError('a bug in the loop')\n"
+           "batch_runner.BatchRunner._publish_progress = broken\n"
+           "sys.argv = ['batch_runner.py', *sys.argv[1:]]\n"
+           "batch_runner.cli()\n")
+    result = subprocess.run([sys.executable, "-c", bug, f"--dataset_file={dataset}", "--batch_size=1",
+                             "--run_name=run", *endpoint_args(endpoint)], cwd=tmp_path, env=cli_environment(tmp_path),
+                            capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr and "RuntimeError: a bug in the loop" in result.stderr
+    assert "continue with --resume" not in result.stderr

@@ -18,12 +18,13 @@ from conftest import (
     run_cli,
     write_dataset,
 )
+from container_backends import install_stand_in_clis
 
 
-def run(tmp_path, endpoint, prompts, *extra):
+def run(tmp_path, endpoint, prompts, *extra, env=None):
     dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
     return run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=100", "--run_name=run",
-                   "--distribution=terminal_only", *endpoint_args(endpoint), *extra)
+                   "--distribution=terminal_only", *endpoint_args(endpoint), *extra, env=env)
 
 
 def test_a_429_pauses_new_requests_of_every_session_across_processes(tmp_path, endpoint):
@@ -45,8 +46,9 @@ def test_requests_per_minute_paces_requests_across_all_workers(tmp_path, endpoin
 
 
 def test_prompt_time_limit_keeps_the_turns_so_far_as_a_partial_row(tmp_path, endpoint):
-    prompt = '[[call terminal {"command": "sleep 5"}]] too slow'
-    result = run(tmp_path, endpoint, [prompt, "quick"], "--prompt_timeout=1")
+    # The limit leaves "quick" room for its sandbox's start (about a second here), which it covers too.
+    prompt = '[[call terminal {"command": "sleep 30"}]] too slow'
+    result = run(tmp_path, endpoint, [prompt, "quick"], "--prompt_timeout=4")
     assert result.returncode == 0, result.stderr
     slow = next(row for row in batch_rows(tmp_path / "data" / "run") if row.get("conversations")
                 and human_prompt(row) == prompt)
@@ -58,6 +60,18 @@ def test_prompt_time_limit_before_any_reply_fails_the_prompt_for_a_retry(tmp_pat
     assert result.returncode == 2, result.stderr   # a failure row: resume retries it
     [row] = batch_rows(tmp_path / "data" / "run")
     assert row["failed"] is True and row["error_type"] == "prompt_timeout"
+
+
+def test_prompt_time_limit_covers_an_environment_that_is_slow_to_start(tmp_path, endpoint, monkeypatch):
+    install_stand_in_clis(tmp_path, monkeypatch, "docker")
+    monkeypatch.setenv("FAKE_RUN_SECONDS", "5")        # creating the container outlasts the limit
+    result = run(tmp_path, endpoint, ["waits for its container"], "--prompt_timeout=1",
+                 env={"TERMINAL_ENV": "docker"})
+    assert result.returncode == 2, result.stderr
+    [row] = batch_rows(tmp_path / "data" / "run")
+    assert row["failed"] is True and row["error_type"] == "prompt_timeout"
+    assert "while its environment was starting" in row["error"]
+    assert endpoint.requests == []
 
 
 def test_spending_cap_stops_admitting_prompts_and_resume_continues(tmp_path, endpoint):
