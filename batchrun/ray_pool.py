@@ -74,6 +74,7 @@ LOOPBACK_PREFIXES = ("127.", "::1", "::ffff:127.")
 MAX_TMPDIR_LENGTH = 36
 WATCH_INTERVAL = 0.5            # seconds between the watcher's looks at the parent's descendants
 FIGURES_INTERVAL = 0.5          # seconds between questions to the gate actor for the live display
+SPENT_INTERVAL = 1.0            # seconds between collections of each actor's replies' usage (drain_spent)
 PROBE_TIMEOUT = 5.0             # seconds for a TCP connection to RAY_ADDRESS's head before Ray is asked
 # Ray retries an unreachable head for many minutes by default. One attempt with a short connection
 # timeout bounds a head that accepts connections but does not answer as Ray (docs/performance.md has
@@ -150,6 +151,10 @@ class SessionActor:
         leave_session_keyring()    # before any sandbox or browser starts: see seccomp.leave_session_keyring
         self._services = worker_process.make_services(slots, config, gate, env_settings, available_tools)
         self._running: set[asyncio.Future] = set()
+        # Each reply's usage waits here until the parent collects it (drain_spent) or it goes back with
+        # its prompt's row: a session cut off by a kill of the parent was paid for all the same.
+        self._spent: list[Spent] = []
+        self._services.on_spent = lambda prompt_index, usage: self._spent.append(Spent(prompt_index, usage.as_dict()))
 
     async def probe(self) -> dict:
         """Where this actor runs, and what keeps its node from running this run's sessions (None: nothing)."""
@@ -177,13 +182,23 @@ class SessionActor:
         settings = self._services.env_settings
         environment_class(self._services.config.terminal_env).remove_leftovers(settings)
 
-    async def run(self, task: Task) -> Finished | Fatal:
+    async def run(self, task: Task) -> list[Spent | Finished | Fatal]:
+        """The prompt's row (or the run's Fatal), after what its replies spent that drain_spent has not
+        taken yet: the parent must see a session's spending before its row."""
         session = asyncio.ensure_future(self._worker.outcome(task, self._services))
         self._running.add(session)
         try:
-            return await session
+            message = await session
         finally:
             self._running.discard(session)
+        own = [event for event in self._spent if event.prompt_index == task.prompt_index]
+        self._spent = [event for event in self._spent if event.prompt_index != task.prompt_index]
+        return [*own, message]
+
+    async def drain_spent(self) -> list[Spent]:
+        """What the replies of this actor's sessions spent since the last call."""
+        spent, self._spent = self._spent, []
+        return spent
 
     async def stop(self) -> None:
         """Cancel the sessions in flight; each closes its environment before this returns."""
@@ -467,6 +482,8 @@ class RayWorkerPool:
         self._figures: ConcurrencyFigures | None = None    # the keeper's, as last heard
         self._figures_asked: Any = None                     # ObjectRef of the question on its way
         self._figures_asked_at = 0.0
+        self._draining: dict[int, Any] = {}       # actor index -> ObjectRef of its drain_spent() on its way
+        self._drained_at = 0.0
         self._watcher: tuple[Connection, BaseProcess] | None = None
         self._stopped = False
         self.ray: Any = None
@@ -648,7 +665,8 @@ class RayWorkerPool:
         ready, _ = ray.wait(watched, num_returns=1, timeout=timeout)
         if ready and len(watched) > 1:
             ready, _ = ray.wait(watched, num_returns=len(watched), timeout=0)
-        messages: list[Finished | Fatal | Spent] = []
+        rows_from = {self._pending[ref][0] for ref in ready if ref in self._pending}
+        messages: list[Finished | Fatal | Spent] = [*self._collect_spent(rows_from)]
         for ref in ready:
             if ref in self._starting:
                 self._replacement_started(ref, self._starting.pop(ref))
@@ -662,6 +680,29 @@ class RayWorkerPool:
             self._dispatch(self._retries.popleft())
         return messages
 
+    def _collect_spent(self, rows_from: set[int]) -> list[Spent]:
+        """The replies' usage the actors have answered with, then a new question to each (every
+        SPENT_INTERVAL). An actor in ``rows_from`` has rows about to be read: its answer is waited for,
+        since a question asked before those rows came back may hold replies of theirs, which must reach
+        the parent first."""
+        ray = self.ray
+        collected: list[Spent] = []
+        for actor, ref in list(self._draining.items()):
+            if actor not in rows_from and not ray.wait([ref], timeout=0)[0]:
+                continue
+            del self._draining[actor]
+            try:
+                collected.extend(ray.get(ref, timeout=STOP_GRACE_SECONDS))
+            except Exception:
+                pass        # its actor is gone: what it spent since its last answer is not known
+        now = time.monotonic()
+        if now - self._drained_at >= SPENT_INTERVAL:
+            self._drained_at = now
+            for index, actor in enumerate(self._actors):
+                if index not in self._lost and index not in self._draining:
+                    self._draining[index] = actor.drain_spent.remote()
+        return collected
+
     def _dispatch(self, attempt: Attempt) -> None:
         actor = max(range(len(self._free)), key=self._free.__getitem__)   # the least loaded actor
         self._free[actor] -= 1
@@ -670,21 +711,21 @@ class RayWorkerPool:
     def _live_actors(self) -> int:
         return len(self._actors) - len(self._lost)
 
-    def _outcome(self, ref: Any) -> list[Finished | Fatal]:
+    def _outcome(self, ref: Any) -> list[Spent | Finished | Fatal]:
         ray = self.ray
         actor, attempt = self._pending.pop(ref)
         try:
-            message = ray.get(ref)
+            messages = ray.get(ref)
         except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError) as exc:
             return self._lose(actor, exc, attempt)
         except ray.exceptions.RayError as exc:   # the call itself failed (not its prompt): a bug, stop
             return [Fatal(f"Ray session actor {self._actor_name(actor)} failed: {_last_lines(exc)}")]
         self._free[actor] += 1
-        return [message]
+        return messages
 
     # -- lost actors ---------------------------------------------------------------------------------
 
-    def _lose(self, actor: int, exc: BaseException, attempt: Attempt) -> list[Finished | Fatal]:
+    def _lose(self, actor: int, exc: BaseException, attempt: Attempt) -> list[Spent | Finished | Fatal]:
         """The actor is gone (its node or its process): each prompt it ran goes to the actors that
         remain once more, or, lost for the second time, becomes a failure row; a replacement starts."""
         name = self._actor_name(actor)
@@ -699,7 +740,7 @@ class RayWorkerPool:
         self._keeper.forget.remote(self._nodes[actor]["gate"])    # the model requests it had in flight are over
         self._discard(self._actors[actor])
         self._start_replacement(self._capacity[actor])
-        failed: list[Finished | Fatal] = [self._lost_twice(victim.task, (*victim.losses, name))
+        failed: list[Spent | Finished | Fatal] = [self._lost_twice(victim.task, (*victim.losses, name))
                                           for victim in victims if victim.losses]
         again = [Attempt(victim.task, (name,)) for victim in victims if not victim.losses]
         self._retries.extend(again)
@@ -767,8 +808,8 @@ class RayWorkerPool:
         """Cancel in-flight sessions (their environments are cleaned up), end the actors, and stop the
         Ray this runner started (or leave the cluster).
 
-        Returns the rows that finished meanwhile, to be persisted like any other: a session that
-        ended just before the stop has been paid for."""
+        Returns the rows that finished meanwhile, to be persisted like any other (a session that
+        ended just before the stop has been paid for), and what the stopped sessions spent."""
         if self._stopped:
             return []
         self._stopped = True
@@ -783,6 +824,7 @@ class RayWorkerPool:
                     except Exception:
                         pass
                     finished = self._finished_meanwhile()
+                finished += self._spent_at_stop()
                 try:
                     self._clean_other_nodes()
                 except Exception:
@@ -808,17 +850,30 @@ class RayWorkerPool:
         return finished
 
     def _finished_meanwhile(self) -> list[Finished | Spent]:
+        """The rows of the sessions that ended before the stop reached them, each after its spending
+        (and after what the actors' earlier answers hold, which may be theirs too)."""
         ray = self.ray
         ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=0)
-        finished: list[Finished | Spent] = []
+        finished: list[Finished | Spent] = [*self._collect_spent(set(self._draining))]
         for ref in ready:
             try:
-                message = ray.get(ref)
+                messages = ray.get(ref)
             except ray.exceptions.RayError:
                 continue         # cancelled by the stop, or its actor is gone: resume runs it
-            if isinstance(message, Finished):
-                finished.append(message)
+            finished += [message for message in messages if isinstance(message, (Finished, Spent))]
         return finished
+
+    def _spent_at_stop(self) -> list[Spent]:
+        """What the stopped sessions spent that the parent has not heard of yet: they leave no row."""
+        ray = self.ray
+        spent = self._collect_spent(set(self._draining))
+        asked = [actor.drain_spent.remote() for index, actor in enumerate(self._actors) if index not in self._lost]
+        for ref in asked:
+            try:
+                spent.extend(ray.get(ref, timeout=STOP_GRACE_SECONDS))
+            except Exception:
+                pass        # its actor is gone
+        return spent
 
 
 def _last_lines(exc: BaseException, lines: int = 6) -> str:

@@ -9,12 +9,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from scripted_endpoint import ScriptedEndpoint
+from scripted_endpoint import ScriptedEndpoint, prompt_text
 
 REPO = Path(__file__).resolve().parent.parent
 SECRET_VARIABLES = ("OPENROUTER_API_KEY", "OPENAI_API_KEY")
@@ -168,3 +169,42 @@ def sandbox_home(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: py
         monkeypatch.setattr(program, "RUNNING_AS_ROOT", False)
         monkeypatch.setattr(sandbox, "RUNNING_AS_ROOT", False)
     return tmp_path
+
+
+class HeldReplies:
+    """An endpoint script that holds the reply to a prompt's request number ``request`` (0-based) until
+    released, so that a test can kill the runner while that session waits; once ``open_all`` runs, no
+    reply waits."""
+
+    def __init__(self, endpoint, holds: dict[str, int]) -> None:
+        self.holds = holds
+        self.released = {marker: threading.Event() for marker in holds}
+        self.arrived = {marker: threading.Event() for marker in holds}
+        self.seen: Counter = Counter()
+        self.lock = threading.Lock()
+        endpoint.script = self
+
+    def __call__(self, body: dict) -> None:
+        prompt = prompt_text(body)
+        for marker, request in self.holds.items():
+            if marker in prompt:
+                with self.lock:
+                    number = self.seen[marker]
+                    self.seen[marker] += 1
+                if number == request:
+                    self.arrived[marker].set()
+                    self.released[marker].wait(60)
+        return None     # then the prompt's own directives answer
+
+    def release(self, marker: str) -> None:
+        self.released[marker].set()
+
+    def open_all(self) -> None:
+        for event in self.released.values():
+            event.set()
+
+
+def usage_of_replies(replies: int) -> dict:
+    """What the scripted endpoint reports for ``replies`` replies, in the keys of statistics.json."""
+    return {"prompt_tokens": 100 * replies, "completion_tokens": 20 * replies, "reasoning_tokens": 5 * replies,
+            "cached_tokens": 10 * replies, "cost": round(0.001 * replies, 8)}

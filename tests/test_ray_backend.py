@@ -31,6 +31,7 @@ from conftest import (
     PROMPTS_BESIDE_IT,
     RATE_LIMITED_PROMPT,
     REPO,
+    HeldReplies,
     assert_the_429_paused_every_other_session,
     batch_rows,
     batch_runner_command,
@@ -43,6 +44,7 @@ from conftest import (
     read_jsonl,
     record_arrivals,
     run_cli,
+    usage_of_replies,
     wait_for,
     write_dataset,
 )
@@ -308,6 +310,43 @@ def test_kill_9_of_the_driver_then_resume_on_ray_runs_every_prompt_exactly_once(
     assert merged == Counter(prompts)
     assert not {last_user_message(request) for request in endpoint.requests} & done_before
     wait_until_gone(tag)
+
+
+@needs_ray
+def test_what_a_session_cut_off_by_kill_9_of_the_driver_spent_on_ray_is_counted_after_resume(tmp_path, endpoint):
+    held = HeldReplies(endpoint, {"cut off": 1})       # its first reply comes back, its second waits
+    dataset = write_dataset(tmp_path / "dataset.jsonl",
+                            ["first", '[[call terminal {"command": "echo two"}]] cut off by the kill'])
+    run_dir = tmp_path / "data" / "run"
+    tag = uuid.uuid4().hex
+    process = subprocess.Popen(batch_runner_command(*args(dataset, endpoint, "--num_workers=2", "--backend=ray",
+                                                          batch_size=1)),
+                               cwd=tmp_path, env=cli_environment(tmp_path, ray_environment(tag)),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert held.arrived["cut off"].wait(90)
+        wait_for(lambda: finished_row_count(run_dir) == 1 and spent_by_prompt(run_dir, 1) == 1, timeout=30,
+                 what="the first row, and the cut-off session's reply noted as spent")
+        known = descendants(process.pid)
+    finally:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+    held.open_all()
+    wait_until_gone(tag, known)
+
+    result = run_cli(tmp_path, *args(dataset, endpoint, "--num_workers=2", "--backend=ray", "--resume", batch_size=1),
+                     env=ray_environment(tag))
+    assert result.returncode == 0, result.stderr
+    statistics = json.loads((run_dir / "statistics.json").read_text())
+    assert statistics["spent_by_unfinished_sessions"] == usage_of_replies(1)
+    wait_until_gone(tag)
+
+
+def spent_by_prompt(run_dir: Path, prompt_index: int) -> int:
+    """How many replies of the prompt spent.jsonl notes as spent."""
+    path = run_dir / "spent.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return sum(1 for line in lines if (record := json.loads(line)).get("prompt") == prompt_index and "spent" in record)
 
 
 @needs_ray

@@ -7,12 +7,12 @@ import os
 import re
 import signal
 import subprocess
-import threading
 from collections import Counter
 from pathlib import Path
 
 import pytest
 from conftest import (
+    HeldReplies,
     batch_rows,
     batch_runner_command,
     cli_environment,
@@ -24,10 +24,10 @@ from conftest import (
     process_state,
     read_jsonl,
     run_cli,
+    usage_of_replies,
     wait_for,
     write_dataset,
 )
-from scripted_endpoint import prompt_text
 
 from batchrun import rows, run_dir
 from batchrun.run_dir import RunDirectory, lines_at, scan_ranges, split_ranges
@@ -390,39 +390,6 @@ def test_resume_warns_when_an_argument_differs_from_the_checkpoint(tmp_path, end
 
 # -- the figures after kill -9 ------------------------------------------------------------------------------
 
-class HeldReplies:
-    """An endpoint script that holds the reply to a prompt's request number ``request`` (0-based) until
-    released, so that a test can kill the runner while that session waits; once ``open_all`` runs, no
-    reply waits."""
-
-    def __init__(self, endpoint, holds: dict[str, int]) -> None:
-        self.holds = holds
-        self.released = {marker: threading.Event() for marker in holds}
-        self.arrived = {marker: threading.Event() for marker in holds}
-        self.seen: Counter = Counter()
-        self.lock = threading.Lock()
-        endpoint.script = self
-
-    def __call__(self, body: dict) -> None:
-        prompt = prompt_text(body)
-        for marker, request in self.holds.items():
-            if marker in prompt:
-                with self.lock:
-                    number = self.seen[marker]
-                    self.seen[marker] += 1
-                if number == request:
-                    self.arrived[marker].set()
-                    self.released[marker].wait(60)
-        return None     # then the prompt's own directives answer
-
-    def release(self, marker: str) -> None:
-        self.released[marker].set()
-
-    def open_all(self) -> None:
-        for event in self.released.values():
-            event.set()
-
-
 def recount(run_dir: Path) -> Counter:
     """Rows per outcome, read from the batch files themselves."""
     found: Counter = Counter()
@@ -485,12 +452,6 @@ def test_after_kill_9_and_resume_the_checkpoint_counts_every_row_in_the_batch_fi
     checkpoint = json.loads((run / "checkpoint.json").read_text())
     assert checkpoint["batch_stats"] == recount(run) == {"completed": 4}
     assert checkpoint["completed_prompts"] == 4
-
-
-def usage_of_replies(replies: int) -> dict:
-    """What the scripted endpoint reports for ``replies`` replies, in the keys of statistics.json."""
-    return {"prompt_tokens": 100 * replies, "completion_tokens": 20 * replies, "reasoning_tokens": 5 * replies,
-            "cached_tokens": 10 * replies, "cost": round(0.001 * replies, 8)}
 
 
 def test_after_kill_9_and_resume_statistics_equal_a_recount_plus_the_cut_off_sessions_spend(tmp_path, endpoint):
