@@ -17,6 +17,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from scripted_endpoint import ScriptedEndpoint, prompt_text
 
+from batchrun.run_dir import SPENT
+
 REPO = Path(__file__).resolve().parent.parent
 SECRET_VARIABLES = ("OPENROUTER_API_KEY", "OPENAI_API_KEY")
 
@@ -112,10 +114,33 @@ def record_arrivals(endpoint) -> list[tuple[float, str]]:
     return arrivals
 
 
-# A prompt whose first call gets a 429 with Retry-After 1.5 s, and three that each call twice, 0.2 s
-# apart: for the pause to be shared, none of the three second calls may come before it ends.
+# A prompt whose first call gets a 429 with Retry-After 1.5 s, and three that each call twice, a 1 s
+# command apart, their first replies held until the 429 goes out: for the pause to be shared, none of
+# their second calls may come before it ends (without it they would come about 1 s after the 429).
 RATE_LIMITED_PROMPT = "[[fail 429 1 retry_after=1.5]] limited"
-PROMPTS_BESIDE_IT = [f'[[call terminal {{"command": "sleep 0.2"}}]] other {i}' for i in range(3)]
+PROMPTS_BESIDE_IT = [f'[[call terminal {{"command": "sleep 1"}}]] other {i}' for i in range(3)]
+
+
+def arrivals_around_a_429(endpoint) -> list[tuple[float, str]]:
+    """(arrival time, prompt) of every chat request from now on; the first replies to the prompts
+    beside RATE_LIMITED_PROMPT wait until its request has come (however slowly its sandbox started)."""
+    arrivals: list[tuple[float, str]] = []
+    lock = threading.Lock()
+    limited_came = threading.Event()
+
+    def script(body: dict) -> None:
+        prompt = last_user_message(body)
+        with lock:
+            first = all(seen != prompt for _, seen in arrivals)
+            arrivals.append((time.monotonic(), prompt))
+        if prompt == RATE_LIMITED_PROMPT:
+            limited_came.set()
+        elif first:
+            limited_came.wait(60)
+        return None   # then the prompt's own directives answer
+
+    endpoint.script = script
+    return arrivals
 
 
 def assert_the_429_paused_every_other_session(arrivals: list[tuple[float, str]]) -> None:
@@ -208,3 +233,10 @@ def usage_of_replies(replies: int) -> dict:
     """What the scripted endpoint reports for ``replies`` replies, in the keys of statistics.json."""
     return {"prompt_tokens": 100 * replies, "completion_tokens": 20 * replies, "reasoning_tokens": 5 * replies,
             "cached_tokens": 10 * replies, "cost": round(0.001 * replies, 8)}
+
+
+def spent_by_prompt(run_dir: Path, prompt_index: int) -> int:
+    """How many replies of the prompt spent.jsonl notes as spent."""
+    path = run_dir / SPENT
+    lines = path.read_text().splitlines() if path.exists() else []
+    return sum(1 for line in lines if (record := json.loads(line)).get("prompt") == prompt_index and "spent" in record)

@@ -32,6 +32,7 @@ from conftest import (
     RATE_LIMITED_PROMPT,
     REPO,
     HeldReplies,
+    arrivals_around_a_429,
     assert_the_429_paused_every_other_session,
     batch_rows,
     batch_runner_command,
@@ -42,8 +43,8 @@ from conftest import (
     last_user_message,
     process_state,
     read_jsonl,
-    record_arrivals,
     run_cli,
+    spent_by_prompt,
     usage_of_replies,
     wait_for,
     write_dataset,
@@ -342,16 +343,9 @@ def test_what_a_session_cut_off_by_kill_9_of_the_driver_spent_on_ray_is_counted_
     wait_until_gone(tag)
 
 
-def spent_by_prompt(run_dir: Path, prompt_index: int) -> int:
-    """How many replies of the prompt spent.jsonl notes as spent."""
-    path = run_dir / "spent.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return sum(1 for line in lines if (record := json.loads(line)).get("prompt") == prompt_index and "spent" in record)
-
-
 @needs_ray
 def test_a_429_in_one_actor_pauses_the_sessions_of_the_other(tmp_path, endpoint):
-    arrivals = record_arrivals(endpoint)
+    arrivals = arrivals_around_a_429(endpoint)
     dataset = write_dataset(tmp_path / "dataset.jsonl", [RATE_LIMITED_PROMPT, *PROMPTS_BESIDE_IT])
     # Two actors of two slots: the limited prompt shares its actor with one other, two run in the other actor.
     result = run_cli(tmp_path, *args(dataset, endpoint, "--num_workers=4", "--backend=ray", batch_size=100),

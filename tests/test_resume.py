@@ -24,6 +24,7 @@ from conftest import (
     process_state,
     read_jsonl,
     run_cli,
+    spent_by_prompt,
     usage_of_replies,
     wait_for,
     write_dataset,
@@ -430,17 +431,12 @@ def kill_after_a_checkpoint_with_rows_behind_it(tmp_path: Path, endpoint, datase
         wait_for(lambda: finished_row_count(run) == 3, what="the third row")
         assert held.arrived["fourth"].wait(60)
         if spend_recorded:
-            wait_for(lambda: spent_records(run).count(b"\n") >= 1, what="the fourth session's reply recorded")
+            wait_for(lambda: spent_by_prompt(run, 3) == 1, what="the fourth session's reply recorded")
     finally:
         os.kill(process.pid, signal.SIGKILL)
         process.wait()
     held.open_all()
     return held
-
-
-def spent_records(run: Path) -> bytes:
-    path = run / run_dir.SPENT
-    return path.read_bytes() if path.exists() else b""
 
 
 def test_after_kill_9_and_resume_the_checkpoint_counts_every_row_in_the_batch_files(tmp_path, endpoint):

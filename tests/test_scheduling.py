@@ -7,6 +7,7 @@ import time
 from conftest import (
     PROMPTS_BESIDE_IT,
     RATE_LIMITED_PROMPT,
+    arrivals_around_a_429,
     assert_the_429_paused_every_other_session,
     batch_rows,
     endpoint_args,
@@ -28,7 +29,7 @@ def run(tmp_path, endpoint, prompts, *extra, env=None):
 
 
 def test_a_429_pauses_new_requests_of_every_session_across_processes(tmp_path, endpoint):
-    arrivals = record_arrivals(endpoint)
+    arrivals = arrivals_around_a_429(endpoint)
     result = run(tmp_path, endpoint, [RATE_LIMITED_PROMPT, *PROMPTS_BESIDE_IT], "--num_workers=4")
     assert result.returncode == 0, result.stderr
     assert_the_429_paused_every_other_session(arrivals)
