@@ -687,8 +687,10 @@ class RayWorkerPool:
         the parent first."""
         ray = self.ray
         collected: list[Spent] = []
+        asked = list(self._draining.values())
+        answered = set(ray.wait(asked, num_returns=len(asked), timeout=0)[0]) if asked else set()
         for actor, ref in list(self._draining.items()):
-            if actor not in rows_from and not ray.wait([ref], timeout=0)[0]:
+            if actor not in rows_from and ref not in answered:
                 continue
             del self._draining[actor]
             try:
