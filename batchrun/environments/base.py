@@ -1,9 +1,9 @@
 """The environment protocol: where one prompt's model-written commands and file edits happen.
 
 Every backend (a local directory, the bubblewrap sandbox, a docker, podman, singularity or apptainer
-container, a Modal sandbox) is a short class implementing :class:`Environment`. One instance serves exactly one prompt: it is started
-before the prompt's first model call, used by the terminal and file tools, and closed when the
-session ends — also on errors and cancellation — so no state leaks between prompts.
+container, a Modal sandbox) is a class implementing :class:`Environment`. One instance serves exactly
+one prompt: it is started before the prompt's first model call, used by the terminal and file tools,
+and closed when the session ends — also on errors and cancellation — so no state leaks between prompts.
 """
 
 from __future__ import annotations
