@@ -666,7 +666,8 @@ class RayWorkerPool:
         if ready and len(watched) > 1:
             ready, _ = ray.wait(watched, num_returns=len(watched), timeout=0)
         rows_from = {self._pending[ref][0] for ref in ready if ref in self._pending}
-        messages: list[Finished | Fatal | Spent] = [*self._collect_spent(rows_from)]
+        messages: list[Finished | Fatal | Spent] = [*self._spending_answers(rows_from)]
+        self._ask_for_spending()
         for ref in ready:
             if ref in self._starting:
                 self._replacement_started(ref, self._starting.pop(ref))
@@ -680,11 +681,10 @@ class RayWorkerPool:
             self._dispatch(self._retries.popleft())
         return messages
 
-    def _collect_spent(self, rows_from: set[int]) -> list[Spent]:
-        """The replies' usage the actors have answered with, then a new question to each (every
-        SPENT_INTERVAL). An actor in ``rows_from`` has rows about to be read: its answer is waited for,
-        since a question asked before those rows came back may hold replies of theirs, which must reach
-        the parent first."""
+    def _spending_answers(self, rows_from: set[int]) -> list[Spent]:
+        """The replies' usage the actors have answered with (see _ask_for_spending). An actor in
+        ``rows_from`` has rows about to be read: its answer is waited for, since a question asked before
+        those rows came back may hold replies of theirs, which must reach the parent first."""
         ray = self.ray
         collected: list[Spent] = []
         asked = list(self._draining.values())
@@ -697,13 +697,16 @@ class RayWorkerPool:
                 collected.extend(ray.get(ref, timeout=STOP_GRACE_SECONDS))
             except Exception:
                 pass        # its actor is gone: what it spent since its last answer is not known
+        return collected
+
+    def _ask_for_spending(self) -> None:
+        """Every SPENT_INTERVAL, ask each actor without a question on its way what its replies spent."""
         now = time.monotonic()
         if now - self._drained_at >= SPENT_INTERVAL:
             self._drained_at = now
             for index, actor in enumerate(self._actors):
                 if index not in self._lost and index not in self._draining:
                     self._draining[index] = actor.drain_spent.remote()
-        return collected
 
     def _dispatch(self, attempt: Attempt) -> None:
         actor = max(range(len(self._free)), key=self._free.__getitem__)   # the least loaded actor
@@ -856,7 +859,7 @@ class RayWorkerPool:
         (and after what the actors' earlier answers hold, which may be theirs too)."""
         ray = self.ray
         ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=0)
-        finished: list[Finished | Spent] = [*self._collect_spent(set(self._draining))]
+        finished: list[Finished | Spent] = [*self._spending_answers(set(self._draining))]
         for ref in ready:
             try:
                 messages = ray.get(ref)
@@ -868,7 +871,7 @@ class RayWorkerPool:
     def _spent_at_stop(self) -> list[Spent]:
         """What the stopped sessions spent that the parent has not heard of yet: they leave no row."""
         ray = self.ray
-        spent = self._collect_spent(set(self._draining))
+        spent = self._spending_answers(set(self._draining))
         asked = [actor.drain_spent.remote() for index, actor in enumerate(self._actors) if index not in self._lost]
         for ref in asked:
             try:
