@@ -105,10 +105,10 @@ def test_the_walk_holds_no_descriptor_once_it_has_an_answer(tmp_path):
     tree = tmp_path / "tree"
     tree.mkdir()
     with deep_chain(tree, 30, bottom_bytes=2 * MIB):
-        before = open_descriptors()
+        before = open_descriptors(tmp_path)
         assert DiskUsageWalk(tree, 64 * MIB).run() is False
         assert DiskUsageWalk(tree, MIB).run() is True
-        assert open_descriptors() == before
+        assert open_descriptors(tmp_path) == before
 
 
 @pytest.mark.skipif(not is_root(), reason="the runner of interest is root, the racing command another user")

@@ -160,9 +160,10 @@ def test_the_report_helper_holds_nothing_per_batch_file_the_run_is_done_with(tmp
             follower.read_new()
 
     # The trajectory sample fills its quotas within the first few thousand rows; after that it holds
-    # as much as it lets go.
+    # as much as it lets go, give or take the row it holds and its tables' resizing: tens of KB whatever
+    # the number of files. Anything kept per file (a name, an offset) is 36 bytes or more each.
     grown = growth(lambda: (follower.read_existing(), run_through(0, 3_000)), lambda: run_through(3_000, 11_000))
-    assert grown < 32 * 1024, f"{grown:,} bytes more after 8,000 more batch files"
+    assert grown < 8_000 * 16, f"{grown:,} bytes more after 8,000 more batch files"
     follower.read_all()
     assert follower.scan.summary.row_count == 11_000 and follower.scan.summary.batch_files == 11_000
 

@@ -57,11 +57,11 @@ def test_a_symlink_to_a_directory_is_never_entered(tmp_path):
 def test_a_cursor_holds_two_descriptors_at_any_depth(tmp_path):
     (tmp_path / "tree").mkdir()
     with deep_chain(tmp_path / "tree", 200):
-        before = open_descriptors()
+        before = open_descriptors(tmp_path)
         with cursor_at(tmp_path / "tree") as cursor:
             for _ in range(200):
                 assert cursor.enter("d")
-            assert open_descriptors() == before + 2
+            assert open_descriptors(tmp_path) == before + 2
             for _ in range(200):
                 assert cursor.leave() == "d"
-        assert open_descriptors() == before
+        assert open_descriptors(tmp_path) == before

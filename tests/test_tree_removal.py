@@ -136,9 +136,9 @@ def test_removes_a_5000_level_tree_with_64_descriptors_allowed(tmp_path):
 def test_holds_no_descriptor_after_removing(tmp_path):
     (tmp_path / "tree").mkdir()
     with deep_chain(tmp_path / "tree", 30, bottom_bytes=10):
-        before = open_descriptors()
+        before = open_descriptors(tmp_path)
         remove_tree(tmp_path / "tree")
-        assert open_descriptors() == before
+        assert open_descriptors(tmp_path) == before
 
 
 @pytest.mark.parametrize("user", ["root", "prompt user"])
