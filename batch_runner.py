@@ -232,6 +232,7 @@ class BatchRunner:
     def _feed(self, pool: WorkerPool, tasks: Iterator[Task]) -> Fatal | None:
         """The scheduling loop: one task per free slot, every finished row persisted at once."""
         exhausted = False
+        left = self._pending_prompts
         while True:
             while not exhausted and pool.free_slots:
                 task = None if self._budget_spent() else next(tasks, None)
@@ -241,6 +242,9 @@ class BatchRunner:
                     pool.submit(task)
                     self._open_prompts[task.prompt_index] = None
                     self._highest_index = task.prompt_index
+                    left -= 1
+                    if left == self.config.num_workers - 1:
+                        pool.last_round()
             if pool.in_flight == 0:
                 return None
             messages = pool.receive(timeout=1.0)
@@ -285,7 +289,8 @@ class BatchRunner:
             self.run_dir.sync_names()
             kept = [message for messages in groups[:written] for message in messages]
             self.spent.record(spent, kept)
-            self.spent.sync()
+            if kept:        # a round of replies alone is not synced: a killed runner's writes stay in the cache
+                self.spent.sync()
             self._rows_written += len(kept)
             for message in kept:
                 self._record(message)

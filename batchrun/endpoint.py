@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import itertools
 import json
 import math
 import random
@@ -115,17 +116,18 @@ class OpenAIEndpoint:
         self._config, self.gate = config, gate
         self._clients = [make_client(config.base_url, config.api_key, timeout=config.request_timeout)
                          for _ in range(clients)]
+        # Several small connection pools: the HTTP pool scans its connections on every request, so one
+        # pool shared by hundreds of sessions would cost O(sessions) per call. Sessions take them in turn
+        # as they start, so each pool serves about its share at once and a new session finds a connection
+        # to reuse (chosen by prompt index, some pools served several times their share, opening a new
+        # connection for most requests).
+        self._turn = itertools.cycle(self._clients)
 
     def model(self, prompt_index: int, tools: Sequence[Message]) -> OpenAIModel:
-        return OpenAIModel(self._client(prompt_index), self.gate, self._config, tools)
+        return OpenAIModel(next(self._turn), self.gate, self._config, tools)
 
     def tool_client(self, prompt_index: int) -> openai.AsyncOpenAI:
-        return self._client(prompt_index)
-
-    def _client(self, prompt_index: int) -> openai.AsyncOpenAI:
-        # Several small connection pools: the HTTP pool scans its connections on every request,
-        # so one pool shared by hundreds of sessions would cost O(sessions) per call.
-        return self._clients[prompt_index % len(self._clients)]
+        return next(self._turn)
 
     async def close(self) -> None:
         await asyncio.gather(*(client.close() for client in self._clients), return_exceptions=True)

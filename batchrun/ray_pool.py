@@ -653,6 +653,9 @@ class RayWorkerPool:
     def submit(self, task: Task) -> None:
         self._dispatch(Attempt(task))
 
+    def last_round(self) -> None:
+        pass    # an actor is handed tasks only for its free slots
+
     def receive(self, timeout: float) -> list[Finished | Fatal | Spent]:
         """Every finished result, waiting at most ``timeout`` for the first one. A lost actor's prompts
         are sent again (or get failure rows); only losing every actor ends the run (a Fatal, after the

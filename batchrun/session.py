@@ -151,7 +151,8 @@ class Session:
         self.usage = Usage()
         self.api_calls = 0
         self.env: Environment | None = None
-        self._starting_environment = False
+        self._environment_start: asyncio.Future[None] | None = None
+        self._awaiting_environment = False
         self.tools: ToolContext | None = None
 
     async def run(self) -> SessionResult:
@@ -171,12 +172,13 @@ class Session:
             if self._answered():    # keep what the paid-for turns produced, as a partial row
                 end_reason = "prompt_timeout"
             else:
-                waiting = "while its environment was starting" if self._starting_environment else \
-                    "before the first model reply"
+                waiting = ("while its environment was starting" if self._awaiting_environment
+                           else "before the first model reply")
                 error = f"prompt time limit of {self.config.prompt_timeout:g}s reached {waiting}"
                 error_type = "prompt_timeout"
         finally:
             await self._close_tools()
+            await self._abandon_environment_start()
             if self.env is not None:
                 await self.services.retire(self.env)
         while self.turns and isinstance(self.turns[-1], HumanTurn):    # a request the model never answered
@@ -189,21 +191,41 @@ class Session:
             end_reason=end_reason, error=redact(error) if error else None, error_type=error_type)
 
     async def _started_then_loop(self) -> str:
-        # Before any model call: a prompt whose environment cannot start (an image that cannot
-        # be pulled) fails without spending tokens.
-        self._starting_environment = True
-        await self._start_environment()
-        self._starting_environment = False
+        if model_tools.needs_environment(self.offered_tools):
+            self._environment_start = asyncio.ensure_future(self._start_environment())
+            # A start that can fail for this prompt alone (an image that cannot be pulled, the row's cwd)
+            # comes before any model call, so that such a prompt spends nothing; any other runs while the
+            # first reply is written, and the first tool call that needs it waits for it.
+            if environment_class(self.config.terminal_env).start_can_fail_alone or self.task.cwd:
+                await self._environment_ready()
         return await self._loop()
 
+    async def _environment_ready(self) -> None:
+        """Wait for the environment's start; one that failed raises EnvironmentSetupError, which fails the
+        prompt. The start is not cancelled with the wait: the session's end cuts it short."""
+        assert self._environment_start is not None
+        self._awaiting_environment = True
+        await asyncio.shield(self._environment_start)
+        self._awaiting_environment = False
+
     async def _start_environment(self) -> None:
-        if not model_tools.needs_environment(self.offered_tools):
-            return
         self.env = create_environment(self.config.terminal_env, self.services.env_settings,
                                       prompt_index=self.task.prompt_index, image=self.task.image,
                                       cwd=self.task.cwd)
         async with self.services.starting:
             await self.env.start()
+
+    async def _abandon_environment_start(self) -> None:
+        """A start still running when the session ends is cut short (retire() then removes what it made);
+        one that failed unseen, because no tool call needed it, has nothing more to say."""
+        start = self._environment_start
+        if start is None:
+            return
+        start.cancel()
+        try:
+            await start
+        except (asyncio.CancelledError, EnvironmentSetupError):
+            pass
 
     def _tool_context(self) -> ToolContext:
         if self.tools is None:
@@ -334,6 +356,8 @@ class Session:
                           f"{call.name} schema"), False
         if not isinstance(args, dict):
             return _error(f"arguments must be a JSON object, got {type(args).__name__}"), False
+        if self._environment_start is not None and model_tools.REGISTRY[call.name].needs_environment:
+            await self._environment_ready()
         try:
             result = await within(self.config.tool_timeout,
                                   model_tools.dispatch(call.name, args, self._tool_context()))

@@ -88,6 +88,46 @@ def waiting_places(slots: int) -> int:
     return slots // 8
 
 
+class Places:
+    """How many tasks each worker process holds, and may hold: its session slots, and while more tasks
+    are to come than the run has sessions, its waiting places beyond them."""
+
+    def __init__(self, capacity: list[int]) -> None:
+        self.capacity = capacity
+        self._places = [slots + waiting_places(slots) for slots in capacity]
+        self._free = list(self._places)    # below 0 after the last round: tasks still waiting for a slot
+
+    @property
+    def free(self) -> int:
+        return sum(max(0, free) for free in self._free)
+
+    @property
+    def held(self) -> int:
+        return sum(self._places) - sum(self._free)
+
+    def take(self) -> int:
+        """A place in the least loaded process (one is free): that process's number."""
+        worker = max(range(len(self._free)), key=self._free.__getitem__)
+        self._free[worker] -= 1
+        return worker
+
+    def take_in(self, worker: int) -> None:
+        self._free[worker] -= 1
+
+    def give_back(self, worker: int) -> None:
+        self._free[worker] += 1
+
+    def empty(self, worker: int) -> None:
+        """The process was replaced: it holds nothing."""
+        self._free[worker] = self._places[worker]
+
+    def last_round(self) -> None:
+        """Session slots only from now on (see WorkerPool.last_round)."""
+        held = [places - free for places, free in zip(self._places, self._free, strict=True)]
+        self._places = list(self.capacity)
+        self._free = [slots - tasks for slots, tasks in zip(self.capacity, held, strict=True)]
+
+
 def split_slots(sessions: int, workers: int) -> list[int]:
     """Each worker's share of the run's session slots: as even as it goes, the first ones one more."""
     return [sessions // workers + (1 if worker < sessions % workers else 0) for worker in range(workers)]
@@ -118,6 +158,12 @@ class WorkerPool(Protocol):
 
     def submit(self, task: Task) -> None: ...
 
+    def last_round(self) -> None:
+        """The runner has fewer tasks left than the pool has sessions: from now on a task goes only to a
+        free session, never to wait behind a running one, where it could wait a whole session while
+        other sessions, with nothing left to run, idle."""
+        ...
+
     def receive(self, timeout: float) -> list[Finished | Fatal | Spent]:
         """What came back, waiting at most ``timeout`` seconds for the first message."""
         ...
@@ -144,8 +190,7 @@ class ProcessPool:
                              adaptive=config.adaptive_concurrency, workers=count)
         self._config, self._env_settings, self._available_tools = config, env_settings, available_tools
         self._capacity = split_slots(config.num_workers, count)     # sessions at once, per process
-        self._places = [slots + waiting_places(slots) for slots in self._capacity]   # tasks held, per process
-        self._free = list(self._places)
+        self._places = Places(self._capacity)
         self._conns: list[Connection] = []
         self._processes: list[BaseProcess] = []
         self._running: list[dict[int, Task]] = [{} for _ in self._capacity]   # per worker, by prompt index
@@ -171,11 +216,11 @@ class ProcessPool:
 
     @property
     def free_slots(self) -> int:
-        return sum(self._free)
+        return self._places.free
 
     @property
     def in_flight(self) -> int:
-        return sum(self._places) - sum(self._free)
+        return self._places.held
 
     @property
     def concurrency(self) -> ConcurrencyFigures:
@@ -183,10 +228,12 @@ class ProcessPool:
         return self.gate.limit.figures()
 
     def submit(self, task: Task) -> None:
-        self._send(max(range(len(self._free)), key=self._free.__getitem__), task)   # the least loaded process
+        self._send(self._places.take(), task)
+
+    def last_round(self) -> None:
+        self._places.last_round()
 
     def _send(self, worker: int, task: Task) -> None:
-        self._free[worker] -= 1
         self._running[worker][task.prompt_index] = task
         try:
             self._conns[worker].send(asdict(task))
@@ -207,7 +254,7 @@ class ProcessPool:
                     messages += self._replace(worker)
                     continue
                 if isinstance(message, Finished):
-                    self._free[worker] += 1
+                    self._places.give_back(worker)
                     self._running[worker].pop(message.prompt_index, None)
                 messages.append(message)
             ready = _ready(self._conns, 0)
@@ -227,11 +274,12 @@ class ProcessPool:
         running, waiting = tasks[:self._capacity[worker]], tasks[self._capacity[worker]:]
         lost = [lost_task(task, self._config, why, "worker_died") for task in running]
         self._running[worker].clear()
-        self._free[worker] = self._places[worker]
+        self._places.empty(worker)
         self.gate.limit.reclaim(worker)      # the model requests it had in flight are over
         others = [conn for i, conn in enumerate(self._conns) if i != worker]
         self._conns[worker], self._processes[worker] = self._spawn(worker, self._capacity[worker], others)
         for task in waiting:
+            self._places.take_in(worker)
             self._send(worker, task)
         return lost
 

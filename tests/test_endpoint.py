@@ -16,10 +16,12 @@ import openai
 import pytest
 from conftest import batch_rows, read_jsonl, run_cli, write_dataset
 from scripted_endpoint import OVERFLOW_ERRORS, ScriptedEndpoint
+from test_session import run_config
 
 from batchrun.endpoint import (
     MAX_RETRY_AFTER,
     MalformedReplyError,
+    OpenAIEndpoint,
     PromptFailedError,
     RunFatalError,
     call_model,
@@ -414,3 +416,16 @@ def test_rate_limit_with_garbage_retry_after_still_completes_the_prompt(tmp_path
     assert result.returncode == 0, result.stderr
     [row] = batch_rows(tmp_path / "data" / "run")
     assert not row.get("failed"), row
+
+
+def test_sessions_take_the_workers_connection_pools_in_turn_whatever_their_prompt_indexes():
+    # A worker's prompts are often every fourth of the dataset: chosen by index, a pool would serve
+    # several times its share while others idled, and open a connection for most new requests.
+    async def pools_taken() -> list[openai.AsyncOpenAI]:
+        models = OpenAIEndpoint(run_config(), RateGate(), clients=4)
+        try:
+            return [models.tool_client(prompt_index) for prompt_index in range(0, 32, 4)]
+        finally:
+            await models.close()
+    taken = asyncio.run(pools_taken())
+    assert len({id(client) for client in taken[:4]}) == 4 and taken[4:] == taken[:4]

@@ -18,7 +18,8 @@ import batch_runner
 import model_tools
 from batchrun import rows
 from batchrun.config import RunConfig, build_config
-from batchrun.environments.base import EnvironmentSettings
+from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError
+from batchrun.environments.local import LocalEnvironment
 from batchrun.messages import Task
 from batchrun.model import CONTEXT_LENGTH, Message, ModelReply, PromptFailedError
 from batchrun.rows import AssistantTurn, HumanTurn, SessionResult, Usage
@@ -343,3 +344,113 @@ def test_the_prompts_directory_is_gone_before_its_session_returns_the_result(tmp
         finally:
             await services.close()
     assert asyncio.run(session()) is False
+
+
+# ---------------------------------------------------------------------------------------------
+# The environment's start and the first model call
+
+
+class StartWatch:
+    """Replaces the local backend's start: it waits until the model has been called (or not, with
+    ``wait_for_call=False``), can fail, and notes what happened in which order."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, wait_for_call: bool = True,
+                 failure: str | None = None, forever: bool = False) -> None:
+        self.events: list[str] = []
+        self.forever = forever
+        self.model_called: asyncio.Event | None = None      # made on the session's loop
+        self.start_begun: asyncio.Event | None = None
+        self.closed = 0
+        original_start, original_close = LocalEnvironment.start, LocalEnvironment.close
+        watch = self
+
+        async def start(env: LocalEnvironment) -> None:
+            watch.events.append("start begun")
+            watch.begun().set()
+            if forever:
+                await asyncio.Event().wait()
+            if wait_for_call:
+                await asyncio.wait_for(watch.called().wait(), 5)      # 5 s: the call never came first
+            if failure:
+                raise EnvironmentSetupError(failure)
+            await original_start(env)
+            watch.events.append("started")
+
+        async def close(env: LocalEnvironment) -> None:
+            watch.closed += 1
+            await original_close(env)
+
+        monkeypatch.setattr(LocalEnvironment, "start", start)
+        monkeypatch.setattr(LocalEnvironment, "close", close)
+
+    def called(self) -> asyncio.Event:
+        if self.model_called is None:
+            self.model_called = asyncio.Event()
+        return self.model_called
+
+    def begun(self) -> asyncio.Event:
+        if self.start_begun is None:
+            self.start_begun = asyncio.Event()
+        return self.start_begun
+
+
+class WatchedModel(ScriptedModel):
+    def __init__(self, script: list[ModelReply | Exception], watch: StartWatch) -> None:
+        super().__init__(script)
+        self.watch = watch
+
+    async def reply(self, messages: Sequence[Message], *, with_tools: bool) -> ModelReply:
+        if self.watch.forever:      # the start is under way when the session ends
+            await self.watch.begun().wait()
+        self.watch.events.append("model called")
+        self.watch.called().set()
+        return await super().reply(messages, with_tools=with_tools)
+
+
+def run_watched(tmp_path: Path, watch: StartWatch, script: list[ModelReply | Exception],
+                task: Task = TASK) -> SessionResult:
+    services = worker_services(tmp_path, ScriptedModels(WatchedModel(script, watch)))
+
+    async def session() -> SessionResult:
+        try:
+            return await Session(task, services).run()
+        finally:
+            await services.close()
+    return asyncio.run(session())
+
+
+def test_the_first_model_call_goes_out_while_a_sandbox_starts(tmp_path, monkeypatch):
+    watch = StartWatch(monkeypatch)
+    result = run_watched(tmp_path, watch, [call("terminal", ECHO), say("Done.")])
+    assert result.end_reason == "final_answer" and result.error is None
+    assert json.loads(result.turns[0].tool_calls[0].result or "")["output"].strip() == "hi"
+    assert watch.events.index("model called") < watch.events.index("started")
+
+
+def test_an_environment_whose_start_can_fail_for_one_prompt_starts_before_any_model_call(tmp_path, monkeypatch):
+    monkeypatch.setattr(LocalEnvironment, "start_can_fail_alone", True)     # as a container backend's
+    watch = StartWatch(monkeypatch, wait_for_call=False)
+    run_watched(tmp_path, watch, [call("terminal", ECHO), say("Done.")])
+    assert watch.events[:3] == ["start begun", "started", "model called"]
+
+
+def test_a_row_with_a_cwd_starts_its_environment_before_any_model_call(tmp_path, monkeypatch):
+    watch = StartWatch(monkeypatch, wait_for_call=False)
+    task = Task(prompt_index=0, prompt="do the task", image=None, cwd="src", content_key="key", toolsets=("terminal",))
+    run_watched(tmp_path, watch, [call("terminal", ECHO), say("Done.")], task)
+    assert watch.events[:3] == ["start begun", "started", "model called"]
+
+
+def test_an_environment_that_cannot_start_fails_the_prompt_at_its_first_tool_call(tmp_path, monkeypatch):
+    watch = StartWatch(monkeypatch, failure="the sandbox did not start: no message")
+    result = run_watched(tmp_path, watch, [call("terminal", ECHO), say("Done.")])
+    assert (result.error_type, result.error, result.api_calls) == (
+        "environment", "the sandbox did not start: no message", 1)
+
+
+def test_a_prompt_that_ends_before_its_environment_started_cuts_the_start_short(tmp_path, monkeypatch):
+    watch = StartWatch(monkeypatch, forever=True)
+    result = run_watched(tmp_path, watch, [say("No tools needed.")])
+    assert result.end_reason == "final_answer" and result.error is None
+    assert watch.closed >= 1 and "started" not in watch.events
+    assert not list(tmp_path.iterdir())       # the directory it began with is gone

@@ -14,6 +14,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from batchrun.environments.limits import ResourceLimits, remove_run_leftovers
 from batchrun.environments.tree_removal import remove_tree
@@ -88,6 +89,11 @@ class Environment(abc.ABC):
 
     #: The name users select with TERMINAL_ENV and the start-up summary shows.
     kind: str = ""
+    #: Whether one prompt's start can fail while others' succeed (an image that cannot be pulled). Such
+    #: an environment starts before the prompt's first model call, so that the prompt spends nothing;
+    #: one whose start fails only with the machine (which the start-up check finds once) starts while
+    #: the first reply is written.
+    start_can_fail_alone: ClassVar[bool] = True
 
     def __init__(self, settings: EnvironmentSettings, *, prompt_index: int,
                  image: str | None = None, cwd: str | None = None) -> None:

@@ -42,6 +42,7 @@ class LocalEnvironment(Environment):
     """One prompt's private directory under ``settings.work_root``; commands run there via bash."""
 
     kind = "local"
+    start_can_fail_alone = False      # a directory and a control group: if one can be made, all can
 
     def __init__(self, settings: EnvironmentSettings, *, prompt_index: int,
                  image: str | None = None, cwd: str | None = None) -> None:
