@@ -10,6 +10,11 @@ bwrap sandbox per command, which is what the long-lived shell saves. Then the me
 read_file and write_file of a 1 KB file three directories deep, as the file tools make them (a
 thread hop, the confined lookup, the read or the write-and-rename), with the lookup done by openat2
 and by the component walk that kernels without openat2 get.
+
+Under bubblewrap it also prints what one sandbox costs (made and destroyed as a prompt's, one after
+another), and bwrap running ``true`` whole and with one part left out at a time (setpriv, the network
+namespace, the PID namespace), each as wall time and the whole machine's CPU; in a root run also bwrap
+started as the sandbox's uid, making a user namespace instead of dropping to that uid with setpriv.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,8 +38,10 @@ from batchrun.environments.base import EnvironmentSettings  # noqa: E402
 from batchrun.environments.bubblewrap import (  # noqa: E402
     bubblewrap_problem,
     program,
+    sandbox,
     working_bwrap,
 )
+from batchrun.environments.limits import ResourceLimits  # noqa: E402
 
 WARM_UP = 5
 SMALL_FILE = b"x" * 1024
@@ -83,6 +91,64 @@ async def new_sandbox_ms(work_root: Path, commands: int) -> float:
             descriptors.close()
         assert await process.wait() == 0
     return await mean_ms(step, commands)
+
+
+# About what a worker process holds (RSS), for the starts whose cost grows with the starting process.
+WORKER_MB = 64
+# What a sandbox's parts cost: bwrap's command line with one part left out (the figure is the whole
+# less that part), and, in a root run, the alternative to setpriv (bwrap started as the sandbox's uid,
+# making a user namespace).
+SANDBOX_PARTS = {
+    "bwrap with `true` (all of it)": (),
+    "  without setpriv": ("setpriv",),
+    "  without the network namespace": ("--unshare-net",),
+    "  without the PID namespace": ("--unshare-pid",),
+}
+
+
+def bwrap_part_ms(work_root: Path, left_out: tuple[str, ...], runs: int, *, as_sandbox_user: bool = False
+                  ) -> tuple[float, float]:
+    """(wall, machine CPU) milliseconds of one bwrap sandbox running ``true``, one after another."""
+    bwrap = working_bwrap()
+    assert not isinstance(bwrap, str), bwrap
+    workspace = work_root / "parts"
+    workspace.mkdir(exist_ok=True)
+    uid = program.sandbox_uid() if program.RUNNING_AS_ROOT else None
+    if uid is not None:
+        os.chown(workspace, uid, uid)
+    root = program.root_descriptor(work_root, False)
+    # Started as the sandbox's uid, bwrap makes a user namespace instead of dropping to it with setpriv.
+    as_uid = {"user": uid, "group": uid, "extra_groups": []} if as_sandbox_user and uid is not None else {}
+
+    def once() -> None:
+        descriptors = program.Descriptors(root, workspace, None if as_uid else uid)
+        try:
+            argv = program.sandbox_command(bwrap.path, False, ResourceLimits(), descriptors,
+                                           None if as_uid else uid, ["true"])
+            if "setpriv" in left_out:
+                start = argv.index("setpriv")
+                del argv[start:argv.index("--", start) + 1]
+            argv = [arg for arg in argv if arg not in left_out]
+            subprocess.run(argv, env=program.sandbox_environment(), pass_fds=descriptors.passed(), check=True,
+                           **as_uid)
+        finally:
+            descriptors.close()
+    once()
+    busy, started = machine_busy_seconds(), time.perf_counter()
+    for _ in range(runs):
+        once()
+    return (time.perf_counter() - started) / runs * 1000, (machine_busy_seconds() - busy) / runs * 1000
+
+
+async def sandbox_ms(work_root: Path, runs: int) -> tuple[float, float]:
+    """(wall, machine CPU) milliseconds to make a prompt's sandbox (directory, control group, bwrap, its
+    shell) and destroy it, one after another."""
+    settings = EnvironmentSettings(work_root=work_root / "sandboxes", run_label="bench")
+    await (await sandbox.new_sandbox(settings, "warm-")).destroy()
+    busy, started = machine_busy_seconds(), time.perf_counter()
+    for _ in range(runs):
+        await (await sandbox.new_sandbox(settings, "bench-")).destroy()
+    return (time.perf_counter() - started) / runs * 1000, (machine_busy_seconds() - busy) / runs * 1000
 
 
 def machine_busy_seconds() -> float:
@@ -149,6 +215,7 @@ async def print_file_tools(kind: str, work_root: Path, calls: int) -> None:
 async def main(commands: int) -> None:
     with tempfile.TemporaryDirectory(prefix="environment-overhead-") as scratch:
         work_root = Path(scratch)
+        os.chmod(work_root, 0o755)      # a sandbox's uid must reach the run's root below it
         problem = bubblewrap_problem()
         print(f"mean per-command overhead over {commands} `true` commands")
         print(f"  local (new bash per command)          {await backend_ms('local', work_root, commands):8.2f} ms")
@@ -160,6 +227,23 @@ async def main(commands: int) -> None:
         for kind in ["local"] + (["bubblewrap"] if problem is None else []):
             wall, busy = await prompt_ms(kind, work_root, commands)
             print(f"  {kind:<36} {wall:8.2f} ms / {busy:5.2f} ms")
+        if problem is None:
+            print(f"a bubblewrap sandbox, over {commands} made one after another: wall / machine CPU")
+            wall, busy = await sandbox_ms(work_root, commands)
+            print(f"  {'made and destroyed (new_sandbox)':<36} {wall:8.2f} ms / {busy:5.2f} ms")
+            for label, left_out in SANDBOX_PARTS.items():
+                wall, busy = bwrap_part_ms(work_root, left_out, commands)
+                print(f"  {label:<36} {wall:8.2f} ms / {busy:5.2f} ms")
+            if program.RUNNING_AS_ROOT:
+                # Python starts a program with vfork, but must fork to change its uid first: a copy of
+                # the page tables, which grows with the process. Both measured from a worker's size.
+                ballast = bytearray(WORKER_MB << 20)
+                ballast[::4096] = b"x" * len(range(0, len(ballast), 4096))
+                print(f"  from a process of a worker's size ({WORKER_MB} MB):")
+                for label, as_user in (("    setpriv", False), ("    a user namespace instead", True)):
+                    wall, busy = bwrap_part_ms(work_root, (), commands, as_sandbox_user=as_user)
+                    print(f"  {label:<36} {wall:8.2f} ms / {busy:5.2f} ms")
+                del ballast
         print(f"mean per-call time of the file tools over {commands} calls ({len(SMALL_FILE)} bytes)")
         await print_file_tools("local", work_root, commands)
         if problem is None:
