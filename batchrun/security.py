@@ -7,6 +7,7 @@ replaces the literal values of the API key and of every secret-looking environme
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -18,24 +19,43 @@ _MIN_SECRET_LENGTH = 8
 REDACTED = "[REDACTED]"
 
 
-def _any_prefix(secret: str) -> str:
-    """A pattern matching the longest prefix of ``secret`` that has at least _MIN_SECRET_LENGTH characters."""
-    pattern = ""
-    for char in reversed(secret[_MIN_SECRET_LENGTH:]):
-        pattern = f"(?:{re.escape(char)}{pattern})?"
-    return re.escape(secret[:_MIN_SECRET_LENGTH]) + pattern
+class _Starts:
+    """Where a text holds a run of at least _MIN_SECRET_LENGTH characters that starts one of the secrets.
+
+    A regex finds where one of the secrets' first characters start (at every position: runs of two
+    secrets may overlap), and each is then followed in plain Python as far as it matches: a pattern
+    that nests one optional group per character would fail to compile for a secret of a few hundred
+    characters (session tokens, PEM keys)."""
+
+    def __init__(self, secrets: list[str]) -> None:
+        self._by_start: dict[str, list[str]] = {}
+        for secret in secrets:
+            self._by_start.setdefault(secret[:_MIN_SECRET_LENGTH], []).append(secret)
+        self._starts = re.compile("(?=(" + "|".join(map(re.escape, self._by_start)) + "))")
+
+    def spans(self, text: str) -> list[tuple[int, int]]:
+        spans = []
+        for match in self._starts.finditer(text):
+            start = match.start()
+            longest = max(len(os.path.commonprefix([text[start:start + len(secret)], secret]))
+                          for secret in self._by_start[match.group(1)])
+            spans.append((start, start + longest))
+        return spans
 
 
-def _pattern(secrets: list[str]) -> re.Pattern[str] | None:
-    return re.compile("|".join(map(_any_prefix, secrets))) if secrets else None
+def _written_forms(secret: str) -> set[str]:
+    """The secret as text holds it, and as JSON text does (quotes, backslashes and control characters
+    escaped, non-ASCII characters too or not): tool results and arguments are redacted as JSON."""
+    return {secret, *(json.dumps(secret, ensure_ascii=ascii_only)[1:-1] for ascii_only in (False, True))}
 
 
 class Redactor:
     def __init__(self, secrets: list[str]) -> None:
-        values = sorted({s for s in secrets if s and len(s) >= _MIN_SECRET_LENGTH}, key=len, reverse=True)
-        self._prefixes = _pattern(values)
+        values = sorted({form for s in secrets if s and len(s) >= _MIN_SECRET_LENGTH for form in _written_forms(s)},
+                        key=len, reverse=True)
+        self._prefixes = _Starts(values) if values else None
         # A suffix of a secret is a prefix of the reversed secret in the reversed text.
-        self._suffixes = _pattern([value[::-1] for value in values])
+        self._suffixes = _Starts([value[::-1] for value in values]) if values else None
 
     @classmethod
     def from_environment(cls, api_key: str) -> Redactor:
@@ -45,9 +65,9 @@ class Redactor:
     def __call__(self, text: str) -> str:
         if self._prefixes is None or self._suffixes is None or not text:
             return text
-        spans = [match.span() for match in self._prefixes.finditer(text)]
+        spans = self._prefixes.spans(text)
         end = len(text)
-        spans += [(end - match.end(), end - match.start()) for match in self._suffixes.finditer(text[::-1])]
+        spans += [(end - stop, end - start) for start, stop in self._suffixes.spans(text[::-1])]
         if not spans:
             return text
         parts, position = [], 0

@@ -53,6 +53,32 @@ def test_several_secrets_and_overlapping_pieces_are_all_replaced():
     assert not any(piece in redacted for secret in (SECRET, other) for piece in pieces_of(secret, 8))
 
 
+def test_a_secret_thousands_of_characters_long_is_replaced_whole_and_cut():
+    # Session tokens and keys in PEM or JWT form run to thousands of characters.
+    token = "".join(chr(ord("a") + (i * 7) % 26) for i in range(5000))
+    redact = Redactor([token])
+    assert redact(f"[{token}]") == f"[{REDACTED}]"
+    assert redact("cut: " + token[:3000]) == f"cut: {REDACTED}"
+
+
+def test_a_run_starts_with_a_long_secret_in_its_environment(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["hello"])
+    result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=1", "--run_name=run",
+                     "--distribution=terminal_only", *endpoint_args(endpoint),
+                     env={"AWS_SESSION_TOKEN": "IQoJb3JpZ2luX2VjE" * 60, "TERMINAL_ENV": "local"})
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("secret", ['Abcdefgh"IJKLMNOPQRS"tuvwxyz12', "Abcdefgh\\IJKLMNOPQRS\\tuvwxyz12",
+                                    "Abcdefgh\nIJKLMNOPQRSé\ttuvwxyz12"], ids=["quotes", "backslashes", "controls"])
+def test_a_secret_is_replaced_in_json_text_where_its_characters_are_escaped(secret):
+    redact = Redactor([secret])
+    for ascii_only in (False, True):
+        text = json.dumps({"output": f"pw={secret} done"}, ensure_ascii=ascii_only)
+        redacted = redact(text)
+        assert json.loads(redacted) == {"output": f"pw={REDACTED} done"}, redacted
+
+
 # --- end to end: an endpoint that echoes the key -----------------------------------------------------
 
 def echoing(key: str):
