@@ -627,3 +627,29 @@ def test_the_spares_leave_nothing_behind_when_the_worker_ends(sandbox_home):
     assert [path.name for path in (sandbox_home / "work").iterdir() if not path.name.startswith(".root")] == []
     wait_for(lambda: live_processes_mentioning(str(sandbox_home / "work")) == [], timeout=5,
              what="every spare sandbox to be gone")
+
+
+def test_a_sandbox_killed_and_reaped_is_never_signalled_again(sandbox_home, monkeypatch):
+    # Its process group id may name another group by then (another prompt's sandbox, in a root run any
+    # host process group): only a group whose leader is not yet reaped is safely still ours.
+    signalled: list[int] = []
+    real_killpg = os.killpg
+
+    def killpg(pgid: int, signum: int) -> None:
+        if signum == signal.SIGKILL:
+            signalled.append(pgid)
+        real_killpg(pgid, signum)
+
+    async def scenario() -> tuple[int, list[int]]:
+        async with sandbox(make_settings(sandbox_home)) as env:
+            assert (await env.run("true")).exit_code == 0
+            first = env._shell
+            assert first is not None
+            env.stop_processes()                    # as the workspace limit does
+            await first.process.wait()              # killed and reaped
+            assert (await env.run("true")).exit_code == 0     # in a new sandbox around the same directory
+            monkeypatch.setattr(os, "killpg", killpg)
+            env.stop_processes()
+        return first.process.pid, signalled
+    pid, after_reaping = asyncio.run(scenario())
+    assert pid not in after_reaping

@@ -85,12 +85,12 @@ async def run_merged(argv: list[str], *, timeout: float, max_output_chars: int, 
     try:
         exited = await wait_for_exit(process, timeout)
         if not exited:
-            kill_group(process.pid)
+            kill_group_of(process)
             await wait_for_exit(process, _KILL_WAIT_SECONDS)
         if not output.finished.done():
             await asyncio.wait({output.finished}, timeout=_EXIT_GRACE_SECONDS)
     except asyncio.CancelledError:
-        kill_group(process.pid)
+        kill_group_of(process)
         raise
     finally:
         output.close()   # a background child still writing gets EPIPE
@@ -115,7 +115,7 @@ async def start_process(argv: list[str], *, cwd: str | os.PathLike | None, env: 
         return ChildProcess(await started)
     except asyncio.CancelledError:
         if started.done() and not started.cancelled() and started.exception() is None:
-            kill_group(started.result().pid)     # it started just before the cancellation arrived
+            kill_group_of(started.result())     # it started just before the cancellation arrived
         raise
 
 
@@ -153,14 +153,14 @@ class _Starter:
                 loop.call_soon_threadsafe(_settle, started, popen, error)
             except RuntimeError:       # its loop has closed: no one is left to wait for the command
                 if popen is not None:
-                    kill_group(popen.pid)
+                    kill_group_of(popen)
 
 
 def _settle(started: asyncio.Future[subprocess.Popen], popen: subprocess.Popen | None,
             error: BaseException | None) -> None:
     if started.cancelled():
         if popen is not None:
-            kill_group(popen.pid)    # subprocess reaps the dropped Popen on a later start
+            kill_group_of(popen)    # subprocess reaps the dropped Popen on a later start
     elif error is not None:
         started.set_exception(error)
     else:
@@ -235,6 +235,14 @@ def kill_group(pgid: int) -> None:
     """SIGKILL a process group; a group that is already gone is fine."""
     with contextlib.suppress(OSError):
         os.killpg(pgid, signal.SIGKILL)
+
+
+def kill_group_of(process: asyncio.subprocess.Process | ChildProcess | subprocess.Popen) -> None:
+    """SIGKILL the process group ``process`` leads, while it is still ours: until the leader is reaped
+    its id names no other group, after that it may name anyone's (another prompt's sandbox, in a root
+    run a host service's)."""
+    if process.returncode is None:
+        kill_group(process.pid)
 
 
 class _PipeReader:

@@ -11,7 +11,7 @@ import re
 import subprocess
 from dataclasses import dataclass
 
-from batchrun.environments.command_output import kill_group, wait_for_exit
+from batchrun.environments.command_output import kill_group_of, wait_for_exit
 from batchrun.time_limit import within
 
 # An engine's messages can be long (a pull's whole progress log); the end says what went wrong.
@@ -53,11 +53,11 @@ async def call_cli(argv: list[str], *, timeout: float, stdin: bytes | None = Non
     try:
         stdout, stderr = await within(timeout, process.communicate(stdin))
     except TimeoutError:
-        kill_group(process.pid)
+        kill_group_of(process)
         await wait_for_exit(process, timeout=5.0)
         return CliResult(returncode=None, stdout=b"", stderr="")
     except BaseException:       # cancelled: the CLI must not outlive the prompt it works for
-        kill_group(process.pid)
+        kill_group_of(process)
         raise
     return CliResult(returncode=process.returncode, stdout=stdout, stderr=stderr.decode("utf-8", "replace"))
 

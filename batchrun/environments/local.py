@@ -25,7 +25,7 @@ from batchrun.environments.base import (
     ToolError,
     scrubbed_environment,
 )
-from batchrun.environments.command_output import ChildProcess, kill_group, run_merged
+from batchrun.environments.command_output import ChildProcess, kill_group, kill_group_of, run_merged
 from batchrun.environments.confined_files import ConfinedPath, read_regular_file, write_regular_file
 from batchrun.environments.disk_guard import WorkspaceWatch, guard_for
 from batchrun.environments.limits import ENTER_GROUPS, MIB, LimitEvents, PromptCgroup
@@ -85,10 +85,21 @@ class LocalEnvironment(Environment):
 
     def stop_processes(self) -> None:
         """Kill every process the prompt's commands started (the workspace went over its limit)."""
-        for process in self._processes:
-            kill_group(process.pid)
+        self._kill_command_groups()
         if self._cgroup is not None:
             self._cgroup.kill()
+
+    def _kill_command_groups(self) -> None:
+        """Kill the process groups of the prompt's commands. Where a control group holds the prompt,
+        only groups whose leader is not reaped yet (their ids are still ours; the control group ends
+        the rest); without one, a command's group is the only handle on what it left running, so a
+        group whose leader is gone is killed too, if it still existed after the prompt's last command
+        (see _forget_finished_groups)."""
+        for process in self._processes:
+            if self._cgroup is None and process.returncode is not None:
+                kill_group(process.pid)
+            else:
+                kill_group_of(process)
 
     def _make_workdir(self, prompt_dir: Path) -> Path:
         """The row's cwd, taken relative to the prompt directory and required to stay inside it.
@@ -180,8 +191,7 @@ class LocalEnvironment(Environment):
         self._closed = True
         if self._watch is not None:
             self._watch.close()
-        for process in self._processes:
-            kill_group(process.pid)
+        self._kill_command_groups()
         if self._cgroup is not None:
             await asyncio.to_thread(self._cgroup.kill)     # what left the process groups (setsid)
         await _reap(self._processes)

@@ -30,7 +30,7 @@ from batchrun.environments.bubblewrap.program import bubblewrap_problem
 from batchrun.environments.bubblewrap.root import MOUNT_POINT
 from batchrun.environments.bubblewrap.sandbox import new_sandbox, spares, start_shell
 from batchrun.environments.bubblewrap.shell import SHELL_GRACE_SECONDS, Shell
-from batchrun.environments.command_output import OutputCollector, kill_group
+from batchrun.environments.command_output import OutputCollector, kill_group_of
 from batchrun.environments.confined_files import ConfinedPath
 from batchrun.environments.local import LocalEnvironment
 from batchrun.time_limit import within
@@ -93,8 +93,14 @@ class BubblewrapEnvironment(LocalEnvironment):
         command gets a new sandbox around the same directory (close() reaps this one)."""
         shell, self._shell = self._shell, None
         if shell is not None:
-            kill_group(shell.process.pid)
+            kill_group_of(shell.process)
         super().stop_processes()
+
+    def _kill_command_groups(self) -> None:
+        """The prompt's processes are the sandboxes' shells: one whose bwrap is reaped left nothing
+        behind (its PID namespace died with it), and its group id may name someone else's group now."""
+        for process in self._processes:
+            kill_group_of(process)
 
     async def run(self, command: str, timeout: float | None = None) -> CommandResult:
         """Send ``command`` to the sandbox's shell; a dead or stuck shell is replaced afterwards."""
@@ -120,7 +126,7 @@ class BubblewrapEnvironment(LocalEnvironment):
             except asyncio.CancelledError:
                 # Mid-command, the shell's next words belong to this command; close() reaps it.
                 self._shell = None
-                kill_group(shell.process.pid)
+                kill_group_of(shell.process)
                 raise
             output, truncated = collector.finish()
             if status is None:

@@ -31,7 +31,7 @@ from batchrun.environments.bubblewrap.program import (
     working_bwrap,
 )
 from batchrun.environments.bubblewrap.shell import MAX_SHELL_WORDS, SHELL, Shell
-from batchrun.environments.command_output import kill_group
+from batchrun.environments.command_output import kill_group_of
 from batchrun.environments.limits import PromptCgroup
 from batchrun.environments.tree_removal import remove_tree
 from batchrun.time_limit import within
@@ -178,7 +178,7 @@ class Spares:
         await asyncio.gather(*starting, return_exceptions=True)
         ready = [sandbox for key in [key for key in self._ready if key[0] == loop] for sandbox in self._ready.pop(key)]
         for sandbox in ready:
-            kill_group(sandbox.shell.process.pid)
+            kill_group_of(sandbox.shell.process)
         await asyncio.gather(*(sandbox.destroy() for sandbox in ready), return_exceptions=True)
         await asyncio.gather(*list(self._tearing_down), return_exceptions=True)
 

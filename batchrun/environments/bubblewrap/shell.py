@@ -18,7 +18,7 @@ from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
-from batchrun.environments.command_output import kill_group, wait_for_exit
+from batchrun.environments.command_output import kill_group_of, wait_for_exit
 from batchrun.time_limit import within
 
 #: The program of the shell, as bash -c runs it.
@@ -76,7 +76,7 @@ class Shell:
     async def kill(self) -> None:
         """Kill the sandbox: its bwrap dies, and with it (--die-with-parent) everything inside; then read
         its output to the end it now has, so that the pipes close while the loop runs."""
-        kill_group(self.process.pid)
+        kill_group_of(self.process)
         await wait_for_exit(self.process, _KILL_WAIT_SECONDS)
         self._stdin.close()
         self._buffer.clear()
