@@ -170,6 +170,16 @@ def test_fallocate_cannot_reserve_space_in_the_sandbox(tmp_path: Path) -> None:
     assert result.output.split()[-1] == "2048"       # the C library writes instead, as the limit expects
 
 
+@pytest.mark.bubblewrap
+def test_io_uring_cannot_reserve_space_in_the_sandbox_either(tmp_path: Path) -> None:
+    # Its IORING_OP_FALLOCATE reserves space without the fallocate system call: no ring can be made.
+    setup = ("import ctypes, errno; libc = ctypes.CDLL(None, use_errno=True); "
+             "fd = libc.syscall(425, 8, ctypes.create_string_buffer(120)); "
+             "print('ring', fd, errno.errorcode.get(ctypes.get_errno()))")
+    [result] = run("bubblewrap", settings(tmp_path), f'python3 -c "{setup}"')
+    assert result.output.split() == ["ring", "-1", "ENOSYS"], result.output
+
+
 @pytest.mark.parametrize("kind", BACKENDS)
 def test_a_command_writing_past_the_workspace_limit_is_stopped_while_it_runs(tmp_path: Path, kind: str) -> None:
     async def scenario() -> tuple:

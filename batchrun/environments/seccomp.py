@@ -8,7 +8,9 @@ session keyring it inherited from the runner; and disk space. So the filter refu
   or left in a user keyring for whoever gets that uid next;
 * ``fallocate`` (EOPNOTSUPP): it reserves gigabytes in one call, faster than any watch on the workspace
   can stop it. C libraries fall back to writing (``posix_fallocate``), which the workspace limit keeps up
-  with.
+  with;
+* ``io_uring_setup`` (ENOSYS, as on a kernel without io_uring, which programs fall back from): a ring's
+  IORING_OP_FALLOCATE reserves space as ``fallocate`` does, without that system call.
 
 Everything else is allowed: ``ptrace`` and friends reach only the prompt's own processes, in a PID
 namespace of their own. The program is classic BPF, as the kernel takes it, checking the architecture
@@ -36,12 +38,13 @@ _ARCH_OFFSET, _NR_OFFSET = 4, 0      # in struct seccomp_data
 # The refused calls' numbers per architecture (asm/unistd*.h), with the error each gets.
 _REFUSED = {
     "add_key": errno.EPERM, "request_key": errno.EPERM, "keyctl": errno.EPERM, "fallocate": errno.EOPNOTSUPP,
+    "io_uring_setup": errno.ENOSYS,
 }
 _NUMBERS = {
-    "x86_64": {"add_key": 248, "request_key": 249, "keyctl": 250, "fallocate": 285},
-    "i386": {"add_key": 286, "request_key": 287, "keyctl": 288, "fallocate": 324},
-    "aarch64": {"add_key": 217, "request_key": 218, "keyctl": 219, "fallocate": 47},
-    "arm": {"add_key": 309, "request_key": 310, "keyctl": 311, "fallocate": 352},
+    "x86_64": {"add_key": 248, "request_key": 249, "keyctl": 250, "fallocate": 285, "io_uring_setup": 425},
+    "i386": {"add_key": 286, "request_key": 287, "keyctl": 288, "fallocate": 324, "io_uring_setup": 425},
+    "aarch64": {"add_key": 217, "request_key": 218, "keyctl": 219, "fallocate": 47, "io_uring_setup": 425},
+    "arm": {"add_key": 309, "request_key": 310, "keyctl": 311, "fallocate": 352, "io_uring_setup": 425},
 }
 # The architectures a process on this machine can make system calls as (64-bit hosts run 32-bit programs).
 _ABIS = {"x86_64": ("x86_64", "i386"), "aarch64": ("aarch64", "arm")}
