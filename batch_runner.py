@@ -129,7 +129,7 @@ class BatchRunner:
             # From the rows themselves: the checkpoint misses those written after it, before a kill.
             self.batch_stats = Counter(scan.rows_by_status)
             self._earlier_rows_usage = scan.usage
-        self.spent.start(resume=config.resume)
+        self.spent.start()
         live_corrupted = sum(scan.live_corrupted(self.superseded_corrupted).values())
         done_counts = scan.done(rerun_corrupted=config.rerun_corrupted, superseded=self.superseded_corrupted)
         if config.rerun_corrupted:    # every corrupted row so far is replaced by the attempt about to run
@@ -269,14 +269,17 @@ class BatchRunner:
     def _persist(self, finished: list[Finished], spent: list[Spent]) -> None:
         """Append rows to their batch files and make them durable before they count as done: one
         write and one fdatasync per batch file, one sync of the directory for the files created (a
-        group commit), which the replies' usage (see SpentLedger) joins. When the disk is full, the
-        rows not written are held back for one more try at the stop (see _stop), and DiskFull goes up."""
+        group commit). The replies' usage and the rows about to be appended go to the spent ledger
+        first (see SpentLedger). When the disk is full, the rows not written are held back for one more
+        try at the stop (see _stop), and DiskFull goes up."""
         by_batch: dict[int, list[Finished]] = {}
         for message in finished:
             by_batch.setdefault(message.batch_num, []).append(message)
         groups = list(by_batch.values())
+        places = [self.run_dir.row_places(messages[0].batch_num, messages) for messages in groups]
         written = 0
         try:
+            self.spent.record(spent, [place for group in places for place in group])
             for messages in groups:
                 data = b"".join(message.row for message in messages)
                 self.run_dir.append(messages[0].batch_num, data)
@@ -288,12 +291,10 @@ class BatchRunner:
         finally:
             self.run_dir.sync_names()
             kept = [message for messages in groups[:written] for message in messages]
-            self.spent.record(spent, kept)
-            if kept:        # a round of replies alone is not synced: a killed runner's writes stay in the cache
-                self.spent.sync()
             self._rows_written += len(kept)
             for message in kept:
                 self._record(message)
+            self.spent.landed([place for group in places[:written] for place in group])
 
     def _stop(self, pool: WorkerPool, env_settings: EnvironmentSettings) -> DiskFull | None:
         """End the workers (their sessions stop, their environments close) and keep the rows that

@@ -265,16 +265,33 @@ class ScanResult:
         return self.done_counts + self.live_corrupted(superseded)
 
 
+@dataclass(frozen=True)
+class RowPlace:
+    """Where a row is about to be appended: its prompt, the usage it carries, its batch file (a name in
+    the run directory), and the byte range it will take there."""
+
+    prompt: int
+    usage: dict
+    batch_file: str
+    offset: int
+    length: int
+
+
 class SpentLedger:
     """spent.jsonl: what sessions spent, reply by reply, until their rows carry it.
 
     A row holds its session's whole usage, but a session cut off (kill -9, a stop, a worker that
     died) leaves none, and its replies were paid for all the same. The parent appends a line per
-    reply (``{"prompt": i, "spent": usage}``) and one per row written (``{"prompt": i, "row": usage}``):
-    what a prompt spent beyond its row, or without one, was spent by a session cut off. Lines are
-    written as they arrive (a killed runner's writes stay in the kernel's cache) and made durable
-    with the rows' group commit, not one sync per reply. Each invocation starts by folding the file
-    into one line, ``{"carried": usage}``, so it stays small however long the run.
+    reply (``{"prompt": i, "spent": usage}``); what a prompt spent beyond its row, or without one, was
+    spent by a session cut off. A group of rows is announced before it is appended, each with where it
+    will be (``{"prompt": i, "row": usage, "at": [batch file, offset, length]}``), and made durable
+    with the replies so far; once the rows are appended one line lists those that were
+    (``{"landed": [i, ...]}``). So a kill at any point leaves no row whose spending counts twice: rows
+    announced with no such line after them (the last group before a kill) count as written only if
+    the batch file holds them where announced. Replies alone are not synced (a killed runner's writes
+    stay in the kernel's cache). Each invocation starts by folding the file into one line,
+    ``{"carried": usage}``, so it stays small however long the run; spending cut off before any row
+    was written counts too, with or without --resume.
     """
 
     def __init__(self, path: Path) -> None:
@@ -284,16 +301,29 @@ class SpentLedger:
         self._open: dict[int, dict] = {}         # prompt index -> spent so far, no row yet
         self._open_total = empty_usage()
         self._fd: int | None = None
-        self._unsynced = False
 
-    def start(self, *, resume: bool) -> None:
-        """Take in what earlier invocations left (a fresh run starts from nothing), as one line."""
-        if resume and self.path.exists():
+    def start(self) -> None:
+        """Take in what earlier invocations left, as one line."""
+        if self.path.exists():
+            announced: list[RowPlace] = []     # rows announced since the last "landed" line
             for _, line in lines_at(self.path):
                 try:
-                    self._take(json.loads(line))
+                    record = json.loads(line)
+                    if "row" in record:
+                        announced.append(RowPlace(record["prompt"], record["row"], *record["at"]))
+                    elif "landed" in record:
+                        landed = set(record["landed"])
+                        for place in announced:
+                            if place.prompt in landed:
+                                self._take_row(place)
+                        announced = []
+                    else:
+                        self._take(record)
                 except (ValueError, TypeError, KeyError, AttributeError):
                     continue     # not a line this version wrote: it counts nothing
+            for place in announced:
+                if self._holds(place):
+                    self._take_row(place)
             self._carried = self.unfinished()
             self._cut_off, self._open, self._open_total = empty_usage(), {}, empty_usage()
         with replacing(self.path) as handle:
@@ -307,31 +337,59 @@ class SpentLedger:
         add_usage(total, self._open_total)
         return {key: round(value, 8) if key == "cost" else value for key, value in total.items()}
 
-    def record(self, spent: list[Spent], written: list[Finished]) -> None:
-        """Replies' usage, then rows just written (a reply always comes before its session's row)."""
-        records = ([{"prompt": event.prompt_index, "spent": event.usage} for event in spent]
-                   + [{"prompt": row.prompt_index, "row": row.usage} for row in written])
-        if not records or self._fd is None:
-            return
-        data = b"".join(json.dumps(record).encode() + b"\n" for record in records)
-        with full_disk_named(self.path, len(data)):
-            written_bytes = 0
-            while written_bytes < len(data):
-                written_bytes += os.write(self._fd, data[written_bytes:])
-        self._unsynced = True
-        for record in records:
-            self._take(record)
+    def record(self, spent: list[Spent], rows_to_write: list[RowPlace]) -> None:
+        """Replies' usage as it arrives, and the rows about to be appended, announced where they will be;
+        durable before those rows are written (see the class)."""
+        for event in spent:        # spent all the same if the disk cannot take the line
+            self._take({"prompt": event.prompt_index, "spent": event.usage})
+        self._append([{"prompt": event.prompt_index, "spent": event.usage} for event in spent]
+                     + [{"prompt": row.prompt, "row": row.usage, "at": [row.batch_file, row.offset, row.length]}
+                        for row in rows_to_write], sync=bool(rows_to_write))
 
-    def sync(self) -> None:
-        if self._unsynced and self._fd is not None:
-            with full_disk_named(self.path):
-                os.fdatasync(self._fd)
-            self._unsynced = False
+    def landed(self, rows_written: list[RowPlace]) -> None:
+        """The announced rows that were appended. Not synced: without this line the rows are found
+        where they were announced, and one not found there never counted."""
+        if rows_written:
+            try:
+                self._append([{"landed": [row.prompt for row in rows_written]}], sync=False)
+            except DiskFull:
+                pass
+            for row in rows_written:
+                self._take_row(row)
 
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+    def _append(self, records: list[dict], *, sync: bool) -> None:
+        """Whole lines or none: a write the disk cut short is taken back (a later line would be glued
+        to the piece, and both be lost)."""
+        if not records or self._fd is None:
+            return
+        data = b"".join(json.dumps(record).encode() + b"\n" for record in records)
+        with full_disk_named(self.path, len(data)):
+            start = os.lseek(self._fd, 0, os.SEEK_END)
+            try:
+                written = 0
+                while written < len(data):
+                    written += os.write(self._fd, data[written:])
+                if sync:
+                    os.fdatasync(self._fd)
+            except OSError:
+                os.ftruncate(self._fd, start)
+                raise
+
+    def _holds(self, place: RowPlace) -> bool:
+        """Whether the batch file holds the announced row where it was announced."""
+        batch = self.path.parent / place.batch_file
+        try:
+            for _, line in lines_at(batch, place.offset, place.offset + 1):
+                stored = rows.read_stored_row(line)
+                return len(line) == place.length and stored is not None and stored.prompt_index == place.prompt
+        except (OSError, rows.RowError):
+            pass
+        return False
 
     def _take(self, record: dict) -> None:
         if "carried" in record:
@@ -339,9 +397,11 @@ class SpentLedger:
         elif "spent" in record:
             add_usage(self._open.setdefault(record["prompt"], empty_usage()), record["spent"])
             add_usage(self._open_total, record["spent"])
-        elif "row" in record and (spent := self._open.pop(record["prompt"], None)) is not None:
+
+    def _take_row(self, row: RowPlace) -> None:
+        if (spent := self._open.pop(row.prompt, None)) is not None:
             add_usage(self._open_total, {key: -spent[key] for key in USAGE_KEYS})
-            add_usage(self._cut_off, {key: max(0, round(spent[key] - (record["row"].get(key) or 0), 8))
+            add_usage(self._cut_off, {key: max(0, round(spent[key] - (row.usage.get(key) or 0), 8))
                                       for key in USAGE_KEYS})
 
 
@@ -507,6 +567,19 @@ class RunDirectory:
             finally:
                 os.close(fd)
         self._created |= start == 0
+
+    def row_places(self, batch_num: int, finished: list[Finished]) -> list[RowPlace]:
+        """Where these rows will be once appended to their batch file, in this order."""
+        name = f"batch_{batch_num}.jsonl"
+        try:
+            offset = (self.path / name).stat().st_size
+        except FileNotFoundError:
+            offset = 0
+        places = []
+        for message in finished:
+            places.append(RowPlace(message.prompt_index, message.usage, name, offset, len(message.row)))
+            offset += len(message.row)
+        return places
 
     def sync_names(self) -> None:
         """Make the names of the batch files created since the last call durable."""

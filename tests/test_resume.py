@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -31,7 +32,8 @@ from conftest import (
 )
 
 from batchrun import rows, run_dir
-from batchrun.run_dir import RunDirectory, lines_at, scan_ranges, split_ranges
+from batchrun.messages import Finished, Spent
+from batchrun.run_dir import RunDirectory, SpentLedger, lines_at, scan_ranges, split_ranges
 
 
 def base_args(tmp_path: Path, endpoint, dataset: Path, *extra: str, batch_size: int = 3) -> list[str]:
@@ -492,3 +494,89 @@ def test_max_cost_reached_by_one_invocation_stops_the_next_at_once(tmp_path, end
     assert result.returncode == 0, result.stderr
     assert endpoint.requests == []
     assert "spending cap reached: $0.0010 of --max_cost=$0.001" in " ".join(result.stdout.split())
+
+
+# -- the spent ledger: a kill at any moment of a group commit counts every reply once ------------------------
+
+def ledger_row(prompt_index: int, cost: float) -> Finished:
+    """A finished prompt's row as a worker sends it, with the usage it carries."""
+    result = rows.SessionResult(prompt_index=prompt_index, content_key=f"key{prompt_index}", prompt=f"p{prompt_index}",
+                                toolsets=[], offered_tools=[], turns=[rows.AssistantTurn("why", "Done.")], api_calls=1,
+                                usage=rows.Usage(prompt_tokens=10, completion_tokens=5, cost=cost), wall_time=1.0,
+                                end_reason="final_answer")
+    line = rows.encode_finished(result, batch_num=0, model="m", timestamp="t", discard_no_reasoning=False)
+    return Finished(prompt_index=prompt_index, batch_num=0, status=rows.COMPLETED, row=line, api_calls=1,
+                    usage=result.usage.as_dict(), wall_time=1.0, end_reason="final_answer", error=None, error_type=None,
+                    prompt_preview="", toolsets=(), tool_calls=())
+
+
+def one_reply(prompt_index: int, cost: float) -> Spent:
+    return Spent(prompt_index, rows.Usage(prompt_tokens=10, completion_tokens=5, cost=cost).as_dict())
+
+
+@pytest.fixture
+def ledger_dir(tmp_path) -> RunDirectory:
+    directory = RunDirectory(tmp_path / "run")
+    directory.acquire()
+    yield directory
+    directory.release()
+
+
+def reopened(directory: RunDirectory) -> SpentLedger:
+    ledger = SpentLedger(directory.path / "spent.jsonl")
+    ledger.start()
+    return ledger
+
+
+def test_a_kill_after_a_row_was_appended_but_before_it_was_said_so_counts_its_replies_once(ledger_dir):
+    ledger = reopened(ledger_dir)
+    row = ledger_row(0, 0.5)
+    ledger.record([one_reply(0, 0.5)], ledger_dir.row_places(0, [row]))
+    ledger_dir.append(0, row.row)
+    ledger.close()                              # killed before the "landed" line
+    assert reopened(ledger_dir).unfinished()["cost"] == 0      # the row carries the reply's cost
+
+
+def test_a_kill_after_a_row_was_announced_but_before_it_was_appended_counts_its_replies_as_cut_off(ledger_dir):
+    ledger = reopened(ledger_dir)
+    row = ledger_row(0, 0.5)
+    ledger.record([one_reply(0, 0.5)], ledger_dir.row_places(0, [row]))
+    ledger.close()
+    assert reopened(ledger_dir).unfinished()["cost"] == 0.5
+
+
+def test_an_announced_row_whose_place_another_row_took_later_still_counts_as_cut_off(ledger_dir):
+    ledger = reopened(ledger_dir)
+    ledger.record([one_reply(0, 0.5)], ledger_dir.row_places(0, [ledger_row(0, 0.5)]))
+    ledger.close()
+    ledger_dir.append(0, ledger_row(1, 0.25).row)        # the next invocation's first row, where row 0 was to be
+    assert reopened(ledger_dir).unfinished()["cost"] == 0.5
+
+
+def test_a_full_disk_cuts_no_line_of_the_ledger_short(ledger_dir, monkeypatch):
+    ledger = reopened(ledger_dir)
+    real_write = os.write
+
+    def half_then_full(fd: int, data: bytes) -> int:
+        monkeypatch.setattr(os, "write", full)
+        return real_write(fd, data[:10])
+
+    def full(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", half_then_full)
+    with pytest.raises(run_dir.DiskFull):
+        ledger.record([one_reply(0, 0.5)], [])
+    monkeypatch.setattr(os, "write", real_write)
+    ledger.record([one_reply(1, 0.25)], [])
+    ledger.close()
+    assert [json.loads(line) for line in (ledger_dir.path / "spent.jsonl").read_bytes().splitlines()][1:] == [
+        {"prompt": 1, "spent": one_reply(1, 0.25).usage}]
+
+
+def test_spending_of_an_invocation_killed_before_its_first_row_counts_for_the_next_one(ledger_dir):
+    ledger = reopened(ledger_dir)
+    ledger.record([one_reply(0, 0.5)], [])
+    ledger.close()
+    assert ledger_dir.existing_results() == []              # so the next invocation may start without --resume
+    assert reopened(ledger_dir).unfinished()["cost"] == 0.5

@@ -221,6 +221,28 @@ def test_a_prompt_cannot_take_the_disks_reserve(tmp_path: Path, kind: str) -> No
     assert used < 500 * 2**20
 
 
+# Files the command deletes while it keeps them open: no walk of the workspace sees them, the disk does.
+HIDDEN_WRITES = ("for i in $(seq {files}); do exec {{fd}}>hidden$i; rm hidden$i; "
+                 "head -c {size} /dev/zero >&$fd; done; echo finished")
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+@needs_cgroups
+def test_files_deleted_while_open_count_towards_the_workspace_limit(tmp_path: Path, kind: str) -> None:
+    [result] = run(kind, settings(tmp_path, workspace_mb=50), HIDDEN_WRITES.format(files=20, size=40_000_000))
+    assert "finished" not in result.output
+    assert "workspace went over its limit of 50 MB" in (result.error or ""), result
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+@needs_cgroups
+def test_files_deleted_while_open_cannot_take_the_disks_reserve(tmp_path: Path, kind: str) -> None:
+    free_mb = shutil.disk_usage(tmp_path).free // 2**20
+    limits = settings(tmp_path, workspace_mb=10_000, disk_reserve_mb=max(free_mb - 64, 1))
+    [result] = run(kind, limits, HIDDEN_WRITES.format(files=40, size=25_000_000))
+    assert "finished" not in result.output and "almost full" in (result.error or ""), result
+
+
 @pytest.mark.parametrize("kind", BACKENDS)
 def test_the_file_tools_refuse_a_write_past_the_workspace_limit(tmp_path: Path, kind: str) -> None:
     async def scenario() -> None:

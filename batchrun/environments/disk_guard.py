@@ -13,6 +13,9 @@ still growing (the environment then says so to the model). Two things make a loo
   half the room of the fullest workspace walks them all at once. (Other prompts deleting files at the
   same time can hide a writer from this look, never from the first.)
 
+A count is the workspace's files and the files with no name left (deleted while open, or made by
+O_TMPFILE) that the prompt's processes hold open or mapped, which take space no walk can see.
+
 The same ``statvfs`` keeps a reserve free on that filesystem (``ResourceLimits.disk_reserve_mb``): where
 the run's own files share it (the default layout), a prompt filling the disk would otherwise stop the
 run's writes. Below the reserve, the processes of every workspace that grew since its last walk are
@@ -28,7 +31,14 @@ import weakref
 from collections.abc import Callable
 from pathlib import Path
 
-from batchrun.environments.disk_usage import FULL, INLINE_WALK_ENTRIES, DiskUsageWalk, disk_usage
+from batchrun.environments.disk_usage import (
+    FULL,
+    INLINE_HELD_ENTRIES,
+    INLINE_WALK_ENTRIES,
+    DiskUsageWalk,
+    disk_usage,
+    unnamed_usage,
+)
 from batchrun.environments.limits import MIB
 
 TICK_SECONDS = 0.02
@@ -46,11 +56,14 @@ class WorkspaceWatch:
     """One workspace under watch: its limit, what it held at the last walk, when the next is due, and why
     its processes were last stopped (until the environment reports it)."""
 
-    def __init__(self, guard: DiskGuard, directory: Path, limit_bytes: int, stop: Callable[[], None]) -> None:
+    def __init__(self, guard: DiskGuard, directory: Path, limit_bytes: int, stop: Callable[[], None],
+                 holders: Callable[[], list[int]]) -> None:
         self._guard = guard
         self.directory = directory
         self.limit_bytes = limit_bytes
         self.stop = stop
+        self.holders = holders
+        self.device = os.stat(directory).st_dev
         self.used = 0
         self.stopped_at = -_MIN_ROOM_BYTES      # what it held when its processes were last stopped
         self.reason: str | None = None
@@ -87,7 +100,12 @@ class WorkspaceWatch:
         given_up = walk.run(max_entries=INLINE_WALK_ENTRIES)
         if given_up is None:
             given_up = await asyncio.to_thread(walk.run)
-        self.counted(FULL if given_up else walk.used, time.monotonic() - started)
+        pids = self.holders()
+        unnamed = unnamed_usage(pids, self.device, INLINE_HELD_ENTRIES)
+        if unnamed is None:
+            unnamed = await asyncio.to_thread(unnamed_usage, pids, self.device)
+        used = FULL if given_up or unnamed is None else walk.used + unnamed
+        self.counted(used, time.monotonic() - started)
 
     def refuses(self, size: int) -> str | None:
         """Why a file tool may not add ``size`` bytes to the workspace now, if it may not."""
@@ -116,10 +134,11 @@ class DiskGuard:
         self._task: asyncio.Task | None = None
         self._most_free = 0         # the most free space seen since the last walk of every workspace
 
-    def watch(self, directory: Path, limit_bytes: int, stop: Callable[[], None]) -> WorkspaceWatch:
+    def watch(self, directory: Path, limit_bytes: int, stop: Callable[[], None],
+              holders: Callable[[], list[int]]) -> WorkspaceWatch:
         """Keep ``directory`` under ``limit_bytes`` until the watch is closed; ``stop`` kills every process
-        writing it."""
-        watch = WorkspaceWatch(self, directory, limit_bytes, stop)
+        writing it, ``holders`` names them (for the files they hold with no name left)."""
+        watch = WorkspaceWatch(self, directory, limit_bytes, stop, holders)
         if not self._watches:
             self._most_free = _free_bytes(directory)
         self._watches.append(watch)
@@ -154,7 +173,7 @@ class DiskGuard:
         due = watches if everything else [watch for watch in watches if watch.due <= now]
         if not due:
             return
-        counts = await asyncio.to_thread(_count, [watch.directory for watch in due])
+        counts = await asyncio.to_thread(_count, due)
         for watch, (used, seconds) in zip(due, counts, strict=True):
             if watch in self._watches:
                 watch.counted(used, seconds)
@@ -162,11 +181,14 @@ class DiskGuard:
             self._most_free = _free_bytes(watches[0].directory)
 
 
-def _count(directories: list[Path]) -> list[tuple[int, float]]:
+def _count(watches: list[WorkspaceWatch]) -> list[tuple[int, float]]:
+    """(bytes, seconds the count took) of each workspace, its unnamed files included (see the module)."""
     counts = []
-    for directory in directories:
+    for watch in watches:
         started = time.monotonic()
-        counts.append((disk_usage(directory), time.monotonic() - started))
+        unnamed = unnamed_usage(watch.holders(), watch.device)
+        named = disk_usage(watch.directory)
+        counts.append((FULL if unnamed is None else min(FULL, named + unnamed), time.monotonic() - started))
     return counts
 
 

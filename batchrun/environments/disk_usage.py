@@ -114,3 +114,78 @@ def disk_usage(root: Path) -> int:
 
 #: What disk_usage answers for a tree it could not walk to the end.
 FULL = 1 << 62
+
+
+# Descriptors and mappings of a prompt's processes looked at per count; a prompt holding more cannot be
+# checked in time, and counts as full, as a walk that gives up does.
+MAX_HELD_ENTRIES = 100_000
+# Of those, the most looked at on the event loop after a command (a shell and its command hold a few).
+INLINE_HELD_ENTRIES = 256
+
+
+def unnamed_usage(pids: list[int], device: int, max_entries: int = MAX_HELD_ENTRIES) -> int | None:
+    """Disk on ``device`` taken by files with no name left (deleted while open, or made by O_TMPFILE)
+    that the processes ``pids`` hold open or mapped: no walk of the workspace sees them, and the prompt
+    keeps their space for as long as it holds them. None if they hold more than ``max_entries``
+    descriptors and mappings. Only what the kernel marks deleted is looked at more closely."""
+    seen: set[int] = set()
+    used = entries = 0
+    for pid in pids:
+        held = _deleted_held(pid)
+        if held is None:
+            continue
+        count, paths = held
+        entries += count
+        if entries > max_entries:
+            return None
+        for path in paths:
+            try:
+                info = os.stat(path)
+            except OSError:
+                continue
+            if (info.st_nlink == 0 and info.st_dev == device and stat.S_ISREG(info.st_mode)
+                    and info.st_ino not in seen):
+                seen.add(info.st_ino)
+                used += info.st_blocks * 512
+    return used
+
+
+def _deleted_held(pid: int) -> tuple[int, list[str]] | None:
+    """(descriptors and mappings of process ``pid``, /proc paths of those whose file is deleted); None
+    for a process that is gone."""
+    try:
+        descriptors = os.listdir(f"/proc/{pid}/fd")
+        with open(f"/proc/{pid}/maps", "rb") as maps:
+            mappings = maps.read().splitlines()
+    except OSError:
+        return None
+    paths = []
+    for name in descriptors:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{name}").endswith(" (deleted)"):
+                paths.append(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue
+    for line in mappings:
+        if line.endswith(b" (deleted)"):
+            paths.append(f"/proc/{pid}/map_files/{line.split(maxsplit=1)[0].decode()}")
+    return len(descriptors) + len(mappings), paths
+
+
+def descendants(pids: list[int]) -> list[int]:
+    """``pids`` and every process below them."""
+    found, frontier = [], list(pids)
+    while frontier:
+        pid = frontier.pop()
+        found.append(pid)
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{task}/children") as children:
+                    frontier.extend(int(child) for child in children.read().split())
+            except (OSError, ValueError):
+                continue
+    return found

@@ -204,10 +204,14 @@ class PromptCgroup:
 
     def process_count(self) -> int:
         """How many processes are in the group now."""
+        return len(self.pids())
+
+    def pids(self) -> list[int]:
+        """The processes in the group now."""
         try:
-            return len((self.directories[-1] / "cgroup.procs").read_text().split())
-        except OSError:
-            return 0
+            return [int(pid) for pid in (self.directories[-1] / "cgroup.procs").read_text().split()]
+        except (OSError, ValueError):
+            return []
 
     def events(self) -> LimitEvents:
         """How often the limits struck so far (the counters only grow)."""

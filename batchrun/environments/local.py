@@ -28,6 +28,7 @@ from batchrun.environments.base import (
 from batchrun.environments.command_output import ChildProcess, kill_group, kill_group_of, run_merged
 from batchrun.environments.confined_files import ConfinedPath, read_regular_file, write_regular_file
 from batchrun.environments.disk_guard import WorkspaceWatch, guard_for
+from batchrun.environments.disk_usage import descendants
 from batchrun.environments.limits import ENTER_GROUPS, MIB, LimitEvents, PromptCgroup
 from batchrun.environments.tree_removal import remove_tree
 
@@ -81,7 +82,14 @@ class LocalEnvironment(Environment):
         prompt_dir, _ = self._require_started()
         limits = self.settings.limits
         self._watch = guard_for(limits.disk_reserve_mb * MIB).watch(prompt_dir, limits.workspace_mb * MIB,
-                                                                    self.stop_processes)
+                                                                    self.stop_processes, self.workspace_holders)
+
+    def workspace_holders(self) -> list[int]:
+        """The prompt's processes, which may hold files of its workspace open: its control group's, else
+        those below the processes it started (a sandbox's shell: everything in the sandbox)."""
+        if self._cgroup is not None:
+            return self._cgroup.pids()
+        return descendants([process.pid for process in list(self._processes)])
 
     def stop_processes(self) -> None:
         """Kill every process the prompt's commands started (the workspace went over its limit)."""
