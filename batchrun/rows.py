@@ -198,11 +198,36 @@ def parsed_or_raw(text: str) -> Any:
         return text
 
 
+# Arguments nested deeper stay text in a call block: written one level deeper inside it, a value Python
+# only just managed to read could not be read back, and the row would be refused.
+MAX_ARGUMENT_DEPTH = 500
+
+
+def arguments_value(text: str) -> Any:
+    """A call's arguments as its block holds them: their JSON value, or the text (not JSON, or nested
+    deeper than MAX_ARGUMENT_DEPTH)."""
+    value = parsed_or_raw(text)
+    if text.count("[") + text.count("{") > MAX_ARGUMENT_DEPTH and _depth(value) > MAX_ARGUMENT_DEPTH:
+        return text
+    return value
+
+
+def _depth(value: Any) -> int:
+    """How deeply lists and objects nest in ``value`` (without recursion: it may be deep)."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            pending.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
 def arguments_text(arguments: Any) -> str:
     """A call's arguments as rendered (see :func:`render_gpt_turn`) back into the text the model sent:
     arguments that parse as JSON were written as their value and any other text as it was, so such
     text goes back unchanged and everything else as JSON."""
-    if isinstance(arguments, str) and parsed_or_raw(arguments) == arguments:
+    if isinstance(arguments, str) and arguments_value(arguments) == arguments:
         return arguments
     return json.dumps(arguments, ensure_ascii=False)
 
@@ -242,7 +267,7 @@ def split_rendered_reasoning(value: str) -> tuple[str, str]:
 def render_gpt_turn(turn: AssistantTurn) -> dict:
     parts = [turn.content] if turn.content else []
     for call in turn.tool_calls:
-        payload = json.dumps({"name": call.name, "arguments": parsed_or_raw(call.arguments)},
+        payload = json.dumps({"name": call.name, "arguments": arguments_value(call.arguments)},
                              ensure_ascii=False)
         parts.append(TOOL_CALL_OPEN + payload + TOOL_CALL_CLOSE)
     body = "\n".join(parts)

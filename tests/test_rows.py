@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import threading
 
 import pytest
 
@@ -1010,3 +1011,27 @@ def test_an_older_row_that_kept_no_reply_reads_as_a_failure_resume_runs_again(di
     row["end_reason"] = "empty_answer"
     stored = read_stored_row(json.dumps(row).encode() + b"\n")
     assert (stored.status, stored.error_type()) == ("failed", "empty_answer")
+
+
+def deeper(levels: int, then):
+    """``then()`` called from ``levels`` frames further down the stack."""
+    return then() if levels == 0 else deeper(levels - 1, then)
+
+
+@pytest.mark.parametrize("depth", [400, 960, 990])
+def test_arguments_nested_about_as_deep_as_python_reads_are_kept_in_a_row_that_reads_back(depth):
+    # Written one level deeper inside their call block, arguments that Python only just read where the
+    # row was made (a worker's shallow stack) could not be read back where it is read (a deeper one):
+    # the row was refused, and resume and the merge stopped at it.
+    arguments = "[" * depth + "]" * depth
+    result = session([AssistantTurn("r", "", [call("made_up", arguments, '{"error": "unknown tool"}')]),
+                      AssistantTurn("r", "Done.")])
+    made: list[bytes] = []
+    maker = threading.Thread(target=lambda: made.append(encode(result)))
+    maker.start()
+    maker.join()
+    stored = deeper(100, lambda: rows.read_stored_row(made[0]))
+    assert stored is not None and stored.status == rows.COMPLETED
+    first_turn = next(turn for turn in json.loads(made[0])["conversations"] if turn["from"] == "gpt")
+    [read_call] = rows.read_gpt_turn(first_turn["value"], (0, 1)).calls
+    assert rows.arguments_text(read_call["arguments"]) == arguments
