@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import http.server
+import itertools
 import os
 import secrets
 import signal
@@ -653,3 +654,18 @@ def test_a_sandbox_killed_and_reaped_is_never_signalled_again(sandbox_home, monk
         return first.process.pid, signalled
     pid, after_reaping = asyncio.run(scenario())
     assert pid not in after_reaping
+
+
+def test_a_worker_never_gives_a_uid_still_in_use_to_another_sandbox(monkeypatch):
+    # A root run's sandbox has no user namespace: two live sandboxes of one uid would share its process
+    # count (ulimit -u), so one could keep the other from forking. A worker makes thousands of sandboxes
+    # in a long run while a slow prompt keeps its own.
+    from batchrun.environments.bubblewrap import program
+    monkeypatch.setattr(program, "_sandbox_numbers", itertools.count())
+    monkeypatch.setattr(program, "_live_uids", set())
+    slow = program.sandbox_uid()
+    for _ in range(3 * program.UIDS_PER_PROCESS):
+        program.release_sandbox_uid(program.sandbox_uid())
+    assert program.sandbox_uid() != slow
+    live = {slow} | {program.sandbox_uid() for _ in range(100)}
+    assert len(live) == 101

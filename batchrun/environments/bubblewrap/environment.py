@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from batchrun.environments.base import CommandResult, EnvironmentSettings, EnvironmentSetupError
-from batchrun.environments.bubblewrap.program import bubblewrap_problem
+from batchrun.environments.bubblewrap.program import bubblewrap_problem, release_sandbox_uid
 from batchrun.environments.bubblewrap.root import MOUNT_POINT
 from batchrun.environments.bubblewrap.sandbox import new_sandbox, spares, start_shell
 from batchrun.environments.bubblewrap.shell import SHELL_GRACE_SECONDS, Shell
@@ -161,6 +161,8 @@ class BubblewrapEnvironment(LocalEnvironment):
             with contextlib.suppress(Exception):
                 await (await asyncio.shield(creating)).destroy()
         await super().close()
+        release_sandbox_uid(self._uid)      # every process of its sandboxes is gone with the control group
+        self._uid = None
 
     async def _created(self, creation: Coroutine[Any, Any, _Made]) -> _Made:
         """Run a sandbox's (or shell's) start to its end even when this prompt is cancelled meanwhile:

@@ -24,7 +24,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchrun.environments.base import DEFAULT_PATH, scrubbed_environment
+from batchrun.environments.base import DEFAULT_PATH, EnvironmentSetupError, scrubbed_environment
 from batchrun.environments.bubblewrap.root import MOUNT_POINT, SANDBOX_UID, host_directories, system_root, user_entries
 from batchrun.environments.limits import MIB, ResourceLimits
 from batchrun.environments.seccomp import filter_descriptor, filter_program
@@ -32,9 +32,13 @@ from batchrun.environments.seccomp import filter_descriptor, filter_program
 STARTUP_SECONDS = 10.0
 RUNNING_AS_ROOT = os.geteuid() == 0
 # A root run gives each sandbox a uid of its own from this range, which ordinary hosts leave unused, so
-# no two live sandboxes share a process count (ulimit -u counts per uid) or own each other's files.
+# no two live sandboxes share a process count (ulimit -u counts per uid) or own each other's files. Each
+# worker process takes its uids from a block of its own (by its pid), in turn, skipping those still in
+# use: a slow prompt keeps its uid however many sandboxes come after it.
 _SANDBOX_UID_BASE = 0x40000000
+UIDS_PER_PROCESS = 1 << 14
 _sandbox_numbers = itertools.count()
+_live_uids: set[int] = set()
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,7 @@ def _probe(bwrap: str) -> str | None:
             os.close(root)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        release_sandbox_uid(uid)
     if probe.returncode != 0:
         said = probe.stderr.decode("utf-8", errors="replace").strip().splitlines()
         return said[-1] if said else f"exit status {probe.returncode}"
@@ -184,8 +189,21 @@ def sandbox_command(bwrap: str, allow_network: bool, limits: ResourceLimits, des
 
 
 def sandbox_uid() -> int:
-    """A uid for a root run's sandbox that no other live sandbox of the machine has."""
-    return _SANDBOX_UID_BASE + ((os.getpid() & 0xFFFF) << 12) + (next(_sandbox_numbers) & 0xFFF)
+    """A uid for a root run's sandbox that no other live sandbox of this process has (nor of another
+    process of the machine, unless their pids are equal modulo 65,536); given back by release_sandbox_uid."""
+    block = _SANDBOX_UID_BASE + (os.getpid() & 0xFFFF) * UIDS_PER_PROCESS
+    for _ in range(UIDS_PER_PROCESS):
+        uid = block + next(_sandbox_numbers) % UIDS_PER_PROCESS
+        if uid not in _live_uids:
+            _live_uids.add(uid)
+            return uid
+    raise EnvironmentSetupError(f"more than {UIDS_PER_PROCESS} sandboxes at once in one worker process")
+
+
+def release_sandbox_uid(uid: int | None) -> None:
+    """A sandbox's processes are gone: its uid may serve another."""
+    if uid is not None:
+        _live_uids.discard(uid)
 
 
 def as_user(uid: int | None) -> list[str]:

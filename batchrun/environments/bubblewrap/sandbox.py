@@ -24,6 +24,7 @@ from batchrun.environments.bubblewrap.program import (
     RUNNING_AS_ROOT,
     STARTUP_SECONDS,
     Descriptors,
+    release_sandbox_uid,
     root_descriptor,
     sandbox_command,
     sandbox_environment,
@@ -50,6 +51,7 @@ class Sandbox:
     async def destroy(self) -> None:
         await self.shell.kill()
         await asyncio.to_thread(self._remove)
+        release_sandbox_uid(self.uid)
 
     def _remove(self) -> None:
         if self.cgroup is not None:
@@ -74,6 +76,7 @@ async def new_sandbox(settings: EnvironmentSettings, prefix: str) -> Sandbox:
         if cgroup is not None:
             cgroup.remove()
         remove_tree(directory)
+        release_sandbox_uid(uid)
         raise
     return Sandbox(shell, directory, cgroup, uid)
 
