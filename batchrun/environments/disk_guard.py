@@ -31,14 +31,7 @@ import weakref
 from collections.abc import Callable
 from pathlib import Path
 
-from batchrun.environments.disk_usage import (
-    FULL,
-    INLINE_HELD_ENTRIES,
-    INLINE_WALK_ENTRIES,
-    DiskUsageWalk,
-    disk_usage,
-    unnamed_usage,
-)
+from batchrun.environments.disk_usage import FULL, INLINE_WALK_ENTRIES, DiskUsageWalk, disk_usage, unnamed_usage
 from batchrun.environments.limits import MIB
 
 TICK_SECONDS = 0.02
@@ -64,6 +57,7 @@ class WorkspaceWatch:
         self.stop = stop
         self.holders = holders
         self.device = os.stat(directory).st_dev
+        self.unnamed = 0        # what the holders' files with no name took at the last tick
         self.used = 0
         self.stopped_at = -_MIN_ROOM_BYTES      # what it held when its processes were last stopped
         self.reason: str | None = None
@@ -100,12 +94,9 @@ class WorkspaceWatch:
         given_up = walk.run(max_entries=INLINE_WALK_ENTRIES)
         if given_up is None:
             given_up = await asyncio.to_thread(walk.run)
-        pids = self.holders()
-        unnamed = unnamed_usage(pids, self.device, INLINE_HELD_ENTRIES)
-        if unnamed is None:
-            unnamed = await asyncio.to_thread(unnamed_usage, pids, self.device)
-        used = FULL if given_up or unnamed is None else walk.used + unnamed
-        self.counted(used, time.monotonic() - started)
+        # The files with no name are as the last tick found them: a command that ended closed its own,
+        # and looking through /proc on the event loop after every command costs a tenth of a command.
+        self.counted(FULL if given_up else min(FULL, walk.used + self.unnamed), time.monotonic() - started)
 
     def refuses(self, size: int) -> str | None:
         """Why a file tool may not add ``size`` bytes to the workspace now, if it may not."""
@@ -174,21 +165,22 @@ class DiskGuard:
         if not due:
             return
         counts = await asyncio.to_thread(_count, due)
-        for watch, (used, seconds) in zip(due, counts, strict=True):
+        for watch, (named, unnamed, seconds) in zip(due, counts, strict=True):
             if watch in self._watches:
-                watch.counted(used, seconds)
+                watch.unnamed = unnamed
+                watch.counted(min(FULL, named + unnamed), seconds)
         if everything:
             self._most_free = _free_bytes(watches[0].directory)
 
 
-def _count(watches: list[WorkspaceWatch]) -> list[tuple[int, float]]:
-    """(bytes, seconds the count took) of each workspace, its unnamed files included (see the module)."""
+def _count(watches: list[WorkspaceWatch]) -> list[tuple[int, int, float]]:
+    """(bytes of its files, bytes of the files its processes hold with no name left, seconds the count
+    took) of each workspace (see the module)."""
     counts = []
     for watch in watches:
         started = time.monotonic()
         unnamed = unnamed_usage(watch.holders(), watch.device)
-        named = disk_usage(watch.directory)
-        counts.append((FULL if unnamed is None else min(FULL, named + unnamed), time.monotonic() - started))
+        counts.append((disk_usage(watch.directory), FULL if unnamed is None else unnamed, time.monotonic() - started))
     return counts
 
 

@@ -119,14 +119,12 @@ FULL = 1 << 62
 # Descriptors and mappings of a prompt's processes looked at per count; a prompt holding more cannot be
 # checked in time, and counts as full, as a walk that gives up does.
 MAX_HELD_ENTRIES = 100_000
-# Of those, the most looked at on the event loop after a command (a shell and its command hold a few).
-INLINE_HELD_ENTRIES = 256
 
 
-def unnamed_usage(pids: list[int], device: int, max_entries: int = MAX_HELD_ENTRIES) -> int | None:
+def unnamed_usage(pids: list[int], device: int) -> int | None:
     """Disk on ``device`` taken by files with no name left (deleted while open, or made by O_TMPFILE)
     that the processes ``pids`` hold open or mapped: no walk of the workspace sees them, and the prompt
-    keeps their space for as long as it holds them. None if they hold more than ``max_entries``
+    keeps their space for as long as it holds them. None if they hold more than MAX_HELD_ENTRIES
     descriptors and mappings. Only what the kernel marks deleted is looked at more closely."""
     seen: set[int] = set()
     used = entries = 0
@@ -136,7 +134,7 @@ def unnamed_usage(pids: list[int], device: int, max_entries: int = MAX_HELD_ENTR
             continue
         count, paths = held
         entries += count
-        if entries > max_entries:
+        if entries > MAX_HELD_ENTRIES:
             return None
         for path in paths:
             try:
