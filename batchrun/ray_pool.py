@@ -56,6 +56,7 @@ from batchrun.environments.base import EnvironmentSettings
 from batchrun.environments.seccomp import leave_session_keyring
 from batchrun.install_hint import install_hint
 from batchrun.messages import Fatal, Finished, Spent, Task
+from batchrun.proc import children
 from batchrun.rate_limit import Gate, pace_interval, take_pace_slot
 from batchrun.workers import PoolStartError, process_count, raise_open_file_limit, split_slots
 
@@ -376,20 +377,10 @@ def _descendants(root: int) -> dict[int, str]:
     frontier = [root]
     while frontier:
         pid = frontier.pop()
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for task in tasks:
-            try:
-                with open(f"/proc/{pid}/task/{task}/children") as handle:
-                    children = [int(child) for child in handle.read().split()]
-            except OSError:
-                continue
-            for child in children:
-                if child not in found and (started := _start_time(child)) is not None:
-                    found[child] = started
-                    frontier.append(child)
+        for child in children(pid):
+            if child not in found and (started := _start_time(child)) is not None:
+                found[child] = started
+                frontier.append(child)
     return found
 
 

@@ -168,22 +168,3 @@ def _deleted_held(pid: int) -> tuple[int, list[str]] | None:
         if line.endswith(b" (deleted)"):
             paths.append(f"/proc/{pid}/map_files/{line.split(maxsplit=1)[0].decode()}")
     return len(descriptors) + len(mappings), paths
-
-
-def descendants(pids: list[int]) -> list[int]:
-    """``pids`` and every process below them."""
-    found, frontier = [], list(pids)
-    while frontier:
-        pid = frontier.pop()
-        found.append(pid)
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for task in tasks:
-            try:
-                with open(f"/proc/{pid}/task/{task}/children") as children:
-                    frontier.extend(int(child) for child in children.read().split())
-            except (OSError, ValueError):
-                continue
-    return found

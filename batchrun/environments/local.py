@@ -28,9 +28,9 @@ from batchrun.environments.base import (
 from batchrun.environments.command_output import ChildProcess, kill_group, kill_group_of, run_merged
 from batchrun.environments.confined_files import ConfinedPath, read_regular_file, write_regular_file
 from batchrun.environments.disk_guard import WorkspaceWatch, guard_for
-from batchrun.environments.disk_usage import descendants
 from batchrun.environments.limits import ENTER_GROUPS, MIB, LimitEvents, PromptCgroup
 from batchrun.environments.tree_removal import remove_tree
+from batchrun.proc import descendants
 
 # close() waits this long for killed commands, so they are reaped while the loop still runs.
 _REAP_SECONDS = 2.0
