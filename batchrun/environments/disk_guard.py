@@ -14,7 +14,10 @@ still growing (the environment then says so to the model). Two things make a loo
   same time can hide a writer from this look, never from the first.)
 
 A count is the workspace's files and the files with no name left (deleted while open, or made by
-O_TMPFILE) that the prompt's processes hold open or mapped, which take space no walk can see.
+O_TMPFILE) that the prompt's processes hold open or mapped, which take space no walk can see. Those are
+looked for (through /proc) only when the filesystem's free space says so (the second kind of look, and
+below the reserve): with thousands of sandboxes, doing it at every walk cost a quarter of a core, and
+space held that way is space the filesystem no longer has, so it makes that look due.
 
 The same ``statvfs`` keeps a reserve free on that filesystem (``ResourceLimits.disk_reserve_mb``): where
 the run's own files share it (the default layout), a prompt filling the disk would otherwise stop the
@@ -164,23 +167,27 @@ class DiskGuard:
         due = watches if everything else [watch for watch in watches if watch.due <= now]
         if not due:
             return
-        counts = await asyncio.to_thread(_count, due)
+        counts = await asyncio.to_thread(_count, due, everything)
         for watch, (named, unnamed, seconds) in zip(due, counts, strict=True):
             if watch in self._watches:
-                watch.unnamed = unnamed
-                watch.counted(min(FULL, named + unnamed), seconds)
+                if unnamed is not None:
+                    watch.unnamed = unnamed
+                watch.counted(min(FULL, named + watch.unnamed), seconds)
         if everything:
             self._most_free = _free_bytes(watches[0].directory)
 
 
-def _count(watches: list[WorkspaceWatch]) -> list[tuple[int, int, float]]:
-    """(bytes of its files, bytes of the files its processes hold with no name left, seconds the count
-    took) of each workspace (see the module)."""
-    counts = []
+def _count(watches: list[WorkspaceWatch], with_unnamed: bool) -> list[tuple[int, int | None, float]]:
+    """(bytes of its files, bytes of the files its processes hold with no name left, or None where not
+    counted, seconds the count took) of each workspace (see the module)."""
+    counts: list[tuple[int, int | None, float]] = []
     for watch in watches:
         started = time.monotonic()
-        unnamed = unnamed_usage(watch.holders(), watch.device)
-        counts.append((disk_usage(watch.directory), FULL if unnamed is None else unnamed, time.monotonic() - started))
+        unnamed = None
+        if with_unnamed:
+            unnamed = unnamed_usage(watch.holders(), watch.device)
+            unnamed = FULL if unnamed is None else unnamed
+        counts.append((disk_usage(watch.directory), unnamed, time.monotonic() - started))
     return counts
 
 
