@@ -60,7 +60,7 @@ class WorkspaceWatch:
         self.stop = stop
         self.holders = holders
         self.device = os.stat(directory).st_dev
-        self.unnamed = 0        # what the holders' files with no name took at the last tick
+        self.unnamed = 0        # what the holders' files with no name took when last counted
         self.used = 0
         self.stopped_at = -_MIN_ROOM_BYTES      # what it held when its processes were last stopped
         self.reason: str | None = None
@@ -97,8 +97,9 @@ class WorkspaceWatch:
         given_up = walk.run(max_entries=INLINE_WALK_ENTRIES)
         if given_up is None:
             given_up = await asyncio.to_thread(walk.run)
-        # The files with no name are as the last tick found them: a command that ended closed its own,
-        # and looking through /proc on the event loop after every command costs a tenth of a command.
+        # The files with no name are as they were last counted (see the module): a command that ended
+        # closed its own, and looking through /proc on the event loop after every command costs a tenth
+        # of a command.
         self.counted(FULL if given_up else min(FULL, walk.used + self.unnamed), time.monotonic() - started)
 
     def refuses(self, size: int) -> str | None:
