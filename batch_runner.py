@@ -76,21 +76,23 @@ class BatchRunner:
         self.this_run = ThisRun()
         self.started = time.monotonic()
         self.batch_stats: Counter = Counter()     # rows per outcome, every invocation under this run name
-        self.done_prompts = 0                     # completed, partial or discarded, every invocation
+        self.done_samples = 0                     # completed, partial or discarded, every invocation (a prompt's
+                                                  # samples each count: see --samples_per_prompt)
         self.superseded_corrupted: Counter = Counter()   # see run_dir.Checkpoint
         self.spent = SpentLedger(self.run_dir.path / SPENT)
         self._earlier_rows_usage = empty_usage()  # what the rows of earlier invocations spent
         self._checkpoint_due = False
         self._last_checkpoint = 0.0
         self._total_prompts = 0
-        self._pending_prompts = 0                 # of this invocation's plan
+        self._per_prompt = False                  # statistics per prompt over its samples (see _run_locked)
+        self._pending_samples = 0                 # of this invocation's plan
         self._report: ReportFollower | None = None     # the report's helper, while prompts run
         self._held_back: list[Finished] = []      # rows a full disk refused, tried once more at the stop
         self._row_bytes = self._rows_written = 0  # this invocation's, to tell a full disk what is needed
-        # Prompts handed out whose rows are not written yet, in the order handed out, which is the
-        # order of their indexes: the first is the lowest (see _publish_progress).
-        self._open_prompts: OrderedDict[int, None] = OrderedDict()
-        self._highest_index = -1                  # of the prompts handed out
+        # Tasks handed out whose rows are not written yet, by unit (messages.Task), in the order handed
+        # out, which is the order of their units: the first is the lowest (see _publish_progress).
+        self._open_units: OrderedDict[int, None] = OrderedDict()
+        self._highest_unit = -1                   # of the tasks handed out
 
     # -- the run --------------------------------------------------------------------------------
 
@@ -130,19 +132,22 @@ class BatchRunner:
             self.batch_stats = Counter(scan.rows_by_status)
             self._earlier_rows_usage = scan.usage
         self.spent.start()
+        # Several samples per prompt, now or in an earlier invocation: the statistics count per prompt.
+        self._per_prompt = config.samples_per_prompt > 1 or scan.most_samples > 1
         live_corrupted = sum(scan.live_corrupted(self.superseded_corrupted).values())
         done_counts = scan.done(rerun_corrupted=config.rerun_corrupted, superseded=self.superseded_corrupted)
         if config.rerun_corrupted:    # every corrupted row so far is replaced by the attempt about to run
             self.superseded_corrupted = Counter(scan.corrupted_by_key)
         try:
-            plan = plan_dataset(config.dataset_file, max_samples=config.max_samples,
-                                done_counts=done_counts, warn=self.console.warn)
+            plan = plan_dataset(config.dataset_file, max_samples=config.max_samples, done_counts=done_counts,
+                                warn=self.console.warn, samples_per_prompt=config.samples_per_prompt)
         except DatasetError as exc:
             self.console.error(str(exc))
             return EXIT_ERROR
-        self.done_prompts = plan.already_done
+        self.done_samples = plan.already_done
         self._total_prompts = plan.total
-        self._pending_prompts = plan.pending
+        self._total_samples = plan.units
+        self._pending_samples = plan.pending
         if plan.pending:     # never more sessions (nor worker processes) than prompts to run
             self.config = config = dataclasses.replace(config, num_workers=min(config.num_workers, plan.pending))
         self._print_startup(plan, scan, live_corrupted)
@@ -168,7 +173,8 @@ class BatchRunner:
         except KeyboardInterrupt:
             self._report.cancel()
             return EXIT_INTERRUPTED
-        self.console.start_progress(plan.total, plan.already_done, self.this_run)
+        self.console.start_progress(plan.units, plan.already_done, self.this_run,
+                                    samples=plan.samples_per_prompt > 1)
         exit_code, fatal, disk_full = EXIT_OK, None, None
         try:
             fatal = self._feed(pool, self._planned_tasks(plan))
@@ -196,8 +202,8 @@ class BatchRunner:
         self._finish(plan, interrupted=exit_code == EXIT_INTERRUPTED)
         if (cap := self._budget_spent()) and self.this_run.processed < plan.pending:
             self.console.print(f"Stopped admitting prompts: {cap}. {plan.pending - self.this_run.processed} "
-                               "prompts were not started (the cap counts the whole run, earlier invocations included: "
-                               "--resume with a higher cap continues them).",
+                               f"{self._units_word} were not started (the cap counts the whole run, earlier "
+                               "invocations included: --resume with a higher cap continues them).",
                                style="yellow")
         if self._every_row_discarded():
             self.console.print(f"Every row of this run was discarded: no assistant turn had reasoning. "
@@ -232,7 +238,7 @@ class BatchRunner:
     def _feed(self, pool: WorkerPool, tasks: Iterator[Task]) -> Fatal | None:
         """The scheduling loop: one task per free slot, every finished row persisted at once."""
         exhausted = False
-        left = self._pending_prompts
+        left = self._pending_samples
         while True:
             while not exhausted and pool.free_slots:
                 task = None if self._budget_spent() else next(tasks, None)
@@ -240,8 +246,8 @@ class BatchRunner:
                     exhausted = True
                 else:
                     pool.submit(task)
-                    self._open_prompts[task.prompt_index] = None
-                    self._highest_index = task.prompt_index
+                    self._open_units[task.unit] = None
+                    self._highest_unit = task.unit
                     left -= 1
                     if left == self.config.num_workers - 1:
                         pool.last_round()
@@ -257,14 +263,19 @@ class BatchRunner:
             self._maybe_checkpoint()
             self._publish_progress()
 
+    @property
+    def _units_word(self) -> str:
+        """What the run counts: prompts, or their samples when each runs several times."""
+        return "samples" if self.config.samples_per_prompt > 1 else "prompts"
+
     def _publish_progress(self) -> None:
         """Tell the report's helper which batch files can still grow: none below the lowest batch
-        of a prompt not yet written (prompts are handed out in index order), none above the highest
-        handed out."""
+        of a task not yet written (tasks are handed out in the order of their units), none above the
+        highest handed out."""
         if self._report is not None:
-            first_open = next(iter(self._open_prompts), self._highest_index + 1)
+            first_open = next(iter(self._open_units), self._highest_unit + 1)
             batch_size = self.config.batch_size
-            self._report.progress(first_open // batch_size, self._highest_index // batch_size)
+            self._report.progress(first_open // batch_size, self._highest_unit // batch_size)
 
     def _persist(self, finished: list[Finished], spent: list[Spent]) -> None:
         """Append rows to their batch files and make them durable before they count as done: one
@@ -319,13 +330,13 @@ class BatchRunner:
         if lost := len(self._held_back):
             lines.append(f"{lost} finished prompt{'s' if lost != 1 else ''} could not be written; --resume runs "
                          f"{'them' if lost != 1 else 'it'} again.")
-        left = self._pending_prompts - self.this_run.processed
+        left = self._pending_samples - self.this_run.processed
         rows_known = self._rows_written + lost
         if left > 0 and rows_known:
             per_row = (self._row_bytes + sum(len(message.row) for message in self._held_back)) // rows_known
-            lines.append(f"Finishing the run needs roughly {size_text(2 * left * per_row)} more: {left:,} prompts "
-                         f"left at about {size_text(per_row)} a row, each written to its batch file and again to "
-                         f"trajectories.jsonl.")
+            lines.append(f"Finishing the run needs roughly {size_text(2 * left * per_row)} more: {left:,} "
+                         f"{self._units_word} left at about {size_text(per_row)} a row, each written to its batch "
+                         "file and again to trajectories.jsonl.")
         lines.append("Make room there, then run the same command with --resume.")
         return " ".join(lines)
 
@@ -347,22 +358,26 @@ class BatchRunner:
         return None
 
     def _record(self, finished: Finished) -> None:
-        self._open_prompts.pop(finished.prompt_index, None)
+        self._open_units.pop(finished.unit, None)
         self.this_run.record(finished.status, finished.usage, finished.api_calls, finished.error_type)
         self.batch_stats[finished.status] += 1
         if finished.status != rows.FAILED:
-            self.done_prompts += 1
+            self.done_samples += 1
         if self.this_run.processed % self.config.batch_size == 0:
             self._checkpoint_due = True
         self.console.prompt_finished(finished)
 
     def _planned_tasks(self, plan: DatasetPlan) -> Iterator[Task]:
         """Dataset records -> tasks with their sampled toolsets (reproducible per prompt with --seed)."""
-        for record in iter_pending(plan, max_samples=self.config.max_samples):
-            rng = toolset_distributions.rng_for_prompt(self.config.seed, f"{record.key}:{record.occurrence}")
+        for record in iter_pending(plan):
+            # A prompt's first sample draws as a run of one sample per prompt does, so --seed gives it the
+            # same toolsets whatever --samples_per_prompt is.
+            draw = f"{record.key}:{record.occurrence}" + (f":{record.sample_index}" if record.sample_index else "")
+            rng = toolset_distributions.rng_for_prompt(self.config.seed, draw)
             yield Task(prompt_index=record.prompt_index, prompt=record.prompt, image=record.image, cwd=record.cwd,
                        content_key=record.key,
-                       toolsets=tuple(toolset_distributions.sample_toolsets(self.config.distribution, rng)))
+                       toolsets=tuple(toolset_distributions.sample_toolsets(self.config.distribution, rng)),
+                       sample_index=record.sample_index, unit=plan.unit(record.prompt_index, record.sample_index))
 
     def _environment_settings(self) -> EnvironmentSettings:
         config = self.config
@@ -386,7 +401,8 @@ class BatchRunner:
         self.run_dir.write_checkpoint(Checkpoint(
             run_name=config.run_name, dataset_file=str(config.dataset_file), distribution=config.distribution,
             model=config.model, batch_size=config.batch_size, total_prompts=self._total_prompts,
-            completed_prompts=self.done_prompts, batch_stats=self.batch_stats,
+            completed_samples=self.done_samples, batch_stats=self.batch_stats,
+            samples_per_prompt=config.samples_per_prompt, total_samples=self._total_samples,
             superseded_corrupted=self.superseded_corrupted))
         self._checkpoint_due = False
         self._last_checkpoint = time.monotonic()
@@ -406,7 +422,7 @@ class BatchRunner:
         def on_corrupted(batch_file: str, prompt_index: int, invented: list[str], key: str) -> None:
             found.add((batch_file, prompt_index, key))
 
-        merge = self.run_dir.merge(on_corrupted)
+        merge = self.run_dir.merge(on_corrupted, per_prompt=self._per_prompt)
         # Only the live ones: a row a --rerun_corrupted resume replaced is an earlier attempt.
         new = [(name, index, invented) for name, index, invented, key in merge.live_corrupted(self.superseded_corrupted)
                if (name, index, key) in found]
@@ -420,7 +436,8 @@ class BatchRunner:
                                       total_prompts=plan.total, skipped_dataset_lines=plan.skipped_lines,
                                       duration=time.monotonic() - self.started, merge=merge, this_run=self.this_run,
                                       superseded_corrupted=self.superseded_corrupted,
-                                      unfinished=self.spent.unfinished())
+                                      unfinished=self.spent.unfinished(),
+                                      samples_per_prompt=self.config.samples_per_prompt)
         self.run_dir.write_statistics(statistics)
         self.console.summary(statistics, merge.batch_files, interrupted=interrupted)
         self._write_report()
@@ -467,9 +484,10 @@ class BatchRunner:
         if config.reasoning_disabled and config.discard_no_reasoning:
             out.warn("--reasoning_disabled: the no-reasoning filter will discard every sample. "
                      "Add --discard_no_reasoning=False to keep them.")
+        samples = f" × {plan.samples_per_prompt} samples" if plan.samples_per_prompt > 1 else ""
         if config.resume:
-            out.print(f"resume: {plan.total} prompts in the dataset, {plan.already_done} already done, "
-                      f"{plan.pending} remaining"
+            out.print(f"resume: {plan.total} prompts in the dataset{samples}, {plan.already_done} "
+                      f"{'samples ' if samples else ''}already done, {plan.pending} remaining"
                       + (f" ({scan.rows_by_status[rows.FAILED]} earlier failure rows are retried)"
                          if scan.rows_by_status[rows.FAILED] else ""))
             if live_corrupted:
@@ -477,7 +495,7 @@ class BatchRunner:
                           + ("are run again (--rerun_corrupted)" if config.rerun_corrupted
                              else "count as done; --rerun_corrupted runs them again"))
         else:
-            out.print(f"{plan.total} prompts · batch size {config.batch_size} · output {self.run_dir.path}/")
+            out.print(f"{plan.total} prompts{samples} · batch size {config.batch_size} · output {self.run_dir.path}/")
 
 
 _FLAG_NAMES = ("dataset_file", "batch_size", "run_name", "distribution", "model", "base_url", "api_key",
@@ -486,7 +504,7 @@ _FLAG_NAMES = ("dataset_file", "batch_size", "run_name", "distribution", "model"
                "reasoning_disabled", "ephemeral_system_prompt", "log_prefix_chars", "prefill_messages_file", "seed",
                "discard_no_reasoning", "rerun_corrupted", "max_retries", "request_timeout", "prompt_timeout",
                "tool_timeout", "command_timeout", "keep_workdirs", "requests_per_minute", "max_cost",
-               "max_total_tokens", "report", "backend", "adaptive_concurrency", *EXPORT_FLAGS)
+               "max_total_tokens", "report", "backend", "adaptive_concurrency", "samples_per_prompt", *EXPORT_FLAGS)
 
 # Free-text flags. Fire reads every value as a Python literal, so `--ephemeral_system_prompt="Hello, world"`
 # arrives as ('Hello', 'world') and `--run_name=1_000` as 1000; for these the text as typed is what counts.
@@ -527,9 +545,10 @@ def main(dataset_file: str | None = None, batch_size: int | None = None, run_nam
          tool_timeout: float = 120, command_timeout: float = 60, keep_workdirs: bool = False,
          requests_per_minute: int | None = None, max_cost: float | None = None, max_total_tokens: int | None = None,
          report: bool = False, backend: str = "local", adaptive_concurrency: bool = True,
+         samples_per_prompt: int = 1,
          export: str | None = None, out: str | None = None, reasoning: str | None = None, end_reasons: Any = None,
          min_tool_calls: int = 0, last_call_succeeded: bool = False, discard_invented: bool = True,
-         **unknown_flags: Any) -> None:
+         best_of: str | None = None, **unknown_flags: Any) -> None:
     """Run an agent over every prompt of DATASET_FILE and write data/RUN_NAME/ (see README.md).
 
     Extra flags beyond the Hermes runner: --seed (reproducible toolset sampling),
@@ -541,7 +560,9 @@ def main(dataset_file: str | None = None, batch_size: int | None = None, run_nam
     run, earlier invocations included: stop admitting prompts once reached, let running ones finish),
     --backend=ray (sessions in Ray actors: a private local Ray, or the cluster at RAY_ADDRESS),
     --adaptive_concurrency=False (always up to --num_workers model requests at once, instead of as
-    many as the endpoint takes without 429s or slowing down).
+    many as the endpoint takes without 429s or slowing down),
+    --samples_per_prompt=K (each prompt runs K times, each sample its own row; --resume runs only
+    the samples missing, also after raising K).
     --report --run_name=NAME (re)writes data/NAME/report.html from the run directory alone.
     --export=openai|sharegpt|parquet|hf --run_name=NAME writes the run's rows for training, filtered
     again (docs/export.md).
@@ -656,10 +677,12 @@ ShareGPT trajectories to data/NAME/ (trajectories.jsonl, batch_*.jsonl, statisti
 endpoint   --model=ID  --base_url=URL  --api_key=KEY (else OPENROUTER_API_KEY / OPENAI_API_KEY)
            --max_tokens=N  --reasoning_effort=LEVEL  --request_timeout=SECONDS  --max_retries=N
 run        --num_workers=N (sessions at once)  --resume  --max_samples=N  --seed=N  --verbose
-           --backend=local|ray  --report (rewrite data/NAME/report.html and exit)
+           --samples_per_prompt=K (K rows per prompt)  --backend=local|ray
+           --report (rewrite data/NAME/report.html and exit)
 export     --export=openai|sharegpt|parquet|hf --run_name=NAME (write the rows for training and exit)
            --out=PATH  --reasoning=think|field|drop  --end_reasons=R,...  --min_tool_calls=N
-           --last_call_succeeded  --discard_invented=False  --discard_no_reasoning=False (docs/export.md)
+           --last_call_succeeded  --discard_invented=False  --discard_no_reasoning=False
+           --best_of=first_completed|fewest_calls|longest_reasoning (one sample per prompt) (docs/export.md)
 tools      --distribution=NAME (--list_distributions shows them all)  --max_turns=N
            TERMINAL_ENV={kinds} (where commands run)
 limits     --prompt_timeout  --tool_timeout  --command_timeout (seconds)  --max_cost=USD

@@ -87,6 +87,7 @@ class RunConfig:
     max_total_tokens: int | None
     backend: str = "local"               # where sessions run: worker processes here, or Ray actors
     adaptive_concurrency: bool = True    # model requests at once follow the endpoint, up to num_workers
+    samples_per_prompt: int = 1          # sessions (and rows) per dataset prompt, each its own toolset draw
 
     @property
     def run_dir(self) -> Path:
@@ -403,6 +404,7 @@ def build_config(**flags: Any) -> RunConfig:
         max_total_tokens=optional_positive_int("max_total_tokens", flags["max_total_tokens"]),
         backend=validate_backend(flags.get("backend", "local")),
         adaptive_concurrency=boolean("adaptive_concurrency", flags.get("adaptive_concurrency", True)),
+        samples_per_prompt=positive_int("samples_per_prompt", flags.get("samples_per_prompt", 1)),
         # Last (arguments are evaluated in order), so that a bad flag is reported before the
         # "no endpoint" guidance.
         api_key=resolve_api_key(text("api_key", flags["api_key"]), base_url, base_url_given),

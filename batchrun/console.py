@@ -158,6 +158,7 @@ class RunConsole:
         self._live: Live | None = None
         self._total = 0
         self._done = 0
+        self._samples = False
         self._started = 0.0
         self._last_status_line = 0.0
         self._this_run: ThisRun | None = None
@@ -198,8 +199,9 @@ class RunConsole:
 
     # -- progress -------------------------------------------------------------------------------
 
-    def start_progress(self, total: int, already_done: int, this_run: ThisRun) -> None:
-        self._total, self._done, self._this_run = total, already_done, this_run
+    def start_progress(self, total: int, already_done: int, this_run: ThisRun, *, samples: bool = False) -> None:
+        """``samples``: each prompt runs several times, and the progress counts its samples."""
+        self._total, self._done, self._this_run, self._samples = total, already_done, this_run, samples
         self._started = self._last_status_line = time.monotonic()
         if not self.interactive:
             return
@@ -215,7 +217,7 @@ class RunConsole:
         rate = self._rate()
         remaining = max(self._total - self._done, 0)
         eta = clock(remaining / rate) if rate > 0 else "-:--:--"
-        return [f"{self._done:,}/{self._total:,} prompts", f"{rate:.2f}/s",
+        return [f"{self._done:,}/{self._total:,} {'samples' if self._samples else 'prompts'}", f"{rate:.2f}/s",
                 f"{clock(time.monotonic() - self._started)} elapsed", f"ETA {eta}"]
 
     def _count_segments(self) -> list[str]:
@@ -251,7 +253,8 @@ class RunConsole:
     def prompt_finished(self, finished: Finished) -> None:
         self._done += 1
         width = self.width
-        figures = [f"{STATUS_MARK[finished.status]} [{self._done:,}/{self._total:,}] prompt {finished.prompt_index}"]
+        figures = [f"{STATUS_MARK[finished.status]} [{self._done:,}/{self._total:,}] prompt {finished.prompt_index}"
+                   + (f" sample {finished.sample_index}" if self._samples else "")]
         if finished.status == rows.FAILED:
             figures.append("failed — will retry on resume")
         else:
@@ -337,6 +340,13 @@ class RunConsole:
                                  f"assistant turns ({reasoning['coverage_percent']:.1f}%)",
                                  f"{reasoning['turns_without_reasoning']:,} without"]),
                   ("Discarded", [f"{statistics['discarded_no_reasoning']:,} samples without reasoning (all runs)"])]
+        if samples := statistics.get("samples"):
+            spread = ", ".join(f"{prompts:,} with {count}"
+                               for count, prompts in samples["prompts_by_completed_samples"].items())
+            result.append(("Samples", [f"{samples['prompts_with_a_completed_sample']:,} of "
+                                       f"{samples['prompts_with_rows']:,} prompts have a completed sample "
+                                       f"({statistics['samples_per_prompt']} per prompt asked)",
+                                       f"prompts by completed samples: {spread}"]))
         if skipped := statistics["skipped_dataset_lines"]:
             result.append(("Dataset", [f"{skipped:,} bad line{'s' if skipped != 1 else ''} skipped",
                                        "see the warnings at the start"]))

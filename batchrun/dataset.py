@@ -1,8 +1,8 @@
 """Dataset loading: validate once, remember only where the pending prompts are.
 
 A dataset may hold millions of lines, so nothing here keeps prompts in memory: the plan stores the
-byte offset of every pending line (and how many earlier lines hold the same prompt), and
-:func:`iter_pending` re-reads them one at a time as workers need work, holding nothing per prompt.
+byte offset of every pending sample's line (with how many earlier lines hold the same prompt, and the
+prompt's index), and :func:`iter_pending` re-reads them one at a time as workers need work.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from batchrun.rows import content_key
+from batchrun.rows import content_key, sample_key
 
 # Bad lines named one by one; past these a count stands for the rest, so a file of 500 bad lines
 # cannot bury the console (the total goes to the summary and statistics.json).
@@ -52,21 +52,44 @@ class DatasetRecord:
     cwd: str | None
     key: str
     occurrence: int        # how many earlier valid lines had the same content key
+    sample_index: int = 0  # which of the prompt's --samples_per_prompt runs
+
+
+@dataclass
+class PendingRound:
+    """The prompts whose sample of one index is still to run, in dataset order."""
+
+    offsets: array = field(default_factory=lambda: array("q"))       # of the line
+    occurrences: array = field(default_factory=lambda: array("I"))   # see DatasetRecord
+    indexes: array = field(default_factory=lambda: array("q"))       # the prompt index
+
+    def __len__(self) -> int:
+        return len(self.offsets)
 
 
 @dataclass
 class DatasetPlan:
     path: Path
     total: int                                   # valid prompts considered (after --max_samples)
-    already_done: int
+    already_done: int                            # samples (of the first samples_per_prompt) already done
     skipped_lines: int
-    pending_with_image: int = 0                  # pending prompts that name a container image
-    pending_offsets: array = field(default_factory=lambda: array("q"))
-    pending_occurrences: array = field(default_factory=lambda: array("I"))   # per pending line: see DatasetRecord
+    samples_per_prompt: int = 1
+    pending_with_image: int = 0                  # prompts with a sample pending that name a container image
+    rounds: list[PendingRound] = field(default_factory=list)     # per sample index
 
     @property
     def pending(self) -> int:
-        return len(self.pending_offsets)
+        return sum(len(pending) for pending in self.rounds)
+
+    @property
+    def units(self) -> int:
+        """Samples the run is to have: every prompt's first samples_per_prompt."""
+        return self.total * self.samples_per_prompt
+
+    def unit(self, prompt_index: int, sample_index: int) -> int:
+        """The unit of one sample (see messages.Task): unique in the plan, rising in the order
+        iter_pending hands samples out, and the prompt index itself for a prompt's first sample."""
+        return sample_index * self.total + prompt_index
 
 
 def parse_line(raw: bytes, line_number: int) -> tuple[dict | None, str | None]:
@@ -142,14 +165,15 @@ def _no_valid_prompt(path: Path, warned: bool) -> DatasetError:
 
 
 def plan_dataset(path: Path, *, max_samples: int | None, done_counts: Counter,
-                 warn: Callable[[str], None]) -> DatasetPlan:
+                 warn: Callable[[str], None], samples_per_prompt: int = 1) -> DatasetPlan:
     """One pass over the dataset: validate every line, count valid prompts, and decide per
-    occurrence what is pending. ``done_counts`` (content key -> finished rows) is consumed in
-    dataset order, so three copies of a prompt with two finished leave exactly one pending."""
+    occurrence and sample what is pending. ``done_counts`` (sample key -> finished rows) is consumed
+    in dataset order, so three copies of a prompt with two finished leave exactly one pending."""
     check_dataset_file(path)
     remaining_done = Counter(done_counts)
     seen: Counter = Counter()       # valid lines so far per content key: gone once the plan is made
-    plan = DatasetPlan(path=path, total=0, already_done=0, skipped_lines=0)
+    plan = DatasetPlan(path=path, total=0, already_done=0, skipped_lines=0, samples_per_prompt=samples_per_prompt,
+                       rounds=[PendingRound() for _ in range(samples_per_prompt)])
     skipped = SkippedLines(warn)
     for number, offset, raw in _lines(path):
         if max_samples is not None and plan.total >= max_samples:
@@ -160,13 +184,18 @@ def plan_dataset(path: Path, *, max_samples: int | None, done_counts: Counter,
                 skipped.add(warning)
             continue
         key = content_key(fields["prompt"], fields["image"], fields["cwd"])
-        if remaining_done[key] > 0:
-            remaining_done[key] -= 1
-            plan.already_done += 1
-        else:
-            plan.pending_offsets.append(offset)
-            plan.pending_occurrences.append(seen[key])
-            plan.pending_with_image += fields["image"] is not None
+        any_pending = False
+        for sample_index, pending in enumerate(plan.rounds):
+            done_key = sample_key(key, sample_index)
+            if remaining_done[done_key] > 0:
+                remaining_done[done_key] -= 1
+                plan.already_done += 1
+            else:
+                pending.offsets.append(offset)
+                pending.occurrences.append(seen[key])
+                pending.indexes.append(plan.total)
+                any_pending = True
+        plan.pending_with_image += any_pending and fields["image"] is not None
         seen[key] += 1
         plan.total += 1
     skipped.finish()
@@ -176,23 +205,17 @@ def plan_dataset(path: Path, *, max_samples: int | None, done_counts: Counter,
     return plan
 
 
-def iter_pending(plan: DatasetPlan, *, max_samples: int | None) -> Iterator[DatasetRecord]:
-    """The pending records of a plan, streamed from disk in dataset order."""
-    wanted = zip(plan.pending_offsets, plan.pending_occurrences, strict=True)
-    next_wanted = next(wanted, None)
-    if next_wanted is None:
-        return
-    index = 0
-    for number, offset, raw in _lines(plan.path):
-        if max_samples is not None and index >= max_samples:
-            return
-        fields, _warning = parse_line(raw, number)
-        if fields is None:
-            continue
-        if offset == next_wanted[0]:
-            key = content_key(fields["prompt"], fields["image"], fields["cwd"])
-            yield DatasetRecord(index, fields["prompt"], fields["image"], fields["cwd"], key, next_wanted[1])
-            next_wanted = next(wanted, None)
-            if next_wanted is None:
-                return
-        index += 1
+def iter_pending(plan: DatasetPlan) -> Iterator[DatasetRecord]:
+    """The pending samples of a plan, read from disk one at a time: every prompt's first sample in
+    dataset order, then every second sample, and so on, so that a run stopped early leaves each prompt
+    with as many samples as the next, give or take one."""
+    with plan.path.open("rb") as handle:
+        for sample_index, pending in enumerate(plan.rounds):
+            for offset, occurrence, index in zip(pending.offsets, pending.occurrences, pending.indexes, strict=True):
+                handle.seek(offset)
+                fields, _warning = parse_line(handle.readline(), 0)
+                if fields is None:      # the file changed under the run; the line is no prompt now
+                    continue
+                key = content_key(fields["prompt"], fields["image"], fields["cwd"])
+                yield DatasetRecord(index, fields["prompt"], fields["image"], fields["cwd"], key, occurrence,
+                                    sample_index)

@@ -35,7 +35,8 @@ from batchrun import rows
 from batchrun.config import UsageError, boolean, choice, non_negative_int, text, validate_run_name
 from batchrun.install_hint import install_hint
 from batchrun.rows import AssistantTurn, HumanTurn, ToolCallRecord, Turn
-from batchrun.run_dir import RunDirectory, line_number, lines_at, superseded_corrupted, temp_beside
+from batchrun.run_dir import RunDirectory, atomic_write_json, line_number, lines_at, superseded_corrupted, temp_beside
+from batchrun.stats import prompt_key
 
 FORMATS = ("openai", "sharegpt", "parquet", "hf")
 # Where a turn's reasoning goes in the openai format: inline as the row's own think block, a
@@ -47,7 +48,15 @@ DEFAULT_OUT = {"openai": "export/openai.jsonl", "sharegpt": "export/sharegpt.jso
 REQUIRED_MODULES = {"parquet": ("pyarrow",), "hf": ("pyarrow", "datasets")}
 # The flags only --export reads, with their defaults (a run refuses them: they would do nothing there).
 FLAG_DEFAULTS: dict[str, Any] = {"out": None, "reasoning": None, "end_reasons": None, "min_tool_calls": 0,
-                                 "last_call_succeeded": False, "discard_invented": True}
+                                 "last_call_succeeded": False, "discard_invented": True, "best_of": None}
+# --best_of: one row per prompt, chosen among its samples (--samples_per_prompt) that pass the filters.
+# Each rule names which samples are good, and the best of those; ties go to the lower sample index.
+BEST_OF_RULES = {
+    "first_completed": "the completed sample with the lowest sample index",
+    "fewest_calls": "of the completed samples whose last tool call succeeded (or that called no tool), the one "
+                    "with the fewest model calls",
+    "longest_reasoning": "of the completed samples, the one with the most reasoning",
+}
 EXPORT_FLAGS = ("export", *FLAG_DEFAULTS)
 
 # Why a row was left out, in the order the reasons are tried: each row is counted under the first.
@@ -63,6 +72,7 @@ DROP_REASONS = {
     "last_call_failed": "the last tool call failed or got no result",
     "unfinished": "no answer after the last tool call (--export=sharegpt keeps them)",
     "unconvertible": "turns that do not read as one conversation",
+    "best_of": "another sample of the prompt was chosen, or none was good (--best_of)",
 }
 
 ROW_GROUP_ROWS = 1000
@@ -93,6 +103,7 @@ class ExportOptions:
     end_reasons: frozenset[str] | None = None      # None: every end reason
     min_tool_calls: int = 0
     last_call_succeeded: bool = False
+    best_of: str | None = None                     # None: every sample (see BEST_OF_RULES)
 
     @property
     def needs_conversation(self) -> bool:
@@ -101,7 +112,7 @@ class ExportOptions:
 
 def export_options(*, export: Any, run_name: Any, out: Any, reasoning: Any, discard_no_reasoning: Any,
                    discard_invented: Any, end_reasons: Any, min_tool_calls: Any,
-                   last_call_succeeded: Any) -> ExportOptions:
+                   last_call_succeeded: Any, best_of: Any = None) -> ExportOptions:
     """Validate the export's flags as the run validates its own: one UsageError naming the flag."""
     fmt = None if export is True else choice("export", export, FORMATS)
     if fmt is None:
@@ -120,7 +131,8 @@ def export_options(*, export: Any, run_name: Any, out: Any, reasoning: Any, disc
                                                                                 discard_no_reasoning),
         discard_invented=boolean("discard_invented", discard_invented),
         end_reasons=_end_reasons(end_reasons), min_tool_calls=non_negative_int("min_tool_calls", min_tool_calls),
-        last_call_succeeded=boolean("last_call_succeeded", last_call_succeeded))
+        last_call_succeeded=boolean("last_call_succeeded", last_call_succeeded),
+        best_of=choice("best_of", best_of, tuple(BEST_OF_RULES)))
 
 
 def _end_reasons(value: Any) -> frozenset[str] | None:
@@ -304,6 +316,7 @@ def openai_line(candidate: Candidate, reasoning: str) -> bytes:
 def manifest_line(candidate: Candidate) -> bytes:
     """The manifest's line for an exported line: which row of the run it came from."""
     return rows.encode_row({"prompt_index": candidate.stored.prompt_index,
+                            "sample_index": candidate.stored.sample_index,
                             "content_key": candidate.stored.content_key})
 
 
@@ -321,7 +334,8 @@ def arrow_schema() -> Any:
     usage = [pa.field(name, pa.int64()) for name in ("prompt_tokens", "completion_tokens", "reasoning_tokens",
                                                      "cached_tokens")] + [pa.field("cost", pa.float64())]
     return pa.schema([
-        pa.field("prompt_index", pa.int64()), pa.field("content_key", pa.string()),
+        pa.field("prompt_index", pa.int64()), pa.field("sample_index", pa.int64()),
+        pa.field("content_key", pa.string()),
         pa.field("conversations", pa.list_(pa.struct([pa.field("from", pa.string()),
                                                       pa.field("value", pa.string())]))),
         pa.field("gpt_turns", pa.list_(pa.struct([pa.field("reasoning_chars", pa.int64()),
@@ -339,7 +353,8 @@ def arrow_schema() -> Any:
 def arrow_record(candidate: Candidate) -> dict:
     row = candidate.row
     metadata = row.get("metadata") or {}
-    return {**{key: row.get(key) for key in ("prompt_index", "content_key", "gpt_turns", "completed", "partial",
+    return {**{key: row.get(key) for key in ("prompt_index", "sample_index", "content_key", "gpt_turns", "completed",
+                                             "partial",
                                              "end_reason", "api_calls", "toolsets_used", "toolsets_sampled",
                                              "invented_tool_calls", "usage", "wall_time_seconds")},
             "conversations": [{"from": turn["from"], "value": turn["value"]} for turn in row["conversations"]],
@@ -355,8 +370,9 @@ def arrow_record(candidate: Candidate) -> dict:
 class Candidate:
     """A row the filters are looking at; its JSON is decoded once, and only when something needs it."""
 
-    def __init__(self, stored: rows.StoredRow) -> None:
+    def __init__(self, stored: rows.StoredRow, place: tuple[str, int] = ("", 0)) -> None:
         self.stored = stored
+        self.place = place          # batch file name and offset: which line of the run it is
 
     @cached_property
     def row(self) -> dict:
@@ -383,6 +399,7 @@ class ExportSummary:
     options: ExportOptions
     kept: int = 0
     dropped: Counter = field(default_factory=Counter)
+    best_of: BestOf | None = None
 
     def lines(self) -> list[str]:
         options = self.options
@@ -393,6 +410,8 @@ class ExportSummary:
                  f"format: {described[options.format]}"]
         if options.format == "openai":
             lines.append(f"manifest: {manifest_path(options.out)} (the run row of each line)")
+        if self.best_of is not None:
+            lines += self.best_of.lines(options)
         if self.dropped:
             lines.append("left out:")
             width = max(len(str(count)) for count in self.dropped.values())
@@ -409,8 +428,10 @@ _REASONING_WORDS = {"think": "inline as <think> blocks", "field": "as reasoning_
                     "drop": "dropped (--reasoning=think or field keeps it)"}
 
 
-def selected_rows(options: ExportOptions, summary: ExportSummary) -> Iterator[Candidate]:
-    """The run's rows that pass every filter, in batch file order; the others counted by reason."""
+def selected_rows(options: ExportOptions, summary: ExportSummary,
+                  on_row: Callable[[rows.StoredRow], None] | None = None) -> Iterator[Candidate]:
+    """The run's rows that pass every filter, in batch file order; the others counted by reason.
+    ``on_row`` sees every readable row, kept or not."""
     directory = RunDirectory(options.run_dir)
     superseded = superseded_corrupted(directory.read_checkpoint() or {})
     for path in directory.batch_files():
@@ -423,7 +444,9 @@ def selected_rows(options: ExportOptions, summary: ExportSummary) -> Iterator[Ca
             if stored is None:
                 summary.dropped["unreadable"] += 1
                 continue
-            candidate = Candidate(stored)
+            if on_row is not None:
+                on_row(stored)
+            candidate = Candidate(stored, (path.name, offset))
             try:
                 reason = drop_reason(candidate, options, superseded)
             except ConversionError:
@@ -441,8 +464,8 @@ def drop_reason(candidate: Candidate, options: ExportOptions, superseded: Counte
     if stored.status == rows.FAILED:
         return "failed"
     invented = stored.invented_tools()
-    if invented and stored.status != rows.DISCARDED and superseded[stored.content_key] > 0:
-        superseded[stored.content_key] -= 1
+    if invented and stored.status != rows.DISCARDED and superseded[stored.sample_key] > 0:
+        superseded[stored.sample_key] -= 1
         return "superseded"
     discarded = stored.discard_reason()
     if discarded is not None and discarded != rows.NO_REASONING:
@@ -471,6 +494,92 @@ def drop_reason(candidate: Candidate, options: ExportOptions, superseded: Counte
 
 
 # ---------------------------------------------------------------------------------------------
+# Choosing among a prompt's samples (--best_of)
+
+
+def sample_rank(candidate: Candidate, rule: str) -> tuple[int, ...] | None:
+    """Where a sample stands under ``rule`` (lower is better), or None when it is not good."""
+    stored = candidate.stored
+    if stored.status != rows.COMPLETED:
+        return None
+    if rule == "first_completed":
+        return (stored.sample_index,)
+    if rule == "fewest_calls":
+        try:
+            calls = candidate.conversation.calls()
+        except ConversionError:
+            return None
+        if calls and (calls[-1].result is None or rows.tool_result_failed(calls[-1].result)):
+            return None
+        return (int(candidate.row.get("api_calls") or 0), stored.sample_index)
+    return (-sum(reasoning for reasoning, _calls in layouts_of(candidate.row)), stored.sample_index)
+
+
+@dataclass
+class BestOf:
+    """What --best_of found: the chosen line of each prompt, and how many good samples each prompt had."""
+
+    rule: str
+    chosen: dict[str, tuple[tuple[int, ...], tuple[str, int]]] = field(default_factory=dict)  # rank, place
+    good: Counter = field(default_factory=Counter)        # per prompt (stats.prompt_key), 0 for none
+
+    def see(self, stored: rows.StoredRow) -> None:
+        self.good[prompt_key(stored)] += 0
+
+    def consider(self, candidate: Candidate) -> None:
+        try:
+            rank = sample_rank(candidate, self.rule)
+        except ConversionError:
+            rank = None
+        if rank is None:
+            return
+        key = prompt_key(candidate.stored)
+        self.good[key] += 1
+        if key not in self.chosen or rank < self.chosen[key][0]:
+            self.chosen[key] = (rank, candidate.place)
+
+    def places(self) -> set[tuple[str, int]]:
+        return {place for _rank, place in self.chosen.values()}
+
+    def spread(self) -> dict[str, int]:
+        """Prompts by how many good samples they had."""
+        counts = Counter(self.good.values())
+        return {str(count): counts[count] for count in sorted(counts)}
+
+    def as_json(self) -> dict:
+        return {"best_of": self.rule, "rule": BEST_OF_RULES[self.rule], "prompts": len(self.good),
+                "prompts_kept": len(self.chosen), "prompts_by_good_samples": self.spread()}
+
+    def lines(self, options: ExportOptions) -> list[str]:
+        spread = ", ".join(f"{prompts} with {count}" for count, prompts in self.spread().items())
+        return [f"best of samples: {self.rule} ({BEST_OF_RULES[self.rule]})",
+                f"  {len(self.chosen)} of {len(self.good)} prompts kept; prompts by good samples: {spread or 'none'}",
+                f"  record: {best_of_path(options.out)}"]
+
+
+def best_of_path(out: Path) -> Path:
+    """Where the record of a --best_of choice goes: beside the export, ``openai.jsonl`` -> ``openai.best_of.json``."""
+    return out.with_name(f"{out.name.removesuffix(out.suffix) if out.suffix else out.name}.best_of.json")
+
+
+def chosen_samples(options: ExportOptions, summary: ExportSummary) -> Iterator[Candidate]:
+    """One row per prompt, as options.best_of says: a first pass over the run ranks every sample that
+    passes the filters (holding one entry per prompt), a second yields the chosen ones in batch file
+    order; the others are counted as left out."""
+    assert options.best_of is not None
+    best = BestOf(options.best_of)
+    for candidate in selected_rows(options, ExportSummary(options), on_row=best.see):
+        best.consider(candidate)
+    summary.best_of = best
+    places = best.places()
+    for candidate in selected_rows(options, summary):
+        if candidate.place in places:
+            yield candidate
+        else:
+            summary.dropped["best_of"] += 1
+
+
+# ---------------------------------------------------------------------------------------------
 # Writing
 
 
@@ -486,7 +595,8 @@ def export_run(options: ExportOptions) -> ExportSummary:
             summary.kept += 1
             yield record
 
-    candidates = counted(selected_rows(options, summary))
+    candidates = counted(selected_rows(options, summary) if options.best_of is None
+                         else chosen_samples(options, summary))
     if options.format == "hf":
         _write_hf(options.out, candidates)
     elif options.format == "parquet":
@@ -496,6 +606,10 @@ def export_run(options: ExportOptions) -> ExportSummary:
             temps, ((openai_line(candidate, options.reasoning), manifest_line(candidate)) for candidate in candidates)))
     else:
         _write_files([options.out], lambda temps: _write_lines(temps, ((line.sharegpt_line(),) for line in candidates)))
+    if summary.best_of is not None:
+        atomic_write_json(best_of_path(options.out), summary.best_of.as_json(), indent=2)
+    else:       # a record of an earlier export's choice would describe rows this file does not hold
+        best_of_path(options.out).unlink(missing_ok=True)
     return summary
 
 

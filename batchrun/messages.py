@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Task:
-    """A planned unit of work: one dataset occurrence with its sampled toolsets."""
+    """A planned unit of work: one sample of one dataset occurrence, with its sampled toolsets."""
 
     prompt_index: int
     prompt: str
@@ -15,6 +15,11 @@ class Task:
     cwd: str | None
     content_key: str
     toolsets: tuple[str, ...]
+    # Names the task while it runs (the pool's bookkeeping, spent.jsonl, batch files): unique in this
+    # invocation and rising in the order tasks are handed out; the prompt's index itself when each
+    # prompt runs once (see DatasetPlan.unit).
+    unit: int
+    sample_index: int = 0
 
 
 @dataclass
@@ -22,6 +27,7 @@ class Finished:
     """One prompt's outcome as the parent sees it: the encoded row plus what the console shows."""
 
     prompt_index: int
+    unit: int                                  # the Task's
     batch_num: int
     status: str
     row: bytes
@@ -34,6 +40,7 @@ class Finished:
     prompt_preview: str
     toolsets: tuple[str, ...]                  # toolsets whose tools the model was offered (for --verbose)
     tool_calls: tuple[tuple[str, int, int], ...]    # (tool, calls, failed calls) of the tools it used
+    sample_index: int = 0
 
 
 @dataclass
@@ -42,7 +49,7 @@ class Spent:
     carries a session's whole usage, but a session cut off (kill -9, a stop, a worker that died)
     never has one: these let the parent count what it spent all the same."""
 
-    prompt_index: int
+    unit: int                                  # the Task's
     usage: dict
 
 

@@ -155,7 +155,7 @@ class SessionActor:
         # Each reply's usage waits here until the parent collects it (drain_spent) or it goes back with
         # its prompt's row: a session cut off by a kill of the parent was paid for all the same.
         self._spent: list[Spent] = []
-        self._services.on_spent = lambda prompt_index, usage: self._spent.append(Spent(prompt_index, usage.as_dict()))
+        self._services.on_spent = lambda unit, usage: self._spent.append(Spent(unit, usage.as_dict()))
 
     async def probe(self) -> dict:
         """Where this actor runs, and what keeps its node from running this run's sessions (None: nothing)."""
@@ -192,8 +192,8 @@ class SessionActor:
             message = await session
         finally:
             self._running.discard(session)
-        own = [event for event in self._spent if event.prompt_index == task.prompt_index]
-        self._spent = [event for event in self._spent if event.prompt_index != task.prompt_index]
+        own = [event for event in self._spent if event.unit == task.unit]
+        self._spent = [event for event in self._spent if event.unit != task.unit]
         return [*own, message]
 
     async def drain_spent(self) -> list[Spent]:

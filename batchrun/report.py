@@ -222,7 +222,7 @@ def _within_budget(turns: list[dict]) -> list[dict]:
 def sampled_row(row: rows.StoredRow, status: str, batch_file: str) -> dict:
     """A row as the browser needs it: its facts, and its turns parsed and trimmed."""
     data = json.loads(row.line)
-    item: dict[str, Any] = {"id": row.prompt_index, "s": status, "e": data.get("end_reason"), "f": batch_file,
+    item: dict[str, Any] = {"id": row.prompt_index, "si": row.sample_index, "s": status, "e": data.get("end_reason"), "f": batch_file,
                             "u": data.get("usage") or {}, "calls": data.get("api_calls"),
                             "wall": data.get("wall_time_seconds")}
     if "conversations" not in data:               # failure rows and tombstones keep only the prompt
@@ -346,6 +346,7 @@ def _cards(summary: RunSummary, info: dict) -> str:
     minutes = _active_minutes(summary.timeline)
     statuses = summary.statuses
     return "".join([
+        *_samples_cards(info),
         _card("rows in batch files", _number(summary.row_count),
               f"dataset: {_number(total_prompts)} prompts" if isinstance(total_prompts, int) else ""),
         _card("kept trajectories", _number(kept),
@@ -367,6 +368,22 @@ def _cards(summary: RunSummary, info: dict) -> str:
         _card("cost", _money(cost), f"{_money(cost / kept)} per kept trajectory" if kept else ""),
         _card("throughput", f"{kept / minutes:,.1f}/min" if minutes else "–", "kept trajectories per active minute"),
     ])
+
+
+def _samples_cards(info: dict) -> list[str]:
+    """Success per prompt over its samples, from statistics.json, when prompts run several times."""
+    samples = info.get("samples")
+    if not isinstance(samples, dict):
+        return []
+    try:
+        solved, prompts = int(samples["prompts_with_a_completed_sample"]), int(samples["prompts_with_rows"])
+        spread = ", ".join(f"{_number(int(count))} with {k}"
+                           for k, count in samples["prompts_by_completed_samples"].items())
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return []
+    return [_card("prompts with a completed sample", _percent(solved, prompts),
+                  f"{_number(solved)} of {_number(prompts)} prompts ({info.get('samples_per_prompt', '?')} samples "
+                  f"asked each); by completed samples: {spread}", "good" if solved else "bad")]
 
 
 def _active_minutes(timeline: Timeline) -> float:

@@ -166,7 +166,7 @@ class RunSummary:
             self.usage[key] += usage.get(key) or 0
         if row.status == rows.FAILED:
             return self._add_failure(row)
-        self.open_failures.pop(row.content_key, None)    # a retry that succeeded (or was discarded)
+        self.open_failures.pop(row.sample_key, None)    # a retry that succeeded (or was discarded)
         if row.status == rows.DISCARDED:
             reason = row.discard_reason() or "unknown"
             self.statuses[rows.DISCARDED] += 1
@@ -176,8 +176,8 @@ class RunSummary:
             return rows.DISCARDED, {}
         invented = row.invented_tools()
         if invented:
-            if self.superseded[row.content_key] > 0:     # replaced by a --rerun_corrupted attempt
-                self.superseded[row.content_key] -= 1
+            if self.superseded[row.sample_key] > 0:     # replaced by a --rerun_corrupted attempt
+                self.superseded[row.sample_key] -= 1
                 self.statuses[SUPERSEDED] += 1
                 return SUPERSEDED, {}
             self.statuses[CORRUPTED] += 1
@@ -197,8 +197,8 @@ class RunSummary:
         cause = row.error_type() or "unknown"
         self.statuses[rows.FAILED] += 1
         self.failure_causes[cause] += 1
-        if row.content_key in self.open_failures or len(self.open_failures) < MAX_TRACKED_FAILURES:
-            self.open_failures[row.content_key] = cause
+        if row.sample_key in self.open_failures or len(self.open_failures) < MAX_TRACKED_FAILURES:
+            self.open_failures[row.sample_key] = cause
         else:
             self.open_failures_exact = False
         return rows.FAILED, {"cause": cause}

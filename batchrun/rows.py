@@ -32,6 +32,12 @@ def content_key(prompt: str, image: str | None, cwd: str | None) -> str:
     return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
+def sample_key(key: str, sample_index: int) -> str:
+    """What resume counts done: one sample of a prompt. Sample 0 is the prompt's content key itself, so
+    a run of one sample per prompt (and every row written before samples existed) counts as it always has."""
+    return key if sample_index == 0 else f"{key}#{sample_index}"
+
+
 # ---------------------------------------------------------------------------------------------
 # Reasoning
 
@@ -488,6 +494,7 @@ class SessionResult:
     end_reason: str            # one of END_REASONS
     error: str | None = None
     error_type: str | None = None
+    sample_index: int = 0      # which of the prompt's --samples_per_prompt runs this is
 
 
 # Why a session ended. Only a final answer completes a row; every other reason but "error" (a failure
@@ -508,8 +515,10 @@ COMPLETED_END_REASONS = frozenset({"final_answer"})
 # Every row carries "format": ROW_FORMAT. A reader refuses rows of a higher format (their meaning may
 # have changed) and reads older ones: format 1 (or no key) put a "tool_calls" list on gpt turns and
 # judged invented tools by the registry; formats 1 and 2 kept no "gpt_turns" (their turns are read by
-# their text, see read_gpt_turn). The merge writes such rows upgraded (StoredRow.upgraded).
-ROW_FORMAT = 3
+# their text, see read_gpt_turn); formats 1 to 3 kept no "sample_index" (every row was sample 0, and
+# resume must not take a later sample for another occurrence of its prompt). The merge writes such rows
+# upgraded (StoredRow.upgraded).
+ROW_FORMAT = 4
 
 
 def invented_call_count(turns: list[Turn], offered_tools: list[str]) -> int:
@@ -522,6 +531,7 @@ def trajectory_row(result: SessionResult, *, batch_num: int, model: str, timesta
     return {
         "format": ROW_FORMAT,
         "prompt_index": result.prompt_index,
+        "sample_index": result.sample_index,
         "content_key": result.content_key,
         "conversations": render_conversations(result.offered_tools, result.prompt, result.turns),
         "metadata": {"batch_num": batch_num, "timestamp": timestamp, "model": model},
@@ -544,8 +554,8 @@ def trajectory_row(result: SessionResult, *, batch_num: int, model: str, timesta
 
 # The keys of a trajectory row in the order it writes them; an upgraded older row follows it too.
 _KEY_ORDER = {key: position for position, key in enumerate((
-    "format", "prompt_index", "content_key", "conversations", "metadata", "gpt_turns", "completed", "partial",
-    "api_calls",
+    "format", "prompt_index", "sample_index", "content_key", "conversations", "metadata", "gpt_turns", "completed",
+    "partial", "api_calls",
     "toolsets_used", "toolsets_sampled", "tool_stats", "tool_error_counts", "invented_tool_calls", "usage",
     "wall_time_seconds", "end_reason", "discarded"))}
 
@@ -558,8 +568,8 @@ def tombstone_row(trajectory: dict, reason: str) -> dict:
 
 
 def failure_row(result: SessionResult) -> dict:
-    return {"format": ROW_FORMAT, "prompt_index": result.prompt_index, "content_key": result.content_key,
-            "failed": True, "error": result.error, "error_type": result.error_type,
+    return {"format": ROW_FORMAT, "prompt_index": result.prompt_index, "sample_index": result.sample_index,
+            "content_key": result.content_key, "failed": True, "error": result.error, "error_type": result.error_type,
             "prompt": result.prompt, "api_calls": result.api_calls,
             "usage": result.usage.as_dict(), "wall_time_seconds": round(result.wall_time, 3),
             "end_reason": result.end_reason}
@@ -637,6 +647,7 @@ class _Row(msgspec.Struct):
     prompt_index: int
     content_key: str
     end_reason: str
+    sample_index: int = 0                      # 0 in a row of format 1 to 3
     format: int | None = None                  # None: written before rows carried a format
     conversations: list[_Turn] | None = None   # a trajectory row (a tombstone keeps it too)
     gpt_turns: list[_GptLayout] | None = None  # None: a row of format 1 or 2
@@ -682,6 +693,21 @@ class StoredRow:
     @property
     def content_key(self) -> str:
         return self._row.content_key
+
+    @property
+    def sample_index(self) -> int:
+        return self._row.sample_index
+
+    @property
+    def sample_key(self) -> str:
+        """What resume counts done (see sample_key)."""
+        return sample_key(self._row.content_key, self._row.sample_index)
+
+    @property
+    def prompt(self) -> tuple[int, str]:
+        """The dataset prompt this row is a sample of: its place in the dataset and its content, so that
+        two occurrences of one prompt text (each its own prompt) keep their samples apart."""
+        return self._row.prompt_index, self._row.content_key
 
     @property
     def is_current(self) -> bool:
@@ -773,11 +799,13 @@ class StoredRow:
             if self._row.invented_tool_calls is None and turn.get("from") == "gpt":   # format 1's empty block
                 turn["value"] = _FORMAT_1_EMPTY_THINK.sub(EMPTY_THINK.rstrip("\n"), turn["value"], count=1)
         row["format"] = ROW_FORMAT
+        row.setdefault("sample_index", 0)
         row.setdefault("toolsets_sampled", row.get("toolsets_used") or [])
         if self._row.invented_tool_calls is None:
             row["invented_tool_calls"] = sum(call.name not in REGISTRY for turn in self._row.conversations or ()
                                              for call in turn.tool_calls)
-        row["gpt_turns"] = [layout_by_text(turn["value"]) for turn in conversations if turn.get("from") == "gpt"]
+        if self._row.gpt_turns is None:    # format 3 recorded them
+            row["gpt_turns"] = [layout_by_text(turn["value"]) for turn in conversations if turn.get("from") == "gpt"]
         last = len(_KEY_ORDER)      # a key of the row's own (added by hand, say) goes after ours
         return encode_row({key: row[key] for key in sorted(row, key=lambda key: _KEY_ORDER.get(key, last))})
 
@@ -811,7 +839,7 @@ def read_stored_row(line: bytes) -> StoredRow | None:
     else:
         raise RowError('not a batch_runner row (none of "conversations", "discarded", "failed"); '
                        "fix or remove this line")
-    recorded = row.gpt_turns is not None or row.format == ROW_FORMAT
+    recorded = row.gpt_turns is not None or (row.format or 0) >= 3
     if row.conversations is not None and recorded and len(row.gpt_turns or ()) != gpt_turns:
         raise RowError(f'not a batch_runner row ("gpt_turns" records {len(row.gpt_turns or ())} gpt turns, '
                        f'"conversations" holds {gpt_turns}); fix or remove this line')

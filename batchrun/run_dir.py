@@ -215,22 +215,28 @@ class Checkpoint:
     model: str
     batch_size: int
     total_prompts: int
-    completed_prompts: int          # prompts done (completed, partial or discarded), every invocation
+    completed_samples: int          # samples done (completed, partial or discarded), every invocation
     batch_stats: Counter            # rows written per outcome (completed, partial, failed, discarded)
-    # Per content key, how many of its corrupted rows a --rerun_corrupted resume has replaced: those
+    # Per sample key, how many of its corrupted rows a --rerun_corrupted resume has replaced: those
     # are attempts, like failure rows, and no longer count as done or as filtered_corrupted.
     superseded_corrupted: Counter = field(default_factory=Counter)
+    samples_per_prompt: int = 1
+    total_samples: int = 0
 
     def as_json(self) -> dict:
+        # With one sample per prompt, samples are prompts and the file keeps the keys it always had.
+        done = ({"completed_prompts": self.completed_samples} if self.samples_per_prompt == 1 else
+                {"samples_per_prompt": self.samples_per_prompt, "total_samples": self.total_samples,
+                 "completed_samples": self.completed_samples})
         return {"run_name": self.run_name, "dataset_file": self.dataset_file, "distribution": self.distribution,
                 "model": self.model, "batch_size": self.batch_size, "total_prompts": self.total_prompts,
-                "completed_prompts": self.completed_prompts, "batch_stats": dict(self.batch_stats),
+                **done, "batch_stats": dict(self.batch_stats),
                 "superseded_corrupted": dict(self.superseded_corrupted),
                 "last_updated": datetime.now().isoformat(timespec="seconds")}
 
 
 def superseded_corrupted(checkpoint: dict) -> Counter:
-    """The checkpoint's superseded corrupted rows per content key (none in an older checkpoint)."""
+    """The checkpoint's superseded corrupted rows per sample key (none in an older checkpoint)."""
     recorded = checkpoint.get("superseded_corrupted")
     return Counter({key: count for key, count in recorded.items() if isinstance(key, str) and isinstance(count, int)}
                    if isinstance(recorded, dict) else {})
@@ -238,16 +244,18 @@ def superseded_corrupted(checkpoint: dict) -> Counter:
 
 @dataclass
 class ScanResult:
-    """What earlier runs left: finished rows per content key, and what counts as done."""
+    """What earlier runs left: finished rows per sample key (rows.sample_key), and what counts as done."""
 
     done_counts: Counter = field(default_factory=Counter)        # corrupted rows not included
     rows_by_status: Counter = field(default_factory=Counter)
-    corrupted_by_key: Counter = field(default_factory=Counter)   # corrupted rows, ever, per content key
+    corrupted_by_key: Counter = field(default_factory=Counter)   # corrupted rows, ever, per sample key
     unreadable_lines: int = 0
     usage: dict = field(default_factory=empty_usage)             # of every row
+    most_samples: int = 1                                        # the highest sample index of a row, plus one
 
     def add(self, other: ScanResult) -> None:
         add_usage(self.usage, other.usage)
+        self.most_samples = max(self.most_samples, other.most_samples)
         self.done_counts.update(other.done_counts)
         self.rows_by_status.update(other.rows_by_status)
         self.corrupted_by_key.update(other.corrupted_by_key)
@@ -258,7 +266,7 @@ class ScanResult:
         return +Counter({key: count - superseded[key] for key, count in self.corrupted_by_key.items()})
 
     def done(self, *, rerun_corrupted: bool, superseded: Counter) -> Counter:
-        """Finished rows per content key: a live corrupted row is done unless the user asked to run
+        """Finished rows per sample key: a live corrupted row is done unless the user asked to run
         it again; a superseded one never is (its prompt's later attempt is what counts)."""
         if rerun_corrupted:
             return Counter(self.done_counts)
@@ -267,14 +275,17 @@ class ScanResult:
 
 @dataclass(frozen=True)
 class RowPlace:
-    """Where a row is about to be appended: its prompt, the usage it carries, its batch file (a name in
-    the run directory), and the byte range it will take there."""
+    """Where a row is about to be appended: its task's unit (see messages.Task), the usage it carries,
+    its batch file (a name in the run directory), the byte range it will take there, and the sample
+    it is (which the row there must be)."""
 
-    prompt: int
+    unit: int
     usage: dict
     batch_file: str
     offset: int
     length: int
+    prompt_index: int
+    sample_index: int
 
 
 class SpentLedger:
@@ -282,9 +293,10 @@ class SpentLedger:
 
     A row holds its session's whole usage, but a session cut off (kill -9, a stop, a worker that
     died) leaves none, and its replies were paid for all the same. The parent appends a line per
-    reply (``{"prompt": i, "spent": usage}``); what a prompt spent beyond its row, or without one, was
-    spent by a session cut off. A group of rows is announced before it is appended, each with where it
-    will be (``{"prompt": i, "row": usage, "at": [batch file, offset, length]}``), and made durable
+    reply (``{"prompt": unit, "spent": usage}``, the task's unit: see messages.Task); what a task spent
+    beyond its row, or without one, was spent by a session cut off. A group of rows is announced before it
+    is appended, each with where it will be (``{"prompt": unit, "row": usage, "at": [batch file, offset,
+    length, prompt index, sample index]}``), and made durable
     with the replies so far; once the rows are appended one line lists those that were
     (``{"landed": [i, ...]}``). So a kill at any point leaves no row whose spending counts twice: rows
     announced with no such line after them (the last group before a kill) count as written only if
@@ -298,7 +310,7 @@ class SpentLedger:
         self.path = path
         self._carried = empty_usage()            # cut off in earlier invocations
         self._cut_off = empty_usage()            # prompts of this invocation that spent beyond their rows
-        self._open: dict[int, dict] = {}         # prompt index -> spent so far, no row yet
+        self._open: dict[int, dict] = {}         # task unit -> spent so far, no row yet
         self._open_total = empty_usage()
         self._fd: int | None = None
 
@@ -310,11 +322,11 @@ class SpentLedger:
                 try:
                     record = json.loads(line)
                     if "row" in record:
-                        announced.append(RowPlace(record["prompt"], record["row"], *record["at"]))
+                        announced.append(_announced(record))
                     elif "landed" in record:
                         landed = set(record["landed"])
                         for place in announced:
-                            if place.prompt in landed:
+                            if place.unit in landed:
                                 self._take_row(place)
                         announced = []
                     else:
@@ -341,9 +353,10 @@ class SpentLedger:
         """Replies' usage as it arrives, and the rows about to be appended, announced where they will be;
         durable before those rows are written (see the class)."""
         for event in spent:        # spent all the same if the disk cannot take the line
-            self._take({"prompt": event.prompt_index, "spent": event.usage})
-        self._append([{"prompt": event.prompt_index, "spent": event.usage} for event in spent]
-                     + [{"prompt": row.prompt, "row": row.usage, "at": [row.batch_file, row.offset, row.length]}
+            self._take({"prompt": event.unit, "spent": event.usage})
+        self._append([{"prompt": event.unit, "spent": event.usage} for event in spent]
+                     + [{"prompt": row.unit, "row": row.usage,
+                         "at": [row.batch_file, row.offset, row.length, row.prompt_index, row.sample_index]}
                         for row in rows_to_write], sync=bool(rows_to_write))
 
     def landed(self, rows_written: list[RowPlace]) -> None:
@@ -351,7 +364,7 @@ class SpentLedger:
         where they were announced, and one not found there never counted."""
         if rows_written:
             try:
-                self._append([{"landed": [row.prompt for row in rows_written]}], sync=False)
+                self._append([{"landed": [row.unit for row in rows_written]}], sync=False)
             except DiskFull:
                 pass
             for row in rows_written:
@@ -386,7 +399,8 @@ class SpentLedger:
         try:
             for _, line in lines_at(batch, place.offset, place.offset + 1):
                 stored = rows.read_stored_row(line)
-                return len(line) == place.length and stored is not None and stored.prompt_index == place.prompt
+                return (len(line) == place.length and stored is not None
+                        and (stored.prompt_index, stored.sample_index) == (place.prompt_index, place.sample_index))
         except (OSError, rows.RowError):
             pass
         return False
@@ -399,10 +413,18 @@ class SpentLedger:
             add_usage(self._open_total, record["spent"])
 
     def _take_row(self, row: RowPlace) -> None:
-        if (spent := self._open.pop(row.prompt, None)) is not None:
+        if (spent := self._open.pop(row.unit, None)) is not None:
             add_usage(self._open_total, {key: -spent[key] for key in USAGE_KEYS})
             add_usage(self._cut_off, {key: max(0, round(spent[key] - (row.usage.get(key) or 0), 8))
                                       for key in USAGE_KEYS})
+
+
+def _announced(record: dict) -> RowPlace:
+    """A row announced in spent.jsonl. A line of a version before samples names the batch file, offset
+    and length only: its unit was the prompt's index, and every row was sample 0."""
+    batch_file, offset, length, *identity = record["at"]
+    prompt_index, sample_index = identity or (record["prompt"], 0)
+    return RowPlace(record["prompt"], record["row"], batch_file, offset, length, prompt_index, sample_index)
 
 
 FileRange = tuple[Path, int, int]
@@ -423,12 +445,13 @@ def scan_ranges(ranges: list[FileRange]) -> ScanResult:
                 continue
             result.rows_by_status[row.status] += 1
             add_usage(result.usage, row.usage())
+            result.most_samples = max(result.most_samples, row.sample_index + 1)
             if row.status == rows.FAILED:
                 continue
             if row.status != rows.DISCARDED and row.invented_tools():
-                result.corrupted_by_key[row.content_key] += 1
+                result.corrupted_by_key[row.sample_key] += 1
                 continue
-            result.done_counts[row.content_key] += 1
+            result.done_counts[row.sample_key] += 1
     return result
 
 
@@ -577,7 +600,8 @@ class RunDirectory:
             offset = 0
         places = []
         for message in finished:
-            places.append(RowPlace(message.prompt_index, message.usage, name, offset, len(message.row)))
+            places.append(RowPlace(message.unit, message.usage, name, offset, len(message.row),
+                                   message.prompt_index, message.sample_index))
             offset += len(message.row)
         return places
 
@@ -601,7 +625,8 @@ class RunDirectory:
 
     # -- merge ----------------------------------------------------------------------------------
 
-    def merge(self, on_corrupted: Callable[[str, int, list[str], str], None]) -> MergeStatistics:
+    def merge(self, on_corrupted: Callable[[str, int, list[str], str], None], *,
+              per_prompt: bool = False) -> MergeStatistics:
         """Bring trajectories.jsonl up to date with every batch file, and count what it holds.
 
         Trajectory rows that call no invented tool are kept; tombstones, failures, corrupted rows
@@ -609,36 +634,42 @@ class RunDirectory:
         lines are left out. Batch files only grow, so when the record of the last merge still
         matches the files, only rows written since are read and appended; otherwise the whole file
         is rewritten (a big directory shared out over one process per core) and atomically replaced.
+        ``per_prompt``: count each prompt's completed samples too (MergeStatistics.prompt_samples); once
+        counted, a run goes on counting them.
         """
         files = self.batch_files()
         previous = self._read_merge_record(files)
+        if previous is not None and per_prompt and previous.statistics.prompt_samples is None:
+            previous = None     # the figures so far lack them: count everything again
         if previous is None:
-            statistics, ends = self._rewrite_trajectories(files, on_corrupted)
+            statistics, ends = self._rewrite_trajectories(files, on_corrupted, per_prompt)
         else:
             statistics, ends = self._append_to_trajectories(files, previous, on_corrupted)
         statistics.batch_files = len(files)
         self._write_merge_record(statistics, ends)
         return statistics
 
-    def _rewrite_trajectories(self, files: list[Path], on_corrupted: Callable) -> tuple[MergeStatistics, dict]:
+    def _rewrite_trajectories(self, files: list[Path], on_corrupted: Callable,
+                              per_prompt: bool) -> tuple[MergeStatistics, dict]:
         groups = split_ranges(files, read_processes(files))
         target = self.path / TRAJECTORIES
         if len(groups) == 1:
-            parts = [read_merge_part(groups[0])]
+            parts = [read_merge_part(groups[0], per_prompt)]
             with replacing(target, needed=parts[0].kept_bytes) as out:
                 copy_kept_rows(out.fileno(), 0, parts[0].kept)
         else:
             with _reading_pool(len(groups)) as pool:
-                parts = list(pool.map(read_merge_part, groups))
+                parts = list(pool.map(read_merge_part, groups, [per_prompt] * len(groups)))
                 starts = [sum(part.kept_bytes for part in parts[:index]) for index in range(len(parts))]
                 with replacing(target, needed=sum(part.kept_bytes for part in parts)) as out:
                     # Each process copies its rows into place; the kernel moves the bytes.
                     list(pool.map(_copy_into, [Path(out.name)] * len(parts), starts, [part.kept for part in parts]))
-        return _combined(parts, {}, MergeStatistics(), on_corrupted)
+        return _combined(parts, {}, MergeStatistics(prompt_samples=Counter() if per_prompt else None), on_corrupted)
 
     def _append_to_trajectories(self, files: list[Path], previous: MergeRecord,
                                 on_corrupted: Callable) -> tuple[MergeStatistics, dict]:
-        part = read_merge_part([(path, previous.offsets.get(path.name, 0), path.stat().st_size) for path in files])
+        part = read_merge_part([(path, previous.offsets.get(path.name, 0), path.stat().st_size) for path in files],
+                               previous.statistics.prompt_samples is not None)
         path = self.path / TRAJECTORIES
         with path.open("r+b") as out, full_disk_named(path, part.kept_bytes):
             # A merge that crashed after appending left rows past the recorded size: they go, and
@@ -714,9 +745,9 @@ class MergePart:
         self.kept_bytes += len(line)
 
 
-def read_merge_part(ranges: list[FileRange]) -> MergePart:
+def read_merge_part(ranges: list[FileRange], per_prompt: bool = False) -> MergePart:
     """Classify and count the rows that begin in these byte ranges (see RunDirectory.merge)."""
-    part = MergePart()
+    part = MergePart(MergeStatistics(prompt_samples=Counter() if per_prompt else None))
     statistics = part.statistics
     for path, start, end in ranges:
         for offset, line in lines_at(path, start, end):

@@ -68,7 +68,7 @@ class SessionServices:
     # Environments starting at once in this process: when hundreds of sessions begin together, the
     # first few get their sandboxes (and send their first requests) without waiting for them all.
     starting: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(ENVIRONMENT_STARTS_AT_ONCE))
-    # Told of every model call's usage as its reply arrives (prompt index, usage): see messages.Spent.
+    # Told of every model call's usage as its reply arrives (the task's unit, usage): see messages.Spent.
     on_spent: Callable[[int, Usage], None] | None = None
 
     async def retire(self, env: Environment) -> None:
@@ -188,7 +188,8 @@ class Session:
             prompt_index=self.task.prompt_index, content_key=self.task.content_key, prompt=self.task.prompt,
             toolsets=list(self.task.toolsets), offered_tools=self.offered_tools, turns=self.turns,
             api_calls=self.api_calls, usage=self.usage, wall_time=time.monotonic() - started,
-            end_reason=end_reason, error=redact(error) if error else None, error_type=error_type)
+            end_reason=end_reason, error=redact(error) if error else None, error_type=error_type,
+            sample_index=self.task.sample_index)
 
     async def _started_then_loop(self) -> str:
         if model_tools.needs_environment(self.offered_tools):
@@ -254,7 +255,7 @@ class Session:
         reply = await self.model.reply(messages, with_tools=with_tools)
         self.usage.add(reply.usage)
         if self.services.on_spent is not None:
-            self.services.on_spent(self.task.prompt_index, reply.usage)
+            self.services.on_spent(self.task.unit, reply.usage)
         return reply
 
     def _record(self, messages: list[Message], reply: ModelReply, turn: AssistantTurn) -> None:

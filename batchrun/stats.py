@@ -62,10 +62,14 @@ class MergeStatistics:
     corrupted: list[tuple[str, int, list[str], str]] = field(default_factory=list)   # file, index, tools, key
     usage: dict = field(default_factory=empty_usage)
     batch_files: int = 0
+    # Per prompt (prompt_key), its completed samples; None unless the run has several samples per
+    # prompt (a dict the size of the dataset is kept only where it says something).
+    prompt_samples: Counter | None = None
 
     def on_row(self, row: rows.StoredRow) -> None:
         """Called for every readable row that is not corrupted; merged rows are trajectory rows."""
         add_usage(self.usage, row.usage())
+        self._count_sample(row, completed=row.status == rows.COMPLETED)
         if row.status == rows.FAILED:
             return
         # Reasoning coverage is over every assistant turn of the run, the discarded ones' too.
@@ -80,8 +84,14 @@ class MergeStatistics:
         self.end_reasons[row.end_reason()] += 1
         self.tool_entries.update(row.tool_counts())
 
+    def _count_sample(self, row: rows.StoredRow, *, completed: bool) -> None:
+        if self.prompt_samples is not None:
+            self.prompt_samples[prompt_key(row)] += completed     # a prompt without a completed sample counts too
+
     def add(self, other: MergeStatistics) -> None:
         """Take in what another process counted over other rows."""
+        if self.prompt_samples is not None and other.prompt_samples is not None:
+            self.prompt_samples.update(other.prompt_samples)
         self.tool_entries.update(other.tool_entries)
         self.turns_with_reasoning += other.turns_with_reasoning
         self.turns_without_reasoning += other.turns_without_reasoning
@@ -100,7 +110,8 @@ class MergeStatistics:
                 "turns_without_reasoning": self.turns_without_reasoning,
                 "merged": self.merged, "merged_by_status": dict(self.merged_by_status),
                 "end_reasons": dict(self.end_reasons), "discarded": self.discarded,
-                "corrupted": [list(entry) for entry in self.corrupted], "usage": dict(self.usage)}
+                "corrupted": [list(entry) for entry in self.corrupted], "usage": dict(self.usage),
+                "prompt_samples": None if self.prompt_samples is None else dict(self.prompt_samples)}
 
     @classmethod
     def from_state(cls, state: dict) -> MergeStatistics:
@@ -111,11 +122,13 @@ class MergeStatistics:
                    merged=state["merged"], merged_by_status=Counter(state["merged_by_status"]),
                    end_reasons=Counter(state["end_reasons"]), discarded=state["discarded"],
                    corrupted=[(name, index, invented, key) for name, index, invented, key in state["corrupted"]],
-                   usage={key: state["usage"][key] for key in USAGE_KEYS})
+                   usage={key: state["usage"][key] for key in USAGE_KEYS},
+                   prompt_samples=None if state.get("prompt_samples") is None else Counter(state["prompt_samples"]))
 
     def on_corrupted(self, batch_file: str, row: rows.StoredRow, invented: list[str]) -> None:
         add_usage(self.usage, row.usage())
-        self.corrupted.append((batch_file, row.prompt_index, invented, row.content_key))
+        self._count_sample(row, completed=False)
+        self.corrupted.append((batch_file, row.prompt_index, invented, row.sample_key))
 
     def live_corrupted(self, superseded: Counter) -> list[tuple[str, int, list[str], str]]:
         """The corrupted rows no later attempt replaced: of each prompt's, the first ``superseded``
@@ -147,11 +160,27 @@ class MergeStatistics:
                            "failure_rate": round(100 * entry["failure"] / count, 2) if count else 0.0}
         return table
 
+    def sample_statistics(self) -> dict | None:
+        """Success per prompt over its samples: how many prompts had at least one completed sample
+        (pass@k, k the samples each had), and how many had 0, 1, 2... completed samples."""
+        if self.prompt_samples is None:
+            return None
+        spread = Counter(self.prompt_samples.values())
+        return {"prompts_with_rows": len(self.prompt_samples),
+                "prompts_with_a_completed_sample": len(self.prompt_samples) - spread[0],
+                "prompts_by_completed_samples": {str(count): spread[count] for count in sorted(spread)}}
+
     def reasoning_statistics(self) -> dict:
         total = self.turns_with_reasoning + self.turns_without_reasoning
         return {"total_assistant_turns": total, "turns_with_reasoning": self.turns_with_reasoning,
                 "turns_without_reasoning": self.turns_without_reasoning,
                 "coverage_percent": round(100 * self.turns_with_reasoning / total, 2) if total else 0.0}
+
+
+def prompt_key(row: rows.StoredRow) -> str:
+    """Names the dataset prompt a row is a sample of (see rows.StoredRow.prompt), as JSON keys must be."""
+    prompt_index, content_key = row.prompt
+    return f"{prompt_index}:{content_key}"
 
 
 def _rounded(usage: dict) -> dict:
@@ -160,7 +189,7 @@ def _rounded(usage: dict) -> dict:
 
 def build_statistics(*, run_name: str, distribution: str, model: str, batch_size: int, total_prompts: int,
                      skipped_dataset_lines: int, duration: float, merge: MergeStatistics, this_run: ThisRun,
-                     superseded_corrupted: Counter, unfinished: dict) -> dict:
+                     superseded_corrupted: Counter, unfinished: dict, samples_per_prompt: int = 1) -> dict:
     """``unfinished``: spent by sessions that left no row (cut off by a kill or a stop), which the
     run's usage includes beside its rows'."""
     corrupted = merge.live_corrupted(superseded_corrupted)
@@ -171,6 +200,8 @@ def build_statistics(*, run_name: str, distribution: str, model: str, batch_size
         "distribution": distribution,
         "model": model,
         "total_prompts": total_prompts,
+        **({"samples_per_prompt": samples_per_prompt, "samples": samples}
+           if (samples := merge.sample_statistics()) is not None else {}),
         "skipped_dataset_lines": skipped_dataset_lines,
         "total_batches": merge.batch_files,
         "batch_size": batch_size,

@@ -35,14 +35,15 @@ SESSIONS_PER_CLIENT = 16
 _OUTBOX_CLOSE_SECONDS = 10.0
 
 
-def _finished(result: rows.SessionResult, config: RunConfig) -> Finished:
-    batch_num = result.prompt_index // config.batch_size
+def _finished(task: Task, result: rows.SessionResult, config: RunConfig) -> Finished:
+    batch_num = task.unit // config.batch_size
     line = rows.encode_finished(result, batch_num=batch_num, model=config.model,
                                 timestamp=datetime.now().isoformat(timespec="seconds"),
                                 discard_no_reasoning=config.discard_no_reasoning)
     stored = rows.read_stored_row(line)
     assert stored is not None       # a row just encoded is always complete
-    return Finished(prompt_index=result.prompt_index, batch_num=batch_num, status=stored.status,
+    return Finished(prompt_index=result.prompt_index, unit=task.unit, sample_index=result.sample_index,
+                    batch_num=batch_num, status=stored.status,
                     row=line, api_calls=result.api_calls, usage=result.usage.as_dict(),
                     wall_time=result.wall_time, end_reason=result.end_reason, error=result.error,
                     error_type=result.error_type, prompt_preview=result.prompt[:config.log_prefix_chars],
@@ -56,7 +57,7 @@ def _failed(task: Task, error: str, error_type: str) -> rows.SessionResult:
     return rows.SessionResult(
         prompt_index=task.prompt_index, content_key=task.content_key, prompt=task.prompt,
         toolsets=list(task.toolsets), offered_tools=[], turns=[], api_calls=0, usage=rows.Usage(),
-        wall_time=0.0, end_reason="error", error=error, error_type=error_type)
+        wall_time=0.0, end_reason="error", error=error, error_type=error_type, sample_index=task.sample_index)
 
 
 def _outlive_ctrl_c() -> None:
@@ -104,7 +105,7 @@ async def outcome(task: Task, services: SessionServices) -> Finished | Fatal:
     except Exception:
         result = _failed(task, services.redact(traceback.format_exc(limit=5)), "internal_error")
     try:
-        return _finished(result, services.config)
+        return _finished(task, result, services.config)
     except Exception:
         return lost_task(task, services.config, f"internal error while recording the row: "
                                                 f"{services.redact(traceback.format_exc(limit=3))}")
@@ -112,7 +113,7 @@ async def outcome(task: Task, services: SessionServices) -> Finished | Fatal:
 
 def lost_task(task: Task, config: RunConfig, error: str, error_type: str = "internal_error") -> Finished:
     """The failure row of a task whose session left nothing usable, ready to send."""
-    return _finished(_failed(task, error, error_type), config)
+    return _finished(task, _failed(task, error, error_type), config)
 
 
 async def shut_down(sessions: Collection[asyncio.Future[Any]], services: SessionServices) -> None:
@@ -141,7 +142,7 @@ async def _serve(conn: Connection, services: SessionServices, slots: int) -> Non
     threading.Thread(target=read_parent, daemon=True).start()
     outbox = _Outbox(conn)
     # Each reply's usage goes to the parent on the rows' own path, before the row that adds it up.
-    services.on_spent = lambda prompt_index, usage: outbox.put(Spent(prompt_index, usage.as_dict()))
+    services.on_spent = lambda unit, usage: outbox.put(Spent(unit, usage.as_dict()))
     fatal = asyncio.Event()
 
     # The parent hands out a few tasks more than there are slots; they wait here, first come first served.

@@ -234,7 +234,7 @@ class ProcessPool:
         self._places.last_round()
 
     def _send(self, worker: int, task: Task) -> None:
-        self._running[worker][task.prompt_index] = task
+        self._running[worker][task.unit] = task
         try:
             self._conns[worker].send(asdict(task))
         except OSError:
@@ -255,7 +255,7 @@ class ProcessPool:
                     continue
                 if isinstance(message, Finished):
                     self._places.give_back(worker)
-                    self._running[worker].pop(message.prompt_index, None)
+                    self._running[worker].pop(message.unit, None)
                 messages.append(message)
             ready = _ready(self._conns, 0)
         return messages

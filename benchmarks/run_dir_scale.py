@@ -158,7 +158,7 @@ def checkpoint_cost(run_dir: Path) -> None:
     outcomes = Counter(completed=CHECKPOINT_PROMPTS * 98 // 100, failed=CHECKPOINT_PROMPTS // 100,
                        discarded=CHECKPOINT_PROMPTS // 100)
     checkpoint = Checkpoint(run_name="scale", dataset_file="dataset.jsonl", distribution="default", model="m",
-                            batch_size=1, total_prompts=CHECKPOINT_PROMPTS, completed_prompts=CHECKPOINT_PROMPTS,
+                            batch_size=1, total_prompts=CHECKPOINT_PROMPTS, completed_samples=CHECKPOINT_PROMPTS,
                             batch_stats=outcomes)
     directory = RunDirectory(run_dir)
     earlier = {**checkpoint.as_json(), "completed_prompts": list(range(CHECKPOINT_PROMPTS)),

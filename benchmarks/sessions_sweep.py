@@ -240,7 +240,7 @@ def run_one_worker(args: argparse.Namespace, sessions: int, adaptive: bool) -> N
         sampler.start()
         watcher.start()
         tasks = (Task(prompt_index=i, prompt=f"benchmark prompt {i}", image=None, cwd=None, content_key=str(i),
-                      toolsets=("terminal",) if args.tool_turns else ("web",)) for i in range(prompts))
+                      toolsets=("terminal",) if args.tool_turns else ("web",), unit=i) for i in range(prompts))
         sent = done = failed = 0
         for task in tasks:     # as the parent does: the sessions, and a few tasks waiting for one
             if sent - done >= sessions + waiting_places(sessions):

@@ -34,7 +34,7 @@ def run_console(out: Console, *, verbose: bool = False, redact=lambda text: text
 def finished(prompt_index: int, status: str = rows.COMPLETED, *, preview: str = LONG_PROMPT,
              error: str | None = None, usage: dict | None = None,
              tool_calls: tuple[tuple[str, int, int], ...] = (("terminal", 1, 0),)) -> Finished:
-    return Finished(prompt_index=prompt_index, batch_num=0, status=status, row=b"", api_calls=3,
+    return Finished(prompt_index=prompt_index, unit=prompt_index, batch_num=0, status=status, row=b"", api_calls=3,
                     usage=usage or {"prompt_tokens": 1234, "completion_tokens": 567, "cost": 0.0123},
                     wall_time=0.4, end_reason="max_turns", error=error,
                     error_type="http_400" if status == rows.FAILED else None, prompt_preview=preview,

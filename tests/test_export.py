@@ -342,7 +342,7 @@ def test_the_manifest_beside_an_openai_export_names_the_run_row_of_each_line(run
     originals = {(row["prompt_index"], row["content_key"]): row for row in run_rows(run_home).values()}
     assert lines
     for line, source in lines:
-        assert set(source) == {"prompt_index", "content_key"}
+        assert set(source) == {"prompt_index", "sample_index", "content_key"}
         assert originals[(source["prompt_index"], source["content_key"])]["conversations"][1]["value"] == \
             line["messages"][0]["content"]
 

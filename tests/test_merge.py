@@ -126,7 +126,7 @@ def test_a_row_of_a_newer_format_stops_the_merge_naming_file_and_line(tmp_path, 
     run_dir = run(tmp_path, endpoint)
     trajectories = (run_dir / TRAJECTORIES).read_bytes()
     with (run_dir / "batch_1.jsonl").open("ab") as handle:
-        handle.write(b'{"format": 4, "prompt_index": 4, "content_key": "ab", "failed": true, "end_reason": "x"}\n')
-    with pytest.raises(RunDirectoryError, match=r"batch_1\.jsonl line 5: row format 4 is newer"):
+        handle.write(b'{"format": 5, "prompt_index": 4, "content_key": "ab", "failed": true, "end_reason": "x"}\n')
+    with pytest.raises(RunDirectoryError, match=r"batch_1\.jsonl line 5: row format 5 is newer"):
         RunDirectory(run_dir).merge(lambda *_: None)
     assert (run_dir / TRAJECTORIES).read_bytes() == trajectories

@@ -330,8 +330,8 @@ def test_a_line_that_is_not_json_amid_the_rows_is_skipped(tmp_path, endpoint):
 
 
 @pytest.mark.parametrize("line, complaint", [
-    (b'{"format": 4, "prompt_index": 1, "content_key": "ab", "conversations": [], "end_reason": "final_answer"}',
-     "row format 4 is newer than this batch_runner reads (format 3)"),
+    (b'{"format": 5, "prompt_index": 1, "content_key": "ab", "conversations": [], "end_reason": "final_answer"}',
+     "row format 5 is newer than this batch_runner reads (format 4)"),
     (b'{"prompt": "a dataset line pasted here by mistake"}', "not a batch_runner row"),
     (b"[1, 2, 3]", "not a batch_runner row"),
 ], ids=["newer_format", "a_dataset_line", "an_array"])
@@ -505,7 +505,7 @@ def ledger_row(prompt_index: int, cost: float) -> Finished:
                                 usage=rows.Usage(prompt_tokens=10, completion_tokens=5, cost=cost), wall_time=1.0,
                                 end_reason="final_answer")
     line = rows.encode_finished(result, batch_num=0, model="m", timestamp="t", discard_no_reasoning=False)
-    return Finished(prompt_index=prompt_index, batch_num=0, status=rows.COMPLETED, row=line, api_calls=1,
+    return Finished(prompt_index=prompt_index, unit=prompt_index, batch_num=0, status=rows.COMPLETED, row=line, api_calls=1,
                     usage=result.usage.as_dict(), wall_time=1.0, end_reason="final_answer", error=None, error_type=None,
                     prompt_preview="", toolsets=(), tool_calls=())
 

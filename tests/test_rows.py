@@ -4,6 +4,7 @@ rows that resume, merge, statistics and the report use."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -702,7 +703,7 @@ def test_reader_reads_a_row_holding_a_lone_surrogate_as_python_json_writes_it(ki
 
 @pytest.mark.parametrize("kind", CUT_ROWS)
 def test_every_kind_of_row_carries_the_format_version(kind):
-    assert json.loads(encode(CUT_ROWS[kind], discard_no_reasoning=True))["format"] == ROW_FORMAT == 3
+    assert json.loads(encode(CUT_ROWS[kind], discard_no_reasoning=True))["format"] == ROW_FORMAT == 4
 
 
 def format_1_line(result: SessionResult, *, with_format_key: bool = True) -> bytes:
@@ -760,12 +761,12 @@ def test_a_format_1_row_is_upgraded_to_the_keys_and_turn_shape_of_a_current_row(
 
 
 @pytest.mark.parametrize("line", [
-    b'{"format": 4, "prompt_index": 0, "content_key": "ab", "conversations": [], "end_reason": "final_answer"}\n',
-    b'{"format": 4, "id": "a row of a shape this version has never seen"}\n',
+    b'{"format": 5, "prompt_index": 0, "content_key": "ab", "conversations": [], "end_reason": "final_answer"}\n',
+    b'{"format": 5, "id": "a row of a shape this version has never seen"}\n',
     b'{"prompt_index": "zero", "format": 7}\n',
 ], ids=["same_shape", "new_shape", "wrong_types"])
 def test_reader_refuses_a_row_of_a_newer_format_saying_so(line):
-    with pytest.raises(RowError, match=r"row format \d is newer than this batch_runner reads \(format 3\)"):
+    with pytest.raises(RowError, match=r"row format \d is newer than this batch_runner reads \(format 4\)"):
         read_stored_row(line)
 
 
@@ -984,11 +985,37 @@ def test_arguments_nested_deeper_than_json_reads_are_rendered_and_read_back_as_t
 
 
 def format_2_line(result: SessionResult) -> bytes:
-    """The row as format 2 wrote it: the current row without gpt_turns."""
+    """The row as format 2 wrote it: the current row without gpt_turns or sample_index."""
     row = json.loads(encode(result))
-    del row["gpt_turns"]
+    del row["gpt_turns"], row["sample_index"]
     row["format"] = 2
     return json.dumps(row, ensure_ascii=False).encode() + b"\n"
+
+
+def format_3_line(result: SessionResult) -> bytes:
+    """The row as format 3 wrote it: the current row without sample_index."""
+    row = json.loads(encode(result))
+    del row["sample_index"]
+    row["format"] = 3
+    return json.dumps(row, ensure_ascii=False).encode() + b"\n"
+
+
+def test_a_format_3_row_is_the_first_sample_of_its_prompt():
+    stored = read_stored_row(format_3_line(FORMAT_1_SESSION))
+    assert not stored.is_current
+    assert (stored.sample_index, stored.sample_key) == (0, stored.content_key)
+
+
+def test_a_format_3_row_is_upgraded_to_the_current_row_keeping_its_record_of_turns():
+    assert read_stored_row(format_3_line(FORMAT_1_SESSION)).upgraded() == encode(FORMAT_1_SESSION)
+
+
+def test_a_later_sample_is_counted_apart_from_the_first_by_resume():
+    first, third = (read_stored_row(encode(dataclasses.replace(FORMAT_1_SESSION, sample_index=index)))
+                    for index in (0, 2))
+    assert (first.content_key, first.prompt) == (third.content_key, third.prompt)
+    assert first.sample_key != third.sample_key
+    assert (third.sample_index, json.loads(third.line)["sample_index"]) == (2, 2)
 
 
 def test_a_format_2_row_is_read_by_its_turns_text_as_it_was_written():

@@ -96,7 +96,7 @@ def local_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TERMINAL_ENV", "local")
 
 
-TASK = Task(prompt_index=0, prompt="do the task", image=None, cwd=None, content_key="key", toolsets=("terminal",))
+TASK = Task(prompt_index=0, prompt="do the task", image=None, cwd=None, content_key="key", toolsets=("terminal",), unit=0)
 
 
 def worker_services(tmp_path: Path, models: ScriptedModels, **flags: Any) -> SessionServices:
@@ -297,7 +297,7 @@ def test_a_secret_the_endpoint_echoes_never_reaches_the_record_or_the_tool(tmp_p
 
 
 FILE_TASK = Task(prompt_index=0, prompt="write it", image=None, cwd=None, content_key="key",
-                 toolsets=("terminal", "file"))
+                 toolsets=("terminal", "file"), unit=0)
 
 
 def run_file_session(tmp_path: Path, script: list[ModelReply | Exception], limit: int) -> SessionResult:
@@ -436,7 +436,7 @@ def test_an_environment_whose_start_can_fail_for_one_prompt_starts_before_any_mo
 
 def test_a_row_with_a_cwd_starts_its_environment_before_any_model_call(tmp_path, monkeypatch):
     watch = StartWatch(monkeypatch, wait_for_call=False)
-    task = Task(prompt_index=0, prompt="do the task", image=None, cwd="src", content_key="key", toolsets=("terminal",))
+    task = Task(prompt_index=0, prompt="do the task", image=None, cwd="src", content_key="key", toolsets=("terminal",), unit=0)
     run_watched(tmp_path, watch, [call("terminal", ECHO), say("Done.")], task)
     assert watch.events[:3] == ["start begun", "started", "model called"]
 

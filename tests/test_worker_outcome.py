@@ -11,7 +11,8 @@ import pytest
 from batchrun import rows, worker_process
 from batchrun.messages import Finished, Task
 
-TASK = Task(prompt_index=7, prompt="a prompt", image=None, cwd=None, content_key="key", toolsets=("terminal",))
+TASK = Task(prompt_index=7, prompt="a prompt", image=None, cwd=None, content_key="key", toolsets=("terminal",),
+            unit=7)
 CONFIG = SimpleNamespace(batch_size=5, model="m", discard_no_reasoning=False, log_prefix_chars=100)
 
 
@@ -30,11 +31,11 @@ def test_an_exception_while_the_row_is_encoded_becomes_a_failure_row(monkeypatch
     encode = worker_process._finished
     calls = []
 
-    def breaks_once(result: rows.SessionResult, config: object) -> Finished:
+    def breaks_once(task: Task, result: rows.SessionResult, config: object) -> Finished:
         calls.append(result)
         if len(calls) == 1:
             raise ValueError("the row could not be encoded")
-        return encode(result, config)
+        return encode(task, result, config)
 
     monkeypatch.setattr(worker_process, "Session", FinishedSession)
     monkeypatch.setattr(worker_process, "_finished", breaks_once)

@@ -1,0 +1,299 @@
+"""--samples_per_prompt: K rows per prompt, each sample its own session, resumed per (prompt, sample);
+--best_of chooses one sample per prompt at export."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from conftest import (
+    batch_rows,
+    batch_runner_command,
+    cli_environment,
+    endpoint_args,
+    finished_row_count,
+    human_prompt,
+    last_user_message,
+    read_jsonl,
+    run_cli,
+    wait_for,
+    write_dataset,
+)
+
+from batchrun import rows
+from batchrun.rows import AssistantTurn, SessionResult, ToolCallRecord, Usage
+
+PROMPTS = [f"prompt number {index}" for index in range(10)]
+
+
+def sample_run(tmp_path: Path, endpoint, dataset: Path, *extra: str, run_name: str = "run",
+               expect: int = 0) -> subprocess.CompletedProcess:
+    result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=4", f"--run_name={run_name}",
+                     "--distribution=minimal", *endpoint_args(endpoint), *extra)
+    assert result.returncode == expect, result.stderr
+    return result
+
+
+def samples_by_prompt(row_list: list[dict]) -> dict[str, list[int]]:
+    found: dict[str, list[int]] = {}
+    for row in row_list:
+        found.setdefault(human_prompt(row), []).append(row["sample_index"])
+    return {prompt: sorted(indexes) for prompt, indexes in found.items()}
+
+
+def merged(tmp_path: Path, run_name: str = "run") -> list[dict]:
+    return read_jsonl(tmp_path / "data" / run_name / "trajectories.jsonl")
+
+
+def test_each_prompt_gives_k_rows_with_sample_indices_0_to_k_minus_1(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", PROMPTS)
+    sample_run(tmp_path, endpoint, dataset, "--samples_per_prompt=3")
+    assert len(merged(tmp_path)) == 30
+    assert samples_by_prompt(merged(tmp_path)) == {prompt: [0, 1, 2] for prompt in PROMPTS}
+    assert len(endpoint.requests) == 30       # one session, and here one model call, per sample
+
+
+def test_the_samples_of_a_prompt_are_spread_through_the_run_not_run_back_to_back(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", PROMPTS[:4])
+    sample_run(tmp_path, endpoint, dataset, "--samples_per_prompt=3", "--num_workers=1")
+    assert [last_user_message(request) for request in endpoint.requests] == PROMPTS[:4] * 3
+
+
+def test_kill_9_midway_then_resume_finishes_with_every_sample_exactly_once(tmp_path, endpoint):
+    prompts = [f"[[sleep 0.3]] slow prompt {index}" for index in range(10)]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    run_dir = tmp_path / "data" / "run"
+    args = [f"--dataset_file={dataset}", "--batch_size=4", "--run_name=run", "--distribution=minimal",
+            "--num_workers=4", "--samples_per_prompt=3", *endpoint_args(endpoint)]
+    process = subprocess.Popen(batch_runner_command(*args), cwd=tmp_path, env=cli_environment(tmp_path),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(lambda: finished_row_count(run_dir) >= 8)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    done_before = len(batch_rows(run_dir))
+    assert 8 <= done_before < 30
+    endpoint.reset()
+
+    result = run_cli(tmp_path, *args, "--resume")
+    assert result.returncode == 0, result.stderr
+    written = [(row["prompt_index"], row["sample_index"]) for row in batch_rows(run_dir)]
+    assert len(written) == len(set(written)) == 30            # no sample twice, none missing
+    assert samples_by_prompt(merged(tmp_path)) == {prompt: [0, 1, 2] for prompt in prompts}
+    assert len(endpoint.requests) == 30 - done_before
+    assert f"{done_before} samples already done" in result.stdout
+
+
+def test_raising_k_on_resume_runs_only_the_new_samples(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", PROMPTS)
+    sample_run(tmp_path, endpoint, dataset, "--samples_per_prompt=3")
+    endpoint.reset()
+    sample_run(tmp_path, endpoint, dataset, "--samples_per_prompt=5", "--resume")
+    assert len(endpoint.requests) == 20
+    assert samples_by_prompt(merged(tmp_path)) == {prompt: [0, 1, 2, 3, 4] for prompt in PROMPTS}
+
+
+def test_lowering_k_on_resume_runs_nothing_and_keeps_every_sample(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", PROMPTS[:3])
+    sample_run(tmp_path, endpoint, dataset, "--samples_per_prompt=3")
+    endpoint.reset()
+    result = sample_run(tmp_path, endpoint, dataset, "--resume")
+    assert endpoint.requests == []
+    assert "All prompts have already been processed!" in result.stdout
+    assert len(merged(tmp_path)) == 9
+
+
+def test_a_single_sample_run_resumed_with_more_samples_keeps_its_rows_as_the_first_samples(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", PROMPTS[:3])
+    sample_run(tmp_path, endpoint, dataset)
+    assert [row["sample_index"] for row in merged(tmp_path)] == [0, 0, 0]
+    endpoint.reset()
+    sample_run(tmp_path, endpoint, dataset, "--samples_per_prompt=2", "--resume")
+    assert len(endpoint.requests) == 3
+    assert samples_by_prompt(merged(tmp_path)) == {prompt: [0, 1] for prompt in PROMPTS[:3]}
+
+
+def test_each_occurrence_of_a_repeated_prompt_gets_its_own_samples(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["same", "same", "other"])
+    sample_run(tmp_path, endpoint, dataset, "--samples_per_prompt=2")
+    by_occurrence = Counter((row["prompt_index"], row["sample_index"]) for row in merged(tmp_path))
+    assert by_occurrence == Counter({(index, sample): 1 for index in range(3) for sample in range(2)})
+    endpoint.reset()
+    sample_run(tmp_path, endpoint, dataset, "--samples_per_prompt=3", "--resume")
+    assert Counter(last_user_message(request) for request in endpoint.requests) == {"same": 2, "other": 1}
+
+
+def test_each_sample_draws_its_own_toolsets_and_the_first_draws_as_a_one_sample_run(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", PROMPTS[:6])
+    flags = ("--distribution=research", "--seed=7")
+    sample_run(tmp_path, endpoint, dataset, *flags, run_name="single")
+    sample_run(tmp_path, endpoint, dataset, *flags, "--samples_per_prompt=4", run_name="four")
+    single = {row["prompt_index"]: row["toolsets_sampled"] for row in batch_rows(tmp_path / "data" / "single")}
+    draws: dict[int, list] = {}
+    for row in batch_rows(tmp_path / "data" / "four"):
+        draws.setdefault(row["prompt_index"], [None] * 4)[row["sample_index"]] = row["toolsets_sampled"]
+    assert {index: samples[0] for index, samples in draws.items()} == single
+    assert any(len({tuple(draw) for draw in samples}) > 1 for samples in draws.values())
+
+
+def test_statistics_count_the_prompts_with_a_completed_sample(tmp_path, endpoint):
+    # The scripted endpoint fails the first two requests of the first prompt: both its samples.
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["[[fail 400 2]] hard", "easy", "[[fail 400 1]] fickle"])
+    sample_run(tmp_path, endpoint, dataset, "--samples_per_prompt=2", "--num_workers=1", expect=2)
+    statistics = json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())
+    assert statistics["samples_per_prompt"] == 2
+    assert statistics["samples"] == {"prompts_with_rows": 3, "prompts_with_a_completed_sample": 2,
+                                     "prompts_by_completed_samples": {"0": 1, "1": 1, "2": 1}}
+
+
+def test_the_report_shows_the_prompts_with_a_completed_sample_and_names_each_sample(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["[[fail 400 2]] hard", "easy"])
+    sample_run(tmp_path, endpoint, dataset, "--samples_per_prompt=2", "--num_workers=1", expect=2)
+    page = (tmp_path / "data" / "run" / "report.html").read_text()
+    assert "prompts with a completed sample" in page
+    assert "1 of 2 prompts (2 samples asked each); by completed samples: 1 with 0, 1 with 2" in page
+    assert '"si": 1' in page or '"si":1' in page
+
+
+def test_statistics_of_a_one_sample_run_have_no_per_prompt_section(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", PROMPTS[:2])
+    sample_run(tmp_path, endpoint, dataset)
+    statistics = json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())
+    assert "samples" not in statistics and "samples_per_prompt" not in statistics
+
+
+def test_the_progress_counts_samples_and_each_line_names_its_sample(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", PROMPTS[:2])
+    result = sample_run(tmp_path, endpoint, dataset, "--samples_per_prompt=2")
+    assert "2 prompts × 2 samples" in result.stdout
+    assert "[4/4] prompt" in result.stdout
+    assert "prompt 1 sample 1" in result.stdout
+    assert "2 of 2 prompts have a completed sample" in result.stdout
+
+
+def test_the_checkpoint_counts_samples(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", PROMPTS[:3])
+    sample_run(tmp_path, endpoint, dataset, "--samples_per_prompt=2")
+    checkpoint = json.loads((tmp_path / "data" / "run" / "checkpoint.json").read_text())
+    assert (checkpoint["total_prompts"], checkpoint["samples_per_prompt"], checkpoint["total_samples"],
+            checkpoint["completed_samples"]) == (3, 2, 6, 6)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_a_bad_samples_per_prompt_gets_one_error_naming_the_flag(tmp_path, endpoint, value):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", PROMPTS[:1])
+    result = sample_run(tmp_path, endpoint, dataset, f"--samples_per_prompt={value}", expect=1)
+    assert "--samples_per_prompt must be a positive integer" in result.stderr
+    assert endpoint.requests == [] and not (tmp_path / "data" / "run").exists()
+
+
+def test_rows_of_runs_with_and_without_samples_load_together_with_datasets(tmp_path, endpoint):
+    datasets = pytest.importorskip("datasets")
+    dataset = write_dataset(tmp_path / "dataset.jsonl", PROMPTS[:3])
+    sample_run(tmp_path, endpoint, dataset, run_name="single")
+    sample_run(tmp_path, endpoint, dataset, "--samples_per_prompt=3", run_name="three")
+    files = [str(tmp_path / "data" / name / "trajectories.jsonl") for name in ("single", "three")]
+    loaded = datasets.load_dataset("json", data_files=files, split="train", cache_dir=str(tmp_path / "cache"))
+    assert sorted(loaded["sample_index"]) == [0] * 6 + [1] * 3 + [2] * 3
+
+
+# -- --best_of at export ------------------------------------------------------------------------
+
+
+def finished_call(result: str) -> ToolCallRecord:
+    return ToolCallRecord(id="c1", name="web_search", arguments='{"query": "q"}', result=result)
+
+
+SUCCEEDED, FAILED_RESULT = '{"results": []}', '{"error": "no network"}'
+
+
+def sample(prompt_index: int, sample_index: int, *, end_reason: str = "final_answer", calls: int = 1,
+           reasoning: str = "thinking", last_result: str = SUCCEEDED) -> SessionResult:
+    """A sample of prompt ``prompt_index``: ``calls`` model calls, the last the answer."""
+    prompt = f"prompt {prompt_index}"
+    turns = [AssistantTurn(reasoning, "", [finished_call(SUCCEEDED)]) for _ in range(calls - 2)]
+    if calls > 1:
+        turns.append(AssistantTurn(reasoning, "", [finished_call(last_result)]))
+    turns.append(AssistantTurn(reasoning, "The answer."))
+    return SessionResult(prompt_index=prompt_index, content_key=rows.content_key(prompt, None, None), prompt=prompt,
+                         toolsets=["web"], offered_tools=["web_search"], turns=turns, api_calls=calls,
+                         usage=Usage(), wall_time=1.0, end_reason=end_reason, sample_index=sample_index)
+
+
+def write_samples(home: Path, results: list[SessionResult]) -> None:
+    run_dir = home / "data" / "run"
+    run_dir.mkdir(parents=True)
+    (run_dir / "batch_0.jsonl").write_bytes(b"".join(
+        rows.encode_finished(result, batch_num=0, model="m", timestamp="t", discard_no_reasoning=False)
+        for result in results))
+
+
+def exported_samples(home: Path, *flags: str) -> tuple[dict[int, int], subprocess.CompletedProcess]:
+    out = home / "out.jsonl"
+    result = run_cli(home, "--run_name=run", "--export=sharegpt", f"--out={out}", *flags)
+    assert result.returncode == 0, result.stderr
+    return {row["prompt_index"]: row["sample_index"] for row in read_jsonl(out)}, result
+
+
+BEST_OF_RUN = [
+    sample(0, 0, end_reason="max_turns", calls=2),        # partial: never good
+    sample(0, 1, calls=4, reasoning="a long, long stretch of thinking"),
+    sample(0, 2, calls=2, last_result=FAILED_RESULT),     # its last tool call failed
+    sample(0, 3, calls=3),
+    sample(1, 0, end_reason="max_turns"),
+    sample(1, 1, end_reason="max_turns"),
+    sample(2, 2, calls=1, reasoning="brief"),
+    sample(2, 1, calls=1, reasoning="rather longer"),
+]
+
+
+def test_without_best_of_the_export_keeps_every_sample(tmp_path):
+    write_samples(tmp_path, BEST_OF_RUN)
+    out = tmp_path / "out.jsonl"
+    assert run_cli(tmp_path, "--run_name=run", "--export=sharegpt", f"--out={out}").returncode == 0
+    assert len(read_jsonl(out)) == len(BEST_OF_RUN)
+    assert not (tmp_path / "out.best_of.json").exists()
+
+
+def test_best_of_first_completed_keeps_the_completed_sample_of_the_lowest_index(tmp_path):
+    write_samples(tmp_path, BEST_OF_RUN)
+    assert exported_samples(tmp_path, "--best_of=first_completed")[0] == {0: 1, 2: 1}
+
+
+def test_best_of_fewest_calls_keeps_the_shortest_completed_sample_whose_last_call_succeeded(tmp_path):
+    write_samples(tmp_path, BEST_OF_RUN)
+    assert exported_samples(tmp_path, "--best_of=fewest_calls")[0] == {0: 3, 2: 1}
+
+
+def test_best_of_longest_reasoning_keeps_the_completed_sample_that_reasoned_most(tmp_path):
+    write_samples(tmp_path, BEST_OF_RUN)
+    assert exported_samples(tmp_path, "--best_of=longest_reasoning")[0] == {0: 1, 2: 1}
+
+
+def test_best_of_prints_and_records_the_rule_and_the_prompts_by_good_samples(tmp_path):
+    write_samples(tmp_path, BEST_OF_RUN)
+    _, result = exported_samples(tmp_path, "--best_of=fewest_calls")
+    record = json.loads((tmp_path / "out.best_of.json").read_text())
+    assert record["best_of"] == "fewest_calls" and record["rule"]
+    assert (record["prompts"], record["prompts_kept"], record["prompts_by_good_samples"]) == (3, 2, {"0": 1, "2": 2})
+    assert "best of samples: fewest_calls" in result.stdout
+    assert "2 of 3 prompts kept; prompts by good samples: 1 with 0, 2 with 2" in result.stdout
+    assert "another sample of the prompt was chosen" in result.stdout
+
+
+def test_a_later_export_without_best_of_removes_the_record_of_an_earlier_choice(tmp_path):
+    write_samples(tmp_path, BEST_OF_RUN)
+    exported_samples(tmp_path, "--best_of=first_completed")
+    exported_samples(tmp_path)
+    assert not (tmp_path / "out.best_of.json").exists()
+
+
+def test_an_unknown_best_of_rule_is_refused_naming_the_rules(tmp_path):
+    write_samples(tmp_path, BEST_OF_RUN)
+    result = run_cli(tmp_path, "--run_name=run", "--export=sharegpt", "--best_of=shortest")
+    assert result.returncode == 1
+    assert "--best_of must be one of first_completed, fewest_calls, longest_reasoning" in result.stderr
