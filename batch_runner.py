@@ -39,6 +39,7 @@ from batchrun.environments.base import EnvironmentSettings, run_identity
 from batchrun.export import EXPORT_FLAGS, ExportError, export_options, export_run, flags_without_export
 from batchrun.install_hint import program
 from batchrun.messages import Fatal, Finished, Spent, Task
+from batchrun.pricing import reports_cost
 from batchrun.report_follower import ReportFailed, ReportFollower
 from batchrun.run_dir import (
     SPENT,
@@ -283,6 +284,8 @@ class BatchRunner:
         group commit). The replies' usage and the rows about to be appended go to the spent ledger
         first (see SpentLedger). When the disk is full, the rows not written are held back for one more
         try at the stop (see _stop), and DiskFull goes up."""
+        for event in spent:
+            self.this_run.cost_sources[event.cost_source] += 1
         by_batch: dict[int, list[Finished]] = {}
         for message in finished:
             by_batch.setdefault(message.batch_num, []).append(message)
@@ -437,7 +440,8 @@ class BatchRunner:
                                       duration=time.monotonic() - self.started, merge=merge, this_run=self.this_run,
                                       superseded_corrupted=self.superseded_corrupted,
                                       unfinished=self.spent.unfinished(),
-                                      samples_per_prompt=self.config.samples_per_prompt)
+                                      samples_per_prompt=self.config.samples_per_prompt,
+                                      pricing=self.config.pricing.as_dict())
         self.run_dir.write_statistics(statistics)
         self.console.summary(statistics, merge.batch_files, interrupted=interrupted)
         self._write_report()
@@ -458,6 +462,19 @@ class BatchRunner:
         self.console.warn(f"the run report was not written ({reason}); "
                           f"{program()} --report --run_name={self.config.run_name} retries it")
 
+    def _print_pricing(self) -> None:
+        """How replies will be priced, said once: by the endpoint, by a price, or not at all."""
+        config = self.config
+        pricing = config.pricing
+        if reports_cost(config.base_url):
+            self.console.print("cost: as the endpoint reports it with each reply")
+        elif pricing.source == "unknown":
+            self.console.warn(f"cost unknown: {pricing.description}. Unless the endpoint reports a cost with its "
+                              "replies, cost shows as unknown; --price_per_mtok=INPUT,OUTPUT[,CACHED] (USD per "
+                              "million tokens) prices them.")
+        else:
+            self.console.print(f"cost: as the endpoint reports it, else by {pricing.description}")
+
     def _print_startup(self, plan: DatasetPlan, scan: ScanResult, live_corrupted: int) -> None:
         config, out = self.config, self.console
         processes = process_count(config.num_workers)
@@ -468,6 +485,7 @@ class BatchRunner:
                      f"{processes} worker process{'es' if processes > 1 else ''}"))
         out.print(f"environment {config.terminal_env} ({config.terminal_env_reason})"
                   + (" · network allowed" if config.allow_network else ""))
+        self._print_pricing()
         if config.terminal_env in ("local", "bubblewrap"):
             if plan.pending_with_image:
                 out.warn(f"{plan.pending_with_image} prompt{'s name' if plan.pending_with_image > 1 else ' names'} "
@@ -504,7 +522,8 @@ _FLAG_NAMES = ("dataset_file", "batch_size", "run_name", "distribution", "model"
                "reasoning_disabled", "ephemeral_system_prompt", "log_prefix_chars", "prefill_messages_file", "seed",
                "discard_no_reasoning", "rerun_corrupted", "max_retries", "request_timeout", "prompt_timeout",
                "tool_timeout", "command_timeout", "keep_workdirs", "requests_per_minute", "max_cost",
-               "max_total_tokens", "report", "backend", "adaptive_concurrency", "samples_per_prompt", *EXPORT_FLAGS)
+               "max_total_tokens", "report", "backend", "adaptive_concurrency", "samples_per_prompt", "price_per_mtok",
+               *EXPORT_FLAGS)
 
 # Free-text flags. Fire reads every value as a Python literal, so `--ephemeral_system_prompt="Hello, world"`
 # arrives as ('Hello', 'world') and `--run_name=1_000` as 1000; for these the text as typed is what counts.
@@ -545,7 +564,7 @@ def main(dataset_file: str | None = None, batch_size: int | None = None, run_nam
          tool_timeout: float = 120, command_timeout: float = 60, keep_workdirs: bool = False,
          requests_per_minute: int | None = None, max_cost: float | None = None, max_total_tokens: int | None = None,
          report: bool = False, backend: str = "local", adaptive_concurrency: bool = True,
-         samples_per_prompt: int = 1,
+         samples_per_prompt: int = 1, price_per_mtok: Any = None,
          export: str | None = None, out: str | None = None, reasoning: str | None = None, end_reasons: Any = None,
          min_tool_calls: int = 0, last_call_succeeded: bool = False, discard_invented: bool = True,
          best_of: str | None = None, **unknown_flags: Any) -> None:
@@ -562,7 +581,9 @@ def main(dataset_file: str | None = None, batch_size: int | None = None, run_nam
     --adaptive_concurrency=False (always up to --num_workers model requests at once, instead of as
     many as the endpoint takes without 429s or slowing down),
     --samples_per_prompt=K (each prompt runs K times, each sample its own row; --resume runs only
-    the samples missing, also after raising K).
+    the samples missing, also after raising K),
+    --price_per_mtok=INPUT,OUTPUT[,CACHED] (USD per million tokens, for replies that carry no cost
+    when genai-prices has no price for the model).
     --report --run_name=NAME (re)writes data/NAME/report.html from the run directory alone.
     --export=openai|sharegpt|parquet|hf --run_name=NAME writes the run's rows for training, filtered
     again (docs/export.md).
@@ -686,6 +707,7 @@ export     --export=openai|sharegpt|parquet|hf --run_name=NAME (write the rows f
 tools      --distribution=NAME (--list_distributions shows them all)  --max_turns=N
            TERMINAL_ENV={kinds} (where commands run)
 limits     --prompt_timeout  --tool_timeout  --command_timeout (seconds)  --max_cost=USD
+           --price_per_mtok=INPUT,OUTPUT[,CACHED] (prices replies that carry no cost)
            --max_total_tokens=N  --requests_per_minute=N
            --adaptive_concurrency=False (requests at once stay at --num_workers, 429s or not)
            TERMINAL_MEMORY_MB, TERMINAL_MAX_PROCESSES, TERMINAL_TMP_MB, TERMINAL_WORKSPACE_MB,

@@ -7,6 +7,7 @@ failure is one UsageError line that names the flag and what is allowed.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from batchrun.environments import ENVIRONMENT_KINDS, default_environment_kind
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.environments.limits import ResourceLimits
 from batchrun.install_hint import install_hint
+from batchrun.pricing import Pricing, reports_cost, resolve_pricing
 from batchrun.tools.configuration import enabled, variable
 
 DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
@@ -88,6 +90,7 @@ class RunConfig:
     backend: str = "local"               # where sessions run: worker processes here, or Ray actors
     adaptive_concurrency: bool = True    # model requests at once follow the endpoint, up to num_workers
     samples_per_prompt: int = 1          # sessions (and rows) per dataset prompt, each its own toolset draw
+    pricing: Pricing = field(default_factory=lambda: Pricing("unknown", "not resolved"))   # replies without a cost
 
     @property
     def run_dir(self) -> Path:
@@ -126,6 +129,34 @@ def optional_positive_number(flag: str, value: Any) -> float | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
         return float(value)
     raise UsageError(f"--{flag} must be a positive number, got {value!r}")
+
+
+def prices_per_mtok(value: Any) -> tuple[float, float, float] | None:
+    """--price_per_mtok=INPUT,OUTPUT[,CACHED] (USD per million tokens; fire may already have made it a
+    tuple) -> (input, output, cached input); cached input costs what input does unless given."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else value if isinstance(value, (tuple, list)) else [value]
+    numbers = []
+    for item in items:
+        try:
+            number = float(item) if not isinstance(item, bool) else math.nan
+        except (TypeError, ValueError):
+            number = math.nan
+        numbers.append(number)
+    if len(numbers) not in (2, 3) or not all(math.isfinite(number) and number >= 0 for number in numbers):
+        raise UsageError(f"--price_per_mtok takes INPUT,OUTPUT[,CACHED]: USD per million prompt, completion and "
+                         f"cached prompt tokens, e.g. --price_per_mtok=0.6,2.4; got {value!r}")
+    return numbers[0], numbers[1], numbers[2] if len(numbers) == 3 else numbers[0]
+
+
+def checked_pricing(pricing: Pricing, base_url: str, max_cost: float | None) -> Pricing:
+    """A cap on cost needs every reply's cost: from the endpoint, or a price to work it out."""
+    if max_cost is not None and pricing.source == "unknown" and not reports_cost(base_url):
+        raise UsageError(f"--max_cost needs to know what replies cost, and {pricing.description} (the endpoint "
+                         "does not report cost). Give the model's prices, e.g. --price_per_mtok=INPUT,OUTPUT "
+                         "(USD per million tokens), or cap tokens with --max_total_tokens.")
+    return pricing
 
 
 def boolean(flag: str, value: Any) -> bool:
@@ -405,6 +436,9 @@ def build_config(**flags: Any) -> RunConfig:
         backend=validate_backend(flags.get("backend", "local")),
         adaptive_concurrency=boolean("adaptive_concurrency", flags.get("adaptive_concurrency", True)),
         samples_per_prompt=positive_int("samples_per_prompt", flags.get("samples_per_prompt", 1)),
+        pricing=checked_pricing(resolve_pricing(text("model", flags["model"], required=True), base_url,
+                                                prices_per_mtok(flags.get("price_per_mtok"))),
+                                base_url, optional_positive_number("max_cost", flags["max_cost"])),
         # Last (arguments are evaluated in order), so that a bad flag is reported before the
         # "no endpoint" guidance.
         api_key=resolve_api_key(text("api_key", flags["api_key"]), base_url, base_url_given),

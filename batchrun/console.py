@@ -127,11 +127,20 @@ def clock(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}"
 
 
-def usage_segments(usage: dict) -> list[str]:
-    """Reasoning tokens are part of the completion, cached tokens part of the prompt."""
+def usage_segments(usage: dict, unpriced: int = 0) -> list[str]:
+    """Reasoning tokens are part of the completion, cached tokens part of the prompt. ``unpriced``:
+    replies whose cost is unknown, which the cost then leaves out."""
     return [f"{usage['prompt_tokens']:,} prompt ({usage['cached_tokens']:,} cached)",
             f"{usage['completion_tokens']:,} completion ({usage['reasoning_tokens']:,} reasoning)",
-            f"cost ${usage['cost']:.4f}"]
+            f"cost {cost_text(usage['cost'], unpriced)}"
+            + (f" ({unpriced:,} repl{'ies' if unpriced != 1 else 'y'} without a price)" if unpriced else "")]
+
+
+def cost_text(cost: float, unpriced: int) -> str:
+    """A cost that leaves out replies without a price says so: unknown, or at least what is known."""
+    if not unpriced:
+        return f"${cost:.4f}"
+    return f"≥ ${cost:.4f}" if cost else "unknown"
 
 
 class _Fitted:
@@ -226,7 +235,7 @@ class RunConsole:
             return []
         counts = " ".join(f"{STATUS_MARK[status].strip()} {run.statuses[status]:,}" for status in STATUS_MARK)
         tokens = run.usage["prompt_tokens"] + run.usage["completion_tokens"]
-        segments = [counts, f"{tokens:,} tok", f"${run.usage['cost']:.4f}"]
+        segments = [counts, f"{tokens:,} tok", cost_text(run.usage["cost"], run.unpriced_replies)]
         if run.concurrency is not None and run.concurrency.adaptive:
             # Model requests the run lets be in flight now, of the most it would (--num_workers).
             segments.append(f"requests {run.concurrency.limit:,}/{run.concurrency.ceiling:,} at once")
@@ -362,7 +371,9 @@ class RunConsole:
     @staticmethod
     def _token_rows(statistics: dict) -> list[tuple[str, list[str]]]:
         """After a resume the merged file also holds earlier runs' usage: both figures, each labelled."""
-        this_run, all_runs = usage_segments(statistics["this_run"]["usage"]), usage_segments(statistics["usage"])
+        unpriced = statistics["this_run"]["replies_by_cost_source"].get("unknown", 0)
+        this_run = usage_segments(statistics["this_run"]["usage"], unpriced)
+        all_runs = usage_segments(statistics["usage"], unpriced)
         if this_run == all_runs:
             return [("Tokens", this_run)]
         return [("Tokens, this run", this_run), ("Tokens, all runs", all_runs)]

@@ -95,8 +95,13 @@ class OpenAIModel:
         if body is None:
             body = self._bodies[with_tools] = ConversationBody(self._fields(with_tools))
         config = self._config
-        return await call_model(self._client, self._gate, body=body.encode(messages), model=config.model,
-                                max_retries=config.max_retries, base_url=config.base_url)
+        reply = await call_model(self._client, self._gate, body=body.encode(messages), model=config.model,
+                                 max_retries=config.max_retries, base_url=config.base_url)
+        if reply.cost_source == "unknown":      # the endpoint said nothing of cost: price it, if a price is known
+            cost = config.pricing.cost(reply.usage)
+            if cost is not None:
+                reply.usage.cost, reply.cost_source = cost, config.pricing.source
+        return reply
 
     def _fields(self, with_tools: bool) -> Message:
         """Every field of a chat-completions call but its messages (provider routing and reasoning included)."""
@@ -354,7 +359,10 @@ def parse_reply(raw: bytes) -> ModelReply:
     if not isinstance(message, dict):
         raise MalformedReplyError(f"choices[0].message is not an object: {_preview(message)}")
     _check_tool_calls(message)
-    return ModelReply(message=message, finish_reason=choice.get("finish_reason"), usage=_usage_from(data))
+    usage = data.get("usage")
+    reported = isinstance(usage, dict) and usage.get("cost") is not None
+    return ModelReply(message=message, finish_reason=choice.get("finish_reason"), usage=_usage_from(data),
+                      cost_source="endpoint" if reported else "unknown")
 
 
 async def call_model(client: openai.AsyncOpenAI, gate: Gate, *, body: bytes, model: str, max_retries: int,

@@ -51,6 +51,7 @@ class Spent:
 
     unit: int                                  # the Task's
     usage: dict
+    cost_source: str = "endpoint"              # see pricing.COST_SOURCES
 
 
 @dataclass

@@ -35,6 +35,7 @@ class ModelReply:
     message: Message              # the assistant message, as received (reasoning fields, tool calls)
     finish_reason: str | None
     usage: Usage
+    cost_source: str = "endpoint"     # where usage.cost came from: one of pricing.COST_SOURCES
 
 
 class Model(Protocol):

@@ -155,7 +155,7 @@ class SessionActor:
         # Each reply's usage waits here until the parent collects it (drain_spent) or it goes back with
         # its prompt's row: a session cut off by a kill of the parent was paid for all the same.
         self._spent: list[Spent] = []
-        self._services.on_spent = lambda unit, usage: self._spent.append(Spent(unit, usage.as_dict()))
+        self._services.on_spent = lambda unit, usage, source: self._spent.append(Spent(unit, usage.as_dict(), source))
 
     async def probe(self) -> dict:
         """Where this actor runs, and what keeps its node from running this run's sessions (None: nothing)."""

@@ -222,8 +222,8 @@ def _within_budget(turns: list[dict]) -> list[dict]:
 def sampled_row(row: rows.StoredRow, status: str, batch_file: str) -> dict:
     """A row as the browser needs it: its facts, and its turns parsed and trimmed."""
     data = json.loads(row.line)
-    item: dict[str, Any] = {"id": row.prompt_index, "si": row.sample_index, "s": status, "e": data.get("end_reason"), "f": batch_file,
-                            "u": data.get("usage") or {}, "calls": data.get("api_calls"),
+    item: dict[str, Any] = {"id": row.prompt_index, "si": row.sample_index, "s": status, "e": data.get("end_reason"),
+                            "f": batch_file, "u": data.get("usage") or {}, "calls": data.get("api_calls"),
                             "wall": data.get("wall_time_seconds")}
     if "conversations" not in data:               # failure rows and tombstones keep only the prompt
         item.update(p=clip(data.get("prompt") or ""), err=data.get("error"), et=data.get("error_type"),
@@ -365,9 +365,19 @@ def _cards(summary: RunSummary, info: dict) -> str:
               "bad" if failures * 5 > calls else ""),          # more than one call in five failing
         _card("tokens", _number(tokens), f"{_number(summary.usage['reasoning_tokens'])} reasoning · "
               f"{_number(summary.usage['cached_tokens'])} cached"),
-        _card("cost", _money(cost), f"{_money(cost / kept)} per kept trajectory" if kept else ""),
+        _cost_card(cost, kept, info),
         _card("throughput", f"{kept / minutes:,.1f}/min" if minutes else "–", "kept trajectories per active minute"),
     ])
+
+
+def _cost_card(cost: float, kept: int, info: dict) -> str:
+    """What the rows cost; when replies of the last invocation had no price, that it says less than was spent."""
+    sources = (info.get("this_run") or {}).get("replies_by_cost_source") or {}
+    unpriced = sources.get("unknown", 0) if isinstance(sources, dict) else 0
+    if isinstance(unpriced, int) and unpriced > 0:
+        return _card("cost", f"≥ {_money(cost)}" if cost else "unknown",
+                     f"{_number(unpriced)} replies without a price: give --price_per_mtok", "warn")
+    return _card("cost", _money(cost), f"{_money(cost / kept)} per kept trajectory" if kept else "")
 
 
 def _samples_cards(info: dict) -> list[str]:

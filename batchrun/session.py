@@ -68,8 +68,9 @@ class SessionServices:
     # Environments starting at once in this process: when hundreds of sessions begin together, the
     # first few get their sandboxes (and send their first requests) without waiting for them all.
     starting: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(ENVIRONMENT_STARTS_AT_ONCE))
-    # Told of every model call's usage as its reply arrives (the task's unit, usage): see messages.Spent.
-    on_spent: Callable[[int, Usage], None] | None = None
+    # Told of every model call's usage as its reply arrives (the task's unit, usage, where its cost came
+    # from): see messages.Spent.
+    on_spent: Callable[[int, Usage, str], None] | None = None
 
     async def retire(self, env: Environment) -> None:
         """Release a finished session's environment before its row is made: a prompt that filled the disk
@@ -255,7 +256,7 @@ class Session:
         reply = await self.model.reply(messages, with_tools=with_tools)
         self.usage.add(reply.usage)
         if self.services.on_spent is not None:
-            self.services.on_spent(self.task.unit, reply.usage)
+            self.services.on_spent(self.task.unit, reply.usage, reply.cost_source)
         return reply
 
     def _record(self, messages: list[Message], reply: ModelReply, turn: AssistantTurn) -> None:

@@ -35,6 +35,12 @@ class ThisRun:
     usage: dict = field(default_factory=empty_usage)
     api_calls: int = 0
     concurrency: ConcurrencyFigures | None = None     # as the pool last reported it
+    cost_sources: Counter = field(default_factory=Counter)   # replies by where their cost came from
+
+    @property
+    def unpriced_replies(self) -> int:
+        """Replies whose cost is unknown (the endpoint said none, and no price was known)."""
+        return self.cost_sources["unknown"]
 
     def record(self, status: str, usage: dict, api_calls: int, error_type: str | None) -> None:
         self.statuses[status] += 1
@@ -189,7 +195,8 @@ def _rounded(usage: dict) -> dict:
 
 def build_statistics(*, run_name: str, distribution: str, model: str, batch_size: int, total_prompts: int,
                      skipped_dataset_lines: int, duration: float, merge: MergeStatistics, this_run: ThisRun,
-                     superseded_corrupted: Counter, unfinished: dict, samples_per_prompt: int = 1) -> dict:
+                     superseded_corrupted: Counter, unfinished: dict, samples_per_prompt: int = 1,
+                     pricing: dict | None = None) -> dict:
     """``unfinished``: spent by sessions that left no row (cut off by a kill or a stop), which the
     run's usage includes beside its rows'."""
     corrupted = merge.live_corrupted(superseded_corrupted)
@@ -221,6 +228,9 @@ def build_statistics(*, run_name: str, distribution: str, model: str, batch_size
                               for name, index, invented, _key in corrupted[:100]],
         "usage": _rounded(usage),
         "spent_by_unfinished_sessions": _rounded(unfinished),
+        # How replies without a cost of their own were priced, and how many had none (their cost is not in
+        # "cost" above, which then says less than was spent).
+        **({"pricing": pricing} if pricing is not None else {}),
         "this_run": {
             "prompts_processed": this_run.processed,
             "completed": this_run.statuses[rows.COMPLETED],
@@ -229,6 +239,7 @@ def build_statistics(*, run_name: str, distribution: str, model: str, batch_size
             "discarded_no_reasoning": this_run.statuses[rows.DISCARDED],
             "api_calls": this_run.api_calls,
             "usage": _rounded(this_run.usage),
+            "replies_by_cost_source": dict(this_run.cost_sources),
             "duration_seconds": round(duration, 3),
             **({"concurrency": this_run.concurrency.as_dict()} if this_run.concurrency else {}),
         },

@@ -142,7 +142,7 @@ async def _serve(conn: Connection, services: SessionServices, slots: int) -> Non
     threading.Thread(target=read_parent, daemon=True).start()
     outbox = _Outbox(conn)
     # Each reply's usage goes to the parent on the rows' own path, before the row that adds it up.
-    services.on_spent = lambda unit, usage: outbox.put(Spent(unit, usage.as_dict()))
+    services.on_spent = lambda unit, usage, source: outbox.put(Spent(unit, usage.as_dict(), source))
     fatal = asyncio.Event()
 
     # The parent hands out a few tasks more than there are slots; they wait here, first come first served.

@@ -65,6 +65,10 @@ served at once, as a per-key concurrency limit does: one beyond it is answered H
 Retry-After, and is counted in ``rejected`` (not recorded in ``requests``). It may be changed while the
 server runs; ``None`` (the default) means no cap.
 
+``reports_cost=False`` leaves ``cost`` out of each reply's usage (as OpenAI, vLLM and llama.cpp do);
+``tokens_by_length=True`` reports ``prompt_tokens`` as the characters of the request's messages // 4, so
+longer prompts cost more tokens, as with a real model.
+
 Run standalone: ``python tests/scripted_endpoint.py --port 8000 --latency 0.2``.
 """
 
@@ -584,8 +588,12 @@ class ScriptedEndpoint:
         port: int = 0,
         host: str = "127.0.0.1",
         max_concurrent: int | None = None,
+        reports_cost: bool = True,
+        tokens_by_length: bool = False,
     ):
         self.api_key = api_key
+        self.reports_cost = reports_cost            # False: usage without "cost", as most endpoints send it
+        self.tokens_by_length = tokens_by_length    # True: prompt_tokens = characters of the messages // 4
         self.models = set(models) if models else None
         self.latency = latency
         self.max_concurrent = max_concurrent
@@ -721,7 +729,7 @@ class ScriptedEndpoint:
             "created": int(time.time()),
             "model": model if model is not None else DEFAULT_MODEL,
             "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
-            "usage": json.loads(json.dumps(USAGE)),
+            "usage": self._usage(messages),
         }
         if k < script.malformed_count:
             broken, content_type = malformed_reply(script.malformed, completion)
@@ -730,6 +738,16 @@ class ScriptedEndpoint:
             opts = body.get("stream_options") or {}
             return 200, _sse(completion, bool(opts.get("include_usage"))), {"Cache-Control": "no-cache"}, "text/event-stream"
         return 200, completion, {}, "application/json"
+
+
+    def _usage(self, messages: list) -> dict:
+        usage = json.loads(json.dumps(USAGE))
+        if self.tokens_by_length:
+            usage["prompt_tokens"] = sum(len(json.dumps(m)) for m in messages) // 4
+            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        if not self.reports_cost:
+            del usage["cost"]
+        return usage
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,116 @@
+"""Cost on every endpoint: the reply's own cost, else tokens priced by the user's prices or genai-prices'
+table, else unknown (never $0)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import batch_rows, run_cli, write_dataset
+from scripted_endpoint import ScriptedEndpoint
+
+from batchrun.pricing import resolve_pricing
+from batchrun.rows import Usage
+
+PROMPTS = ["first", "[[call web_search {\"query\": \"q\"}]] second", "third"]
+REPLIES = 4                     # one model call each, two for the prompt with a tool call
+
+
+def priced_run(tmp_path: Path, *flags: str, reports_cost: bool = False, model: str = "scripted-model",
+               expect: int = 0):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", PROMPTS)
+    with ScriptedEndpoint(reports_cost=reports_cost) as server:
+        result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=2", "--run_name=run",
+                         "--distribution=minimal", f"--base_url={server.base_url}", f"--model={model}", *flags)
+    assert result.returncode == expect, result.stderr
+    return result
+
+
+def statistics(tmp_path: Path) -> dict:
+    return json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())
+
+
+def table_cost_of_replies(model: str, replies: int) -> float:
+    """What genai-prices says the scripted endpoint's replies cost (100 prompt tokens, 10 of them cached,
+    20 completion tokens each)."""
+    from genai_prices import Usage as TableUsage
+    from genai_prices import calc_price
+
+    one = calc_price(TableUsage(input_tokens=100, cache_read_tokens=10, output_tokens=20), model)
+    return replies * float(one.total_price)
+
+
+def test_user_prices_price_each_reply_by_its_tokens():
+    pricing = resolve_pricing("any-model", "http://127.0.0.1:1/v1", (2.0, 8.0, 0.5))
+    cost = pricing.cost(Usage(prompt_tokens=1_000, cached_tokens=200, completion_tokens=100))
+    assert cost == pytest.approx((800 * 2.0 + 200 * 0.5 + 100 * 8.0) / 1e6)
+
+
+def test_without_a_cost_in_the_reply_a_run_costs_its_tokens_at_the_users_prices(tmp_path):
+    priced_run(tmp_path, "--price_per_mtok=2,8,0.5")
+    figures = statistics(tmp_path)
+    per_reply = (90 * 2.0 + 10 * 0.5 + 20 * 8.0) / 1e6
+    assert figures["usage"]["cost"] == pytest.approx(REPLIES * per_reply)
+    assert sum(row["usage"]["cost"] for row in batch_rows(tmp_path / "data" / "run")) == pytest.approx(
+        REPLIES * per_reply)
+    assert figures["this_run"]["replies_by_cost_source"] == {"user": REPLIES}
+    assert figures["pricing"]["source"] == "user"
+    assert figures["pricing"]["usd_per_million_tokens"] == {"input": 2.0, "output": 8.0, "cached_input": 0.5}
+
+
+def test_cached_input_costs_what_input_does_unless_priced_apart(tmp_path):
+    priced_run(tmp_path, "--price_per_mtok=3,6")
+    assert statistics(tmp_path)["usage"]["cost"] == pytest.approx(REPLIES * (100 * 3.0 + 20 * 6.0) / 1e6)
+
+
+def test_without_a_cost_in_the_reply_a_model_in_the_price_table_costs_its_tokens_at_the_tables_prices(tmp_path):
+    result = priced_run(tmp_path, model="gpt-4o")
+    figures = statistics(tmp_path)
+    assert figures["usage"]["cost"] == pytest.approx(table_cost_of_replies("gpt-4o", REPLIES))
+    assert figures["this_run"]["replies_by_cost_source"] == {"table": REPLIES}
+    assert figures["pricing"]["source"] == "table"
+    assert "genai-prices: gpt 4o at OpenAI" in result.stdout
+
+
+def test_the_users_prices_win_over_the_table(tmp_path):
+    priced_run(tmp_path, "--price_per_mtok=1,1", model="gpt-4o")
+    assert statistics(tmp_path)["usage"]["cost"] == pytest.approx(REPLIES * 120 / 1e6)
+
+
+def test_a_cost_the_endpoint_reports_is_taken_as_it_is(tmp_path):
+    priced_run(tmp_path, "--price_per_mtok=100,100", model="gpt-4o", reports_cost=True)
+    figures = statistics(tmp_path)
+    assert figures["usage"]["cost"] == pytest.approx(REPLIES * 0.001)
+    assert figures["this_run"]["replies_by_cost_source"] == {"endpoint": REPLIES}
+
+
+def test_with_no_price_known_the_cost_is_said_to_be_unknown_not_zero(tmp_path):
+    result = priced_run(tmp_path)
+    assert result.stderr.count("cost unknown: no price known for model 'scripted-model'") == 1
+    assert "--price_per_mtok=INPUT,OUTPUT" in result.stderr
+    assert f"cost unknown ({REPLIES} replies without a price)" in result.stdout
+    assert "$0.0000" not in result.stdout
+    assert statistics(tmp_path)["this_run"]["replies_by_cost_source"] == {"unknown": REPLIES}
+    page = (tmp_path / "data" / "run" / "report.html").read_text()
+    assert f"{REPLIES} replies without a price" in page
+
+
+def test_max_cost_with_no_price_known_is_refused_saying_how_to_give_one(tmp_path):
+    result = priced_run(tmp_path, "--max_cost=1", expect=1)
+    assert "--max_cost needs to know what replies cost" in result.stderr
+    assert "--price_per_mtok=INPUT,OUTPUT" in result.stderr
+    assert not (tmp_path / "data" / "run").exists()
+
+
+def test_max_cost_counts_what_the_users_prices_say_replies_cost(tmp_path):
+    # Each reply costs 1,000 * 120 tokens / 1e6 = $0.12; a cap of $0.1 admits no prompt after the first replies.
+    result = priced_run(tmp_path, "--price_per_mtok=1000,1000", "--max_cost=0.1", "--num_workers=1")
+    assert "spending cap reached" in result.stdout
+    assert len(batch_rows(tmp_path / "data" / "run")) < len(PROMPTS)
+
+
+@pytest.mark.parametrize("value", ["1", "a,b", "1,2,3,4", "-1,2"])
+def test_a_bad_price_per_mtok_gets_one_error_naming_the_flag(tmp_path, value):
+    result = priced_run(tmp_path, f"--price_per_mtok={value}", expect=1)
+    assert "--price_per_mtok takes INPUT,OUTPUT[,CACHED]" in result.stderr
