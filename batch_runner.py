@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import sys
 import tempfile
 import time
@@ -23,7 +24,7 @@ import fire
 
 import model_tools
 import toolset_distributions
-from batchrun import report, rows
+from batchrun import estimate, report, rows
 from batchrun.config import (
     DEFAULT_MODEL,
     RunConfig,
@@ -86,6 +87,11 @@ class BatchRunner:
         self._last_checkpoint = 0.0
         self._total_prompts = 0
         self._per_prompt = False                  # statistics per prompt over its samples (see _run_locked)
+        self._sessions_asked = 0                  # --num_workers, before it is cut to the samples to run
+        # --estimate: the units of the samples it runs, their prompts' lengths until they finish, and what they used
+        self._estimate_units: set[int] | None = None
+        self._estimate_chars: dict[int, int] = {}
+        self._estimate_runs: list[estimate.SampledRun] = []
         self._pending_samples = 0                 # of this invocation's plan
         self._report: ReportFollower | None = None     # the report's helper, while prompts run
         self._held_back: list[Finished] = []      # rows a full disk refused, tried once more at the stop
@@ -149,8 +155,13 @@ class BatchRunner:
         self._total_prompts = plan.total
         self._total_samples = plan.units
         self._pending_samples = plan.pending
-        if plan.pending:     # never more sessions (nor worker processes) than prompts to run
-            self.config = config = dataclasses.replace(config, num_workers=min(config.num_workers, plan.pending))
+        self._sessions_asked = config.num_workers
+        if config.estimate is not None:     # only a sample of what is pending runs
+            chosen = estimate.chosen_units(plan.pending_units(), config.estimate, random.Random(config.seed))
+            self._estimate_units, self._pending_samples = chosen, len(chosen)
+        if self._pending_samples:     # never more sessions (nor worker processes) than prompts to run
+            self.config = config = dataclasses.replace(config, num_workers=min(config.num_workers,
+                                                                               self._pending_samples))
         self._print_startup(plan, scan, live_corrupted)
         if config.rerun_corrupted:     # the report follows the batch files from the start: it must know now
             self._write_checkpoint()
@@ -201,6 +212,8 @@ class BatchRunner:
             self.console.print("Interrupted. Finished prompts are saved; run the same command with --resume "
                                "to continue.", style="yellow")
         self._finish(plan, interrupted=exit_code == EXIT_INTERRUPTED)
+        if self._estimate_units is not None and exit_code != EXIT_INTERRUPTED and self._estimate_runs:
+            self._report_estimate(plan)
         if (cap := self._budget_spent()) and self.this_run.processed < plan.pending:
             self.console.print(f"Stopped admitting prompts: {cap}. {plan.pending - self.this_run.processed} "
                                f"{self._units_word} were not started (the cap counts the whole run, earlier "
@@ -366,6 +379,12 @@ class BatchRunner:
         self.batch_stats[finished.status] += 1
         if finished.status != rows.FAILED:
             self.done_samples += 1
+        if self._estimate_units is not None:
+            self._estimate_runs.append(estimate.SampledRun(
+                prompt_chars=self._estimate_chars.pop(finished.unit, 0),
+                tokens=finished.usage["prompt_tokens"] + finished.usage["completion_tokens"],
+                cost=finished.usage["cost"], model_calls=finished.api_calls,
+                tool_calls=sum(count for _name, count, _failed in finished.tool_calls), wall_time=finished.wall_time))
         if self.this_run.processed % self.config.batch_size == 0:
             self._checkpoint_due = True
         self.console.prompt_finished(finished)
@@ -373,6 +392,11 @@ class BatchRunner:
     def _planned_tasks(self, plan: DatasetPlan) -> Iterator[Task]:
         """Dataset records -> tasks with their sampled toolsets (reproducible per prompt with --seed)."""
         for record in iter_pending(plan):
+            unit = plan.unit(record.prompt_index, record.sample_index)
+            if self._estimate_units is not None:
+                if unit not in self._estimate_units:
+                    continue
+                self._estimate_chars[unit] = len(record.prompt)
             # A prompt's first sample draws as a run of one sample per prompt does, so --seed gives it the
             # same toolsets whatever --samples_per_prompt is.
             draw = f"{record.key}:{record.occurrence}" + (f":{record.sample_index}" if record.sample_index else "")
@@ -380,7 +404,7 @@ class BatchRunner:
             yield Task(prompt_index=record.prompt_index, prompt=record.prompt, image=record.image, cwd=record.cwd,
                        content_key=record.key,
                        toolsets=tuple(toolset_distributions.sample_toolsets(self.config.distribution, rng)),
-                       sample_index=record.sample_index, unit=plan.unit(record.prompt_index, record.sample_index))
+                       sample_index=record.sample_index, unit=unit)
 
     def _environment_settings(self) -> EnvironmentSettings:
         config = self.config
@@ -462,6 +486,22 @@ class BatchRunner:
         self.console.warn(f"the run report was not written ({reason}); "
                           f"{program()} --report --run_name={self.config.run_name} retries it")
 
+    def _report_estimate(self, plan: DatasetPlan) -> None:
+        """Project the rest of the run from the samples --estimate ran; print it and write estimate.json."""
+        runs = self._estimate_runs
+        sampled_chars = sum(run.prompt_chars for run in runs)
+        projection = estimate.estimate_report(
+            runs, remaining=plan.pending - len(runs), remaining_chars=max(plan.pending_chars - sampled_chars, 0),
+            sessions=self._sessions_asked, requests_per_minute=self.config.requests_per_minute,
+            concurrency=self.this_run.concurrency, unpriced_replies=self.this_run.unpriced_replies,
+            rng=random.Random(self.config.seed))
+        self.run_dir.write_estimate(projection)
+        for line in estimate.report_lines(projection):
+            self.console.print(line)
+        self.console.print(f"Written to {self.run_dir.path}/estimate.json. The whole run: the same command with "
+                           "--resume and without --estimate (the samples above are not run again).",
+                           style="bold")
+
     def _print_pricing(self) -> None:
         """How replies will be priced, said once: by the endpoint, by a price, or not at all."""
         config = self.config
@@ -523,7 +563,7 @@ _FLAG_NAMES = ("dataset_file", "batch_size", "run_name", "distribution", "model"
                "discard_no_reasoning", "rerun_corrupted", "max_retries", "request_timeout", "prompt_timeout",
                "tool_timeout", "command_timeout", "keep_workdirs", "requests_per_minute", "max_cost",
                "max_total_tokens", "report", "backend", "adaptive_concurrency", "samples_per_prompt", "price_per_mtok",
-               *EXPORT_FLAGS)
+               "estimate", *EXPORT_FLAGS)
 
 # Free-text flags. Fire reads every value as a Python literal, so `--ephemeral_system_prompt="Hello, world"`
 # arrives as ('Hello', 'world') and `--run_name=1_000` as 1000; for these the text as typed is what counts.
@@ -564,7 +604,7 @@ def main(dataset_file: str | None = None, batch_size: int | None = None, run_nam
          tool_timeout: float = 120, command_timeout: float = 60, keep_workdirs: bool = False,
          requests_per_minute: int | None = None, max_cost: float | None = None, max_total_tokens: int | None = None,
          report: bool = False, backend: str = "local", adaptive_concurrency: bool = True,
-         samples_per_prompt: int = 1, price_per_mtok: Any = None,
+         samples_per_prompt: int = 1, price_per_mtok: Any = None, estimate: Any = None,
          export: str | None = None, out: str | None = None, reasoning: str | None = None, end_reasons: Any = None,
          min_tool_calls: int = 0, last_call_succeeded: bool = False, discard_invented: bool = True,
          best_of: str | None = None, **unknown_flags: Any) -> None:
@@ -583,7 +623,9 @@ def main(dataset_file: str | None = None, batch_size: int | None = None, run_nam
     --samples_per_prompt=K (each prompt runs K times, each sample its own row; --resume runs only
     the samples missing, also after raising K),
     --price_per_mtok=INPUT,OUTPUT[,CACHED] (USD per million tokens, for replies that carry no cost
-    when genai-prices has no price for the model).
+    when genai-prices has no price for the model),
+    --estimate[=N] (run N samples drawn across the dataset, default 20, then project the cost, tokens
+    and duration of the rest into data/RUN_NAME/estimate.json and stop; --resume continues).
     --report --run_name=NAME (re)writes data/NAME/report.html from the run directory alone.
     --export=openai|sharegpt|parquet|hf --run_name=NAME writes the run's rows for training, filtered
     again (docs/export.md).
@@ -698,6 +740,7 @@ ShareGPT trajectories to data/NAME/ (trajectories.jsonl, batch_*.jsonl, statisti
 endpoint   --model=ID  --base_url=URL  --api_key=KEY (else OPENROUTER_API_KEY / OPENAI_API_KEY)
            --max_tokens=N  --reasoning_effort=LEVEL  --request_timeout=SECONDS  --max_retries=N
 run        --num_workers=N (sessions at once)  --resume  --max_samples=N  --seed=N  --verbose
+           --estimate[=N] (run N samples, project the cost and time of the rest, and stop)
            --samples_per_prompt=K (K rows per prompt)  --backend=local|ray
            --report (rewrite data/NAME/report.html and exit)
 export     --export=openai|sharegpt|parquet|hf --run_name=NAME (write the rows for training and exit)

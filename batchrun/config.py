@@ -20,6 +20,7 @@ import toolset_distributions
 from batchrun.environments import ENVIRONMENT_KINDS, default_environment_kind
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.environments.limits import ResourceLimits
+from batchrun.estimate import DEFAULT_SAMPLE
 from batchrun.install_hint import install_hint
 from batchrun.pricing import Pricing, reports_cost, resolve_pricing
 from batchrun.tools.configuration import enabled, variable
@@ -91,6 +92,7 @@ class RunConfig:
     adaptive_concurrency: bool = True    # model requests at once follow the endpoint, up to num_workers
     samples_per_prompt: int = 1          # sessions (and rows) per dataset prompt, each its own toolset draw
     pricing: Pricing = field(default_factory=lambda: Pricing("unknown", "not resolved"))   # replies without a cost
+    estimate: int | None = None          # --estimate: run this many samples, project the rest, and stop
 
     @property
     def run_dir(self) -> Path:
@@ -148,6 +150,18 @@ def prices_per_mtok(value: Any) -> tuple[float, float, float] | None:
         raise UsageError(f"--price_per_mtok takes INPUT,OUTPUT[,CACHED]: USD per million prompt, completion and "
                          f"cached prompt tokens, e.g. --price_per_mtok=0.6,2.4; got {value!r}")
     return numbers[0], numbers[1], numbers[2] if len(numbers) == 3 else numbers[0]
+
+
+def estimate_size(value: Any) -> int | None:
+    """--estimate (DEFAULT_SAMPLE samples) or --estimate=N; None when not asked."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return DEFAULT_SAMPLE
+    if _is_int(value) and value > 0:
+        return value
+    raise UsageError(f"--estimate takes the number of samples to run (default {DEFAULT_SAMPLE}), e.g. "
+                     f"--estimate=50; got {value!r}")
 
 
 def checked_pricing(pricing: Pricing, base_url: str, max_cost: float | None) -> Pricing:
@@ -436,6 +450,7 @@ def build_config(**flags: Any) -> RunConfig:
         backend=validate_backend(flags.get("backend", "local")),
         adaptive_concurrency=boolean("adaptive_concurrency", flags.get("adaptive_concurrency", True)),
         samples_per_prompt=positive_int("samples_per_prompt", flags.get("samples_per_prompt", 1)),
+        estimate=estimate_size(flags.get("estimate")),
         pricing=checked_pricing(resolve_pricing(text("model", flags["model"], required=True), base_url,
                                                 prices_per_mtok(flags.get("price_per_mtok"))),
                                 base_url, optional_positive_number("max_cost", flags["max_cost"])),

@@ -14,6 +14,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable, Iterable
+from datetime import datetime, timedelta
 
 from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, RenderResult
@@ -225,7 +226,10 @@ class RunConsole:
     def _timing_segments(self) -> list[str]:
         rate = self._rate()
         remaining = max(self._total - self._done, 0)
-        eta = clock(remaining / rate) if rate > 0 else "-:--:--"
+        eta = "-:--:--"
+        if rate > 0:
+            finish = datetime.now() + timedelta(seconds=remaining / rate)
+            eta = f"{clock(remaining / rate)} (ends {finish:%H:%M})"
         return [f"{self._done:,}/{self._total:,} {'samples' if self._samples else 'prompts'}", f"{rate:.2f}/s",
                 f"{clock(time.monotonic() - self._started)} elapsed", f"ETA {eta}"]
 
@@ -235,11 +239,20 @@ class RunConsole:
             return []
         counts = " ".join(f"{STATUS_MARK[status].strip()} {run.statuses[status]:,}" for status in STATUS_MARK)
         tokens = run.usage["prompt_tokens"] + run.usage["completion_tokens"]
-        segments = [counts, f"{tokens:,} tok", cost_text(run.usage["cost"], run.unpriced_replies)]
+        cost = cost_text(run.usage["cost"], run.unpriced_replies) + self._cost_to_come()
+        segments = [counts, f"{tokens:,} tok", cost]
         if run.concurrency is not None and run.concurrency.adaptive:
             # Model requests the run lets be in flight now, of the most it would (--num_workers).
             segments.append(f"requests {run.concurrency.limit:,}/{run.concurrency.ceiling:,} at once")
         return segments
+
+    def _cost_to_come(self) -> str:
+        """What this invocation will have spent at the end, at what each finished sample cost so far."""
+        run = self._this_run
+        remaining = max(self._total - self._done, 0)
+        if run is None or not run.processed or not remaining or run.unpriced_replies:
+            return ""
+        return f" → ~${run.usage['cost'] * (1 + remaining / run.processed):.4f}"
 
     def _progress_lines(self, width: int) -> list[Text]:
         """One line with a bar where everything fits; else timing and counts on lines of their own,

@@ -75,6 +75,7 @@ class DatasetPlan:
     skipped_lines: int
     samples_per_prompt: int = 1
     pending_with_image: int = 0                  # prompts with a sample pending that name a container image
+    pending_chars: int = 0                       # the prompt characters of every pending sample
     rounds: list[PendingRound] = field(default_factory=list)     # per sample index
 
     @property
@@ -85,6 +86,11 @@ class DatasetPlan:
     def units(self) -> int:
         """Samples the run is to have: every prompt's first samples_per_prompt."""
         return self.total * self.samples_per_prompt
+
+    def pending_units(self) -> list[int]:
+        """Every pending sample's unit, in the order iter_pending hands them out."""
+        return [self.unit(index, sample_index) for sample_index, pending in enumerate(self.rounds)
+                for index in pending.indexes]
 
     def unit(self, prompt_index: int, sample_index: int) -> int:
         """The unit of one sample (see messages.Task): unique in the plan, rising in the order
@@ -194,6 +200,7 @@ def plan_dataset(path: Path, *, max_samples: int | None, done_counts: Counter,
                 pending.offsets.append(offset)
                 pending.occurrences.append(seen[key])
                 pending.indexes.append(plan.total)
+                plan.pending_chars += len(fields["prompt"])
                 any_pending = True
         plan.pending_with_image += any_pending and fields["image"] is not None
         seen[key] += 1

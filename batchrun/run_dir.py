@@ -40,6 +40,7 @@ BATCH_FILE = re.compile(r"^batch_(\d+)\.jsonl$")
 TRAJECTORIES = "trajectories.jsonl"
 CHECKPOINT = "checkpoint.json"
 STATISTICS = "statistics.json"
+ESTIMATE = "estimate.json"
 LOCK = ".lock"
 SPENT = "spent.jsonl"
 MERGE_RECORD = ".merge.json"
@@ -619,6 +620,9 @@ class RunDirectory:
             return json.loads((self.path / CHECKPOINT).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return None
+
+    def write_estimate(self, data: dict) -> None:
+        atomic_write_json(self.path / ESTIMATE, data, indent=2)
 
     def write_statistics(self, data: dict) -> None:
         atomic_write_json(self.path / STATISTICS, data, indent=2)

@@ -75,8 +75,9 @@ def test_progress_at_80_columns_shows_count_rate_elapsed_eta_counts_tokens_and_c
     console.stop_progress()
     timing, counts = lines_of(out)[-2:]
     assert widest([timing, counts]) <= 80
-    assert re.search(r"9,994/10,000 prompts · \d+\.\d\d/s · \d:\d\d:\d\d elapsed · ETA \d:\d\d:\d\d$", timing)
-    assert counts == "✅ 2 ⚠️ 1 ❌ 1 🚫 0 · 7,204 tok · $0.0492"
+    assert re.search(r"9,994/10,000 prompts · \d+\.\d\d/s · \d:\d\d:\d\d elapsed · ETA \d:\d\d:\d\d \(ends \d\d:\d\d\)$",
+                     timing)
+    assert counts == "✅ 2 ⚠️ 1 ❌ 1 🚫 0 · 7,204 tok · $0.0492 → ~$0.1230"
 
 
 def test_progress_on_a_wide_terminal_is_one_line_with_a_bar():
@@ -86,7 +87,7 @@ def test_progress_on_a_wide_terminal_is_one_line_with_a_bar():
     record(console, this_run, finished(0))
     console.stop_progress()
     progress = lines_of(out)[-1]
-    assert progress.startswith("━") and "1/10 prompts" in progress and progress.endswith("1,801 tok · $0.0123")
+    assert progress.startswith("━") and "1/10 prompts" in progress and progress.endswith("1,801 tok · $0.0123 → ~$0.1230")
 
 
 def test_per_prompt_line_shortens_a_long_prompt_to_the_80_columns_and_keeps_the_figures():

@@ -1,0 +1,194 @@
+"""--estimate: run a sample of the dataset, then project what the rest will cost and how long it will take.
+
+The sample is drawn across the dataset (every k-th pending sample from a random start), so that a dataset
+sorted by length or topic is sampled from end to end. Tokens and cost are projected with the prompt's
+length as a helper (a regression estimator: what a sample used, corrected by how much longer or shorter
+the remaining prompts are than the sampled ones), since longer prompts cost more; wall time per sample and
+model calls and the duration by their means. Each interval is the 10th to 90th percentile of the projection
+over bootstrap resamples of the sample: it says how sure the estimate is, given what the sample saw.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from batchrun.concurrency import ConcurrencyFigures
+
+DEFAULT_SAMPLE = 20
+BOOTSTRAP_ROUNDS = 2000
+INTERVAL = (0.1, 0.9)            # the projection's 80% interval
+
+
+@dataclass(frozen=True)
+class SampledRun:
+    """What one sampled session used, and how long its prompt is."""
+
+    prompt_chars: int
+    tokens: int                  # prompt + completion
+    cost: float
+    model_calls: int
+    tool_calls: int
+    wall_time: float
+
+
+def chosen_units(units: Sequence[int], size: int, rng: random.Random) -> set[int]:
+    """``size`` of ``units`` (in the order they would be handed out), evenly spaced from a random start."""
+    if size >= len(units):
+        return set(units)
+    step = len(units) / size
+    start = rng.random() * step
+    return {units[int(start + index * step)] for index in range(size)}
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Median and the 10th and 90th percentiles."""
+    ordered = sorted(values)
+    return {"median": round(statistics.median(ordered), 6), "p10": round(_quantile(ordered, 0.1), 6),
+            "p90": round(_quantile(ordered, 0.9), 6)}
+
+
+def _quantile(ordered: Sequence[float], fraction: float) -> float:
+    position = fraction * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def regression_total(xs: Sequence[float], ys: Sequence[float], count: int, x_total: float) -> float:
+    """The total of y over ``count`` units whose x sum to ``x_total``, from a sample of (x, y): the
+    sample's mean of y, moved along the least-squares slope to the units' mean x (the plain mean when x
+    does not vary, or the sample is too small to fit a slope)."""
+    if count == 0:
+        return 0.0
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    spread_x = sum((x - mean_x) ** 2 for x in xs)
+    slope = 0.0
+    if len(xs) >= 3 and spread_x > 0:
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread_x
+    return max(0.0, count * (mean_y + slope * (x_total / count - mean_x)))
+
+
+def projected(xs: Sequence[float], ys: Sequence[float], count: int, x_total: float,
+              rng: random.Random) -> dict[str, float]:
+    """The regression total with its bootstrap interval."""
+    estimate = regression_total(xs, ys, count, x_total)
+    pairs = list(zip(xs, ys, strict=True))
+    totals = []
+    for _ in range(BOOTSTRAP_ROUNDS):
+        drawn = [pairs[rng.randrange(len(pairs))] for _ in pairs]
+        totals.append(regression_total([x for x, _ in drawn], [y for _, y in drawn], count, x_total))
+    totals.sort()
+    return {"estimate": round(estimate, 6), "low": round(_quantile(totals, INTERVAL[0]), 6),
+            "high": round(_quantile(totals, INTERVAL[1]), 6)}
+
+
+def _plus(figures: dict[str, float], amount: float) -> dict[str, float]:
+    return {key: round(value + amount, 6) for key, value in figures.items()}
+
+
+def report_lines(report: dict) -> list[str]:
+    """The estimate as the console prints it."""
+    per, rest, whole = report["per_sample"], report["remaining"], report["whole_run"]
+
+    def figure(name: str, unit: str = "") -> str:
+        values = per[name]
+        return f"{unit}{values['median']:,.4g} (80% between {unit}{values['p10']:,.4g} and {unit}{values['p90']:,.4g})"
+
+    def total(figures: dict, unit: str = "", digits: int = 0) -> str:
+        return (f"{unit}{figures['estimate']:,.{digits}f} ({unit}{figures['low']:,.{digits}f} to "
+                f"{unit}{figures['high']:,.{digits}f})")
+
+    lines = [f"Estimate from {report['sampled']} samples drawn across the dataset (their rows are kept):",
+             f"  per sample: tokens {figure('tokens')}, model calls {figure('model_calls')}, "
+             f"tool calls {figure('tool_calls')}, wall time {figure('wall_time_seconds')} s"
+             + (f", cost {figure('cost', '$')}" if per["cost"] is not None else "")]
+    if rest["samples"]:
+        duration = rest["duration_seconds"]
+        lines += [f"  the other {rest['samples']:,} samples: tokens {total(rest['tokens'])}"
+                  + (f", cost {total(rest['cost'], '$', 2)}" if rest["cost"] is not None else ", cost unknown"),
+                  f"  whole run: tokens {total(whole['tokens'])}"
+                  + (f", cost {total(whole['cost'], '$', 2)}" if whole["cost"] is not None else ""),
+                  f"  duration: {_clock(duration['estimate'])} ({_clock(duration['low'])} to "
+                  f"{_clock(duration['high'])}) at {rest['samples_per_second']:.2f} samples/s, bounded by "
+                  f"{rest['bounds'][rest['bounded_by']]['why']}"]
+    if report["cost_unknown_replies"]:
+        lines.append(f"  cost unknown: {report['cost_unknown_replies']} replies had no price (--price_per_mtok)")
+    lines.append(f"  ranges: {report['interval']}")
+    return lines
+
+
+def _clock(seconds: float) -> str:
+    whole = int(round(seconds))
+    return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"
+
+
+def throughput_bounds(runs: Sequence[SampledRun], *, sessions: int, requests_per_minute: int | None,
+                      concurrency: ConcurrencyFigures | None) -> dict[str, dict]:
+    """Samples per second that each limit allows, with what sets it."""
+    mean_wall = max(statistics.fmean(run.wall_time for run in runs), 1e-6)
+    mean_calls = max(statistics.fmean(run.model_calls for run in runs), 1e-6)
+    bounds = {"sessions": {"per_second": sessions / mean_wall,
+                           "why": f"{sessions} sessions at once, {mean_wall:.2f} s per sample"}}
+    if requests_per_minute:
+        bounds["rate_limit"] = {"per_second": requests_per_minute / 60 / mean_calls,
+                                "why": f"--requests_per_minute={requests_per_minute}, {mean_calls:.2f} model "
+                                       "calls per sample"}
+    if concurrency is not None and concurrency.rate_limited:
+        # The endpoint pushed back: it takes about what adaptive concurrency settled on.
+        bounds["endpoint"] = {"per_second": concurrency.limit / mean_wall,
+                              "why": f"the endpoint answered {concurrency.rate_limited} requests 429/503; adaptive "
+                                     f"concurrency settled at {concurrency.limit} requests at once"}
+    return bounds
+
+
+def estimate_report(runs: Sequence[SampledRun], *, remaining: int, remaining_chars: int, sessions: int,
+                    requests_per_minute: int | None, concurrency: ConcurrencyFigures | None,
+                    unpriced_replies: int, rng: random.Random) -> dict:
+    """estimate.json: the sample's figures per sample, and the projection for the ``remaining`` samples."""
+    xs = [float(run.prompt_chars) for run in runs]
+    sessions = max(1, min(sessions, remaining))
+    bounds = throughput_bounds(runs, sessions=sessions, requests_per_minute=requests_per_minute,
+                               concurrency=concurrency)
+    limit = min(bounds, key=lambda name: bounds[name]["per_second"])
+    rate = bounds[limit]["per_second"]
+
+    def duration(drawn: Sequence[SampledRun]) -> float:
+        found = throughput_bounds(drawn, sessions=sessions, requests_per_minute=requests_per_minute,
+                                  concurrency=concurrency)
+        return remaining / min(bound["per_second"] for bound in found.values())
+
+    durations = sorted(duration([runs[rng.randrange(len(runs))] for _ in runs]) for _ in range(BOOTSTRAP_ROUNDS))
+    cost_known = unpriced_replies == 0
+    tokens = projected(xs, [float(run.tokens) for run in runs], remaining, remaining_chars, rng)
+    cost = projected(xs, [run.cost for run in runs], remaining, remaining_chars, rng) if cost_known else None
+    return {
+        "sampled": len(runs),
+        "per_sample": {"tokens": spread([run.tokens for run in runs]),
+                       "model_calls": spread([run.model_calls for run in runs]),
+                       "tool_calls": spread([run.tool_calls for run in runs]),
+                       "wall_time_seconds": spread([run.wall_time for run in runs]),
+                       "cost": spread([run.cost for run in runs]) if cost_known else None},
+        "remaining": {
+            "samples": remaining,
+            "tokens": tokens,
+            "cost": cost,
+            "model_calls": projected(xs, [float(run.model_calls) for run in runs], remaining, remaining_chars, rng),
+            # At the rate the tightest limit allows.
+            "duration_seconds": {"estimate": round(duration(runs), 1),
+                                 "low": round(_quantile(durations, INTERVAL[0]), 1),
+                                 "high": round(_quantile(durations, INTERVAL[1]), 1)},
+            "samples_per_second": round(rate, 3),
+            "bounded_by": limit,
+            "bounds": {name: {"samples_per_second": round(bound["per_second"], 3), "why": bound["why"]}
+                       for name, bound in bounds.items()},
+        },
+        # The sample and the rest together: what the whole run will have used.
+        "whole_run": {"tokens": _plus(tokens, sum(run.tokens for run in runs)),
+                      "cost": _plus(cost, sum(run.cost for run in runs)) if cost is not None else None},
+        "cost_unknown_replies": unpriced_replies,
+        "interval": f"{int(INTERVAL[0] * 100)}th to {int(INTERVAL[1] * 100)}th percentile of "
+                    f"{BOOTSTRAP_ROUNDS} bootstrap resamples of the sample",
+    }

@@ -1,0 +1,116 @@
+"""--estimate: a sample of the dataset runs, the rest is projected; the sample's rows are the run's first."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from conftest import batch_rows, human_prompt, last_user_message, run_cli, write_dataset
+from scripted_endpoint import ScriptedEndpoint
+
+from batchrun import estimate
+
+
+def mixed_length_prompts(count: int) -> list[str]:
+    """Prompts from a few words to a few thousand, in no order."""
+    return [f"task {index}: " + "word " * (10 + (index * 7919) % 1990) for index in range(count)]
+
+
+def run(tmp_path: Path, server: ScriptedEndpoint, dataset: Path, *flags: str, expect: int = 0):
+    result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=50", "--run_name=run",
+                     "--distribution=minimal", f"--base_url={server.base_url}", "--model=scripted-model", *flags,
+                     timeout=600)
+    assert result.returncode == expect, result.stderr
+    return result
+
+
+def estimate_json(tmp_path: Path) -> dict:
+    return json.loads((tmp_path / "data" / "run" / "estimate.json").read_text())
+
+
+def test_the_estimate_projects_the_whole_runs_tokens_and_the_resume_does_not_run_the_sample_again(tmp_path):
+    prompts = mixed_length_prompts(2000)
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    with ScriptedEndpoint(tokens_by_length=True) as server:
+        result = run(tmp_path, server, dataset, "--estimate", "--seed=5", "--num_workers=8")
+        sampled = {human_prompt(row) for row in batch_rows(tmp_path / "data" / "run")}
+        assert len(sampled) == 20 and len(server.requests) == 20
+        projected = estimate_json(tmp_path)["whole_run"]["tokens"]
+        assert "Estimate from 20 samples drawn across the dataset" in " ".join(result.stdout.split())
+        server.reset()
+
+        run(tmp_path, server, dataset, "--resume", "--num_workers=32")
+        assert not {last_user_message(request) for request in server.requests} & sampled
+        assert len(server.requests) == 2000 - 20
+    usage = json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())["usage"]
+    used = usage["prompt_tokens"] + usage["completion_tokens"]
+    assert abs(projected["estimate"] - used) / used < 0.15, (projected, used)
+    assert projected["low"] <= projected["estimate"] <= projected["high"]
+
+
+def test_the_sample_is_drawn_from_end_to_end_of_the_dataset(tmp_path):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [f"prompt {index}" for index in range(400)])
+    with ScriptedEndpoint() as server:
+        run(tmp_path, server, dataset, "--estimate=10")
+    indexes = sorted(row["prompt_index"] for row in batch_rows(tmp_path / "data" / "run"))
+    assert len(indexes) == 10
+    assert indexes[0] < 40 and indexes[-1] >= 360
+    assert all(later - earlier <= 80 for earlier, later in zip(indexes, indexes[1:], strict=False))
+
+
+def test_the_estimate_counts_samples_when_prompts_run_several_times(tmp_path):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [f"prompt {index}" for index in range(10)])
+    with ScriptedEndpoint() as server:
+        run(tmp_path, server, dataset, "--estimate=6", "--samples_per_prompt=3")
+    assert len(batch_rows(tmp_path / "data" / "run")) == 6
+    assert estimate_json(tmp_path)["remaining"]["samples"] == 24
+
+
+def test_the_estimate_gives_per_sample_figures_and_the_remaining_cost(tmp_path):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [f"prompt {index}" for index in range(50)])
+    with ScriptedEndpoint() as server:
+        run(tmp_path, server, dataset, "--estimate=5")
+    figures = estimate_json(tmp_path)
+    assert figures["per_sample"]["model_calls"] == {"median": 1.0, "p10": 1.0, "p90": 1.0}
+    assert figures["per_sample"]["tokens"]["median"] == 120
+    assert figures["remaining"]["cost"]["estimate"] == pytest.approx(45 * 0.001)
+    assert figures["whole_run"]["cost"]["estimate"] == pytest.approx(50 * 0.001)
+    assert figures["remaining"]["bounded_by"] == "sessions"
+
+
+def test_a_rate_limit_that_binds_is_named_as_what_bounds_the_duration(tmp_path):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [f"prompt {index}" for index in range(50)])
+    with ScriptedEndpoint() as server:
+        result = run(tmp_path, server, dataset, "--estimate=4", "--requests_per_minute=6")
+    remaining = estimate_json(tmp_path)["remaining"]
+    assert remaining["bounded_by"] == "rate_limit"
+    assert remaining["duration_seconds"]["estimate"] == pytest.approx(46 * 10, rel=0.01)
+    assert "bounded by --requests_per_minute=6" in " ".join(result.stdout.split())     # as wrapped at 80 columns
+
+
+def test_with_no_price_known_the_estimate_says_its_cost_is_unknown(tmp_path):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [f"prompt {index}" for index in range(20)])
+    with ScriptedEndpoint(reports_cost=False) as server:
+        result = run(tmp_path, server, dataset, "--estimate=4")
+    figures = estimate_json(tmp_path)
+    assert figures["remaining"]["cost"] is None and figures["cost_unknown_replies"] == 4
+    assert "cost unknown" in result.stdout
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "many"])
+def test_a_bad_estimate_size_gets_one_error_naming_the_flag(tmp_path, value):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["prompt"])
+    with ScriptedEndpoint() as server:
+        result = run(tmp_path, server, dataset, f"--estimate={value}", expect=1)
+    assert "--estimate takes the number of samples to run" in result.stderr
+
+
+def test_a_regression_on_prompt_length_recovers_a_total_that_grows_with_length():
+    rng = random.Random(1)
+    lengths = [rng.randrange(10, 5000) for _ in range(2000)]
+    tokens = [300 + length // 4 for length in lengths]
+    chosen = sorted(estimate.chosen_units(list(range(2000)), 20, rng))
+    total = estimate.regression_total([lengths[i] for i in chosen], [tokens[i] for i in chosen], 2000, sum(lengths))
+    assert total == pytest.approx(sum(tokens), rel=0.01)
