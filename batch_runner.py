@@ -509,9 +509,9 @@ class BatchRunner:
         if reports_cost(config.base_url):
             self.console.print("cost: as the endpoint reports it with each reply")
         elif pricing.source == "unknown":
-            self.console.warn(f"cost unknown: {pricing.description}. Unless the endpoint reports a cost with its "
-                              "replies, cost shows as unknown; --price_per_mtok=INPUT,OUTPUT[,CACHED] (USD per "
-                              "million tokens) prices them.")
+            # Said, not warned: many such endpoints do report a cost, which the first reply shows.
+            self.console.print(f"cost: as the endpoint reports it, else unknown: {pricing.description} "
+                               "(--price_per_mtok=INPUT,OUTPUT[,CACHED], USD per million tokens, gives one)")
         else:
             self.console.print(f"cost: as the endpoint reports it, else by {pricing.description}")
 

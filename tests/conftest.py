@@ -41,6 +41,11 @@ def endpoint():
         yield server
 
 
+# The scripted endpoint reports each reply's cost, which every figure takes as it is; --max_cost still
+# needs a price to start (most endpoints report none), here one that never applies.
+REPORTED_COST = ("--price_per_mtok=0,0",)
+
+
 def cli_environment(tmp_path: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in SECRET_VARIABLES}
     env["TMPDIR"] = str(tmp_path / "tmp")

@@ -87,8 +87,9 @@ def test_a_cost_the_endpoint_reports_is_taken_as_it_is(tmp_path):
 
 def test_with_no_price_known_the_cost_is_said_to_be_unknown_not_zero(tmp_path):
     result = priced_run(tmp_path)
-    assert result.stderr.count("cost unknown: no price known for model 'scripted-model'") == 1
-    assert "--price_per_mtok=INPUT,OUTPUT" in result.stderr
+    said = " ".join(result.stdout.split())
+    assert said.count("else unknown: no price known for model 'scripted-model'") == 1
+    assert "--price_per_mtok=INPUT,OUTPUT" in said
     assert f"cost unknown ({REPLIES} replies without a price)" in result.stdout
     assert "$0.0000" not in result.stdout
     assert statistics(tmp_path)["this_run"]["replies_by_cost_source"] == {"unknown": REPLIES}

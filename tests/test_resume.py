@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    REPORTED_COST,
     HeldReplies,
     batch_rows,
     batch_runner_command,
@@ -473,9 +474,9 @@ def test_after_kill_9_and_resume_statistics_equal_a_recount_plus_the_cut_off_ses
 def test_max_cost_counts_what_earlier_invocations_spent_cut_off_sessions_included(tmp_path, endpoint):
     dataset = write_dataset(tmp_path / "dataset.jsonl", ["first", "second", "third", CUT_OFF_PROMPT])
     # Three rows at $0.001 spent $0.003, below the cap; the cut-off session's one reply takes the run over.
-    kill_after_a_checkpoint_with_rows_behind_it(tmp_path, endpoint, dataset, "--max_cost=0.0035")
+    kill_after_a_checkpoint_with_rows_behind_it(tmp_path, endpoint, dataset, "--max_cost=0.0035", *REPORTED_COST)
     endpoint.reset()
-    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume", "--max_cost=0.0035",
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume", "--max_cost=0.0035", *REPORTED_COST,
                                           batch_size=2))
     assert result.returncode == 0, result.stderr
     assert endpoint.requests == []
@@ -486,7 +487,7 @@ def test_max_cost_counts_what_earlier_invocations_spent_cut_off_sessions_include
 
 def test_max_cost_reached_by_one_invocation_stops_the_next_at_once(tmp_path, endpoint):
     dataset = write_dataset(tmp_path / "dataset.jsonl", ["first", "second"])
-    arguments = base_args(tmp_path, endpoint, dataset, "--num_workers=1", "--max_cost=0.001")
+    arguments = base_args(tmp_path, endpoint, dataset, "--num_workers=1", "--max_cost=0.001", *REPORTED_COST)
     assert run_cli(tmp_path, *arguments).returncode == 0
     assert len(endpoint.requests) == 1
     endpoint.reset()

@@ -7,6 +7,7 @@ import time
 from conftest import (
     PROMPTS_BESIDE_IT,
     RATE_LIMITED_PROMPT,
+    REPORTED_COST,
     arrivals_around_a_429,
     assert_the_429_paused_every_other_session,
     batch_rows,
@@ -82,7 +83,7 @@ def test_prompt_time_limit_covers_an_environment_that_is_slow_to_start(tmp_path,
 
 def test_spending_cap_stops_admitting_prompts_and_resume_continues(tmp_path, endpoint):
     prompts = [f"costly {i}" for i in range(6)]            # each call reports a cost of 0.001
-    result = run(tmp_path, endpoint, prompts, "--num_workers=1", "--max_cost=0.0025")
+    result = run(tmp_path, endpoint, prompts, "--num_workers=1", "--max_cost=0.0025", *REPORTED_COST)
     assert result.returncode == 0, result.stderr
     assert len(batch_rows(tmp_path / "data" / "run")) == 3
     assert "spending cap reached" in result.stdout and "--resume" in result.stdout
