@@ -114,3 +114,14 @@ def test_a_regression_on_prompt_length_recovers_a_total_that_grows_with_length()
     chosen = sorted(estimate.chosen_units(list(range(2000)), 20, rng))
     total = estimate.regression_total([lengths[i] for i in chosen], [tokens[i] for i in chosen], 2000, sum(lengths))
     assert total == pytest.approx(sum(tokens), rel=0.01)
+
+
+def test_an_estimate_as_big_as_what_is_pending_runs_it_all_and_projects_nothing_more(tmp_path):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [f"prompt {index}" for index in range(5)])
+    with ScriptedEndpoint() as server:
+        run(tmp_path, server, dataset, "--estimate=50")
+        assert len(server.requests) == 5
+    figures = estimate_json(tmp_path)
+    assert figures["remaining"]["samples"] == 0
+    assert figures["remaining"]["tokens"] == {"estimate": 0.0, "low": 0.0, "high": 0.0}
+    assert figures["whole_run"]["tokens"]["estimate"] == 5 * 120
