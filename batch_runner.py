@@ -391,11 +391,9 @@ class BatchRunner:
 
     def _planned_tasks(self, plan: DatasetPlan) -> Iterator[Task]:
         """Dataset records -> tasks with their sampled toolsets (reproducible per prompt with --seed)."""
-        for record in iter_pending(plan):
+        for record in iter_pending(plan, only=self._estimate_units):
             unit = plan.unit(record.prompt_index, record.sample_index)
             if self._estimate_units is not None:
-                if unit not in self._estimate_units:
-                    continue
                 self._estimate_chars[unit] = len(record.prompt)
             # A prompt's first sample draws as a run of one sample per prompt does, so --seed gives it the
             # same toolsets whatever --samples_per_prompt is.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from array import array
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -212,13 +212,15 @@ def plan_dataset(path: Path, *, max_samples: int | None, done_counts: Counter,
     return plan
 
 
-def iter_pending(plan: DatasetPlan) -> Iterator[DatasetRecord]:
+def iter_pending(plan: DatasetPlan, *, only: Container[int] | None = None) -> Iterator[DatasetRecord]:
     """The pending samples of a plan, read from disk one at a time: every prompt's first sample in
     dataset order, then every second sample, and so on, so that a run stopped early leaves each prompt
-    with as many samples as the next, give or take one."""
+    with as many samples as the next, give or take one. ``only``: the units to read (all when None)."""
     with plan.path.open("rb") as handle:
         for sample_index, pending in enumerate(plan.rounds):
             for offset, occurrence, index in zip(pending.offsets, pending.occurrences, pending.indexes, strict=True):
+                if only is not None and plan.unit(index, sample_index) not in only:
+                    continue
                 handle.seek(offset)
                 fields, _warning = parse_line(handle.readline(), 0)
                 if fields is None:      # the file changed under the run; the line is no prompt now

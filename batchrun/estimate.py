@@ -177,7 +177,7 @@ def estimate_report(runs: Sequence[SampledRun], *, remaining: int, remaining_cha
             "cost": cost,
             "model_calls": projected(xs, [float(run.model_calls) for run in runs], remaining, remaining_chars, rng),
             # At the rate the tightest limit allows.
-            "duration_seconds": {"estimate": round(duration(runs), 1),
+            "duration_seconds": {"estimate": round(remaining / rate, 1),
                                  "low": round(_quantile(durations, INTERVAL[0]), 1),
                                  "high": round(_quantile(durations, INTERVAL[1]), 1)},
             "samples_per_second": round(rate, 3),

@@ -36,7 +36,6 @@ from batchrun.config import UsageError, boolean, choice, non_negative_int, text,
 from batchrun.install_hint import install_hint
 from batchrun.rows import AssistantTurn, HumanTurn, ToolCallRecord, Turn
 from batchrun.run_dir import RunDirectory, atomic_write_json, line_number, lines_at, superseded_corrupted, temp_beside
-from batchrun.stats import prompt_key
 
 FORMATS = ("openai", "sharegpt", "parquet", "hf")
 # Where a turn's reasoning goes in the openai format: inline as the row's own think block, a
@@ -521,10 +520,10 @@ class BestOf:
 
     rule: str
     chosen: dict[str, tuple[tuple[int, ...], tuple[str, int]]] = field(default_factory=dict)  # rank, place
-    good: Counter = field(default_factory=Counter)        # per prompt (stats.prompt_key), 0 for none
+    good: Counter = field(default_factory=Counter)        # per prompt (StoredRow.prompt_key), 0 for none
 
     def see(self, stored: rows.StoredRow) -> None:
-        self.good[prompt_key(stored)] += 0
+        self.good[stored.prompt_key] += 0
 
     def consider(self, candidate: Candidate) -> None:
         try:
@@ -533,7 +532,7 @@ class BestOf:
             rank = None
         if rank is None:
             return
-        key = prompt_key(candidate.stored)
+        key = candidate.stored.prompt_key
         self.good[key] += 1
         if key not in self.chosen or rank < self.chosen[key][0]:
             self.chosen[key] = (rank, candidate.place)
@@ -559,7 +558,7 @@ class BestOf:
 
 def best_of_path(out: Path) -> Path:
     """Where the record of a --best_of choice goes: beside the export, ``openai.jsonl`` -> ``openai.best_of.json``."""
-    return out.with_name(f"{out.name.removesuffix(out.suffix) if out.suffix else out.name}.best_of.json")
+    return out.with_name(f"{out.stem}.best_of.json")
 
 
 def chosen_samples(options: ExportOptions, summary: ExportSummary) -> Iterator[Candidate]:

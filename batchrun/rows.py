@@ -704,10 +704,10 @@ class StoredRow:
         return sample_key(self._row.content_key, self._row.sample_index)
 
     @property
-    def prompt(self) -> tuple[int, str]:
-        """The dataset prompt this row is a sample of: its place in the dataset and its content, so that
-        two occurrences of one prompt text (each its own prompt) keep their samples apart."""
-        return self._row.prompt_index, self._row.content_key
+    def prompt_key(self) -> str:
+        """Names the dataset prompt this row is a sample of: its place in the dataset and its content, so
+        that two occurrences of one prompt text (each its own prompt) keep their samples apart."""
+        return f"{self._row.prompt_index}:{self._row.content_key}"
 
     @property
     def is_current(self) -> bool:

@@ -68,7 +68,7 @@ class MergeStatistics:
     corrupted: list[tuple[str, int, list[str], str]] = field(default_factory=list)   # file, index, tools, key
     usage: dict = field(default_factory=empty_usage)
     batch_files: int = 0
-    # Per prompt (prompt_key), its completed samples; None unless the run has several samples per
+    # Per prompt (StoredRow.prompt_key), its completed samples; None unless the run has several samples per
     # prompt (a dict the size of the dataset is kept only where it says something).
     prompt_samples: Counter | None = None
 
@@ -92,7 +92,7 @@ class MergeStatistics:
 
     def _count_sample(self, row: rows.StoredRow, *, completed: bool) -> None:
         if self.prompt_samples is not None:
-            self.prompt_samples[prompt_key(row)] += completed     # a prompt without a completed sample counts too
+            self.prompt_samples[row.prompt_key] += completed     # a prompt without a completed sample counts too
 
     def add(self, other: MergeStatistics) -> None:
         """Take in what another process counted over other rows."""
@@ -181,12 +181,6 @@ class MergeStatistics:
         return {"total_assistant_turns": total, "turns_with_reasoning": self.turns_with_reasoning,
                 "turns_without_reasoning": self.turns_without_reasoning,
                 "coverage_percent": round(100 * self.turns_with_reasoning / total, 2) if total else 0.0}
-
-
-def prompt_key(row: rows.StoredRow) -> str:
-    """Names the dataset prompt a row is a sample of (see rows.StoredRow.prompt), as JSON keys must be."""
-    prompt_index, content_key = row.prompt
-    return f"{prompt_index}:{content_key}"
 
 
 def _rounded(usage: dict) -> dict:

@@ -1013,7 +1013,7 @@ def test_a_format_3_row_is_upgraded_to_the_current_row_keeping_its_record_of_tur
 def test_a_later_sample_is_counted_apart_from_the_first_by_resume():
     first, third = (read_stored_row(encode(dataclasses.replace(FORMAT_1_SESSION, sample_index=index)))
                     for index in (0, 2))
-    assert (first.content_key, first.prompt) == (third.content_key, third.prompt)
+    assert (first.content_key, first.prompt_key) == (third.content_key, third.prompt_key)
     assert first.sample_key != third.sample_key
     assert (third.sample_index, json.loads(third.line)["sample_index"]) == (2, 2)
 
