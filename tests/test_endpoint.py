@@ -327,6 +327,17 @@ def test_empty_message_and_absent_usage_are_accepted():
     assert reply.message["content"] is None and reply.usage.prompt_tokens == 0
 
 
+@pytest.mark.parametrize("usage, source", [
+    ({"prompt_tokens": 1, "cost": 0.002}, "endpoint"),
+    ({"prompt_tokens": 1, "cost": 0}, "endpoint"),        # a free model says so
+    ({"prompt_tokens": 1, "cost": None}, "unknown"),      # said nothing: priced, if a price is known
+    ({"prompt_tokens": 1}, "unknown"),
+    (None, "unknown"),
+], ids=["cost", "zero", "null", "absent", "no_usage"])
+def test_a_reply_says_whether_its_endpoint_reported_its_cost(usage, source):
+    assert parse_reply(completion({"content": "hi"}, usage=usage)).cost_source == source
+
+
 @pytest.mark.parametrize("raw, complaint", [
     (b"<html>502 Bad Gateway</html>", "not JSON"),
     (b"", "not JSON"),
@@ -349,6 +360,8 @@ def test_empty_message_and_absent_usage_are_accepted():
      "tool_calls[0].function.name is not a string"),
     (completion({"content": "hi"}, usage=[1]), "usage is not an object"),
     (completion({"content": "hi"}, usage={"prompt_tokens": "many"}), "usage.prompt_tokens is not a number"),
+    (completion({"content": "hi"}, usage={"cost": "free"}), "usage.cost is not a number"),
+    (b'{"choices": [{"message": {"content": "hi"}}], "usage": {"cost": NaN}}', "usage.cost is not a number"),
     (b'{"choices": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
 ])
 def test_malformed_reply_is_named(raw, complaint):
