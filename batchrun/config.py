@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, overload
 from urllib.parse import urlparse
 
-import model_tools
-import toolset_distributions
+from batchrun import distributions, registry
 from batchrun.environments import ENVIRONMENT_KINDS, default_environment_kind
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.environments.limits import ResourceLimits
@@ -322,8 +321,8 @@ def terminal_environment(distribution: str) -> tuple[str, str]:
     kind = os.environ.get("TERMINAL_ENV", "").strip()
     if not kind:
         kind, why = default_environment_kind()
-        possible = toolset_distributions.possible_toolsets(distribution)
-        if kind != "bubblewrap" and model_tools.toolsets_needing_isolation(possible):
+        possible = distributions.possible_toolsets(distribution)
+        if kind != "bubblewrap" and registry.toolsets_needing_isolation(possible):
             raise UsageError(
                 f"no sandbox for model-written commands: {why.removeprefix('bubblewrap unavailable: ')}\n"
                 f"The {distribution!r} distribution offers the terminal and file tools. Choose one:\n"
@@ -395,8 +394,8 @@ def build_config(**flags: Any) -> RunConfig:
     run_name = validate_run_name(flags["run_name"])
     distribution = text("distribution", flags["distribution"], required=True)
     try:
-        toolset_distributions.get_distribution(distribution)
-    except toolset_distributions.UnknownDistributionError as exc:
+        distributions.get_distribution(distribution)
+    except distributions.UnknownDistributionError as exc:
         raise UsageError(f"--distribution: {exc}") from None
     base_url_given = flags["base_url"] is not None
     base_url = validate_base_url(flags["base_url"] if base_url_given else DEFAULT_BASE_URL)

@@ -126,13 +126,12 @@ def node_environment_problem(kind: str) -> str | None:
 def node_tools_problem(distribution: str, available_tools: frozenset[str]) -> str | None:
     """None when every tool the run may offer (available to the parent, in the distribution) works on
     this node too; tools read their configuration from the node's own environment."""
-    import model_tools
-    import toolset_distributions
+    from batchrun import distributions, registry
 
-    entries = toolset_distributions.get_distribution(distribution)["toolsets"]
-    toolsets = sorted({member for entry in entries for member in toolset_distributions.entry_members(entry)})
-    offered = set(model_tools.tools_for_toolsets(toolsets)) & available_tools
-    missing = {name: reason for name, reason in model_tools.unavailable_tools().items() if name in offered}
+    entries = distributions.get_distribution(distribution)["toolsets"]
+    toolsets = sorted({member for entry in entries for member in distributions.entry_members(entry)})
+    offered = set(registry.tools_for_toolsets(toolsets)) & available_tools
+    missing = {name: reason for name, reason in registry.unavailable_tools().items() if name in offered}
     if not missing:
         return None
     return ("tools that work where the runner started do not work here: "

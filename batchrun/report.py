@@ -26,8 +26,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import toolset_distributions
-from batchrun import report_plots, rows
+from batchrun import distributions, report_plots, rows
 from batchrun.install_hint import install_hint, program
 from batchrun.report_summary import CORRUPTED, SUPERSEDED, RunSummary, Timeline
 from batchrun.run_dir import (
@@ -410,10 +409,10 @@ def _tool_table(summary: RunSummary) -> str:
 def expected_toolset_shares(distribution: str) -> dict[str, float] | None:
     """Probability that a prompt's toolsets include each toolset, from the distribution's table:
     each entry rolled independently, the likeliest entry used when none hit (as the sampler does)."""
-    table = toolset_distributions.DISTRIBUTIONS.get(distribution)
+    table = distributions.DISTRIBUTIONS.get(distribution)
     if table is None:
         return None
-    entries = {tuple(toolset_distributions.entry_members(entry)): percent / 100
+    entries = {tuple(distributions.entry_members(entry)): percent / 100
                for entry, percent in table["toolsets"].items()}
     none_hit = math.prod(1 - p for p in entries.values())
     fallback = max(entries, key=entries.__getitem__)

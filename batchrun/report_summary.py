@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from batchrun import rows
-from model_tools import TOOL_NAMES
+from batchrun.registry import TOOL_NAMES
 
 MAX_TRACKED_FAILURES = 100_000  # failed prompts followed to see whether a retry succeeded
 MAX_INVENTED_NAMES = 200        # invented tool names counted one by one; the page lists the commonest

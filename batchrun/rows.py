@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import msgspec
 
-from model_tools import REGISTRY, TOOL_NAMES, toolsets_offering
+from batchrun.registry import REGISTRY, TOOL_NAMES, toolsets_offering
 
 # ---------------------------------------------------------------------------------------------
 # Identity of a unit of work

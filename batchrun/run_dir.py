@@ -33,8 +33,8 @@ from typing import IO
 
 from batchrun import rows
 from batchrun.messages import Finished, Spent
+from batchrun.registry import REGISTRY
 from batchrun.stats import USAGE_KEYS, MergeStatistics, add_usage, empty_usage
-from model_tools import REGISTRY
 
 BATCH_FILE = re.compile(r"^batch_(\d+)\.jsonl$")
 TRAJECTORIES = "trajectories.jsonl"

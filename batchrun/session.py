@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import model_tools
+from batchrun import registry
 from batchrun.config import RunConfig
 from batchrun.environments import create_environment, environment_class
 from batchrun.environments.base import Environment, EnvironmentSettings, EnvironmentSetupError
@@ -144,10 +144,10 @@ class Session:
         self.task = task
         self.services = services
         self.config = services.config
-        self.offered_tools = [name for name in model_tools.tools_for_toolsets(task.toolsets)
+        self.offered_tools = [name for name in registry.tools_for_toolsets(task.toolsets)
                               if name in services.available_tools]
         self.model = services.models.model(task.prompt_index,
-                                           [model_tools.REGISTRY[name].schema for name in self.offered_tools])
+                                           [registry.REGISTRY[name].schema for name in self.offered_tools])
         self.turns: list[Turn] = []
         self.usage = Usage()
         self.api_calls = 0
@@ -193,7 +193,7 @@ class Session:
             sample_index=self.task.sample_index)
 
     async def _started_then_loop(self) -> str:
-        if model_tools.needs_environment(self.offered_tools):
+        if registry.needs_environment(self.offered_tools):
             self._environment_start = asyncio.ensure_future(self._start_environment())
             # A start that can fail for this prompt alone (an image that cannot be pulled, the row's cwd)
             # comes before any model call, so that such a prompt spends nothing; any other runs while the
@@ -358,11 +358,11 @@ class Session:
                           f"{call.name} schema"), False
         if not isinstance(args, dict):
             return _error(f"arguments must be a JSON object, got {type(args).__name__}"), False
-        if self._environment_start is not None and model_tools.REGISTRY[call.name].needs_environment:
+        if self._environment_start is not None and registry.REGISTRY[call.name].needs_environment:
             await self._environment_ready()
         try:
             result = await within(self.config.tool_timeout,
-                                  model_tools.dispatch(call.name, args, self._tool_context()))
+                                  registry.dispatch(call.name, args, self._tool_context()))
             text = json.dumps(result, ensure_ascii=False)
         except ToolError as exc:
             text = _error(str(exc))

@@ -12,7 +12,7 @@ from datetime import datetime
 
 from batchrun import rows
 from batchrun.concurrency import ConcurrencyFigures
-from model_tools import TOOL_NAMES
+from batchrun.registry import TOOL_NAMES
 
 USAGE_KEYS = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens", "cost")
 

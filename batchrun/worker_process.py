@@ -26,9 +26,9 @@ from batchrun.environments.seccomp import leave_session_keyring
 from batchrun.messages import Fatal, Finished, Spent, Task
 from batchrun.model import RunFatalError
 from batchrun.rate_limit import Gate, RateGate
+from batchrun.registry import tear_down_process, toolsets_offering
 from batchrun.security import Redactor
 from batchrun.session import Session, SessionServices
-from model_tools import tear_down_process, toolsets_offering
 
 SESSIONS_PER_CLIENT = 16
 # A parent that stopped reading is stopping too; the last rows wait this long to be taken.

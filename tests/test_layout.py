@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 import graphlib
+import subprocess
+import sys
 from pathlib import Path
 
 from conftest import REPO
@@ -55,3 +57,27 @@ def test_the_import_graph_has_no_cycle() -> None:
         graphlib.TopologicalSorter(graph).prepare()
     except graphlib.CycleError as error:
         raise AssertionError(f"import cycle: {' -> '.join(error.args[1])}") from None
+
+
+PUBLIC_FACES = ("batch_runner", "model_tools", "toolset_distributions")
+
+
+def test_the_package_never_imports_a_public_face() -> None:
+    """batch_runner.py, model_tools.py and toolset_distributions.py are what users import and run; the
+    package sits below them, so a walk through the code never climbs back up to a face."""
+    modules = project_modules()
+    for name, path in modules.items():
+        if name.startswith("batchrun"):
+            faces = project_imports(name, path, set(modules)) & set(PUBLIC_FACES)
+            assert not faces, f"{name} imports the public face {', '.join(sorted(faces))}"
+
+
+def test_reading_rows_loads_no_tool_implementation() -> None:
+    """Rows, statistics and the report depend on tool names and toolsets, not on the tools: reading a
+    run's files must not load a handler module (the browser's, the web's...)."""
+    code = ("import sys, batchrun.rows, batchrun.stats, batchrun.run_dir, batchrun.report, batchrun.export; "
+            "from batchrun.registry import REGISTRY; "
+            "handlers = {spec.handler_path.partition(':')[0] for spec in REGISTRY.values()}; "
+            "loaded = sorted(handlers & set(sys.modules)); "
+            "assert not loaded, loaded")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)

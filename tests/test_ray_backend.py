@@ -229,12 +229,12 @@ def test_unknown_backend_is_a_usage_error(tmp_path, endpoint):
 
 
 def test_a_node_missing_a_tool_the_run_offers_is_a_problem(monkeypatch):
-    import model_tools
+    from batchrun import registry
     from batchrun.ray_pool import node_tools_problem
 
-    monkeypatch.setattr(model_tools, "unavailable_tools", lambda: {"web_search": "set SEARXNG_URL",
+    monkeypatch.setattr(registry, "unavailable_tools", lambda: {"web_search": "set SEARXNG_URL",
                                                                    "browser_navigate": "install chromium"})
-    everything = frozenset(model_tools.TOOL_NAMES)
+    everything = frozenset(registry.TOOL_NAMES)
     assert node_tools_problem("terminal_only", everything) is None              # never offered: no problem
     problem = node_tools_problem("terminal_web", everything)
     assert problem is not None and "web_search (set SEARXNG_URL)" in problem and "browser" not in problem

@@ -2,7 +2,7 @@
 
 A handler returns a JSON-serialisable dict (the tool result the model sees) or raises
 :class:`ToolError`; the session turns that into ``{"error": message}`` so statistics count it as a
-failure. The schemas and the toolset of every tool live in ``model_tools.py``.
+failure. The schemas and the toolset of every tool live in ``batchrun/registry.py``.
 """
 
 from __future__ import annotations
