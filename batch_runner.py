@@ -9,14 +9,8 @@ trajectories.jsonl + statistics.json. See README.md for every flag.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import random
 import sys
-import tempfile
-import time
-from collections import Counter, OrderedDict
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -24,551 +18,24 @@ import fire
 
 import model_tools
 import toolset_distributions
-from batchrun import estimate, report, rows
-from batchrun.config import (
-    DEFAULT_MODEL,
-    RunConfig,
-    UsageError,
-    build_config,
-    provider_routing_note,
-    validate_run_name,
-)
+from batchrun import flags, report
+from batchrun.config import build_config
 from batchrun.console import RunConsole
-from batchrun.dataset import DatasetError, DatasetPlan, iter_pending, plan_dataset, require_valid_prompt
-from batchrun.environments import ENVIRONMENT_KINDS, environment_class, limits
-from batchrun.environments.base import EnvironmentSettings, run_identity
-from batchrun.export import EXPORT_FLAGS, ExportError, export_options, export_run, flags_without_export
+from batchrun.dataset import DatasetError, require_valid_prompt
+from batchrun.environments import ENVIRONMENT_KINDS
+from batchrun.export import BEST_OF_RULES, EXPORT_FORMATS, REASONING_MODES, ExportError, export_options, export_run
+from batchrun.flag_values import UsageError, validate_run_name
 from batchrun.install_hint import program
-from batchrun.messages import Fatal, Finished, Spent, Task
-from batchrun.pricing import reports_cost
-from batchrun.report_follower import ReportFailed, ReportFollower
 from batchrun.run_dir import (
-    SPENT,
-    Checkpoint,
     DiskFull,
-    RunDirectory,
-    RunDirectoryError,
-    ScanResult,
-    SpentLedger,
     full_disk_named,
-    size_text,
-    superseded_corrupted,
 )
+from batchrun.runner import EXIT_ERROR, EXIT_OK, BatchRunner
 from batchrun.security import Redactor
-from batchrun.stats import ThisRun, add_usage, build_statistics, empty_usage
-from batchrun.workers import PoolStartError, ProcessPool, WorkerPool, process_count, raise_open_file_limit
-
-CHECKPOINT_MIN_INTERVAL = 1.0     # seconds; coalesces checkpoint rewrites when batches are tiny
-MAX_CORRUPTED_LINES_SHOWN = 20
-# Sandboxes each worker process keeps started ahead of need: a prompt takes one and never waits for its
-# sandbox, and the next is ready long before another prompt ends.
-SPARE_SANDBOXES = 2
-# Exit codes: every prompt of this invocation done / the run stopped (bad input, a run-wide endpoint
-# error, the lock, a full disk) / the run finished but some prompts failed (--resume retries them) / Ctrl-C.
-EXIT_OK, EXIT_ERROR, EXIT_SOME_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
-class BatchRunner:
-    """Plans the work, feeds the worker pool, persists every row, checkpoints, merges, reports."""
-
-    def __init__(self, config: RunConfig, console: RunConsole) -> None:
-        self.config = config
-        self.console = console
-        self.run_dir = RunDirectory(config.run_dir)
-        self.this_run = ThisRun()
-        self.started = time.monotonic()
-        self.batch_stats: Counter = Counter()     # rows per outcome, every invocation under this run name
-        self.done_samples = 0                     # completed, partial or discarded, every invocation (a prompt's
-                                                  # samples each count: see --samples_per_prompt)
-        self.superseded_corrupted: Counter = Counter()   # see run_dir.Checkpoint
-        self.spent = SpentLedger(self.run_dir.path / SPENT)
-        self._earlier_rows_usage = empty_usage()  # what the rows of earlier invocations spent
-        self._checkpoint_due = False
-        self._last_checkpoint = 0.0
-        self._total_prompts = 0
-        self._per_prompt = False                  # statistics per prompt over its samples (see _run_locked)
-        self._sessions_asked = 0                  # --num_workers, before it is cut to the samples to run
-        # --estimate: the units of the samples it runs, their prompts' lengths until they finish, and what they used
-        self._estimate_units: set[int] | None = None
-        self._estimate_chars: dict[int, int] = {}
-        self._estimate_runs: list[estimate.SampledRun] = []
-        self._pending_samples = 0                 # of this invocation's plan
-        self._report: ReportFollower | None = None     # the report's helper, while prompts run
-        self._held_back: list[Finished] = []      # rows a full disk refused, tried once more at the stop
-        self._row_bytes = self._rows_written = 0  # this invocation's, to tell a full disk what is needed
-        # Tasks handed out whose rows are not written yet, by unit (messages.Task), in the order handed
-        # out, which is the order of their units: the first is the lowest (see _publish_progress).
-        self._open_units: OrderedDict[int, None] = OrderedDict()
-        self._highest_unit = -1                   # of the tasks handed out
-
-    # -- the run --------------------------------------------------------------------------------
-
-    def run(self) -> int:
-        raise_open_file_limit()
-        try:
-            self.run_dir.acquire()
-        except RunDirectoryError as exc:
-            self.console.error(str(exc))
-            return EXIT_ERROR
-        try:
-            return self._run_locked()
-        except DiskFull as exc:     # a checkpoint, the merge or the statistics found no room
-            if self._report is not None:
-                self._report.cancel()
-            self.console.error(self._disk_full_message(exc))
-            return EXIT_ERROR
-        except RunDirectoryError as exc:    # a batch file line the resume scan or the merge cannot read
-            self.console.error(str(exc))
-            return EXIT_ERROR
-        finally:
-            self.spent.close()
-            self.run_dir.release()
-
-    def _run_locked(self) -> int:
-        config = self.config
-        existing = self.run_dir.existing_results()
-        if existing and not config.resume:
-            self.console.error(f"{self.run_dir.path}/ already holds results ({', '.join(existing[:5])}"
-                        f"{', ...' if len(existing) > 5 else ''}). Pass --resume to continue that run, "
-                        "or choose a new --run_name to start fresh.")
-            return EXIT_ERROR
-        scan = self.run_dir.scan() if config.resume else ScanResult()
-        if config.resume:
-            self._continue_checkpoint()
-            # From the rows themselves: the checkpoint misses those written after it, before a kill.
-            self.batch_stats = Counter(scan.rows_by_status)
-            self._earlier_rows_usage = scan.usage
-        self.spent.start()
-        # Several samples per prompt, now or in an earlier invocation: the statistics count per prompt.
-        self._per_prompt = config.samples_per_prompt > 1 or scan.most_samples > 1
-        live_corrupted = sum(scan.live_corrupted(self.superseded_corrupted).values())
-        done_counts = scan.done(rerun_corrupted=config.rerun_corrupted, superseded=self.superseded_corrupted)
-        if config.rerun_corrupted:    # every corrupted row so far is replaced by the attempt about to run
-            self.superseded_corrupted = Counter(scan.corrupted_by_key)
-        try:
-            plan = plan_dataset(config.dataset_file, max_samples=config.max_samples, done_counts=done_counts,
-                                warn=self.console.warn, samples_per_prompt=config.samples_per_prompt)
-        except DatasetError as exc:
-            self.console.error(str(exc))
-            return EXIT_ERROR
-        self.done_samples = plan.already_done
-        self._total_prompts = plan.total
-        self._total_samples = plan.units
-        self._pending_samples = plan.pending
-        self._sessions_asked = config.num_workers
-        if config.estimate is not None:     # only a sample of what is pending runs
-            chosen = estimate.chosen_units(plan.pending_units(), config.estimate, random.Random(config.seed))
-            self._estimate_units, self._pending_samples = chosen, len(chosen)
-        if self._pending_samples:     # never more sessions (nor worker processes) than prompts to run
-            self.config = config = dataclasses.replace(config, num_workers=min(config.num_workers,
-                                                                               self._pending_samples))
-        self._print_startup(plan, scan, live_corrupted)
-        if config.rerun_corrupted:     # the report follows the batch files from the start: it must know now
-            self._write_checkpoint()
-        if plan.pending == 0:
-            self.console.print("All prompts have already been processed!", style="bold green")
-            self._write_checkpoint()
-            self._finish(plan)
-            return EXIT_OK
-        return self._execute(plan)
-
-    def _execute(self, plan: DatasetPlan) -> int:
-        env_settings = self._environment_settings()
-        available = frozenset(model_tools.TOOL_NAMES) - set(model_tools.unavailable_tools())
-        self._report = ReportFollower(self.run_dir.path)
-        try:
-            pool = self._start_pool(env_settings, available)
-        except PoolStartError as exc:
-            self._report.cancel()
-            self.console.error(str(exc))
-            return EXIT_ERROR
-        except KeyboardInterrupt:
-            self._report.cancel()
-            return EXIT_INTERRUPTED
-        self.console.start_progress(plan.units, plan.already_done, self.this_run,
-                                    samples=plan.samples_per_prompt > 1)
-        exit_code, fatal, disk_full = EXIT_OK, None, None
-        try:
-            fatal = self._feed(pool, self._planned_tasks(plan))
-            if fatal is None:       # every row is written: the report's plots are drawn while the run ends
-                self._report.rows_written(self.config.distribution)
-        except KeyboardInterrupt:
-            exit_code = EXIT_INTERRUPTED
-        except DiskFull as exc:
-            disk_full = exc
-        finally:
-            self.console.stop_progress()
-            disk_full = self._stop(pool, env_settings) or disk_full
-        if disk_full is not None:
-            self._report.cancel()
-            self.console.error(self._disk_full_message(disk_full))
-            return EXIT_ERROR
-        if fatal is not None:
-            self._report.cancel()
-            self.console.error(f"{fatal.message}\nThe run stopped; finished prompts are saved. Fix the problem and "
-                        "continue with --resume.")
-            return EXIT_ERROR
-        if exit_code == EXIT_INTERRUPTED:
-            self.console.print("Interrupted. Finished prompts are saved; run the same command with --resume "
-                               "to continue.", style="yellow")
-        self._finish(plan, interrupted=exit_code == EXIT_INTERRUPTED)
-        if self._estimate_units is not None and exit_code != EXIT_INTERRUPTED and self._estimate_runs:
-            self._report_estimate(plan)
-        if (cap := self._budget_spent()) and self.this_run.processed < plan.pending:
-            self.console.print(f"Stopped admitting prompts: {cap}. {plan.pending - self.this_run.processed} "
-                               f"{self._units_word} were not started (the cap counts the whole run, earlier "
-                               "invocations included: --resume with a higher cap continues them).",
-                               style="yellow")
-        if self._every_row_discarded():
-            self.console.print(f"Every row of this run was discarded: no assistant turn had reasoning. "
-                               f"--discard_no_reasoning=False keeps such rows (the batch files hold them: "
-                               f"{program()} --export=sharegpt --run_name={self.config.run_name} "
-                               f"--discard_no_reasoning=False exports them).", style="yellow")
-        if exit_code == EXIT_INTERRUPTED:
-            return exit_code
-        if failed := self.this_run.statuses[rows.FAILED]:
-            self.console.print(f"{failed} prompt{'s' if failed != 1 else ''} failed (see failures by cause "
-                               "above); run the same command with --resume to retry them.", style="yellow")
-            return EXIT_SOME_FAILED
-        return exit_code
-
-    def _every_row_discarded(self) -> bool:
-        """This invocation wrote rows, and the no-reasoning filter discarded every one it did not fail."""
-        statuses = self.this_run.statuses
-        return statuses[rows.DISCARDED] > 0 and statuses[rows.COMPLETED] + statuses[rows.PARTIAL] == 0
-
-    def _start_pool(self, env_settings: EnvironmentSettings, available: frozenset[str]) -> WorkerPool:
-        pool: WorkerPool
-        if self.config.backend == "ray":
-            from batchrun.ray_pool import RayWorkerPool  # Ray is imported only when a run asks for it
-
-            pool = RayWorkerPool(self.config, env_settings, available)
-        else:
-            pool = ProcessPool(self.config, env_settings, available)
-        if where := pool.describe():
-            self.console.print(where)
-        return pool
-
-    def _feed(self, pool: WorkerPool, tasks: Iterator[Task]) -> Fatal | None:
-        """The scheduling loop: one task per free slot, every finished row persisted at once."""
-        exhausted = False
-        left = self._pending_samples
-        while True:
-            while not exhausted and pool.free_slots:
-                task = None if self._budget_spent() else next(tasks, None)
-                if task is None:
-                    exhausted = True
-                else:
-                    pool.submit(task)
-                    self._open_units[task.unit] = None
-                    self._highest_unit = task.unit
-                    left -= 1
-                    if left == self.config.num_workers - 1:
-                        pool.last_round()
-            if pool.in_flight == 0:
-                return None
-            messages = pool.receive(timeout=1.0)
-            self.this_run.concurrency = pool.concurrency
-            # Every row that arrived is kept, also those that came with a run-wide failure.
-            self._persist([message for message in messages if isinstance(message, Finished)],
-                          [message for message in messages if isinstance(message, Spent)])
-            if fatal := next((message for message in messages if isinstance(message, Fatal)), None):
-                return fatal
-            self._maybe_checkpoint()
-            self._publish_progress()
-
-    @property
-    def _units_word(self) -> str:
-        """What the run counts: prompts, or their samples when each runs several times."""
-        return "samples" if self.config.samples_per_prompt > 1 else "prompts"
-
-    def _publish_progress(self) -> None:
-        """Tell the report's helper which batch files can still grow: none below the lowest batch
-        of a task not yet written (tasks are handed out in the order of their units), none above the
-        highest handed out."""
-        if self._report is not None:
-            first_open = next(iter(self._open_units), self._highest_unit + 1)
-            batch_size = self.config.batch_size
-            self._report.progress(first_open // batch_size, self._highest_unit // batch_size)
-
-    def _persist(self, finished: list[Finished], spent: list[Spent]) -> None:
-        """Append rows to their batch files and make them durable before they count as done: one
-        write and one fdatasync per batch file, one sync of the directory for the files created (a
-        group commit). The replies' usage and the rows about to be appended go to the spent ledger
-        first (see SpentLedger). When the disk is full, the rows not written are held back for one more
-        try at the stop (see _stop), and DiskFull goes up."""
-        for event in spent:
-            self.this_run.cost_sources[event.cost_source] += 1
-        by_batch: dict[int, list[Finished]] = {}
-        for message in finished:
-            by_batch.setdefault(message.batch_num, []).append(message)
-        groups = list(by_batch.values())
-        places = [self.run_dir.row_places(messages[0].batch_num, messages) for messages in groups]
-        written = 0
-        try:
-            self.spent.record(spent, [place for group in places for place in group])
-            for messages in groups:
-                data = b"".join(message.row for message in messages)
-                self.run_dir.append(messages[0].batch_num, data)
-                self._row_bytes += len(data)
-                written += 1
-        except DiskFull:
-            self._held_back = [message for messages in groups[written:] for message in messages]
-            raise
-        finally:
-            self.run_dir.sync_names()
-            kept = [message for messages in groups[:written] for message in messages]
-            self._rows_written += len(kept)
-            for message in kept:
-                self._record(message)
-            self.spent.landed([place for group in places[:written] for place in group])
-
-    def _stop(self, pool: WorkerPool, env_settings: EnvironmentSettings) -> DiskFull | None:
-        """End the workers (their sessions stop, their environments close) and keep the rows that
-        finished meanwhile, with those a full disk held back: the sandboxes that are gone by then may
-        have made room. The environments' leftovers are removed whatever happens."""
-        held_back, self._held_back = self._held_back, []
-        try:
-            stopped = pool.stop()
-            self.this_run.concurrency = pool.concurrency
-            self._persist([*held_back, *(message for message in stopped if isinstance(message, Finished))],
-                          [message for message in stopped if isinstance(message, Spent)])
-            self._write_checkpoint()
-        except DiskFull as exc:
-            return exc
-        finally:
-            environment_class(self.config.terminal_env).remove_leftovers(env_settings)
-        return None
-
-    def _disk_full_message(self, exc: DiskFull) -> str:
-        """What is full, what it needs, what was kept and what to do, as one message."""
-        lines = [f"{exc}.", "The run stopped; every row written before is kept."]
-        if lost := len(self._held_back):
-            lines.append(f"{lost} finished prompt{'s' if lost != 1 else ''} could not be written; --resume runs "
-                         f"{'them' if lost != 1 else 'it'} again.")
-        left = self._pending_samples - self.this_run.processed
-        rows_known = self._rows_written + lost
-        if left > 0 and rows_known:
-            per_row = (self._row_bytes + sum(len(message.row) for message in self._held_back)) // rows_known
-            lines.append(f"Finishing the run needs roughly {size_text(2 * left * per_row)} more: {left:,} "
-                         f"{self._units_word} left at about {size_text(per_row)} a row, each written to its batch "
-                         "file and again to trajectories.jsonl.")
-        lines.append("Make room there, then run the same command with --resume.")
-        return " ".join(lines)
-
-    def _run_spend(self) -> dict:
-        """What the whole run has spent, every invocation: rows, and sessions cut off or still running."""
-        usage = dict(self._earlier_rows_usage)
-        add_usage(usage, self.this_run.usage)
-        add_usage(usage, self.spent.unfinished())
-        return usage
-
-    def _budget_spent(self) -> str | None:
-        """Why no further prompt may start (--max_cost / --max_total_tokens reached by the whole run), if so."""
-        usage, config = self._run_spend(), self.config
-        if config.max_cost is not None and usage["cost"] >= config.max_cost:
-            return f"spending cap reached: ${usage['cost']:.4f} of --max_cost=${config.max_cost:g}"
-        tokens = usage["prompt_tokens"] + usage["completion_tokens"]
-        if config.max_total_tokens is not None and tokens >= config.max_total_tokens:
-            return f"token cap reached: {tokens:,} of --max_total_tokens={config.max_total_tokens:,}"
-        return None
-
-    def _record(self, finished: Finished) -> None:
-        self._open_units.pop(finished.unit, None)
-        self.this_run.record(finished.status, finished.usage, finished.api_calls, finished.error_type)
-        self.batch_stats[finished.status] += 1
-        if finished.status != rows.FAILED:
-            self.done_samples += 1
-        if self._estimate_units is not None:
-            self._estimate_runs.append(estimate.SampledRun(
-                prompt_chars=self._estimate_chars.pop(finished.unit, 0),
-                tokens=finished.usage["prompt_tokens"] + finished.usage["completion_tokens"],
-                cost=finished.usage["cost"], model_calls=finished.api_calls,
-                tool_calls=sum(count for _name, count, _failed in finished.tool_calls), wall_time=finished.wall_time))
-        if self.this_run.processed % self.config.batch_size == 0:
-            self._checkpoint_due = True
-        self.console.prompt_finished(finished)
-
-    def _planned_tasks(self, plan: DatasetPlan) -> Iterator[Task]:
-        """Dataset records -> tasks with their sampled toolsets (reproducible per prompt with --seed)."""
-        for record in iter_pending(plan, only=self._estimate_units):
-            unit = plan.unit(record.prompt_index, record.sample_index)
-            if self._estimate_units is not None:
-                self._estimate_chars[unit] = len(record.prompt)
-            # A prompt's first sample draws as a run of one sample per prompt does, so --seed gives it the
-            # same toolsets whatever --samples_per_prompt is.
-            draw = f"{record.key}:{record.occurrence}" + (f":{record.sample_index}" if record.sample_index else "")
-            rng = toolset_distributions.rng_for_prompt(self.config.seed, draw)
-            yield Task(prompt_index=record.prompt_index, prompt=record.prompt, image=record.image, cwd=record.cwd,
-                       content_key=record.key,
-                       toolsets=tuple(toolset_distributions.sample_toolsets(self.config.distribution, rng)),
-                       sample_index=record.sample_index, unit=unit)
-
-    def _environment_settings(self) -> EnvironmentSettings:
-        config = self.config
-        identity = run_identity(config.run_dir)
-        settings = EnvironmentSettings(work_root=Path(tempfile.gettempdir()) / "batch_runner" / identity,
-                                       run_label=identity, command_timeout=config.command_timeout,
-                                       keep_workdirs=config.keep_workdirs, default_image=config.default_image,
-                                       allow_network=config.allow_network, limits=config.limits,
-                                       spare_sandboxes=SPARE_SANDBOXES)
-        environment_class(config.terminal_env).remove_leftovers(settings)
-        return settings
-
-    # -- persistence and reporting --------------------------------------------------------------
-
-    def _maybe_checkpoint(self) -> None:
-        if self._checkpoint_due and time.monotonic() - self._last_checkpoint >= CHECKPOINT_MIN_INTERVAL:
-            self._write_checkpoint()
-
-    def _write_checkpoint(self) -> None:
-        config = self.config
-        self.run_dir.write_checkpoint(Checkpoint(
-            run_name=config.run_name, dataset_file=str(config.dataset_file), distribution=config.distribution,
-            model=config.model, batch_size=config.batch_size, total_prompts=self._total_prompts,
-            completed_samples=self.done_samples, batch_stats=self.batch_stats,
-            samples_per_prompt=config.samples_per_prompt, total_samples=self._total_samples,
-            superseded_corrupted=self.superseded_corrupted))
-        self._checkpoint_due = False
-        self._last_checkpoint = time.monotonic()
-
-    def _continue_checkpoint(self) -> None:
-        """On resume: keep the corrupted rows superseded so far; warn about changed arguments."""
-        previous = self.run_dir.read_checkpoint() or {}
-        self.superseded_corrupted = superseded_corrupted(previous)
-        for key in ("model", "distribution", "dataset_file"):
-            before, now = previous.get(key), str(getattr(self.config, key))
-            if before is not None and str(before) != now:
-                self.console.warn(f"resuming with --{key}={now}, but this run started with {before}")
-
-    def _finish(self, plan: DatasetPlan, *, interrupted: bool = False) -> None:
-        found: set[tuple[str, int, str]] = set()      # corrupted rows this merge read for the first time
-
-        def on_corrupted(batch_file: str, prompt_index: int, invented: list[str], key: str) -> None:
-            found.add((batch_file, prompt_index, key))
-
-        merge = self.run_dir.merge(on_corrupted, per_prompt=self._per_prompt)
-        # Only the live ones: a row a --rerun_corrupted resume replaced is an earlier attempt.
-        new = [(name, index, invented) for name, index, invented, key in merge.live_corrupted(self.superseded_corrupted)
-               if (name, index, key) in found]
-        for name, index, invented in new[:MAX_CORRUPTED_LINES_SHOWN]:
-            self.console.print(f"⚠️  left out of trajectories.jsonl: {name} prompt {index} calls invented "
-                               f"tool(s) {', '.join(invented)}")
-        if len(new) > MAX_CORRUPTED_LINES_SHOWN:
-            self.console.print(f"... and {len(new) - MAX_CORRUPTED_LINES_SHOWN} more corrupted rows")
-        statistics = build_statistics(run_name=self.config.run_name, distribution=self.config.distribution,
-                                      model=self.config.model, batch_size=self.config.batch_size,
-                                      total_prompts=plan.total, skipped_dataset_lines=plan.skipped_lines,
-                                      duration=time.monotonic() - self.started, merge=merge, this_run=self.this_run,
-                                      superseded_corrupted=self.superseded_corrupted,
-                                      unfinished=self.spent.unfinished(),
-                                      samples_per_prompt=self.config.samples_per_prompt,
-                                      pricing=self.config.pricing.as_dict())
-        self.run_dir.write_statistics(statistics)
-        self.console.summary(statistics, merge.batch_files, interrupted=interrupted)
-        self._write_report()
-
-    def _write_report(self) -> None:
-        """The HTML run report is a convenience: a failure to draw it must never fail the run."""
-        try:
-            path = self._report.finish() if self._report else report.write_report(self.run_dir.path)
-        except ReportFailed as exc:
-            self._report_not_written(str(exc))
-            return
-        except Exception as exc:
-            self._report_not_written(f"{type(exc).__name__}: {exc}")
-            return
-        self.console.print(f"Report: {path}")
-
-    def _report_not_written(self, reason: str) -> None:
-        self.console.warn(f"the run report was not written ({reason}); "
-                          f"{program()} --report --run_name={self.config.run_name} retries it")
-
-    def _report_estimate(self, plan: DatasetPlan) -> None:
-        """Project the rest of the run from the samples --estimate ran; print it and write estimate.json."""
-        runs = self._estimate_runs
-        sampled_chars = sum(run.prompt_chars for run in runs)
-        projection = estimate.estimate_report(
-            runs, remaining=plan.pending - len(runs), remaining_chars=max(plan.pending_chars - sampled_chars, 0),
-            sessions=self._sessions_asked, requests_per_minute=self.config.requests_per_minute,
-            concurrency=self.this_run.concurrency, unpriced_replies=self.this_run.unpriced_replies,
-            rng=random.Random(self.config.seed))
-        self.run_dir.write_estimate(projection)
-        for line in estimate.report_lines(projection):
-            self.console.print(line)
-        self.console.print(f"Written to {self.run_dir.path}/estimate.json. The whole run: the same command with "
-                           "--resume and without --estimate (the samples above are not run again).",
-                           style="bold")
-
-    def _print_pricing(self) -> None:
-        """How replies will be priced, said once: by the endpoint, by a price, or not at all."""
-        config = self.config
-        pricing = config.pricing
-        if reports_cost(config.base_url):
-            self.console.print("cost: as the endpoint reports it with each reply")
-        elif pricing.source == "unknown":
-            # Said, not warned: many such endpoints do report a cost, which the first reply shows.
-            self.console.print(f"cost: as the endpoint reports it, else unknown: {pricing.description} "
-                               "(--price_per_mtok=INPUT,OUTPUT[,CACHED], USD per million tokens, gives one)")
-        else:
-            self.console.print(f"cost: as the endpoint reports it, else by {pricing.description}")
-
-    def _print_startup(self, plan: DatasetPlan, scan: ScanResult, live_corrupted: int) -> None:
-        config, out = self.config, self.console
-        processes = process_count(config.num_workers)
-        out.print(f"batch_runner · run {config.run_name} · model {config.model} · endpoint {config.base_url} "
-                  f"(request time-out {config.request_timeout:g}s)")
-        out.print(f"distribution {config.distribution} · {config.num_workers} concurrent sessions in "
-                  + ("Ray actors" if config.backend == "ray" else
-                     f"{processes} worker process{'es' if processes > 1 else ''}"))
-        out.print(f"environment {config.terminal_env} ({config.terminal_env_reason})"
-                  + (" · network allowed" if config.allow_network else ""))
-        self._print_pricing()
-        if config.terminal_env in ("local", "bubblewrap"):
-            if plan.pending_with_image:
-                out.warn(f"{plan.pending_with_image} prompt{'s name' if plan.pending_with_image > 1 else ' names'} "
-                         f"a container image, which TERMINAL_ENV={config.terminal_env} does not use: their "
-                         "commands run without it. TERMINAL_ENV=docker (or singularity) runs each in its image.")
-            caps = config.limits
-            out.print(f"limits per prompt: {caps.memory_mb} MB memory, {caps.processes} processes, "
-                      + (f"{caps.tmp_mb} MB /tmp, " if config.terminal_env == "bubblewrap" else "")
-                      + f"{caps.workspace_mb} MB workspace · {limits.mechanism()}")
-        for line in model_tools.unavailable_lines(model_tools.unavailable_tools()):
-            out.print(f"unavailable: {line}")
-        if routing := provider_routing_note(config):
-            out.warn(routing)
-        if config.reasoning_disabled and config.discard_no_reasoning:
-            out.warn("--reasoning_disabled: the no-reasoning filter will discard every sample. "
-                     "Add --discard_no_reasoning=False to keep them.")
-        samples = f" × {plan.samples_per_prompt} samples" if plan.samples_per_prompt > 1 else ""
-        if config.resume:
-            out.print(f"resume: {plan.total} prompts in the dataset{samples}, {plan.already_done} "
-                      f"{'samples ' if samples else ''}already done, {plan.pending} remaining"
-                      + (f" ({scan.rows_by_status[rows.FAILED]} earlier failure rows are retried)"
-                         if scan.rows_by_status[rows.FAILED] else ""))
-            if live_corrupted:
-                out.print(f"resume: {live_corrupted} corrupted rows (invented tool names) "
-                          + ("are run again (--rerun_corrupted)" if config.rerun_corrupted
-                             else "count as done; --rerun_corrupted runs them again"))
-        else:
-            out.print(f"{plan.total} prompts{samples} · batch size {config.batch_size} · output {self.run_dir.path}/")
-
-
-_FLAG_NAMES = ("dataset_file", "batch_size", "run_name", "distribution", "model", "base_url", "api_key",
-               "max_turns", "num_workers", "resume", "verbose", "list_distributions", "max_samples", "max_tokens",
-               "providers_allowed", "providers_ignored", "providers_order", "provider_sort", "reasoning_effort",
-               "reasoning_disabled", "ephemeral_system_prompt", "log_prefix_chars", "prefill_messages_file", "seed",
-               "discard_no_reasoning", "rerun_corrupted", "max_retries", "request_timeout", "prompt_timeout",
-               "tool_timeout", "command_timeout", "keep_workdirs", "requests_per_minute", "max_cost",
-               "max_total_tokens", "report", "backend", "adaptive_concurrency", "samples_per_prompt", "price_per_mtok",
-               "estimate", *EXPORT_FLAGS)
-
-# Free-text flags. Fire reads every value as a Python literal, so `--ephemeral_system_prompt="Hello, world"`
-# arrives as ('Hello', 'world') and `--run_name=1_000` as 1000; for these the text as typed is what counts.
-_TEXT_FLAGS = ("dataset_file", "run_name", "distribution", "model", "base_url", "api_key", "ephemeral_system_prompt",
-               "prefill_messages_file", "out")
-
-
+# Fire reads every value as a Python literal, so `--ephemeral_system_prompt="Hello, world"` arrives as
+# ('Hello', 'world') and `--run_name=1_000` as 1000; for the free-text flags the text as typed is what counts.
 def _typed_text_values(argv: list[str]) -> dict[str, str]:
     """`--name=value` / `--name value` of the free-text flags, exactly as given on the command line."""
     typed: dict[str, str] = {}
@@ -579,7 +46,7 @@ def _typed_text_values(argv: list[str]) -> dict[str, str]:
             break
         name, equals, value = argument[2:].partition("=") if argument.startswith("--") else ("", "", "")
         name = name.replace("-", "_")
-        if name in _TEXT_FLAGS:
+        if name in flags.TEXT_FLAGS:
             if equals:
                 typed[name] = value
             elif position + 1 < len(argv) and not argv[position + 1].startswith("-"):
@@ -589,50 +56,17 @@ def _typed_text_values(argv: list[str]) -> dict[str, str]:
     return typed
 
 
-def main(dataset_file: str | None = None, batch_size: int | None = None, run_name: str | None = None,
-         distribution: str = "default", model: str = DEFAULT_MODEL, base_url: str | None = None,
-         api_key: str | None = None, max_turns: int = 10, num_workers: int = 4, resume: bool = False,
-         verbose: bool = False, list_distributions: bool = False, max_samples: int | None = None,
-         max_tokens: int | None = None, providers_allowed: Any = None, providers_ignored: Any = None,
-         providers_order: Any = None, provider_sort: str | None = None, reasoning_effort: str | None = None,
-         reasoning_disabled: bool = False, ephemeral_system_prompt: str | None = None, log_prefix_chars: int = 100,
-         prefill_messages_file: str | None = None, seed: int | None = None, discard_no_reasoning: bool | None = None,
-         rerun_corrupted: bool = False, max_retries: int = 6, request_timeout: float = 600,
-         prompt_timeout: float | None = None,
-         tool_timeout: float = 120, command_timeout: float = 60, keep_workdirs: bool = False,
-         requests_per_minute: int | None = None, max_cost: float | None = None, max_total_tokens: int | None = None,
-         report: bool = False, backend: str = "local", adaptive_concurrency: bool = True,
-         samples_per_prompt: int = 1, price_per_mtok: Any = None, estimate: Any = None,
-         export: str | None = None, out: str | None = None, reasoning: str | None = None, end_reasons: Any = None,
-         min_tool_calls: int = 0, last_call_succeeded: bool = False, discard_invented: bool = True,
-         best_of: str | None = None, **unknown_flags: Any) -> None:
-    """Run an agent over every prompt of DATASET_FILE and write data/RUN_NAME/ (see README.md).
-
-    Extra flags beyond the Hermes runner: --seed (reproducible toolset sampling),
-    --discard_no_reasoning=False (keep samples without reasoning), --rerun_corrupted (with --resume,
-    run prompts whose rows named invented tools again), --max_retries (transient endpoint errors),
-    --request_timeout (seconds one model call waits for the endpoint),
-    --prompt_timeout / --tool_timeout / --command_timeout (seconds), --keep_workdirs,
-    --requests_per_minute (shared by all workers), --max_cost (USD) / --max_total_tokens (the whole
-    run, earlier invocations included: stop admitting prompts once reached, let running ones finish),
-    --backend=ray (sessions in Ray actors: a private local Ray, or the cluster at RAY_ADDRESS),
-    --adaptive_concurrency=False (always up to --num_workers model requests at once, instead of as
-    many as the endpoint takes without 429s or slowing down),
-    --samples_per_prompt=K (each prompt runs K times, each sample its own row; --resume runs only
-    the samples missing, also after raising K),
-    --price_per_mtok=INPUT,OUTPUT[,CACHED] (USD per million tokens, for replies that carry no cost
-    when genai-prices has no price for the model),
-    --estimate[=N] (run N samples drawn across the dataset, default 20, then project the cost, tokens
-    and duration of the rest into data/RUN_NAME/estimate.json and stop; --resume continues).
-    --report --run_name=NAME (re)writes data/NAME/report.html from the run directory alone.
-    --export=openai|sharegpt|parquet|hf --run_name=NAME writes the run's rows for training, filtered
-    again (docs/export.md).
-    """
-    flags = {name: value for name, value in locals().items() if name in _FLAG_NAMES}
+def main(*values: Any, **unknown_flags: Any) -> None:
+    """Run an agent over every prompt of DATASET_FILE and write data/RUN_NAME/: README.md; every flag in
+    docs/command-line.md, or --help. Fire reads the flags by the signature batchrun/flags.py makes."""
+    given = dict(zip(flags.NAMES, values, strict=True))
     for name, typed in _typed_text_values(sys.argv[1:]).items():
-        if flags[name] is not None and not isinstance(flags[name], str):
-            flags[name] = typed
-    exit_without_teardown(run_cli(flags, unknown_flags))
+        if given[name] is not None and not isinstance(given[name], str):
+            given[name] = typed
+    exit_without_teardown(run_cli(given, unknown_flags))
+
+
+main.__signature__ = flags.signature()     # type: ignore[attr-defined]
 
 
 def exit_without_teardown(code: int) -> NoReturn:
@@ -644,29 +78,29 @@ def exit_without_teardown(code: int) -> NoReturn:
     os._exit(code)
 
 
-def run_cli(flags: dict[str, Any], unknown_flags: dict[str, Any]) -> int:
-    redact = Redactor.from_environment(str(flags.get("api_key") or ""))
-    console = RunConsole(redact, verbose=bool(flags.get("verbose")))
+def run_cli(given: dict[str, Any], unknown_flags: dict[str, Any]) -> int:
+    """One command: a listing, a report, an export, or a run; its exit code."""
+    redact = Redactor.from_environment(str(given.get("api_key") or ""))
+    console = RunConsole(redact, verbose=bool(given.get("verbose")))
     if unknown_flags:
         import difflib
         name = next(iter(unknown_flags))
-        close = difflib.get_close_matches(name, _FLAG_NAMES, n=1)
+        close = difflib.get_close_matches(name, flags.NAMES, n=1)
         hint = f" — did you mean --{close[0]}?" if close else f" — {program()} --help lists the main ones"
         console.error(f"unknown flag --{name}{hint}")
         return EXIT_ERROR
-    if flags["list_distributions"] is True:
+    if given["list_distributions"] is True:
         list_distributions(console)
         return EXIT_OK
-    if flags["report"] is True:
-        return write_report_cli(flags["run_name"], console)
-    if flags["export"] is not None:
-        return export_cli(flags, console)
-    if misplaced := flags_without_export(flags):
+    if given["report"] is True:
+        return write_report_cli(given["run_name"], console)
+    if given["export"] is not None:
+        return export_cli(given, console)
+    if misplaced := flags.options_set_without_export(given):
         console.error(f"--{misplaced[0]} applies only with --export=FORMAT")
         return EXIT_ERROR
     try:
-        config = build_config(**{k: v for k, v in flags.items()
-                                 if k not in ("list_distributions", "report", *EXPORT_FLAGS)})
+        config = build_config(**given)
     except UsageError as exc:
         console.error(str(exc))
         return EXIT_ERROR
@@ -675,7 +109,7 @@ def run_cli(flags: dict[str, Any], unknown_flags: dict[str, Any]) -> int:
     except DatasetError as exc:
         console.error(str(exc))
         return EXIT_ERROR
-    console.redact = Redactor.from_environment(config.api_key)
+    console.redact = Redactor.from_environment(config.endpoint.api_key)
     return BatchRunner(config, console).run()
 
 
@@ -693,7 +127,7 @@ def list_distributions(console: RunConsole) -> None:
 def write_report_cli(run_name: Any, console: RunConsole) -> int:
     """--report: needs only the run directory (no dataset, no key), so it works during a run too."""
     try:
-        run_dir = Path("data") / validate_run_name(run_name)
+        run_dir = Path("data") / validate_run_name("run_name", run_name)
     except UsageError as exc:
         console.error(str(exc))
         return EXIT_ERROR
@@ -710,11 +144,11 @@ def write_report_cli(run_name: Any, console: RunConsole) -> int:
     return EXIT_OK
 
 
-def export_cli(flags: dict[str, Any], console: RunConsole) -> int:
+def export_cli(given: dict[str, Any], console: RunConsole) -> int:
     """--export: like --report, needs only the run directory, so it works during a run too."""
     try:
-        options = export_options(run_name=flags["run_name"], discard_no_reasoning=flags["discard_no_reasoning"],
-                                 **{name: flags[name] for name in EXPORT_FLAGS})
+        options = export_options(run_name=given["run_name"], discard_no_reasoning=given["discard_no_reasoning"],
+                                 **{name: given[name] for name in flags.EXPORT_OPTIONS})
         with full_disk_named(options.out):
             summary = export_run(options)
     except (UsageError, ExportError) as exc:
@@ -728,42 +162,14 @@ def export_cli(flags: dict[str, Any], console: RunConsole) -> int:
     return EXIT_OK
 
 
-# The help page; {program} and {kinds} (the values of TERMINAL_ENV) are filled in as it is printed.
-USAGE = """\
-usage: {program} --dataset_file=FILE --batch_size=N --run_name=NAME [options]
-
-Runs a tool-using agent over every prompt of FILE (JSONL, one {{"prompt": ...}} per line) and writes
-ShareGPT trajectories to data/NAME/ (trajectories.jsonl, batch_*.jsonl, statistics.json).
-
-endpoint   --model=ID  --base_url=URL  --api_key=KEY (else OPENROUTER_API_KEY / OPENAI_API_KEY)
-           --max_tokens=N  --reasoning_effort=LEVEL  --request_timeout=SECONDS  --max_retries=N
-run        --num_workers=N (sessions at once)  --resume  --max_samples=N  --seed=N  --verbose
-           --estimate[=N] (run N samples, project the cost and time of the rest, and stop)
-           --samples_per_prompt=K (K rows per prompt)  --backend=local|ray
-           --report (rewrite data/NAME/report.html and exit)
-export     --export=openai|sharegpt|parquet|hf --run_name=NAME (write the rows for training and exit)
-           --out=PATH  --reasoning=think|field|drop  --end_reasons=R,...  --min_tool_calls=N
-           --last_call_succeeded  --discard_invented=False  --discard_no_reasoning=False
-           --best_of=first_completed|fewest_calls|longest_reasoning (one sample per prompt) (docs/export.md)
-tools      --distribution=NAME (--list_distributions shows them all)  --max_turns=N
-           TERMINAL_ENV={kinds} (where commands run)
-limits     --prompt_timeout  --tool_timeout  --command_timeout (seconds)  --max_cost=USD
-           --price_per_mtok=INPUT,OUTPUT[,CACHED] (prices replies that carry no cost)
-           --max_total_tokens=N  --requests_per_minute=N
-           --adaptive_concurrency=False (requests at once stay at --num_workers, 429s or not)
-           TERMINAL_MEMORY_MB, TERMINAL_MAX_PROCESSES, TERMINAL_TMP_MB, TERMINAL_WORKSPACE_MB,
-           TERMINAL_DISK_RESERVE_MB
-
-Start with README.md; every flag, the row format and the environments: docs/ (e.g. docs/command-line.md).
-Exit codes: 0 done, 2 some prompts failed (--resume retries them), 1 stopped, 130 interrupted."""
-
-
 def cli() -> None:
     arguments = sys.argv[1:]
     asked = arguments[:arguments.index("--")] if "--" in arguments else arguments
     if not arguments or "--help" in asked or "-h" in asked:
         try:
-            print(USAGE.format(program=program(), kinds="|".join(ENVIRONMENT_KINDS)))
+            choices = {"formats": "|".join(EXPORT_FORMATS), "kinds": "|".join(ENVIRONMENT_KINDS),
+                       "reasoning_modes": "|".join(REASONING_MODES), "best_of_rules": "|".join(BEST_OF_RULES)}
+            print(flags.help_page(program=program(), choices=choices))
         except BrokenPipeError:     # piped into head or less and closed: nothing more to say
             pass
         exit_without_teardown(EXIT_OK)

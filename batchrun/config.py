@@ -1,37 +1,27 @@
-"""Command-line values -> one validated, immutable RunConfig.
+"""The flags' values -> one immutable RunConfig, made of a config per part of the runner: what the endpoint,
+a session, the environments, the worker pool, the run directory and the console each read. A part is
+handed only what it reads, so a session's test builds a SessionConfig, not a command line.
 
-Every check happens here, before the run directory is touched or a model is called, and each
-failure is one UsageError line that names the flag and what is allowed.
+Every check happens before the run directory is touched or a model is called (each flag's own in
+batchrun/flags.py, the ones across flags and the environment here), and each failure is one UsageError
+line that names what is wrong and what is allowed.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import Any
 from urllib.parse import urlparse
 
-from batchrun import distributions, registry
-from batchrun.environments import ENVIRONMENT_KINDS, default_environment_kind
-from batchrun.environments.base import EnvironmentSettings
+from batchrun import distributions, flags, registry
+from batchrun.environments import ENVIRONMENT_KINDS, default_environment_kind, environment_class
+from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError
 from batchrun.environments.limits import ResourceLimits
-from batchrun.estimate import DEFAULT_SAMPLE
-from batchrun.install_hint import install_hint
+from batchrun.flag_values import DEFAULT_BASE_URL, UsageError
 from batchrun.pricing import Pricing, reports_cost, resolve_pricing
 from batchrun.tools.configuration import enabled, variable
-
-DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
-DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
-# The reference runner's list; each is passed through to the endpoint as it is.
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra")
-PROVIDER_SORTS = ("price", "throughput", "latency")
-PREFILL_ROLES = ("system", "user", "assistant")
-BACKENDS = ("local", "ray")
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 NO_ENDPOINT_GUIDANCE = """\
 error: no API key and no endpoint. batch_runner needs an OpenAI-compatible endpoint; pick one:
@@ -46,121 +36,94 @@ error: no API key and no endpoint. batch_runner needs an OpenAI-compatible endpo
 No model at hand? Try it with the scripted one the tests use: README.md, "Try it without a model"."""
 
 
-class UsageError(Exception):
-    """A flag or input value the run cannot start with; the message is shown as one line."""
-
-
 @dataclass(frozen=True)
-class RunConfig:
-    dataset_file: Path
-    batch_size: int
-    run_name: str
-    distribution: str
+class EndpointConfig:
+    """What calling the model needs: the worker's OpenAIModel, and the tools that ask the model themselves."""
+
     model: str
     base_url: str
     api_key: str = field(repr=False)
-    max_turns: int
-    num_workers: int
-    resume: bool
-    verbose: bool
-    max_samples: int | None
     max_tokens: int | None
-    extra_body: dict
-    ephemeral_system_prompt: str | None
-    log_prefix_chars: int
-    prefill_messages: tuple[dict, ...]
-    seed: int | None
-    discard_no_reasoning: bool
-    rerun_corrupted: bool
+    extra_body: dict                     # provider routing, reasoning, OpenRouter's usage: sent on every request
     max_retries: int
     request_timeout: float               # seconds one model call may wait for the endpoint
+    reasoning_disabled: bool
+    pricing: Pricing                     # what a reply without a cost of its own cost
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """What one agent session follows."""
+
+    max_turns: int
     prompt_timeout: float | None
     tool_timeout: float
-    command_timeout: float
-    terminal_env: str
-    terminal_env_reason: str             # why this backend, for the start-up summary
+    ephemeral_system_prompt: str | None
+    prefill_messages: tuple[dict, ...]
+
+
+@dataclass(frozen=True)
+class EnvironmentConfig:
+    """Where commands run and what one prompt may consume there."""
+
+    kind: str                            # TERMINAL_ENV, or the isolated sandbox
+    reason: str                          # why this kind, for the start-up summary
     allow_network: bool                  # TERMINAL_ALLOW_NETWORK: isolated backends may reach the network
     default_image: str                   # TERMINAL_DEFAULT_IMAGE: containers for prompts without an image
-    limits: ResourceLimits               # TERMINAL_MEMORY_MB and the like: what one prompt may consume
+    limits: ResourceLimits               # TERMINAL_MEMORY_MB and the like
     keep_workdirs: bool
-    reasoning_disabled: bool
+    command_timeout: float
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """How many sessions run at once, where, and how fast they may ask the endpoint."""
+
+    num_workers: int
+    backend: str                         # worker processes here, or Ray actors
+    adaptive_concurrency: bool           # model requests at once follow the endpoint, up to num_workers
     requests_per_minute: int | None
-    max_cost: float | None
-    max_total_tokens: int | None
-    backend: str = "local"               # where sessions run: worker processes here, or Ray actors
-    adaptive_concurrency: bool = True    # model requests at once follow the endpoint, up to num_workers
-    samples_per_prompt: int = 1          # sessions (and rows) per dataset prompt, each its own toolset draw
-    pricing: Pricing = field(default_factory=lambda: Pricing("unknown", "not resolved"))   # replies without a cost
-    estimate: int | None = None          # --estimate: run this many samples, project the rest, and stop
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    """The run directory and the rows written to it."""
+
+    run_name: str
+    batch_size: int
+    resume: bool
+    rerun_corrupted: bool
+    discard_no_reasoning: bool
 
     @property
     def run_dir(self) -> Path:
         return Path("data") / self.run_name
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+@dataclass(frozen=True)
+class ConsoleConfig:
+    verbose: bool
+    log_prefix_chars: int                # characters of a prompt shown in its log lines
 
 
-def positive_int(flag: str, value: Any) -> int:
-    if _is_int(value) and value > 0:
-        return value
-    raise UsageError(f"--{flag} must be a positive integer, got {value!r}")
+@dataclass(frozen=True)
+class RunConfig:
+    """The plan (which prompts, which toolsets, how many samples, what budget) and every part's config."""
 
-
-def optional_positive_int(flag: str, value: Any) -> int | None:
-    return None if value is None else positive_int(flag, value)
-
-
-def non_negative_int(flag: str, value: Any) -> int:
-    if _is_int(value) and value >= 0:
-        return value
-    raise UsageError(f"--{flag} must be an integer >= 0, got {value!r}")
-
-
-def positive_seconds(flag: str, value: Any) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return float(value)
-    raise UsageError(f"--{flag} must be a positive number of seconds, got {value!r}")
-
-
-def optional_positive_number(flag: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return float(value)
-    raise UsageError(f"--{flag} must be a positive number, got {value!r}")
-
-
-def prices_per_mtok(value: Any) -> tuple[float, float, float] | None:
-    """--price_per_mtok=INPUT,OUTPUT[,CACHED] (USD per million tokens; fire may already have made it a
-    tuple) -> (input, output, cached input); cached input costs what input does unless given."""
-    if value is None:
-        return None
-    items = value.split(",") if isinstance(value, str) else value if isinstance(value, (tuple, list)) else [value]
-    numbers = []
-    for item in items:
-        try:
-            number = float(item) if not isinstance(item, bool) else math.nan
-        except (TypeError, ValueError):
-            number = math.nan
-        numbers.append(number)
-    if len(numbers) not in (2, 3) or not all(math.isfinite(number) and number >= 0 for number in numbers):
-        raise UsageError(f"--price_per_mtok takes INPUT,OUTPUT[,CACHED]: USD per million prompt, completion and "
-                         f"cached prompt tokens, e.g. --price_per_mtok=0.6,2.4; got {value!r}")
-    return numbers[0], numbers[1], numbers[2] if len(numbers) == 3 else numbers[0]
-
-
-def estimate_size(value: Any) -> int | None:
-    """--estimate (DEFAULT_SAMPLE samples) or --estimate=N; None when not asked."""
-    if value is None or value is False:
-        return None
-    if value is True:
-        return DEFAULT_SAMPLE
-    if _is_int(value) and value > 0:
-        return value
-    raise UsageError(f"--estimate takes the number of samples to run (default {DEFAULT_SAMPLE}), e.g. "
-                     f"--estimate=50; got {value!r}")
+    dataset_file: Path
+    distribution: str
+    seed: int | None
+    samples_per_prompt: int              # sessions (and rows) per dataset prompt, each its own toolset draw
+    max_samples: int | None
+    estimate: int | None                 # --estimate: run this many samples, project the rest, and stop
+    max_cost: float | None
+    max_total_tokens: int | None
+    endpoint: EndpointConfig
+    session: SessionConfig
+    environment: EnvironmentConfig
+    pool: PoolConfig
+    output: OutputConfig
+    console: ConsoleConfig
 
 
 def checked_pricing(pricing: Pricing, base_url: str, max_cost: float | None) -> Pricing:
@@ -170,73 +133,6 @@ def checked_pricing(pricing: Pricing, base_url: str, max_cost: float | None) -> 
                          "does not report cost). Give the model's prices, e.g. --price_per_mtok=INPUT,OUTPUT "
                          "(USD per million tokens), or cap tokens with --max_total_tokens.")
     return pricing
-
-
-def boolean(flag: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    raise UsageError(f"--{flag} is a switch: pass --{flag} or --{flag}=False, got {value!r}")
-
-
-@overload
-def text(flag: str, value: Any, *, required: Literal[True]) -> str: ...
-
-
-@overload
-def text(flag: str, value: Any, *, required: bool = False) -> str | None: ...
-
-
-def text(flag: str, value: Any, *, required: bool = False) -> str | None:
-    """Fire turns `--x=123` into an int and `--x=a,b` into a tuple; names and ids are text."""
-    if value is None or value == "":
-        if required:
-            raise UsageError(f"--{flag} is required")
-        return None
-    if isinstance(value, bool) or isinstance(value, (tuple, list, dict)):
-        raise UsageError(f"--{flag} must be a single value, got {value!r}")
-    return str(value)
-
-
-def choice(flag: str, value: Any, allowed: tuple[str, ...]) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, str) and value in allowed:
-        return value
-    raise UsageError(f"--{flag} must be one of {', '.join(allowed)}; got {value!r}")
-
-
-def name_list(flag: str, value: Any) -> list[str] | None:
-    """Provider names: 'a,b' (fire may already have made it a tuple) -> ['a', 'b']."""
-    if value is None:
-        return None
-    items = value.split(",") if isinstance(value, str) else list(value) if isinstance(value, (tuple, list)) else None
-    if items is None or not all(isinstance(item, str) for item in items):
-        raise UsageError(f"--{flag} takes comma-separated provider names, got {value!r}")
-    names = [item.strip() for item in items if item.strip()]
-    if not names:
-        raise UsageError(f"--{flag} takes comma-separated provider names, got {value!r}")
-    return names
-
-
-def load_prefill(path_value: Any) -> tuple[dict, ...]:
-    path_text = text("prefill_messages_file", path_value)
-    if path_text is None:
-        return ()
-    path = Path(path_text)
-    if not path.is_file():
-        raise UsageError(f"--prefill_messages_file: file not found: {path}")
-    try:
-        messages = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise UsageError(f"--prefill_messages_file: {path} is not valid JSON ({exc})") from None
-    if not isinstance(messages, list):
-        raise UsageError(f"--prefill_messages_file: {path} must hold a JSON array of {{role, content}} messages")
-    for number, message in enumerate(messages, start=1):
-        if (not isinstance(message, dict) or message.get("role") not in PREFILL_ROLES
-                or not isinstance(message.get("content"), str)):
-            raise UsageError(f"--prefill_messages_file: message {number} in {path} must be "
-                             f"{{\"role\": one of {', '.join(PREFILL_ROLES)}, \"content\": \"text\"}}")
-    return tuple({"role": m["role"], "content": m["content"]} for m in messages)
 
 
 def is_openrouter(base_url: str) -> bool:
@@ -278,35 +174,17 @@ ROUTING_FLAGS = {"only": "--providers_allowed", "ignore": "--providers_ignored",
                  "sort": "--provider_sort"}
 
 
-def provider_routing_note(config: RunConfig) -> str | None:
+def provider_routing_note(endpoint: EndpointConfig) -> str | None:
     """What to say once at start when provider routing goes to an endpoint that is not OpenRouter. It
     is sent all the same: a proxy in front of OpenRouter needs it, and dropping what the user asked for
     would be a silence of its own; but a server that does not know the field ignores it or refuses
     every request, and the user should know which."""
-    routing = config.extra_body.get("provider")
-    if not routing or is_openrouter(config.base_url):
+    routing = endpoint.extra_body.get("provider")
+    if not routing or is_openrouter(endpoint.base_url):
         return None
-    flags = ", ".join(ROUTING_FLAGS[key] for key in ROUTING_FLAGS if key in routing)
-    return (f"{flags}: OpenRouter's provider routing, sent as \"provider\" to {config.base_url}, which is not "
+    named = ", ".join(ROUTING_FLAGS[key] for key in ROUTING_FLAGS if key in routing)
+    return (f"{named}: OpenRouter's provider routing, sent as \"provider\" to {endpoint.base_url}, which is not "
             "OpenRouter: a server that does not know the field ignores it, or refuses every request (HTTP 400)")
-
-
-def validate_base_url(value: Any) -> str:
-    url = text("base_url", value, required=True)
-    parsed = urlparse(url)
-    if parsed.scheme not in ("http", "https") or not parsed.netloc:
-        raise UsageError(f"--base_url must be an http(s) URL such as http://localhost:8000/v1, got {url!r}")
-    return url.rstrip("/")
-
-
-def validate_run_name(value: Any) -> str:
-    name = text("run_name", value, required=True)
-    longest = 128    # it names a directory, and file systems allow 255 bytes per name
-    if len(name) > longest:
-        raise UsageError(f"--run_name is {len(name)} characters long; at most {longest} are allowed")
-    if not _RUN_NAME.match(name) or name in (".", ".."):
-        raise UsageError(f"--run_name must be a plain name (letters, digits, '.', '_', '-'), got {name!r}")
-    return name
 
 
 DEFAULT_IMAGE = EnvironmentSettings.default_image
@@ -334,26 +212,10 @@ def terminal_environment(distribution: str) -> tuple[str, str]:
         return kind, why
     if kind not in ENVIRONMENT_KINDS:
         raise UsageError(f"TERMINAL_ENV must be one of {', '.join(ENVIRONMENT_KINDS)}, got {kind!r}")
-    if kind == "bubblewrap":
-        from batchrun.environments.bubblewrap import working_bwrap
-        found = working_bwrap()
-        if isinstance(found, str):
-            raise UsageError(f"TERMINAL_ENV=bubblewrap: {found}")
-        return kind, f"chosen by TERMINAL_ENV, {found.describe()}"
-    if kind == "local":
-        return kind, ("chosen by TERMINAL_ENV; NO isolation: commands can read and change whatever your "
-                      "user can and reach the network; only the environment's secrets are withheld")
-    if kind == "docker":
-        from batchrun.environments.docker import DockerEnvironment
-        return kind, f"chosen by TERMINAL_ENV, through `{DockerEnvironment.cli()}`"
-    if kind == "modal":     # the extra and the credentials, before any prompt starts
-        from batchrun.environments.base import EnvironmentSetupError
-        from batchrun.environments.modal import modal_sdk
-        try:
-            modal_sdk()
-        except EnvironmentSetupError as exc:
-            raise UsageError(str(exc)) from None
-    return kind, "chosen by TERMINAL_ENV"
+    try:
+        return kind, environment_class(kind).startup_check()
+    except EnvironmentSetupError as exc:
+        raise UsageError(str(exc)) from None
 
 
 # Variable -> field of ResourceLimits: the environment variables that change a prompt's limits.
@@ -375,85 +237,49 @@ def resource_limits() -> ResourceLimits:
     return ResourceLimits(**values)
 
 
-def validate_backend(value: Any) -> str:
-    """--backend: local worker processes, or Ray actors (an optional extra, checked before anything runs)."""
-    backend = choice("backend", value, BACKENDS) or "local"
-    if backend == "ray":
-        import importlib.util
-        if importlib.util.find_spec("ray") is None:
-            raise UsageError(f"--backend=ray needs Ray, an optional extra: {install_hint('ray')}")
-    return backend
-
-
-def build_config(**flags: Any) -> RunConfig:
-    """Validate every flag value (names already checked by the CLI) and resolve the endpoint."""
-    dataset_text = text("dataset_file", flags["dataset_file"], required=True)
-    batch_size = positive_int("batch_size", flags["batch_size"]) if flags["batch_size"] is not None else None
-    if batch_size is None:
-        raise UsageError("--batch_size is required (prompts per output shard), e.g. --batch_size=10")
-    run_name = validate_run_name(flags["run_name"])
-    distribution = text("distribution", flags["distribution"], required=True)
-    try:
-        distributions.get_distribution(distribution)
-    except distributions.UnknownDistributionError as exc:
-        raise UsageError(f"--distribution: {exc}") from None
-    base_url_given = flags["base_url"] is not None
-    base_url = validate_base_url(flags["base_url"] if base_url_given else DEFAULT_BASE_URL)
-    reasoning_disabled = boolean("reasoning_disabled", flags["reasoning_disabled"])
-    reasoning_effort = choice("reasoning_effort", flags["reasoning_effort"], REASONING_EFFORTS)
-    prompt_timeout = flags["prompt_timeout"]
-    terminal_env, terminal_env_reason = terminal_environment(distribution)
+def build_config(**given: Any) -> RunConfig:
+    """The run's config from the flags given (the rest at their defaults): each flag's value checked by its
+    table entry, then what needs several flags or the environment (the endpoint's key, the sandbox, the
+    limits, the price of a reply)."""
+    values = flags.run_values(given)
+    base_url = values["base_url"] or DEFAULT_BASE_URL
+    kind, reason = terminal_environment(values["distribution"])
+    pricing = checked_pricing(resolve_pricing(values["model"], base_url, values["price_per_mtok"]),
+                              base_url, values["max_cost"])
+    extra_body = build_extra_body(
+        base_url=base_url, providers_allowed=values["providers_allowed"],
+        providers_ignored=values["providers_ignored"], providers_order=values["providers_order"],
+        provider_sort=values["provider_sort"], reasoning_effort=values["reasoning_effort"],
+        reasoning_disabled=values["reasoning_disabled"])
+    # Last, so that a bad flag is reported before the "no endpoint" guidance.
+    api_key = resolve_api_key(values["api_key"], base_url, base_url_given=values["base_url"] is not None)
     return RunConfig(
-        dataset_file=Path(dataset_text),
-        batch_size=batch_size,
-        run_name=run_name,
-        distribution=distribution,
-        model=text("model", flags["model"], required=True),
-        base_url=base_url,
-        max_turns=positive_int("max_turns", flags["max_turns"]),
-        num_workers=positive_int("num_workers", flags["num_workers"]),
-        resume=boolean("resume", flags["resume"]),
-        verbose=boolean("verbose", flags["verbose"]),
-        max_samples=optional_positive_int("max_samples", flags["max_samples"]),
-        max_tokens=optional_positive_int("max_tokens", flags["max_tokens"]),
-        extra_body=build_extra_body(
-            base_url=base_url,
-            providers_allowed=name_list("providers_allowed", flags["providers_allowed"]),
-            providers_ignored=name_list("providers_ignored", flags["providers_ignored"]),
-            providers_order=name_list("providers_order", flags["providers_order"]),
-            provider_sort=choice("provider_sort", flags["provider_sort"], PROVIDER_SORTS),
-            reasoning_effort=reasoning_effort, reasoning_disabled=reasoning_disabled),
-        ephemeral_system_prompt=text("ephemeral_system_prompt", flags["ephemeral_system_prompt"]),
-        log_prefix_chars=non_negative_int("log_prefix_chars", flags["log_prefix_chars"]),
-        prefill_messages=load_prefill(flags["prefill_messages_file"]),
-        seed=None if flags["seed"] is None else non_negative_int("seed", flags["seed"]),
-        # None when not given: on by default for a run (an export then follows each row's own fate).
-        discard_no_reasoning=flags["discard_no_reasoning"] is None or boolean("discard_no_reasoning",
-                                                                               flags["discard_no_reasoning"]),
-        rerun_corrupted=boolean("rerun_corrupted", flags["rerun_corrupted"]),
-        max_retries=non_negative_int("max_retries", flags["max_retries"]),
-        request_timeout=positive_seconds("request_timeout", flags["request_timeout"]),
-        prompt_timeout=None if prompt_timeout is None else positive_seconds("prompt_timeout", prompt_timeout),
-        tool_timeout=positive_seconds("tool_timeout", flags["tool_timeout"]),
-        command_timeout=positive_seconds("command_timeout", flags["command_timeout"]),
-        terminal_env=terminal_env,
-        terminal_env_reason=terminal_env_reason,
-        allow_network=enabled("TERMINAL_ALLOW_NETWORK"),
-        default_image=os.environ.get("TERMINAL_DEFAULT_IMAGE", "").strip() or DEFAULT_IMAGE,
-        limits=resource_limits(),
-        keep_workdirs=boolean("keep_workdirs", flags["keep_workdirs"]),
-        reasoning_disabled=reasoning_disabled,
-        requests_per_minute=optional_positive_int("requests_per_minute", flags["requests_per_minute"]),
-        max_cost=optional_positive_number("max_cost", flags["max_cost"]),
-        max_total_tokens=optional_positive_int("max_total_tokens", flags["max_total_tokens"]),
-        backend=validate_backend(flags.get("backend", "local")),
-        adaptive_concurrency=boolean("adaptive_concurrency", flags.get("adaptive_concurrency", True)),
-        samples_per_prompt=positive_int("samples_per_prompt", flags.get("samples_per_prompt", 1)),
-        estimate=estimate_size(flags.get("estimate")),
-        pricing=checked_pricing(resolve_pricing(text("model", flags["model"], required=True), base_url,
-                                                prices_per_mtok(flags.get("price_per_mtok"))),
-                                base_url, optional_positive_number("max_cost", flags["max_cost"])),
-        # Last (arguments are evaluated in order), so that a bad flag is reported before the
-        # "no endpoint" guidance.
-        api_key=resolve_api_key(text("api_key", flags["api_key"]), base_url, base_url_given),
+        dataset_file=Path(values["dataset_file"]),
+        distribution=values["distribution"],
+        seed=values["seed"],
+        samples_per_prompt=values["samples_per_prompt"],
+        max_samples=values["max_samples"],
+        estimate=values["estimate"],
+        max_cost=values["max_cost"],
+        max_total_tokens=values["max_total_tokens"],
+        endpoint=EndpointConfig(model=values["model"], base_url=base_url, api_key=api_key,
+                                max_tokens=values["max_tokens"], extra_body=extra_body,
+                                max_retries=values["max_retries"], request_timeout=values["request_timeout"],
+                                reasoning_disabled=values["reasoning_disabled"], pricing=pricing),
+        session=SessionConfig(max_turns=values["max_turns"], prompt_timeout=values["prompt_timeout"],
+                              tool_timeout=values["tool_timeout"],
+                              ephemeral_system_prompt=values["ephemeral_system_prompt"],
+                              prefill_messages=values["prefill_messages_file"]),
+        environment=EnvironmentConfig(kind=kind, reason=reason, allow_network=enabled("TERMINAL_ALLOW_NETWORK"),
+                                      default_image=os.environ.get("TERMINAL_DEFAULT_IMAGE", "").strip()
+                                      or DEFAULT_IMAGE,
+                                      limits=resource_limits(), keep_workdirs=values["keep_workdirs"],
+                                      command_timeout=values["command_timeout"]),
+        pool=PoolConfig(num_workers=values["num_workers"], backend=values["backend"],
+                        adaptive_concurrency=values["adaptive_concurrency"],
+                        requests_per_minute=values["requests_per_minute"]),
+        output=OutputConfig(run_name=values["run_name"], batch_size=values["batch_size"], resume=values["resume"],
+                            rerun_corrupted=values["rerun_corrupted"],
+                            discard_no_reasoning=values["discard_no_reasoning"]),
+        console=ConsoleConfig(verbose=values["verbose"], log_prefix_chars=values["log_prefix_chars"]),
     )

@@ -27,7 +27,7 @@ Handler = Callable[[dict, "ToolContext"], Awaitable[dict]]
 def _browser_unavailable() -> str | None:
     """Asked of the browser module only when someone asks: rows, statistics and the CLI read this table
     without loading a tool's implementation."""
-    from batchrun.tools.browser import unavailable_reason
+    from batchrun.tools.browser.availability import unavailable_reason
     return unavailable_reason()
 
 
@@ -69,7 +69,7 @@ _STRING = {"type": "string"}
 _INT = {"type": "integer"}
 # Every browser tool drives the worker's one shared Chromium, started by the first call.
 _BROWSER: dict[str, Any] = {"unavailable_reason": _browser_unavailable,
-                            "process_teardown": "batchrun.tools.browser:close_browser"}
+                            "process_teardown": "batchrun.tools.browser.launch:close_browser"}
 _REF = {"type": "string", "description": "Element reference from the latest browser_snapshot, e.g. 'e12'."}
 
 TOOLS: tuple[ToolSpec, ...] = (
@@ -137,26 +137,26 @@ TOOLS: tuple[ToolSpec, ...] = (
              needs_isolation=True),
     ToolSpec("browser_navigate", "browser", "Open a URL in the browser and return a snapshot of the page.",
              _params({"url": {**_STRING, "description": "http(s) URL."}}, ["url"]),
-             "batchrun.tools.browser:navigate", **_BROWSER),
+             "batchrun.tools.browser.actions:navigate", **_BROWSER),
     ToolSpec("browser_snapshot", "browser",
              "Return the current page as text with element references ([ref=eN]) for click and type.",
-             _params({}, []), "batchrun.tools.browser:snapshot", **_BROWSER),
+             _params({}, []), "batchrun.tools.browser.actions:snapshot", **_BROWSER),
     ToolSpec("browser_click", "browser", "Click the element with the given reference.",
-             _params({"ref": _REF}, ["ref"]), "batchrun.tools.browser:click", **_BROWSER),
+             _params({"ref": _REF}, ["ref"]), "batchrun.tools.browser.actions:click", **_BROWSER),
     ToolSpec("browser_type", "browser",
              "Type text into the input with the given reference (replacing what it held).",
              _params({"ref": _REF, "text": {**_STRING, "description": "Text to type."}}, ["ref", "text"]),
-             "batchrun.tools.browser:type_text", **_BROWSER),
+             "batchrun.tools.browser.actions:type_text", **_BROWSER),
     ToolSpec("browser_scroll", "browser", "Scroll the page up or down.",
              _params({"direction": {"type": "string", "enum": ["up", "down"]}}, ["direction"]),
-             "batchrun.tools.browser:scroll", **_BROWSER),
+             "batchrun.tools.browser.actions:scroll", **_BROWSER),
     ToolSpec("browser_back", "browser", "Go back to the previous page.",
-             _params({}, []), "batchrun.tools.browser:back", **_BROWSER),
+             _params({}, []), "batchrun.tools.browser.actions:back", **_BROWSER),
     ToolSpec("browser_press", "browser", "Press a keyboard key (e.g. Enter, Tab, ArrowDown).",
              _params({"key": {**_STRING, "description": "Key name."}}, ["key"]),
-             "batchrun.tools.browser:press", **_BROWSER),
+             "batchrun.tools.browser.actions:press", **_BROWSER),
     ToolSpec("browser_get_images", "browser", "List the images on the current page with their URLs and alt text.",
-             _params({}, []), "batchrun.tools.browser:get_images", **_BROWSER),
+             _params({}, []), "batchrun.tools.browser.actions:get_images", **_BROWSER),
     # vision_analyze needs no configuration: by default it asks the run's own model and endpoint.
     ToolSpec("vision_analyze", "vision",
              "Answer a question about an image given by http(s) URL or by the path of a PNG, JPEG, GIF "

@@ -26,7 +26,8 @@ from collections.abc import MutableSequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from batchrun import report, report_plots
+from batchrun import report
+from batchrun.report import plots
 from batchrun.run_dir import BATCH_FILE
 
 _FORK = multiprocessing.get_context("fork")
@@ -153,7 +154,7 @@ class BatchFollower:
 def _follow(conn: Connection, run_dir: Path, parent_pid: int, window: MutableSequence[int]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C reaches the group; the parent decides
     try:
-        report_plots.preload()
+        plots.preload()
         scan = report.RunScan(run_dir)
         follower = BatchFollower(scan, window)
         follower.read_existing()

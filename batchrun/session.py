@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from batchrun import registry
-from batchrun.config import RunConfig
+from batchrun.config import EndpointConfig, SessionConfig
 from batchrun.environments import create_environment, environment_class
 from batchrun.environments.base import Environment, EnvironmentSettings, EnvironmentSetupError
 from batchrun.messages import Task
@@ -21,6 +21,7 @@ from batchrun.model import CONTEXT_LENGTH, Message, ModelReply, ModelSource, Pro
 from batchrun.rows import (
     END_REASONS,
     AssistantTurn,
+    EndReason,
     HumanTurn,
     SessionResult,
     ToolCallRecord,
@@ -59,7 +60,9 @@ KEPT_ARGUMENT_CHARS = 2_000      # of arguments too large for any tool, which th
 class SessionServices:
     """What every session of a worker process shares."""
 
-    config: RunConfig
+    config: SessionConfig
+    endpoint: EndpointConfig   # the run's endpoint, for tools that ask the model themselves
+    environment_kind: str      # the backend every session's environment comes from
     models: ModelSource        # each session's model (the run's endpoint: batchrun.endpoint.OpenAIEndpoint)
     env_settings: EnvironmentSettings
     available_tools: frozenset[str]
@@ -85,11 +88,11 @@ class SessionServices:
         """Finish closing environments (and end those kept for further prompts), then the model's
         connections, while the loop still runs."""
         await asyncio.gather(*self.closing, return_exceptions=True)
-        await environment_class(self.config.terminal_env).close_idle()
+        await environment_class(self.environment_kind).close_idle()
         await self.models.close()
 
 
-def runtime_messages(config: RunConfig, prompt: str) -> list[Message]:
+def runtime_messages(config: SessionConfig, prompt: str) -> list[Message]:
     """What the model sees first; the ephemeral prompt and prefill never reach the trajectory."""
     system = AGENT_PROMPT
     if config.ephemeral_system_prompt:
@@ -158,20 +161,20 @@ class Session:
 
     async def run(self) -> SessionResult:
         started = time.monotonic()
-        end_reason, error, error_type = "error", None, None
+        end_reason, error, error_type = EndReason.ERROR, None, None
         try:
             # The time limit covers the environment's start (a slow image pull or Modal start) too.
             end_reason = await within(self.config.prompt_timeout, self._started_then_loop())
         except PromptFailedError as exc:
             if exc.error_type == CONTEXT_LENGTH and self._answered():
-                end_reason = CONTEXT_LENGTH     # keep the paid-for turns; rerunning would overflow again
+                end_reason = EndReason.CONTEXT_LENGTH     # keep the paid-for turns; rerunning would overflow again
             else:
                 error, error_type = str(exc), exc.error_type
         except EnvironmentSetupError as exc:
             error, error_type = str(exc), "environment"
         except TimeoutError:
             if self._answered():    # keep what the paid-for turns produced, as a partial row
-                end_reason = "prompt_timeout"
+                end_reason = EndReason.PROMPT_TIMEOUT
             else:
                 waiting = ("while its environment was starting" if self._awaiting_environment
                            else "before the first model reply")
@@ -192,13 +195,13 @@ class Session:
             end_reason=end_reason, error=redact(error) if error else None, error_type=error_type,
             sample_index=self.task.sample_index)
 
-    async def _started_then_loop(self) -> str:
+    async def _started_then_loop(self) -> EndReason:
         if registry.needs_environment(self.offered_tools):
             self._environment_start = asyncio.ensure_future(self._start_environment())
             # A start that can fail for this prompt alone (an image that cannot be pulled, the row's cwd)
             # comes before any model call, so that such a prompt spends nothing; any other runs while the
             # first reply is written, and the first tool call that needs it waits for it.
-            if environment_class(self.config.terminal_env).start_can_fail_alone or self.task.cwd:
+            if environment_class(self.services.environment_kind).start_can_fail_alone or self.task.cwd:
                 await self._environment_ready()
         return await self._loop()
 
@@ -211,7 +214,7 @@ class Session:
         self._awaiting_environment = False
 
     async def _start_environment(self) -> None:
-        self.env = create_environment(self.config.terminal_env, self.services.env_settings,
+        self.env = create_environment(self.services.environment_kind, self.services.env_settings,
                                       prompt_index=self.task.prompt_index, image=self.task.image,
                                       cwd=self.task.cwd)
         async with self.services.starting:
@@ -231,10 +234,10 @@ class Session:
 
     def _tool_context(self) -> ToolContext:
         if self.tools is None:
-            config = self.config
+            endpoint = self.services.endpoint
             self.tools = ToolContext(env=self.env, settings=self.services.env_settings,
-                                     model=ModelAccess(base_url=config.base_url, api_key=config.api_key,
-                                                       model=config.model,
+                                     model=ModelAccess(base_url=endpoint.base_url, api_key=endpoint.api_key,
+                                                       model=endpoint.model,
                                                        client=self.services.models.tool_client(self.task.prompt_index)))
         return self.tools
 
@@ -267,7 +270,7 @@ class Session:
         self.turns.append(HumanTurn(text))
         messages.append({"role": "user", "content": text})
 
-    async def _loop(self) -> str:
+    async def _loop(self) -> EndReason:
         """The conversation, then why it ended; a session that kept no reply at all (only empty
         answers, or only reasoning) fails, so that resume runs its prompt again."""
         end_reason = await self._converse()
@@ -276,7 +279,7 @@ class Session:
                                     end_reason)
         return end_reason
 
-    async def _converse(self) -> str:
+    async def _converse(self) -> EndReason:
         """Call the model and run its tools until it answers, as the reference loop does: an answer
         with no text is asked for again, one cut off by the output limit is asked to go on, and at
         --max_turns calls one more, without tools, asks for a summary. Each counter of requests
@@ -292,14 +295,14 @@ class Session:
             cut_off = reply.finish_reason == "length"
             if calls and cut_off:        # its last call's arguments may be cut mid-way: ask once more
                 if cut_calls:
-                    return "truncated"
+                    return EndReason.TRUNCATED
                 cut_calls += 1
                 continue
             if not calls and not visible:
                 if cut_off:              # the output limit went on reasoning: asking to go on repeats that
-                    return "truncated"
+                    return EndReason.TRUNCATED
                 if empty_retries == MAX_EMPTY_RETRIES:
-                    return "empty_answer"
+                    return EndReason.EMPTY_ANSWER
                 empty_retries += 1
                 continue
             empty_retries = cut_calls = 0
@@ -309,9 +312,9 @@ class Session:
                 continuations = 0
             if not calls:
                 if not cut_off:
-                    return "final_answer"
+                    return EndReason.FINAL_ANSWER
                 if continuations == MAX_CONTINUATIONS:
-                    return "truncated"
+                    return EndReason.TRUNCATED
                 continuations += 1
                 self._ask(messages, CONTINUE_REQUEST)
                 continue
@@ -323,9 +326,9 @@ class Session:
                 call.arguments = _kept_arguments(call, self.services.env_settings.max_file_bytes)
             invented_streak = invented_streak + 1 if invented else 0
             if invented_streak >= MAX_INVENTED_TURNS:
-                return "invented_tools"
+                return EndReason.INVENTED_TOOLS
         await self._summarise(messages)
-        return "max_turns"
+        return EndReason.MAX_TURNS
 
     async def _summarise(self, messages: list[Message]) -> None:
         """At --max_turns, one call without tools asks for a summary; the row keeps it (and the request)

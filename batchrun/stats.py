@@ -7,23 +7,89 @@ this invocation live under ``this_run``.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any, Literal, NotRequired, TypedDict, get_args
 
 from batchrun import rows
 from batchrun.concurrency import ConcurrencyFigures
 from batchrun.registry import TOOL_NAMES
 
-USAGE_KEYS = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens", "cost")
+
+class UsageTotals(TypedDict):
+    """Usage added up over replies or rows, every key present, written to JSON as it is in this order.
+    ``cost`` starts as the int 0, so a run that spent nothing writes ``0``, as it always has."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    reasoning_tokens: int
+    cached_tokens: int
+    cost: float
 
 
-def add_usage(total: dict, usage: dict | None) -> None:
+UsageKey = Literal["prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens", "cost"]
+USAGE_KEYS: tuple[UsageKey, ...] = get_args(UsageKey)
+
+
+def add_usage(total: UsageTotals, usage: Mapping[str, Any] | None) -> None:
+    """Add ``usage`` to ``total``: a reply's, a row's or a line's of spent.jsonl, where a missing or
+    null key counts 0."""
     for key in USAGE_KEYS:
         total[key] += (usage or {}).get(key) or 0
 
 
-def empty_usage() -> dict:
-    return {key: 0 for key in USAGE_KEYS}
+def empty_usage() -> UsageTotals:
+    return {"prompt_tokens": 0, "completion_tokens": 0, "reasoning_tokens": 0, "cached_tokens": 0, "cost": 0}
+
+
+def usage_totals(data: Mapping[str, Any]) -> UsageTotals:
+    """Totals as a JSON file kept them; KeyError if one is missing."""
+    return {"prompt_tokens": data["prompt_tokens"], "completion_tokens": data["completion_tokens"],
+            "reasoning_tokens": data["reasoning_tokens"], "cached_tokens": data["cached_tokens"],
+            "cost": data["cost"]}
+
+
+def rounded_usage(usage: UsageTotals) -> UsageTotals:
+    """As written: a cost added up from many replies carries float noise past the 8th decimal."""
+    return {**usage, "cost": round(usage["cost"], 8)}
+
+
+class ToolFigures(TypedDict):
+    count: int
+    success: int
+    failure: int
+
+
+class ToolStatistics(ToolFigures):
+    success_rate: float
+    failure_rate: float
+
+
+class ReasoningStatistics(TypedDict):
+    total_assistant_turns: int
+    turns_with_reasoning: int
+    turns_without_reasoning: int
+    coverage_percent: float
+
+
+class SampleStatistics(TypedDict):
+    prompts_with_rows: int
+    prompts_with_a_completed_sample: int
+    prompts_by_completed_samples: dict[str, int]
+
+
+class ThisRunStatistics(TypedDict):
+    prompts_processed: int
+    completed: int
+    partial: int
+    failed: int
+    discarded_no_reasoning: int
+    api_calls: int
+    usage: UsageTotals
+    replies_by_cost_source: dict[str, int]
+    duration_seconds: float
+    concurrency: NotRequired[dict[str, Any]]
 
 
 @dataclass
@@ -32,7 +98,7 @@ class ThisRun:
 
     statuses: Counter = field(default_factory=Counter)
     failures_by_cause: Counter = field(default_factory=Counter)
-    usage: dict = field(default_factory=empty_usage)
+    usage: UsageTotals = field(default_factory=empty_usage)
     api_calls: int = 0
     concurrency: ConcurrencyFigures | None = None     # as the pool last reported it
     cost_sources: Counter = field(default_factory=Counter)   # replies by where their cost came from
@@ -42,7 +108,7 @@ class ThisRun:
         """Replies whose cost is unknown (the endpoint said none, and no price was known)."""
         return self.cost_sources["unknown"]
 
-    def record(self, status: str, usage: dict, api_calls: int, error_type: str | None) -> None:
+    def record(self, status: str, usage: Mapping[str, Any], api_calls: int, error_type: str | None) -> None:
         self.statuses[status] += 1
         add_usage(self.usage, usage)
         self.api_calls += api_calls
@@ -66,7 +132,7 @@ class MergeStatistics:
     end_reasons: Counter = field(default_factory=Counter)
     discarded: int = 0
     corrupted: list[tuple[str, int, list[str], str]] = field(default_factory=list)   # file, index, tools, key
-    usage: dict = field(default_factory=empty_usage)
+    usage: UsageTotals = field(default_factory=empty_usage)
     batch_files: int = 0
     # Per prompt (StoredRow.prompt_key), its completed samples; None unless the run has several samples per
     # prompt (a dict the size of the dataset is kept only where it says something).
@@ -106,21 +172,20 @@ class MergeStatistics:
         self.end_reasons.update(other.end_reasons)
         self.discarded += other.discarded
         self.corrupted.extend(other.corrupted)
-        for key in USAGE_KEYS:
-            self.usage[key] += other.usage[key]
+        add_usage(self.usage, other.usage)
 
-    def to_state(self) -> dict:
+    def to_state(self) -> dict[str, Any]:
         """Everything counted, as JSON, so a later merge can go on counting (see run_dir.merge)."""
         return {"tool_entries": [[*entry, rows_with_it] for entry, rows_with_it in self.tool_entries.items()],
                 "turns_with_reasoning": self.turns_with_reasoning,
                 "turns_without_reasoning": self.turns_without_reasoning,
                 "merged": self.merged, "merged_by_status": dict(self.merged_by_status),
                 "end_reasons": dict(self.end_reasons), "discarded": self.discarded,
-                "corrupted": [list(entry) for entry in self.corrupted], "usage": dict(self.usage),
+                "corrupted": [list(entry) for entry in self.corrupted], "usage": self.usage.copy(),
                 "prompt_samples": None if self.prompt_samples is None else dict(self.prompt_samples)}
 
     @classmethod
-    def from_state(cls, state: dict) -> MergeStatistics:
+    def from_state(cls, state: dict[str, Any]) -> MergeStatistics:
         return cls(tool_entries=Counter({(name, count, success, failure): rows_with_it
                                          for name, count, success, failure, rows_with_it in state["tool_entries"]}),
                    turns_with_reasoning=state["turns_with_reasoning"],
@@ -128,7 +193,7 @@ class MergeStatistics:
                    merged=state["merged"], merged_by_status=Counter(state["merged_by_status"]),
                    end_reasons=Counter(state["end_reasons"]), discarded=state["discarded"],
                    corrupted=[(name, index, invented, key) for name, index, invented, key in state["corrupted"]],
-                   usage={key: state["usage"][key] for key in USAGE_KEYS},
+                   usage=usage_totals(state["usage"]),
                    prompt_samples=None if state.get("prompt_samples") is None else Counter(state["prompt_samples"]))
 
     def on_corrupted(self, batch_file: str, row: rows.StoredRow, invented: list[str]) -> None:
@@ -148,8 +213,8 @@ class MergeStatistics:
                 live.append(entry)
         return live
 
-    def tool_counts(self) -> dict[str, dict[str, int]]:
-        totals = {name: {"count": 0, "success": 0, "failure": 0} for name in TOOL_NAMES}
+    def tool_counts(self) -> dict[str, ToolFigures]:
+        totals: dict[str, ToolFigures] = {name: {"count": 0, "success": 0, "failure": 0} for name in TOOL_NAMES}
         for (name, count, success, failure), rows_with_it in self.tool_entries.items():
             if name in totals:
                 totals[name]["count"] += count * rows_with_it
@@ -157,8 +222,8 @@ class MergeStatistics:
                 totals[name]["failure"] += failure * rows_with_it
         return totals
 
-    def tool_statistics(self) -> dict:
-        table = {}
+    def tool_statistics(self) -> dict[str, ToolStatistics]:
+        table: dict[str, ToolStatistics] = {}
         for name, entry in self.tool_counts().items():
             count = entry["count"]
             table[name] = {**entry,
@@ -166,7 +231,7 @@ class MergeStatistics:
                            "failure_rate": round(100 * entry["failure"] / count, 2) if count else 0.0}
         return table
 
-    def sample_statistics(self) -> dict | None:
+    def sample_statistics(self) -> SampleStatistics | None:
         """Success per prompt over its samples: how many prompts had at least one completed sample
         (pass@k, k the samples each had), and how many had 0, 1, 2... completed samples."""
         if self.prompt_samples is None:
@@ -176,25 +241,21 @@ class MergeStatistics:
                 "prompts_with_a_completed_sample": len(self.prompt_samples) - spread[0],
                 "prompts_by_completed_samples": {str(count): spread[count] for count in sorted(spread)}}
 
-    def reasoning_statistics(self) -> dict:
+    def reasoning_statistics(self) -> ReasoningStatistics:
         total = self.turns_with_reasoning + self.turns_without_reasoning
         return {"total_assistant_turns": total, "turns_with_reasoning": self.turns_with_reasoning,
                 "turns_without_reasoning": self.turns_without_reasoning,
                 "coverage_percent": round(100 * self.turns_with_reasoning / total, 2) if total else 0.0}
 
 
-def _rounded(usage: dict) -> dict:
-    return {key: round(value, 8) if key == "cost" else value for key, value in usage.items()}
-
-
 def build_statistics(*, run_name: str, distribution: str, model: str, batch_size: int, total_prompts: int,
                      skipped_dataset_lines: int, duration: float, merge: MergeStatistics, this_run: ThisRun,
-                     superseded_corrupted: Counter, unfinished: dict, samples_per_prompt: int = 1,
-                     pricing: dict | None = None) -> dict:
+                     superseded_corrupted: Counter, unfinished: UsageTotals, samples_per_prompt: int = 1,
+                     pricing: dict[str, Any] | None = None) -> dict[str, Any]:
     """``unfinished``: spent by sessions that left no row (cut off by a kill or a stop), which the
     run's usage includes beside its rows'."""
     corrupted = merge.live_corrupted(superseded_corrupted)
-    usage = dict(merge.usage)
+    usage = merge.usage.copy()
     add_usage(usage, unfinished)
     return {
         "run_name": run_name,
@@ -220,21 +281,27 @@ def build_statistics(*, run_name: str, distribution: str, model: str, batch_size
         "filtered_corrupted": len(corrupted),
         "corrupted_entries": [{"batch_file": name, "prompt_index": index, "invented_tools": invented}
                               for name, index, invented, _key in corrupted[:100]],
-        "usage": _rounded(usage),
-        "spent_by_unfinished_sessions": _rounded(unfinished),
+        "usage": rounded_usage(usage),
+        "spent_by_unfinished_sessions": rounded_usage(unfinished),
         # How replies without a cost of their own were priced, and how many had none (their cost is not in
         # "cost" above, which then says less than was spent).
         **({"pricing": pricing} if pricing is not None else {}),
-        "this_run": {
-            "prompts_processed": this_run.processed,
-            "completed": this_run.statuses[rows.COMPLETED],
-            "partial": this_run.statuses[rows.PARTIAL],
-            "failed": this_run.statuses[rows.FAILED],
-            "discarded_no_reasoning": this_run.statuses[rows.DISCARDED],
-            "api_calls": this_run.api_calls,
-            "usage": _rounded(this_run.usage),
-            "replies_by_cost_source": dict(this_run.cost_sources),
-            "duration_seconds": round(duration, 3),
-            **({"concurrency": this_run.concurrency.as_dict()} if this_run.concurrency else {}),
-        },
+        "this_run": _this_run_statistics(this_run, duration),
     }
+
+
+def _this_run_statistics(this_run: ThisRun, duration: float) -> ThisRunStatistics:
+    section: ThisRunStatistics = {
+        "prompts_processed": this_run.processed,
+        "completed": this_run.statuses[rows.COMPLETED],
+        "partial": this_run.statuses[rows.PARTIAL],
+        "failed": this_run.statuses[rows.FAILED],
+        "discarded_no_reasoning": this_run.statuses[rows.DISCARDED],
+        "api_calls": this_run.api_calls,
+        "usage": rounded_usage(this_run.usage),
+        "replies_by_cost_source": dict(this_run.cost_sources),
+        "duration_seconds": round(duration, 3),
+    }
+    if this_run.concurrency:
+        section["concurrency"] = this_run.concurrency.as_dict()
+    return section

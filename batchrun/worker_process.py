@@ -1,7 +1,8 @@
-"""The worker side: one process running many agent sessions on one asyncio loop.
+"""The worker side: many agent sessions on one asyncio loop, in a worker process (``main``) or a Ray actor
+(``make_services`` and ``outcome``), and each finished session turned into the row the parent writes.
 
 The pool imports it just before forking, so worker processes share one loaded copy of the model
-client; the parent's own code never calls it.
+client. The parent calls only ``lost_task``, for the failure row of a task whose worker died.
 """
 
 from __future__ import annotations
@@ -36,17 +37,17 @@ _OUTBOX_CLOSE_SECONDS = 10.0
 
 
 def _finished(task: Task, result: rows.SessionResult, config: RunConfig) -> Finished:
-    batch_num = task.unit // config.batch_size
-    line = rows.encode_finished(result, batch_num=batch_num, model=config.model,
+    batch_num = task.unit // config.output.batch_size
+    line = rows.encode_finished(result, batch_num=batch_num, model=config.endpoint.model,
                                 timestamp=datetime.now().isoformat(timespec="seconds"),
-                                discard_no_reasoning=config.discard_no_reasoning)
+                                discard_no_reasoning=config.output.discard_no_reasoning)
     stored = rows.read_stored_row(line)
     assert stored is not None       # a row just encoded is always complete
     return Finished(prompt_index=result.prompt_index, unit=task.unit, sample_index=result.sample_index,
                     batch_num=batch_num, status=stored.status,
                     row=line, api_calls=result.api_calls, usage=result.usage.as_dict(),
                     wall_time=result.wall_time, end_reason=result.end_reason, error=result.error,
-                    error_type=result.error_type, prompt_preview=result.prompt[:config.log_prefix_chars],
+                    error_type=result.error_type, prompt_preview=result.prompt[:config.console.log_prefix_chars],
                     toolsets=tuple(toolsets_offering(result.toolsets, result.offered_tools)),
                     tool_calls=tuple((name, count, failure) for name, count, _, failure in stored.tool_counts()))
 
@@ -85,14 +86,15 @@ def use_pidfd_child_watcher(loop: asyncio.AbstractEventLoop) -> None:
 def make_services(slots: int, config: RunConfig, gate: Gate, env_settings: EnvironmentSettings,
                   available_tools: frozenset[str]) -> SessionServices:
     """What one worker (process or Ray actor) shares between its ``slots`` concurrent sessions."""
-    models = OpenAIEndpoint(config, gate, clients=max(1, math.ceil(slots / SESSIONS_PER_CLIENT)))
-    return SessionServices(config=config, models=models, env_settings=env_settings,
-                           available_tools=available_tools, redact=Redactor.from_environment(config.api_key))
+    models = OpenAIEndpoint(config.endpoint, gate, clients=max(1, math.ceil(slots / SESSIONS_PER_CLIENT)))
+    return SessionServices(config=config.session, endpoint=config.endpoint, environment_kind=config.environment.kind,
+                           models=models, env_settings=env_settings, available_tools=available_tools,
+                           redact=Redactor.from_environment(config.endpoint.api_key))
 
 
-async def outcome(task: Task, services: SessionServices) -> Finished | Fatal:
+async def outcome(task: Task, services: SessionServices, config: RunConfig) -> Finished | Fatal:
     """Run one prompt's session to the message the parent receives, whatever the transport
-    (a pipe to a worker process here, a Ray actor's return value in batchrun.ray_pool).
+    (a pipe to a worker process here, a Ray actor's return value in batchrun/ray/actor.py).
 
     Every task ends in a message, whatever raises, here or while its row is encoded: the parent
     waits for one answer per task it handed out."""
@@ -105,9 +107,9 @@ async def outcome(task: Task, services: SessionServices) -> Finished | Fatal:
     except Exception:
         result = _failed(task, services.redact(traceback.format_exc(limit=5)), "internal_error")
     try:
-        return _finished(task, result, services.config)
+        return _finished(task, result, config)
     except Exception:
-        return lost_task(task, services.config, f"internal error while recording the row: "
+        return lost_task(task, config, f"internal error while recording the row: "
                                                 f"{services.redact(traceback.format_exc(limit=3))}")
 
 
@@ -126,7 +128,7 @@ async def shut_down(sessions: Collection[asyncio.Future[Any]], services: Session
     await services.close()
 
 
-async def _serve(conn: Connection, services: SessionServices, slots: int) -> None:
+async def _serve(conn: Connection, services: SessionServices, config: RunConfig, slots: int) -> None:
     loop = asyncio.get_running_loop()
     use_pidfd_child_watcher(loop)
     inbox: asyncio.Queue = asyncio.Queue()
@@ -152,7 +154,7 @@ async def _serve(conn: Connection, services: SessionServices, slots: int) -> Non
         async with free_slot:
             if fatal.is_set():      # the run is stopping: a task still waiting never starts
                 return
-            message = await outcome(task, services)
+            message = await outcome(task, services, config)
         if not fatal.is_set():     # after a run-wide failure the parent stops: one Fatal, nothing more
             if isinstance(message, Fatal):
                 fatal.set()
@@ -202,4 +204,4 @@ def main(conn: Connection, siblings: list[Connection], worker: int, slots: int, 
     gate.limit.bind(worker)     # the parent gives back this process's request slots if it dies
     _outlive_ctrl_c()
     leave_session_keyring()
-    asyncio.run(_serve(conn, make_services(slots, config, gate, env_settings, available_tools), slots))
+    asyncio.run(_serve(conn, make_services(slots, config, gate, env_settings, available_tools), config, slots))

@@ -185,11 +185,11 @@ class ProcessPool:
 
         endpoint.preload_http_stack()
 
-        count = process_count(config.num_workers)
-        self.gate = RateGate(config.requests_per_minute, ceiling=config.num_workers,
-                             adaptive=config.adaptive_concurrency, workers=count)
+        count = process_count(config.pool.num_workers)
+        self.gate = RateGate(config.pool.requests_per_minute, ceiling=config.pool.num_workers,
+                             adaptive=config.pool.adaptive_concurrency, workers=count)
         self._config, self._env_settings, self._available_tools = config, env_settings, available_tools
-        self._capacity = split_slots(config.num_workers, count)     # sessions at once, per process
+        self._capacity = split_slots(config.pool.num_workers, count)     # sessions at once, per process
         self._places = Places(self._capacity)
         self._conns: list[Connection] = []
         self._processes: list[BaseProcess] = []

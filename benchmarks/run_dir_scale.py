@@ -100,13 +100,14 @@ def append_resumed_rows(run_dir: Path, first: int, count: int) -> None:
 
 def measure(phase: str, run_dir: Path) -> None:
     """Runs inside a fresh process: one phase, then prints a JSON line of figures."""
-    from batchrun import report, report_plots
+    from batchrun import report
+    from batchrun.report import plots
     from batchrun.report_follower import BatchFollower
     from batchrun.run_dir import RunDirectory
 
     directory = RunDirectory(run_dir)
     if phase == "report-end":       # what the report process has done by the time the run ends
-        report_plots.preload()
+        plots.preload()
         follower = BatchFollower(report.RunScan(run_dir), [0, len(directory.batch_files()) - 1])
         follower.read_existing()
         append_resumed_rows(run_dir, 10**9, LAST_ROWS)

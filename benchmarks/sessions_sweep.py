@@ -31,7 +31,6 @@ its connection pool), to measure that choice.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import multiprocessing
 import os
@@ -48,7 +47,6 @@ from pathlib import Path
 
 from throughput import REPO, children_cpu_seconds, server_stats, tree_pids
 
-import batch_runner
 import model_tools
 from batchrun import endpoint, worker_process
 from batchrun.config import RunConfig, build_config
@@ -195,9 +193,7 @@ def _seconds(value: float | None) -> str:
 
 def worker_config(dataset: Path, sessions: int, base_url: str, tool_turns: int, adaptive: bool) -> RunConfig:
     """The RunConfig a run with these flags gets (every other flag at the CLI's default)."""
-    defaults = {name: parameter.default for name, parameter in inspect.signature(batch_runner.main).parameters.items()
-                if parameter.default is not inspect.Parameter.empty}
-    return build_config(**{**defaults, "dataset_file": str(dataset), "batch_size": 100, "run_name": "bench",
+    return build_config(**{"dataset_file": str(dataset), "batch_size": 100, "run_name": "bench",
                            "distribution": distribution(tool_turns), "num_workers": sessions, "base_url": base_url,
                            "model": "bench", "api_key": "bench", "max_retries": 0,
                            "adaptive_concurrency": adaptive})

@@ -9,7 +9,8 @@
   sandboxes are stand-in containers whose commands run as local processes.
 
 Each backend answers the same questions (which of a run's containers exist, which image cannot be
-pulled), so one contract test covers all four.
+pulled), so one test covers all four: test_container_environments.py, and with the other backends
+test_environment_contract.py.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from scripted_endpoint import ScriptedEndpoint
 from batchrun import concurrency
 from batchrun.concurrency import AimdState, ConcurrencyFigures, Outcome, SharedLimit, Ticket, slots
 from batchrun.console import RunConsole
-from batchrun.ray_pool import GateKeeper
+from batchrun.ray.gate import GateKeeper
 from batchrun.stats import ThisRun
 
 FORK = multiprocessing.get_context("fork")

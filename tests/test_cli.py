@@ -6,7 +6,6 @@ before any model call and before data/<run_name>/ exists.
 
 from __future__ import annotations
 
-import inspect
 import json
 import subprocess
 import sys
@@ -25,11 +24,10 @@ from conftest import (
     write_dataset,
 )
 
-import batch_runner
+from batchrun import flags
 from batchrun.config import build_config, provider_routing_note
 
-DEFAULTS = {name: parameter.default for name, parameter in inspect.signature(batch_runner.main).parameters.items()
-            if parameter.default is not inspect.Parameter.empty}
+DEFAULTS = flags.defaults()
 DISTRIBUTION_NAMES = ("default", "image_gen", "research", "science", "development", "safe", "balanced", "minimal",
                       "terminal_only", "terminal_web", "creative", "reasoning", "browser_use", "browser_only",
                       "browser_tasks", "terminal_tasks", "mixed_tasks")
@@ -194,7 +192,7 @@ def test_no_word_about_provider_routing_without_its_flags(tmp_path, endpoint):
 def test_provider_routing_to_openrouter_needs_no_word():
     config = build_config(**{**DEFAULTS, "dataset_file": "d.jsonl", "batch_size": 1, "run_name": "r",
                              "base_url": "https://openrouter.ai/api/v1", "api_key": "k", "provider_sort": "price"})
-    assert config.extra_body["provider"] == {"sort": "price"} and provider_routing_note(config) is None
+    assert config.endpoint.extra_body["provider"] == {"sort": "price"} and provider_routing_note(config.endpoint) is None
 
 
 def test_numeric_run_name_is_accepted(tmp_path, endpoint):

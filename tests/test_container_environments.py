@@ -1,5 +1,8 @@
-"""The contract every container backend keeps (docker and podman engines, singularity, modal), and
-what only a stand-in can show: pulls that are slow or fail on demand, an engine that hangs.
+"""What every container backend (docker and podman engines, singularity, modal) keeps beyond the
+environment contract, which test_environment_contract.py holds them to with the other backends: images
+pulled or refused, a start failing once the container exists, the row's cwd as a path in the container,
+the file tools reaching any path in it; and what only a stand-in can show: pulls that are slow or fail on
+demand, an engine that hangs.
 
 Real engines: tests/container_backends.py says how they are set up, and the tests that need one are
 skipped where none is. Engine-only behaviour (limits, the runner killed) is in test_container_engines.py,
@@ -33,8 +36,7 @@ from batchrun.environments.container import ContainerEnvironment
 from batchrun.environments.image_lock import image_file_stem
 from batchrun.environments.singularity import sif_cache
 from batchrun.tools import ToolContext, ToolError
-from batchrun.tools.files import patch, read_file, search_files, write_file
-from batchrun.tools.terminal import terminal
+from batchrun.tools.files import read_file, write_file
 
 
 @pytest.fixture(params=BACKENDS)
@@ -59,18 +61,6 @@ def close(env: ContainerEnvironment) -> None:
 
 # -- the container's life ------------------------------------------------------------------------
 
-def test_close_removes_the_container_and_a_second_close_does_nothing(backend, tmp_path):
-    settings = make_settings(tmp_path)
-    env = started(backend, settings)
-    assert len(backend.live(settings.run_label)) == 1
-
-    async def close_twice():
-        await env.close()
-        await env.close()
-    asyncio.run(close_twice())
-    assert backend.live(settings.run_label) == []
-
-
 def test_an_image_that_cannot_be_pulled_fails_the_start_naming_it_and_creates_nothing(backend, tmp_path,
                                                                                     monkeypatch):
     settings = make_settings(tmp_path)
@@ -91,14 +81,6 @@ def test_a_prompt_without_an_image_gets_the_default_image(backend, tmp_path):
     assert env.image == backend.image
 
 
-def test_rows_cwd_climbing_above_the_root_fails_the_start_before_anything_is_created(backend, tmp_path):
-    settings = make_settings(tmp_path)
-    env = environment(backend, settings, cwd="../../..")
-    with pytest.raises(EnvironmentSetupError, match="cwd"):
-        asyncio.run(env.start())
-    assert backend.live(settings.run_label) == []
-
-
 def test_a_start_failing_after_the_container_exists_removes_it(backend, tmp_path, monkeypatch):
     """The row's cwd cannot be made, a file stands in its way: the container must go."""
     settings = make_settings(tmp_path)
@@ -115,42 +97,7 @@ def test_a_start_failing_after_the_container_exists_removes_it(backend, tmp_path
     assert backend.live(settings.run_label) == []
 
 
-def test_cancelling_a_running_command_and_closing_removes_the_container(backend, tmp_path):
-    settings = make_settings(tmp_path)
-    env = started(backend, settings)
-
-    async def scenario() -> None:
-        task = asyncio.create_task(env.run("touch begun; sleep 60"))
-        for _ in range(200):
-            try:
-                await env.read_file("begun")
-                break
-            except ToolError:
-                await asyncio.sleep(0.05)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        await env.close()
-    began = time.monotonic()
-    asyncio.run(scenario())
-    assert time.monotonic() - began < 20
-    assert backend.live(settings.run_label) == []
-
-
-def test_remove_leftovers_removes_the_containers_of_a_crashed_run_only(backend, tmp_path):
-    crashed = make_settings(tmp_path, run_label=f"crashed-{tmp_path.name}")
-    other = EnvironmentSettings(work_root=tmp_path / "other-work", run_label=f"crashed-{tmp_path.name}-2")
-    for index in range(2):
-        started(backend, crashed, prompt_index=index)      # never closed: the run "crashed"
-    survivor = started(backend, other)
-    environment_class(backend.kind).remove_leftovers(crashed)
-    assert backend.live(crashed.run_label) == []
-    assert len(backend.live(other.run_label)) == 1
-    assert not crashed.work_root.exists()
-    close(survivor)
-
-
-# -- where commands run ------------------------------------------------------------------------------
+# -- paths in the container -------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("cwd", "workdir"), [(None, "/workspace"), ("/app/src", "/app/src"),
                                               ("proj", "/workspace/proj")])
@@ -164,67 +111,6 @@ def test_commands_start_in_the_rows_cwd_made_in_the_container(backend, tmp_path,
         close(env)
 
 
-# -- the terminal tool -----------------------------------------------------------------------------
-
-def test_terminal_tool_runs_the_command_in_the_container_with_sh(backend, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    env = started(backend, make_settings(tmp_path))
-    result = call(env, terminal, command="echo made > here.txt; cat here.txt; echo oops >&2; exit 3")
-    close(env)
-    assert result == {"output": "made\noops\n", "exit_code": 3, "error": None}
-    assert not (tmp_path / "here.txt").exists()
-
-
-def test_terminal_time_out_is_enforced_inside_the_container(backend, tmp_path):
-    env = started(backend, make_settings(tmp_path))
-    began = time.monotonic()
-    result = call(env, terminal, command="echo begun; sleep 30", timeout=1)
-    close(env)
-    assert time.monotonic() - began < 10
-    assert result["exit_code"] is None and "timed out after 1s" in result["error"]
-    assert result["output"] == "begun\n"
-
-
-def test_terminal_output_over_the_cap_is_cut_with_a_note(backend, tmp_path):
-    env = started(backend, make_settings(tmp_path, max_output_chars=10))
-    result = asyncio.run(env.run("printf '%050d' 0"))
-    close(env)
-    assert result.truncated
-    assert result.output == "0" * 10 + "\n[output truncated: 40 more characters not shown]"
-
-
-def test_a_command_reading_its_input_gets_end_of_file(backend, tmp_path):
-    env = started(backend, make_settings(tmp_path))
-    result = asyncio.run(env.run("cat; echo after", timeout=5))
-    close(env)
-    assert result.output == "after\n" and result.exit_code == 0
-
-
-def test_commands_do_not_see_the_users_secrets(backend, tmp_path, monkeypatch):
-    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret-openai-123")
-    env = started(backend, make_settings(tmp_path))
-    result = asyncio.run(env.run("env"))
-    close(env)
-    assert "PATH=" in result.output and "sk-secret-openai-123" not in result.output
-
-
-# -- the file tools ----------------------------------------------------------------------------------
-
-def test_file_tools_work_through_the_container(backend, tmp_path):
-    env = started(backend, make_settings(tmp_path))
-    try:
-        assert call(env, write_file, path="src/app.py", content="x = 1\ny = 2\n") == \
-            {"path": "src/app.py", "bytes_written": 12}
-        assert call(env, read_file, path="src/app.py")["content"] == "x = 1\ny = 2\n"
-        assert call(env, patch, path="src/app.py", old_string="y = 2", new_string="y = 3")["replacements"] == 1
-        assert call(env, terminal, command="cat src/app.py")["output"] == "x = 1\ny = 3\n"
-        found = call(env, search_files, pattern="y = [0-9]")
-        assert found["matches"] == [{"path": "src/app.py", "line": 2, "text": "y = 3"}]
-        assert call(env, search_files, pattern="*.py", target="files")["files"] == ["src/app.py"]
-    finally:
-        close(env)
-
-
 def test_file_tools_reach_absolute_paths_inside_the_container_only(backend, tmp_path):
     env = started(backend, make_settings(tmp_path))
     try:
@@ -232,32 +118,6 @@ def test_file_tools_reach_absolute_paths_inside_the_container_only(backend, tmp_
         assert call(env, read_file, path="../opt/notes.txt")["content"] == "hi"
         with pytest.raises(ToolError, match="climbs above"):
             call(env, read_file, path="../../../etc/passwd")
-    finally:
-        close(env)
-
-
-def test_read_file_tells_missing_files_and_directories_apart(backend, tmp_path):
-    env = started(backend, make_settings(tmp_path))
-    try:
-        with pytest.raises(ToolError, match="does not exist"):
-            call(env, read_file, path="nothing.txt")
-        asyncio.run(env.run("mkdir folder"))
-        with pytest.raises(ToolError, match="is a directory"):
-            call(env, read_file, path="folder")
-        with pytest.raises(ToolError, match="is a directory"):
-            call(env, write_file, path="folder", content="x")
-    finally:
-        close(env)
-
-
-def test_file_size_limits_hold_in_the_container(backend, tmp_path):
-    env = started(backend, make_settings(tmp_path, max_file_bytes=10))
-    try:
-        with pytest.raises(ToolError, match="limit of 10 bytes"):
-            call(env, write_file, path="big.txt", content="x" * 11)
-        asyncio.run(env.run("printf '%020d' 0 > big.txt"))
-        with pytest.raises(ToolError, match="larger than the file tools' limit of 10 bytes"):
-            call(env, read_file, path="big.txt")
     finally:
         close(env)
 

@@ -16,20 +16,19 @@ import openai
 import pytest
 from conftest import batch_rows, read_jsonl, run_cli, write_dataset
 from scripted_endpoint import OVERFLOW_ERRORS, ScriptedEndpoint
-from test_session import run_config
+from test_session import ENDPOINT
 
 from batchrun.endpoint import (
     MAX_RETRY_AFTER,
     MalformedReplyError,
     OpenAIEndpoint,
-    PromptFailedError,
-    RunFatalError,
     call_model,
     classify,
     make_client,
     parse_reply,
     retry_after_seconds,
 )
+from batchrun.model import PromptFailedError, RunFatalError
 from batchrun.rate_limit import RateGate
 
 pytestmark = pytest.mark.timeout(120)
@@ -435,7 +434,7 @@ def test_sessions_take_the_workers_connection_pools_in_turn_whatever_their_promp
     # A worker's prompts are often every fourth of the dataset: chosen by index, a pool would serve
     # several times its share while others idled, and open a connection for most new requests.
     async def pools_taken() -> list[openai.AsyncOpenAI]:
-        models = OpenAIEndpoint(run_config(), RateGate(), clients=4)
+        models = OpenAIEndpoint(ENDPOINT, RateGate(), clients=4)
         try:
             return [models.tool_client(prompt_index) for prompt_index in range(0, 32, 4)]
         finally:

@@ -1,4 +1,5 @@
-"""The local environment and the terminal tool, with real bash processes under tmp_path."""
+"""The local environment and the terminal tool, with real bash processes under tmp_path, beyond the
+environment contract (test_environment_contract.py holds it to that with the other backends)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from conftest import live_processes_mentioning, wait_for
 
 from batchrun.environments import ENVIRONMENT_KINDS, create_environment
-from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError
+from batchrun.environments.base import EnvironmentSettings
 from batchrun.environments.disk_usage import DiskUsageWalk
 from batchrun.environments.local import LocalEnvironment
 from batchrun.tools import ToolContext, ToolError
@@ -74,38 +75,9 @@ def test_rows_cwd_is_created_inside_the_prompt_directory(tmp_path):
     assert result.output.strip() == str(env.prompt_dir / "repo" / "src")
 
 
-def test_rows_cwd_escaping_the_prompt_directory_fails_setup_and_leaves_nothing(tmp_path):
-    env = LocalEnvironment(make_settings(tmp_path), prompt_index=0, cwd="../../elsewhere")
-    with pytest.raises(EnvironmentSetupError, match="outside"):
-        asyncio.run(env.start())
-    assert list((tmp_path / "work").iterdir()) == []
-
-
-def test_environment_is_scrubbed_of_secrets_and_home_is_the_prompt_directory(tmp_path, monkeypatch):
-    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret-openai")
-    monkeypatch.setenv("GITHUB_TOKEN", "ghp-secret-github")
-    monkeypatch.setenv("MY_SECRET", "hunter2")
+def test_home_is_the_prompt_directory(tmp_path):
     result, env = run_command(make_settings(tmp_path), "env")
-    for secret in ("sk-secret-openai", "ghp-secret-github", "hunter2",
-                   "OPENAI_API_KEY", "GITHUB_TOKEN", "MY_SECRET"):
-        assert secret not in result.output
     assert f"HOME={env.prompt_dir}" in result.output.splitlines()
-
-
-def test_non_zero_exit_code_is_a_result(tmp_path):
-    result, _ = run_command(make_settings(tmp_path), "echo oops; exit 3")
-    assert (result.output, result.exit_code, result.timed_out, result.error) == ("oops\n", 3, False, None)
-
-
-def test_output_over_the_cap_is_cut_with_a_note(tmp_path):
-    result, _ = run_command(make_settings(tmp_path, max_output_chars=100), "head -c 300000 /dev/zero | tr '\\0' x")
-    assert result.truncated and result.exit_code == 0
-    assert result.output == "x" * 100 + "\n[output truncated: 299900 more characters not shown]"
-
-
-def test_invalid_utf8_output_is_replaced_not_fatal(tmp_path):
-    result, _ = run_command(make_settings(tmp_path), "printf 'a\\377b'")
-    assert result.output == "a\ufffdb"
 
 
 def test_time_out_kills_the_command_and_its_background_child(tmp_path):
@@ -166,20 +138,6 @@ def test_a_command_that_cannot_start_is_an_error_result(tmp_path):
     assert result.error.startswith("could not start bash:")
 
 
-def test_close_removes_the_directory_and_kills_leftover_processes(tmp_path):
-    async def scenario():
-        env = await started(make_settings(tmp_path))
-        await env.run("sleep 60 > /dev/null 2>&1 & echo $! > leftover.pid")
-        pid = int((env.prompt_dir / "leftover.pid").read_text())
-        assert process_alive(pid)
-        await env.close()
-        await env.close()   # idempotent
-        return env, pid
-    env, pid = asyncio.run(scenario())
-    assert not env.prompt_dir.exists()
-    assert wait_until_dead(pid)
-
-
 @pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
 def test_close_removes_read_only_directories_a_command_left(tmp_path):
     async def scenario():
@@ -193,19 +151,6 @@ def test_close_removes_read_only_directories_a_command_left(tmp_path):
 def test_keep_workdirs_leaves_the_directory(tmp_path):
     result, env = run_command(make_settings(tmp_path, keep_workdirs=True), "echo kept > note.txt")
     assert (env.prompt_dir / "note.txt").read_text() == "kept\n"
-
-
-def test_each_prompt_gets_a_fresh_directory(tmp_path):
-    async def scenario():
-        first, second = await started(make_settings(tmp_path)), await started(make_settings(tmp_path))
-        await first.run("echo private > mine.txt")
-        listing = await second.run("ls")
-        await first.close()
-        await second.close()
-        return first, second, listing
-    first, second, listing = asyncio.run(scenario())
-    assert first.prompt_dir != second.prompt_dir
-    assert listing.output == ""
 
 
 def test_create_environment_builds_a_local_environment(tmp_path):
@@ -228,17 +173,6 @@ def run_terminal(tmp_path: Path, args: dict, **overrides: object) -> dict:
         finally:
             await env.close()
     return asyncio.run(scenario())
-
-
-def test_terminal_tool_reports_output_and_non_zero_exit_code_without_error(tmp_path):
-    assert run_terminal(tmp_path, {"command": "echo hi; false"}) == {
-        "output": "hi\n", "exit_code": 1, "error": None}
-
-
-def test_terminal_tool_time_out_is_an_error_with_partial_output(tmp_path):
-    result = run_terminal(tmp_path, {"command": "echo partial; sleep 30", "timeout": 1})
-    assert result == {"output": "partial\n", "exit_code": None,
-                      "error": "Command timed out after 1s and was killed"}
 
 
 def test_terminal_tool_timeout_is_capped_by_the_run_limit(tmp_path):

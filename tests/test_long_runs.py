@@ -30,8 +30,8 @@ from test_report import page_data
 
 from batchrun import report, rows
 from batchrun.dataset import iter_pending, plan_dataset
+from batchrun.report.summary import MAX_INVENTED_NAMES, RunSummary
 from batchrun.report_follower import BatchFollower
-from batchrun.report_summary import MAX_INVENTED_NAMES, RunSummary
 from batchrun.run_dir import RunDirectory
 
 

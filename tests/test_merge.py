@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import endpoint_args, run_cli, write_dataset
 
-from batchrun import run_dir as run_dir_module
-from batchrun.run_dir import MERGE_RECORD, TRAJECTORIES, RunDirectory, RunDirectoryError
+from batchrun.run_dir import MERGE_RECORD, TRAJECTORIES, RunDirectory, RunDirectoryError, reading
 
 PROMPTS = ([f"prompt {i}" for i in range(6)] + [f'[[call terminal {{"command": "echo {i}"}}]] command {i}' for i in range(4)]
            + ["[[invent]] inventive", "[[fail 400]] refused", "prompt 3"])
@@ -101,7 +100,7 @@ def test_merge_shared_out_over_processes_writes_exactly_what_one_process_writes(
     run_dir = run(tmp_path, endpoint)
     alone = (run_dir / TRAJECTORIES).read_bytes()
     _, reference = rewritten(run_dir)
-    monkeypatch.setattr(run_dir_module, "PARALLEL_READ_MIN_BYTES", 0)
+    monkeypatch.setattr(reading, "PARALLEL_READ_MIN_BYTES", 0)
     (run_dir / MERGE_RECORD).unlink()
     statistics = RunDirectory(run_dir).merge(lambda *_: None)
     assert (run_dir / TRAJECTORIES).read_bytes() == alone

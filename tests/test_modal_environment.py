@@ -1,6 +1,6 @@
 """What is Modal's own in the modal backend (TERMINAL_ENV=modal): the sandbox's settings, the extra and
-the credentials, and a whole run through the CLI. The container contract it shares with the other
-backends is in test_container_environments.py. No Modal service is reachable from here: the SDK is
+the credentials, and a whole run through the CLI. The contract it shares with the other backends is
+in test_environment_contract.py and test_container_environments.py. No Modal service is reachable from here: the SDK is
 the stand-in in fake_modal/modal.py, and where the real package is installed a test checks that every
 call the backend makes fits the real SDK's signatures.
 """

@@ -230,7 +230,7 @@ def test_unknown_backend_is_a_usage_error(tmp_path, endpoint):
 
 def test_a_node_missing_a_tool_the_run_offers_is_a_problem(monkeypatch):
     from batchrun import registry
-    from batchrun.ray_pool import node_tools_problem
+    from batchrun.ray.node_checks import node_tools_problem
 
     monkeypatch.setattr(registry, "unavailable_tools", lambda: {"web_search": "set SEARXNG_URL",
                                                                    "browser_navigate": "install chromium"})

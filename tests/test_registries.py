@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 import model_tools
-from batchrun import ray_pool, worker_process
+from batchrun import worker_process
 from batchrun.environments import ENVIRONMENT_KINDS
+from batchrun.ray import node_checks
 from model_tools import ToolSpec
 
 TOOL_MODULE = "registry_probe_tool"
@@ -98,7 +99,7 @@ def test_a_failing_teardown_does_not_keep_the_next_from_running(monkeypatch, too
 
 def test_the_browser_tools_close_the_shared_browser_when_the_worker_ends() -> None:
     hooks = {spec.process_teardown for spec in model_tools.TOOLS if spec.toolset == "browser"}
-    assert hooks == {"batchrun.tools.browser:close_browser"}
+    assert hooks == {"batchrun.tools.browser.launch:close_browser"}
 
 
 def test_a_new_backend_says_what_its_ray_node_lacks(tmp_path: Path, monkeypatch) -> None:
@@ -114,7 +115,7 @@ def test_a_new_backend_says_what_its_ray_node_lacks(tmp_path: Path, monkeypatch)
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(ENVIRONMENT_KINDS, "probe", "registry_probe_backend:ProbeEnvironment")
-    assert ray_pool.node_environment_problem("probe") == "the probe is not installed"
+    assert node_checks.node_environment_problem("probe") == "the probe is not installed"
 
 
 def test_a_container_backend_whose_program_is_missing_says_so(tmp_path: Path, monkeypatch) -> None:
@@ -127,8 +128,8 @@ def test_a_container_backend_whose_program_is_missing_says_so(tmp_path: Path, mo
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(ENVIRONMENT_KINDS, "missing", "registry_probe_container:MissingEnvironment")
-    assert ray_pool.node_environment_problem("missing") == "`no-such-container-program` was not found on PATH"
+    assert node_checks.node_environment_problem("missing") == "`no-such-container-program` was not found on PATH"
 
 
 def test_the_local_backend_works_on_any_node() -> None:
-    assert ray_pool.node_environment_problem("local") is None
+    assert node_checks.node_environment_problem("local") is None

@@ -21,10 +21,12 @@ from conftest import REPO, batch_runner_command, cli_environment, endpoint_args,
 from scripted_endpoint import ScriptedEndpoint
 
 import toolset_distributions
-from batchrun import report, report_summary, rows
+from batchrun import report, rows
 from batchrun.install_hint import install_hint
+from batchrun.report import cards, tables
+from batchrun.report import summary as report_summary
 from batchrun.rows import AssistantTurn, SessionResult, ToolCallRecord, Usage
-from batchrun.tools.browser import chromium_executable
+from batchrun.tools.browser.availability import chromium_executable
 
 HOSTILE = '</script><script>alert("pwned")</script><img src=x onerror=alert(2)> & "quotes"'
 PROMPTS = [
@@ -358,7 +360,8 @@ def test_plots_drawn_by_two_processes_are_the_plots_one_process_draws(tmp_path: 
     script = f"""
 import json, threading
 from pathlib import Path
-from batchrun import report, report_plots
+from batchrun import report
+from batchrun.report import plots as report_plots
 scan = report.RunScan(Path({str(run_dir)!r}))
 scan.read_new_rows()
 assert threading.active_count() == 1
@@ -495,7 +498,7 @@ def test_throughput_is_rows_over_the_time_they_were_worked_on_when_rows_arrive_s
     for index in range(10):                  # one row every 10 s, each worked on for 10 s
         timeline.add(1_000_000 + 10 * index, True, wall_time=10.0)
     assert 95 <= timeline.active_seconds() <= 105
-    assert 5 < 10 / report._active_minutes(timeline) < 7      # rows per minute, not one per second
+    assert 5 < 10 / cards.active_minutes(timeline) < 7      # rows per minute, not one per second
 
 
 def test_throughput_leaves_out_the_pause_between_two_invocations():
@@ -546,5 +549,5 @@ def test_the_toolset_table_shows_drawn_and_offered_toolsets_apart():
     summary.add(rows.read_stored_row(rows.encode_row(rows.trajectory_row(result, batch_num=0, model="m",
                                                                          timestamp="2026-01-01T10:00:00"))))
     assert (summary.toolsets["web"], summary.toolsets_offered["web"]) == (1, 0)
-    table = report._toolset_table(summary, None)
+    table = tables.toolset_table(summary, None)
     assert "offered to the model" in table and "0.0%" in table

@@ -32,9 +32,9 @@ from conftest import (
     write_dataset,
 )
 
-from batchrun import rows, run_dir
+from batchrun import rows
 from batchrun.messages import Finished, Spent
-from batchrun.run_dir import RunDirectory, SpentLedger, lines_at, scan_ranges, split_ranges
+from batchrun.run_dir import DiskFull, RunDirectory, SpentLedger, lines_at, reading, scan_ranges, split_ranges
 
 
 def base_args(tmp_path: Path, endpoint, dataset: Path, *extra: str, batch_size: int = 3) -> list[str]:
@@ -219,7 +219,7 @@ def test_resume_scan_shared_out_over_processes_counts_what_one_process_counts(tm
     assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, batch_size=4)).returncode == 2   # one failed
     directory = RunDirectory(tmp_path / "data" / "run")
     alone = scan_ranges([(p, 0, p.stat().st_size) for p in directory.batch_files()])
-    monkeypatch.setattr(run_dir, "PARALLEL_READ_MIN_BYTES", 0)
+    monkeypatch.setattr(reading, "PARALLEL_READ_MIN_BYTES", 0)
     shared = directory.scan()
     assert shared.usage == pytest.approx(alone.usage)      # costs added in another order
     shared.usage = alone.usage
@@ -566,7 +566,7 @@ def test_a_full_disk_cuts_no_line_of_the_ledger_short(ledger_dir, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "write", half_then_full)
-    with pytest.raises(run_dir.DiskFull):
+    with pytest.raises(DiskFull):
         ledger.record([one_reply(0, 0.5)], [])
     monkeypatch.setattr(os, "write", real_write)
     ledger.record([one_reply(1, 0.25)], [])

@@ -10,12 +10,15 @@ import random
 import re
 import threading
 
+import msgspec
 import pytest
 
 from batchrun import rows
 from batchrun.rows import (
+    END_REASONS,
     ROW_FORMAT,
     AssistantTurn,
+    EndReason,
     HumanTurn,
     RowError,
     SessionResult,
@@ -369,6 +372,24 @@ def test_toolsets_used_names_only_the_sampled_toolsets_that_gave_the_model_a_too
 def test_completed_and_partial_follow_the_end_reason(end_reason, completed):
     row = row_of(session(end_reason=end_reason))
     assert (row["completed"], row["partial"], row["end_reason"]) == (completed, not completed, end_reason)
+
+
+@pytest.mark.parametrize("end_reason", list(EndReason))
+def test_a_row_is_the_same_bytes_whether_its_end_reason_is_the_enum_or_its_string(end_reason):
+    turns = [AssistantTurn("", "", [call("terminal")]), AssistantTurn("", "Done.")]
+    for discard_no_reasoning in (False, True):
+        as_enum = encode(session(turns, end_reason=end_reason, error_type=end_reason),
+                         discard_no_reasoning=discard_no_reasoning)
+        as_text = encode(session(turns, end_reason=str.__str__(end_reason), error_type=str.__str__(end_reason)),
+                         discard_no_reasoning=discard_no_reasoning)
+        assert as_enum == as_text
+    assert msgspec.json.encode(end_reason) == json.dumps(end_reason).encode() == json.dumps(end_reason.value).encode()
+    assert set(END_REASONS) == set(EndReason)
+
+
+def test_a_row_read_back_keeps_its_end_reason_as_a_plain_string():
+    stored = read_stored_row(encode(session(end_reason=EndReason.MAX_TURNS)))
+    assert type(stored.end_reason()) is str and stored.end_reason() == "max_turns"
 
 
 def test_usage_reports_tokens_and_cost_under_fixed_keys():

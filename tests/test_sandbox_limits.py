@@ -198,7 +198,7 @@ def test_a_writer_left_in_the_background_is_stopped_between_commands(tmp_path: P
     async def scenario() -> tuple:
         async with environment(kind, settings(tmp_path, workspace_mb=50)) as env:
             await env.run("(for i in $(seq 40); do head -c 25000000 /dev/zero > f$i; done) > /dev/null 2>&1 &")
-            watch = env._watch   # type: ignore[attr-defined]
+            watch = env.workspace.watch   # type: ignore[attr-defined]  # local and bubblewrap have one
             await wait_until(lambda: watch.reason is not None)
             return await env.run("echo next"), workspace_bytes(env)
     after, used = asyncio.run(scenario())

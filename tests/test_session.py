@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import inspect
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,14 +13,14 @@ from typing import Any
 
 import pytest
 
-import batch_runner
 import model_tools
 from batchrun import rows
-from batchrun.config import RunConfig, build_config
+from batchrun.config import EndpointConfig, SessionConfig
 from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError
 from batchrun.environments.local import LocalEnvironment
 from batchrun.messages import Task
 from batchrun.model import CONTEXT_LENGTH, Message, ModelReply, PromptFailedError
+from batchrun.pricing import Pricing
 from batchrun.rows import AssistantTurn, HumanTurn, SessionResult, Usage
 from batchrun.security import Redactor
 from batchrun.session import (
@@ -82,33 +81,31 @@ class ScriptedModels:
         pass
 
 
-def run_config(**flags: Any) -> RunConfig:
-    """The CLI's defaults, as a run of the terminal tools on the local backend."""
-    defaults = {name: parameter.default for name, parameter in inspect.signature(batch_runner.main).parameters.items()
-                if parameter.default is not inspect.Parameter.empty}
-    return build_config(**{**defaults, "dataset_file": "unused.jsonl", "batch_size": 1, "run_name": "session",
-                           "distribution": "terminal_only", "base_url": "http://127.0.0.1:9/v1",
-                           "api_key": "sk-test", "model": "scripted-model", **flags})
+def session_config(**fields: Any) -> SessionConfig:
+    """The command line's defaults for a session; a test changes only what it is about."""
+    return SessionConfig(**{"max_turns": 10, "prompt_timeout": None, "tool_timeout": 120.0,
+                            "ephemeral_system_prompt": None, "prefill_messages": (), **fields})
 
 
-@pytest.fixture(autouse=True)
-def local_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TERMINAL_ENV", "local")
+# Tools that ask the model themselves would use it; the sessions here are driven by an in-process model.
+ENDPOINT = EndpointConfig(model="scripted-model", base_url="http://127.0.0.1:9/v1", api_key="sk-test",
+                          max_tokens=None, extra_body={}, max_retries=0, request_timeout=10.0,
+                          reasoning_disabled=False, pricing=Pricing("unknown", "not asked"))
 
 
 TASK = Task(prompt_index=0, prompt="do the task", image=None, cwd=None, content_key="key", toolsets=("terminal",), unit=0)
 
 
-def worker_services(tmp_path: Path, models: ScriptedModels, **flags: Any) -> SessionServices:
-    return SessionServices(config=run_config(**flags), models=models,
+def worker_services(tmp_path: Path, models: ScriptedModels, **fields: Any) -> SessionServices:
+    return SessionServices(config=session_config(**fields), endpoint=ENDPOINT, environment_kind="local", models=models,
                            env_settings=EnvironmentSettings(work_root=tmp_path, run_label="session-test"),
                            available_tools=frozenset(model_tools.TOOL_NAMES), redact=Redactor([]))
 
 
-def run_session(tmp_path: Path, script: list[ModelReply | Exception], **flags: Any) -> tuple[SessionResult,
+def run_session(tmp_path: Path, script: list[ModelReply | Exception], **fields: Any) -> tuple[SessionResult,
                                                                                              ScriptedModel]:
     model = ScriptedModel(script)
-    services = worker_services(tmp_path, ScriptedModels(model), **flags)
+    services = worker_services(tmp_path, ScriptedModels(model), **fields)
 
     async def session() -> SessionResult:
         try:

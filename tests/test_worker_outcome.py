@@ -13,7 +13,9 @@ from batchrun.messages import Finished, Task
 
 TASK = Task(prompt_index=7, prompt="a prompt", image=None, cwd=None, content_key="key", toolsets=("terminal",),
             unit=7)
-CONFIG = SimpleNamespace(batch_size=5, model="m", discard_no_reasoning=False, log_prefix_chars=100)
+# What making a row reads of the run's config (batchrun.config.RunConfig's parts).
+CONFIG = SimpleNamespace(output=SimpleNamespace(batch_size=5, discard_no_reasoning=False),
+                         endpoint=SimpleNamespace(model="m"), console=SimpleNamespace(log_prefix_chars=100))
 
 
 class FinishedSession:
@@ -39,8 +41,8 @@ def test_an_exception_while_the_row_is_encoded_becomes_a_failure_row(monkeypatch
 
     monkeypatch.setattr(worker_process, "Session", FinishedSession)
     monkeypatch.setattr(worker_process, "_finished", breaks_once)
-    services = SimpleNamespace(config=CONFIG, redact=lambda text: text)
-    message = asyncio.run(worker_process.outcome(TASK, services))
+    services = SimpleNamespace(redact=lambda text: text)
+    message = asyncio.run(worker_process.outcome(TASK, services, CONFIG))
     assert isinstance(message, Finished)
     assert message.status == rows.FAILED and message.prompt_index == 7 and message.batch_num == 1
     row = json.loads(message.row)

@@ -4,6 +4,8 @@ Every backend (a local directory, the bubblewrap sandbox, a docker, podman, sing
 container, a Modal sandbox) is a class implementing :class:`Environment`. One instance serves exactly
 one prompt: it is started before the prompt's first model call, used by the terminal and file tools,
 and closed when the session ends — also on errors and cancellation — so no state leaks between prompts.
+The methods' docstrings are the contract every backend keeps; tests/test_environment_contract.py
+holds each backend present to it.
 """
 
 from __future__ import annotations
@@ -85,7 +87,8 @@ class EnvironmentSettings:
 
 
 class Environment(abc.ABC):
-    """One prompt's sandbox. Subclasses are small; shared behaviour lives here."""
+    """One prompt's sandbox. A backend is a subclass in a module of its own and one line in
+    ``ENVIRONMENT_KINDS``; its class methods answer for the backend, its instances for one prompt."""
 
     #: The name users select with TERMINAL_ENV and the start-up summary shows.
     kind: str = ""
@@ -94,6 +97,9 @@ class Environment(abc.ABC):
     #: one whose start fails only with the machine (which the start-up check finds once) starts while
     #: the first reply is written.
     start_can_fail_alone: ClassVar[bool] = True
+    #: Whether a prompt's container image (the dataset's ``image`` field) is what its commands run in. A
+    #: backend on this machine's own files runs them without it, and the start-up summary says so.
+    runs_images: ClassVar[bool] = True
 
     def __init__(self, settings: EnvironmentSettings, *, prompt_index: int,
                  image: str | None = None, cwd: str | None = None) -> None:
@@ -103,9 +109,26 @@ class Environment(abc.ABC):
         self.cwd = cwd
 
     @classmethod
+    def startup_check(cls) -> str:
+        """Called once in the parent when TERMINAL_ENV names this backend, before anything of the run
+        exists. Returns what the start-up summary says about the choice (what this backend is here);
+        raises EnvironmentSetupError with the one line that stops the run when no prompt could start
+        (the backend is not installed, has no credentials, cannot work on this machine). What only some
+        prompts need (an image) is left to their start. Backends that need something extend this."""
+        return "chosen by TERMINAL_ENV"
+
+    @classmethod
+    def limits_line(cls, limits: ResourceLimits) -> str | None:
+        """What the start-up summary says this backend holds each prompt to, or None where the backend's own
+        engine sets the limits (a container's). Backends that apply ``limits`` themselves override this."""
+        return None
+
+    @classmethod
     def remove_leftovers(cls, settings: EnvironmentSettings) -> None:
         """Called once in the parent before a run starts: remove what a crashed earlier run under the
-        same run label left behind (directories, containers, control groups). Backends extend this."""
+        same run label left behind (directories, containers, control groups), and nothing of any other
+        run's. Never raises for a backend that is missing or unreachable: then there is nothing it could
+        remove. Backends extend this."""
         remove_run_leftovers(settings.run_label)
         if settings.work_root.exists() and not settings.keep_workdirs:
             remove_tree(settings.work_root)
@@ -124,28 +147,47 @@ class Environment(abc.ABC):
 
     @abc.abstractmethod
     async def start(self) -> None:
-        """Create the environment. Raises EnvironmentSetupError when it cannot exist."""
+        """Create the environment: fresh, holding nothing of another prompt, its working directory the
+        row's cwd (made if missing) or the backend's default. Raises EnvironmentSetupError, one line
+        naming what failed (a cwd that leads outside, an image that cannot be pulled), when it cannot
+        exist; a failed start leaves nothing behind, as close() is not called after it."""
 
     @abc.abstractmethod
     async def run(self, command: str, timeout: float | None = None) -> CommandResult:
-        """Run a shell command in the prompt's working directory and return its combined output."""
+        """Run a shell command in the prompt's working directory, reading end-of-file from its input,
+        and return its output: stdout and stderr merged in the order written, undecodable bytes
+        replaced, cut at ``settings.max_output_chars`` with a note saying how much more there was
+        (``truncated``). A non-zero exit is a result, not an error. The command sees none of the user's
+        environment variables beyond the allowed ones. Past ``timeout`` (else the settings'
+        ``command_timeout``) the command is killed, and the result is ``timed_out`` with no exit code
+        and the output so far; the environment runs the next command as before. What the command could
+        not be run for, or a limit it ran into where the backend can tell, is in ``error``."""
 
     @abc.abstractmethod
     async def read_file(self, path: str) -> bytes:
-        """Read a file, path relative to the working directory; raises ToolError on refusal."""
+        """Read a file, path relative to the working directory (what commands write there, the file tools
+        read). Raises ToolError, a message for the model, for a path that does not exist, is a directory
+        or not a regular file, is larger than ``settings.max_file_bytes``, or leads out of where the file
+        tools may go: the prompt's directory for the backends that keep it on this machine, the
+        container's root for the container backends; never the host's files."""
 
     @abc.abstractmethod
     async def write_file(self, path: str, data: bytes) -> str:
-        """Write a file (creating parents) and return the path as the model should refer to it."""
+        """Write a file (creating parents) and return the path as the model should refer to it: relative
+        to the working directory when it is beneath it. Commands see the file at once. Raises ToolError
+        as read_file does, and for data larger than ``settings.max_file_bytes``."""
 
     async def release(self) -> None:
         """The prompt is done with the environment. A backend may keep what can serve the next prompt
-        of this process (until close_idle), never anything the prompt left; by default, close()."""
+        of this process (until close_idle), never anything the prompt left: the next prompt's
+        environment finds none of its files or processes. By default, close()."""
         await self.close()
 
     @abc.abstractmethod
     async def close(self) -> None:
-        """Tear everything down. Idempotent; never raises."""
+        """Tear everything down: every process the prompt started, its container, its directory (unless
+        ``settings.keep_workdirs``), also while a command still runs or a start was cut short.
+        Idempotent; never raises."""
 
     async def __aenter__(self) -> Environment:
         await self.start()

@@ -12,6 +12,9 @@ whenever it is missing or refuses, a component walk with O_NOFOLLOW decides. The
 symlinks whose target is an absolute path under the name the commands know the directory by (a model
 in the sandbox writes ``ln -s /workspace/src/x.py x.py``), which the kernel cannot know, and creates
 missing parent directories.
+
+Both lookups, and the reads and writes on their descriptors, stay in this one module (a little over 400
+lines) on purpose: the race-freedom argument is read in one place, not pieced together across files.
 """
 
 from __future__ import annotations

@@ -48,6 +48,10 @@ class DockerEnvironment(CliContainerEnvironment):
         return variable(CLI_VARIABLE) or cls.program
 
     @classmethod
+    def startup_check(cls) -> str:
+        return f"chosen by TERMINAL_ENV, through `{cls.cli()}`"
+
+    @classmethod
     def node_problem(cls) -> str | None:
         """The CLI alone starts no container: its engine must answer too."""
         executable = shutil.which(cls.cli())

@@ -70,6 +70,13 @@ class ModalEnvironment(ContainerEnvironment):
         self._app: App | None = None
         self._sandbox: Sandbox | None = None
 
+    @classmethod
+    def startup_check(cls) -> str:
+        """The extra and the credentials, before any prompt starts; whether Modal accepts them is the
+        first prompt's to find out."""
+        modal_sdk()
+        return super().startup_check()
+
     def _find_runtime(self) -> None:
         self._modal = modal_sdk()
 

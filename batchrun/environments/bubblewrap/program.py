@@ -68,7 +68,7 @@ def working_bwrap() -> Bwrap | str:
                 "x86_64 Linux) or apt-get install bubblewrap")
     problems = []
     for candidate in candidates:
-        problem = _probe(candidate.path)
+        problem = candidate_problem(candidate.path)
         if problem is None:
             return candidate
         problems.append(f"{candidate.describe()}: {problem}")
@@ -90,7 +90,7 @@ def bwrap_candidates() -> list[Bwrap]:
     return candidates
 
 
-def _probe(bwrap: str) -> str | None:
+def candidate_problem(bwrap: str) -> str | None:
     """None when ``bwrap`` starts a sandbox like ours, else what it said."""
     if RUNNING_AS_ROOT and shutil.which("setpriv") is None:
         return ("as root, sandboxed commands drop to a user of their own with setpriv, which is missing: "

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-import tempfile
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from batchrun.environments.bubblewrap.shell import MAX_SHELL_WORDS, SHELL, Shell
 from batchrun.environments.command_output import kill_group_of
 from batchrun.environments.limits import PromptCgroup
 from batchrun.environments.tree_removal import remove_tree
+from batchrun.environments.workspace import new_prompt_directory
 from batchrun.time_limit import within
 
 
@@ -61,11 +61,7 @@ class Sandbox:
 
 async def new_sandbox(settings: EnvironmentSettings, prefix: str) -> Sandbox:
     """A fresh directory, control group and sandbox; nothing is left behind when it fails."""
-    try:
-        settings.work_root.mkdir(parents=True, exist_ok=True)
-        directory = Path(os.path.realpath(tempfile.mkdtemp(prefix=prefix, dir=settings.work_root)))
-    except OSError as exc:
-        raise EnvironmentSetupError(f"cannot create a working directory under {settings.work_root}: {exc}") from exc
+    directory = new_prompt_directory(settings, prefix)
     cgroup = PromptCgroup.create(settings.run_label, directory.name, settings.limits)
     uid = sandbox_uid() if RUNNING_AS_ROOT else None
     try:

@@ -1,0 +1,177 @@
+"""What an endpoint's error means — the run cannot go on, this prompt failed, or try again — and how long
+to wait before trying again (back-off, the server's Retry-After)."""
+
+from __future__ import annotations
+
+import email.utils
+import math
+import random
+import socket
+import time
+from collections.abc import Iterator, Mapping
+from datetime import UTC
+from typing import Any
+from urllib.parse import urlparse
+
+import openai
+
+from batchrun.model import CONTEXT_LENGTH, PromptFailedError, RunFatalError
+
+# The server says it has more than it can take: adaptive concurrency lowers the limit (batchrun.concurrency).
+OVERLOAD_STATUSES = (429, 503)
+BACKOFF_BASE = 1.0       # seconds before the first retry; doubles per attempt, with full jitter
+BACKOFF_CAP = 60.0
+# A server's Retry-After is obeyed up to this: "1e9" or a date next year would otherwise stall every
+# session of the run (a 429 pauses them all) for as long as the server cares to say.
+MAX_RETRY_AFTER = BACKOFF_CAP
+
+
+def retry_after_seconds(headers: Mapping[str, str] | None) -> float | None:
+    """Seconds the server asked us to wait: Retry-After-Ms, else Retry-After (seconds or an HTTP
+    date), at most MAX_RETRY_AFTER. None when neither is there or readable: a value like "soon" must
+    not turn a retryable error into a crash; the back-off applies instead."""
+    if not headers:
+        return None
+    seconds = _delay_seconds(headers.get("retry-after-ms"), per_second=1000)
+    if seconds is None:
+        value = headers.get("retry-after")
+        seconds = _delay_seconds(value, per_second=1)
+        if seconds is None:
+            seconds = _seconds_until(value)
+    return None if seconds is None else min(seconds, MAX_RETRY_AFTER)
+
+
+def _delay_seconds(value: str | None, *, per_second: float) -> float | None:
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        return None
+    return number / per_second if math.isfinite(number) and number >= 0 else None
+
+
+def _seconds_until(value: str | None) -> float | None:
+    """An HTTP date as seconds from now; a date already past means now."""
+    if not value:
+        return None
+    try:
+        moment = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if moment.tzinfo is None:      # "-0000": HTTP dates are GMT
+        moment = moment.replace(tzinfo=UTC)
+    return max(0.0, moment.timestamp() - time.time())
+
+
+def _error_text(exc: openai.APIStatusError) -> str:
+    body = exc.body
+    if isinstance(body, dict):
+        inner = body.get("error")
+        message = inner.get("message") if isinstance(inner, dict) else body.get("message")
+        if message:
+            return str(message)
+    return str(exc.message)
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """The exception, then what it was raised from (or while handling), innermost last. The HTTP
+    stack wraps the socket's error twice and reports even a refused connection as a time-out, so
+    only the innermost errors tell what happened."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _stop_if_unreachable(exc: openai.APIConnectionError, base_url: str) -> None:
+    """RunFatalError when nothing can ever answer at ``base_url`` (refused, or no such host)."""
+    for cause in _causes(exc):
+        if isinstance(cause, ConnectionRefusedError):
+            raise RunFatalError(f"the endpoint {base_url} refused the connection: nothing is listening there. "
+                                "Start the server, or check --base_url.")
+        if isinstance(cause, socket.gaierror):
+            raise RunFatalError(f"the endpoint {base_url} cannot be reached: its host name "
+                                f"{urlparse(base_url).hostname!r} cannot be resolved. Check --base_url.")
+
+
+# How providers say a conversation no longer fits the model's context: OpenAI and vLLM ("maximum
+# context length", code context_length_exceeded), OpenRouter (passes the provider's words on),
+# llama.cpp ("exceeds the available context size", type exceed_context_size_error), Anthropic
+# ("prompt is too long"), and others ("context window", "reduce the length of the messages").
+_CONTEXT_OVERFLOW_PHRASES = ("context_length_exceeded", "exceed_context_size", "maximum context length",
+                             "context length", "context size", "context window", "prompt is too long",
+                             "reduce the length of the messages", "too many tokens in the prompt")
+
+
+def _context_overflow(exc: openai.APIStatusError, detail: str) -> bool:
+    if exc.status_code not in (400, 413, 422):
+        return False
+    body = exc.body if isinstance(exc.body, dict) else {}
+    error = body.get("error")
+    inner = error if isinstance(error, dict) else body
+    said = " ".join(str(part) for part in (detail, inner.get("code"), inner.get("type")) if part).lower()
+    return any(phrase in said for phrase in _CONTEXT_OVERFLOW_PHRASES)
+
+
+def classify(exc: Exception, *, model: str, base_url: str, endpoint_answered: bool) -> float | None:
+    """Returns for a transient error (with the server's Retry-After, if any); raises RunFatalError
+    when the whole run cannot work and PromptFailedError when only this prompt cannot.
+    ``endpoint_answered``: the endpoint has sent a response in this process, so a connection it
+    refuses now is an outage to wait out, not a wrong --base_url."""
+    if isinstance(exc, openai.APIConnectionError):     # time-outs and dropped connections included
+        if not endpoint_answered:
+            _stop_if_unreachable(exc, base_url)
+        return None
+    if not isinstance(exc, openai.APIStatusError):
+        raise PromptFailedError(f"{type(exc).__name__}: {exc}", "client_error")
+    status = exc.status_code
+    detail = _error_text(exc)
+    if status == 429 or status in (408, 409) or status >= 500:
+        return retry_after_seconds(exc.response.headers)
+    if status == 401:
+        raise RunFatalError(f"the endpoint {base_url} rejected the API key (HTTP 401: {detail}). "
+                            "Check --api_key, OPENROUTER_API_KEY or OPENAI_API_KEY.")
+    if status == 402:
+        raise RunFatalError(f"the endpoint {base_url} refused payment (HTTP 402: {detail}). "
+                            "Add credit to the account, or lower the cost with --max_samples.")
+    if status == 404:
+        raise RunFatalError(f"the endpoint {base_url} does not know model {model!r} or this API path "
+                            f"(HTTP 404: {detail}). Check --model and --base_url (it usually ends in /v1).")
+    if _context_overflow(exc, detail):
+        raise PromptFailedError(f"the conversation no longer fits the model's context (HTTP {status}: {detail})",
+                                CONTEXT_LENGTH)
+    lowered = detail.lower()
+    if status == 400 and "model" in lowered and any(
+            phrase in lowered for phrase in ("not a valid model", "does not exist", "invalid model", "unknown model")):
+        raise RunFatalError(f"the endpoint {base_url} does not accept model {model!r} (HTTP 400: {detail}).")
+    raise PromptFailedError(f"HTTP {status}: {detail}", f"http_{status}")
+
+
+def backoff_delay(attempt: int) -> float:
+    return random.uniform(0, min(BACKOFF_CAP, BACKOFF_BASE * 2 ** attempt))
+
+
+def failure_summary(exc: Exception, timeout: Any) -> tuple[str, str]:
+    """(what went wrong, error type) for the failure row of a call that used up its retries."""
+    if isinstance(exc, openai.APIStatusError):
+        kind = "rate_limited" if isinstance(exc, openai.RateLimitError) else f"http_{exc.status_code}"
+        return f"HTTP {exc.status_code}: {_error_text(exc)}", kind
+    if isinstance(exc, openai.APIConnectionError):
+        return _connection_failure(exc, timeout)
+    return f"malformed reply: {exc}", "bad_response"
+
+
+def _connection_failure(exc: openai.APIConnectionError, timeout: Any) -> tuple[str, str]:
+    causes = list(_causes(exc))
+    for cause in causes:
+        if isinstance(cause, ConnectionRefusedError):
+            return "the endpoint refused the connection", "connection"
+        if isinstance(cause, socket.gaierror):
+            return "the endpoint's host name cannot be resolved", "connection"
+        if isinstance(cause, TimeoutError):
+            seconds = f"{timeout:g}s" if isinstance(timeout, (int, float)) else str(timeout)
+            return f"no reply within {seconds} (--request_timeout)", "timeout"
+    return f"connection failed: {causes[-1]}", "connection"

@@ -1,0 +1,126 @@
+"""--export=parquet and --export=hf: the rows in one Arrow schema, as a Parquet file or as a datasets
+folder made from one. Together because hf is Parquet read back by datasets; pyarrow and datasets (the
+``export`` extra) are imported only when one of them is written.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from batchrun.export.conversations import Candidate
+from batchrun.export.files import write_file
+from batchrun.export.options import ExportError, ExportOptions
+
+ROW_GROUP_ROWS = 1000
+ROW_GROUP_BYTES = 64 << 20      # a row group is held in memory while it fills: bound it for big rows too
+
+
+def write_parquet(options: ExportOptions, candidates: Iterable[Candidate]) -> None:
+    write_file(options.out, lambda temp: _parquet_file(temp, candidates))
+
+
+def arrow_schema() -> Any:
+    """The one Arrow schema of the parquet and hf formats: the ShareGPT row, its registry-wide tool map
+    as a list (so the columns do not change with the registry), every field typed."""
+    import pyarrow as pa
+
+    counts = [pa.field(name, pa.int64()) for name in ("count", "success", "failure")]
+    usage = [pa.field(name, pa.int64()) for name in ("prompt_tokens", "completion_tokens", "reasoning_tokens",
+                                                     "cached_tokens")] + [pa.field("cost", pa.float64())]
+    return pa.schema([
+        pa.field("prompt_index", pa.int64()), pa.field("sample_index", pa.int64()),
+        pa.field("content_key", pa.string()),
+        pa.field("conversations", pa.list_(pa.struct([pa.field("from", pa.string()),
+                                                      pa.field("value", pa.string())]))),
+        pa.field("gpt_turns", pa.list_(pa.struct([pa.field("reasoning_chars", pa.int64()),
+                                                  pa.field("tool_calls", pa.int64())]))),
+        pa.field("model", pa.string()), pa.field("timestamp", pa.string()), pa.field("batch_num", pa.int64()),
+        pa.field("completed", pa.bool_()), pa.field("partial", pa.bool_()), pa.field("end_reason", pa.string()),
+        pa.field("api_calls", pa.int64()),
+        pa.field("toolsets_used", pa.list_(pa.string())), pa.field("toolsets_sampled", pa.list_(pa.string())),
+        pa.field("tool_stats", pa.list_(pa.struct([pa.field("tool", pa.string()), *counts]))),
+        pa.field("invented_tool_calls", pa.int64()), pa.field("usage", pa.struct(usage)),
+        pa.field("wall_time_seconds", pa.float64()),
+    ])
+
+
+def arrow_record(candidate: Candidate) -> dict:
+    row = candidate.row
+    metadata = row.get("metadata") or {}
+    return {**{key: row.get(key) for key in ("prompt_index", "sample_index", "content_key", "gpt_turns", "completed",
+                                             "partial",
+                                             "end_reason", "api_calls", "toolsets_used", "toolsets_sampled",
+                                             "invented_tool_calls", "usage", "wall_time_seconds")},
+            "conversations": [{"from": turn["from"], "value": turn["value"]} for turn in row["conversations"]],
+            "model": metadata.get("model"), "timestamp": metadata.get("timestamp"),
+            "batch_num": metadata.get("batch_num"),
+            "tool_stats": [{"tool": name, **counts} for name, counts in (row.get("tool_stats") or {}).items()]}
+
+
+def _row_groups(candidates: Iterable[Candidate]) -> Iterator[list[dict]]:
+    """Records in groups of at most ROW_GROUP_ROWS rows and about ROW_GROUP_BYTES of row text."""
+    group: list[dict] = []
+    size = 0
+    for candidate in candidates:
+        group.append(arrow_record(candidate))
+        size += len(candidate.stored.line)
+        if len(group) >= ROW_GROUP_ROWS or size >= ROW_GROUP_BYTES:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
+
+
+def _parquet_file(path: Path, candidates: Iterable[Candidate]) -> int:
+    """The rows as one Parquet file, a row group at a time; how many were written."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = arrow_schema()
+    written = 0
+    with pq.ParquetWriter(path, schema) as writer:      # an export with no rows is still a valid file
+        for group in _row_groups(candidates):
+            writer.write_table(pa.Table.from_pylist(group, schema=schema))
+            written += len(group)
+    return written
+
+
+def write_hf(options: ExportOptions, candidates: Iterable[Candidate]) -> None:
+    """A ``datasets`` folder (save_to_disk), made from a Parquet file of the rows in a temporary folder
+    beside --out: datasets reads it in batches, its cache lives and dies in that folder (so a stale one
+    never stands in for the rows), and the folder is renamed into place only once it is whole."""
+    import datasets
+
+    out = options.out
+    if out.exists() and not _is_saved_dataset(out):
+        raise ExportError(f"--out={out} exists and is not a datasets folder; remove it or choose another --out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()        # the export prints its own summary
+    try:
+        with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as work:
+            schema = arrow_schema()
+            features = datasets.Features.from_arrow_schema(schema)
+            if _parquet_file(Path(work) / "rows.parquet", candidates):
+                dataset = datasets.Dataset.from_parquet(f"{work}/rows.parquet", features=features,
+                                                        cache_dir=f"{work}/cache")
+                dataset.save_to_disk(f"{work}/saved")
+            else:     # datasets reads no rows from an empty file, and loads no folder of 0 shards
+                empty = datasets.Dataset.from_dict({name: [] for name in schema.names}, features=features)
+                empty.save_to_disk(f"{work}/saved", num_shards=1)
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(f"{work}/saved", out)
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    """Whether ``path`` is what save_to_disk writes, and so safe to replace."""
+    return path.is_dir() and (path / "dataset_info.json").is_file() and (path / "state.json").is_file()

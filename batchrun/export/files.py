@@ -1,0 +1,43 @@
+"""An export's files, each written beside its place and renamed over it (write_files): shared by the
+writers of plain files, the JSONL formats and Parquet, so none of them can leave half a file."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from batchrun.export.options import ExportError
+from batchrun.run_dir import temp_beside
+
+
+def write_file(out: Path, write: Callable[[Path], object]) -> None:
+    write_files([out], lambda temps: write(temps[0]))
+
+
+def write_files(outs: list[Path], write: Callable[[list[Path]], object]) -> None:
+    """Write beside each of ``outs`` and rename over them, the first last: an export that stops
+    halfway leaves the old files (or none), never half of one that looks whole."""
+    for out in outs:
+        if out.is_dir():
+            raise ExportError(f"--out={out} is a directory; --export writes a file there")
+    outs[0].parent.mkdir(parents=True, exist_ok=True)
+    # another export (or the same command twice) may be writing beside them too
+    temps = [temp_beside(out) for out in outs]
+    try:
+        write(temps)
+        for temp, out in reversed(list(zip(temps, outs, strict=True))):
+            os.replace(temp, out)
+    finally:
+        for temp in temps:
+            temp.unlink(missing_ok=True)
+
+
+def write_lines(paths: list[Path], lines: Iterable[tuple[bytes, ...]]) -> None:
+    """Each item's lines, one to each of ``paths``, in order."""
+    with contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(path.open("wb")) for path in paths]
+        for items in lines:
+            for handle, line in zip(handles, items, strict=True):
+                handle.write(line)

@@ -1,0 +1,55 @@
+"""The export's flags (declared in batchrun/flags.py with the run's) validated into ExportOptions: one
+UsageError naming the flag, as the run validates its own."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from batchrun import rows
+from batchrun.export.best_of import BEST_OF_RULES
+from batchrun.export.formats import EXPORT_FORMATS, FORMATS
+from batchrun.export.options import REASONING_MODES, ExportOptions
+from batchrun.flag_values import UsageError, boolean, choice, non_negative_int, text, validate_run_name
+from batchrun.install_hint import install_hint
+
+
+def export_options(*, export: Any, run_name: Any, out: Any, reasoning: Any, discard_no_reasoning: Any,
+                   discard_invented: Any, end_reasons: Any, min_tool_calls: Any,
+                   last_call_succeeded: Any, best_of: Any = None) -> ExportOptions:
+    """Validate the export's flags as the run validates its own: one UsageError naming the flag."""
+    fmt = None if export is True else choice("export", export, FORMATS)
+    if fmt is None:
+        raise UsageError(f"--export needs a format: --export={'|'.join(FORMATS)}")
+    run_dir = Path("data") / validate_run_name("run_name", run_name)
+    spec = EXPORT_FORMATS[fmt]
+    for module in spec.modules:
+        if importlib.util.find_spec(module) is None:
+            raise UsageError(f"--export={fmt} needs {module}, an optional extra: {install_hint('export')}")
+    if reasoning is not None and not spec.chat_messages:
+        takes = "|".join(name for name, other in EXPORT_FORMATS.items() if other.chat_messages)
+        raise UsageError(f"--reasoning applies to --export={takes}; --export={fmt} keeps the rows' own turns")
+    out_text = text("out", out)
+    return ExportOptions(
+        format=fmt, run_dir=run_dir, out=Path(out_text) if out_text else run_dir / spec.default_out,
+        reasoning=choice("reasoning", reasoning, REASONING_MODES) or "drop",
+        discard_no_reasoning=None if discard_no_reasoning is None else boolean("discard_no_reasoning",
+                                                                                discard_no_reasoning),
+        discard_invented=boolean("discard_invented", discard_invented),
+        end_reasons=_end_reasons(end_reasons), min_tool_calls=non_negative_int("min_tool_calls", min_tool_calls),
+        last_call_succeeded=boolean("last_call_succeeded", last_call_succeeded),
+        best_of=choice("best_of", best_of, tuple(BEST_OF_RULES)))
+
+
+def _end_reasons(value: Any) -> frozenset[str] | None:
+    """'a,b' (fire may already have made it a tuple) -> the set, each a reason a trajectory row can have."""
+    if value is None:
+        return None
+    allowed = [reason for reason in rows.END_REASONS if reason != "error"]    # "error" leaves no trajectory
+    items = value.split(",") if isinstance(value, str) else value if isinstance(value, (tuple, list)) else [value]
+    names = [item.strip() for item in items if isinstance(item, str) and item.strip()]
+    if not names or len(names) != len(items) or any(name not in allowed for name in names):
+        raise UsageError(f"--end_reasons takes comma-separated end reasons from {', '.join(allowed)}; got {value!r}")
+    return frozenset(names)
+

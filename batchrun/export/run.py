@@ -1,0 +1,39 @@
+"""export_run: one export from start to end. The rows the filters keep (or --best_of chooses) go to the
+format's writer as they are read, so memory stays bounded however many rows a run has."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from batchrun.export.best_of import BestOf, best_of_path, chosen_samples
+from batchrun.export.filters import selected_rows
+from batchrun.export.formats import EXPORT_FORMATS
+from batchrun.export.options import ExportError, ExportOptions
+from batchrun.export.summary import ExportSummary
+from batchrun.run_dir import atomic_write_json
+
+
+def export_run(options: ExportOptions) -> ExportSummary:
+    """Write the export; the summary says what was kept and what was left out, by reason."""
+    if not options.run_dir.is_dir():
+        raise ExportError(f"no run directory {options.run_dir}/ here — --export reads data/<run_name>/ under the "
+                          "current directory; check --run_name or cd to where the run was started")
+    summary = ExportSummary(options)
+
+    def counted(records: Iterable[Any]) -> Iterator[Any]:
+        for record in records:
+            summary.kept += 1
+            yield record
+
+    if options.best_of is None:
+        candidates = selected_rows(options, summary.dropped)
+    else:
+        summary.best_of = BestOf(options.best_of)
+        candidates = chosen_samples(options, summary.best_of, summary.dropped)
+    EXPORT_FORMATS[options.format].write(options, counted(candidates))
+    if summary.best_of is not None:
+        atomic_write_json(best_of_path(options.out), summary.best_of.as_json(), indent=2)
+    else:       # a record of an earlier export's choice would describe rows this file does not hold
+        best_of_path(options.out).unlink(missing_ok=True)
+    return summary

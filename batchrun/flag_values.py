@@ -1,0 +1,229 @@
+"""What a flag's value may be: one function per kind of value, each turning what Fire parsed into the
+value the run uses, or raising one UsageError line that names the flag and what is allowed.
+
+Kept apart from the table of flags (batchrun/flags.py) and from the configs built of the values
+(batchrun/config.py) because both, and --export's own options, use the same checks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Literal, overload
+from urllib.parse import urlparse
+
+from batchrun import distributions
+from batchrun.estimate import DEFAULT_SAMPLE
+from batchrun.install_hint import install_hint
+
+DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
+DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
+# The reference runner's list; each is passed through to the endpoint as it is.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra")
+PROVIDER_SORTS = ("price", "throughput", "latency")
+PREFILL_ROLES = ("system", "user", "assistant")
+BACKENDS = ("local", "ray")
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+class UsageError(Exception):
+    """A flag or input value the run cannot start with; the message is shown as one line."""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def positive_int(flag: str, value: Any) -> int:
+    if _is_int(value) and value > 0:
+        return value
+    raise UsageError(f"--{flag} must be a positive integer, got {value!r}")
+
+
+def optional_positive_int(flag: str, value: Any) -> int | None:
+    return None if value is None else positive_int(flag, value)
+
+
+def non_negative_int(flag: str, value: Any) -> int:
+    if _is_int(value) and value >= 0:
+        return value
+    raise UsageError(f"--{flag} must be an integer >= 0, got {value!r}")
+
+
+def positive_seconds(flag: str, value: Any) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    raise UsageError(f"--{flag} must be a positive number of seconds, got {value!r}")
+
+
+def optional_positive_number(flag: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    raise UsageError(f"--{flag} must be a positive number, got {value!r}")
+
+
+def prices_per_mtok(flag: str, value: Any) -> tuple[float, float, float] | None:
+    """--price_per_mtok=INPUT,OUTPUT[,CACHED] (USD per million tokens; fire may already have made it a
+    tuple) -> (input, output, cached input); cached input costs what input does unless given."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else value if isinstance(value, (tuple, list)) else [value]
+    numbers = []
+    for item in items:
+        try:
+            number = float(item) if not isinstance(item, bool) else math.nan
+        except (TypeError, ValueError):
+            number = math.nan
+        numbers.append(number)
+    if len(numbers) not in (2, 3) or not all(math.isfinite(number) and number >= 0 for number in numbers):
+        raise UsageError(f"--price_per_mtok takes INPUT,OUTPUT[,CACHED]: USD per million prompt, completion and "
+                         f"cached prompt tokens, e.g. --price_per_mtok=0.6,2.4; got {value!r}")
+    return numbers[0], numbers[1], numbers[2] if len(numbers) == 3 else numbers[0]
+
+
+def estimate_size(flag: str, value: Any) -> int | None:
+    """--estimate (DEFAULT_SAMPLE samples) or --estimate=N; None when not asked."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return DEFAULT_SAMPLE
+    if _is_int(value) and value > 0:
+        return value
+    raise UsageError(f"--estimate takes the number of samples to run (default {DEFAULT_SAMPLE}), e.g. "
+                     f"--estimate=50; got {value!r}")
+
+
+def boolean(flag: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise UsageError(f"--{flag} is a switch: pass --{flag} or --{flag}=False, got {value!r}")
+
+
+@overload
+def text(flag: str, value: Any, *, required: Literal[True]) -> str: ...
+
+
+@overload
+def text(flag: str, value: Any, *, required: bool = False) -> str | None: ...
+
+
+def text(flag: str, value: Any, *, required: bool = False) -> str | None:
+    """Fire turns `--x=123` into an int and `--x=a,b` into a tuple; names and ids are text."""
+    if value is None or value == "":
+        if required:
+            raise UsageError(f"--{flag} is required")
+        return None
+    if isinstance(value, bool) or isinstance(value, (tuple, list, dict)):
+        raise UsageError(f"--{flag} must be a single value, got {value!r}")
+    return str(value)
+
+
+def choice(flag: str, value: Any, allowed: tuple[str, ...]) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str) and value in allowed:
+        return value
+    raise UsageError(f"--{flag} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def name_list(flag: str, value: Any) -> list[str] | None:
+    """Provider names: 'a,b' (fire may already have made it a tuple) -> ['a', 'b']."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else list(value) if isinstance(value, (tuple, list)) else None
+    if items is None or not all(isinstance(item, str) for item in items):
+        raise UsageError(f"--{flag} takes comma-separated provider names, got {value!r}")
+    names = [item.strip() for item in items if item.strip()]
+    if not names:
+        raise UsageError(f"--{flag} takes comma-separated provider names, got {value!r}")
+    return names
+
+
+def load_prefill(flag: str, path_value: Any) -> tuple[dict, ...]:
+    path_text = text(flag, path_value)
+    if path_text is None:
+        return ()
+    path = Path(path_text)
+    if not path.is_file():
+        raise UsageError(f"--prefill_messages_file: file not found: {path}")
+    try:
+        messages = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--prefill_messages_file: {path} is not valid JSON ({exc})") from None
+    if not isinstance(messages, list):
+        raise UsageError(f"--prefill_messages_file: {path} must hold a JSON array of {{role, content}} messages")
+    for number, message in enumerate(messages, start=1):
+        if (not isinstance(message, dict) or message.get("role") not in PREFILL_ROLES
+                or not isinstance(message.get("content"), str)):
+            raise UsageError(f"--prefill_messages_file: message {number} in {path} must be "
+                             f"{{\"role\": one of {', '.join(PREFILL_ROLES)}, \"content\": \"text\"}}")
+    return tuple({"role": m["role"], "content": m["content"]} for m in messages)
+
+
+def validate_base_url(flag: str, value: Any) -> str:
+    url = text(flag, value, required=True)
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise UsageError(f"--base_url must be an http(s) URL such as http://localhost:8000/v1, got {url!r}")
+    return url.rstrip("/")
+
+
+def validate_run_name(flag: str, value: Any) -> str:
+    name = text(flag, value, required=True)
+    longest = 128    # it names a directory, and file systems allow 255 bytes per name
+    if len(name) > longest:
+        raise UsageError(f"--run_name is {len(name)} characters long; at most {longest} are allowed")
+    if not _RUN_NAME.match(name) or name in (".", ".."):
+        raise UsageError(f"--run_name must be a plain name (letters, digits, '.', '_', '-'), got {name!r}")
+    return name
+
+
+def validate_backend(flag: str, value: Any) -> str:
+    """--backend: local worker processes, or Ray actors (an optional extra, checked before anything runs)."""
+    backend = choice(flag, value, BACKENDS) or "local"
+    if backend == "ray":
+        if importlib.util.find_spec("ray") is None:
+            raise UsageError(f"--backend=ray needs Ray, an optional extra: {install_hint('ray')}")
+    return backend
+
+
+def required_text(flag: str, value: Any) -> str:
+    return text(flag, value, required=True)
+
+
+def required_batch_size(flag: str, value: Any) -> int:
+    if value is None:
+        raise UsageError(f"--{flag} is required (prompts per output shard), e.g. --{flag}=10")
+    return positive_int(flag, value)
+
+
+def optional_non_negative_int(flag: str, value: Any) -> int | None:
+    return None if value is None else non_negative_int(flag, value)
+
+
+def optional_seconds(flag: str, value: Any) -> float | None:
+    return None if value is None else positive_seconds(flag, value)
+
+
+def run_switch_on(flag: str, value: Any) -> bool:
+    """A switch that is on for a run unless turned off; unset (None) means on, since --export reads the same
+    flag and there unset means "as each row's run decided"."""
+    return value is None or boolean(flag, value)
+
+
+def distribution_name(flag: str, value: Any) -> str:
+    name = text(flag, value, required=True)
+    try:
+        distributions.get_distribution(name)
+    except distributions.UnknownDistributionError as exc:
+        raise UsageError(f"--{flag}: {exc}") from None
+    return name
+
+
+def validate_base_url_given(flag: str, value: Any) -> str | None:
+    """None when not given: the default endpoint then also changes where the API key may come from."""
+    return None if value is None else validate_base_url(flag, value)

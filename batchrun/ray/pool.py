@@ -1,0 +1,415 @@
+"""RayWorkerPool, the parent's side of --backend=ray: a :class:`~batchrun.workers.WorkerPool` over Ray
+session actors.
+
+Apart from the actors, the gate and the cluster because this is the one object that runs in the parent
+through the whole run: it starts the actors, hands each task to the least loaded one, collects the rows
+and what the replies spent, notices lost actors and starts their replacements, and stops it all.
+A little over 400 lines: every part reads and updates the same per-actor bookkeeping (slots, the
+references on their way, the lost indexes), which a further split would have to pass back and forth.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from batchrun.concurrency import ConcurrencyFigures
+from batchrun.config import RunConfig
+from batchrun.environments.base import EnvironmentSettings
+from batchrun.messages import Fatal, Finished, Spent, Task
+from batchrun.ray import cluster
+from batchrun.ray.actor import SessionActor
+from batchrun.ray.gate import GateKeeper, RayRateGate
+from batchrun.ray.node_loss import Attempt, Replacement, share_out
+from batchrun.ray.watcher import Watcher
+from batchrun.workers import PoolStartError, process_count, split_slots
+
+ACTOR_START_TIMEOUT = 180.0     # seconds for every actor to be placed, import the worker code and check its node
+STOP_GRACE_SECONDS = 15.0
+SPARE_CONCURRENCY = 4           # actor calls beyond the session slots: probe, stop
+FIGURES_INTERVAL = 0.5          # seconds between questions to the gate actor for the live display
+SPENT_INTERVAL = 1.0            # seconds between collections of each actor's replies' usage (drain_spent)
+
+
+def warn(text: str) -> None:
+    """A warning line on stderr, as the console writes one (the pool has no console of its own)."""
+    print(f"warning: {text}", file=sys.stderr, flush=True)
+
+
+class RayWorkerPool:
+    """A :class:`~batchrun.workers.WorkerPool` over Ray actors."""
+
+    def __init__(self, config: RunConfig, env_settings: EnvironmentSettings, available_tools: frozenset[str]) -> None:
+        self._address = os.environ.get("RAY_ADDRESS", "").strip() or None
+        self._config = config
+        self._actors: list[Any] = []              # by actor index; a lost actor keeps its index
+        self._capacity: list[int] = []
+        self._free: list[int] = []
+        self._nodes: list[dict] = []              # each actor's probe() answer
+        self._lost: set[int] = set()
+        self._pending: dict[Any, tuple[int, Attempt]] = {}   # ObjectRef of a run() call -> (actor index, attempt)
+        self._retries: deque[Attempt] = deque()   # prompts of lost actors, waiting for a free slot
+        self._starting: dict[Any, Replacement] = {}          # ObjectRef of a replacement's probe() -> it
+        self._new_actor: Callable[[int], Any] | None = None
+        self._keeper: Any = None
+        self._figures: ConcurrencyFigures | None = None    # the keeper's, as last heard
+        self._figures_asked: Any = None                     # ObjectRef of the question on its way
+        self._figures_asked_at = 0.0
+        self._draining: dict[int, Any] = {}       # actor index -> ObjectRef of its drain_spent() on its way
+        self._drained_at = 0.0
+        self._watcher: Watcher | None = None
+        self._stopped = False
+        self.ray: Any = None
+        try:
+            self._connect()
+            self._start_actors(config, env_settings, available_tools)
+        except BaseException:
+            self.stop()
+            raise
+
+    # -- start ---------------------------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        if self._address is None:
+            cluster.set_local_environment()
+            self._watcher = Watcher()     # before Ray starts, so that Ray's processes carry its mark
+            self.ray = cluster.import_ray()
+        else:
+            cluster.set_join_environment()
+            self.ray = cluster.import_ray()
+            cluster.check_head_answers(self._address)
+        cluster.init(self.ray, self._address)
+
+    def _start_actors(self, config: RunConfig, env_settings: EnvironmentSettings,
+                      available_tools: frozenset[str]) -> None:
+        ray = self.ray
+        cpus = int(ray.available_resources().get("CPU", 0))
+        if cpus < 1:
+            raise PoolStartError("the Ray cluster has no free CPU for the session actors "
+                                 f"({ray.cluster_resources().get('CPU', 0):g} in all)")
+        pool = config.pool
+        count = min(process_count(pool.num_workers) if self._address is None else pool.num_workers, cpus)
+        capacity = split_slots(pool.num_workers, count)
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        # The rate limits live beside the driver: every session needs them, and they must outlive
+        # any other node.
+        beside_driver = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+        self._keeper = (ray.remote(num_cpus=0, max_concurrency=10_000)(GateKeeper)
+                        .options(scheduling_strategy=beside_driver)
+                        .remote(pool.requests_per_minute, pool.num_workers, pool.adaptive_concurrency))
+        gate = RayRateGate(self._keeper, pool.requests_per_minute, pool.adaptive_concurrency)
+        actor_class = ray.remote(SessionActor)
+
+        def new_actor(slots: int) -> Any:
+            return (actor_class.options(num_cpus=1, max_concurrency=slots + SPARE_CONCURRENCY,
+                                        scheduling_strategy="SPREAD")
+                    .remote(slots, config, gate, env_settings, available_tools))
+
+        self._new_actor = new_actor
+        self._actors = [new_actor(slots) for slots in capacity]
+        try:
+            self._nodes = ray.get([actor.probe.remote() for actor in self._actors], timeout=ACTOR_START_TIMEOUT)
+        except ray.exceptions.GetTimeoutError:
+            raise PoolStartError(f"Ray did not start {count} session actors (1 CPU each) within "
+                                 f"{ACTOR_START_TIMEOUT:.0f} s; are the cluster's CPUs taken?") from None
+        except ray.exceptions.RayError as exc:
+            raise PoolStartError(f"a session actor failed to start: {_last_lines(exc)}") from None
+        self._capacity, self._free = capacity, list(capacity)
+        labels = self._node_labels()
+        problems = {labels[node["node_id"]]: node["problem"] for node in self._nodes if node["problem"]}
+        if problems:
+            raise PoolStartError("\n".join(f"Ray node {label} cannot run this run's sessions: {problem}"
+                                           for label, problem in problems.items()))
+        self._clean_other_nodes()
+
+    def _clean_other_nodes(self) -> None:
+        """Environments' leftovers on the nodes other than this one (the parent cleans its own), by one
+        actor per node: before the first session and after the last."""
+        ray = self.ray
+        here, cleaners = ray.get_runtime_context().get_node_id(), dict[str, Any]()
+        for index, (actor, node) in enumerate(zip(self._actors, self._nodes, strict=False)):
+            if index not in self._lost and node["node_id"] != here:
+                cleaners.setdefault(node["node_id"], actor)
+        if cleaners:
+            ray.get([actor.remove_leftovers.remote() for actor in cleaners.values()], timeout=ACTOR_START_TIMEOUT)
+
+    def _node_labels(self) -> dict[str, str]:
+        """Node id -> the node's name in output: its address, with the start of its id where several
+        nodes share one address (several raylets on one host are several nodes)."""
+        addresses = Counter({node["node_id"]: node["address"] for node in self._nodes}.values())
+        return {node["node_id"]: node["address"] if addresses[node["address"]] == 1
+                else f"{node['address']} ({node['node_id'][:6]})" for node in self._nodes}
+
+    def describe(self) -> str | None:
+        """One start-up line: where the sessions run."""
+        actors: Counter = Counter()
+        sessions: Counter = Counter()
+        for node, slots in zip(self._nodes, self._capacity, strict=False):
+            actors[node["node_id"]] += 1
+            sessions[node["node_id"]] += slots
+        labels = self._node_labels()
+        where = (f"cluster at RAY_ADDRESS={self._address}" if self._address else "local Ray on 127.0.0.1")
+        nodes = ", ".join(f"{labels[node]}: {actors[node]} actor{'s' if actors[node] > 1 else ''} · "
+                          f"{sessions[node]} sessions" for node in actors)
+        return f"backend ray · {where} · {len(actors)} node{'s' if len(actors) > 1 else ''} ({nodes})"
+
+    # -- the WorkerPool protocol ----------------------------------------------------------------------
+
+    @property
+    def free_slots(self) -> int:
+        return max(0, sum(self._free) - len(self._retries))
+
+    @property
+    def in_flight(self) -> int:
+        """Prompts the parent still waits for: running, or waiting for a slot since their actor was lost.
+        While no actor is left, a replacement that is starting counts too: the run waits for it."""
+        waiting = len(self._pending) + len(self._retries)
+        return waiting if self._live_actors() else waiting + len(self._starting)
+
+    @property
+    def concurrency(self) -> ConcurrencyFigures | None:
+        """The keeper's figures as last heard (asked again in the background: never waits for Ray);
+        after the stop, the keeper's last."""
+        if self._stopped:
+            return self._figures
+        ray = self.ray
+        if self._figures_asked is not None and ray.wait([self._figures_asked], timeout=0)[0]:
+            try:
+                self._figures = ray.get(self._figures_asked)
+            except ray.exceptions.RayError:
+                pass        # the keeper is gone; keep what was last heard
+            self._figures_asked = None
+        now = time.monotonic()
+        if self._figures_asked is None and now - self._figures_asked_at >= FIGURES_INTERVAL:
+            self._figures_asked, self._figures_asked_at = self._keeper.figures.remote(), now
+        return self._figures
+
+    def submit(self, task: Task) -> None:
+        self._dispatch(Attempt(task))
+
+    def last_round(self) -> None:
+        pass    # an actor is handed tasks only for its free slots
+
+    def receive(self, timeout: float) -> list[Finished | Fatal | Spent]:
+        """Every finished result, waiting at most ``timeout`` for the first one. A lost actor's prompts
+        are sent again (or get failure rows); only losing every actor ends the run (a Fatal, after the
+        rows that arrived with it)."""
+        ray = self.ray
+        watched = [*self._pending, *self._starting]
+        if not watched:
+            time.sleep(timeout)
+            return []
+        ready, _ = ray.wait(watched, num_returns=1, timeout=timeout)
+        if ready and len(watched) > 1:
+            ready, _ = ray.wait(watched, num_returns=len(watched), timeout=0)
+        rows_from = {self._pending[ref][0] for ref in ready if ref in self._pending}
+        messages: list[Finished | Fatal | Spent] = [*self._spending_answers(rows_from)]
+        self._ask_for_spending()
+        for ref in ready:
+            if ref in self._starting:
+                self._replacement_started(ref, self._starting.pop(ref))
+            elif ref in self._pending:       # an actor lost earlier in this loop may have taken it already
+                messages.extend(self._outcome(ref))
+        self._give_up_late_replacements()
+        if not self._live_actors() and not self._starting:
+            messages.append(Fatal("every Ray session actor was lost and none could be replaced; the prompts "
+                                  "that were running have no row yet"))
+        while self._retries and sum(self._free) > 0:
+            self._dispatch(self._retries.popleft())
+        return messages
+
+    def _spending_answers(self, rows_from: set[int]) -> list[Spent]:
+        """The replies' usage the actors have answered with (see _ask_for_spending). An actor in
+        ``rows_from`` has rows about to be read: its answer is waited for, since a question asked before
+        those rows came back may hold replies of theirs, which must reach the parent first."""
+        ray = self.ray
+        collected: list[Spent] = []
+        asked = list(self._draining.values())
+        answered = set(ray.wait(asked, num_returns=len(asked), timeout=0)[0]) if asked else set()
+        for actor, ref in list(self._draining.items()):
+            if actor not in rows_from and ref not in answered:
+                continue
+            del self._draining[actor]
+            try:
+                collected.extend(ray.get(ref, timeout=STOP_GRACE_SECONDS))
+            except Exception:
+                pass        # its actor is gone: what it spent since its last answer is not known
+        return collected
+
+    def _ask_for_spending(self) -> None:
+        """Every SPENT_INTERVAL, ask each actor without a question on its way what its replies spent."""
+        now = time.monotonic()
+        if now - self._drained_at >= SPENT_INTERVAL:
+            self._drained_at = now
+            for index, actor in enumerate(self._actors):
+                if index not in self._lost and index not in self._draining:
+                    self._draining[index] = actor.drain_spent.remote()
+
+    def _dispatch(self, attempt: Attempt) -> None:
+        actor = max(range(len(self._free)), key=self._free.__getitem__)   # the least loaded actor
+        self._free[actor] -= 1
+        self._pending[self._actors[actor].run.remote(attempt.task)] = (actor, attempt)
+
+    def _live_actors(self) -> int:
+        return len(self._actors) - len(self._lost)
+
+    def _outcome(self, ref: Any) -> Sequence[Spent | Finished | Fatal]:
+        ray = self.ray
+        actor, attempt = self._pending.pop(ref)
+        try:
+            messages = ray.get(ref)
+        except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError) as exc:
+            return self._lose(actor, exc, attempt)
+        except ray.exceptions.RayError as exc:   # the call itself failed (not its prompt): a bug, stop
+            return [Fatal(f"Ray session actor {self._actor_name(actor)} failed: {_last_lines(exc)}")]
+        self._free[actor] += 1
+        return messages
+
+    # -- lost actors ---------------------------------------------------------------------------------
+
+    def _lose(self, actor: int, exc: BaseException, attempt: Attempt) -> list[Finished]:
+        """The actor is gone (its node or its process): each prompt it ran goes to the actors that
+        remain once more, or, lost for the second time, becomes a failure row; a replacement starts."""
+        name = self._actor_name(actor)
+        victims = [attempt]
+        for ref, (index, other) in list(self._pending.items()):
+            if index == actor:
+                # Not read even if it finished: the prompt runs again, and only what is read becomes a row.
+                del self._pending[ref]
+                victims.append(other)
+        self._lost.add(actor)
+        self._free[actor] = 0
+        self._keeper.forget.remote(self._nodes[actor]["gate"])    # the model requests it had in flight are over
+        self._discard(self._actors[actor])
+        self._start_replacement(self._capacity[actor])
+        failed, again = share_out(victims, name, self._config)
+        self._retries.extend(again)
+        sessions = sum(slots for index, slots in enumerate(self._capacity) if index not in self._lost)
+        fates = ([f"{len(again)} prompt(s) it was running go once more to the actors that remain"] if again else [])
+        fates += [f"{len(failed)} lost for the second time get a failure row (--resume retries it)"] if failed else []
+        warn(f"lost Ray session actor {name}: {type(exc).__name__}. {'; '.join(fates)}. {self._live_actors()} "
+             f"actor(s) with {sessions} sessions remain; a replacement is starting")
+        return failed
+
+    def _start_replacement(self, slots: int) -> None:
+        """A new actor where the cluster has a free CPU (after a crash, the lost actor's own); a lost
+        node's CPUs are gone with it, and then the replacement waits for room until its deadline."""
+        assert self._new_actor is not None
+        actor = self._new_actor(slots)
+        self._starting[actor.probe.remote()] = Replacement(actor, slots, time.monotonic() + ACTOR_START_TIMEOUT)
+
+    def _replacement_started(self, ref: Any, replacement: Replacement) -> None:
+        try:
+            node = self.ray.get(ref)
+        except self.ray.exceptions.RayError as exc:
+            self._discard(replacement.actor)
+            warn(f"a replacement Ray session actor failed to start: {_last_lines(exc, 1)}")
+            return
+        if node["problem"]:
+            self._discard(replacement.actor)
+            warn(f"a replacement Ray session actor landed on node {node['address']}, which cannot run this "
+                 f"run's sessions: {node['problem']}")
+            return
+        self._actors.append(replacement.actor)
+        self._capacity.append(replacement.slots)
+        self._free.append(replacement.slots)
+        self._nodes.append(node)
+
+    def _give_up_late_replacements(self) -> None:
+        now = time.monotonic()
+        for ref, replacement in list(self._starting.items()):
+            if now > replacement.deadline:
+                del self._starting[ref]
+                self._discard(replacement.actor)
+                warn(f"no replacement Ray session actor found a free CPU within {ACTOR_START_TIMEOUT:.0f} s")
+
+    def _discard(self, actor: Any) -> None:
+        try:
+            self.ray.kill(actor, no_restart=True)
+        except Exception:
+            pass
+
+    def _actor_name(self, actor: int) -> str:
+        node = self._nodes[actor]
+        return f"{actor} (pid {node['pid']} on node {self._node_labels()[node['node_id']]})"
+
+    # -- stop ----------------------------------------------------------------------------------------
+
+    def stop(self) -> list[Finished | Spent]:
+        """Cancel in-flight sessions (their environments are cleaned up), end the actors, and stop the
+        Ray this runner started (or leave the cluster).
+
+        Returns the rows that finished meanwhile, to be persisted like any other (a session that
+        ended just before the stop has been paid for), and what the stopped sessions spent."""
+        if self._stopped:
+            return []
+        self._stopped = True
+        ray = self.ray
+        finished: list[Finished | Spent] = []
+        try:
+            if ray is not None and ray.is_initialized():
+                if self._pending:
+                    live = [actor for index, actor in enumerate(self._actors) if index not in self._lost]
+                    try:
+                        ray.get([actor.stop.remote() for actor in live], timeout=STOP_GRACE_SECONDS)
+                    except Exception:
+                        pass
+                    finished = self._finished_meanwhile()
+                finished += self._spent_at_stop()
+                try:
+                    self._clean_other_nodes()
+                except Exception:
+                    pass
+                if self._keeper is not None:
+                    try:
+                        self._figures = ray.get(self._keeper.figures.remote(), timeout=STOP_GRACE_SECONDS)
+                    except Exception:
+                        pass
+                for actor in [*self._actors, *(replacement.actor for replacement in self._starting.values()),
+                              self._keeper]:
+                    if actor is not None:
+                        self._discard(actor)
+                ray.shutdown()
+        finally:
+            self._pending.clear()
+            self._retries.clear()
+            self._starting.clear()
+            if self._watcher is not None:
+                self._watcher.close()
+        return finished
+
+    def _finished_meanwhile(self) -> list[Finished | Spent]:
+        """The rows of the sessions that ended before the stop reached them, each after its spending
+        (and after what the actors' earlier answers hold, which may be theirs too)."""
+        ray = self.ray
+        ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=0)
+        finished: list[Finished | Spent] = [*self._spending_answers(set(self._draining))]
+        for ref in ready:
+            try:
+                messages = ray.get(ref)
+            except ray.exceptions.RayError:
+                continue         # cancelled by the stop, or its actor is gone: resume runs it
+            finished += [message for message in messages if isinstance(message, (Finished, Spent))]
+        return finished
+
+    def _spent_at_stop(self) -> list[Spent]:
+        """What the stopped sessions spent that the parent has not heard of yet: they leave no row."""
+        ray = self.ray
+        spent = self._spending_answers(set(self._draining))
+        asked = [actor.drain_spent.remote() for index, actor in enumerate(self._actors) if index not in self._lost]
+        for ref in asked:
+            try:
+                spent.extend(ray.get(ref, timeout=STOP_GRACE_SECONDS))
+            except Exception:
+                pass        # its actor is gone
+        return spent
+
+
+def _last_lines(exc: BaseException, lines: int = 6) -> str:
+    text = str(exc).strip().splitlines()
+    return "\n".join(text[-lines:]) if text else type(exc).__name__

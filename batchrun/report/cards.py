@@ -1,0 +1,76 @@
+"""The cards across the top of the report: the run's few numbers a person reads first (rows, kept,
+failed, discarded, corrupted, reasoning, tool calls, tokens, cost, throughput, and success per prompt
+where prompts run several times), each toned good, warn or bad."""
+
+from __future__ import annotations
+
+from batchrun import rows
+from batchrun.report.markup import card, money, number, percent
+from batchrun.report.summary import CORRUPTED, SUPERSEDED, RunSummary, Timeline
+
+
+def cards_html(summary: RunSummary, info: dict) -> str:
+    calls = sum(entry[0] for entry in summary.tools.values())
+    failures = sum(entry[2] for entry in summary.tools.values())
+    turns = summary.turns_with_reasoning + summary.turns_without_reasoning
+    open_failures = sum(summary.open_failure_causes().values())
+    total_prompts = info.get("total_prompts")
+    kept = summary.kept
+    tokens = summary.usage["prompt_tokens"] + summary.usage["completion_tokens"]
+    cost = summary.usage["cost"]
+    minutes = active_minutes(summary.timeline)
+    statuses = summary.statuses
+    return "".join([
+        *_samples_cards(info),
+        card("rows in batch files", number(summary.row_count),
+              f"dataset: {number(total_prompts)} prompts" if isinstance(total_prompts, int) else ""),
+        card("kept trajectories", number(kept),
+              f"{number(statuses[rows.COMPLETED])} completed · {number(statuses[rows.PARTIAL])} partial",
+              "good" if kept else ""),
+        card("failed attempts", number(statuses[rows.FAILED]),
+              f"{number(open_failures)} still failing (--resume retries them)", "bad" if open_failures else ""),
+        card("discarded", number(statuses[rows.DISCARDED]), "no reasoning in any turn",
+              "warn" if statuses[rows.DISCARDED] else ""),
+        card("corrupted", number(statuses[CORRUPTED]), "invented tool names; not merged"
+              + (f" ({number(statuses[SUPERSEDED])} more run again)" if statuses[SUPERSEDED] else ""),
+              "warn" if statuses[CORRUPTED] else ""),
+        card("reasoning coverage", percent(summary.turns_with_reasoning, turns),
+              f"of {number(turns)} assistant turns"),
+        card("tool calls", number(calls), f"{percent(failures, calls)} failed",
+              "bad" if failures * 5 > calls else ""),          # more than one call in five failing
+        card("tokens", number(tokens), f"{number(summary.usage['reasoning_tokens'])} reasoning · "
+              f"{number(summary.usage['cached_tokens'])} cached"),
+        _cost_card(cost, kept, info),
+        card("throughput", f"{kept / minutes:,.1f}/min" if minutes else "–", "kept trajectories per active minute"),
+    ])
+
+
+def _cost_card(cost: float, kept: int, info: dict) -> str:
+    """What the rows cost; when replies of the last invocation had no price, that it says less than was spent."""
+    sources = (info.get("this_run") or {}).get("replies_by_cost_source") or {}
+    unpriced = sources.get("unknown", 0) if isinstance(sources, dict) else 0
+    if isinstance(unpriced, int) and unpriced > 0:
+        return card("cost", f"≥ {money(cost)}" if cost else "unknown",
+                     f"{number(unpriced)} replies without a price: give --price_per_mtok", "warn")
+    return card("cost", money(cost), f"{money(cost / kept)} per kept trajectory" if kept else "")
+
+
+def _samples_cards(info: dict) -> list[str]:
+    """Success per prompt over its samples, from statistics.json, when prompts run several times."""
+    samples = info.get("samples")
+    if not isinstance(samples, dict):
+        return []
+    try:
+        solved, prompts = int(samples["prompts_with_a_completed_sample"]), int(samples["prompts_with_rows"])
+        spread = ", ".join(f"{number(int(count))} with {k}"
+                           for k, count in samples["prompts_by_completed_samples"].items())
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return []
+    return [card("prompts with a completed sample", percent(solved, prompts),
+                  f"{number(solved)} of {number(prompts)} prompts ({info.get('samples_per_prompt', '?')} samples "
+                  f"asked each); by completed samples: {spread}", "good" if solved else "bad")]
+
+
+def active_minutes(timeline: Timeline) -> float:
+    """Minutes the run was working on rows (gaps between invocations are not counted)."""
+    return timeline.active_seconds() / 60

@@ -1,0 +1,19 @@
+"""What identifies a unit of work across runs: a prompt's content key and one sample's key. Apart
+because the dataset planner needs them without anything of the row format."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+
+def content_key(prompt: str, image: str | None, cwd: str | None) -> str:
+    """Identifies a prompt by what it is, not where it sits, so resume survives reordered datasets."""
+    canonical = json.dumps([prompt, image, cwd], ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def sample_key(key: str, sample_index: int) -> str:
+    """What resume counts done: one sample of a prompt. Sample 0 is the prompt's content key itself, so
+    a run of one sample per prompt (and every row written before samples existed) counts as it always has."""
+    return key if sample_index == 0 else f"{key}#{sample_index}"

@@ -1,0 +1,30 @@
+"""The run directory, data/<run_name>/: everything a run writes there and reads back.
+
+Only the parent process writes these files, and a write that fails (a full disk above all) leaves
+every file as it was. The package's faces are re-exported here; each module does one job:
+
+- ``directory.py``   RunDirectory: the lock, batch file names, appends, the files rewritten whole
+- ``durable.py``     writes that leave files whole: appends of whole lines, torn tails cut, atomic rewrites
+- ``reading.py``     streaming the JSONL files in byte ranges shared out over processes; a bad line named
+- ``errors.py``      RunDirectoryError and DiskFull, whose message names the filesystem and what is free
+- ``checkpoint.py``  checkpoint.json (Checkpoint) and what resume reads back from it
+- ``scan.py``        the resume scan (ScanResult): what is done, failed, corrupted
+- ``merge.py``       trajectories.jsonl and its statistics input, appended to from where the last merge stopped
+- ``spent.py``       spent.jsonl (SpentLedger, RowPlace): what sessions cut off before their rows spent
+"""
+
+from batchrun.run_dir.checkpoint import CHECKPOINT, Checkpoint, superseded_corrupted
+from batchrun.run_dir.directory import BATCH_FILE, ESTIMATE, LOCK, STATISTICS, RunDirectory
+from batchrun.run_dir.durable import atomic_write_json, replacing, temp_beside
+from batchrun.run_dir.errors import DiskFull, RunDirectoryError, full_disk_named, is_disk_full, size_text
+from batchrun.run_dir.merge import MERGE_RECORD, TRAJECTORIES
+from batchrun.run_dir.reading import line_number, lines_at, split_ranges
+from batchrun.run_dir.scan import ScanResult, scan_ranges
+from batchrun.run_dir.spent import SPENT, RowPlace, SpentLedger
+
+__all__ = [
+    "BATCH_FILE", "CHECKPOINT", "ESTIMATE", "LOCK", "MERGE_RECORD", "SPENT", "STATISTICS", "TRAJECTORIES",
+    "Checkpoint", "DiskFull", "RowPlace", "RunDirectory", "RunDirectoryError", "ScanResult", "SpentLedger",
+    "atomic_write_json", "full_disk_named", "is_disk_full", "line_number", "lines_at", "replacing", "scan_ranges",
+    "size_text", "split_ranges", "superseded_corrupted", "temp_beside",
+]

@@ -1,0 +1,152 @@
+"""RunDirectory: one run's directory as the runner uses it, owned by one process at a time (the lock).
+
+The face the runner, the report and the export call: the names of the batch files, the appends to
+them and the files rewritten whole, with the resume scan and the merge behind it (scan.py, merge.py).
+Only the parent process writes these files.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from batchrun.messages import Finished
+from batchrun.run_dir.checkpoint import CHECKPOINT, Checkpoint
+from batchrun.run_dir.durable import append_whole, atomic_write_json, cut_torn_tail, fsync_dir
+from batchrun.run_dir.errors import RunDirectoryError, full_disk_named, is_disk_full
+from batchrun.run_dir.merge import TRAJECTORIES, OnCorrupted, merge_batch_files
+from batchrun.run_dir.scan import ScanResult, scan_files
+from batchrun.run_dir.spent import RowPlace
+from batchrun.stats import MergeStatistics
+
+BATCH_FILE = re.compile(r"^batch_(\d+)\.jsonl$")
+STATISTICS = "statistics.json"
+ESTIMATE = "estimate.json"
+LOCK = ".lock"
+
+
+class RunDirectory:
+    """data/<run_name>/: its lock, its batch files and the files rewritten whole beside them."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock_fd: int | None = None
+        self._created = False       # a batch file was created since the last sync_names()
+
+    # -- ownership ------------------------------------------------------------------------------
+
+    def acquire(self) -> None:
+        lock = self.path / LOCK
+        with full_disk_named(lock):
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            # A POSIX record lock belongs to this process alone: forked workers do not inherit it,
+            # so a killed runner frees the directory at once even while its workers wind down.
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise RunDirectoryError(
+                f"{self.path} is in use by batch_runner (pid {holder}). Wait for that run to finish, "
+                "or start a separate one with a different --run_name.") from None
+        self._lock_fd = fd
+        os.ftruncate(fd, 0)
+        try:
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+        except OSError as exc:      # the pid only names the holder to a second run; the lock holds without it
+            if not is_disk_full(exc):
+                raise
+
+    def release(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def batch_files(self) -> list[Path]:
+        found = [(int(m.group(1)), p) for p in self.path.glob("batch_*.jsonl") if (m := BATCH_FILE.match(p.name))]
+        return [path for _, path in sorted(found)]
+
+    def existing_results(self) -> list[str]:
+        """Names of result files with content, for the 'use --resume' message."""
+        candidates = self.batch_files() + [self.path / TRAJECTORIES]
+        return [p.name for p in candidates if p.exists() and p.stat().st_size > 0]
+
+    # -- resume ---------------------------------------------------------------------------------
+
+    def scan(self) -> ScanResult:
+        """What the batch files hold (see scan.scan_files), once torn tails are cut off. Only a
+        resumed run scans, with the lock held and before it appends."""
+        self.cut_torn_tails()
+        return scan_files(self.batch_files())
+
+    def cut_torn_tails(self) -> None:
+        """Cut off what a crash left after the last newline of each batch file (see durable.cut_torn_tail)."""
+        for path in self.batch_files():
+            cut_torn_tail(path)
+
+    # -- writing --------------------------------------------------------------------------------
+
+    def append(self, batch_num: int, rows_data: bytes) -> None:
+        """Append whole rows to a batch file and make them durable before returning.
+
+        The file is open only meanwhile, so the descriptors a run holds do not grow with its number
+        of batch files (opening costs microseconds; the fdatasync, milliseconds). Rows that do not
+        all fit, or cannot be synced, are cut off again (see durable.append_whole). The name of a
+        file this creates is durable once :meth:`sync_names` has run (one directory sync for all the
+        files of a group commit).
+        """
+        path = self.path / f"batch_{batch_num}.jsonl"
+        with full_disk_named(path, len(rows_data)):
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            try:
+                start = append_whole(fd, rows_data, sync=True)
+            finally:
+                os.close(fd)
+        self._created |= start == 0
+
+    def row_places(self, batch_num: int, finished: list[Finished]) -> list[RowPlace]:
+        """Where these rows will be once appended to their batch file, in this order."""
+        name = f"batch_{batch_num}.jsonl"
+        try:
+            offset = (self.path / name).stat().st_size
+        except FileNotFoundError:
+            offset = 0
+        places = []
+        for message in finished:
+            places.append(RowPlace(message.unit, message.usage, name, offset, len(message.row),
+                                   message.prompt_index, message.sample_index))
+            offset += len(message.row)
+        return places
+
+    def sync_names(self) -> None:
+        """Make the names of the batch files created since the last call durable."""
+        if self._created:
+            fsync_dir(self.path)
+            self._created = False
+
+    def write_checkpoint(self, checkpoint: Checkpoint) -> None:
+        atomic_write_json(self.path / CHECKPOINT, checkpoint.as_json())
+
+    def read_checkpoint(self) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.path / CHECKPOINT).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+
+    def write_estimate(self, data: dict[str, Any]) -> None:
+        atomic_write_json(self.path / ESTIMATE, data, indent=2)
+
+    def write_statistics(self, data: dict[str, Any]) -> None:
+        atomic_write_json(self.path / STATISTICS, data, indent=2)
+
+    # -- merge ----------------------------------------------------------------------------------
+
+    def merge(self, on_corrupted: OnCorrupted, *, per_prompt: bool = False) -> MergeStatistics:
+        """Bring trajectories.jsonl up to date with every batch file, and count what it holds
+        (see merge.merge_batch_files)."""
+        return merge_batch_files(self.path, self.batch_files(), on_corrupted, per_prompt=per_prompt)

@@ -1,0 +1,109 @@
+"""Writes that leave every file whole: a crash, a kill or a full disk leaves each file as it was.
+
+Rows are appended whole or not at all (and what a crash left after a file's last newline is cut off
+before the next append); a file that is rewritten (checkpoint, statistics, the merged file and its
+record, the report) is written beside itself under a name of its own and renamed over the old one
+only once it is complete and durable. Only the parent process writes the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+from batchrun.run_dir.errors import full_disk_named
+from batchrun.run_dir.reading import READ_BUFFER_BYTES
+
+
+def append_whole(fd: int, data: bytes, *, sync: bool) -> int:
+    """Append ``data`` to an open file, made durable if ``sync``; returns the offset it begins at.
+    Data that does not all fit, or cannot be synced, is cut off again: half a line left at the end
+    would be glued to the next line a later write appends, and both be lost."""
+    start = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        written = 0
+        while written < len(data):
+            written += os.write(fd, data[written:])
+        if sync:
+            os.fdatasync(fd)
+    except OSError:
+        os.ftruncate(fd, start)
+        raise
+    return start
+
+
+def cut_torn_tail(path: Path) -> None:
+    """Cut off what a crash left after the last newline of a file.
+
+    Such a tail of a batch file is never counted as done, so its prompt runs again. Left in place,
+    the next append would end it with a newline: a tail that lacked only that would become a second
+    row for the prompt, and a shorter one a broken line before every later row.
+    """
+    with path.open("r+b") as handle:
+        size = handle.seek(0, os.SEEK_END)
+        end = _end_of_last_line(handle, size)
+        if end < size:
+            handle.truncate(end)
+            os.fsync(handle.fileno())
+
+
+def _end_of_last_line(handle: IO[bytes], size: int) -> int:
+    """Where the last newline of a file ends (0 without one), reading backwards from ``size``."""
+    end = size
+    while end > 0:
+        start = max(0, end - READ_BUFFER_BYTES)
+        handle.seek(start)
+        newline = handle.read(end - start).rfind(b"\n")
+        if newline >= 0:
+            return start + newline + 1
+        end = start
+    return 0
+
+
+def temp_beside(path: Path) -> Path:
+    """A temporary name beside ``path`` that no other writer uses: two processes may rewrite one file
+    at once (the run's report process and ``--report``), and each must rename its own whole file."""
+    return path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+@contextmanager
+def replacing(path: Path, *, needed: int = 0, durable: bool = True) -> Iterator[IO[bytes]]:
+    """A new version of ``path``: written to a temporary file beside it, made durable (unless
+    ``durable`` is False), and renamed over the old one when the block ends. If anything fails on the
+    way, the temporary file is removed and ``path`` keeps its old content; a full disk raises
+    DiskFull (``needed``: the size of the new version, where known)."""
+    temp = temp_beside(path)
+    with full_disk_named(path, needed):
+        try:
+            with temp.open("xb") as handle:
+                yield handle
+                handle.flush()
+                if durable:
+                    os.fsync(handle.fileno())
+            os.replace(temp, path)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+    if durable:
+        fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, data: dict[str, Any], *, indent: int | None = None) -> None:
+    """A reader (or a crash, or a full disk) sees the old file or the new one, never half."""
+    encoded = json.dumps(data, ensure_ascii=False, indent=indent).encode("utf-8")
+    with replacing(path, needed=len(encoded)) as handle:
+        handle.write(encoded)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the names in a directory durable (a file it gained, or one renamed into it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,81 @@
+"""What goes wrong with a run directory, in words the user can act on.
+
+RunDirectoryError is what every part of the package raises when the directory cannot be used as
+asked; DiskFull, the one kind met mid-run, names the file, the filesystem that holds it and what is
+free there. Kept apart because the runner catches and words these too, without reading any file.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+class RunDirectoryError(Exception):
+    """The run directory cannot be used as asked (locked, holds results without --resume, or holds a
+    line that is not a row this version understands)."""
+
+
+class DiskFull(RunDirectoryError):
+    """A write found no room on its filesystem (ENOSPC, or the user's quota: EDQUOT). The message
+    says which file, the filesystem that holds it, what is free there and what the write needed."""
+
+    def __init__(self, path: Path, needed: int) -> None:
+        self.path, self.needed = path, needed
+        mount, kind = filesystem_of(path)
+        usage = os.statvfs(mount)
+        free, total = usage.f_bavail * usage.f_frsize, usage.f_blocks * usage.f_frsize
+        wanted = f"writing it needs about {size_text(needed)}, and " if needed else ""
+        super().__init__(f"no space left on the disk for {path}: {wanted}the filesystem that holds it ({kind} at "
+                         f"{mount}) has {size_text(free)} free of {size_text(total)}")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextmanager
+def full_disk_named(path: Path, needed: int = 0) -> Iterator[None]:
+    """A full disk met inside the block becomes DiskFull for ``path`` (see DiskFull)."""
+    try:
+        yield
+    except OSError as exc:
+        if is_disk_full(exc):
+            raise DiskFull(path, needed) from exc
+        raise
+
+
+def filesystem_of(path: Path) -> tuple[str, str]:
+    """(mount point, filesystem type) of the filesystem that holds ``path`` (or would)."""
+    mount = os.path.realpath(path)
+    while not os.path.ismount(mount):
+        mount = os.path.dirname(mount)
+    kind = "filesystem"
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as mounts:
+            for line in mounts:       # the last entry for a mount point is the one in effect
+                fields = line.split()
+                if len(fields) > 2 and _unescaped(fields[1]) == mount:
+                    kind = fields[2]
+    except OSError:
+        pass
+    return mount, kind
+
+
+def _unescaped(field: str) -> str:
+    """A path as /proc/self/mounts writes it, its spaces, tabs and backslashes as octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), field)
+
+
+def size_text(count: int) -> str:
+    if count < 1024:
+        return f"{count} byte{'s' if count != 1 else ''}"
+    if count < 1 << 20:
+        return f"{count / 1024:.0f} KB"
+    if count < 1 << 30:
+        return f"{count / (1 << 20):.1f} MB"
+    return f"{count / (1 << 30):.1f} GB"

@@ -1,0 +1,85 @@
+"""The resume scan: what earlier runs left in the batch files, and which samples count as done.
+
+Only a resumed run scans, with the lock held and before it appends. Every row is read by
+rows.read_stored_row; a line that is JSON but not a row this version understands stops the scan
+with a RunDirectoryError naming its file and line.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from batchrun import rows
+from batchrun.run_dir.reading import FileRange, lines_at, read_processes, reading_pool, refused_line, split_ranges
+from batchrun.stats import UsageTotals, add_usage, empty_usage
+
+
+@dataclass
+class ScanResult:
+    """What earlier runs left: finished rows per sample key (rows.sample_key), and what counts as done."""
+
+    done_counts: Counter = field(default_factory=Counter)        # corrupted rows not included
+    rows_by_status: Counter = field(default_factory=Counter)
+    corrupted_by_key: Counter = field(default_factory=Counter)   # corrupted rows, ever, per sample key
+    unreadable_lines: int = 0
+    usage: UsageTotals = field(default_factory=empty_usage)      # of every row
+    most_samples: int = 1                                        # the highest sample index of a row, plus one
+
+    def add(self, other: ScanResult) -> None:
+        add_usage(self.usage, other.usage)
+        self.most_samples = max(self.most_samples, other.most_samples)
+        self.done_counts.update(other.done_counts)
+        self.rows_by_status.update(other.rows_by_status)
+        self.corrupted_by_key.update(other.corrupted_by_key)
+        self.unreadable_lines += other.unreadable_lines
+
+    def live_corrupted(self, superseded: Counter) -> Counter:
+        """Corrupted rows per key that no later attempt replaced (``superseded``: see Checkpoint)."""
+        return +Counter({key: count - superseded[key] for key, count in self.corrupted_by_key.items()})
+
+    def done(self, *, rerun_corrupted: bool, superseded: Counter) -> Counter:
+        """Finished rows per sample key: a live corrupted row is done unless the user asked to run
+        it again; a superseded one never is (its prompt's later attempt is what counts)."""
+        if rerun_corrupted:
+            return Counter(self.done_counts)
+        return self.done_counts + self.live_corrupted(superseded)
+
+
+def scan_files(files: list[Path]) -> ScanResult:
+    """What these batch files hold (see :func:`scan_ranges`). Reading a row costs CPU, not disk (the
+    reads are line-sized), so a big run directory is shared out over one process per core."""
+    groups = split_ranges(files, read_processes(files))
+    if len(groups) == 1:
+        return scan_ranges(groups[0])
+    result = ScanResult()
+    with reading_pool(len(groups)) as pool:
+        for part in pool.map(scan_ranges, groups):
+            result.add(part)
+    return result
+
+
+def scan_ranges(ranges: list[FileRange]) -> ScanResult:
+    """Count finished prompts by content key in these byte ranges. Failed rows are not
+    done; corrupted rows are counted apart (see ScanResult.done)."""
+    result = ScanResult()
+    for path, start, end in ranges:
+        for offset, line in lines_at(path, start, end):
+            try:
+                row = rows.read_stored_row(line)
+            except rows.RowError as exc:
+                raise refused_line(path, offset, exc) from None
+            if row is None:
+                result.unreadable_lines += 1
+                continue
+            result.rows_by_status[row.status] += 1
+            add_usage(result.usage, row.usage())
+            result.most_samples = max(result.most_samples, row.sample_index + 1)
+            if row.status == rows.FAILED:
+                continue
+            if row.status != rows.DISCARDED and row.invented_tools():
+                result.corrupted_by_key[row.sample_key] += 1
+                continue
+            result.done_counts[row.sample_key] += 1
+    return result

@@ -1,0 +1,541 @@
+"""The run itself, once its config is known: plans the work, feeds the worker pool, persists every row as
+the one writer, checkpoints, merges, writes statistics and the report, and says what happened.
+
+One class, over 400 lines, on purpose: it is the parent process's single writer, and every step that
+touches the run directory in order (plan, persist, checkpoint, stop, merge) reads the same state; split
+across modules, that order would have to be re-assembled by a reader from several files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import tempfile
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+
+from batchrun import distributions, estimate, registry, report, rows
+from batchrun.config import (
+    RunConfig,
+    provider_routing_note,
+)
+from batchrun.console import RunConsole
+from batchrun.dataset import DatasetError, DatasetPlan, iter_pending, plan_dataset
+from batchrun.environments import environment_class
+from batchrun.environments.base import EnvironmentSettings, run_identity
+from batchrun.install_hint import program
+from batchrun.messages import Fatal, Finished, Spent, Task
+from batchrun.pricing import reports_cost
+from batchrun.report_follower import ReportFailed, ReportFollower
+from batchrun.run_dir import (
+    SPENT,
+    Checkpoint,
+    DiskFull,
+    RunDirectory,
+    RunDirectoryError,
+    ScanResult,
+    SpentLedger,
+    size_text,
+    superseded_corrupted,
+)
+from batchrun.stats import ThisRun, UsageTotals, add_usage, build_statistics, empty_usage
+from batchrun.workers import PoolStartError, ProcessPool, WorkerPool, process_count, raise_open_file_limit
+
+CHECKPOINT_MIN_INTERVAL = 1.0     # seconds; coalesces checkpoint rewrites when batches are tiny
+MAX_CORRUPTED_LINES_SHOWN = 20
+# Sandboxes each worker process keeps started ahead of need: a prompt takes one and never waits for its
+# sandbox, and the next is ready long before another prompt ends.
+SPARE_SANDBOXES = 2
+# Exit codes: every prompt of this invocation done / the run stopped (bad input, a run-wide endpoint
+# error, the lock, a full disk) / the run finished but some prompts failed (--resume retries them) / Ctrl-C.
+EXIT_OK, EXIT_ERROR, EXIT_SOME_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class BatchRunner:
+    """Plans the work, feeds the worker pool, persists every row, checkpoints, merges, reports."""
+
+    def __init__(self, config: RunConfig, console: RunConsole) -> None:
+        self.config = config
+        self.console = console
+        self.run_dir = RunDirectory(config.output.run_dir)
+        self.this_run = ThisRun()
+        self.started = time.monotonic()
+        self.batch_stats: Counter = Counter()     # rows per outcome, every invocation under this run name
+        self.done_samples = 0                     # completed, partial or discarded, every invocation (a prompt's
+                                                  # samples each count: see --samples_per_prompt)
+        self.superseded_corrupted: Counter = Counter()   # see run_dir.Checkpoint
+        self.spent = SpentLedger(self.run_dir.path / SPENT)
+        self._earlier_rows_usage = empty_usage()  # what the rows of earlier invocations spent
+        self._checkpoint_due = False
+        self._last_checkpoint = 0.0
+        self._total_prompts = 0
+        self._per_prompt = False                  # statistics per prompt over its samples (see _run_locked)
+        self._sessions_asked = 0                  # --num_workers, before it is cut to the samples to run
+        # --estimate: the units of the samples it runs, their prompts' lengths until they finish, and what they used
+        self._estimate_units: set[int] | None = None
+        self._estimate_chars: dict[int, int] = {}
+        self._estimate_runs: list[estimate.SampledRun] = []
+        self._pending_samples = 0                 # of this invocation's plan
+        self._report: ReportFollower | None = None     # the report's helper, while prompts run
+        self._held_back: list[Finished] = []      # rows a full disk refused, tried once more at the stop
+        self._row_bytes = self._rows_written = 0  # this invocation's, to tell a full disk what is needed
+        # Tasks handed out whose rows are not written yet, by unit (messages.Task), in the order handed
+        # out, which is the order of their units: the first is the lowest (see _publish_progress).
+        self._open_units: OrderedDict[int, None] = OrderedDict()
+        self._highest_unit = -1                   # of the tasks handed out
+
+    # -- the run --------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        raise_open_file_limit()
+        try:
+            self.run_dir.acquire()
+        except RunDirectoryError as exc:
+            self.console.error(str(exc))
+            return EXIT_ERROR
+        try:
+            return self._run_locked()
+        except DiskFull as exc:     # a checkpoint, the merge or the statistics found no room
+            if self._report is not None:
+                self._report.cancel()
+            self.console.error(self._disk_full_message(exc))
+            return EXIT_ERROR
+        except RunDirectoryError as exc:    # a batch file line the resume scan or the merge cannot read
+            self.console.error(str(exc))
+            return EXIT_ERROR
+        finally:
+            self.spent.close()
+            self.run_dir.release()
+
+    def _run_locked(self) -> int:
+        config = self.config
+        existing = self.run_dir.existing_results()
+        if existing and not config.output.resume:
+            self.console.error(f"{self.run_dir.path}/ already holds results ({', '.join(existing[:5])}"
+                        f"{', ...' if len(existing) > 5 else ''}). Pass --resume to continue that run, "
+                        "or choose a new --run_name to start fresh.")
+            return EXIT_ERROR
+        scan = self.run_dir.scan() if config.output.resume else ScanResult()
+        if config.output.resume:
+            self._continue_checkpoint()
+            # From the rows themselves: the checkpoint misses those written after it, before a kill.
+            self.batch_stats = Counter(scan.rows_by_status)
+            self._earlier_rows_usage = scan.usage
+        self.spent.start()
+        # Several samples per prompt, now or in an earlier invocation: the statistics count per prompt.
+        self._per_prompt = config.samples_per_prompt > 1 or scan.most_samples > 1
+        live_corrupted = sum(scan.live_corrupted(self.superseded_corrupted).values())
+        done_counts = scan.done(rerun_corrupted=config.output.rerun_corrupted, superseded=self.superseded_corrupted)
+        if config.output.rerun_corrupted:    # every corrupted row so far is replaced by the attempt about to run
+            self.superseded_corrupted = Counter(scan.corrupted_by_key)
+        try:
+            plan = plan_dataset(config.dataset_file, max_samples=config.max_samples, done_counts=done_counts,
+                                warn=self.console.warn, samples_per_prompt=config.samples_per_prompt)
+        except DatasetError as exc:
+            self.console.error(str(exc))
+            return EXIT_ERROR
+        self.done_samples = plan.already_done
+        self._total_prompts = plan.total
+        self._total_samples = plan.units
+        self._pending_samples = plan.pending
+        self._sessions_asked = config.pool.num_workers
+        if config.estimate is not None:     # only a sample of what is pending runs
+            chosen = estimate.chosen_units(plan.pending_units(), config.estimate, random.Random(config.seed))
+            self._estimate_units, self._pending_samples = chosen, len(chosen)
+        if self._pending_samples:     # never more sessions (nor worker processes) than prompts to run
+            pool = dataclasses.replace(config.pool, num_workers=min(config.pool.num_workers, self._pending_samples))
+            self.config = config = dataclasses.replace(config, pool=pool)
+        self._print_startup(plan, scan, live_corrupted)
+        if config.output.rerun_corrupted:     # the report follows the batch files from the start: it must know now
+            self._write_checkpoint()
+        if plan.pending == 0:
+            self.console.print("All prompts have already been processed!", style="bold green")
+            self._write_checkpoint()
+            self._finish(plan)
+            return EXIT_OK
+        return self._execute(plan)
+
+    def _execute(self, plan: DatasetPlan) -> int:
+        env_settings = self._environment_settings()
+        available = frozenset(registry.TOOL_NAMES) - set(registry.unavailable_tools())
+        self._report = ReportFollower(self.run_dir.path)
+        try:
+            pool = self._start_pool(env_settings, available)
+        except PoolStartError as exc:
+            self._report.cancel()
+            self.console.error(str(exc))
+            return EXIT_ERROR
+        except KeyboardInterrupt:
+            self._report.cancel()
+            return EXIT_INTERRUPTED
+        self.console.start_progress(plan.units, plan.already_done, self.this_run,
+                                    samples=plan.samples_per_prompt > 1)
+        exit_code, fatal, disk_full = EXIT_OK, None, None
+        try:
+            fatal = self._feed(pool, self._planned_tasks(plan))
+            if fatal is None:       # every row is written: the report's plots are drawn while the run ends
+                self._report.rows_written(self.config.distribution)
+        except KeyboardInterrupt:
+            exit_code = EXIT_INTERRUPTED
+        except DiskFull as exc:
+            disk_full = exc
+        finally:
+            self.console.stop_progress()
+            disk_full = self._stop(pool, env_settings) or disk_full
+        if disk_full is not None:
+            self._report.cancel()
+            self.console.error(self._disk_full_message(disk_full))
+            return EXIT_ERROR
+        if fatal is not None:
+            self._report.cancel()
+            self.console.error(f"{fatal.message}\nThe run stopped; finished prompts are saved. Fix the problem and "
+                        "continue with --resume.")
+            return EXIT_ERROR
+        if exit_code == EXIT_INTERRUPTED:
+            self.console.print("Interrupted. Finished prompts are saved; run the same command with --resume "
+                               "to continue.", style="yellow")
+        self._finish(plan, interrupted=exit_code == EXIT_INTERRUPTED)
+        if self._estimate_units is not None and exit_code != EXIT_INTERRUPTED and self._estimate_runs:
+            self._report_estimate(plan)
+        if (cap := self._budget_spent()) and self.this_run.processed < plan.pending:
+            self.console.print(f"Stopped admitting prompts: {cap}. {plan.pending - self.this_run.processed} "
+                               f"{self._units_word} were not started (the cap counts the whole run, earlier "
+                               "invocations included: --resume with a higher cap continues them).",
+                               style="yellow")
+        if self._every_row_discarded():
+            self.console.print(f"Every row of this run was discarded: no assistant turn had reasoning. "
+                               f"--discard_no_reasoning=False keeps such rows (the batch files hold them: "
+                               f"{program()} --export=sharegpt --run_name={self.config.output.run_name} "
+                               f"--discard_no_reasoning=False exports them).", style="yellow")
+        if exit_code == EXIT_INTERRUPTED:
+            return exit_code
+        if failed := self.this_run.statuses[rows.FAILED]:
+            self.console.print(f"{failed} prompt{'s' if failed != 1 else ''} failed (see failures by cause "
+                               "above); run the same command with --resume to retry them.", style="yellow")
+            return EXIT_SOME_FAILED
+        return exit_code
+
+    def _every_row_discarded(self) -> bool:
+        """This invocation wrote rows, and the no-reasoning filter discarded every one it did not fail."""
+        statuses = self.this_run.statuses
+        return statuses[rows.DISCARDED] > 0 and statuses[rows.COMPLETED] + statuses[rows.PARTIAL] == 0
+
+    def _start_pool(self, env_settings: EnvironmentSettings, available: frozenset[str]) -> WorkerPool:
+        pool: WorkerPool
+        if self.config.pool.backend == "ray":
+            from batchrun.ray.pool import RayWorkerPool  # Ray is imported only when a run asks for it
+
+            pool = RayWorkerPool(self.config, env_settings, available)
+        else:
+            pool = ProcessPool(self.config, env_settings, available)
+        if where := pool.describe():
+            self.console.print(where)
+        return pool
+
+    def _feed(self, pool: WorkerPool, tasks: Iterator[Task]) -> Fatal | None:
+        """The scheduling loop: one task per free slot, every finished row persisted at once."""
+        exhausted = False
+        left = self._pending_samples
+        while True:
+            while not exhausted and pool.free_slots:
+                task = None if self._budget_spent() else next(tasks, None)
+                if task is None:
+                    exhausted = True
+                else:
+                    pool.submit(task)
+                    self._open_units[task.unit] = None
+                    self._highest_unit = task.unit
+                    left -= 1
+                    if left == self.config.pool.num_workers - 1:
+                        pool.last_round()
+            if pool.in_flight == 0:
+                return None
+            messages = pool.receive(timeout=1.0)
+            self.this_run.concurrency = pool.concurrency
+            # Every row that arrived is kept, also those that came with a run-wide failure.
+            self._persist([message for message in messages if isinstance(message, Finished)],
+                          [message for message in messages if isinstance(message, Spent)])
+            if fatal := next((message for message in messages if isinstance(message, Fatal)), None):
+                return fatal
+            self._maybe_checkpoint()
+            self._publish_progress()
+
+    @property
+    def _units_word(self) -> str:
+        """What the run counts: prompts, or their samples when each runs several times."""
+        return "samples" if self.config.samples_per_prompt > 1 else "prompts"
+
+    def _publish_progress(self) -> None:
+        """Tell the report's helper which batch files can still grow: none below the lowest batch
+        of a task not yet written (tasks are handed out in the order of their units), none above the
+        highest handed out."""
+        if self._report is not None:
+            first_open = next(iter(self._open_units), self._highest_unit + 1)
+            batch_size = self.config.output.batch_size
+            self._report.progress(first_open // batch_size, self._highest_unit // batch_size)
+
+    def _persist(self, finished: list[Finished], spent: list[Spent]) -> None:
+        """Append rows to their batch files and make them durable before they count as done: one
+        write and one fdatasync per batch file, one sync of the directory for the files created (a
+        group commit). The replies' usage and the rows about to be appended go to the spent ledger
+        first (see SpentLedger). When the disk is full, the rows not written are held back for one more
+        try at the stop (see _stop), and DiskFull goes up."""
+        for event in spent:
+            self.this_run.cost_sources[event.cost_source] += 1
+        by_batch: dict[int, list[Finished]] = {}
+        for message in finished:
+            by_batch.setdefault(message.batch_num, []).append(message)
+        groups = list(by_batch.values())
+        places = [self.run_dir.row_places(messages[0].batch_num, messages) for messages in groups]
+        written = 0
+        try:
+            self.spent.record(spent, [place for group in places for place in group])
+            for messages in groups:
+                data = b"".join(message.row for message in messages)
+                self.run_dir.append(messages[0].batch_num, data)
+                self._row_bytes += len(data)
+                written += 1
+        except DiskFull:
+            self._held_back = [message for messages in groups[written:] for message in messages]
+            raise
+        finally:
+            self.run_dir.sync_names()
+            kept = [message for messages in groups[:written] for message in messages]
+            self._rows_written += len(kept)
+            for message in kept:
+                self._record(message)
+            self.spent.landed([place for group in places[:written] for place in group])
+
+    def _stop(self, pool: WorkerPool, env_settings: EnvironmentSettings) -> DiskFull | None:
+        """End the workers (their sessions stop, their environments close) and keep the rows that
+        finished meanwhile, with those a full disk held back: the sandboxes that are gone by then may
+        have made room. The environments' leftovers are removed whatever happens."""
+        held_back, self._held_back = self._held_back, []
+        try:
+            stopped = pool.stop()
+            self.this_run.concurrency = pool.concurrency
+            self._persist([*held_back, *(message for message in stopped if isinstance(message, Finished))],
+                          [message for message in stopped if isinstance(message, Spent)])
+            self._write_checkpoint()
+        except DiskFull as exc:
+            return exc
+        finally:
+            environment_class(self.config.environment.kind).remove_leftovers(env_settings)
+        return None
+
+    def _disk_full_message(self, exc: DiskFull) -> str:
+        """What is full, what it needs, what was kept and what to do, as one message."""
+        lines = [f"{exc}.", "The run stopped; every row written before is kept."]
+        if lost := len(self._held_back):
+            lines.append(f"{lost} finished prompt{'s' if lost != 1 else ''} could not be written; --resume runs "
+                         f"{'them' if lost != 1 else 'it'} again.")
+        left = self._pending_samples - self.this_run.processed
+        rows_known = self._rows_written + lost
+        if left > 0 and rows_known:
+            per_row = (self._row_bytes + sum(len(message.row) for message in self._held_back)) // rows_known
+            lines.append(f"Finishing the run needs roughly {size_text(2 * left * per_row)} more: {left:,} "
+                         f"{self._units_word} left at about {size_text(per_row)} a row, each written to its batch "
+                         "file and again to trajectories.jsonl.")
+        lines.append("Make room there, then run the same command with --resume.")
+        return " ".join(lines)
+
+    def _run_spend(self) -> UsageTotals:
+        """What the whole run has spent, every invocation: rows, and sessions cut off or still running."""
+        usage = self._earlier_rows_usage.copy()
+        add_usage(usage, self.this_run.usage)
+        add_usage(usage, self.spent.unfinished())
+        return usage
+
+    def _budget_spent(self) -> str | None:
+        """Why no further prompt may start (--max_cost / --max_total_tokens reached by the whole run), if so."""
+        usage, config = self._run_spend(), self.config
+        if config.max_cost is not None and usage["cost"] >= config.max_cost:
+            return f"spending cap reached: ${usage['cost']:.4f} of --max_cost=${config.max_cost:g}"
+        tokens = usage["prompt_tokens"] + usage["completion_tokens"]
+        if config.max_total_tokens is not None and tokens >= config.max_total_tokens:
+            return f"token cap reached: {tokens:,} of --max_total_tokens={config.max_total_tokens:,}"
+        return None
+
+    def _record(self, finished: Finished) -> None:
+        self._open_units.pop(finished.unit, None)
+        self.this_run.record(finished.status, finished.usage, finished.api_calls, finished.error_type)
+        self.batch_stats[finished.status] += 1
+        if finished.status != rows.FAILED:
+            self.done_samples += 1
+        if self._estimate_units is not None:
+            self._estimate_runs.append(estimate.SampledRun(
+                prompt_chars=self._estimate_chars.pop(finished.unit, 0),
+                tokens=finished.usage["prompt_tokens"] + finished.usage["completion_tokens"],
+                cost=finished.usage["cost"], model_calls=finished.api_calls,
+                tool_calls=sum(count for _name, count, _failed in finished.tool_calls), wall_time=finished.wall_time))
+        if self.this_run.processed % self.config.output.batch_size == 0:
+            self._checkpoint_due = True
+        self.console.prompt_finished(finished)
+
+    def _planned_tasks(self, plan: DatasetPlan) -> Iterator[Task]:
+        """Dataset records -> tasks with their sampled toolsets (reproducible per prompt with --seed)."""
+        for record in iter_pending(plan, only=self._estimate_units):
+            unit = plan.unit(record.prompt_index, record.sample_index)
+            if self._estimate_units is not None:
+                self._estimate_chars[unit] = len(record.prompt)
+            # A prompt's first sample draws as a run of one sample per prompt does, so --seed gives it the
+            # same toolsets whatever --samples_per_prompt is.
+            draw = f"{record.key}:{record.occurrence}" + (f":{record.sample_index}" if record.sample_index else "")
+            rng = distributions.rng_for_prompt(self.config.seed, draw)
+            yield Task(prompt_index=record.prompt_index, prompt=record.prompt, image=record.image, cwd=record.cwd,
+                       content_key=record.key,
+                       toolsets=tuple(distributions.sample_toolsets(self.config.distribution, rng)),
+                       sample_index=record.sample_index, unit=unit)
+
+    def _environment_settings(self) -> EnvironmentSettings:
+        environment = self.config.environment
+        identity = run_identity(self.config.output.run_dir)
+        settings = EnvironmentSettings(work_root=Path(tempfile.gettempdir()) / "batch_runner" / identity,
+                                       run_label=identity, command_timeout=environment.command_timeout,
+                                       keep_workdirs=environment.keep_workdirs, default_image=environment.default_image,
+                                       allow_network=environment.allow_network, limits=environment.limits,
+                                       spare_sandboxes=SPARE_SANDBOXES)
+        environment_class(environment.kind).remove_leftovers(settings)
+        return settings
+
+    # -- persistence and reporting --------------------------------------------------------------
+
+    def _maybe_checkpoint(self) -> None:
+        if self._checkpoint_due and time.monotonic() - self._last_checkpoint >= CHECKPOINT_MIN_INTERVAL:
+            self._write_checkpoint()
+
+    def _write_checkpoint(self) -> None:
+        config = self.config
+        self.run_dir.write_checkpoint(Checkpoint(
+            run_name=config.output.run_name, dataset_file=str(config.dataset_file), distribution=config.distribution,
+            model=config.endpoint.model, batch_size=config.output.batch_size, total_prompts=self._total_prompts,
+            completed_samples=self.done_samples, batch_stats=self.batch_stats,
+            samples_per_prompt=config.samples_per_prompt, total_samples=self._total_samples,
+            superseded_corrupted=self.superseded_corrupted))
+        self._checkpoint_due = False
+        self._last_checkpoint = time.monotonic()
+
+    def _continue_checkpoint(self) -> None:
+        """On resume: keep the corrupted rows superseded so far; warn about changed arguments."""
+        previous = self.run_dir.read_checkpoint() or {}
+        self.superseded_corrupted = superseded_corrupted(previous)
+        config = self.config
+        for key, value in (("model", config.endpoint.model), ("distribution", config.distribution),
+                           ("dataset_file", config.dataset_file)):
+            before, now = previous.get(key), str(value)
+            if before is not None and str(before) != now:
+                self.console.warn(f"resuming with --{key}={now}, but this run started with {before}")
+
+    def _finish(self, plan: DatasetPlan, *, interrupted: bool = False) -> None:
+        found: set[tuple[str, int, str]] = set()      # corrupted rows this merge read for the first time
+
+        def on_corrupted(batch_file: str, prompt_index: int, invented: list[str], key: str) -> None:
+            found.add((batch_file, prompt_index, key))
+
+        merge = self.run_dir.merge(on_corrupted, per_prompt=self._per_prompt)
+        # Only the live ones: a row a --rerun_corrupted resume replaced is an earlier attempt.
+        new = [(name, index, invented) for name, index, invented, key in merge.live_corrupted(self.superseded_corrupted)
+               if (name, index, key) in found]
+        for name, index, invented in new[:MAX_CORRUPTED_LINES_SHOWN]:
+            self.console.print(f"⚠️  left out of trajectories.jsonl: {name} prompt {index} calls invented "
+                               f"tool(s) {', '.join(invented)}")
+        if len(new) > MAX_CORRUPTED_LINES_SHOWN:
+            self.console.print(f"... and {len(new) - MAX_CORRUPTED_LINES_SHOWN} more corrupted rows")
+        statistics = build_statistics(run_name=self.config.output.run_name, distribution=self.config.distribution,
+                                      model=self.config.endpoint.model, batch_size=self.config.output.batch_size,
+                                      total_prompts=plan.total, skipped_dataset_lines=plan.skipped_lines,
+                                      duration=time.monotonic() - self.started, merge=merge, this_run=self.this_run,
+                                      superseded_corrupted=self.superseded_corrupted,
+                                      unfinished=self.spent.unfinished(),
+                                      samples_per_prompt=self.config.samples_per_prompt,
+                                      pricing=self.config.endpoint.pricing.as_dict())
+        self.run_dir.write_statistics(statistics)
+        self.console.summary(statistics, merge.batch_files, interrupted=interrupted)
+        self._write_report()
+
+    def _write_report(self) -> None:
+        """The HTML run report is a convenience: a failure to draw it must never fail the run."""
+        try:
+            path = self._report.finish() if self._report else report.write_report(self.run_dir.path)
+        except ReportFailed as exc:
+            self._report_not_written(str(exc))
+            return
+        except Exception as exc:
+            self._report_not_written(f"{type(exc).__name__}: {exc}")
+            return
+        self.console.print(f"Report: {path}")
+
+    def _report_not_written(self, reason: str) -> None:
+        self.console.warn(f"the run report was not written ({reason}); "
+                          f"{program()} --report --run_name={self.config.output.run_name} retries it")
+
+    def _report_estimate(self, plan: DatasetPlan) -> None:
+        """Project the rest of the run from the samples --estimate ran; print it and write estimate.json."""
+        runs = self._estimate_runs
+        sampled_chars = sum(run.prompt_chars for run in runs)
+        projection = estimate.estimate_report(
+            runs, remaining=plan.pending - len(runs), remaining_chars=max(plan.pending_chars - sampled_chars, 0),
+            sessions=self._sessions_asked, requests_per_minute=self.config.pool.requests_per_minute,
+            concurrency=self.this_run.concurrency, unpriced_replies=self.this_run.unpriced_replies,
+            rng=random.Random(self.config.seed))
+        self.run_dir.write_estimate(projection)
+        for line in estimate.report_lines(projection):
+            self.console.print(line)
+        self.console.print(f"Written to {self.run_dir.path}/estimate.json. The whole run: the same command with "
+                           "--resume and without --estimate (the samples above are not run again).",
+                           style="bold")
+
+    def _print_pricing(self) -> None:
+        """How replies will be priced, said once: by the endpoint, by a price, or not at all."""
+        config = self.config
+        pricing = config.endpoint.pricing
+        if reports_cost(config.endpoint.base_url):
+            self.console.print("cost: as the endpoint reports it with each reply")
+        elif pricing.source == "unknown":
+            # Said, not warned: many such endpoints do report a cost, which the first reply shows.
+            self.console.print(f"cost: as the endpoint reports it, else unknown: {pricing.description} "
+                               "(--price_per_mtok=INPUT,OUTPUT[,CACHED], USD per million tokens, gives one)")
+        else:
+            self.console.print(f"cost: as the endpoint reports it, else by {pricing.description}")
+
+    def _print_startup(self, plan: DatasetPlan, scan: ScanResult, live_corrupted: int) -> None:
+        config, out = self.config, self.console
+        processes = process_count(config.pool.num_workers)
+        out.print(f"batch_runner · run {config.output.run_name} · model {config.endpoint.model} · "
+                  f"endpoint {config.endpoint.base_url} "
+                  f"(request time-out {config.endpoint.request_timeout:g}s)")
+        out.print(f"distribution {config.distribution} · {config.pool.num_workers} concurrent sessions in "
+                  + ("Ray actors" if config.pool.backend == "ray" else
+                     f"{processes} worker process{'es' if processes > 1 else ''}"))
+        out.print(f"environment {config.environment.kind} ({config.environment.reason})"
+                  + (" · network allowed" if config.environment.allow_network else ""))
+        self._print_pricing()
+        backend = environment_class(config.environment.kind)
+        if plan.pending_with_image and not backend.runs_images:
+            out.warn(f"{plan.pending_with_image} prompt{'s name' if plan.pending_with_image > 1 else ' names'} "
+                     f"a container image, which TERMINAL_ENV={config.environment.kind} does not use: their "
+                     "commands run without it. TERMINAL_ENV=docker (or singularity) runs each in its image.")
+        if held := backend.limits_line(config.environment.limits):
+            out.print(f"limits per prompt: {held}")
+        for line in registry.unavailable_lines(registry.unavailable_tools()):
+            out.print(f"unavailable: {line}")
+        if routing := provider_routing_note(config.endpoint):
+            out.warn(routing)
+        if config.endpoint.reasoning_disabled and config.output.discard_no_reasoning:
+            out.warn("--reasoning_disabled: the no-reasoning filter will discard every sample. "
+                     "Add --discard_no_reasoning=False to keep them.")
+        samples = f" × {plan.samples_per_prompt} samples" if plan.samples_per_prompt > 1 else ""
+        if config.output.resume:
+            out.print(f"resume: {plan.total} prompts in the dataset{samples}, {plan.already_done} "
+                      f"{'samples ' if samples else ''}already done, {plan.pending} remaining"
+                      + (f" ({scan.rows_by_status[rows.FAILED]} earlier failure rows are retried)"
+                         if scan.rows_by_status[rows.FAILED] else ""))
+            if live_corrupted:
+                out.print(f"resume: {live_corrupted} corrupted rows (invented tool names) "
+                          + ("are run again (--rerun_corrupted)" if config.output.rerun_corrupted
+                             else "count as done; --rerun_corrupted runs them again"))
+        else:
+            out.print(f"{plan.total} prompts{samples} · batch size {config.output.batch_size} · "
+                      f"output {self.run_dir.path}/")

@@ -1,0 +1,212 @@
+"""The browser tools the model calls: navigate, snapshot, click, type, scroll, back, press, get_images.
+
+The model reads a page as Playwright's AI accessibility snapshot and passes its ``[ref=eN]`` references
+back to click and type. Each tool checks its arguments, acts on the session's tab, and returns what the
+model sees, cut to size; a page that stopped answering has its tab closed, so that the session's next
+call opens a fresh one instead of waiting on it again.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+from batchrun.tools import ToolContext, ToolError
+from batchrun.tools.address_policy import allowed_addresses
+from batchrun.tools.browser.caps import ALT_CHARS, MAX_IMAGES, TEXT_CHARS, URL_CHARS, cap_result, cut_text
+from batchrun.tools.browser.tab import (
+    Tab,
+    Unresponsive,
+    answer,
+    discard_tab,
+    open_tab,
+    page_view,
+    responds,
+    session_tab,
+)
+
+if TYPE_CHECKING:
+    from playwright.async_api import Locator
+
+_REF = re.compile(r"(?:f\d+)?e\d+")
+_SCHEME = re.compile(r"[a-z][a-z0-9+.-]*:(?!\d)", re.IGNORECASE)    # "localhost:8000" has none
+
+
+Tool = Callable[[dict, ToolContext], Awaitable[dict]]
+
+
+def _browser_tool(tool: Tool) -> Tool:
+    """A tool whose result is cut to size, and which closes the tab of a page that stopped answering
+    (the session's next call then opens a fresh one instead of waiting on it again)."""
+
+    @functools.wraps(tool)
+    async def run(args: dict, ctx: ToolContext) -> dict:
+        try:
+            result = await tool(args, ctx)
+        except Unresponsive as stuck:
+            await discard_tab(ctx)
+            raise ToolError(f"{stuck.what} failed: the page did not respond (a script that never yields?), so "
+                            f"its tab was closed; the next browser call opens a fresh tab, without the old "
+                            f"tab's cookies and history: call browser_navigate to go on") from None
+        return cap_result(result)
+
+    return run
+
+
+# --- the tools ----------------------------------------------------------------------------------
+
+@_browser_tool
+async def navigate(args: dict, ctx: ToolContext) -> dict:
+    """Open an http(s) URL (one without a scheme gets https://) and return the page's snapshot."""
+    url = _string(args, "url").strip()
+    if not _SCHEME.match(url):
+        url = "https://" + url
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise ToolError(f"only http and https URLs can be opened, not {cut_text(parts.scheme, TEXT_CHARS)}:")
+    try:
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        raise ToolError(f"invalid port in {cut_text(url, URL_CHARS)!r}") from None
+    if not host:
+        raise ToolError(f"no host in {cut_text(url, URL_CHARS)!r}")
+    await allowed_addresses(host, port)      # refuse before the browser is even started
+    tab = await session_tab(ctx)
+    note = {}
+    if tab.page.url != "about:blank" and not await responds(tab.page):
+        await discard_tab(ctx)             # leaving it would wait on it: its renderer must unload it
+        tab = await session_tab(ctx)
+        note["note"] = ("the previous page did not respond, so its tab was closed and this page opened in a "
+                        "fresh tab, without the old tab's cookies and history")
+    async with tab.acting(f"opening {cut_text(url, URL_CHARS)}"):
+        response = await tab.page.goto(url, wait_until="domcontentloaded")
+        view = await page_view(tab)
+    return {"status": response.status if response else None, **view, **note}
+
+
+@_browser_tool
+async def snapshot(args: dict, ctx: ToolContext) -> dict:
+    """The current page again (after it changed by itself, or to refresh the refs)."""
+    tab = await open_tab(ctx)
+    async with tab.acting("snapshot"):
+        return await page_view(tab)
+
+
+@_browser_tool
+async def click(args: dict, ctx: ToolContext) -> dict:
+    """Click an element by ref; a navigation it starts is waited for before the snapshot."""
+    tab = await open_tab(ctx)
+    element, ref = _element(tab, args)
+    async with tab.acting(f"click on {ref}"):
+        await _require(element, ref)
+        await element.click()
+        return {"result": f"clicked {ref}", **await page_view(tab)}
+
+
+@_browser_tool
+async def type_text(args: dict, ctx: ToolContext) -> dict:
+    """Replace the content of an input or editable element with ``text``."""
+    tab = await open_tab(ctx)
+    element, ref = _element(tab, args)
+    text = _string(args, "text", allow_empty=True)
+    async with tab.acting(f"typing into {ref}"):
+        await _require(element, ref)
+        await element.fill(text)
+        return {"result": f"typed into {ref}", **await page_view(tab)}
+
+
+@_browser_tool
+async def scroll(args: dict, ctx: ToolContext) -> dict:
+    """Scroll the window by most of a screen, so lazily loaded content appears."""
+    direction = args.get("direction")
+    if direction not in ("up", "down"):
+        raise ToolError(f"'direction' must be 'up' or 'down', not {cut_text(repr(direction), TEXT_CHARS)}")
+    tab = await open_tab(ctx)
+    async with tab.acting(f"scrolling {direction}"):
+        position = await answer(tab.page.evaluate(
+            "down => { scrollBy(0, (down ? 0.8 : -0.8) * innerHeight);"
+            " return [Math.round(scrollY), document.documentElement.scrollHeight]; }", direction == "down"))
+        return {"result": f"scrolled {direction} to {position[0]} of {position[1]} px", **await page_view(tab)}
+
+
+@_browser_tool
+async def back(args: dict, ctx: ToolContext) -> dict:
+    """Go back one page in this session's history."""
+    tab = await open_tab(ctx)
+    async with tab.acting("going back"):
+        cdp = await answer(tab.context.new_cdp_session(tab.page))
+        history = await answer(cdp.send("Page.getNavigationHistory"))
+        await answer(cdp.detach())
+        index = history["currentIndex"]
+        if index == 0 or history["entries"][index - 1]["url"] == "about:blank":
+            raise ToolError("there is no previous page to go back to")
+        await tab.page.go_back(wait_until="domcontentloaded")
+        return {"result": "went back", **await page_view(tab)}
+
+
+@_browser_tool
+async def press(args: dict, ctx: ToolContext) -> dict:
+    """Press a key in the focused element (the one last typed into), or the page when none is."""
+    key = _string(args, "key").strip()
+    tab = await open_tab(ctx)
+    focused = tab.page.locator("*:focus")
+    async with tab.acting(f"pressing {cut_text(key, TEXT_CHARS)}"):
+        if await answer(focused.count()):
+            await focused.first.press(key)      # unlike keyboard.press, waits for a navigation it starts
+        else:
+            await answer(tab.page.keyboard.press(key))
+        return {"result": f"pressed {key}", **await page_view(tab)}
+
+
+# The page's http(s) images, each URL once, at most MAX_IMAGES of them with their texts one character
+# over the limit (so the cut is seen and noted): a page's own sizes never cross the driver's pipe.
+_IMAGES_SCRIPT = """([most, urlChars, altChars]) => {
+  const seen = new Set(), images = [];
+  for (const img of document.images) {
+    const src = img.currentSrc || img.src;
+    if (!(src.startsWith('http://') || src.startsWith('https://')) || seen.has(src)) continue;
+    seen.add(src);
+    if (images.length < most)
+      images.push({src: src.slice(0, urlChars + 1), alt: (img.alt || '').slice(0, altChars + 1)});
+  }
+  return {images, count: seen.size};
+}"""
+
+
+@_browser_tool
+async def get_images(args: dict, ctx: ToolContext) -> dict:
+    """The page's images as absolute http(s) URLs with their alt text (data: URLs left out)."""
+    tab = await open_tab(ctx)
+    async with tab.acting("listing images"):
+        found = await answer(tab.page.evaluate(_IMAGES_SCRIPT, [MAX_IMAGES, URL_CHARS, ALT_CHARS]))
+    return {"url": tab.page.url, "images": found["images"][:MAX_IMAGES], "count": found["count"]}
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+def _string(args: dict, name: str, *, allow_empty: bool = False) -> str:
+    value = args.get(name)
+    if not isinstance(value, str):
+        raise ToolError(f"missing string argument '{name}'")
+    if not value.strip() and not allow_empty:
+        raise ToolError(f"'{name}' must not be empty")
+    return value
+
+
+async def _require(element: Locator, ref: str) -> None:
+    """Fail at once on a ref the page does not have, instead of waiting out the action's time limit."""
+    if not await answer(element.count()):
+        raise ToolError(f"no element with ref {ref} on the current page; refs change when the page does, so "
+                        f"take a new browser_snapshot and use a ref from it")
+
+
+def _element(tab: Tab, args: dict) -> tuple[Locator, str]:
+    """The element the model's ``ref`` names ('e12', also as 'ref=e12' or '[ref=e12]')."""
+    ref = _string(args, "ref").strip().removeprefix("[").removesuffix("]").removeprefix("ref=")
+    if not _REF.fullmatch(ref):
+        raise ToolError(f"'ref' must be an element reference such as 'e12' from the latest snapshot, "
+                        f"not {cut_text(ref, TEXT_CHARS)!r}")
+    return tab.page.locator(f"aria-ref={ref}"), ref

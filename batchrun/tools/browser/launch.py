@@ -1,0 +1,244 @@
+"""This process's Chromium: launched on first use, in its network namespace and sandbox where bwrap can
+make them (else sharing the host's network, behind the WebRTC flags alone), relaunched if it died,
+closed at the worker's end.
+
+Chromium is heavy (about 0.4 GB and 1.5 s to start), so a worker process launches one browser and
+shares it among all its sessions; each session's tab (batchrun.tools.browser.tab) is a browser context
+of it. Playwright is imported only here and in the tab, on first use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict
+
+from batchrun.time_limit import within
+from batchrun.tools import ToolError
+from batchrun.tools.browser.availability import INSTALL_HINT, chromium_executable
+from batchrun.tools.browser.caps import first_line
+from batchrun.tools.browser.gate import GATE_PORT, Gates, LoopbackGates, NamespaceGates
+from batchrun.tools.browser.isolation import (
+    PROFILE,
+    chromium_installation,
+    namespace_argv,
+    sandbox_argv,
+    sandbox_user,
+)
+
+if TYPE_CHECKING:
+    from playwright.async_api import Browser, BrowserType, Playwright
+
+LAUNCH_TIMEOUT_S = 30.0
+# Playwright adds --headless itself; the rest keeps Chromium from phoning home, from speaking QUIC, and
+# WebRTC from sending UDP that no proxy carries (each would bypass the gate where Chromium shares the
+# host's network).
+CHROMIUM_ARGS = ("--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--webrtc-ip-handling-policy=disable_non_proxied_udp", "--force-webrtc-ip-handling-policy")
+# Chromium's singleton socket goes to $TMPDIR/org.chromium.Chromium.XXXXXX/SingletonSocket (45 more
+# characters), and a Unix socket path holds at most 107: Chromium aborts at start under a deeper TMPDIR.
+TMPDIR_CHARS = 60
+#: The program of the namespace's first process, as python -c runs it.
+_ENTER_NAMESPACE = resources.files(__package__).joinpath("enter_namespace.py").read_text(encoding="utf-8")
+_namespace_probes: dict[str, bool] = {}
+
+
+async def isolating_bwrap() -> str | None:
+    """The first bwrap (the system's, then the bundled one: the sandbox's own choice) that can make
+    Chromium's network namespace and its sandbox here (installed is not enough: a container may forbid
+    namespaces); each is tried once per process."""
+    from batchrun.environments.bubblewrap.program import bwrap_candidates
+
+    for candidate in bwrap_candidates():
+        bwrap = candidate.path
+        if bwrap not in _namespace_probes:
+            uid = sandbox_user()
+            _namespace_probes[bwrap] = await _runs(
+                *namespace_argv(bwrap), sys.executable, "-I", "-S", "-c",
+                "import os, sys; os.execv(sys.argv[1], sys.argv[1:])", *sandbox_argv(bwrap, uid, None), "true")
+        if _namespace_probes[bwrap]:
+            return bwrap
+    return None
+
+
+async def _runs(*argv: str) -> bool:
+    """Whether the command starts and exits with status 0 within LAUNCH_TIMEOUT_S."""
+    try:
+        process = await asyncio.create_subprocess_exec(*argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                                       stderr=subprocess.DEVNULL)
+    except OSError:
+        return False
+    try:
+        return await within(LAUNCH_TIMEOUT_S, process.wait()) == 0
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+        return False
+
+
+class _LaunchOptions(TypedDict):
+    """What both launches (direct and through bwrap) pass to ``BrowserType.launch``."""
+
+    args: list[str]
+    env: dict[str, str | float | bool] | None     # Playwright's own type: it takes numbers too
+    timeout: float
+
+
+class _BrowserHost:
+    """This process's Chromium, launched on first use and relaunched if it died; bound to one event
+    loop, because Playwright's connection is."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._lock = asyncio.Lock()
+        self._playwright: Playwright | None = None
+        self._browser: Browser | None = None
+        self._gates: Gates | None = None
+        self._directory: str | None = None
+
+    async def browser(self) -> tuple[Browser, Gates]:
+        async with self._lock:
+            if self._browser is None or self._gates is None or not self._browser.is_connected():
+                await self._stop()
+                await self._launch()
+            assert self._browser is not None and self._gates is not None
+            return self._browser, self._gates
+
+    async def _launch(self) -> None:
+        from playwright.async_api import Error, async_playwright
+
+        executable = chromium_executable()
+        if executable is None:
+            raise ToolError(f"no Chromium found: {INSTALL_HINT}")
+        environment: dict[str, str | float | bool] | None = None
+        temporary = tempfile.gettempdir()
+        if len(temporary) > TMPDIR_CHARS:
+            environment, temporary = {**os.environ, "TMPDIR": "/tmp"}, "/tmp"
+        options: _LaunchOptions = {"args": list(CHROMIUM_ARGS), "env": environment,
+                                   "timeout": LAUNCH_TIMEOUT_S * 1000}
+        try:
+            self._playwright = await async_playwright().start()
+            bwrap = await isolating_bwrap()
+            if bwrap is None:
+                self._browser = await self._playwright.chromium.launch(executable_path=executable, **options)
+                self._gates = LoopbackGates()
+                return
+            self._directory = tempfile.mkdtemp(prefix="batchrun-browser-", dir=temporary)
+            self._browser, listener = await _launch_isolated(self._playwright.chromium, bwrap, executable,
+                                                             Path(self._directory), options)
+            gates = NamespaceGates(listener)
+            self._gates = gates
+            await gates.start()
+        except Error as exc:
+            fatal = re.search(r":FATAL:[^\]]*\] (.*)", str(exc))     # Chromium's own last words, if any
+            raise ToolError(f"could not start Chromium ({executable}): "
+                            f"{fatal.group(1) if fatal else first_line(exc)}") from None
+
+    async def close(self) -> None:
+        async with self._lock:
+            await self._stop()
+
+    async def _stop(self) -> None:
+        """Close whatever is left of the browser and its driver (a crashed one fails to close)."""
+        if self._browser is not None:
+            with contextlib.suppress(Exception):
+                await self._browser.close()
+        if self._playwright is not None:
+            with contextlib.suppress(Exception):
+                await self._playwright.stop()
+        if self._gates is not None:
+            self._gates.close()
+        if self._directory is not None:
+            shutil.rmtree(self._directory, ignore_errors=True)
+        self._browser = self._playwright = self._gates = self._directory = None
+
+
+async def _launch_isolated(chromium: BrowserType, bwrap: str, executable: str, directory: Path,
+                           options: _LaunchOptions) -> tuple[Browser, socket.socket]:
+    """Launch Chromium in its sandbox, in a network namespace of its own; returns it and the socket
+    listening for its gates in that namespace.
+
+    Playwright starts a single executable, so a script in ``directory`` wraps Chromium in bwrap.
+    """
+    handover_path = directory / "handover"
+    wrapper = directory / "chromium"
+    program = os.path.realpath(executable)
+    sandbox = sandbox_argv(bwrap, sandbox_user(), chromium_installation(program))
+    wrapper.write_text("#!/bin/sh\nexec " + shlex.join([*namespace_argv(bwrap), sys.executable, "-I", "-S", "-c",
+                                                        _ENTER_NAMESPACE, str(handover_path), str(GATE_PORT),
+                                                        PROFILE, *sandbox, program])
+                       + ' "$@"\n')
+    wrapper.chmod(0o700)
+    with socket.socket(socket.AF_UNIX) as handover:
+        handover.bind(str(handover_path))
+        handover.listen(1)
+        handover.setblocking(False)
+        receiving = asyncio.ensure_future(_receive_socket(handover))
+        try:
+            browser = await chromium.launch(executable_path=str(wrapper), **options)
+        except BaseException:
+            if receiving.done() and not receiving.cancelled() and receiving.exception() is None:
+                receiving.result().close()
+            receiving.cancel()
+            raise
+        try:
+            return browser, await within(LAUNCH_TIMEOUT_S, receiving)
+        except BaseException:
+            await browser.close()
+            raise
+
+
+async def _receive_socket(handover: socket.socket) -> socket.socket:
+    """The socket that the namespace's first process sends over its connection to ``handover``."""
+    loop = asyncio.get_running_loop()
+    connection, _ = await loop.sock_accept(handover)
+    with connection:
+        arrived = loop.create_future()
+
+        def readable() -> None:
+            if not arrived.done():
+                arrived.set_result(None)
+
+        loop.add_reader(connection, readable)
+        try:
+            await arrived
+        finally:
+            loop.remove_reader(connection)
+        _, descriptors, _, _ = socket.recv_fds(connection, 16, 1)
+    if not descriptors:
+        raise ToolError("Chromium's network namespace handed over no socket for its gates")
+    return socket.socket(fileno=descriptors[0])
+
+
+_host: _BrowserHost | None = None
+
+
+def current_host() -> _BrowserHost:
+    global _host
+    if _host is None or _host.loop is not asyncio.get_running_loop():
+        _host = _BrowserHost()   # a browser of an earlier loop died with that loop's driver pipe
+    return _host
+
+
+async def close_browser() -> None:
+    """Close this process's browser, if it launched one: the worker's last step after its sessions.
+
+    Without it Chromium still dies with the worker (the Playwright driver closes its browsers when
+    its pipe to this process closes); this just makes the end orderly and immediate.
+    """
+    global _host
+    host, _host = _host, None
+    if host is not None and host.loop is asyncio.get_running_loop():
+        await host.close()
+

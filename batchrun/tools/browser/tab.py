@@ -1,0 +1,178 @@
+"""One session's tab: its own browser context (cookies, storage, cache) of the process's Chromium, with
+its own gate, the page the model is looking at, and the bounds on every call that waits on that page.
+
+The tab is opened on the session's first browser call and closed when the session ends. A page may
+stop answering altogether (a script that never yields), so every call that waits on it is bounded, and
+a page that stopped is reported as :class:`Unresponsive`, for its tab to be closed rather than left to
+block the session's later calls. Apart from the actions because this is the state they share; they say
+what to do with a page, this says how long the page gets and what its failures mean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+from batchrun.time_limit import within
+from batchrun.tools import ToolContext, ToolError
+from batchrun.tools.browser.caps import first_line
+from batchrun.tools.browser.gate import Gate, Gates
+from batchrun.tools.browser.launch import current_host
+
+if TYPE_CHECKING:
+    from playwright.async_api import Browser, BrowserContext, Page
+
+T = TypeVar("T")
+
+NAVIGATION_TIMEOUT_S = 15.0
+ACTION_TIMEOUT_S = 5.0        # also what the page gets to answer any other call, and to prove it is alive
+_STATE_KEY = "browser"
+
+
+class Unresponsive(Exception):
+    """The page stopped answering during ``what`` (a script that never yields blocks every later
+    call on it, the next navigation included)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
+
+
+@dataclass
+class Tab:
+    """A session's browser context, the page the model is looking at, and the context's gate."""
+
+    browser: Browser
+    context: BrowserContext
+    page: Page
+    gate: Gate
+    gates: Gates
+
+    def follow(self, page: Page) -> None:
+        """A link opened in a new window: the model carries on there, as a person would."""
+        self.page = page
+
+    async def close(self) -> None:
+        """Close the context, its pages and their renderers (a hung one included)."""
+        with contextlib.suppress(Exception):
+            await within(ACTION_TIMEOUT_S, self.context.close())
+        self.gates.remove(self.gate)
+        self.gate.close()
+
+    @contextlib.asynccontextmanager
+    async def acting(self, what: str) -> AsyncIterator[None]:
+        """Turn Playwright's errors during an action into a ToolError the model can act on, and a time-out
+        on a page that no longer answers into Unresponsive."""
+        from playwright.async_api import Error
+        from playwright.async_api import TimeoutError as PlaywrightTimeout
+
+        self.gate.failures.clear()
+        try:
+            yield
+        except (TimeoutError, PlaywrightTimeout) as exc:
+            if not await responds(self.page):
+                raise Unresponsive(what) from None
+            raise ToolError(f"{what} failed: "
+                            f"{first_line(exc) or f'no answer within {ACTION_TIMEOUT_S:g} s'}") from None
+        except Error as exc:
+            message = first_line(exc)
+            if "ERR_SOCKS_CONNECTION_FAILED" in message and self.gate.failures:
+                message = self.gate.failures[-1]
+            raise ToolError(f"{what} failed: {message}") from None
+
+
+async def responds(page: Page) -> bool:
+    """Whether the page's renderer still runs scripts."""
+    from playwright.async_api import Error
+
+    try:
+        await answer(page.evaluate("0"))
+    except TimeoutError:
+        return False
+    except Error:           # closed, or between two documents: not stuck
+        pass
+    return True
+
+
+async def session_tab(ctx: ToolContext) -> Tab:
+    """The session's tab, opened on its first browser call (and again after the browser crashed or
+    the tab was discarded)."""
+    tab: Tab | None = ctx.state.get(_STATE_KEY)
+    if tab is not None and tab.browser.is_connected():
+        if tab.page.is_closed():    # the window it followed was closed: back to the newest one left
+            tab.page = tab.context.pages[-1] if tab.context.pages else await tab.context.new_page()
+        return tab
+    if _STATE_KEY not in ctx.state:
+        ctx.cleanups.append(functools.partial(_close_tab, ctx))
+    elif tab is not None:
+        await tab.close()
+    ctx.state[_STATE_KEY] = None
+    browser, gates = await current_host().browser()
+    gate = Gate()
+    try:
+        context = await browser.new_context(proxy={"server": await gates.add(gate)}, service_workers="block",
+                                            accept_downloads=False)
+        context.set_default_timeout(ACTION_TIMEOUT_S * 1000)
+        context.set_default_navigation_timeout(NAVIGATION_TIMEOUT_S * 1000)
+        tab = Tab(browser=browser, context=context, page=await context.new_page(), gate=gate, gates=gates)
+    except BaseException:
+        gates.remove(gate)
+        gate.close()
+        raise
+    context.on("page", tab.follow)
+    ctx.state[_STATE_KEY] = tab
+    return tab
+
+
+async def open_tab(ctx: ToolContext) -> Tab:
+    """The session's tab for an action that needs a page already loaded."""
+    tab = await session_tab(ctx)
+    if tab.page.url == "about:blank":
+        raise ToolError("no page is open; call browser_navigate first")
+    return tab
+
+
+async def discard_tab(ctx: ToolContext) -> None:
+    """Close the session's tab; its next browser call opens a fresh one."""
+    tab: Tab | None = ctx.state.get(_STATE_KEY)
+    ctx.state[_STATE_KEY] = None
+    if tab is not None:
+        await tab.close()
+
+
+async def _close_tab(ctx: ToolContext) -> None:
+    tab: Tab | None = ctx.state.pop(_STATE_KEY, None)
+    if tab is not None:
+        await tab.close()
+
+
+async def answer(awaitable: Awaitable[T]) -> T:
+    """A call the page's renderer must answer (a script, the title, a key press): Playwright would wait
+    for ever on a page whose script never yields."""
+    return await within(ACTION_TIMEOUT_S, awaitable)
+
+
+async def page_view(tab: Tab) -> dict:
+    """What the model sees of the page: url, title and the AI snapshot (cut to size by the tool)."""
+    from playwright.async_api import Error
+
+    page = tab.page
+
+    async def read() -> tuple[str, str]:
+        with contextlib.suppress(Error):
+            await page.wait_for_load_state("domcontentloaded", timeout=NAVIGATION_TIMEOUT_S * 1000)
+        return await answer(_tree_and_title(page))
+
+    try:
+        tree, title = await read()
+    except Error:       # a navigation replaced the document mid-snapshot; a second failure is real
+        tree, title = await read()
+    return {"url": page.url, "title": title, "snapshot": tree}
+
+
+async def _tree_and_title(page: Page) -> tuple[str, str]:
+    return await page.aria_snapshot(mode="ai", timeout=0), await page.title()
+

@@ -1,0 +1,117 @@
+"""search_files: a regular expression over file contents (grep) or a glob over names (find), run through
+the environment's shell behind a guard that keeps the search inside the working directory."""
+
+from __future__ import annotations
+
+import posixpath
+import shlex
+from pathlib import PurePosixPath
+
+from batchrun.environments.base import CommandResult
+from batchrun.tools import ToolContext, ToolError
+from batchrun.tools.arguments import positive_int
+from batchrun.tools.files.arguments import optional_string, required_string
+
+DEFAULT_MAX_RESULTS = 50
+# One match of a minified file is a single huge line; the model needs where it is, not all of it.
+_MATCH_TEXT_CHARS = 500
+# Exit statuses of the guard in front of every search command (grep uses 0-2, find 0-1).
+_SEARCH_PATH_ESCAPES = 3
+_SEARCH_PATH_MISSING = 4
+
+
+async def search_files(args: dict, ctx: ToolContext) -> dict:
+    """A regex over file contents (grep) or a glob over file names (find), through the shell."""
+    pattern = required_string(args, "pattern")
+    target = optional_string(args, "target") or "content"
+    if target not in ("content", "files"):
+        raise ToolError(f"'target' must be 'content' or 'files', not {target!r}")
+    root = _search_root(optional_string(args, "path") or ".")
+    max_results = positive_int(args, "max_results", DEFAULT_MAX_RESULTS)
+    if target == "content":
+        return await _search_content(pattern, root, max_results, ctx)
+    return await _search_names(pattern, root, max_results, ctx)
+
+
+def _search_root(path: str) -> str:
+    """The search path as ``./relative``, so every result line starts with './' and errors don't."""
+    if path.startswith("/") or ".." in PurePosixPath(path).parts:
+        raise ToolError(f"'path' must be relative to the working directory and stay inside it, "
+                        f"not {path!r}")
+    normal = posixpath.normpath(path)
+    return "." if normal == "." else f"./{normal}"
+
+
+def _guarded(root: str, command: str) -> str:
+    """``command`` behind a check that ``root`` exists and its real path (symlinks followed) is inside
+    the working directory: grep -r follows a symlink given as the starting point."""
+    quoted = shlex.quote(root)
+    return (f"[ -e {quoted} ] || exit {_SEARCH_PATH_MISSING}; "
+            f"real=$(readlink -f -- {quoted}) || exit {_SEARCH_PATH_MISSING}; here=$(pwd -P); "
+            f'case "$real/" in "${{here%/}}"/*) ;; *) exit {_SEARCH_PATH_ESCAPES};; esac; '
+            f"{command}")
+
+
+async def _run_search(root: str, command: str, ctx: ToolContext) -> CommandResult:
+    result = await ctx.environment().run(_guarded(root, command))
+    if result.timed_out:
+        raise ToolError("the search timed out; narrow it with a more specific 'path' or pattern")
+    if result.exit_code == _SEARCH_PATH_MISSING:
+        raise ToolError(f"{root!r} does not exist")
+    if result.exit_code == _SEARCH_PATH_ESCAPES:
+        raise ToolError(f"{root!r} leads outside the working directory")
+    return result
+
+
+def _failure(tool: str, result: CommandResult) -> ToolError:
+    """The error lines of grep/find (results start with './', messages with 'grep:'/'find:')."""
+    messages = [line for line in result.output.splitlines() if line.startswith(f"{tool}:")]
+    detail = "\n".join(messages) or result.output.strip() or f"exit status {result.exit_code}"
+    return ToolError(f"{tool} failed: {detail[:_MATCH_TEXT_CHARS]}")
+
+
+def _grep_match(line: str) -> dict | None:
+    """``path NUL line:text`` (grep --null) as a match; None for anything else (messages, notes)."""
+    name, nul, rest = line.partition("\0")
+    number, colon, text = rest.partition(":")
+    if not nul or not colon or not number.isdigit() or not name.startswith("."):
+        return None
+    return {"path": posixpath.normpath(name), "line": int(number), "text": text[:_MATCH_TEXT_CHARS]}
+
+
+async def _search_content(pattern: str, root: str, max_results: int, ctx: ToolContext) -> dict:
+    command = (f"grep -rnIE --null --exclude-dir=.git -e {shlex.quote(pattern)} -- "
+               f"{shlex.quote(root)}")
+    result = await _run_search(root, command, ctx)
+    matches = [match for line in result.output.split("\n") if (match := _grep_match(line))]
+    # Exit 1 is "no match"; 2 is an error, fatal only if nothing was found (an unreadable file
+    # among many readable ones should not hide their matches).
+    if result.exit_code not in (0, 1) and not matches:
+        raise _failure("grep", result)
+    matches.sort(key=lambda match: (match["path"], match["line"]))
+    return {"matches": matches[:max_results],
+            "truncated": len(matches) > max_results or result.truncated}
+
+
+def _name_test(pattern: str) -> tuple[str, str]:
+    """find's test for a glob: -name for a bare name, -path when it names directories too.
+
+    A leading ``**/`` means "at any depth", which is what -name already does.
+    """
+    while pattern.startswith("**/"):
+        pattern = pattern[3:]
+    if "/" in pattern:
+        return "-path", f"*/{pattern.removeprefix('./')}"
+    return "-name", pattern
+
+
+async def _search_names(pattern: str, root: str, max_results: int, ctx: ToolContext) -> dict:
+    test, glob = _name_test(pattern)
+    command = (f"find {shlex.quote(root)} -mindepth 1 -name .git -prune -o "
+               f"{test} {shlex.quote(glob)} -print")
+    result = await _run_search(root, command, ctx)
+    files = sorted(posixpath.normpath(line) for line in result.output.split("\n")
+                   if line.startswith("./"))
+    if result.exit_code != 0 and not files:
+        raise _failure("find", result)
+    return {"files": files[:max_results], "truncated": len(files) > max_results or result.truncated}

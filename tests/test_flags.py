@@ -1,0 +1,112 @@
+"""The flag table (batchrun/flags.py) is the one declaration of the command line: main's signature, the
+--help page, the reference page and the run's config all follow it, and a flag the table declares is never
+dropped on its way to the config."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import inspect
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import REPO
+
+import batch_runner
+from batchrun import flags
+from batchrun.config import RunConfig, build_config
+from batchrun.flag_values import UsageError
+
+# A valid value other than the default for every flag a run reads. A new flag without one here fails
+# test_every_flag_a_run_reads_is_declared_with_a_value_to_try.
+OTHER_VALUES: dict[str, Any] = {
+    "dataset_file": "other.jsonl", "batch_size": 7, "run_name": "other", "distribution": "minimal",
+    "model": "other-model", "base_url": "http://127.0.0.1:9/v2", "api_key": "sk-other", "max_turns": 3,
+    "num_workers": 9, "resume": True, "verbose": True, "max_samples": 5, "max_tokens": 100,
+    "providers_allowed": "a", "providers_ignored": "b", "providers_order": "c", "provider_sort": "price",
+    "reasoning_effort": "low", "reasoning_disabled": True, "ephemeral_system_prompt": "be brief",
+    "log_prefix_chars": 5, "prefill_messages_file": "PREFILL", "seed": 3, "discard_no_reasoning": False,
+    "rerun_corrupted": True, "max_retries": 2, "request_timeout": 5, "prompt_timeout": 5, "tool_timeout": 5,
+    "command_timeout": 5, "keep_workdirs": True, "requests_per_minute": 60, "max_cost": 1.0,
+    "max_total_tokens": 1000, "backend": "ray", "adaptive_concurrency": False, "samples_per_prompt": 2,
+    "price_per_mtok": "3,4", "estimate": 5,
+}
+BASE = {"dataset_file": "d.jsonl", "batch_size": 1, "run_name": "r", "base_url": "http://127.0.0.1:9/v1",
+        "api_key": "sk-test", "price_per_mtok": "1,2"}
+
+
+def documented_flags(path: Path) -> list[str]:
+    """The flags a page's flag table names, in its order (a row may name several)."""
+    found: list[str] = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("| `--"):
+            first_cell = line.split("|")[1]
+            found += re.findall(r"`--([a-z_]+)`", first_cell)
+    return found
+
+
+def test_main_takes_every_flag_of_the_table_in_its_order_with_its_default() -> None:
+    parameters = inspect.signature(batch_runner.main).parameters
+    assert [name for name in parameters if name != "unknown_flags"] == list(flags.NAMES)
+    assert all(parameters[flag.name].default == flag.default for flag in flags.FLAGS)
+
+
+def test_the_reference_page_lists_every_flag_and_no_other() -> None:
+    listed = documented_flags(REPO / "docs" / "command-line.md")
+    assert set(listed) == set(flags.NAMES)
+
+
+def test_the_readme_names_only_flags_that_exist() -> None:
+    listed = documented_flags(REPO / "README.md")
+    assert listed and set(listed) <= set(flags.NAMES)
+
+
+def test_a_number_default_on_the_reference_page_is_the_tables() -> None:
+    for line in (REPO / "docs" / "command-line.md").read_text(encoding="utf-8").splitlines():
+        cells = [cell.strip() for cell in line.split("|")]
+        names = re.findall(r"`--([a-z_]+)`", cells[1]) if line.startswith("| `--") else []
+        if len(names) == 1 and re.fullmatch(r"\d+", cells[2]):
+            assert flags.BY_NAME[names[0]].default == int(cells[2]), names[0]
+
+
+def test_the_help_page_shows_every_flag_the_table_puts_on_it() -> None:
+    choices = {"formats": "a|b", "kinds": "x|y", "reasoning_modes": "r|s", "best_of_rules": "b|c"}
+    page = flags.help_page(program="batch_runner", choices=choices)
+    for flag in flags.FLAGS:
+        if flag.usage:
+            assert flag.usage.format(**choices) in page, flag.name
+    assert all(len(line) <= 110 for line in page.splitlines())
+
+
+def test_every_flag_a_run_reads_is_declared_with_a_value_to_try() -> None:
+    assert set(OTHER_VALUES) == {flag.name for flag in flags.FLAGS if flag.parse is not None}
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_VALUES))
+def test_every_flag_a_run_reads_changes_its_config(name: str, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    if name == "backend" and importlib.util.find_spec("ray") is None:
+        pytest.skip("--backend=ray needs the ray extra")
+    monkeypatch.setenv("TERMINAL_ENV", "local")
+    prefill = tmp_path / "prefill.json"
+    prefill.write_text('[{"role": "user", "content": "hi"}]', encoding="utf-8")
+    value = str(prefill) if OTHER_VALUES[name] == "PREFILL" else OTHER_VALUES[name]
+    assert config_fields(build_config(**{**BASE, name: value})) != config_fields(build_config(**BASE))
+
+
+def config_fields(config: RunConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config) | {"api_key": config.endpoint.api_key}
+
+
+def test_a_flag_the_table_does_not_declare_is_refused_not_dropped() -> None:
+    with pytest.raises(UsageError, match="--max_turnz"):
+        build_config(**BASE, max_turnz=3)
+
+
+def test_export_options_are_the_tables_export_only_flags() -> None:
+    assert flags.EXPORT_OPTIONS[0] == "export"
+    assert set(flags.EXPORT_OPTIONS[1:]) == {flag.name for flag in flags.FLAGS if flag.export_only}
+    assert flags.options_set_without_export({"min_tool_calls": 2}) == ["min_tool_calls"]
+    assert flags.options_set_without_export({"min_tool_calls": 0}) == []
