@@ -2,9 +2,10 @@
 
     python batch_runner.py --dataset_file=data/example.jsonl --batch_size=5 --run_name=example
 
-Data flows one way: dataset -> planned tasks (prompt + sampled toolsets) -> sessions in worker
-processes -> rows -> the single writer here -> batch files / checkpoint -> merge ->
-trajectories.jsonl + statistics.json. See README.md for every flag.
+This module is the command line: the flags (declared in batchrun/flags.py), --help, and which command runs —
+a listing, --report, --export, or a run (batchrun/runner.py). Data flows one way: dataset -> planned tasks
+(prompt + sampled toolsets) -> sessions in worker processes -> rows -> the parent's single writer -> batch
+files / checkpoint -> merge -> trajectories.jsonl + statistics.json. See README.md for every flag.
 """
 
 from __future__ import annotations
@@ -26,10 +27,7 @@ from batchrun.environments import ENVIRONMENT_KINDS
 from batchrun.export import BEST_OF_RULES, EXPORT_FORMATS, REASONING_MODES, ExportError, export_options, export_run
 from batchrun.flag_values import UsageError, validate_run_name
 from batchrun.install_hint import program
-from batchrun.run_dir import (
-    DiskFull,
-    full_disk_named,
-)
+from batchrun.run_dir import DiskFull, full_disk_named
 from batchrun.runner import EXIT_ERROR, EXIT_OK, BatchRunner
 from batchrun.security import Redactor
 
@@ -56,10 +54,14 @@ def _typed_text_values(argv: list[str]) -> dict[str, str]:
     return typed
 
 
-def main(*values: Any, **unknown_flags: Any) -> None:
+def main(*args: Any, **kwargs: Any) -> None:
     """Run an agent over every prompt of DATASET_FILE and write data/RUN_NAME/: README.md; every flag in
-    docs/command-line.md, or --help. Fire reads the flags by the signature batchrun/flags.py makes."""
-    given = dict(zip(flags.NAMES, values, strict=True))
+    docs/command-line.md, or --help. Fire reads the flags by the signature batchrun/flags.py makes, and
+    a Python caller passes them as that signature says."""
+    bound = flags.signature().bind(*args, **kwargs)
+    bound.apply_defaults()
+    unknown_flags = bound.arguments.pop("unknown_flags")
+    given = dict(bound.arguments)
     for name, typed in _typed_text_values(sys.argv[1:]).items():
         if given[name] is not None and not isinstance(given[name], str):
             given[name] = typed

@@ -110,3 +110,18 @@ def test_export_options_are_the_tables_export_only_flags() -> None:
     assert set(flags.EXPORT_OPTIONS[1:]) == {flag.name for flag in flags.FLAGS if flag.export_only}
     assert flags.options_set_without_export({"min_tool_calls": 2}) == ["min_tool_calls"]
     assert flags.options_set_without_export({"min_tool_calls": 0}) == []
+
+
+def test_a_python_caller_passes_flags_by_name_as_the_signature_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, Any] = {}
+
+    def recorded(given: dict[str, Any], unknown: dict[str, Any]) -> int:
+        seen.update(given=given, unknown=unknown)
+        return 0
+
+    monkeypatch.setattr(batch_runner, "run_cli", recorded)
+    monkeypatch.setattr(batch_runner, "exit_without_teardown", lambda code: None)
+    monkeypatch.setattr("sys.argv", ["batch_runner.py"])
+    batch_runner.main("d.jsonl", 3, run_name="r", max_turnz=1)
+    assert seen["given"] == {**flags.defaults(), "dataset_file": "d.jsonl", "batch_size": 3, "run_name": "r"}
+    assert seen["unknown"] == {"max_turnz": 1}
