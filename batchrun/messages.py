@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from batchrun.rows.outcome import RowStatus
+
 
 @dataclass(frozen=True)
 class Task:
@@ -29,7 +31,7 @@ class Finished:
     prompt_index: int
     unit: int                                  # the Task's
     batch_num: int
-    status: str
+    status: RowStatus
     row: bytes
     api_calls: int
     usage: dict

@@ -58,7 +58,8 @@ def _failed(task: Task, error: str, error_type: str) -> rows.SessionResult:
     return rows.SessionResult(
         prompt_index=task.prompt_index, content_key=task.content_key, prompt=task.prompt,
         toolsets=list(task.toolsets), offered_tools=[], turns=[], api_calls=0, usage=rows.Usage(),
-        wall_time=0.0, end_reason="error", error=error, error_type=error_type, sample_index=task.sample_index)
+        wall_time=0.0, end_reason=rows.EndReason.ERROR, error=error, error_type=error_type,
+        sample_index=task.sample_index)
 
 
 def _outlive_ctrl_c() -> None:

@@ -47,10 +47,6 @@ class RowStatus(StrEnum):
     FAILED = "failed"
 
 
-# The names the readers of statuses use (rows.FAILED...), typed str: they index tables and counters
-# keyed by statuses that arrive as plain strings (a Finished message, a row read back).
-COMPLETED: str = RowStatus.COMPLETED
-PARTIAL: str = RowStatus.PARTIAL
-DISCARDED: str = RowStatus.DISCARDED
-FAILED: str = RowStatus.FAILED
+# The names the readers of statuses use (rows.FAILED...).
+COMPLETED, PARTIAL, DISCARDED, FAILED = RowStatus.COMPLETED, RowStatus.PARTIAL, RowStatus.DISCARDED, RowStatus.FAILED
 NO_REASONING = "no_reasoning"       # the one discard reason so far

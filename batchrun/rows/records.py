@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from batchrun.rows.outcome import EndReason
+
 
 @dataclass
 class ToolCallRecord:
@@ -72,8 +74,7 @@ class SessionResult:
     api_calls: int
     usage: Usage
     wall_time: float
-    # An EndReason; typed str, which each EndReason is, so that a caller may give the plain string.
-    end_reason: str
+    end_reason: EndReason
     error: str | None = None
     error_type: str | None = None
     sample_index: int = 0      # which of the prompt's --samples_per_prompt runs this is
