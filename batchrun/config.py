@@ -16,12 +16,12 @@ from typing import Any
 from urllib.parse import urlparse
 
 from batchrun import distributions, flags, registry
+from batchrun.env_vars import enabled, variable
 from batchrun.environments import ENVIRONMENT_KINDS, default_environment_kind, environment_class
 from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError
 from batchrun.environments.limits import ResourceLimits
 from batchrun.flag_values import DEFAULT_BASE_URL, UsageError
 from batchrun.pricing import Pricing, reports_cost, resolve_pricing
-from batchrun.tools.configuration import enabled, variable
 
 NO_ENDPOINT_GUIDANCE = """\
 error: no API key and no endpoint. batch_runner needs an OpenAI-compatible endpoint; pick one:

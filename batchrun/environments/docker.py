@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 
+from batchrun.env_vars import variable
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.environments.container import (
     HOUSEKEEPING_TIMEOUT,
@@ -20,7 +21,6 @@ from batchrun.environments.container import (
 )
 from batchrun.environments.container_cli import call_cli_blocking
 from batchrun.environments.single_flight import SingleFlight
-from batchrun.tools.configuration import variable
 
 RUN_LABEL = "batch_runner.run"
 PROMPT_LABEL = "batch_runner.prompt"

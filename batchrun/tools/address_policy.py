@@ -19,8 +19,8 @@ import asyncio
 import ipaddress
 import socket
 
+from batchrun.env_vars import enabled
 from batchrun.tools import ToolError
-from batchrun.tools.configuration import enabled
 
 ALLOW_PRIVATE = "WEB_ALLOW_PRIVATE"
 ALLOW_LINK_LOCAL = "WEB_ALLOW_LINK_LOCAL"

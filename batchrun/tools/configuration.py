@@ -9,10 +9,10 @@ one line that makes it available; the registry shows that line, the handler turn
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from batchrun.env_vars import variable
 from batchrun.install_hint import install_hint
 
 WEB_EXTRA_HINT = install_hint("web")
@@ -45,17 +45,6 @@ class Backend:
     base_url: str | None = None
     api_key: str | None = field(default=None, repr=False)
     model: str | None = None
-
-
-def variable(name: str) -> str | None:
-    """An environment variable's value, None when unset or blank."""
-    value = os.environ.get(name, "").strip()
-    return value or None
-
-
-def enabled(name: str) -> bool:
-    """A yes/no environment variable: 1, true, yes or on."""
-    return (variable(name) or "").lower() in {"1", "true", "yes", "on"}
 
 
 def installed(module: str) -> bool:

@@ -13,11 +13,11 @@ import re
 import openai
 from openai.types.chat import ChatCompletionContentPartParam
 
+from batchrun.env_vars import variable
 from batchrun.time_limit import within
 from batchrun.tools import ToolContext, ToolError
 from batchrun.tools.arguments import non_empty_text
 from batchrun.tools.clients import openai_client
-from batchrun.tools.configuration import variable
 from batchrun.tools.media import image_type
 from batchrun.tools.net import check_visible_destination, http_url
 
