@@ -112,6 +112,7 @@ def run_cli(given: dict[str, Any], unknown_flags: dict[str, Any]) -> int:
         console.error(str(exc))
         return EXIT_ERROR
     console.redact = Redactor.from_environment(config.endpoint.api_key)
+    console.verbose = config.console.verbose
     return BatchRunner(config, console).run()
 
 

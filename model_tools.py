@@ -8,6 +8,7 @@ from batchrun.registry import (
     TOOL_TO_TOOLSET_MAP,
     TOOLS,
     TOOLSETS,
+    Handler,
     ToolSpec,
     dispatch,
     get_handler,
@@ -22,6 +23,7 @@ from batchrun.registry import (
 )
 
 __all__ = [
+    "Handler",
     "ToolSpec",
     "TOOLS",
     "REGISTRY",

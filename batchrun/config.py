@@ -238,12 +238,15 @@ def resource_limits() -> ResourceLimits:
 
 
 def build_config(**given: Any) -> RunConfig:
-    """The run's config from the flags given (the rest at their defaults): each flag's value checked by its
-    table entry, then what needs several flags or the environment (the endpoint's key, the sandbox, the
-    limits, the price of a reply)."""
+    """The run's config from the flags given (the rest at their defaults). Checked in this order, the first
+    problem the one reported: each flag's value by its table entry; then the environment (TERMINAL_ENV and
+    the sandbox, the limit variables) and the price of a reply; the endpoint's key last, so that its
+    guidance never hides another mistake."""
     values = flags.run_values(given)
     base_url = values["base_url"] or DEFAULT_BASE_URL
     kind, reason = terminal_environment(values["distribution"])
+    limits = resource_limits()
+    default_image = os.environ.get("TERMINAL_DEFAULT_IMAGE", "").strip() or DEFAULT_IMAGE
     pricing = checked_pricing(resolve_pricing(values["model"], base_url, values["price_per_mtok"]),
                               base_url, values["max_cost"])
     extra_body = build_extra_body(
@@ -251,7 +254,6 @@ def build_config(**given: Any) -> RunConfig:
         providers_ignored=values["providers_ignored"], providers_order=values["providers_order"],
         provider_sort=values["provider_sort"], reasoning_effort=values["reasoning_effort"],
         reasoning_disabled=values["reasoning_disabled"])
-    # Last, so that a bad flag is reported before the "no endpoint" guidance.
     api_key = resolve_api_key(values["api_key"], base_url, base_url_given=values["base_url"] is not None)
     return RunConfig(
         dataset_file=Path(values["dataset_file"]),
@@ -271,10 +273,8 @@ def build_config(**given: Any) -> RunConfig:
                               ephemeral_system_prompt=values["ephemeral_system_prompt"],
                               prefill_messages=values["prefill_messages_file"]),
         environment=EnvironmentConfig(kind=kind, reason=reason, allow_network=enabled("TERMINAL_ALLOW_NETWORK"),
-                                      default_image=os.environ.get("TERMINAL_DEFAULT_IMAGE", "").strip()
-                                      or DEFAULT_IMAGE,
-                                      limits=resource_limits(), keep_workdirs=values["keep_workdirs"],
-                                      command_timeout=values["command_timeout"]),
+                                      default_image=default_image, limits=limits,
+                                      keep_workdirs=values["keep_workdirs"], command_timeout=values["command_timeout"]),
         pool=PoolConfig(num_workers=values["num_workers"], backend=values["backend"],
                         adaptive_concurrency=values["adaptive_concurrency"],
                         requests_per_minute=values["requests_per_minute"]),

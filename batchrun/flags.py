@@ -44,15 +44,24 @@ from batchrun.flag_values import (
 
 Parse = Callable[[str, Any], Any]
 
-# The groups of the --help page, in its order.
-SECTIONS = ("endpoint", "run", "export", "tools", "limits")
+# The --help page: its groups, and the flags each shows in the order it shows them (every flag with a usage
+# line, once; tests/test_flags.py checks). The table's own order is main's positional order, the Hermes one.
+HELP_PAGE: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("endpoint", ("model", "base_url", "api_key", "max_tokens", "reasoning_effort", "request_timeout", "max_retries")),
+    ("run", ("num_workers", "resume", "max_samples", "seed", "verbose", "estimate", "samples_per_prompt", "backend",
+             "report")),
+    ("export", ("export", "out", "reasoning", "end_reasons", "min_tool_calls", "last_call_succeeded",
+                "discard_invented", "discard_no_reasoning", "best_of")),
+    ("tools", ("distribution", "max_turns")),
+    ("limits", ("prompt_timeout", "tool_timeout", "command_timeout", "max_cost", "price_per_mtok", "max_total_tokens",
+                "requests_per_minute", "adaptive_concurrency")),
+)
 
 
 @dataclass(frozen=True)
 class Flag:
     name: str
     default: Any
-    section: str
     # How --help shows it ("--model=ID"); None keeps it off the one-screen page (docs/command-line.md has it).
     # {formats}, {kinds} and the like (the names of other tables) are filled in as the page is printed.
     usage: str | None
@@ -66,61 +75,61 @@ class Flag:
 
 
 FLAGS: tuple[Flag, ...] = (
-    Flag("dataset_file", None, "run", None, required_text, text=True),
-    Flag("batch_size", None, "run", None, required_batch_size),
-    Flag("run_name", None, "run", None, validate_run_name, text=True),
-    Flag("distribution", "default", "tools", "--distribution=NAME (--list_distributions shows them all)",
+    Flag("dataset_file", None, None, required_text, text=True),
+    Flag("batch_size", None, None, required_batch_size),
+    Flag("run_name", None, None, validate_run_name, text=True),
+    Flag("distribution", "default", "--distribution=NAME (--list_distributions shows them all)",
          distribution_name, text=True),
-    Flag("model", DEFAULT_MODEL, "endpoint", "--model=ID", required_text, text=True),
-    Flag("base_url", None, "endpoint", "--base_url=URL", validate_base_url_given, text=True),
-    Flag("api_key", None, "endpoint", "--api_key=KEY (else OPENROUTER_API_KEY / OPENAI_API_KEY)", text,
+    Flag("model", DEFAULT_MODEL, "--model=ID", required_text, text=True),
+    Flag("base_url", None, "--base_url=URL", validate_base_url_given, text=True),
+    Flag("api_key", None, "--api_key=KEY (else OPENROUTER_API_KEY / OPENAI_API_KEY)", text,
          text=True),
-    Flag("max_turns", 10, "tools", "--max_turns=N", positive_int),
-    Flag("num_workers", 4, "run", "--num_workers=N (sessions at once)", positive_int),
-    Flag("resume", False, "run", "--resume", boolean),
-    Flag("verbose", False, "run", "--verbose", boolean),
-    Flag("list_distributions", False, "tools", None),
-    Flag("max_samples", None, "run", "--max_samples=N", optional_positive_int),
-    Flag("max_tokens", None, "endpoint", "--max_tokens=N", optional_positive_int),
-    Flag("providers_allowed", None, "endpoint", None, name_list),
-    Flag("providers_ignored", None, "endpoint", None, name_list),
-    Flag("providers_order", None, "endpoint", None, name_list),
-    Flag("provider_sort", None, "endpoint", None, lambda flag, value: choice(flag, value, PROVIDER_SORTS)),
-    Flag("reasoning_effort", None, "endpoint", "--reasoning_effort=LEVEL",
+    Flag("max_turns", 10, "--max_turns=N", positive_int),
+    Flag("num_workers", 4, "--num_workers=N (sessions at once)", positive_int),
+    Flag("resume", False, "--resume", boolean),
+    Flag("verbose", False, "--verbose", boolean),
+    Flag("list_distributions", False, None),
+    Flag("max_samples", None, "--max_samples=N", optional_positive_int),
+    Flag("max_tokens", None, "--max_tokens=N", optional_positive_int),
+    Flag("providers_allowed", None, None, name_list),
+    Flag("providers_ignored", None, None, name_list),
+    Flag("providers_order", None, None, name_list),
+    Flag("provider_sort", None, None, lambda flag, value: choice(flag, value, PROVIDER_SORTS)),
+    Flag("reasoning_effort", None, "--reasoning_effort=LEVEL",
          lambda flag, value: choice(flag, value, REASONING_EFFORTS)),
-    Flag("reasoning_disabled", False, "endpoint", None, boolean),
-    Flag("ephemeral_system_prompt", None, "run", None, text, text=True),
-    Flag("log_prefix_chars", 100, "run", None, non_negative_int),
-    Flag("prefill_messages_file", None, "run", None, load_prefill, text=True),
-    Flag("seed", None, "run", "--seed=N", optional_non_negative_int),
-    Flag("discard_no_reasoning", None, "run", "--discard_no_reasoning=False", run_switch_on),
-    Flag("rerun_corrupted", False, "run", None, boolean),
-    Flag("max_retries", 6, "endpoint", "--max_retries=N", non_negative_int),
-    Flag("request_timeout", 600, "endpoint", "--request_timeout=SECONDS", positive_seconds),
-    Flag("prompt_timeout", None, "limits", "--prompt_timeout", optional_seconds),
-    Flag("tool_timeout", 120, "limits", "--tool_timeout", positive_seconds),
-    Flag("command_timeout", 60, "limits", "--command_timeout (seconds)", positive_seconds),
-    Flag("keep_workdirs", False, "run", None, boolean),
-    Flag("requests_per_minute", None, "limits", "--requests_per_minute=N", optional_positive_int),
-    Flag("max_cost", None, "limits", "--max_cost=USD", optional_positive_number),
-    Flag("max_total_tokens", None, "limits", "--max_total_tokens=N", optional_positive_int),
-    Flag("report", False, "run", "--report (rewrite data/NAME/report.html and exit)"),
-    Flag("backend", "local", "run", "--backend=local|ray", validate_backend),
-    Flag("adaptive_concurrency", True, "limits",
+    Flag("reasoning_disabled", False, None, boolean),
+    Flag("ephemeral_system_prompt", None, None, text, text=True),
+    Flag("log_prefix_chars", 100, None, non_negative_int),
+    Flag("prefill_messages_file", None, None, load_prefill, text=True),
+    Flag("seed", None, "--seed=N", optional_non_negative_int),
+    Flag("discard_no_reasoning", None, "--discard_no_reasoning=False", run_switch_on),
+    Flag("rerun_corrupted", False, None, boolean),
+    Flag("max_retries", 6, "--max_retries=N", non_negative_int),
+    Flag("request_timeout", 600, "--request_timeout=SECONDS", positive_seconds),
+    Flag("prompt_timeout", None, "--prompt_timeout", optional_seconds),
+    Flag("tool_timeout", 120, "--tool_timeout", positive_seconds),
+    Flag("command_timeout", 60, "--command_timeout (seconds)", positive_seconds),
+    Flag("keep_workdirs", False, None, boolean),
+    Flag("requests_per_minute", None, "--requests_per_minute=N", optional_positive_int),
+    Flag("max_cost", None, "--max_cost=USD", optional_positive_number),
+    Flag("max_total_tokens", None, "--max_total_tokens=N", optional_positive_int),
+    Flag("report", False, "--report (rewrite data/NAME/report.html and exit)"),
+    Flag("backend", "local", "--backend=local|ray", validate_backend),
+    Flag("adaptive_concurrency", True,
          "--adaptive_concurrency=False (requests at once stay at --num_workers, 429s or not)", boolean),
-    Flag("samples_per_prompt", 1, "run", "--samples_per_prompt=K (K rows per prompt)", positive_int),
-    Flag("price_per_mtok", None, "limits", "--price_per_mtok=INPUT,OUTPUT[,CACHED] (prices replies that carry "
+    Flag("samples_per_prompt", 1, "--samples_per_prompt=K (K rows per prompt)", positive_int),
+    Flag("price_per_mtok", None, "--price_per_mtok=INPUT,OUTPUT[,CACHED] (prices replies that carry "
                                            "no cost)", prices_per_mtok),
-    Flag("estimate", None, "run", "--estimate[=N] (run N samples, project the cost and time of the rest, and "
+    Flag("estimate", None, "--estimate[=N] (run N samples, project the cost and time of the rest, and "
                                   "stop)", estimate_size),
-    Flag("export", None, "export", "--export={formats} --run_name=NAME (write the rows for training and exit)"),
-    Flag("out", None, "export", "--out=PATH", text=True, export_only=True),
-    Flag("reasoning", None, "export", "--reasoning={reasoning_modes}", export_only=True),
-    Flag("end_reasons", None, "export", "--end_reasons=R,...", export_only=True),
-    Flag("min_tool_calls", 0, "export", "--min_tool_calls=N", export_only=True),
-    Flag("last_call_succeeded", False, "export", "--last_call_succeeded", export_only=True),
-    Flag("discard_invented", True, "export", "--discard_invented=False", export_only=True),
-    Flag("best_of", None, "export", "--best_of={best_of_rules} (one sample per prompt) (docs/export.md)",
+    Flag("export", None, "--export={formats} --run_name=NAME (write the rows for training and exit)"),
+    Flag("out", None, "--out=PATH", text=True, export_only=True),
+    Flag("reasoning", None, "--reasoning={reasoning_modes}", export_only=True),
+    Flag("end_reasons", None, "--end_reasons=R,...", export_only=True),
+    Flag("min_tool_calls", 0, "--min_tool_calls=N", export_only=True),
+    Flag("last_call_succeeded", False, "--last_call_succeeded", export_only=True),
+    Flag("discard_invented", True, "--discard_invented=False", export_only=True),
+    Flag("best_of", None, "--best_of={best_of_rules} (one sample per prompt) (docs/export.md)",
          export_only=True),
 )
 
@@ -166,13 +175,13 @@ def options_set_without_export(given: dict[str, Any]) -> list[str]:
 
 
 def help_page(*, program: str, choices: dict[str, str]) -> str:
-    """The one-screen --help page: each section's flags as the table orders them, wrapped; ``choices``
+    """The one-screen --help page: each group's flags as HELP_PAGE orders them, wrapped; ``choices``
     fills in the values other tables hold ({formats}: the export formats, {kinds}: TERMINAL_ENV's...)."""
     lines = [f"usage: {program} --dataset_file=FILE --batch_size=N --run_name=NAME [options]", "",
              "Runs a tool-using agent over every prompt of FILE (JSONL, one {\"prompt\": ...} per line) and writes",
              "ShareGPT trajectories to data/NAME/ (trajectories.jsonl, batch_*.jsonl, statistics.json).", ""]
-    for section in SECTIONS:
-        shown = [flag.usage.format(**choices) for flag in FLAGS if flag.section == section and flag.usage]
+    for section, names in HELP_PAGE:
+        shown = [str(BY_NAME[name].usage).format(**choices) for name in names]
         body = [*_packed(shown, width=97), *(line.format(**choices) for line in VARIABLE_LINES.get(section, ()))]
         lines += [f"{section if number == 0 else '':<11}{line}" for number, line in enumerate(body)]
     lines += ["", "Start with README.md; every flag, the row format and the environments: docs/ "

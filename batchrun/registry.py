@@ -25,8 +25,8 @@ Handler = Callable[[dict, "ToolContext"], Awaitable[dict]]
 
 
 def _browser_unavailable() -> str | None:
-    """Asked of the browser module only when someone asks: rows, statistics and the CLI read this table
-    without loading a tool's implementation."""
+    """Asked of batchrun.tools.browser.availability only when someone asks: rows, statistics and the CLI
+    read this table without loading a tool's implementation."""
     from batchrun.tools.browser.availability import unavailable_reason
     return unavailable_reason()
 

@@ -19,12 +19,13 @@ from pathlib import Path
 import pytest
 from conftest import live_processes_mentioning, wait_for
 
-from batchrun.config import UsageError, terminal_environment
+from batchrun.config import terminal_environment
 from batchrun.environments import create_environment, default_environment_kind
 from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError, ToolError
 from batchrun.environments.bubblewrap import BubblewrapEnvironment, bubblewrap_problem
 from batchrun.environments.bubblewrap import environment as environment_module
 from batchrun.environments.bubblewrap import sandbox as sandbox_module
+from batchrun.flag_values import UsageError
 from batchrun.tools import ToolContext
 from batchrun.tools.files import search_files, write_file
 

@@ -33,6 +33,7 @@ from batchrun.environments import create_environment, environment_class
 from batchrun.environments.base import Environment, EnvironmentSettings, EnvironmentSetupError
 from batchrun.environments.bubblewrap import bwrap_candidates
 from batchrun.environments.bubblewrap import environment as bubblewrap_environment
+from batchrun.environments.bubblewrap import program as bubblewrap_program
 from batchrun.environments.bubblewrap import sandbox as sandbox_module
 from batchrun.environments.bubblewrap.program import candidate_problem
 from batchrun.tools import ToolContext, ToolError
@@ -80,6 +81,7 @@ def bubblewrap(origin: str) -> Callable[[Path, pytest.MonkeyPatch], Subject]:
         chosen = functools.cache(lambda: found[0])
         monkeypatch.setattr(sandbox_module, "working_bwrap", chosen)
         monkeypatch.setattr(bubblewrap_environment, "working_bwrap", chosen)
+        monkeypatch.setattr(bubblewrap_program, "working_bwrap", chosen)
         return Subject("bubblewrap", None, prompt_directories)
     return setup
 

@@ -80,6 +80,11 @@ def test_the_help_page_shows_every_flag_the_table_puts_on_it() -> None:
     assert all(len(line) <= 110 for line in page.splitlines())
 
 
+def test_the_help_page_shows_each_flag_with_a_usage_line_once() -> None:
+    shown = [name for _, names in flags.HELP_PAGE for name in names]
+    assert sorted(shown) == sorted(flag.name for flag in flags.FLAGS if flag.usage)
+
+
 def test_every_flag_a_run_reads_is_declared_with_a_value_to_try() -> None:
     assert set(OTHER_VALUES) == {flag.name for flag in flags.FLAGS if flag.parse is not None}
 

@@ -15,10 +15,11 @@ import pytest
 from conftest import batch_rows, endpoint_args, read_jsonl, run_cli, write_dataset
 from container_backends import FAKE_MODAL, StandInBackend, environment, make_settings, use_fake_modal
 
-from batchrun.config import UsageError, terminal_environment
+from batchrun.config import terminal_environment
 from batchrun.environments import environment_class
 from batchrun.environments.base import EnvironmentSetupError, run_identity
 from batchrun.environments.modal import RUN_TAG, SANDBOX_LIFETIME
+from batchrun.flag_values import UsageError
 
 
 @pytest.fixture

@@ -176,11 +176,6 @@ class PromptCgroup:
             return None
         return cls(hierarchy, directories)
 
-    def entry_argv(self, argv: list[str]) -> list[str]:
-        """``argv`` started inside this group: a shell enters it, then becomes ``argv``, so nothing
-        the prompt runs exists outside it even for a moment."""
-        return ["/bin/sh", "-c", f'{ENTER_GROUPS}; exec "$@"', "sh", *self.procs_files(), "--", *argv]
-
     def adopt(self, pids: list[int]) -> bool:
         """Move ``pids`` into this group: a sandbox's own processes, before it has run anything (so none of
         its children can be outside). False if one could not be moved."""

@@ -14,18 +14,16 @@ is one EXPORT_FORMATS entry and its writer.
 
 from batchrun.export.arrow import arrow_schema
 from batchrun.export.best_of import BEST_OF_RULES
-from batchrun.export.conversations import Conversation, ConversionError, conversation, layouts_of
-from batchrun.export.filters import DROP_REASONS
+from batchrun.export.conversations import conversation, layouts_of
 from batchrun.export.flags import export_options
-from batchrun.export.formats import EXPORT_FORMATS, FORMATS, ExportFormat
+from batchrun.export.formats import EXPORT_FORMATS, FORMATS
 from batchrun.export.openai_chat import manifest_path, openai_messages
 from batchrun.export.options import REASONING_MODES, ExportError, ExportOptions
 from batchrun.export.run import export_run
-from batchrun.export.summary import ExportSummary
 
 __all__ = [
-    "BEST_OF_RULES", "DROP_REASONS", "EXPORT_FORMATS", "FORMATS", "REASONING_MODES",
-    "Conversation", "ConversionError", "ExportError", "ExportFormat", "ExportOptions", "ExportSummary",
+    "BEST_OF_RULES", "EXPORT_FORMATS", "FORMATS", "REASONING_MODES",
+    "ExportError", "ExportOptions",
     "arrow_schema", "conversation", "export_options", "export_run", "layouts_of",
     "manifest_path", "openai_messages",
 ]

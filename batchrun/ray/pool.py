@@ -26,10 +26,9 @@ from batchrun.ray.actor import SessionActor
 from batchrun.ray.gate import GateKeeper, RayRateGate
 from batchrun.ray.node_loss import Attempt, Replacement, share_out
 from batchrun.ray.watcher import Watcher
-from batchrun.workers import PoolStartError, process_count, split_slots
+from batchrun.workers import STOP_GRACE_SECONDS, PoolStartError, process_count, split_slots
 
 ACTOR_START_TIMEOUT = 180.0     # seconds for every actor to be placed, import the worker code and check its node
-STOP_GRACE_SECONDS = 15.0
 SPARE_CONCURRENCY = 4           # actor calls beyond the session slots: probe, stop
 FIGURES_INTERVAL = 0.5          # seconds between questions to the gate actor for the live display
 SPENT_INTERVAL = 1.0            # seconds between collections of each actor's replies' usage (drain_spent)

@@ -8,7 +8,7 @@ Every kind of row the runner writes carries ``format``, ``prompt_index``, ``cont
 * a tombstone ``{"discarded": "no_reasoning", ...}`` — done, never re-run, never merged;
 * a failure row ``{"failed": true, "error": ...}`` — retried on resume, never merged.
 
-The files, each one job (this module only gathers the names the rest of the code imports):
+The files, each one job (this module gathers the format's vocabulary that the rest of the code uses):
 
 * ``keys.py`` — a prompt's content key and a sample's key (what resume counts done);
 * ``reasoning.py`` — an assistant message's reasoning and visible text, from every form endpoints use;
@@ -27,7 +27,6 @@ from batchrun.rows.finished import encode_finished
 from batchrun.rows.keys import content_key, sample_key
 from batchrun.rows.outcome import (
     COMPLETED,
-    COMPLETED_END_REASONS,
     DISCARDED,
     END_REASONS,
     FAILED,
@@ -61,7 +60,7 @@ from batchrun.rows.stored import RowError, StoredRow, read_stored_row
 from batchrun.rows.tool_outcomes import is_invented, tool_result_failed
 
 __all__ = [
-    "COMPLETED", "COMPLETED_END_REASONS", "DISCARDED", "END_REASONS", "FAILED", "NO_REASONING", "PARTIAL",
+    "COMPLETED", "DISCARDED", "END_REASONS", "FAILED", "NO_REASONING", "PARTIAL",
     "ROW_FORMAT", "AssistantTurn", "EndReason", "GptLayout", "HumanTurn", "LayoutError", "ReadGptTurn",
     "RowError", "RowStatus", "SessionResult", "StoredRow", "ToolCallRecord", "Turn", "Usage", "arguments_text",
     "calls_of", "content_key", "encode_finished", "encode_row", "failure_row", "is_invented",
