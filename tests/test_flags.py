@@ -130,3 +130,12 @@ def test_a_python_caller_passes_flags_by_name_as_the_signature_says(monkeypatch:
     batch_runner.main("d.jsonl", 3, run_name="r", max_turnz=1)
     assert seen["given"] == {**flags.defaults(), "dataset_file": "d.jsonl", "batch_size": 3, "run_name": "r"}
     assert seen["unknown"] == {"max_turnz": 1}
+
+
+def test_a_bad_limit_variable_is_named_before_the_missing_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("OPENROUTER_API_KEY", "OPENAI_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TERMINAL_ENV", "local")
+    monkeypatch.setenv("TERMINAL_MEMORY_MB", "abc")
+    with pytest.raises(UsageError, match="TERMINAL_MEMORY_MB must be a positive whole number"):
+        build_config(dataset_file="d.jsonl", batch_size=1, run_name="r")
