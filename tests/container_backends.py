@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,7 @@ STAND_IN_IMAGE = "example/tools:1"
 ENGINE_IMAGE = os.environ.get("BATCH_RUNNER_TEST_IMAGE", "local/minbase:1")
 # A registry that refuses at once: a pull fails the same way with or without the internet.
 UNPULLABLE_IMAGE = "127.0.0.1:9/batch-runner/missing:1"
+LISTING_ATTEMPTS = 10
 ENGINE_SETUP = 'eval "$(.ci/container_engine.sh start)"'
 BACKENDS = ["docker", "podman", "singularity", "modal"]
 ENGINES = ["docker", "podman"]
@@ -80,10 +82,17 @@ class EngineBackend(Backend):
     """A real Docker or Podman engine, driven through TERMINAL_CONTAINER_CLI."""
 
     def live(self, run_label: str) -> list[str]:
+        """Asked again when the listing fails: Podman's fails (exit 125, "does not exist in database") when a
+        container goes while it lists, which is what a test watching a run's clean-up sees (podman#11810)."""
         external = ["--external"] if self.name == "podman" else []
-        listed = subprocess.run([self.name, "ps", "-a", *external, "--filter", f"name=^{run_prefix(run_label)}",
-                                 "--format", "{{.Names}}"], capture_output=True, text=True, timeout=60, check=True)
-        return listed.stdout.split()
+        argv = [self.name, "ps", "-a", *external, "--filter", f"name=^{run_prefix(run_label)}",
+                "--format", "{{.Names}}"]
+        for _ in range(LISTING_ATTEMPTS):
+            listed = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+            if listed.returncode == 0:
+                return listed.stdout.split()
+            time.sleep(0.2)
+        raise AssertionError(f"{' '.join(argv)} failed {LISTING_ATTEMPTS} times: {listed.stderr.strip()}")
 
     def fail_pulls_of(self, image: str, monkeypatch: pytest.MonkeyPatch) -> str:
         assert image == UNPULLABLE_IMAGE, "a real engine fails to pull only images that cannot exist"
