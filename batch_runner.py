@@ -58,7 +58,7 @@ def main(*args: Any, **kwargs: Any) -> None:
     """Run an agent over every prompt of DATASET_FILE and write data/RUN_NAME/: README.md; every flag in
     docs/command-line.md, or --help. Fire reads the flags by the signature batchrun/flags.py makes, and
     a Python caller passes them as that signature says."""
-    bound = flags.signature().bind(*args, **kwargs)
+    bound = _SIGNATURE.bind(*args, **kwargs)
     bound.apply_defaults()
     unknown_flags = bound.arguments.pop("unknown_flags")
     given = dict(bound.arguments)
@@ -68,7 +68,8 @@ def main(*args: Any, **kwargs: Any) -> None:
     exit_without_teardown(run_cli(given, unknown_flags))
 
 
-main.__signature__ = flags.signature()     # type: ignore[attr-defined]
+_SIGNATURE = flags.signature()
+main.__signature__ = _SIGNATURE     # type: ignore[attr-defined]
 
 
 def exit_without_teardown(code: int) -> NoReturn:

@@ -28,6 +28,7 @@ PREFILL_ROLES = ("system", "user", "assistant")
 BACKENDS = ("local", "ray")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
+
 class UsageError(Exception):
     """A flag or input value the run cannot start with; the message is shown as one line."""
 
