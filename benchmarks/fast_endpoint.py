@@ -4,7 +4,8 @@ Every conversation makes ``--tool-turns`` terminal calls and then answers; each 
 ``--latency`` seconds. It runs in its own process so that its CPU is not counted as the runner's
 and so it can serve thousands of requests per second on this machine (the threaded test fixture
 cannot). ``GET /stats`` returns the request count, the time (CLOCK_MONOTONIC) of the first request
-and of the last response, and the figures of the concurrency cap below.
+and of the last response, the server's own CPU seconds so far, and the figures of the concurrency cap
+below.
 
 ``--max-concurrent K`` serves at most K requests at once, as a per-key concurrency limit does: one
 beyond it is answered 429 at once, without Retry-After. ``POST /limit`` with ``{"max_concurrent": K}``
@@ -102,7 +103,8 @@ async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, lat
             status = b"200 OK"
             if request_line.startswith("GET /stats"):
                 payload = {"requests": REQUESTS[0], "first_request": FIRST_REQUEST[0] if FIRST_REQUEST else None,
-                           "last_response": LAST_RESPONSE[0], **CAPACITY.figures()}
+                           "last_response": LAST_RESPONSE[0], "cpu_seconds": time.process_time(),
+                           **CAPACITY.figures()}
             elif request_line.startswith("POST /limit"):
                 CAPACITY.limit = int(json.loads(body)["max_concurrent"])
                 payload = CAPACITY.figures()
