@@ -8,6 +8,7 @@ client. The parent calls only ``lost_task``, for the failure row of a task whose
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
 import queue
 import signal
@@ -205,4 +206,8 @@ def main(conn: Connection, siblings: list[Connection], worker: int, slots: int, 
     gate.limit.bind(worker)     # the parent gives back this process's request slots if it dies
     _outlive_ctrl_c()
     leave_session_keyring()
+    # What the fork brought (every module, the config) lives as long as the process: the collector
+    # need not walk it again in each full collection. The move relinks only the ends of the
+    # collector's lists, so the pages shared with the parent stay shared.
+    gc.freeze()
     asyncio.run(_serve(conn, make_services(slots, config, gate, env_settings, available_tools), config, slots))
