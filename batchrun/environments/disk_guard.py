@@ -28,6 +28,7 @@ stopped.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 import weakref
@@ -63,15 +64,32 @@ class WorkspaceWatch:
         self.unnamed = 0        # what the holders' files with no name took when last counted
         self.used = 0
         self.stopped_at = -_MIN_ROOM_BYTES      # what it held when its processes were last stopped
+        self.stopped_when = -math.inf           # when the last stop had killed them (monotonic)
+        self.baseline_due = False               # the next walk begun after that stop sets stopped_at
         self.reason: str | None = None
         self.due = time.monotonic()
 
     def room(self) -> int:
         return max(self.limit_bytes - self.used, _MIN_ROOM_BYTES)
 
-    def counted(self, used: int, seconds: float) -> None:
-        """A walk found ``used`` bytes and took ``seconds``: stop the processes if over, and say when to
-        look again."""
+    def counted(self, used: int, seconds: float, began: float) -> None:
+        """A walk begun at ``began`` (monotonic) found ``used`` bytes and took ``seconds``: stop the
+        processes if over, and say when to look again.
+
+        What the processes of a stop wrote just before they died can land after the walk that stopped
+        them, and counted as growth it would stop whatever runs next, a command the model started after
+        the stop. So a walk begun before the last stop is stale and changes nothing, and the first one
+        begun after it only takes what the stopped processes left as the new baseline."""
+        if began >= self.stopped_when:
+            if self.baseline_due:
+                self.baseline_due = False
+                self.used = self.stopped_at = used
+            else:
+                self._judge(used)
+        interval = min(max(self.room() / WRITE_RATE / 2, TICK_SECONDS), MAX_WALK_INTERVAL)
+        self.due = time.monotonic() + max(interval, _WALK_COST_FACTOR * seconds)
+
+    def _judge(self, used: int) -> None:
         grew = used > self.used
         self.used = used
         # Over the limit and grown since the last stop, by more than the allocation the filesystem may
@@ -81,13 +99,19 @@ class WorkspaceWatch:
                          f"{used // MIB} MB)")
         elif grew and self._guard.low_on_space(self.directory):
             self.stopped(self._guard.low_on_space_note(self.directory))
-        interval = min(max(self.room() / WRITE_RATE / 2, TICK_SECONDS), MAX_WALK_INTERVAL)
-        self.due = time.monotonic() + max(interval, _WALK_COST_FACTOR * seconds)
 
     def stopped(self, why: str) -> None:
         self.stopped_at = self.used
         self.reason = f"{why}: every process of the prompt was stopped; delete files before writing more"
         self.stop()
+        self.stopped_when = time.monotonic()
+        self.baseline_due = True
+
+    async def settle(self) -> None:
+        """Before a command starts: after a stop, walk now for the baseline, so that nothing this command
+        writes is taken for what the stopped processes left."""
+        if self.baseline_due:
+            await self.look()
 
     async def look(self) -> None:
         """Walk the workspace now (a command just ended): on the event loop while it is small, since a hop
@@ -100,7 +124,7 @@ class WorkspaceWatch:
         # The files with no name are as they were last counted (see the module): a command that ended
         # closed its own, and looking through /proc on the event loop after every command costs a tenth
         # of a command.
-        self.counted(FULL if given_up else min(FULL, walk.used + self.unnamed), time.monotonic() - started)
+        self.counted(FULL if given_up else min(FULL, walk.used + self.unnamed), time.monotonic() - started, started)
 
     def refuses(self, size: int) -> str | None:
         """Why a file tool may not add ``size`` bytes to the workspace now, if it may not."""
@@ -169,26 +193,26 @@ class DiskGuard:
         if not due:
             return
         counts = await asyncio.to_thread(_count, due, everything)
-        for watch, (named, unnamed, seconds) in zip(due, counts, strict=True):
+        for watch, (named, unnamed, seconds, began) in zip(due, counts, strict=True):
             if watch in self._watches:
                 if unnamed is not None:
                     watch.unnamed = unnamed
-                watch.counted(min(FULL, named + watch.unnamed), seconds)
+                watch.counted(min(FULL, named + watch.unnamed), seconds, began)
         if everything:
             self._most_free = _free_bytes(watches[0].directory)
 
 
-def _count(watches: list[WorkspaceWatch], with_unnamed: bool) -> list[tuple[int, int | None, float]]:
+def _count(watches: list[WorkspaceWatch], with_unnamed: bool) -> list[tuple[int, int | None, float, float]]:
     """(bytes of its files, bytes of the files its processes hold with no name left, or None where not
-    counted, seconds the count took) of each workspace (see the module)."""
-    counts: list[tuple[int, int | None, float]] = []
+    counted, seconds the count took, when it began) of each workspace (see the module)."""
+    counts: list[tuple[int, int | None, float, float]] = []
     for watch in watches:
         started = time.monotonic()
         unnamed = None
         if with_unnamed:
             unnamed = unnamed_usage(watch.holders(), watch.device)
             unnamed = FULL if unnamed is None else unnamed
-        counts.append((disk_usage(watch.directory), unnamed, time.monotonic() - started))
+        counts.append((disk_usage(watch.directory), unnamed, time.monotonic() - started, started))
     return counts
 
 

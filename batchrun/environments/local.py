@@ -84,6 +84,7 @@ class LocalEnvironment(Environment):
         groups = cgroup.procs_files() if cgroup is not None else []
         argv = ["bash", "-c", _LIMITED_BASH, "bash", *groups, "--",
                 self.settings.limits.ulimit_command(memory=cgroup is None), command]
+        await workspace.before_command()
         before = workspace.limit_events()
         try:
             result = await run_merged(argv, timeout=limit,

@@ -125,6 +125,12 @@ class HostWorkspace:
         """Stop tracking groups with no process left, so close() never signals a reused group id."""
         self.processes = [process for process in self.processes if _group_exists(process.pid)]
 
+    async def before_command(self) -> None:
+        """Called before each command starts: a workspace whose processes were stopped for its size takes
+        its new baseline first (see WorkspaceWatch.counted)."""
+        if self.watch is not None:
+            await self.watch.settle()
+
     def limit_events(self) -> LimitEvents:
         """The prompt's limit counters so far; zero where no control group counts them."""
         return self.cgroup.events() if self.cgroup is not None else LimitEvents()

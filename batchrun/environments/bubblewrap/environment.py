@@ -130,6 +130,7 @@ class BubblewrapEnvironment(Environment):
         if "\0" in command:
             return CommandResult(output="", exit_code=None, error="a command cannot contain a NUL byte")
         async with self._lock:
+            await workspace.before_command()
             if self._shell is None:
                 try:
                     self._shell = await self._relaunch(workspace)
