@@ -276,8 +276,7 @@ def main() -> None:
                         help="with --one-worker: sessions per model client (default: the worker's own)")
     parser.add_argument("--sample-every", type=float, default=10.0,
                         help="seconds between memory samples: each reads the memory of every process of the "
-                             "tree (6,000 at 2,048 sessions), which every 2 s took 5%% of this machine's CPU "
-                             "from the run it measures")
+                             "tree (6,000 at 2,048 sessions), CPU taken from the run it measures")
     args = parser.parse_args()
     calls = args.tool_turns + 1
     print(f"{args.latency:g} s per reply, {calls} model call{'s' if calls > 1 else ''} per prompt, "

@@ -67,8 +67,8 @@ def tree_pss_bytes(root: int) -> int:
 
 class MemorySampler(threading.Thread):
     """The peak PSS of a process tree, sampled once a second: each sample reads the memory map of
-    every process of the tree, and ten a second took 5-13% of one of this machine's two cores from
-    the run being measured (0.06 of the 64-session bubblewrap ratio)."""
+    every process of the tree, and sampled ten times a second that took a visible share of the CPU
+    from the run being measured (docs/performance.md)."""
 
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True)

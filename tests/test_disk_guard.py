@@ -1,5 +1,5 @@
 """The workspace watch's judgement of its walks: what processes it stopped leave behind is never held
-against what runs after them (seen as a command killed right after a stop, 1 run in 40 under load)."""
+against what runs after them (seen as the model's next command killed right after a stop)."""
 
 from __future__ import annotations
 
