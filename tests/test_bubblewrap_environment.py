@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import http.server
 import itertools
 import os
@@ -567,6 +568,18 @@ def spare_pids() -> list[int]:
     return [spare.shell.process.pid for spare in sandbox_module.spares.ready()]
 
 
+async def spares_once_there_are(count: int) -> list[int]:
+    """The spares' pids once the worker has ``count``; if it never does, the failed starts say why."""
+    try:
+        async with asyncio.timeout(30):
+            while len(spare_pids()) < count:
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(f"{len(spare_pids())} spares after 30 s, not {count}; the latest failed starts: "
+                             f"{list(sandbox_module.spares.failed_starts)}") from None
+    return spare_pids()
+
+
 def test_a_prompt_takes_a_spare_started_before_it_and_the_next_one_is_started(sandbox_home):
     settings = make_settings(sandbox_home, spare_sandboxes=2)
 
@@ -574,16 +587,11 @@ def test_a_prompt_takes_a_spare_started_before_it_and_the_next_one_is_started(sa
         try:
             first = BubblewrapEnvironment(settings, prompt_index=0)
             await first.start()
-            async with asyncio.timeout(30):
-                while len(spare_pids()) < 2:
-                    await asyncio.sleep(0.01)
-            ready = spare_pids()
+            ready = await spares_once_there_are(2)
             second = BubblewrapEnvironment(settings, prompt_index=1)
             await second.start()
             taken = second._shell.process.pid
-            async with asyncio.timeout(30):
-                while len(spare_pids()) < 2:
-                    await asyncio.sleep(0.01)
+            await spares_once_there_are(2)
             await first.close()
             await second.close()
             return ready, taken, spare_pids()
@@ -591,6 +599,31 @@ def test_a_prompt_takes_a_spare_started_before_it_and_the_next_one_is_started(sa
             await BubblewrapEnvironment.close_idle()
     ready, taken, refilled = asyncio.run(scenario())
     assert taken in ready and taken not in refilled
+
+
+def test_a_spare_that_cannot_start_is_kept_in_the_failed_starts_and_the_prompt_starts_its_own(sandbox_home,
+                                                                                             monkeypatch):
+    async def broken_start(settings: EnvironmentSettings, prefix: str) -> sandbox_module.Sandbox:
+        raise OSError(28, "No space left on device")    # not the setup error the start path expects
+    monkeypatch.setattr(sandbox_module, "new_sandbox", broken_start)
+    sandbox_module.spares.failed_starts.clear()
+    unhandled: list[dict] = []
+
+    async def scenario():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: unhandled.append(context))
+        try:
+            async with sandbox(make_settings(sandbox_home, spare_sandboxes=2)) as env:
+                output = (await env.run("echo started")).output
+                async with asyncio.timeout(10):
+                    while len(sandbox_module.spares.failed_starts) < 2:
+                        await asyncio.sleep(0.01)
+            gc.collect()    # a task whose exception nobody retrieved reports it when it is collected
+            return output
+        finally:
+            await BubblewrapEnvironment.close_idle()
+    assert asyncio.run(scenario()) == "started\n"
+    assert list(sandbox_module.spares.failed_starts) == ["OSError: [Errno 28] No space left on device"] * 2
+    assert spare_pids() == [] and unhandled == []
 
 
 def test_prompts_started_together_never_share_a_sandbox(sandbox_home):

@@ -11,6 +11,7 @@ each handed to exactly one prompt.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import secrets
 from collections.abc import Coroutine
@@ -36,6 +37,9 @@ from batchrun.environments.limits import PromptCgroup
 from batchrun.environments.tree_removal import remove_tree
 from batchrun.environments.workspace import new_prompt_directory
 from batchrun.time_limit import within
+
+# How many of the latest failed spare starts a worker remembers, for whoever looks into a slow run.
+_FAILED_STARTS_KEPT = 8
 
 
 @dataclass(frozen=True)
@@ -122,12 +126,18 @@ async def start_shell(settings: EnvironmentSettings, directory: Path, cgroup: Pr
 
 class Spares:
     """Each worker process's sandboxes started ahead of need, by the settings they were made with and the
-    event loop that owns their pipes. A spare has never run a command; taking it starts the next one."""
+    event loop that owns their pipes. A spare has never run a command; taking it starts the next one.
+
+    A spare is only a head start: when one cannot be started, the prompt that finds none starts its own
+    and reports why that fails. So a failed spare start ends nothing, but it is kept (newest last, the
+    latest few) in ``failed_starts``: a run whose prompts all start their own sandboxes is slower for a
+    reason someone will want to see."""
 
     def __init__(self) -> None:
         self._ready: dict[tuple, list[Sandbox]] = {}
         self._starting: dict[tuple, set[asyncio.Task]] = {}
         self._tearing_down: set[asyncio.Task] = set()
+        self.failed_starts: collections.deque[str] = collections.deque(maxlen=_FAILED_STARTS_KEPT)
 
     @staticmethod
     def _key(settings: EnvironmentSettings) -> tuple:
@@ -158,8 +168,9 @@ class Spares:
     async def _start(self, key: tuple, settings: EnvironmentSettings) -> None:
         try:
             sandbox = await new_sandbox(settings, "sandbox-")
-        except EnvironmentSetupError:
-            return      # the next prompt starts its own and reports why it cannot
+        except Exception as exc:    # whatever it is, nobody awaits this task: it must not vanish with it
+            self.failed_starts.append(f"{type(exc).__name__}: {exc}")
+            return
         self._ready.setdefault(key, []).append(sandbox)
 
     def tear_down(self, work: Coroutine[Any, Any, None]) -> None:
