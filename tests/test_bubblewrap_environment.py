@@ -414,6 +414,25 @@ def test_a_setuid_program_does_not_give_a_root_runs_commands_root_again(tmp_path
     assert "\n0\n" not in "\n" + result.output
 
 
+# Every source of names a process loaded after looking up a user and a group that do not exist.
+LOOK_UP_MISSING_NAMES = """python3 - <<'EOF'
+import grp, pwd
+for look_up in (lambda: pwd.getpwnam("nobody-by-this-name"), lambda: grp.getgrgid(4242)):
+    try:
+        look_up()
+    except KeyError:
+        pass
+print(sorted({line.split()[-1] for line in open("/proc/self/maps") if "libnss_" in line}))
+EOF"""
+
+
+def test_a_name_the_sandbox_does_not_know_is_looked_up_in_its_own_files_alone(tmp_path):
+    missing, known = run_commands(make_settings(tmp_path), LOOK_UP_MISSING_NAMES,
+                                  'getent passwd "$(id -u)" | cut -d: -f6; getent hosts localhost >/dev/null && echo found')
+    assert missing.output == "[]\n", missing
+    assert known.output == "/workspace\nfound\n", known
+
+
 def test_files_the_file_tools_write_are_the_commands_to_change_and_the_other_way_round(sandbox_home):
     async def scenario():
         async with sandbox(make_settings(sandbox_home)) as env:

@@ -24,9 +24,8 @@ SANDBOX_USER = "sandbox"
 MOUNT_POINT = "/workspace"
 # Top-level names that merged-/usr systems make symlinks into /usr (directories on older systems).
 SYSTEM_LINKS = ("bin", "lib", "lib64", "sbin")
-# What of /etc programs need: the loader cache, alternatives, TLS roots, the time zone, name service
-# order, localhost.
-ETC_ENTRIES = ("ld.so.cache", "alternatives", "ssl/certs", "ssl/openssl.cnf", "nsswitch.conf", "localtime", "hosts")
+# What of /etc programs need: the loader cache, alternatives, TLS roots, the time zone, localhost.
+ETC_ENTRIES = ("ld.so.cache", "alternatives", "ssl/certs", "ssl/openssl.cnf", "localtime", "hosts")
 _NETWORK_ETC_ENTRIES = ("resolv.conf", "host.conf", "gai.conf")
 _MOUNT_POINTS = ("usr", "dev", "proc", "tmp", MOUNT_POINT.lstrip("/"))
 
@@ -83,9 +82,17 @@ def _build(root: Path, *, allow_network: bool) -> None:
     for name in ETC_ENTRIES + (_NETWORK_ETC_ENTRIES if allow_network else ()):
         _copy_etc_entry(Path("/etc") / name, etc / name)
     passwd, group = user_entries(SANDBOX_UID)
-    for name, text in (("passwd", passwd), ("group", group)):
+    for name, text in (("passwd", passwd), ("group", group), ("nsswitch.conf", name_service(allow_network))):
         (etc / name).write_text(text)
         os.chmod(etc / name, 0o644)
+
+
+def name_service(allow_network: bool) -> str:
+    """The sandbox's nsswitch.conf: its own files, and DNS where it has a network. The host's other
+    sources (systemd, sssd, LDAP) answer over sockets a sandbox does not have, and asking them costs
+    every name that misses a library load: setpriv's lookup of the uid it is given, in every sandbox."""
+    hosts = "files dns" if allow_network else "files"
+    return f"passwd: files\ngroup: files\nshadow: files\ngshadow: files\nhosts: {hosts}\n"
 
 
 def _copy_etc_entry(source: Path, target: Path) -> None:

@@ -24,8 +24,8 @@ from batchrun.environments.limits import MIB
 SANDBOX_TMP_MB = 1024
 PROFILE = "/tmp/profile"
 # What of /etc Chromium reads besides what every program does: its policies, the settings Debian's
-# launcher sources, and fontconfig's.
-_CHROMIUM_ETC = ("chromium", "chromium.d", "fonts")
+# launcher sources, fontconfig's, and the order of name services (it resolves on the host's network).
+_CHROMIUM_ETC = ("chromium", "chromium.d", "fonts", "nsswitch.conf")
 _RUNNING_AS_ROOT = os.geteuid() == 0
 
 
