@@ -26,6 +26,8 @@ from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupErro
 from batchrun.environments.bubblewrap import BubblewrapEnvironment, bubblewrap_problem
 from batchrun.environments.bubblewrap import environment as environment_module
 from batchrun.environments.bubblewrap import sandbox as sandbox_module
+from batchrun.environments.bubblewrap.program import Descriptors, root_descriptor
+from batchrun.environments.seccomp import filter_program
 from batchrun.flag_values import UsageError
 from batchrun.tools import ToolContext
 from batchrun.tools.files import search_files, write_file
@@ -112,6 +114,30 @@ def test_a_run_choosing_bubblewrap_where_it_cannot_sandbox_stops_at_start_up(mon
 
 
 # --- isolation ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("uid", [None, 0x40000000 + 7], ids=["own-user-namespace", "root-run"])
+def test_the_descriptors_a_sandbox_starts_with_are_never_3_nor_next_to_each_other(tmp_path, uid):
+    # Python 3.11's subprocess would list /proc/self/fd and close every descriptor of the worker one by
+    # one (program.spaced_apart says why).
+    (tmp_path / "workspace").mkdir()
+    descriptors = Descriptors(root_descriptor(tmp_path / "work", False), tmp_path / "workspace", uid)
+    passed = sorted(descriptors.passed())
+    descriptors.close()
+    assert len(passed) == 2 + (filter_program() is not None) + (0 if uid is None else 2)
+    assert passed[0] > 3 and all(later - earlier > 1 for earlier, later in itertools.pairwise(passed)), passed
+
+
+def test_a_pipe_made_while_a_sandbox_starts_is_next_to_none_of_its_descriptors(tmp_path):
+    # As subprocess makes its error pipe, whose end it keeps open in the child with the passed ones.
+    (tmp_path / "workspace").mkdir()
+    descriptors = Descriptors(root_descriptor(tmp_path / "work", False), tmp_path / "workspace", 0x40000000 + 7)
+    with descriptors.guarded() as passed:
+        pipe = os.pipe()
+    descriptors.close()
+    for end in pipe:
+        os.close(end)
+    assert not {end + step for end in pipe for step in (-1, 1)} & set(passed), (pipe, passed)
+
 
 def test_commands_cannot_write_outside_the_workspace(sandbox_home):
     name = f"batchrun-sandbox-{secrets.token_hex(8)}"

@@ -15,12 +15,15 @@ in which the commands are ``sandbox`` (SANDBOX_UID) with no capabilities.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import itertools
 import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,14 +106,16 @@ def candidate_problem(bwrap: str) -> str | None:
         if uid is not None:
             os.chown(workspace, uid, uid)
         try:
-            root = os.open(system_root(scratch, allow_network=False), os.O_PATH | os.O_DIRECTORY)
+            root = spaced_apart([os.open(system_root(scratch, allow_network=False), os.O_PATH | os.O_DIRECTORY)],
+                                above=2)[0]
         except OSError as exc:
             return f"cannot prepare a sandbox: {exc}"
         descriptors = Descriptors(root, workspace, uid)
         try:
-            probe = subprocess.run(sandbox_command(bwrap, False, ResourceLimits(), descriptors, uid, ["true"]),
-                                   env=sandbox_environment(), capture_output=True, timeout=STARTUP_SECONDS,
-                                   pass_fds=descriptors.passed())
+            with descriptors.guarded() as passed:
+                probe = subprocess.run(sandbox_command(bwrap, False, ResourceLimits(), descriptors, uid, ["true"]),
+                                       env=sandbox_environment(), capture_output=True, timeout=STARTUP_SECONDS,
+                                       pass_fds=passed)
         except (OSError, subprocess.TimeoutExpired) as exc:
             return f"does not run: {exc}"
         finally:
@@ -125,32 +130,80 @@ def candidate_problem(bwrap: str) -> str | None:
     return None
 
 
+# Python 3.11's subprocess closes the child's other descriptors with one close_range() call per gap between
+# those it keeps (the passed ones and its own error pipe, which takes the lowest free numbers). Where two
+# kept ones are adjacent, or one is 3, that call is refused, and it falls back to listing /proc/self/fd
+# and closing every descriptor one by one: milliseconds per sandbox in a worker that holds the pipes and
+# connections of a thousand sessions. So the passed descriptors have a number between each two, and while
+# bwrap is started, the free numbers next to them are held.
+
+
 class Descriptors:
     """The descriptors one bwrap is started with: the run's root and the prompt's directory (bound by
     descriptor: no path is looked up twice), the system-call filter, and, where the shell drops to a uid
-    of its own, the /etc/passwd and /etc/group that name it."""
+    of its own, the /etc/passwd and /etc/group that name it. No two are adjacent."""
 
     def __init__(self, root: int, directory: Path, uid: int | None) -> None:
         self.root = root
-        self.workspace = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        workspace = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         program = filter_program()
-        self.seccomp = filter_descriptor(program) if program is not None else None
-        self.user_files = user_files(uid) if uid is not None else None
+        seccomp = filter_descriptor(program) if program is not None else None
+        users = user_files(uid) if uid is not None else None
+        moved = iter(spaced_apart([workspace, *([] if seccomp is None else [seccomp]), *(users or ())], above=root))
+        self.workspace = next(moved)
+        self.seccomp = None if seccomp is None else next(moved)
+        self.user_files = None if users is None else (next(moved), next(moved))
 
     def passed(self) -> tuple[int, ...]:
         own = [self.workspace, *([self.seccomp] if self.seccomp is not None else []), *(self.user_files or ())]
         return (self.root, *own)
+
+    @contextlib.contextmanager
+    def guarded(self) -> Iterator[tuple[int, ...]]:
+        """The descriptors to pass, with every free number next to one of them held meanwhile, so that
+        the error pipe of the subprocess started in this block cannot be adjacent to them."""
+        passed = self.passed()
+        guards = []
+        for number in sorted({near for fd in passed for near in (fd - 1, fd + 1)} - set(passed)):
+            if number > 2 and not _is_open(number):
+                guard = fcntl.fcntl(self.root, fcntl.F_DUPFD_CLOEXEC, number)
+                guards.append(guard)    # another thread may have taken ``number`` first: a higher one is harmless
+        try:
+            yield passed
+        finally:
+            for guard in guards:
+                os.close(guard)
 
     def close(self) -> None:
         for fd in self.passed()[1:]:    # the root's descriptor serves every sandbox of the process
             os.close(fd)
 
 
+def spaced_apart(fds: list[int], *, above: int) -> list[int]:
+    """``fds`` moved, in order, to numbers above ``above`` with a free one before each (close-on-exec
+    copies; the originals are closed)."""
+    moved = []
+    for fd in fds:
+        above = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, above + 2)
+        os.close(fd)
+        moved.append(above)
+    return moved
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        fcntl.fcntl(fd, fcntl.F_GETFD)
+    except OSError:
+        return False
+    return True
+
+
 @functools.cache
 def root_descriptor(work_root: Path, allow_network: bool) -> int:
     """This process's descriptor of the run's root for sandboxes (made the first time it is asked for)."""
     root = system_root(work_root, allow_network=allow_network)
-    return os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    return spaced_apart([fd], above=2)[0]
 
 
 def sandbox_command(bwrap: str, allow_network: bool, limits: ResourceLimits, descriptors: Descriptors,

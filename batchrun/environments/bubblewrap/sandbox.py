@@ -98,9 +98,10 @@ async def start_shell(settings: EnvironmentSettings, directory: Path, cgroup: Pr
                                 limits.ulimit_command(memory=cgroup is None)])
         # bwrap's own environment is the sandbox's too: inside, /proc/1/environ shows it.
         try:
-            process = await asyncio.create_subprocess_exec(
-                *argv, env=sandbox_environment(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, start_new_session=True, pass_fds=descriptors.passed())
+            with descriptors.guarded() as passed:
+                process = await asyncio.create_subprocess_exec(
+                    *argv, env=sandbox_environment(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.STDOUT, start_new_session=True, pass_fds=passed)
         except OSError as exc:
             raise EnvironmentSetupError(f"cannot start bubblewrap: {exc}") from exc
     finally:
