@@ -10,6 +10,7 @@ import gc
 import http.server
 import itertools
 import os
+import resource
 import secrets
 import signal
 import threading
@@ -26,7 +27,7 @@ from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupErro
 from batchrun.environments.bubblewrap import BubblewrapEnvironment, bubblewrap_problem
 from batchrun.environments.bubblewrap import environment as environment_module
 from batchrun.environments.bubblewrap import sandbox as sandbox_module
-from batchrun.environments.bubblewrap.program import Descriptors, root_descriptor
+from batchrun.environments.bubblewrap.program import Descriptors, root_descriptor, spaced_apart
 from batchrun.environments.seccomp import filter_program
 from batchrun.flag_values import UsageError
 from batchrun.tools import ToolContext
@@ -137,6 +138,24 @@ def test_a_pipe_made_while_a_sandbox_starts_is_next_to_none_of_its_descriptors(t
     for end in pipe:
         os.close(end)
     assert not {end + step for end in pipe for step in (-1, 1)} & set(passed), (pipe, passed)
+
+
+def test_descriptors_with_no_free_number_above_them_under_the_limit_stay_where_they_are(tmp_path):
+    (tmp_path / "workspace").mkdir()
+    descriptors = Descriptors(root_descriptor(tmp_path / "work", False), tmp_path / "workspace", 0x40000000 + 7)
+    passed = descriptors.passed()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(passed) + 1, hard))
+    try:
+        with descriptors.guarded() as held:     # the highest one's upper neighbour is beyond the limit
+            pass
+        opened = os.open(tmp_path, os.O_PATH | os.O_CLOEXEC)
+        [kept] = spaced_apart([opened], above=max(passed))
+        os.close(kept)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        descriptors.close()
+    assert held == passed and kept == opened
 
 
 def test_commands_cannot_write_outside_the_workspace(sandbox_home):

@@ -166,8 +166,9 @@ class Descriptors:
         guards = []
         for number in sorted({near for fd in passed for near in (fd - 1, fd + 1)} - set(passed)):
             if number > 2 and not _is_open(number):
-                guard = fcntl.fcntl(self.root, fcntl.F_DUPFD_CLOEXEC, number)
-                guards.append(guard)    # another thread may have taken ``number`` first: a higher one is harmless
+                with contextlib.suppress(OSError):      # beyond the process's limit: nothing can take it
+                    # Another thread may have taken ``number`` first: a higher one is harmless.
+                    guards.append(fcntl.fcntl(self.root, fcntl.F_DUPFD_CLOEXEC, number))
         try:
             yield passed
         finally:
@@ -181,11 +182,16 @@ class Descriptors:
 
 def spaced_apart(fds: list[int], *, above: int) -> list[int]:
     """``fds`` moved, in order, to numbers above ``above`` with a free one before each (close-on-exec
-    copies; the originals are closed)."""
+    copies; the originals are closed). One that cannot move (no number that high under the process's
+    limit) stays where it is: the start is only slower."""
     moved = []
     for fd in fds:
-        above = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, above + 2)
-        os.close(fd)
+        try:
+            above = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, above + 2)
+        except OSError:
+            above = fd
+        else:
+            os.close(fd)
         moved.append(above)
     return moved
 
