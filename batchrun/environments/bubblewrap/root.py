@@ -82,17 +82,31 @@ def _build(root: Path, *, allow_network: bool) -> None:
     for name in ETC_ENTRIES + (_NETWORK_ETC_ENTRIES if allow_network else ()):
         _copy_etc_entry(Path("/etc") / name, etc / name)
     passwd, group = user_entries(SANDBOX_UID)
-    for name, text in (("passwd", passwd), ("group", group), ("nsswitch.conf", name_service(allow_network))):
+    try:
+        host_name_service = Path("/etc/nsswitch.conf").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        host_name_service = ""
+    name_service = sandbox_name_service(host_name_service, allow_network=allow_network)
+    for name, text in (("passwd", passwd), ("group", group), ("nsswitch.conf", name_service)):
         (etc / name).write_text(text)
         os.chmod(etc / name, 0o644)
 
 
-def name_service(allow_network: bool) -> str:
-    """The sandbox's nsswitch.conf: its own files, and DNS where it has a network. The host's other
-    sources (systemd, sssd, LDAP) answer over sockets a sandbox does not have, and asking them costs
-    every name that misses a library load: setpriv's lookup of the uid it is given, in every sandbox."""
-    hosts = "files dns" if allow_network else "files"
-    return f"passwd: files\ngroup: files\nshadow: files\ngshadow: files\nhosts: {hosts}\n"
+def sandbox_name_service(host: str, *, allow_network: bool) -> str:
+    """The sandbox's nsswitch.conf, from the host's (``host``): users and groups from the sandbox's own
+    files; host names from its files first, then, in the host's order, those of the host's sources that
+    need no service to answer (the C library's module for the machine's own name, and DNS where the
+    sandbox has a network). The other sources (systemd, sssd, LDAP, mDNS) answer over sockets a sandbox
+    does not have, and asking them costs every name that misses a library load: setpriv's lookup of the
+    uid it is given, in every sandbox."""
+    usable = {"files", "myhostname", *(["dns"] if allow_network else [])}
+    hosts = ["files", "dns"]     # the C library's order where the host says nothing
+    for line in host.splitlines():
+        database, _, sources = line.partition("#")[0].partition(":")
+        if database.strip() == "hosts":
+            hosts = sources.split()
+    kept = [source for source in dict.fromkeys(["files", *hosts]) if source in usable]
+    return f"passwd: files\ngroup: files\nshadow: files\ngshadow: files\nhosts: {' '.join(kept)}\n"
 
 
 def _copy_etc_entry(source: Path, target: Path) -> None:
