@@ -116,12 +116,20 @@ def test_a_run_choosing_bubblewrap_where_it_cannot_sandbox_stops_at_start_up(mon
 
 # --- isolation ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("uid", [None, 0x40000000 + 7], ids=["own-user-namespace", "root-run"])
+ROOT_RUN_UID = 0x40000000 + 7
+
+
+def descriptors_in(directory: Path, uid: int | None) -> Descriptors:
+    """The descriptors a sandbox around a new workspace in ``directory`` would be started with."""
+    (directory / "workspace").mkdir()
+    return Descriptors(root_descriptor(directory / "work", False), directory / "workspace", uid)
+
+
+@pytest.mark.parametrize("uid", [None, ROOT_RUN_UID], ids=["own-user-namespace", "root-run"])
 def test_the_descriptors_a_sandbox_starts_with_are_never_3_nor_next_to_each_other(tmp_path, uid):
     # Python 3.11's subprocess would list /proc/self/fd and close every descriptor of the worker one by
-    # one (program.spaced_apart says why).
-    (tmp_path / "workspace").mkdir()
-    descriptors = Descriptors(root_descriptor(tmp_path / "work", False), tmp_path / "workspace", uid)
+    # one (program.py says why).
+    descriptors = descriptors_in(tmp_path, uid)
     passed = sorted(descriptors.passed())
     descriptors.close()
     assert len(passed) == 2 + (filter_program() is not None) + (0 if uid is None else 2)
@@ -130,8 +138,7 @@ def test_the_descriptors_a_sandbox_starts_with_are_never_3_nor_next_to_each_othe
 
 def test_a_pipe_made_while_a_sandbox_starts_is_next_to_none_of_its_descriptors(tmp_path):
     # As subprocess makes its error pipe, whose end it keeps open in the child with the passed ones.
-    (tmp_path / "workspace").mkdir()
-    descriptors = Descriptors(root_descriptor(tmp_path / "work", False), tmp_path / "workspace", 0x40000000 + 7)
+    descriptors = descriptors_in(tmp_path, ROOT_RUN_UID)
     with descriptors.guarded() as passed:
         pipe = os.pipe()
     descriptors.close()
@@ -141,8 +148,7 @@ def test_a_pipe_made_while_a_sandbox_starts_is_next_to_none_of_its_descriptors(t
 
 
 def test_descriptors_with_no_free_number_above_them_under_the_limit_stay_where_they_are(tmp_path):
-    (tmp_path / "workspace").mkdir()
-    descriptors = Descriptors(root_descriptor(tmp_path / "work", False), tmp_path / "workspace", 0x40000000 + 7)
+    descriptors = descriptors_in(tmp_path, ROOT_RUN_UID)
     passed = descriptors.passed()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(passed) + 1, hard))

@@ -106,8 +106,7 @@ def candidate_problem(bwrap: str) -> str | None:
         if uid is not None:
             os.chown(workspace, uid, uid)
         try:
-            root = spaced_apart([os.open(system_root(scratch, allow_network=False), os.O_PATH | os.O_DIRECTORY)],
-                                above=2)[0]
+            root = open_root(system_root(scratch, allow_network=False))
         except OSError as exc:
             return f"cannot prepare a sandbox: {exc}"
         descriptors = Descriptors(root, workspace, uid)
@@ -207,9 +206,12 @@ def _is_open(fd: int) -> bool:
 @functools.cache
 def root_descriptor(work_root: Path, allow_network: bool) -> int:
     """This process's descriptor of the run's root for sandboxes (made the first time it is asked for)."""
-    root = system_root(work_root, allow_network=allow_network)
-    fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    return spaced_apart([fd], above=2)[0]
+    return open_root(system_root(work_root, allow_network=allow_network))
+
+
+def open_root(root: Path) -> int:
+    """A descriptor of a sandbox root directory, for bwrap to bind (never 3: see the note above Descriptors)."""
+    return spaced_apart([os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)], above=2)[0]
 
 
 def sandbox_command(bwrap: str, allow_network: bool, limits: ResourceLimits, descriptors: Descriptors,
