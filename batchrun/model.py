@@ -7,7 +7,7 @@ imports the HTTP stack.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -44,9 +44,11 @@ class Model(Protocol):
 
     ``messages`` only grows from one call to the next (an implementation may keep what it made of
     the earlier ones). A call retries what is worth retrying itself; what it cannot recover from it
-    raises as :class:`PromptFailedError` (this prompt) or :class:`RunFatalError` (the whole run)."""
+    raises as :class:`PromptFailedError` (this prompt) or :class:`RunFatalError` (the whole run).
+    ``on_send`` is called each time a request of the call is let through the run's gate and goes out."""
 
-    async def reply(self, messages: Sequence[Message], *, with_tools: bool) -> ModelReply: ...
+    async def reply(self, messages: Sequence[Message], *, with_tools: bool,
+                    on_send: Callable[[], None] = lambda: None) -> ModelReply: ...
 
 
 class ModelSource(Protocol):

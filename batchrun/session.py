@@ -158,6 +158,7 @@ class Session:
         self._environment_start: asyncio.Future[None] | None = None
         self._awaiting_environment = False
         self.tools: ToolContext | None = None
+        self._request_out = asyncio.Event()    # the first model request left the gate (or came back)
 
     async def run(self) -> SessionResult:
         started = time.monotonic()
@@ -197,12 +198,14 @@ class Session:
 
     async def _started_then_loop(self) -> EndReason:
         if registry.needs_environment(self.offered_tools):
-            self._environment_start = asyncio.ensure_future(self._start_environment())
             # A start that can fail for this prompt alone (an image that cannot be pulled, the row's cwd)
             # comes before any model call, so that such a prompt spends nothing; any other runs while the
             # first reply is written, and the first tool call that needs it waits for it.
             if environment_class(self.services.environment_kind).start_can_fail_alone or self.task.cwd:
+                self._environment_start = asyncio.ensure_future(self._start_environment())
                 await self._environment_ready()
+            else:
+                self._environment_start = asyncio.ensure_future(self._start_environment_once_requested())
         return await self._loop()
 
     async def _environment_ready(self) -> None:
@@ -212,6 +215,14 @@ class Session:
         self._awaiting_environment = True
         await asyncio.shield(self._environment_start)
         self._awaiting_environment = False
+
+    async def _start_environment_once_requested(self) -> None:
+        """Start the environment once the first request has gone out. While requests wait for a slot
+        (the start of adaptive concurrency, an endpoint's limit), the first tool call is a slot and a
+        reply away, and sandboxes started for sessions that send nothing yet would take the CPU that
+        the requests which may go out need (docs/performance.md, thousands of sessions)."""
+        await self._request_out.wait()
+        await self._start_environment()
 
     async def _start_environment(self) -> None:
         self.env = create_environment(self.services.environment_kind, self.services.env_settings,
@@ -256,7 +267,10 @@ class Session:
 
     async def _call(self, messages: list[Message], *, with_tools: bool = True) -> ModelReply:
         self.api_calls += 1     # every request sent counts, also one the endpoint refuses (a context overflow)
-        reply = await self.model.reply(messages, with_tools=with_tools)
+        try:
+            reply = await self.model.reply(messages, with_tools=with_tools, on_send=self._request_out.set)
+        finally:
+            self._request_out.set()     # a model that never said its request went out has answered by now
         self.usage.add(reply.usage)
         if self.services.on_spent is not None:
             self.services.on_spent(self.task.unit, reply.usage, reply.cost_source)

@@ -304,6 +304,32 @@ def test_sessions_told_the_same_retry_after_do_not_all_return_at_once(ep):
     assert max(retried_at) - min(retried_at) > 0.05
 
 
+def test_a_request_is_announced_only_when_it_leaves_the_gate_and_once_per_attempt(ep):
+    sent: list[tuple[str, float]] = []
+
+    async def calls() -> float:
+        async with make_client(ep.base_url, "sk-test", timeout=10) as client:
+            gate = RateGate(ceiling=1)      # one request at a time: the second waits for the first's slot
+
+            async def first() -> float:
+                await call_model(client, gate, body=request_body("[[sleep 0.3]] first"), model=MODEL,
+                                 max_retries=0, base_url=ep.base_url,
+                                 on_send=lambda: sent.append(("first", time.monotonic())))
+                return time.monotonic()
+
+            async def second() -> None:
+                await asyncio.sleep(0.05)
+                await call_model(client, gate, body=request_body("[[fail 503 1]] second"), model=MODEL,
+                                 max_retries=1, base_url=ep.base_url,
+                                 on_send=lambda: sent.append(("second", time.monotonic())))
+
+            first_answered, _ = await asyncio.gather(first(), second())
+            return first_answered
+    first_answered = asyncio.run(calls())
+    assert [name for name, _ in sent] == ["first", "second", "second"]     # the 503 and its retry
+    assert sent[1][1] >= first_answered - 0.01      # not while it waited for the slot
+
+
 # -- replies ----------------------------------------------------------------------------------
 
 def completion(message: object = None, **fields: object) -> bytes:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,9 @@ class ScriptedModel:
         self.script = list(script)
         self.calls: list[tuple[list[Message], bool]] = []
 
-    async def reply(self, messages: Sequence[Message], *, with_tools: bool) -> ModelReply:
+    async def reply(self, messages: Sequence[Message], *, with_tools: bool,
+                    on_send: Callable[[], None] = lambda: None) -> ModelReply:
+        on_send()
         self.calls.append((copy.deepcopy(list(messages)), with_tools))
         step = self.script.pop(0)
         if isinstance(step, Exception):
@@ -396,7 +398,9 @@ class WatchedModel(ScriptedModel):
         super().__init__(script)
         self.watch = watch
 
-    async def reply(self, messages: Sequence[Message], *, with_tools: bool) -> ModelReply:
+    async def reply(self, messages: Sequence[Message], *, with_tools: bool,
+                    on_send: Callable[[], None] = lambda: None) -> ModelReply:
+        on_send()
         if self.watch.forever:      # the start is under way when the session ends
             await self.watch.begun().wait()
         self.watch.events.append("model called")
@@ -422,6 +426,45 @@ def test_the_first_model_call_goes_out_while_a_sandbox_starts(tmp_path, monkeypa
     assert result.end_reason == "final_answer" and result.error is None
     assert json.loads(result.turns[0].tool_calls[0].result or "")["output"].strip() == "hi"
     assert watch.events.index("model called") < watch.events.index("started")
+
+
+class HeldModel(ScriptedModel):
+    """Its first request waits for a slot (``release``) before it goes out, as under a concurrency limit."""
+
+    def __init__(self, script: list[ModelReply | Exception], events: list[str]) -> None:
+        super().__init__(script)
+        self.events = events
+        self.release: asyncio.Event | None = None       # made on the session's loop
+
+    async def reply(self, messages: Sequence[Message], *, with_tools: bool,
+                    on_send: Callable[[], None] = lambda: None) -> ModelReply:
+        if not self.calls:
+            self.release = asyncio.Event()
+            await self.release.wait()
+        self.events.append("request sent")
+        on_send()
+        return await super().reply(messages, with_tools=with_tools)
+
+
+def test_a_sandbox_does_not_start_while_the_first_request_waits_for_a_slot(tmp_path, monkeypatch):
+    watch = StartWatch(monkeypatch, wait_for_call=False)
+    model = HeldModel([call("terminal", ECHO), say("Done.")], watch.events)
+    services = worker_services(tmp_path, ScriptedModels(model))
+
+    async def session() -> tuple[list[str], SessionResult]:
+        try:
+            running = asyncio.ensure_future(Session(TASK, services).run())
+            await asyncio.sleep(0.2)
+            before = list(watch.events)
+            assert model.release is not None
+            model.release.set()
+            return before, await running
+        finally:
+            await services.close()
+    before, result = asyncio.run(session())
+    assert before == []
+    assert result.end_reason == "final_answer" and result.error is None
+    assert watch.events[:2] == ["request sent", "start begun"]
 
 
 def test_an_environment_whose_start_can_fail_for_one_prompt_starts_before_any_model_call(tmp_path, monkeypatch):

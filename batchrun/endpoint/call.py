@@ -7,6 +7,7 @@ concurrency limit, and when it says when to come back, it pauses them all."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import openai
 
@@ -22,12 +23,14 @@ _ANSWERED: set[str] = set()
 
 
 async def call_model(client: openai.AsyncOpenAI, gate: Gate, *, body: bytes, model: str, max_retries: int,
-                     base_url: str) -> ModelReply:
-    """One chat completion, retried on transient errors with back-off honouring Retry-After."""
+                     base_url: str, on_send: Callable[[], None] = lambda: None) -> ModelReply:
+    """One chat completion, retried on transient errors with back-off honouring Retry-After;
+    ``on_send`` is called as each attempt leaves the gate."""
     attempt = 0
     while True:
         retry_after, overloaded = None, False
         async with gate.slot() as request:
+            on_send()
             try:
                 # The client's documented raw-post path: same HTTP, auth, errors and timeouts as
                 # chat.completions.create, without re-validating the whole conversation on every call

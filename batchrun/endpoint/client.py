@@ -7,7 +7,7 @@ import asyncio
 import itertools
 import json
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import openai
@@ -67,13 +67,14 @@ class OpenAIModel:
         self._tools = list(tools)
         self._bodies: dict[bool, ConversationBody] = {}
 
-    async def reply(self, messages: Sequence[Message], *, with_tools: bool) -> ModelReply:
+    async def reply(self, messages: Sequence[Message], *, with_tools: bool,
+                    on_send: Callable[[], None] = lambda: None) -> ModelReply:
         body = self._bodies.get(with_tools)
         if body is None:
             body = self._bodies[with_tools] = ConversationBody(self._fields(with_tools))
         config = self._config
         reply = await call_model(self._client, self._gate, body=body.encode(messages), model=config.model,
-                                 max_retries=config.max_retries, base_url=config.base_url)
+                                 max_retries=config.max_retries, base_url=config.base_url, on_send=on_send)
         if reply.cost_source == "unknown":      # the endpoint said nothing of cost: price it, if a price is known
             cost = config.pricing.cost(reply.usage)
             if cost is not None:
