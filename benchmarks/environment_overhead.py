@@ -41,7 +41,7 @@ from batchrun.environments.bubblewrap import (  # noqa: E402
     sandbox,
     working_bwrap,
 )
-from batchrun.environments.limits import ResourceLimits  # noqa: E402
+from batchrun.environments.limits import ResourceLimits, remove_run_leftovers  # noqa: E402
 
 WARM_UP = 5
 SMALL_FILE = b"x" * 1024
@@ -255,4 +255,7 @@ async def main(commands: int) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--commands", type=int, default=200)
-    asyncio.run(main(parser.parse_args().commands))
+    try:
+        asyncio.run(main(parser.parse_args().commands))
+    finally:
+        remove_run_leftovers("bench")   # the control groups' run directory, as a run's parent removes its own

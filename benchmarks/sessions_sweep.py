@@ -50,6 +50,7 @@ from throughput import REPO, children_cpu_seconds, server_stats, tree_pids
 import model_tools
 from batchrun import endpoint, worker_process
 from batchrun.config import RunConfig, build_config
+from batchrun.environments import environment_class
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.messages import Finished, Spent, Task
 from batchrun.rate_limit import RateGate
@@ -223,6 +224,10 @@ def run_one_worker(args: argparse.Namespace, sessions: int, adaptive: bool) -> N
         config = worker_config(write_dataset(Path(work), prompts), sessions, base_url, args.tool_turns, adaptive)
         gate = RateGate(None, ceiling=sessions, adaptive=adaptive, workers=1)
         settings = EnvironmentSettings(work_root=Path(work) / "work", run_label="bench-worker")
+        # As the runner's parent does around a run: what a worker could not remove in time (control
+        # groups whose last processes were still dying) goes with the run, not with the machine.
+        leftovers = environment_class(config.environment.kind)
+        leftovers.remove_leftovers(settings)
         available = frozenset(model_tools.TOOL_NAMES) - set(model_tools.unavailable_tools())
         endpoint.preload_http_stack()
         if args.sessions_per_client:      # before the fork: the worker reads it when it makes its clients
@@ -254,6 +259,7 @@ def run_one_worker(args: argparse.Namespace, sessions: int, adaptive: bool) -> N
         requests = server_stats(base_url)["requests"]
         parent_end.send(None)
         worker.join(30)
+        leftovers.remove_leftovers(settings)
         for thread in (sampler, watcher):
             thread.stopped.set()
             thread.join()

@@ -17,6 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from scripted_endpoint import ScriptedEndpoint, prompt_text
 
+from batchrun.environments.limits import remove_kept_groups
 from batchrun.run_dir import SPENT
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,6 +34,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if (problem := bubblewrap_problem()) is not None:
         for item in marked:
             item.add_marker(pytest.mark.skip(reason=f"no bubblewrap sandbox here: {problem}"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _remove_kept_control_groups():
+    """The control groups the suite's own prompts kept for further prompts go when the suite ends, as
+    they go when a worker process ends."""
+    yield
+    remove_kept_groups()
 
 
 @pytest.fixture

@@ -4,18 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import secrets
 import shutil
+import subprocess
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
 from conftest import live_processes_mentioning, wait_for
 
-from batchrun.environments import create_environment
+from batchrun.environments import create_environment, environment_class
 from batchrun.environments.base import Environment, EnvironmentSettings, ToolError
 from batchrun.environments.disk_usage import disk_usage
-from batchrun.environments.limits import ResourceLimits, cgroups_available, remove_run_leftovers
+from batchrun.environments.limits import (
+    ENTER_GROUPS,
+    MIB,
+    PromptCgroup,
+    ResourceLimits,
+    cgroups_available,
+    remove_run_leftovers,
+)
 
 BACKENDS = ["local", pytest.param("bubblewrap", marks=pytest.mark.bubblewrap)]
 needs_cgroups = pytest.mark.skipif(not cgroups_available(),
@@ -258,3 +267,95 @@ async def wait_until(condition: Callable[[], bool], seconds: float = 30) -> None
     async with asyncio.timeout(seconds):
         while not condition():
             await asyncio.sleep(0.01)
+
+
+# --- a prompt's control group serves the next prompt of its process only as good as new ---------------------
+
+def run_in_group(group: PromptCgroup, command: str) -> None:
+    """Run ``command`` in a shell that joins ``group`` before anything else, to its end."""
+    subprocess.run(["bash", "-c", f"{ENTER_GROUPS}; {command}", "bash", *group.procs_files(), "--"], check=True)
+
+
+def group_memory_bytes(group: PromptCgroup) -> int:
+    usage = group.directories[0] / "memory.usage_in_bytes"
+    return int((usage if usage.exists() else group.directories[0] / "memory.current").read_text())
+
+
+def group_memory_limit_bytes(group: PromptCgroup) -> int:
+    limit = group.directories[0] / "memory.limit_in_bytes"
+    return int((limit if limit.exists() else group.directories[0] / "memory.max").read_text())
+
+
+@needs_cgroups
+def test_an_emptied_control_group_serves_the_next_prompt_with_that_prompts_limits() -> None:
+    first = PromptCgroup.create(RUN_LABEL, ResourceLimits(memory_mb=64, processes=64))
+    assert first is not None
+    run_in_group(first, "true")
+    first.release()
+    second = PromptCgroup.create(RUN_LABEL, ResourceLimits(memory_mb=128, processes=32))
+    assert second is not None
+    assert second.directories == first.directories
+    assert second.pids() == []
+    assert group_memory_limit_bytes(second) == 128 * MIB
+    assert (second.directories[-1] / "pids.max").read_text().strip() == "32"
+    second.release()
+
+
+@needs_cgroups
+def test_a_control_group_still_counting_dead_processes_is_not_reused() -> None:
+    first = PromptCgroup.create(RUN_LABEL, ResourceLimits())
+    assert first is not None
+    # Children never waited for stay zombies: dead, but counted against the group's process limit
+    # until they are reaped (as orphans are by the machine's init, in its own time).
+    unreaped = [subprocess.Popen(["bash", "-c", f"{ENTER_GROUPS}; exec sleep 60", "bash", *first.procs_files(), "--"])
+                for _ in range(5)]
+    wait_for(lambda: len(first.pids()) == len(unreaped), 10, "the processes to join their group")
+    try:
+        first.release()
+        second = PromptCgroup.create(RUN_LABEL, ResourceLimits())
+        assert second is not None
+        assert second.directories != first.directories
+        second.release()
+    finally:
+        for process in unreaped:
+            process.wait()
+
+
+@needs_cgroups
+def test_a_control_group_left_holding_much_memory_is_not_reused(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.write_bytes(os.urandom(48 * MIB))
+    with data.open("rb") as file:       # out of the page cache, so that reading it charges the group
+        os.fsync(file.fileno())
+        os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    first = PromptCgroup.create(RUN_LABEL, ResourceLimits())
+    assert first is not None
+    run_in_group(first, f"cat {data} > /dev/null")
+    assert group_memory_bytes(first) > 32 * MIB     # the page cache the prompt read is the group's
+    first.release()
+    second = PromptCgroup.create(RUN_LABEL, ResourceLimits())
+    assert second is not None
+    assert second.directories != first.directories
+    assert group_memory_bytes(second) < MIB
+    second.release()
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+@needs_cgroups
+def test_a_limit_the_last_prompt_hit_is_not_reported_to_the_next(tmp_path: Path, kind: str) -> None:
+    env_settings = settings(tmp_path, processes=16)
+    [hit] = run(kind, env_settings, SPAWN)
+    assert hit.error and "limit of 16 processes" in hit.error
+    [clean] = run(kind, env_settings, "echo fine")
+    assert clean.output.strip() == "fine" and clean.error is None
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+@needs_cgroups
+def test_a_process_that_has_no_prompt_left_removes_the_control_groups_it_kept(tmp_path: Path, kind: str) -> None:
+    run(kind, settings(tmp_path), "echo done")
+    asyncio.run(environment_class(kind).close_idle())
+    hierarchy_roots = [Path("/sys/fs/cgroup"), *Path("/sys/fs/cgroup").iterdir()]
+    left = [group for root in hierarchy_roots if (root / "batch_runner" / RUN_LABEL).is_dir()
+            for group in (root / "batch_runner" / RUN_LABEL).iterdir() if group.is_dir()]
+    assert left == []

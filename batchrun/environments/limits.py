@@ -20,8 +20,10 @@ workspace's total after each command.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,16 @@ _OWN_DIRECTORY = "batch_runner"
 _KILL_ROUNDS = 50
 _REMOVE_ATTEMPTS = 20
 _REMOVE_PAUSE_SECONDS = 0.01
+# A prompt's group is kept for the next prompt of its process once nothing of the prompt is left in it:
+# making and removing a memory control group is kernel work that grows with every filesystem mounted
+# on the machine, and each sandbox mounts five (docs/performance.md, thousands of sessions). A prompt
+# that left more memory charged to its group than this (page cache of files it read, kernel objects of
+# its files) has its group removed instead, so the next prompt never starts with much less room before
+# its limit than a new group would give it.
+_REUSED_MAX_CHARGED_BYTES = 16 * 1024 * 1024
+# Dead processes a kept group may still count against its process limit: an orphan (a sandbox's init
+# once its bwrap is killed) is reaped by the machine's init, which may take a second to do it.
+_REUSED_MAX_UNREAPED = 2
 
 
 @dataclass(frozen=True)
@@ -150,31 +162,48 @@ class PromptCgroup:
         self.directories = directories
 
     @classmethod
-    def create(cls, run_id: str, name: str, limits: ResourceLimits) -> PromptCgroup | None:
-        """A new group with ``limits`` under the run's directory; None where none can be made."""
+    def create(cls, run_id: str, limits: ResourceLimits) -> PromptCgroup | None:
+        """A group with ``limits`` under the run's directory, empty (an earlier prompt's of this process
+        if one is kept, see release(), else a new one); None where none can be made."""
         hierarchy = _hierarchy()
         if hierarchy is None:
             return None
-        directories = [root / run_id / name for root in hierarchy.roots()]
+        with _kept_lock:
+            kept = _kept.get(run_id)
+            group = kept.pop() if kept else None
+        if group is not None:
+            try:
+                group._apply(limits)
+                return group
+            except OSError:
+                group.destroy()
+        name = f"prompt-{os.getpid()}-{next(_group_numbers)}"
+        group = cls(hierarchy, [root / run_id / name for root in hierarchy.roots()])
         try:
-            for directory in directories:
+            for directory in group.directories:
                 directory.mkdir(parents=True, exist_ok=True)
                 if hierarchy.version == 2:
                     _enable_controllers(directory.parent)
-            memory = str(limits.memory_mb * MIB)
-            if hierarchy.version == 2:
-                _write(directories[0] / "memory.max", memory)
-                _write(directories[0] / "memory.swap.max", "0", missing_ok=True)
-                _write(directories[0] / "pids.max", str(limits.processes))
-            else:
-                _write(directories[0] / "memory.limit_in_bytes", memory)
-                # Swap would let a prompt hold more than its memory; where swap is accounted, no more.
-                _write(directories[0] / "memory.memsw.limit_in_bytes", memory, missing_ok=True)
-                _write(directories[1] / "pids.max", str(limits.processes))
+            group._apply(limits)
         except OSError:
-            cls(hierarchy, directories).remove()
+            group.destroy()
             return None
-        return cls(hierarchy, directories)
+        return group
+
+    def _apply(self, limits: ResourceLimits) -> None:
+        memory = str(limits.memory_mb * MIB)
+        if self._hierarchy.version == 2:
+            _write(self.directories[0] / "memory.max", memory)
+            _write(self.directories[0] / "memory.swap.max", "0", missing_ok=True)
+            _write(self.directories[0] / "pids.max", str(limits.processes))
+        else:
+            # The kernel keeps memory's limit at or below memory and swap's: a kept group's earlier,
+            # lower one would refuse a higher memory limit.
+            _write(self.directories[0] / "memory.memsw.limit_in_bytes", "-1", missing_ok=True)
+            _write(self.directories[0] / "memory.limit_in_bytes", memory)
+            # Swap would let a prompt hold more than its memory; where swap is accounted, no more.
+            _write(self.directories[0] / "memory.memsw.limit_in_bytes", memory, missing_ok=True)
+            _write(self.directories[1] / "pids.max", str(limits.processes))
 
     def adopt(self, pids: list[int]) -> bool:
         """Move ``pids`` into this group: a sandbox's own processes, before it has run anything (so none of
@@ -237,17 +266,66 @@ class PromptCgroup:
                 except OSError:
                     pass
 
-    def remove(self) -> None:
-        """Kill what is left and remove the group; one still held by a dying process is retried
-        briefly, and anything left is removed with the run's leftovers."""
+    def release(self) -> None:
+        """The prompt is done with the group. Kill what is left, then keep the group for the next prompt
+        of this process if it is as good as new: no live process in it, at most _REUSED_MAX_UNREAPED
+        dead ones not yet reaped (the pids controller counts a process until then), and little memory
+        still charged to it. The limit counters need no reset: a command's notes come from the
+        counters' growth while it ran. The sandbox cannot reach the group's files, so nothing else of
+        it is the prompt's doing. Otherwise the group is removed; one still held by a dying process is
+        retried briefly, and anything left is removed with the run's leftovers."""
         self.kill()
+        if self._as_good_as_new():
+            with _kept_lock:
+                _kept.setdefault(self.directories[0].parent.name, []).append(self)
+            return
+        self._remove_directories()
+
+    def _as_good_as_new(self) -> bool:
+        memory = self.directories[0] / ("memory.current" if self._hierarchy.version == 2 else "memory.usage_in_bytes")
+        try:
+            for attempt in range(_REMOVE_ATTEMPTS):
+                if not any((directory / "cgroup.procs").read_text().split() for directory in self.directories):
+                    break
+                if attempt == _REMOVE_ATTEMPTS - 1:
+                    return False
+                time.sleep(_REMOVE_PAUSE_SECONDS)    # processes just killed are still exiting
+            return (int((self.directories[-1] / "pids.current").read_text()) <= _REUSED_MAX_UNREAPED
+                    and int(memory.read_text()) <= _REUSED_MAX_CHARGED_BYTES)
+        except (OSError, ValueError):
+            return False
+
+    def destroy(self) -> None:
+        """Kill what is left and remove the group, however good it still is."""
+        self.kill()
+        self._remove_directories()
+
+    def _remove_directories(self) -> None:
         for directory in self.directories:
             _remove_directory(directory)
 
 
+# The groups kept for the next prompt, by run; a process's own, made by it (each name carries its pid).
+_kept: dict[str, list[PromptCgroup]] = {}
+_kept_lock = threading.Lock()      # groups are removed in threads, and taken on the event loop
+_group_numbers = itertools.count()
+
+
+def remove_kept_groups() -> None:
+    """Remove the groups this process kept for its next prompts: it has none left to run."""
+    with _kept_lock:
+        groups = [group for kept in _kept.values() for group in kept]
+        _kept.clear()
+    for group in groups:
+        group.destroy()
+
+
 def remove_run_leftovers(run_id: str) -> None:
     """Kill and remove the control groups an earlier invocation of this run left behind (the run
-    directory's lock makes sure that invocation is gone)."""
+    directory's lock makes sure that invocation is gone), and those this process kept for its next
+    prompts."""
+    with _kept_lock:
+        _kept.pop(run_id, None)
     hierarchy = _hierarchy()
     if hierarchy is None:
         return
@@ -256,7 +334,7 @@ def remove_run_leftovers(run_id: str) -> None:
         if not run_directory.is_dir():
             continue
         for directory in [path for path in run_directory.iterdir() if path.is_dir()]:
-            PromptCgroup(hierarchy, [r / run_id / directory.name for r in hierarchy.roots()]).remove()
+            PromptCgroup(hierarchy, [r / run_id / directory.name for r in hierarchy.roots()]).destroy()
         _remove_directory(run_directory)
 
 

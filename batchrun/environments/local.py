@@ -22,7 +22,7 @@ from batchrun.environments.base import (
     scrubbed_environment,
 )
 from batchrun.environments.command_output import run_merged
-from batchrun.environments.limits import ENTER_GROUPS, PromptCgroup, ResourceLimits, mechanism
+from batchrun.environments.limits import ENTER_GROUPS, PromptCgroup, ResourceLimits, mechanism, remove_kept_groups
 from batchrun.environments.workspace import HostWorkspace, new_prompt_directory
 
 # One shell joins the prompt's control groups (if any), applies the ulimit command, and becomes the
@@ -52,6 +52,11 @@ class LocalEnvironment(Environment):
         return (f"{limits.memory_mb} MB memory, {limits.processes} processes, {limits.workspace_mb} MB workspace"
                 f" · {mechanism()}")
 
+    @classmethod
+    async def close_idle(cls) -> None:
+        """Remove the control groups kept for further prompts of this process."""
+        await asyncio.to_thread(remove_kept_groups)
+
     @property
     def prompt_dir(self) -> Path | None:
         """The prompt's directory, HOME of its commands."""
@@ -66,7 +71,7 @@ class LocalEnvironment(Environment):
         """Create a fresh directory for this prompt (never the user's cwd)."""
         directory = new_prompt_directory(self.settings, f"prompt-{self.prompt_index}-")
         workspace = HostWorkspace(self.settings, directory,
-                                  PromptCgroup.create(self.settings.run_label, directory.name, self.settings.limits))
+                                  PromptCgroup.create(self.settings.run_label, self.settings.limits))
         try:
             workspace.make_workdir(self.cwd)
         except EnvironmentSetupError:

@@ -87,7 +87,7 @@ class HostWorkspace:
         """Remove what a start that failed before any command made (no process has run)."""
         remove_tree(self.directory)
         if self.cgroup is not None:
-            self.cgroup.remove()
+            self.cgroup.release()
 
     def start_watch(self, stop: Callable[[], None]) -> None:
         """Hold the directory to the workspace limit from now until close(); ``stop`` kills whatever
@@ -194,7 +194,7 @@ class HostWorkspace:
         await _reap(self.processes)
         self.processes.clear()
         if self.cgroup is not None:
-            await asyncio.to_thread(self.cgroup.remove)
+            await asyncio.to_thread(self.cgroup.release)
         if not self.settings.keep_workdirs:
             try:
                 os.rmdir(self.directory)        # many prompts leave nothing behind: no thread needed

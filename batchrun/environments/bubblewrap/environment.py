@@ -32,7 +32,7 @@ from batchrun.environments.bubblewrap.root import MOUNT_POINT
 from batchrun.environments.bubblewrap.sandbox import new_sandbox, spares, start_shell
 from batchrun.environments.bubblewrap.shell import SHELL_GRACE_SECONDS, Shell
 from batchrun.environments.command_output import OutputCollector, kill_group_of
-from batchrun.environments.limits import ResourceLimits, mechanism
+from batchrun.environments.limits import ResourceLimits, mechanism, remove_kept_groups
 from batchrun.environments.workspace import HostWorkspace
 from batchrun.time_limit import within
 
@@ -208,8 +208,9 @@ class BubblewrapEnvironment(Environment):
     @classmethod
     async def close_idle(cls) -> None:
         """Kill this process's spares (its work is done): all at once, as the kernel tears each one's
-        namespaces down in its own time."""
+        namespaces down in its own time; then remove the control groups kept for further prompts."""
         await spares.close()
+        await asyncio.to_thread(remove_kept_groups)
 
     def _hand_workdir_over(self, workspace: HostWorkspace) -> None:
         """The row's cwd, made in the prompt directory, belongs to the sandbox's user (a few chown calls

@@ -59,14 +59,14 @@ class Sandbox:
 
     def _remove(self) -> None:
         if self.cgroup is not None:
-            self.cgroup.remove()
+            self.cgroup.release()
         remove_tree(self.directory)
 
 
 async def new_sandbox(settings: EnvironmentSettings, prefix: str) -> Sandbox:
     """A fresh directory, control group and sandbox; nothing is left behind when it fails."""
     directory = new_prompt_directory(settings, prefix)
-    cgroup = PromptCgroup.create(settings.run_label, directory.name, settings.limits)
+    cgroup = PromptCgroup.create(settings.run_label, settings.limits)
     uid = sandbox_uid() if RUNNING_AS_ROOT else None
     try:
         if uid is not None:
@@ -74,7 +74,7 @@ async def new_sandbox(settings: EnvironmentSettings, prefix: str) -> Sandbox:
         shell = await start_shell(settings, directory, cgroup, uid)
     except BaseException:
         if cgroup is not None:
-            cgroup.remove()
+            cgroup.release()
         remove_tree(directory)
         release_sandbox_uid(uid)
         raise
