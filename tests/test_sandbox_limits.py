@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing
 import os
 import secrets
 import shutil
@@ -359,3 +360,23 @@ def test_a_process_that_has_no_prompt_left_removes_the_control_groups_it_kept(tm
     left = [group for root in hierarchy_roots if (root / "batch_runner" / RUN_LABEL).is_dir()
             for group in (root / "batch_runner" / RUN_LABEL).iterdir() if group.is_dir()]
     assert left == []
+
+
+def group_made_in_a_forked_process(conn) -> None:
+    group = PromptCgroup.create(RUN_LABEL, ResourceLimits())
+    conn.send(group.directories if group is not None else None)
+
+
+@needs_cgroups
+def test_a_forked_process_never_takes_a_group_its_parent_kept() -> None:
+    kept = PromptCgroup.create(RUN_LABEL, ResourceLimits())
+    assert kept is not None
+    kept.release()
+    fork = multiprocessing.get_context("fork")
+    parent_end, child_end = fork.Pipe()
+    child = fork.Process(target=group_made_in_a_forked_process, args=(child_end,))
+    child.start()
+    childs_directories = parent_end.recv()
+    child.join()
+    assert childs_directories is not None and childs_directories != kept.directories
+    assert PromptCgroup.create(RUN_LABEL, ResourceLimits()).directories == kept.directories  # type: ignore[union-attr]

@@ -311,6 +311,17 @@ _kept_lock = threading.Lock()      # groups are removed in threads, and taken on
 _group_numbers = itertools.count()
 
 
+def _forget_kept_groups() -> None:
+    """In a forked child: the parent's kept groups stay the parent's, or two processes could hand one
+    group to two prompts at once."""
+    global _kept_lock
+    _kept.clear()
+    _kept_lock = threading.Lock()      # another thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_forget_kept_groups)
+
+
 def remove_kept_groups() -> None:
     """Remove the groups this process kept for its next prompts: it has none left to run."""
     with _kept_lock:
