@@ -271,9 +271,11 @@ class PromptCgroup:
         of this process if it is as good as new: no live process in it, at most _REUSED_MAX_UNREAPED
         dead ones not yet reaped (the pids controller counts a process until then), and little memory
         still charged to it. The limit counters need no reset: a command's notes come from the
-        counters' growth while it ran. The sandbox cannot reach the group's files, so nothing else of
-        it is the prompt's doing. Otherwise the group is removed; one still held by a dying process is
-        retried briefly, and anything left is removed with the run's leftovers."""
+        counters' growth while it ran. A sandbox cannot reach the group's files, so nothing else of it
+        is the prompt's doing (the local backend's commands, which run on the host as the runner, can
+        change its settings as they can anything of the runner's). Otherwise the group is removed; one
+        still held by a dying process is retried briefly, and anything left is removed with the run's
+        leftovers."""
         self.kill()
         if self._as_good_as_new():
             with _kept_lock:
