@@ -10,15 +10,16 @@ seconds, and each prompt makes --tool-turns terminal calls before its answer. Wi
 uses --distribution=terminal_only in the backend TERMINAL_ENV names (bubblewrap where it works);
 without, --distribution=minimal (web tools only, which the model never calls: no environment starts).
 
-For each session count it prints trajectories/s over the whole run (start-up, merge and exit included),
-the ideal (sessions / (model calls per prompt x latency)) and their ratio, the steady ratio (from the
-first model request to the last reply), the requests the endpoint served at once on average over that
-span (the ideal is the sessions, less the time they spend in tools) and at most, the seconds from the
-start of the run until it first served 90% of the sessions, the run's concurrency limit (highest and
-final, from statistics.json), the runner's CPU milliseconds per trajectory (the whole process tree),
-and the peak RSS (summed over the tree: shared pages count once per process), peak PSS and peak
-process count of the tree (sampled every --sample-every seconds; reading thousands of processes'
-memory maps costs the benchmark CPU the runner competes for).
+It first prints the machine line of throughput.py. For each session count it prints trajectories/s over
+the whole run (start-up, merge and exit included), the ideal (sessions / (model calls per prompt x
+latency)) and their ratio, the steady ratio (from the first model request to the last reply), the
+requests the endpoint served at once on average over that span (the ideal is the sessions, less the
+time they spend in tools) and at most, the seconds from the start of the run until it first served 90%
+of the sessions, the run's concurrency limit (highest and final, from statistics.json), the runner's
+CPU milliseconds per trajectory (the whole process tree), and the peak RSS (summed over the tree:
+shared pages count once per process), peak PSS and peak process count of the tree (sampled every
+--sample-every seconds; reading thousands of processes' memory maps costs the benchmark CPU the runner
+competes for).
 
 --one-worker runs one worker process (batchrun.worker_process, as the pool forks it) with all the
 sessions, fed over its pipe by this script as the parent would: the event loop and the HTTP clients of
@@ -45,7 +46,7 @@ from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from throughput import REPO, children_cpu_seconds, server_stats, tree_pids
+from throughput import REPO, children_cpu_seconds, machine_line, server_stats, tree_pids
 
 import model_tools
 from batchrun import endpoint, worker_process
@@ -285,6 +286,7 @@ def main() -> None:
                              "tree (6,000 at 2,048 sessions), CPU taken from the run it measures")
     args = parser.parse_args()
     calls = args.tool_turns + 1
+    print(machine_line())
     print(f"{args.latency:g} s per reply, {calls} model call{'s' if calls > 1 else ''} per prompt, "
           f"{args.prompts_per_session} prompts per session, --distribution={distribution(args.tool_turns)}"
           + (f", TERMINAL_ENV={os.environ.get('TERMINAL_ENV') or '(unset: bubblewrap where it works)'}"

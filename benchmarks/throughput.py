@@ -4,16 +4,18 @@
     python benchmarks/throughput.py --workers 64 --prompts 1000 --latency 0.2
     python benchmarks/throughput.py --backend local ray     # the same runs on worker processes and on Ray
 
-For each worker count it prints trajectories/s over the whole run (start-up, merge and exit
-included), the ideal (workers / (model calls per prompt x latency)), their ratio, the steady-state
-ratio (from the first model request to the last response, so start-up is left to its own column),
-the runner's CPU milliseconds per trajectory (the process tree as the kernel accounts it to the
-runner: parent, workers, the tool commands they ran; a sandbox's processes that the kernel tears
-down after its bwrap was killed are accounted to the machine's init instead, so under bubblewrap
-this misses much of the sandboxes' cost), the whole machine's busy CPU milliseconds per trajectory
-(everything: the sandboxes whole, the kernel's own threads, which do much of the work of tearing
-sandboxes down, and the benchmark server), the benchmark server's own share of that, the peak PSS
-of the runner's tree, and the seconds from start to the first model request.
+It first prints the machine: its CPU, and the CPU time of a program's start and of a fixed Python loop
+there: machines handed out as one kind differ in both (docs/performance.md). Then, for each worker
+count, it prints trajectories/s over the whole run (start-up, merge and exit included), the ideal
+(workers / (model calls per prompt x latency)), their ratio, the steady-state ratio (from the first
+model request to the last response, so start-up is left to its own column), the runner's CPU
+milliseconds per trajectory (the process tree as the kernel accounts it to the runner: parent, workers,
+the tool commands they ran; a sandbox's processes that the kernel tears down after its bwrap was killed
+are accounted to the machine's init instead, so under bubblewrap this misses much of the sandboxes'
+cost), the whole machine's busy CPU milliseconds per trajectory (everything: the sandboxes whole, the
+kernel's own threads, which do much of the work of tearing sandboxes down, and the benchmark server),
+the benchmark server's own share of that, the peak PSS of the runner's tree, and the seconds from start
+to the first model request.
 Each prompt makes 3 model calls and runs 2 terminal commands in the backend a real run would use
 (TERMINAL_ENV=local or =bubblewrap to choose).
 """
@@ -24,6 +26,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,6 +40,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 TOOL_TURNS = 2
 CALLS_PER_PROMPT = TOOL_TURNS + 1
+_PROGRAM_STARTS = 200
+_PYTHON_LOOP_ROUNDS = 2_000_000
 
 
 def tree_pids(root: int) -> list[int]:
@@ -89,6 +94,25 @@ def machine_busy_seconds() -> float:
 def children_cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+def machine_line() -> str:
+    """The machine the figures come from, and two costs every run here is made of. Machines handed out as
+    the same kind differ in both (docs/performance.md), so figures compare only under the same line."""
+    with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+        model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
+    true = shutil.which("true") or "/bin/true"
+    before = children_cpu_seconds()
+    for _ in range(_PROGRAM_STARTS):
+        subprocess.run([true], check=True)
+    start_ms = 1000 * (children_cpu_seconds() - before) / _PROGRAM_STARTS
+    started = time.process_time()
+    total = 0
+    for number in range(_PYTHON_LOOP_ROUNDS):
+        total += number % 7
+    loop_ms = 1000 * (time.process_time() - started)
+    return (f"machine: {model}, {os.cpu_count()} cores; a program's start {start_ms:.2f} ms of CPU "
+            f"(/bin/true, {_PROGRAM_STARTS} times), a Python loop of {_PYTHON_LOOP_ROUNDS:,} rounds {loop_ms:.0f} ms")
 
 
 @contextmanager
@@ -159,6 +183,7 @@ def main() -> None:
     args = parser.parse_args()
     header = (f"{'backend':>7} {'workers':>7} {'prompts':>7} {'traj/s':>8} {'ideal':>8} {'ratio':>6} {'steady':>6} "
               f"{'cpu ms/traj':>11} {'machine ms':>10} {'server ms':>9} {'peak PSS MB':>11} {'1st req s':>9}")
+    print(machine_line())
     print(f"TERMINAL_ENV={os.environ.get('TERMINAL_ENV') or '(unset: bubblewrap where it works)'}, "
           f"{args.latency:g} s per reply (+/- {args.jitter:g} s)")
     print(header)

@@ -38,6 +38,11 @@ def test_the_throughput_benchmark_prints_a_line_of_figures_per_run():
     assert len(figures(lines[-1])) >= 10
 
 
+def test_the_throughput_benchmark_first_names_the_machine_its_figures_come_from():
+    lines = run_benchmark("throughput", "--workers", "4", "--prompts", "8", "--latency", "0.01")
+    assert lines[0].startswith("machine: ") and "a program's start" in lines[0]
+
+
 @pytest.mark.parametrize("mode", [[], ["--one-worker"]], ids=["runner", "one-worker"])
 def test_the_sessions_sweep_prints_a_line_of_figures_per_point(mode):
     lines = run_benchmark("sessions_sweep", *mode, "--sessions", "4", "--latency", "0.05", "--tool-turns", "0",
