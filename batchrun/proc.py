@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from batchrun import kernel_files
+
 
 def children(pid: int) -> list[int]:
     """The processes whose parent is ``pid`` (whichever of its threads started them); none for a process
@@ -15,8 +17,7 @@ def children(pid: int) -> list[int]:
         return found
     for task in tasks:
         try:
-            with open(f"/proc/{pid}/task/{task}/children") as listing:
-                found.extend(int(child) for child in listing.read().split())
+            found.extend(int(child) for child in kernel_files.read(f"/proc/{pid}/task/{task}/children").split())
         except (OSError, ValueError):
             continue
     return found

@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchrun import kernel_files
+
 MIB = 1024 * 1024
 # Shell code that moves the shell running it into control groups: its arguments are the groups'
 # cgroup.procs files up to a "--", which it consumes; what follows "--" is left in "$@".
@@ -111,8 +113,8 @@ def _hierarchy() -> _Hierarchy | None:
     """The writable control-group hierarchy with memory and pids controllers, if there is one."""
     try:
         if (_CGROUP_ROOT / "cgroup.controllers").exists():       # unified (v2) hierarchy
-            controllers = (_CGROUP_ROOT / "cgroup.controllers").read_text().split()
-            if not {"memory", "pids"} <= set(controllers):
+            controllers = kernel_files.read(_CGROUP_ROOT / "cgroup.controllers").split()
+            if not {b"memory", b"pids"} <= set(controllers):
                 return None
             own = _CGROUP_ROOT / _OWN_DIRECTORY
             own.mkdir(exist_ok=True)
@@ -133,10 +135,10 @@ def _hierarchy() -> _Hierarchy | None:
 
 def _enable_controllers(directory: Path) -> None:
     """Let the children of ``directory`` (v2) have memory and pids limits of their own."""
-    enabled = (directory / "cgroup.subtree_control").read_text().split()
-    missing = [name for name in ("memory", "pids") if name not in enabled]
+    enabled = kernel_files.read(directory / "cgroup.subtree_control").split()
+    missing = [name for name in ("memory", "pids") if name.encode() not in enabled]
     if missing:
-        (directory / "cgroup.subtree_control").write_text(" ".join(f"+{name}" for name in missing))
+        kernel_files.write(directory / "cgroup.subtree_control", " ".join(f"+{name}" for name in missing))
 
 
 def mechanism() -> str:
@@ -233,7 +235,7 @@ class PromptCgroup:
     def pids(self) -> list[int]:
         """The processes in the group now."""
         try:
-            return [int(pid) for pid in (self.directories[-1] / "cgroup.procs").read_text().split()]
+            return [int(pid) for pid in kernel_files.read(self.directories[-1] / "cgroup.procs").split()]
         except (OSError, ValueError):
             return []
 
@@ -249,13 +251,13 @@ class PromptCgroup:
         kill_file = self.directories[-1] / "cgroup.kill"
         if self._hierarchy.version == 2 and kill_file.exists():
             try:
-                kill_file.write_text("1")
+                kernel_files.write(kill_file, "1")
                 return
             except OSError:
                 pass
         for _ in range(_KILL_ROUNDS):
             try:
-                pids = [int(line) for line in procs.read_text().split()]
+                pids = [int(line) for line in kernel_files.read(procs).split()]
             except (OSError, ValueError):
                 return
             if not pids:
@@ -287,13 +289,13 @@ class PromptCgroup:
         memory = self.directories[0] / ("memory.current" if self._hierarchy.version == 2 else "memory.usage_in_bytes")
         try:
             for attempt in range(_REMOVE_ATTEMPTS):
-                if not any((directory / "cgroup.procs").read_text().split() for directory in self.directories):
+                if not any(kernel_files.read(directory / "cgroup.procs").split() for directory in self.directories):
                     break
                 if attempt == _REMOVE_ATTEMPTS - 1:
                     return False
                 time.sleep(_REMOVE_PAUSE_SECONDS)    # processes just killed are still exiting
-            return (int((self.directories[-1] / "pids.current").read_text()) <= _REUSED_MAX_UNREAPED
-                    and int(memory.read_text()) <= _REUSED_MAX_CHARGED_BYTES)
+            return (int(kernel_files.read(self.directories[-1] / "pids.current")) <= _REUSED_MAX_UNREAPED
+                    and int(kernel_files.read(memory)) <= _REUSED_MAX_CHARGED_BYTES)
         except (OSError, ValueError):
             return False
 
@@ -366,7 +368,7 @@ def _write(path: Path, value: str, *, missing_ok: bool = False) -> None:
     """Write a control file; ``missing_ok`` for files that exist only where a feature is enabled
     (swap accounting), which the kernel then refuses or lacks."""
     try:
-        path.write_text(value)
+        kernel_files.write(path, value)
     except OSError:
         if not missing_ok:
             raise
@@ -375,9 +377,9 @@ def _write(path: Path, value: str, *, missing_ok: bool = False) -> None:
 def _counter(path: Path, name: str) -> int:
     """A ``name value`` line of a cgroup events file; 0 where the file or line is missing."""
     try:
-        for line in path.read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if key == name:
+        for line in kernel_files.read(path).splitlines():
+            key, _, value = line.partition(b" ")
+            if key == name.encode():
                 return int(value)
     except (OSError, ValueError):
         pass

@@ -16,8 +16,8 @@ import signal
 import weakref
 from collections.abc import Callable
 from importlib import resources
-from pathlib import Path
 
+from batchrun import kernel_files
 from batchrun.environments.command_output import kill_group_of, wait_for_exit
 from batchrun.time_limit import within
 
@@ -51,7 +51,7 @@ class Shell:
         pids = [self.process.pid]
         try:
             for _ in range(2):
-                children = Path(f"/proc/{pids[-1]}/task/{pids[-1]}/children").read_text().split()
+                children = kernel_files.read(f"/proc/{pids[-1]}/task/{pids[-1]}/children").split()
                 if len(children) != 1:
                     return False
                 pids.append(int(children[0]))
