@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import live_processes_mentioning, wait_for
 
-from batchrun.environments import create_environment, environment_class
+from batchrun.environments import create_environment, environment_class, limits
 from batchrun.environments.base import Environment, EnvironmentSettings, ToolError
 from batchrun.environments.disk_usage import disk_usage
 from batchrun.environments.limits import (
@@ -77,7 +77,6 @@ def test_memory_limit_kills_the_process_and_says_so(tmp_path: Path, kind: str) -
 @pytest.mark.parametrize("kind", BACKENDS)
 def test_memory_limit_holds_without_control_groups_per_process(tmp_path: Path, kind: str,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    from batchrun.environments import limits
     monkeypatch.setattr(limits, "_hierarchy", lambda: None)
     [result] = run(kind, settings(tmp_path, memory_mb=64), "python3 -c 'x = bytearray(256 * 1024 * 1024)'")
     assert result.exit_code != 0
@@ -380,3 +379,28 @@ def test_a_forked_process_never_takes_a_group_its_parent_kept() -> None:
     child.join()
     assert childs_directories is not None and childs_directories != kept.directories
     assert PromptCgroup.create(RUN_LABEL, ResourceLimits()).directories == kept.directories  # type: ignore[union-attr]
+
+
+@pytest.fixture
+def unified_hierarchy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A cgroup v2 root as the kernel lays it out, in plain files (this machine may mount v1)."""
+    (tmp_path / "cgroup.controllers").write_text("cpuset cpu io memory hugetlb pids rdma misc\n")
+    (tmp_path / "cgroup.subtree_control").write_text("")
+    monkeypatch.setattr(limits, "_CGROUP_ROOT", tmp_path)
+    limits._hierarchy.cache_clear()
+    yield tmp_path
+    limits._hierarchy.cache_clear()
+
+
+def test_a_unified_hierarchy_with_memory_and_pids_gives_prompts_their_controllers(unified_hierarchy: Path):
+    (unified_hierarchy / "batch_runner").mkdir()
+    (unified_hierarchy / "batch_runner" / "cgroup.subtree_control").write_text("pids\n")
+    hierarchy = limits._hierarchy()
+    assert hierarchy is not None and hierarchy.version == 2
+    assert (unified_hierarchy / "cgroup.subtree_control").read_text() == "+memory +pids"
+    assert (unified_hierarchy / "batch_runner" / "cgroup.subtree_control").read_text().startswith("+memory")
+
+
+def test_a_unified_hierarchy_without_the_memory_controller_is_not_used(unified_hierarchy: Path):
+    (unified_hierarchy / "cgroup.controllers").write_text("cpuset cpu io pids\n")
+    assert limits._hierarchy() is None
