@@ -376,10 +376,11 @@ def _write(path: Path, value: str, *, missing_ok: bool = False) -> None:
 
 def _counter(path: Path, name: str) -> int:
     """A ``name value`` line of a cgroup events file; 0 where the file or line is missing."""
+    wanted = name.encode()
     try:
         for line in kernel_files.read(path).splitlines():
             key, _, value = line.partition(b" ")
-            if key == name.encode():
+            if key == wanted:
                 return int(value)
     except (OSError, ValueError):
         pass
