@@ -42,6 +42,7 @@ TOOL_TURNS = 2
 CALLS_PER_PROMPT = TOOL_TURNS + 1
 _PROGRAM_STARTS = 200
 _PYTHON_LOOP_ROUNDS = 2_000_000
+_MEMORY_SAMPLE_SECONDS = 5.0
 
 
 def tree_pids(root: int) -> list[int]:
@@ -71,16 +72,17 @@ def tree_pss_bytes(root: int) -> int:
 
 
 class MemorySampler(threading.Thread):
-    """The peak PSS of a process tree, sampled once a second: each sample reads the memory map of
-    every process of the tree, and sampled ten times a second that took a visible share of the CPU
-    from the run being measured (docs/performance.md)."""
+    """The peak PSS of a process tree, sampled every few seconds: each sample walks the tree and reads
+    the memory map of every process in it, the sandboxes' too, which took 3.5% of the machine from the
+    64-session bubblewrap run it measured when sampled once a second (docs/performance.md). The
+    runner's memory settles within seconds of its start, so the peak is still seen."""
 
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True)
         self.pid, self.peak, self.stopped = pid, 0, threading.Event()
 
     def run(self) -> None:
-        while not self.stopped.wait(1.0):
+        while not self.stopped.wait(_MEMORY_SAMPLE_SECONDS):
             self.peak = max(self.peak, tree_pss_bytes(self.pid))
 
 
