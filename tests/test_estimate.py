@@ -83,11 +83,11 @@ def test_the_estimate_gives_per_sample_figures_and_the_remaining_cost(tmp_path):
 def test_a_rate_limit_that_binds_is_named_as_what_bounds_the_duration(tmp_path):
     dataset = write_dataset(tmp_path / "dataset.jsonl", [f"prompt {index}" for index in range(50)])
     with ScriptedEndpoint() as server:
-        result = run(tmp_path, server, dataset, "--estimate=4", "--requests_per_minute=6")
+        result = run(tmp_path, server, dataset, "--estimate=4", "--requests_per_minute=60")
     remaining = estimate_json(tmp_path)["remaining"]
     assert remaining["bounded_by"] == "rate_limit"
-    assert remaining["duration_seconds"]["estimate"] == pytest.approx(46 * 10, rel=0.01)
-    assert "bounded by --requests_per_minute=6" in " ".join(result.stdout.split())     # as wrapped at 80 columns
+    assert remaining["duration_seconds"]["estimate"] == pytest.approx(46 * 1, rel=0.01)
+    assert "bounded by --requests_per_minute=60" in " ".join(result.stdout.split())     # as wrapped at 80 columns
 
 
 def test_with_no_price_known_the_estimate_says_its_cost_is_unknown(tmp_path):
