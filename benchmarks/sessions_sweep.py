@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from throughput import REPO, children_cpu_seconds, machine_line, server_stats, tree_pids
+from throughput import REPO, TreeSampler, children_cpu_seconds, machine_line, server_stats
 
 import model_tools
 from batchrun import endpoint, worker_process
@@ -71,38 +71,6 @@ def slow_endpoint(latency: float, tool_turns: int) -> Iterator[str]:
     finally:
         server.terminate()
         server.wait()
-
-
-def process_memory(pid: int) -> tuple[int, int]:
-    """(RSS, PSS) of one process in bytes; zeros for one that is gone."""
-    rss = pss = 0
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Rss:"):
-                rss = int(line.split()[1]) * 1024
-            elif line.startswith("Pss:"):
-                pss = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return rss, pss
-
-
-class TreeSampler(threading.Thread):
-    """Peak RSS, PSS and process count of a process tree."""
-
-    def __init__(self, pid: int, every: float) -> None:
-        super().__init__(daemon=True)
-        self.pid, self.every = pid, every
-        self.peak_rss = self.peak_pss = self.peak_processes = 0
-        self.stopped = threading.Event()
-
-    def run(self) -> None:
-        while not self.stopped.wait(self.every):
-            pids = tree_pids(self.pid)
-            memory = [process_memory(pid) for pid in pids]
-            self.peak_processes = max(self.peak_processes, len(pids))
-            self.peak_rss = max(self.peak_rss, sum(rss for rss, _ in memory))
-            self.peak_pss = max(self.peak_pss, sum(pss for _, pss in memory))
 
 
 class ServedWatcher(threading.Thread):

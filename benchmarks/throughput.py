@@ -58,32 +58,43 @@ def tree_pids(root: int) -> list[int]:
     return pids
 
 
+def process_memory(pid: int) -> tuple[int, int]:
+    """(RSS, PSS) of one process in bytes; zeros for one that is gone."""
+    rss = pss = 0
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Rss:"):
+                rss = int(line.split()[1]) * 1024
+            elif line.startswith("Pss:"):
+                pss = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return rss, pss
+
+
 def tree_pss_bytes(root: int) -> int:
-    total = 0
-    for pid in tree_pids(root):
-        try:
-            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    total += int(line.split()[1]) * 1024
-                    break
-        except OSError:
-            pass
-    return total
+    return sum(pss for _, pss in map(process_memory, tree_pids(root)))
 
 
-class MemorySampler(threading.Thread):
-    """The peak PSS of a process tree, sampled every few seconds: each sample walks the tree and reads
-    the memory map of every process in it, the sandboxes' too, which took 3.5% of the machine from the
-    64-session bubblewrap run it measured when sampled once a second (docs/performance.md). The
-    runner's memory settles within seconds of its start, so the peak is still seen."""
+class TreeSampler(threading.Thread):
+    """Peak RSS, PSS and process count of a process tree, sampled every ``every`` seconds. Each sample
+    walks the tree and reads the memory map of every process in it, the sandboxes' too: once a second
+    that took 3.5% of the machine from the 64-session bubblewrap run it measured (docs/performance.md).
+    The runner's memory settles within seconds of its start, so a few seconds apart still see the peak."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, every: float) -> None:
         super().__init__(daemon=True)
-        self.pid, self.peak, self.stopped = pid, 0, threading.Event()
+        self.pid, self.every = pid, every
+        self.peak_rss = self.peak_pss = self.peak_processes = 0
+        self.stopped = threading.Event()
 
     def run(self) -> None:
-        while not self.stopped.wait(_MEMORY_SAMPLE_SECONDS):
-            self.peak = max(self.peak, tree_pss_bytes(self.pid))
+        while not self.stopped.wait(self.every):
+            pids = tree_pids(self.pid)
+            memory = [process_memory(pid) for pid in pids]
+            self.peak_processes = max(self.peak_processes, len(pids))
+            self.peak_rss = max(self.peak_rss, sum(rss for rss, _ in memory))
+            self.peak_pss = max(self.peak_pss, sum(pss for _, pss in memory))
 
 
 def machine_busy_seconds() -> float:
@@ -147,7 +158,7 @@ def run_once(workers: int, prompts: int, latency: float, jitter: float, backend:
              "--run_name=bench", "--distribution=terminal_only", f"--num_workers={workers}",
              f"--base_url={base_url}", "--model=bench", "--max_retries=0", f"--backend={backend}"],
             cwd=work, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        sampler = MemorySampler(process.pid)
+        sampler = TreeSampler(process.pid, _MEMORY_SAMPLE_SECONDS)
         sampler.start()
         process.wait()
         elapsed = time.monotonic() - started
@@ -167,7 +178,7 @@ def run_once(workers: int, prompts: int, latency: float, jitter: float, backend:
                 "steady_ratio": steady / ideal,
                 "cpu_ms_per_trajectory": 1000 * cpu / done, "machine_ms_per_trajectory": 1000 * machine / done,
                 "server_ms_per_trajectory": 1000 * served["cpu_seconds"] / done,
-                "peak_pss_mb": sampler.peak / 2**20,
+                "peak_pss_mb": sampler.peak_pss / 2**20,
                 "first_request_s": served["first_request"] - started}
 
 

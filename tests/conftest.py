@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -36,12 +37,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=f"no bubblewrap sandbox here: {problem}"))
 
 
+# Where the product makes its control groups: one directory per run below these (cgroup v2, or the
+# memory and pids hierarchies of v1).
+CONTROL_GROUP_ROOTS = tuple(Path("/sys/fs/cgroup", *hierarchy, "batch_runner")
+                            for hierarchy in ((), ("memory",), ("pids",)))
+
+
+def run_control_groups() -> set[Path]:
+    """The runs' directories of control groups on this machine now."""
+    return {path for root in CONTROL_GROUP_ROOTS if root.is_dir() for path in root.iterdir() if path.is_dir()}
+
+
 @pytest.fixture(autouse=True, scope="session")
-def _remove_kept_control_groups():
+def _remove_the_suites_control_groups():
     """The control groups the suite's own prompts kept for further prompts go when the suite ends, as
-    they go when a worker process ends."""
+    they go when a worker process ends; so do the (empty) directories of the runs the suite made, which
+    a real run's end removes but an environment a test made directly, or a run a test killed and never
+    resumed, leaves behind, and they would pile up on the machine with every run of the suite. Only
+    what did not exist before the suite is touched, and a group still holding a process stays."""
+    before = run_control_groups()
     yield
     remove_kept_groups()
+    for run in run_control_groups() - before:
+        for group in [path for path in run.iterdir() if path.is_dir()]:
+            with contextlib.suppress(OSError):
+                group.rmdir()
+        with contextlib.suppress(OSError):
+            run.rmdir()
 
 
 @pytest.fixture
