@@ -77,6 +77,34 @@ class Redactor:
         parts.append(text[position:])
         return "".join(parts)
 
+    def json_text(self, text: str) -> str:
+        """JSON text a model wrote (a tool call's arguments) redacted whatever way its strings escape a
+        secret; left as written where no escape hides one."""
+        canonical = canonical_json_escapes(text)
+        redacted = self(canonical)
+        return text if redacted == canonical else redacted
+
+
+# One escape of a JSON string: a surrogate pair, a \\uXXXX, or a backslash and one character (which
+# consumes an escaped backslash whole, so the "u0073" of "\\\\u0073" is never read as an escape).
+_JSON_ESCAPE = re.compile(r"\\(?:u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.)", re.DOTALL)
+
+
+def _canonical_escape(match: re.Match[str]) -> str:
+    """An escape as json.dumps writes its character (itself where it is not valid JSON)."""
+    try:
+        return json.dumps(json.loads(f'"{match.group(0)}"'), ensure_ascii=False)[1:-1]
+    except ValueError:
+        return match.group(0)
+
+
+def canonical_json_escapes(text: str) -> str:
+    """JSON text with every string escape written as json.dumps writes it (``\\u0073`` as ``s``), which
+    leaves the text's value the same: any character of a string may be escaped, so a secret can hide
+    from a match on its written forms until the text is decoded. Textual, so no depth of nesting
+    stops it."""
+    return _JSON_ESCAPE.sub(_canonical_escape, text) if "\\" in text else text
+
 
 def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The spans, overlapping or touching ones joined, in order."""

@@ -111,7 +111,8 @@ def _tool_calls_of(message: Message, turn_number: int, redact: Redactor) -> list
         if not isinstance(arguments, str):   # a few servers send an object; the row wants text
             arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
         calls.append(ToolCallRecord(id=redact(str(call.get("id") or f"call_{turn_number}_{position}")),
-                                    name=redact(str(function.get("name") or "")), arguments=redact(arguments)))
+                                    name=redact(str(function.get("name") or "")),
+                                    arguments=redact.json_text(arguments)))
     return calls
 
 

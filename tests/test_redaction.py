@@ -7,7 +7,7 @@ import json
 import pytest
 from conftest import endpoint_args, run_cli, write_dataset
 
-from batchrun.security import REDACTED, Redactor
+from batchrun.security import REDACTED, Redactor, canonical_json_escapes
 
 SECRET = "sk-or-v1-0123456789abcdef0123456789abcdef0123456789abcdef"
 CAP_NOTE = "\n[output truncated: 9000 more characters not shown]"
@@ -77,6 +77,28 @@ def test_a_secret_is_replaced_in_json_text_where_its_characters_are_escaped(secr
         text = json.dumps({"output": f"pw={secret} done"}, ensure_ascii=ascii_only)
         redacted = redact(text)
         assert json.loads(redacted) == {"output": f"pw={REDACTED} done"}, redacted
+
+
+def test_json_text_finds_a_secret_whose_characters_are_written_as_escapes():
+    hidden = json.dumps({"command": f"echo {SECRET}"}, ensure_ascii=False).replace("s", "\\u0073").replace("-", "\\u002d")
+    assert json.loads(hidden) == {"command": f"echo {SECRET}"}
+    assert json.loads(Redactor([SECRET]).json_text(hidden)) == {"command": f"echo {REDACTED}"}
+
+
+def test_json_text_finds_a_secret_at_any_depth_of_nesting():
+    hidden = "[" * 5000 + json.dumps(SECRET, ensure_ascii=True).replace("k", "\\u006b") + "]" * 5000
+    assert SECRET[:8] not in Redactor([SECRET]).json_text(hidden)[:6000]
+
+
+def test_an_escaped_backslash_before_u_is_not_read_as_an_escape():
+    text = json.dumps({"path": "C:\\u0073ecret"})          # the characters backslash, u, 0, 0, 7, 3
+    assert canonical_json_escapes(text) == text
+    assert json.loads(canonical_json_escapes('"\\ud83d\\ude00 \\ud800 \\n \\u0022"')) == "\U0001f600 \ud800 \n \""
+
+
+def test_json_text_without_a_secret_is_left_as_the_model_wrote_it():
+    text = '{"command":  "echo \\u0068i"}'
+    assert Redactor([SECRET]).json_text(text) == text
 
 
 # --- end to end: an endpoint that echoes the key -----------------------------------------------------

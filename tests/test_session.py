@@ -295,6 +295,41 @@ def test_a_secret_the_endpoint_echoes_never_reaches_the_record_or_the_tool(tmp_p
     assert json.loads(answered.result or "")["output"] == "[REDACTED]\n"     # the command never held it
 
 
+def escaped(text: str) -> str:
+    """``text`` with every character written as a JSON \\u escape, as a model may write any of them."""
+    return "".join(f"\\u{ord(char):04x}" for char in text)
+
+
+@pytest.mark.parametrize("hidden", [f"\\u0073{SECRET[1:-1]}\\u0066", escaped(SECRET), f"{SECRET[:5]}{escaped(SECRET[5:9])}{SECRET[9:]}"],
+                         ids=["first-and-last", "every-character", "middle"])
+def test_a_secret_hidden_by_json_escapes_in_arguments_never_reaches_the_tool_or_the_record(tmp_path, hidden):
+    arguments = '{"command": "echo \'' + hidden + '\' | rev"}'
+    assert json.loads(arguments)["command"] == f"echo '{SECRET}' | rev"
+    model = ScriptedModel([raw_call("terminal", arguments), say("Done.")])
+    services = worker_services(tmp_path, ScriptedModels(model))
+    services.redact = Redactor([SECRET])
+
+    async def session() -> SessionResult:
+        try:
+            return await Session(TASK, services).run()
+        finally:
+            await services.close()
+
+    result = asyncio.run(session())
+    line = rows.encode_finished(result, batch_num=0, model="m", timestamp="t", discard_no_reasoning=False)
+    [answered] = result.turns[0].tool_calls
+    assert json.loads(answered.arguments) == {"command": "echo '[REDACTED]' | rev"}
+    assert SECRET[::-1][:8] not in json.loads(answered.result or "")["output"]     # the command never held it
+    assert SECRET[:8].encode() not in line and b"[REDACTED]" in line
+
+
+def test_arguments_without_a_secret_are_kept_as_the_model_wrote_them(tmp_path):
+    arguments = '{"command":  "echo \\u0068i"}'
+    result, _ = run_session(tmp_path, [raw_call("terminal", arguments), say("Done.")])
+    [answered] = result.turns[0].tool_calls
+    assert answered.arguments == arguments
+
+
 FILE_TASK = Task(prompt_index=0, prompt="write it", image=None, cwd=None, content_key="key",
                  toolsets=("terminal", "file"), unit=0)
 
