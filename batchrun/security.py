@@ -85,9 +85,9 @@ class Redactor:
         return text if redacted == canonical else redacted
 
 
-# One escape of a JSON string: a surrogate pair, a \\uXXXX, or a backslash and one character (which
-# consumes an escaped backslash whole, so the "u0073" of "\\\\u0073" is never read as an escape).
-_JSON_ESCAPE = re.compile(r"\\(?:u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.)", re.DOTALL)
+# One escape of a JSON string: a surrogate pair, a \uXXXX, or a backslash and one character (which
+# consumes an escaped backslash whole, so the "u0073" of "\\u0073" is never read as an escape).
+_JSON_ESCAPE = re.compile(r"\\(?:ud[89ab][0-9a-f]{2}\\ud[c-f][0-9a-f]{2}|u[0-9a-f]{4}|.)", re.DOTALL | re.IGNORECASE)
 
 
 def _canonical_escape(match: re.Match[str]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import tracemalloc
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -202,6 +203,19 @@ def test_patch_replace_all_replaces_every_occurrence(workspace):
     assert target.read_text() == "y = 1\ny = 1\n"
 
 
+def test_patch_refuses_a_result_over_the_limit_without_building_it(workspace):
+    target = put(workspace, "a.txt", "a" * 5_000)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ToolError, match="would be 10000000 bytes, more than the file tools' limit of 10000"):
+            call(workspace, patch, path="a.txt", old_string="a", new_string="b" * 2_000, replace_all=True)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000          # not the 10 MB result, twice
+    assert target.read_text() == "a" * 5_000
+
+
 def test_patch_needs_either_a_diff_or_old_string(workspace):
     with pytest.raises(ToolError, match="'path'"):
         call(workspace, patch)
@@ -290,6 +304,15 @@ def test_diff_cannot_escape_the_working_directory(workspace):
 
 
 # --- search_files -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("target", ["content", "files"])
+def test_search_in_a_fifo_is_a_tool_error_not_a_wait_for_the_time_out(workspace, target):
+    os.mkfifo(workspace.prompt_dir / "pipe")
+    (workspace.prompt_dir / "link").symlink_to("pipe")
+    for path in ("pipe", "link"):
+        with pytest.raises(ToolError, match="not a regular file or a directory"):
+            call(workspace, search_files, pattern="x", path=path, target=target)
+
 
 def test_search_content_finds_matching_lines(workspace):
     put(workspace, "src/a.py", "import os\ndef main():\n    pass\n")

@@ -26,6 +26,8 @@ from batchrun.environments.limits import (
     cgroups_available,
     remove_run_leftovers,
 )
+from batchrun.tools import ToolContext
+from batchrun.tools.terminal import terminal
 
 BACKENDS = ["local", pytest.param("bubblewrap", marks=pytest.mark.bubblewrap)]
 needs_cgroups = pytest.mark.skipif(not cgroups_available(),
@@ -72,6 +74,19 @@ def test_memory_limit_kills_the_process_and_says_so(tmp_path: Path, kind: str) -
     [result] = run(kind, settings(tmp_path, memory_mb=64), "python3 -c 'x = bytearray(256 * 1024 * 1024)'")
     assert result.exit_code != 0
     assert "memory limit of 64 MB" in (result.error or "")
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+@needs_cgroups
+def test_a_limit_a_command_hit_before_its_time_out_is_still_named(tmp_path: Path, kind: str) -> None:
+    async def scenario() -> dict:
+        async with environment(kind, settings(tmp_path, memory_mb=64)) as env:
+            command = "python3 -c 'x = bytearray(256 * 1024 * 1024)'; sleep 30"
+            return await terminal({"command": command, "timeout": 2}, ToolContext(env=env, settings=env.settings))
+    result = asyncio.run(scenario())
+    assert result["exit_code"] is None
+    assert result["error"].startswith("Command timed out after 2s and was killed; ")
+    assert "memory limit of 64 MB" in result["error"]
 
 
 @pytest.mark.parametrize("kind", BACKENDS)

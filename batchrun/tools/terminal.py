@@ -19,9 +19,9 @@ async def terminal(args: dict, ctx: ToolContext) -> dict:
         raise ToolError("'command' must be a non-empty string")
     timeout = _timeout(args.get("timeout"), ctx.settings.command_timeout)
     result = await ctx.environment().run(command, timeout=timeout)
-    if result.timed_out:
-        return {"output": result.output, "exit_code": None,
-                "error": f"Command timed out after {timeout:g}s and was killed"}
+    if result.timed_out:     # a limit it ran into first is still named
+        error = "; ".join([f"Command timed out after {timeout:g}s and was killed", *filter(None, [result.error])])
+        return {"output": result.output, "exit_code": None, "error": error}
     return {"output": result.output, "exit_code": result.exit_code, "error": result.error}
 
 

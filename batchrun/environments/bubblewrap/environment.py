@@ -144,7 +144,8 @@ class BubblewrapEnvironment(Environment):
             except TimeoutError:    # the shell did not answer the time-out: it is stuck
                 await self._discard_shell(workspace)
                 output, truncated = collector.finish()
-                return CommandResult(output=output, exit_code=None, timed_out=True, truncated=truncated)
+                return await workspace.with_limit_notes(CommandResult(output=output, exit_code=None, timed_out=True,
+                                                                      truncated=truncated), before)
             except asyncio.CancelledError:
                 # Mid-command, the shell's next words belong to this command; close() reaps it.
                 self._shell = None
@@ -167,7 +168,8 @@ class BubblewrapEnvironment(Environment):
                     reaped = False
                 if not reaped:
                     await self._discard_shell(workspace)
-                return CommandResult(output=output, exit_code=None, timed_out=True, truncated=truncated)
+                return await workspace.with_limit_notes(CommandResult(output=output, exit_code=None, timed_out=True,
+                                                                      truncated=truncated), before)
             return await workspace.with_limit_notes(CommandResult(output=output, exit_code=status,
                                                                   truncated=truncated), before)
 

@@ -24,7 +24,8 @@ async def _replace_string(args: dict, ctx: ToolContext) -> dict:
     old = required_string(args, "old_string")
     new = required_string(args, "new_string", allow_empty=True)
     replace_all = switch(args, "replace_all")
-    text = editable_text(await ctx.environment().read_file(path), path)
+    data = await ctx.environment().read_file(path)
+    text = editable_text(data, path)
     count = text.count(old)
     if count == 0:
         raise ToolError(f"old_string was not found in {path!r}; read the file and copy the text "
@@ -32,6 +33,11 @@ async def _replace_string(args: dict, ctx: ToolContext) -> dict:
     if count > 1 and not replace_all:
         raise ToolError(f"old_string occurs {count} times in {path!r}; add surrounding context to "
                         "make it unique, or set replace_all to true to replace every occurrence")
+    # Sized before it is built: a short file and a long new_string replaced everywhere multiply into
+    # gigabytes, in the worker that every other prompt of it shares.
+    size = len(data) + count * (len(encode_text(new)) - len(old.encode("utf-8")))
+    if size > (limit := ctx.settings.max_file_bytes):
+        raise ToolError(f"the result would be {size} bytes, more than the file tools' limit of {limit} bytes")
     written = await ctx.environment().write_file(path, encode_text(text.replace(old, new)))
     return {"path": written, "replacements": count}
 

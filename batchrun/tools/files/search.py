@@ -18,6 +18,7 @@ _MATCH_TEXT_CHARS = 500
 # Exit statuses of the guard in front of every search command (grep uses 0-2, find 0-1).
 _SEARCH_PATH_ESCAPES = 3
 _SEARCH_PATH_MISSING = 4
+_SEARCH_PATH_NOT_SEARCHABLE = 5
 
 
 async def search_files(args: dict, ctx: ToolContext) -> dict:
@@ -43,12 +44,14 @@ def _search_root(path: str) -> str:
 
 
 def _guarded(root: str, command: str) -> str:
-    """``command`` behind a check that ``root`` exists and its real path (symlinks followed) is inside
-    the working directory: grep -r follows a symlink given as the starting point."""
+    """``command`` behind a check that ``root`` exists, its real path (symlinks followed) is inside
+    the working directory (grep -r follows a symlink given as the starting point), and it is a file or
+    a directory: grep reads a FIFO named as its start until the time-out."""
     quoted = shlex.quote(root)
     return (f"[ -e {quoted} ] || exit {_SEARCH_PATH_MISSING}; "
             f"real=$(readlink -f -- {quoted}) || exit {_SEARCH_PATH_MISSING}; here=$(pwd -P); "
             f'case "$real/" in "${{here%/}}"/*) ;; *) exit {_SEARCH_PATH_ESCAPES};; esac; '
+            f'[ -f "$real" ] || [ -d "$real" ] || exit {_SEARCH_PATH_NOT_SEARCHABLE}; '
             f"{command}")
 
 
@@ -60,6 +63,9 @@ async def _run_search(root: str, command: str, ctx: ToolContext) -> CommandResul
         raise ToolError(f"{root!r} does not exist")
     if result.exit_code == _SEARCH_PATH_ESCAPES:
         raise ToolError(f"{root!r} leads outside the working directory")
+    if result.exit_code == _SEARCH_PATH_NOT_SEARCHABLE:
+        raise ToolError(f"{root!r} is not a regular file or a directory (a FIFO, socket or device); "
+                        "search a file or a directory")
     return result
 
 
@@ -80,7 +86,8 @@ def _grep_match(line: str) -> dict | None:
 
 
 async def _search_content(pattern: str, root: str, max_results: int, ctx: ToolContext) -> dict:
-    command = (f"grep -rnIE --null --exclude-dir=.git -e {shlex.quote(pattern)} -- "
+    # -D skip: a start swapped for a FIFO after the guard's look is skipped, not read until the time-out.
+    command = (f"grep -rnIE -D skip --null --exclude-dir=.git -e {shlex.quote(pattern)} -- "
                f"{shlex.quote(root)}")
     result = await _run_search(root, command, ctx)
     matches = [match for line in result.output.split("\n") if (match := _grep_match(line))]
