@@ -20,6 +20,7 @@ from batchrun.messages import Task
 from batchrun.model import CONTEXT_LENGTH, Message, ModelReply, ModelSource, PromptFailedError
 from batchrun.rows import (
     END_REASONS,
+    MAX_TURNS_REACHED,
     AssistantTurn,
     EndReason,
     HumanTurn,
@@ -290,8 +291,9 @@ class Session:
         answers, or only reasoning) fails, so that resume runs its prompt again."""
         end_reason = await self._converse()
         if not self._answered():
-            raise PromptFailedError(f"the model gave no reply with text or a tool call: {END_REASONS[end_reason]}",
-                                    end_reason)
+            # With no reply kept there was nothing to summarise, so no summary was asked for either.
+            why = MAX_TURNS_REACHED if end_reason is EndReason.MAX_TURNS else END_REASONS[end_reason]
+            raise PromptFailedError(f"the model gave no reply with text or a tool call: {why}", end_reason)
         return end_reason
 
     async def _converse(self) -> EndReason:

@@ -30,6 +30,7 @@ from batchrun.endpoint import (
 )
 from batchrun.model import PromptFailedError, RunFatalError
 from batchrun.rate_limit import RateGate
+from batchrun.rows import split_reasoning
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -388,10 +389,44 @@ def test_a_reply_says_whether_its_endpoint_reported_its_cost(usage, source):
     (completion({"content": "hi"}, usage={"cost": "free"}), "usage.cost is not a number"),
     (b'{"choices": [{"message": {"content": "hi"}}], "usage": {"cost": NaN}}', "usage.cost is not a number"),
     (b'{"choices": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+    # A count or cost that would lower what the run has spent, or overflow its totals, lifts no cap.
+    (completion({"content": "hi"}, usage={"cost": -100.0}), "usage.cost is negative"),
+    (completion({"content": "hi"}, usage={"prompt_tokens": -1_000_000}), "usage.prompt_tokens is negative"),
+    (completion({"content": "hi"}, usage={"prompt_tokens_details": {"cached_tokens": -5}}),
+     "usage.prompt_tokens_details.cached_tokens is negative"),
+    (completion({"content": "hi"}, usage={"cost": 1.7e308}), "usage.cost is more than"),
+    (completion({"content": "hi"}, usage={"completion_tokens": 1e300}), "usage.completion_tokens is more than"),
+    # Text in a shape the reader would take for none: an answer or reasoning read as empty is lost.
+    (completion({"content": 12345}), "message.content is neither text nor a list of text parts"),
+    (completion({"content": {"text": "hi"}}), "message.content is neither text nor a list of text parts"),
+    (completion({"content": [{"type": "image_url", "image_url": {"url": "x"}}]}),
+     "message.content[0] is not a text part"),
+    (completion({"content": ["hi"]}), "message.content[0] is not a text part"),
+    (completion({"content": [{"type": "thinking", "thinking": 7}]}), "message.content[0] is not a text part"),
+    (completion({"content": "a", "reasoning": {"text": "thinking"}}), "message.reasoning is not text"),
+    (completion({"content": "a", "reasoning": ["a", "b"]}), "message.reasoning is not text"),
+    (completion({"content": "a", "reasoning_content": 7}), "message.reasoning_content is not text"),
+    (completion({"content": "a", "reasoning_details": "just a string"}), "message.reasoning_details is not a list"),
+    (completion({"content": "a", "reasoning_details": {"text": "x"}}), "message.reasoning_details is not a list"),
+    (completion({"content": "a", "reasoning_details": [7]}), "message.reasoning_details[0] is not an object"),
 ])
 def test_malformed_reply_is_named(raw, complaint):
     with pytest.raises(MalformedReplyError, match=complaint.replace("[", r"\[").replace("]", r"\]")):
         parse_reply(raw)
+
+
+def test_an_answer_given_as_text_parts_is_read_as_their_text():
+    parts = [{"type": "text", "text": "The answer "}, {"type": "text", "text": "is 42."}]
+    reply = parse_reply(completion({"role": "assistant", "content": parts, "reasoning": "thinking hard"}))
+    assert split_reasoning(reply.message) == ("thinking hard", "The answer is 42.")
+
+
+def test_thinking_parts_of_a_content_list_are_read_as_reasoning():
+    """Mistral's reasoning models answer with thinking parts beside the text."""
+    parts = [{"type": "thinking", "thinking": [{"type": "text", "text": "Six times seven."}]},
+             {"type": "text", "text": "42."}]
+    reply = parse_reply(completion({"role": "assistant", "content": parts}))
+    assert split_reasoning(reply.message) == ("Six times seven.", "42.")
 
 
 def test_malformed_reply_is_retried_then_fails_the_prompt(ep):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 import re
 import threading
@@ -26,6 +27,7 @@ from batchrun.rows import (
     Usage,
     content_key,
     encode_finished,
+    encode_row,
     read_stored_row,
     split_reasoning,
     tool_result_failed,
@@ -720,6 +722,17 @@ def test_reader_reads_a_row_holding_a_lone_surrogate_as_python_json_writes_it(ki
     assert b"\\udc80" in written                        # valid JSON to Python, refused by msgspec alone
     assert facts_read(written) == facts_read(line)
     assert read_stored_row(written).line == written
+
+
+@pytest.mark.parametrize("constant", [b"Infinity", b"-Infinity", b"NaN"])
+def test_a_line_holding_nan_or_infinity_is_refused_as_not_json_not_taken_for_deep_nesting(constant):
+    with pytest.raises(RowError, match="NaN or Infinity"):
+        read_stored_row(b'{"failed": true, "usage": {"cost": ' + constant + b'}}\n')
+
+
+def test_a_row_is_never_written_with_nan_or_infinity():
+    with pytest.raises(ValueError):
+        encode_row({"failed": True, "usage": {"cost": math.inf}})
 
 
 @pytest.mark.parametrize("kind", CUT_ROWS)

@@ -144,6 +144,12 @@ def test_a_session_that_kept_no_reply_is_a_failure_naming_its_cause(tmp_path, sc
     assert result.api_calls == len(script)
 
 
+def test_a_session_that_kept_no_reply_by_max_turns_does_not_claim_a_summary_was_asked_for(tmp_path):
+    result, model = run_session(tmp_path, [say("")] * 2, max_turns=2)
+    assert len(model.calls) == 2
+    assert result.error == "the model gave no reply with text or a tool call: --max_turns model calls were made"
+
+
 def test_a_cut_off_answer_is_asked_to_continue_and_every_piece_is_kept(tmp_path):
     result, model = run_session(tmp_path, [say("First half", finish_reason="length"), say("second half.")])
     assert result.end_reason == "final_answer"

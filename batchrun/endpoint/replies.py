@@ -9,6 +9,7 @@ from typing import Any
 
 from batchrun.model import ModelReply
 from batchrun.rows import Usage
+from batchrun.rows.reasoning import content_part_text
 
 
 class MalformedReplyError(Exception):
@@ -22,7 +23,14 @@ def _preview(value: Any) -> str:
     return text[:300]
 
 
+# No reply's token count or cost (in dollars) comes near this: above it a number is a server's fault,
+# and below it the totals of any run stay finite (statistics.json stays JSON).
+_MOST_PER_REPLY = 1e9
+
+
 def _count(section: dict, key: str, where: str) -> float:
+    """A count or cost of the reply's usage. A negative one is refused: it would lower what the run
+    has spent and so lift --max_cost and --max_total_tokens."""
     value = section.get(key)
     if value is None:
         return 0.0
@@ -32,6 +40,10 @@ def _count(section: dict, key: str, where: str) -> float:
         number = math.nan
     if isinstance(value, bool) or not math.isfinite(number):
         raise MalformedReplyError(f"{where}.{key} is not a number: {_preview(value)}")
+    if number < 0:
+        raise MalformedReplyError(f"{where}.{key} is negative: {_preview(value)}")
+    if number > _MOST_PER_REPLY:
+        raise MalformedReplyError(f"{where}.{key} is more than any reply's: {_preview(value)}")
     return number
 
 
@@ -75,6 +87,39 @@ def _check_tool_calls(message: dict) -> None:
             raise MalformedReplyError(f"{where}.function.name is not a string: {_preview(function.get('name'))}")
 
 
+def _check_content(message: dict) -> None:
+    """The answer as text, or as a list of text parts and thinking parts (the chat format's list form,
+    which Mistral's reasoning models answer in); any other shape is refused rather than read as no
+    answer."""
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise MalformedReplyError(f"choices[0].message.content is neither text nor a list of text parts: "
+                                  f"{_preview(content)}")
+    for position, part in enumerate(content):
+        if content_part_text(part) is None:
+            raise MalformedReplyError(f"choices[0].message.content[{position}] is not a text part: {_preview(part)}")
+
+
+def _check_reasoning(message: dict) -> None:
+    """Reasoning, where a reply has it, in the shapes the reasoning reader takes: in any other, it would
+    be read as none, and the no-reasoning filter would discard the trajectory for good."""
+    for key in ("reasoning", "reasoning_content"):
+        value = message.get(key)
+        if value is not None and not isinstance(value, str):
+            raise MalformedReplyError(f"choices[0].message.{key} is not text: {_preview(value)}")
+    details = message.get("reasoning_details")
+    if details is None:
+        return
+    if not isinstance(details, list):
+        raise MalformedReplyError(f"choices[0].message.reasoning_details is not a list: {_preview(details)}")
+    for position, item in enumerate(details):
+        if not isinstance(item, dict):
+            raise MalformedReplyError(f"choices[0].message.reasoning_details[{position}] is not an object: "
+                                      f"{_preview(item)}")
+
+
 def parse_reply(raw: bytes) -> ModelReply:
     """The first choice of a chat completion; MalformedReplyError naming what is wrong otherwise."""
     try:
@@ -99,6 +144,8 @@ def parse_reply(raw: bytes) -> ModelReply:
     if not isinstance(message, dict):
         raise MalformedReplyError(f"choices[0].message is not an object: {_preview(message)}")
     _check_tool_calls(message)
+    _check_content(message)
+    _check_reasoning(message)
     usage = data.get("usage")
     reported = isinstance(usage, dict) and usage.get("cost") is not None
     return ModelReply(message=message, finish_reason=choice.get("finish_reason"), usage=_usage_from(data),

@@ -30,6 +30,7 @@ from batchrun.rows.outcome import (
     DISCARDED,
     END_REASONS,
     FAILED,
+    MAX_TURNS_REACHED,
     NO_REASONING,
     PARTIAL,
     EndReason,
@@ -60,7 +61,7 @@ from batchrun.rows.stored import RowError, StoredRow, read_stored_row
 from batchrun.rows.tool_outcomes import is_invented, tool_result_failed
 
 __all__ = [
-    "COMPLETED", "DISCARDED", "END_REASONS", "FAILED", "NO_REASONING", "PARTIAL",
+    "COMPLETED", "DISCARDED", "END_REASONS", "FAILED", "MAX_TURNS_REACHED", "NO_REASONING", "PARTIAL",
     "ROW_FORMAT", "AssistantTurn", "EndReason", "GptLayout", "HumanTurn", "LayoutError", "ReadGptTurn",
     "RowError", "RowStatus", "SessionResult", "StoredRow", "ToolCallRecord", "Turn", "Usage", "arguments_text",
     "calls_of", "content_key", "encode_finished", "encode_row", "failure_row", "is_invented",

@@ -72,5 +72,6 @@ def failure_row(result: SessionResult) -> dict:
 
 
 def encode_row(row: dict) -> bytes:
-    """One JSONL line, always valid UTF-8 whatever bytes a tool produced (lone surrogates -> '?')."""
-    return (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8", "replace")
+    """One JSONL line, always valid UTF-8 whatever bytes a tool produced (lone surrogates -> '?'), and
+    always JSON: a NaN or an infinity raises here rather than make a line no reader takes."""
+    return (json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8", "replace")

@@ -22,11 +22,13 @@ class EndReason(StrEnum):
     ERROR = "error"
 
 
+MAX_TURNS_REACHED = "--max_turns model calls were made"
+
 # Why a session ended. Only a final answer completes a row; every other reason but "error" (a failure
 # row, retried on resume) leaves a partial trajectory of the turns it paid for.
 END_REASONS: dict[EndReason, str] = {
     EndReason.FINAL_ANSWER: "the model answered without calling a tool",
-    EndReason.MAX_TURNS: "--max_turns model calls were made (then one more, without tools, asked for a summary)",
+    EndReason.MAX_TURNS: f"{MAX_TURNS_REACHED} (then one more, without tools, asked for a summary)",
     EndReason.INVENTED_TOOLS: "the model called tools it was not offered in 3 turns in a row",
     EndReason.TRUNCATED: "a reply stayed cut off by the output limit (after 3 requests to continue, its tool "
                          "calls twice in a row, or while it reasoned)",

@@ -24,15 +24,45 @@ def _details_text(details: Any) -> str:
     return "\n".join(parts)
 
 
+def content_part_text(part: Any) -> tuple[str, str] | None:
+    """(kind, text) of one part of a content list: ("text", ...) for a text part, ("thinking", ...) for
+    a thinking part (its ``thinking`` a list of text parts, or text); None for anything else."""
+    if not isinstance(part, dict):
+        return None
+    kind = part.get("type", "text")
+    if kind == "text" and isinstance(part.get("text"), str):
+        return "text", part["text"]
+    thinking = part.get("thinking")
+    if kind != "thinking":
+        return None
+    if isinstance(thinking, str):
+        return "thinking", thinking
+    if isinstance(thinking, list):
+        texts = [content_part_text(inner) for inner in thinking]
+        if all(text is not None and text[0] == "text" for text in texts):
+            return "thinking", "".join(text[1] for text in texts if text is not None)
+    return None
+
+
+def _content_texts(content: Any) -> tuple[str, str]:
+    """(thinking, text) of a message's content: text as it is, or the parts of a content list."""
+    if isinstance(content, str):
+        return "", content
+    if not isinstance(content, list):
+        return "", ""
+    parts = [text for part in content if (text := content_part_text(part)) is not None]
+    return ("\n\n".join(text for kind, text in parts if kind == "thinking" and text.strip()),
+            "".join(text for kind, text in parts if kind == "text"))
+
+
 def split_reasoning(message: dict) -> tuple[str, str]:
     """(reasoning, visible content) of one assistant message, from every form endpoints use.
 
-    Structured fields win; reasoning written inline as <think>/<REASONING_SCRATCHPAD> blocks is
-    also taken out of the visible text so a trajectory never shows it twice.
+    Structured fields win, then reasoning_details, then thinking parts of a content list; reasoning
+    written inline as <think>/<REASONING_SCRATCHPAD> blocks is also taken out of the visible text so
+    a trajectory never shows it twice.
     """
-    content = message.get("content") or ""
-    if not isinstance(content, str):
-        content = ""
+    thinking, content = _content_texts(message.get("content"))
     found: list[str] = []
     for key in ("reasoning", "reasoning_content"):
         value = message.get(key)
@@ -43,6 +73,8 @@ def split_reasoning(message: dict) -> tuple[str, str]:
         details = _details_text(message.get("reasoning_details"))
         if details.strip():
             found.append(details.strip())
+        elif thinking:
+            found.append(thinking.strip())
     # Taken out until none is left: taking one out can join the text around it into another
     # ("<thi<think></think>nk>...</think>"), and the visible text never holds a think block.
     inline: list[str] = []

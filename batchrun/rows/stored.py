@@ -305,12 +305,24 @@ def _decoded_by_python_rules(line: bytes) -> _Row | None:
     """msgspec refuses lone UTF-16 surrogates (``"\\udc80"``), which Python's json writes and reads: a
     line that is JSON by Python's rules is read once more with them replaced, never taken for debris."""
     try:
-        value = json.loads(line)
+        value = json.loads(line, parse_constant=_not_json_constant)
+    except _NotJsonConstant:
+        raise RowError("not a batch_runner row (NaN or Infinity, which JSON does not have); "
+                       "fix or remove this line") from None
     except ValueError:
         return None
     except RecursionError:
         raise _too_deep() from None
     return _decoded(encode_row(value))      # encode_row writes each lone surrogate as "?"
+
+
+class _NotJsonConstant(Exception):
+    """Python's json reads NaN and Infinity, which msgspec (and JSON) refuse: read again, such a line
+    would be refused again, for ever."""
+
+
+def _not_json_constant(name: str) -> float:
+    raise _NotJsonConstant(name)
 
 
 def _too_deep() -> RowError:
