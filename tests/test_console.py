@@ -281,6 +281,19 @@ def test_control_characters_of_a_model_reply_are_shown_escaped_in_verbose_lines(
     assert_escaped(result.stdout + result.stderr, CLEAR_SCREEN)
 
 
+def test_a_lone_surrogate_in_a_dataset_prompt_is_shown_escaped_and_the_run_goes_on(tmp_path, endpoint):
+    result = run_with_console(tmp_path, endpoint, ["lone \ud800 surrogate", "low \udc00 x", "plain"])
+    assert result.returncode == 0, result.stderr
+    assert "\\ud800" in result.stdout and "\\udc00" in result.stdout
+    assert "Traceback" not in result.stderr
+
+
+def test_a_lone_surrogate_in_a_model_reply_is_shown_escaped_in_verbose_lines(tmp_path, endpoint):
+    result = run_with_console(tmp_path, endpoint, ["[[call evil\udc80tool]] call it"], "--verbose")
+    assert result.returncode == 0, result.stderr
+    assert "\\udc80" in result.stdout + result.stderr
+
+
 def test_control_characters_of_an_endpoint_error_are_shown_escaped(tmp_path, endpoint):
     endpoint.script = lambda body: (400, {"error": {"message": f"refused {CLIPBOARD_WRITE} {CLEAR_SCREEN}",
                                                     "type": "invalid_request_error"}}, {})

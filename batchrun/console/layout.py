@@ -16,15 +16,23 @@ PLAIN_WIDTH = 80              # a log file has no width of its own; lay it out f
 MIN_PREVIEW = 12              # with less room a preview stub says nothing; leave it out instead
 SEPARATOR = " · "
 INDENT = "    "               # continuation lines, and the detail lines under a prompt's line
-# C0 controls but newline and tab, DEL and C1 controls: what a terminal may take as a command.
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# C0 controls but newline and tab, DEL and C1 controls: what a terminal may take as a command; and
+# lone surrogates, which no output encoding takes.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
 def shown(text: str) -> str:
-    """``text`` with its control characters written as escapes (``\x1b``). Prompts come from
-    downloaded datasets and replies from the model: printed raw, ESC[2J would clear the screen and
-    OSC 52 write the user's clipboard. Rich's markup escaping leaves them be."""
-    return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
+    r"""``text`` with its control characters written as escapes (``\x1b``), and lone surrogates too
+    (``\udc80``). Prompts come from downloaded datasets and replies from the model: printed raw, ESC[2J
+    would clear the screen and OSC 52 write the user's clipboard, and a lone surrogate, which JSON
+    allows and UTF-8 cannot encode, would end the run at the print. Rich's markup escaping leaves them
+    be."""
+    return _CONTROL.sub(_escape, text)
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 def wrapped(text: str) -> list[str]:
