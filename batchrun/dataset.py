@@ -101,7 +101,8 @@ class DatasetPlan:
 def parse_line(raw: bytes, line_number: int) -> tuple[dict | None, str | None]:
     """(record fields, None) for a usable line, (None, warning) for a bad one, (None, None) if blank."""
     try:
-        text = raw.decode("utf-8")
+        # A byte order mark some editors write before the first line is not part of it.
+        text = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
     except UnicodeDecodeError:
         return None, f"line {line_number}: not valid UTF-8; skipped"
     if not text.strip():
@@ -109,7 +110,8 @@ def parse_line(raw: bytes, line_number: int) -> tuple[dict | None, str | None]:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
-        return None, f"line {line_number}: not valid JSON ({exc.msg}); skipped"
+        where = f"{exc.msg.removesuffix(' at')} at column {exc.colno}"
+        return None, f"line {line_number}: not valid JSON ({where}); skipped"
     except ValueError as exc:   # valid JSON past one of Python's limits, such as an integer's digits
         return None, f"line {line_number}: not readable JSON ({exc}); skipped"
     except RecursionError:
@@ -139,10 +141,27 @@ def _lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
 
 
 def check_dataset_file(path: Path) -> None:
+    """The dataset is a regular file this process can read: it is read more than once (planned, then
+    each prompt read again by its offset), which a pipe or a FIFO cannot be."""
     if not path.exists():
         raise DatasetError(f"dataset file not found: {path}. Pass an existing JSONL file with --dataset_file.")
-    if not path.is_file():
+    if path.is_dir():
         raise DatasetError(f"--dataset_file must be a file, but {path} is a directory.")
+    if not path.is_file():
+        raise DatasetError(f"--dataset_file must be a regular file (it is read more than once), but {path} is "
+                           f"{_file_kind(path)}. Save it to a file first.")
+    try:
+        path.open("rb").close()
+    except OSError as exc:
+        raise DatasetError(f"cannot read {path}: {exc.strerror}. Give this user read access to it.") from None
+
+
+def _file_kind(path: Path) -> str:
+    if path.is_fifo():
+        return "a FIFO (a pipe, such as <(command) makes)"
+    if path.is_socket():
+        return "a socket"
+    return "a device"
 
 
 def require_valid_prompt(path: Path, *, warn: Callable[[str], None]) -> None:

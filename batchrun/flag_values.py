@@ -149,10 +149,14 @@ def load_prefill(flag: str, path_value: Any) -> tuple[dict, ...]:
     if path_text is None:
         return ()
     path = Path(path_text)
-    if not path.is_file():
+    if path.is_dir():
+        raise UsageError(f"--prefill_messages_file: {path} is a directory; give a JSON file")
+    if not path.exists():
         raise UsageError(f"--prefill_messages_file: file not found: {path}")
     try:
         messages = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UsageError(f"--prefill_messages_file: cannot read {path}: {exc.strerror}") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise UsageError(f"--prefill_messages_file: {path} is not valid JSON ({exc})") from None
     if not isinstance(messages, list):

@@ -7,6 +7,8 @@ before any model call and before data/<run_name>/ exists.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    REPO,
     batch_rows,
     batch_runner_command,
     cli_environment,
@@ -26,6 +29,7 @@ from conftest import (
 
 from batchrun import flags
 from batchrun.config import build_config, provider_routing_note
+from batchrun.dataset import DatasetError, check_dataset_file, parse_line
 
 DEFAULTS = flags.defaults()
 DISTRIBUTION_NAMES = ("default", "image_gen", "research", "science", "development", "safe", "balanced", "minimal",
@@ -151,6 +155,39 @@ def test_missing_dataset_file_is_a_clear_error(tmp_path, endpoint):
     args = [arg for arg in good_args(tmp_path, endpoint) if not arg.startswith("--dataset_file")]
     result = run_cli(tmp_path, *args, f"--dataset_file={tmp_path / 'nowhere.jsonl'}")
     assert_rejected_before_anything(result, tmp_path, endpoint, "--dataset_file", "not found", "nowhere.jsonl")
+
+
+def test_a_fifo_as_dataset_is_named_as_what_it_is(tmp_path):
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(DatasetError, match="must be a regular file .* is a FIFO"):
+        check_dataset_file(fifo)
+
+
+def test_a_dataset_the_runner_may_not_read_is_a_clear_error(tmp_path):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["hi"])
+    dataset.chmod(0)
+    # Root reads any file; without the capabilities that let it, it obeys the file's mode as anyone does.
+    prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
+    if prefix and shutil.which("setpriv") is None:
+        pytest.skip("root without setpriv reads every file")
+    check = f"from batchrun.dataset import check_dataset_file; check_dataset_file(__import__('pathlib').Path({str(dataset)!r}))"
+    result = subprocess.run([*prefix, sys.executable, "-c", check], capture_output=True, text=True, cwd=REPO)
+    assert "DatasetError: cannot read" in result.stderr and "Permission denied" in result.stderr, result.stderr
+
+
+def test_a_utf8_byte_order_mark_before_the_first_line_is_not_part_of_it():
+    assert parse_line(b'\xef\xbb\xbf{"prompt": "p0"}\n', 1) == ({"prompt": "p0", "image": None, "cwd": None}, None)
+
+
+def test_a_line_that_is_not_json_is_named_with_where_it_goes_wrong():
+    fields, warning = parse_line(b'{"prompt": "a\x00b"}\n', 3)
+    assert fields is None and warning == "line 3: not valid JSON (Invalid control character at column 14); skipped"
+
+
+def test_a_directory_as_prefill_messages_file_is_named_as_a_directory(tmp_path, endpoint):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, f"--prefill_messages_file={tmp_path}"))
+    assert_rejected_before_anything(result, tmp_path, endpoint, "--prefill_messages_file", "is a directory")
 
 
 def test_dataset_without_a_valid_line_is_a_clear_error(tmp_path, endpoint):
