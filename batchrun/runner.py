@@ -338,7 +338,7 @@ class BatchRunner:
             lines.append(f"Finishing the run needs roughly {size_text(2 * left * per_row)} more: {left:,} "
                          f"{self._units_word} left at about {size_text(per_row)} a row, each written to its batch "
                          "file and again to trajectories.jsonl.")
-        lines.append("Make room there, then run the same command with --resume.")
+        lines.append(f"{exc.remedy}, then run the same command with --resume.")
         return " ".join(lines)
 
     def _run_spend(self) -> UsageTotals:

@@ -8,13 +8,23 @@ from __future__ import annotations
 import errno
 import json
 import os
+import resource
 import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import batch_rows, endpoint_args, live_processes_mentioning, read_jsonl, run_cli, write_dataset
+from conftest import (
+    batch_rows,
+    batch_runner_command,
+    cli_environment,
+    endpoint_args,
+    live_processes_mentioning,
+    read_jsonl,
+    run_cli,
+    write_dataset,
+)
 
 from batchrun import report
 from batchrun.run_dir import CHECKPOINT, MERGE_RECORD, TRAJECTORIES, DiskFull, RunDirectory, atomic_write_json
@@ -197,6 +207,35 @@ def test_an_export_on_a_full_disk_says_so_in_one_line_and_keeps_the_old_file(sma
 
 
 # ---------------------------------------------------------------------------------------------
+def test_a_file_size_limit_stops_the_run_with_one_message_and_resume_finishes_without_it(endpoint, tmp_path):
+    """``ulimit -f`` (or a filesystem's largest file) refuses a write as EFBIG, not ENOSPC: the same clean
+    stop, in its own words."""
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [f"question {n}" for n in range(40)])
+    args = [f"--dataset_file={dataset}", "--batch_size=40", "--run_name=run", "--distribution=terminal_only",
+            "--num_workers=1", *endpoint_args(endpoint)]
+
+    def file_size_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (32 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    limited = subprocess.run(batch_runner_command(*args), cwd=tmp_path,
+                             env=cli_environment(tmp_path, {"TERMINAL_ENV": "local"}),
+                             capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                             preexec_fn=file_size_limit)
+    output = limited.stdout + limited.stderr
+    assert limited.returncode == 1, output
+    assert "Traceback" not in output
+    assert limited.stderr.count("error:") == 1, limited.stderr
+    assert "largest file" in limited.stderr and "ulimit -f" in limited.stderr and "--resume" in limited.stderr
+    run_dir = tmp_path / "data" / "run"
+    assert_only_complete_rows(run_dir)
+    kept = len(batch_rows(run_dir))
+    assert 0 < kept < 40
+
+    finished = run_cli(tmp_path, *args, "--resume", env={"TERMINAL_ENV": "local"})
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert sorted(row["prompt_index"] for row in read_jsonl(run_dir / TRAJECTORIES)) == list(range(40))
+
+
 # Each file the run rewrites, on a disk with no room for the new version
 
 

@@ -383,6 +383,18 @@ def test_a_checkpoint_of_an_earlier_version_is_replaced_by_counts_of_the_batch_f
     assert (checkpoint["completed_prompts"], checkpoint["batch_stats"]) == (2, {"completed": 2})
 
 
+@pytest.mark.parametrize("content", ["[1, 2]", '"text"', "{truncated"], ids=["array", "string", "not-json"])
+def test_a_checkpoint_that_is_not_a_json_object_is_rebuilt_from_the_batch_files(tmp_path, endpoint, content):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["a", "b"])
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--max_samples=1")).returncode == 0
+    checkpoint_path = tmp_path / "data" / "run" / "checkpoint.json"
+    checkpoint_path.write_text(content)
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
+    assert result.returncode == 0, result.stderr
+    checkpoint = json.loads(checkpoint_path.read_text())
+    assert (checkpoint["completed_prompts"], checkpoint["batch_stats"]) == (2, {"completed": 2})
+
+
 def test_resume_warns_when_an_argument_differs_from_the_checkpoint(tmp_path, endpoint):
     dataset = write_dataset(tmp_path / "dataset.jsonl", ["a", "b"])
     assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--max_samples=1")).returncode == 0

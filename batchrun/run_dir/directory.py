@@ -133,10 +133,13 @@ class RunDirectory:
         atomic_write_json(self.path / CHECKPOINT, checkpoint.as_json())
 
     def read_checkpoint(self) -> dict[str, Any] | None:
+        """The checkpoint; None where there is none, or what is there is not one (cut short, edited),
+        and the batch files, which it only summarises, count instead."""
         try:
-            return json.loads((self.path / CHECKPOINT).read_text(encoding="utf-8"))
+            checkpoint = json.loads((self.path / CHECKPOINT).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return None
+        return checkpoint if isinstance(checkpoint, dict) else None
 
     def write_estimate(self, data: dict[str, Any]) -> None:
         atomic_write_json(self.path / ESTIMATE, data, indent=2)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import resource
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,21 +22,35 @@ class RunDirectoryError(Exception):
 
 
 class DiskFull(RunDirectoryError):
-    """A write found no room on its filesystem (ENOSPC, or the user's quota: EDQUOT). The message
-    says which file, the filesystem that holds it, what is free there and what the write needed."""
+    """A write found no room: none left on its filesystem (ENOSPC, or the user's quota: EDQUOT), or
+    the file at the largest size this process may write (EFBIG: ``ulimit -f``, or the filesystem's
+    largest file). The message says which file and why; for a full filesystem, which one, what is free
+    there and what the write needed. ``remedy`` says what to do before --resume."""
 
-    def __init__(self, path: Path, needed: int) -> None:
+    def __init__(self, path: Path, needed: int, *, too_large: bool = False) -> None:
         self.path, self.needed = path, needed
+        wanted = f"writing it needs about {size_text(needed)}, and " if needed else ""
         mount, kind = filesystem_of(path)
+        if too_large:
+            super().__init__(f"{path} cannot grow any larger: {wanted}{_largest_file(kind, mount)}")
+            self.remedy = "Raise the limit (ulimit -f) or move the run to a filesystem that takes larger files"
+            return
         usage = os.statvfs(mount)
         free, total = usage.f_bavail * usage.f_frsize, usage.f_blocks * usage.f_frsize
-        wanted = f"writing it needs about {size_text(needed)}, and " if needed else ""
         super().__init__(f"no space left on the disk for {path}: {wanted}the filesystem that holds it ({kind} at "
                          f"{mount}) has {size_text(free)} free of {size_text(total)}")
+        self.remedy = "Make room there"
+
+
+def _largest_file(kind: str, mount: str) -> str:
+    soft, _hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft != resource.RLIM_INFINITY:
+        return f"it is at the largest file this process may write ({size_text(soft)}, ulimit -f)"
+    return f"it is at the largest file its filesystem ({kind} at {mount}) takes"
 
 
 def is_disk_full(exc: BaseException) -> bool:
-    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 @contextmanager
@@ -45,7 +60,7 @@ def full_disk_named(path: Path, needed: int = 0) -> Iterator[None]:
         yield
     except OSError as exc:
         if is_disk_full(exc):
-            raise DiskFull(path, needed) from exc
+            raise DiskFull(path, needed, too_large=exc.errno == errno.EFBIG) from exc
         raise
 
 
