@@ -142,7 +142,11 @@ def write_report_cli(run_name: Any, console: RunConsole) -> int:
     try:
         path = report.write_report(run_dir)
     except DiskFull as exc:
-        console.error(f"{exc}. The report there is kept as it was; make room and run --report again.")
+        console.error(f"{exc}. The report there is kept as it was. {exc.remedy}, then run --report again.")
+        return EXIT_ERROR
+    except PermissionError as exc:
+        console.error(f"cannot write the report in {run_dir}: Permission denied ({exc.filename}). The report "
+                      "there is kept as it was; run --report as a user who may write there.")
         return EXIT_ERROR
     console.print(f"Report: {path} (open it in a browser; it needs no network)")
     return EXIT_OK
@@ -159,7 +163,11 @@ def export_cli(given: dict[str, Any], console: RunConsole) -> int:
         console.error(str(exc))
         return EXIT_ERROR
     except DiskFull as exc:
-        console.error(f"{exc}. The file there is kept as it was; make room and export again.")
+        console.error(f"{exc}. The file there is kept as it was. {exc.remedy}, then export again.")
+        return EXIT_ERROR
+    except PermissionError as exc:
+        console.error(f"cannot write {exc.filename}: Permission denied. Choose an --out where this user may "
+                      "write.")
         return EXIT_ERROR
     for line in summary.lines():
         console.print(line)

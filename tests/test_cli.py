@@ -398,6 +398,75 @@ def test_rerun_without_resume_refuses_and_leaves_results_untouched(tmp_path, end
 
 # -- two runs on one run name ---------------------------------------------------------
 
+@pytest.mark.parametrize("in_the_way", ["data/run", "data"], ids=["the-run-directory", "its-parent"])
+def test_a_file_where_the_run_directory_goes_is_one_clear_error_and_stays(tmp_path, endpoint, in_the_way):
+    (tmp_path / "data").mkdir(exist_ok=in_the_way == "data/run")
+    if in_the_way == "data":
+        (tmp_path / "data").rmdir()
+    (tmp_path / in_the_way).write_text("mine")
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    error_line(result)
+    assert "is not a directory" in said(result) and "--run_name" in said(result)
+    assert (tmp_path / in_the_way).read_text() == "mine"
+    assert endpoint.requests == []
+
+
+def said(result) -> str:
+    """The run's stderr as one line (the console wraps long lines at 80 columns in a log)."""
+    return " ".join(result.stderr.split())
+
+
+def without_root_file_access() -> list[str]:
+    """A command prefix under which even root obeys file modes (it drops the capabilities to ignore them)."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("root without setpriv writes everywhere")
+    return ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
+
+
+def test_a_run_directory_the_runner_may_not_write_is_one_clear_error(tmp_path, endpoint):
+    run_dir = tmp_path / "data" / "run"
+    run_dir.mkdir(parents=True)
+    run_dir.chmod(0o555)
+    command = [*without_root_file_access(), *batch_runner_command(*good_args(tmp_path, endpoint))]
+    result = subprocess.run(command, cwd=tmp_path, env=cli_environment(tmp_path), capture_output=True, text=True,
+                            timeout=120, stdin=subprocess.DEVNULL)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    error_line(result)
+    assert "cannot write" in said(result) and "Permission denied" in said(result)
+    assert list(run_dir.iterdir()) == []
+
+
+def test_report_in_a_run_directory_the_runner_may_not_write_is_one_clear_line(tmp_path, endpoint):
+    assert run_cli(tmp_path, *good_args(tmp_path, endpoint)).returncode == 0
+    run_dir = tmp_path / "data" / "run"
+    page = (run_dir / "report.html").read_bytes()
+    run_dir.chmod(0o555)
+    command = [*without_root_file_access(), *batch_runner_command("--report", "--run_name=run")]
+    result = subprocess.run(command, cwd=tmp_path, env=cli_environment(tmp_path), capture_output=True, text=True,
+                            timeout=120, stdin=subprocess.DEVNULL)
+    run_dir.chmod(0o755)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    error_line(result)
+    assert "cannot write" in said(result) and "Permission denied" in said(result)
+    assert (run_dir / "report.html").read_bytes() == page
+
+
+def test_an_export_to_a_place_the_runner_may_not_write_is_one_clear_line(tmp_path, endpoint):
+    assert run_cli(tmp_path, *good_args(tmp_path, endpoint)).returncode == 0
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o555)
+    command = [*without_root_file_access(),
+               *batch_runner_command("--run_name=run", "--export=sharegpt", f"--out={closed / 'out.jsonl'}")]
+    result = subprocess.run(command, cwd=tmp_path, env=cli_environment(tmp_path), capture_output=True, text=True,
+                            timeout=120, stdin=subprocess.DEVNULL)
+    error_line(result)
+    assert "cannot write" in said(result) and "Permission denied" in said(result) and "--out" in said(result)
+    assert list(closed.iterdir()) == []
+
+
 def test_second_run_on_a_busy_run_directory_is_refused_and_the_first_finishes(tmp_path, endpoint):
     args = good_args(tmp_path, endpoint, prompts=("[[sleep 3]] take your time",))
     first = subprocess.Popen(batch_runner_command(*args), cwd=tmp_path, env=cli_environment(tmp_path),

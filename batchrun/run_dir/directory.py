@@ -41,9 +41,16 @@ class RunDirectory:
 
     def acquire(self) -> None:
         lock = self.path / LOCK
-        with full_disk_named(lock):
-            self.path.mkdir(parents=True, exist_ok=True)
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            with full_disk_named(lock):
+                self.path.mkdir(parents=True, exist_ok=True)
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        except (FileExistsError, NotADirectoryError) as exc:
+            raise RunDirectoryError(f"{self.path} is not a directory: {exc.filename} is a file in the way. Move it, "
+                                    "or choose another --run_name.") from None
+        except PermissionError as exc:
+            raise RunDirectoryError(f"cannot write in {self.path}: Permission denied ({exc.filename}). Run as a "
+                                    "user who may write there, or choose another --run_name.") from None
         try:
             # A POSIX record lock belongs to this process alone: forked workers do not inherit it,
             # so a killed runner frees the directory at once even while its workers wind down.
