@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from scripted_endpoint import ScriptedEndpoint, prompt_text
 
+from batchrun.environments.base import run_identity
 from batchrun.environments.limits import remove_kept_groups
 from batchrun.run_dir import SPENT
 
@@ -41,6 +43,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # memory and pids hierarchies of v1).
 CONTROL_GROUP_ROOTS = tuple(Path("/sys/fs/cgroup", *hierarchy, "batch_runner")
                             for hierarchy in ((), ("memory",), ("pids",)))
+# The run labels tests give environments they make directly (a real run's label is its run_identity).
+SUITE_RUN_LABELS = re.compile(r"(test|race|session|crashed|other|first|second|limits)(-.*)?")
 
 
 def run_control_groups() -> set[Path]:
@@ -48,22 +52,27 @@ def run_control_groups() -> set[Path]:
     return {path for root in CONTROL_GROUP_ROOTS if root.is_dir() for path in root.iterdir() if path.is_dir()}
 
 
+def suites_run_labels(basetemp: Path) -> set[str]:
+    """The labels of the runs the suite's CLI runs made: each under a test's own directory."""
+    return {run_identity(run_dir) for pattern in ("*/data/*", "*/*/data/*") for run_dir in basetemp.glob(pattern)}
+
+
 @pytest.fixture(autouse=True, scope="session")
-def _remove_the_suites_control_groups():
+def _remove_the_suites_control_groups(tmp_path_factory: pytest.TempPathFactory):
     """The control groups the suite's own prompts kept for further prompts go when the suite ends, as
-    they go when a worker process ends; so do the (empty) directories of the runs the suite made, which
-    a real run's end removes but an environment a test made directly, or a run a test killed and never
-    resumed, leaves behind, and they would pile up on the machine with every run of the suite. Only
-    what did not exist before the suite is touched, and a group still holding a process stays."""
+    they go when a worker process ends; so do the empty directories of the suite's runs, which a real
+    run's end removes but an environment a test made directly, or a run a test killed and never
+    resumed, leaves behind: they would pile up on the machine with every run of the suite. Only a
+    directory of one of the suite's runs, new since the suite began and empty, is removed; another
+    run's, a real one's included, is never touched."""
     before = run_control_groups()
     yield
     remove_kept_groups()
+    labels = suites_run_labels(tmp_path_factory.getbasetemp())
     for run in run_control_groups() - before:
-        for group in [path for path in run.iterdir() if path.is_dir()]:
+        if run.name in labels or SUITE_RUN_LABELS.fullmatch(run.name):
             with contextlib.suppress(OSError):
-                group.rmdir()
-        with contextlib.suppress(OSError):
-            run.rmdir()
+                run.rmdir()
 
 
 @pytest.fixture
