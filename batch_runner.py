@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -30,6 +31,7 @@ from batchrun.install_hint import program
 from batchrun.run_dir import DiskFull, full_disk_named
 from batchrun.runner import EXIT_ERROR, EXIT_OK, BatchRunner
 from batchrun.security import Redactor
+from batchrun.stop_signals import STOP_SIGNALS, Interrupted, stopped_line
 
 
 # Fire reads every value as a Python literal, so `--ephemeral_system_prompt="Hello, world"` arrives as
@@ -58,6 +60,7 @@ def main(*args: Any, **kwargs: Any) -> None:
     """Run an agent over every prompt of DATASET_FILE and write data/RUN_NAME/: README.md; every flag in
     docs/command-line.md, or --help. Fire reads the flags by the signature batchrun/flags.py makes, and
     a Python caller passes them as that signature says."""
+    STOP_SIGNALS.install()
     bound = _SIGNATURE.bind(*args, **kwargs)
     bound.apply_defaults()
     unknown_flags = bound.arguments.pop("unknown_flags")
@@ -65,7 +68,15 @@ def main(*args: Any, **kwargs: Any) -> None:
     for name, typed in _typed_text_values(sys.argv[1:]).items():
         if given[name] is not None and not isinstance(given[name], str):
             given[name] = typed
-    exit_without_teardown(run_cli(given, unknown_flags))
+    try:
+        code = run_cli(given, unknown_flags)
+    except Exception:
+        # A bug: its traceback, then the exit every command takes. Interpreter teardown would SIGTERM
+        # the helper processes still running and wait for them, but they outlive SIGTERM (the parent
+        # stops them, see stop_signals); they end by themselves once this process is gone.
+        traceback.print_exc()
+        code = EXIT_ERROR
+    exit_without_teardown(code)
 
 
 _SIGNATURE = flags.signature()
@@ -82,9 +93,18 @@ def exit_without_teardown(code: int) -> NoReturn:
 
 
 def run_cli(given: dict[str, Any], unknown_flags: dict[str, Any]) -> int:
-    """One command: a listing, a report, an export, or a run; its exit code."""
+    """One command: a listing, a report, an export, or a run; its exit code. A stop signal (Ctrl-C,
+    SIGTERM) that interrupts it ends it with one line and the signal's exit code, never a traceback."""
     redact = Redactor.from_environment(str(given.get("api_key") or ""))
     console = RunConsole(redact, verbose=bool(given.get("verbose")))
+    try:
+        return _run_command(given, unknown_flags, console)
+    except Interrupted as exc:     # a listing, a report or an export: nothing to resume
+        console.print(stopped_line(exc.signum, resume=False), style="yellow")
+        return exc.exit_code
+
+
+def _run_command(given: dict[str, Any], unknown_flags: dict[str, Any], console: RunConsole) -> int:
     if unknown_flags:
         import difflib
         name = next(iter(unknown_flags))
@@ -102,6 +122,15 @@ def run_cli(given: dict[str, Any], unknown_flags: dict[str, Any]) -> int:
     if misplaced := flags.options_set_without_export(given):
         console.error(f"--{misplaced[0]} applies only with --export=FORMAT")
         return EXIT_ERROR
+    try:
+        return run_batch(given, console)
+    except Interrupted as exc:
+        console.print(stopped_line(exc.signum), style="yellow")
+        return exc.exit_code
+
+
+def run_batch(given: dict[str, Any], console: RunConsole) -> int:
+    """A run: its config, a first check of the dataset, then the run itself (batchrun/runner.py)."""
     try:
         config = build_config(**given)
     except UsageError as exc:

@@ -152,7 +152,9 @@ class BatchFollower:
 
 
 def _follow(conn: Connection, run_dir: Path, parent_pid: int, window: MutableSequence[int]) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C reaches the group; the parent decides
+    # Ctrl-C reaches the group, a scheduler's SIGTERM maybe too; the parent decides (see stop_signals).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         plots.preload()
         scan = report.RunScan(run_dir)

@@ -41,6 +41,7 @@ from batchrun.run_dir import (
     superseded_corrupted,
 )
 from batchrun.stats import ThisRun, UsageTotals, add_usage, build_statistics, empty_usage
+from batchrun.stop_signals import STOP_SIGNALS, Interrupted, exit_code, stopped_line
 from batchrun.workers import PoolStartError, ProcessPool, WorkerPool, process_count, raise_open_file_limit
 
 CHECKPOINT_MIN_INTERVAL = 1.0     # seconds; coalesces checkpoint rewrites when batches are tiny
@@ -49,8 +50,9 @@ MAX_CORRUPTED_LINES_SHOWN = 20
 # sandbox, and the next is ready long before another prompt ends.
 SPARE_SANDBOXES = 2
 # Exit codes: every prompt of this invocation done / the run stopped (bad input, a run-wide endpoint
-# error, the lock, a full disk) / the run finished but some prompts failed (--resume retries them) / Ctrl-C.
-EXIT_OK, EXIT_ERROR, EXIT_SOME_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 130
+# error, the lock, a full disk) / the run finished but some prompts failed (--resume retries them); a stop
+# signal's are stop_signals.exit_code.
+EXIT_OK, EXIT_ERROR, EXIT_SOME_FAILED = 0, 1, 2
 
 
 class BatchRunner:
@@ -152,52 +154,68 @@ class BatchRunner:
             self._write_checkpoint()
         if plan.pending == 0:
             self.console.print("All prompts have already been processed!", style="bold green")
-            self._write_checkpoint()
-            self._finish(plan)
+            with STOP_SIGNALS.shielded():     # the merge is not cut short; a stop signal is raised after it
+                self._write_checkpoint()
+                self._finish(plan)
             return EXIT_OK
         return self._execute(plan)
 
     def _execute(self, plan: DatasetPlan) -> int:
-        env_settings = self._environment_settings()
-        available = frozenset(registry.TOOL_NAMES) - set(registry.unavailable_tools())
-        self._report = ReportFollower(self.run_dir.path)
-        try:
-            pool = self._start_pool(env_settings, available)
-        except PoolStartError as exc:
-            self._report.cancel()
-            self.console.error(str(exc))
-            return EXIT_ERROR
-        except KeyboardInterrupt:
-            self._report.cancel()
-            return EXIT_INTERRUPTED
+        # Shielded from here to the end: a stop signal interrupts only the pool's start and the scheduling
+        # loop; the stop, the merge and the report always run to their end (see stop_signals).
+        with STOP_SIGNALS.shielded():
+            env_settings = self._environment_settings()
+            available = frozenset(registry.TOOL_NAMES) - set(registry.unavailable_tools())
+            self._report = follower = ReportFollower(self.run_dir.path)
+            try:
+                with STOP_SIGNALS.interruptible():
+                    pool = self._start_pool(env_settings, available)
+            except PoolStartError as exc:
+                follower.cancel()
+                self.console.error(str(exc))
+                return EXIT_ERROR
+            except Interrupted:
+                follower.cancel()
+                raise
+            return self._run_pool(plan, pool, env_settings, follower)
+
+    def _run_pool(self, plan: DatasetPlan, pool: WorkerPool, env_settings: EnvironmentSettings,
+                  follower: ReportFollower) -> int:
+        """The scheduling loop, then the stop, then the end of the run; its exit code."""
         self.console.start_progress(plan.units, plan.already_done, self.this_run,
                                     samples=plan.samples_per_prompt > 1)
-        exit_code, fatal, disk_full = EXIT_OK, None, None
+        fatal, disk_full = None, None
         try:
-            fatal = self._feed(pool, self._planned_tasks(plan))
+            with STOP_SIGNALS.interruptible():
+                fatal = self._feed(pool, self._planned_tasks(plan))
             if fatal is None:       # every row is written: the report's plots are drawn while the run ends
-                self._report.rows_written(self.config.distribution)
-        except KeyboardInterrupt:
-            exit_code = EXIT_INTERRUPTED
+                follower.rows_written(self.config.distribution)
+        except Interrupted:
+            pass                    # the stop below keeps what finished meanwhile
         except DiskFull as exc:
             disk_full = exc
         finally:
             self.console.stop_progress()
             disk_full = self._stop(pool, env_settings) or disk_full
         if disk_full is not None:
-            self._report.cancel()
+            follower.cancel()
             self.console.error(self._disk_full_message(disk_full))
             return EXIT_ERROR
         if fatal is not None:
-            self._report.cancel()
+            follower.cancel()
             self.console.error(f"{fatal.message}\nThe run stopped; finished prompts are saved. Fix the problem and "
                         "continue with --resume.")
             return EXIT_ERROR
-        if exit_code == EXIT_INTERRUPTED:
-            self.console.print("Interrupted. Finished prompts are saved; run the same command with --resume "
-                               "to continue.", style="yellow")
-        self._finish(plan, interrupted=exit_code == EXIT_INTERRUPTED)
-        if self._estimate_units is not None and exit_code != EXIT_INTERRUPTED and self._estimate_runs:
+        return self._conclude(plan)
+
+    def _conclude(self, plan: DatasetPlan) -> int:
+        """Merge, write the statistics and the report, say how the run ended; its exit code. A stop
+        signal that comes from here on is raised once this is over (see stop_signals)."""
+        stopped_by = STOP_SIGNALS.take()
+        if stopped_by is not None:
+            self.console.print(stopped_line(stopped_by), style="yellow")
+        self._finish(plan, interrupted=stopped_by is not None)
+        if self._estimate_units is not None and stopped_by is None and self._estimate_runs:
             self._report_estimate(plan)
         if (cap := self._budget_spent()) and self.this_run.processed < plan.pending:
             self.console.print(f"Stopped admitting prompts: {cap}. {plan.pending - self.this_run.processed} "
@@ -209,13 +227,13 @@ class BatchRunner:
                                f"--discard_no_reasoning=False keeps such rows (the batch files hold them: "
                                f"{program()} --export=sharegpt --run_name={self.config.output.run_name} "
                                f"--discard_no_reasoning=False exports them).", style="yellow")
-        if exit_code == EXIT_INTERRUPTED:
-            return exit_code
+        if stopped_by is not None:
+            return exit_code(stopped_by)
         if failed := self.this_run.statuses[rows.FAILED]:
             self.console.print(f"{failed} prompt{'s' if failed != 1 else ''} failed (see failures by cause "
                                "above); run the same command with --resume to retry them.", style="yellow")
             return EXIT_SOME_FAILED
-        return exit_code
+        return EXIT_OK
 
     def _every_row_discarded(self) -> bool:
         """This invocation wrote rows, and the no-reasoning filter discarded every one it did not fail."""
@@ -282,6 +300,10 @@ class BatchRunner:
         group commit). The replies' usage and the rows about to be appended go to the spent ledger
         first (see SpentLedger). When the disk is full, the rows not written are held back for one more
         try at the stop (see _stop), and DiskFull goes up."""
+        with STOP_SIGNALS.shielded():     # a group commit is not cut short: it is written and counted whole
+            self._persist_group(finished, spent)
+
+    def _persist_group(self, finished: list[Finished], spent: list[Spent]) -> None:
         for event in spent:
             self.this_run.cost_sources[event.cost_source] += 1
         by_batch: dict[int, list[Finished]] = {}

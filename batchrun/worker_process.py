@@ -63,12 +63,14 @@ def _failed(task: Task, error: str, error_type: str) -> rows.SessionResult:
         sample_index=task.sample_index)
 
 
-def _outlive_ctrl_c() -> None:
-    """Ctrl-C reaches the whole process group; the parent decides how to stop, workers follow it.
-    The signal is caught and dropped rather than ignored: an ignored SIGINT stays ignored in every
-    program the commands start (a sleep, a test runner, ``timeout -s INT``), which then cannot be
-    interrupted; a caught one is back to its default in them."""
+def _outlive_stop_signals() -> None:
+    """Ctrl-C reaches the whole process group, and a job scheduler's SIGTERM often every process of the
+    job; the parent decides how to stop, workers follow it (see stop_signals). The signals are caught
+    and dropped rather than ignored: an ignored signal stays ignored in every program the commands
+    start (a sleep, a test runner, ``timeout -s INT``), which then cannot be interrupted; a caught one
+    is back to its default in them."""
     signal.signal(signal.SIGINT, _drop_signal)
+    signal.signal(signal.SIGTERM, _drop_signal)
 
 
 def _drop_signal(signum: int, frame: object) -> None:
@@ -204,7 +206,7 @@ def main(conn: Connection, siblings: list[Connection], worker: int, slots: int, 
     for inherited in siblings:
         inherited.close()
     gate.limit.bind(worker)     # the parent gives back this process's request slots if it dies
-    _outlive_ctrl_c()
+    _outlive_stop_signals()
     leave_session_keyring()
     # What the fork brought (every module, the config) lives as long as the process: the collector
     # need not walk it again in each full collection. The move relinks only the ends of the

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import re
 import signal
 import subprocess
@@ -103,6 +104,71 @@ def default_sigint() -> None:
 
 def batch_runner_command(*args: str) -> list[str]:
     return [sys.executable, str(REPO / "batch_runner.py"), *args]
+
+
+# Runs the CLI with one function replaced by a copy that first prints "paused at NAME" and waits until
+# the file GO exists: a test can then signal the runner while it is at that point, and only there.
+_PAUSED_CLI = """
+import importlib, os, sys, time
+sys.path.insert(0, sys.argv[1])
+import batch_runner
+module, name, go = sys.argv[2:5]
+owner = importlib.import_module(module)
+*path, attribute = name.split(".")
+for part in path:
+    owner = getattr(owner, part)
+original = getattr(owner, attribute)
+def paused(*args, **kwargs):
+    print("paused at", name, flush=True)
+    while not os.path.exists(go):
+        time.sleep(0.02)
+    return original(*args, **kwargs)
+setattr(owner, attribute, paused)
+sys.argv = ["batch_runner.py", *sys.argv[5:]]
+batch_runner.cli()
+"""
+
+
+def paused_cli_command(module: str, name: str, go: Path, *args: str) -> list[str]:
+    """The CLI with ``module``'s ``name`` (``Class.method`` or a function) pausing until ``go`` exists."""
+    return [sys.executable, "-c", _PAUSED_CLI, str(REPO), module, name, str(go), *args]
+
+
+class OutputLines:
+    """The lines a process writes to its stdout (stderr joined to it), read as they come, so that a test
+    can wait for one before it acts."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.lines: list[str] = []
+        self._new: queue.Queue[str | None] = queue.Queue()
+        self._process = process
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self._process.stdout is not None
+        for line in self._process.stdout:
+            self._new.put(line)
+        self._new.put(None)
+
+    def wait_for(self, text: str, timeout: float = 60.0) -> None:
+        """Until a line holding ``text`` has come (it may have come already)."""
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.lines):
+            try:
+                line = self._new.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"timed out waiting for {text!r}:\n{''.join(self.lines)}") from None
+            assert line is not None, f"the process ended without saying {text!r}:\n{self.text()}"
+            self.lines.append(line)
+
+    def text(self) -> str:
+        """Everything written, once the process has ended."""
+        self._reader.join(60)
+        while not self._new.empty():
+            if (line := self._new.get()) is not None:
+                self.lines.append(line)
+        return "".join(self.lines)
 
 
 def run_cli(tmp_path: Path, *args: str, env: dict[str, str] | None = None,

@@ -15,6 +15,7 @@ import pytest
 from conftest import (
     REPORTED_COST,
     HeldReplies,
+    OutputLines,
     batch_rows,
     batch_runner_command,
     cli_environment,
@@ -23,6 +24,7 @@ from conftest import (
     finished_row_count,
     human_prompt,
     last_user_message,
+    paused_cli_command,
     process_state,
     read_jsonl,
     run_cli,
@@ -97,6 +99,102 @@ def test_ctrl_c_saves_finished_work_and_resume_completes(tmp_path, endpoint):
     assert stdout.index("Interrupted.") < stdout.index("BATCH PROCESSING INTERRUPTED")
     result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
     assert result.returncode == 0
+    assert merged_prompts(tmp_path) == Counter(prompts)
+
+
+def start_paused(tmp_path: Path, module: str, name: str, *args: str) -> tuple[subprocess.Popen, OutputLines]:
+    """The CLI in a session of its own (a terminal's Ctrl-C reaches its whole process group), pausing
+    at ``name`` until tmp_path/go exists."""
+    process = subprocess.Popen(paused_cli_command(module, name, tmp_path / "go", *args), cwd=tmp_path,
+                               env=cli_environment(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True, preexec_fn=default_sigint)
+    return process, OutputLines(process)
+
+
+def stopped_output(process: subprocess.Popen, output: OutputLines) -> str:
+    try:
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    return output.text()
+
+
+@pytest.mark.parametrize(("module", "name"), [
+    ("batch_runner", "build_config"),                # before the run directory exists
+    ("batchrun.runner", "plan_dataset"),             # the run directory locked, the dataset being read
+    ("batchrun.runner", "BatchRunner._start_pool"),  # the report's helper started, the workers starting
+])
+def test_ctrl_c_while_the_run_starts_says_so_in_one_line_and_resume_runs_every_prompt(tmp_path, endpoint,
+                                                                                        module, name):
+    prompts = [f"prompt {i}" for i in range(4)]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    process, output = start_paused(tmp_path, module, name, *base_args(tmp_path, endpoint, dataset))
+    output.wait_for(f"paused at {name}")
+    os.killpg(process.pid, signal.SIGINT)
+    said = stopped_output(process, output)
+    assert process.returncode == 130, said
+    assert "Traceback" not in said and "KeyboardInterrupt" not in said
+    assert said.count("Interrupted.") == 1 and "--resume" in said
+    assert not endpoint.requests
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
+    assert result.returncode == 0, result.stderr
+    assert merged_prompts(tmp_path) == Counter(prompts)
+
+
+@pytest.mark.parametrize(("module", "name"), [
+    ("batchrun.workers", "ProcessPool.stop"),           # the workers not stopped yet: nothing merged
+    ("batchrun.run_dir", "RunDirectory.merge"),
+    ("batchrun.report_follower", "ReportFollower.finish"),
+])
+def test_ctrl_c_again_while_the_run_stops_only_says_so_and_every_row_is_kept_and_merged(tmp_path, endpoint,
+                                                                                         module, name):
+    prompts = [f"[[sleep 0.3]] prompt {i}" for i in range(10)]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    run_dir = tmp_path / "data" / "run"
+    process, output = start_paused(tmp_path, module, name, *base_args(tmp_path, endpoint, dataset,
+                                                                       "--num_workers=2"))
+    wait_for(lambda: finished_row_count(run_dir) >= 2)
+    os.killpg(process.pid, signal.SIGINT)
+    output.wait_for(f"paused at {name}")
+    os.killpg(process.pid, signal.SIGINT)
+    output.wait_for("Already stopping")
+    os.killpg(process.pid, signal.SIGINT)
+    (tmp_path / "go").touch()
+    said = stopped_output(process, output)
+    assert process.returncode == 130, said
+    assert "Traceback" not in said and "KeyboardInterrupt" not in said
+    assert said.count("Interrupted.") == 1 and said.count("Already stopping") == 1
+    assert "BATCH PROCESSING INTERRUPTED" in said
+    kept = Counter(human_prompt(row) for row in batch_rows(run_dir))
+    assert merged_prompts(tmp_path) == kept and len(kept) < len(prompts)
+    assert json.loads((run_dir / "statistics.json").read_text())
+    endpoint.reset()
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
+    assert result.returncode == 0, result.stderr
+    assert merged_prompts(tmp_path) == Counter(prompts)
+    assert not {last_user_message(request) for request in endpoint.requests} & set(kept)
+
+
+def test_sigterm_to_the_process_group_stops_the_run_as_ctrl_c_does_and_exits_143(tmp_path, endpoint):
+    """A job scheduler's stop: SIGTERM to every process of the job, workers included."""
+    prompts = [f"[[sleep 0.3]] prompt {i}" for i in range(10)]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    run_dir = tmp_path / "data" / "run"
+    process = subprocess.Popen(batch_runner_command(*base_args(tmp_path, endpoint, dataset, "--num_workers=2")),
+                               cwd=tmp_path, env=cli_environment(tmp_path), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    wait_for(lambda: finished_row_count(run_dir) >= 2)
+    os.killpg(process.pid, signal.SIGTERM)
+    said, _ = process.communicate(timeout=60)
+    assert process.returncode == 143, said
+    assert "Traceback" not in said and "--resume" in said
+    assert said.index("Stopped by SIGTERM.") < said.index("BATCH PROCESSING INTERRUPTED")
+    written = batch_rows(run_dir)
+    assert not [row for row in written if row.get("failed")]    # the workers stopped when told, not at the signal
+    assert merged_prompts(tmp_path) == Counter(human_prompt(row) for row in written)
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
+    assert result.returncode == 0, result.stderr
     assert merged_prompts(tmp_path) == Counter(prompts)
 
 

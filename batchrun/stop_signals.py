@@ -1,0 +1,120 @@
+"""Ctrl-C (SIGINT) and SIGTERM in the parent process: the first one stops the run in order, later ones
+only say that it is stopping.
+
+The parent is the run directory's one writer, and its stop is what keeps the rows the workers finished
+meanwhile and merges them into trajectories.jsonl and statistics.json: an exception raised in the middle
+of those steps would lose them. So a stop signal raises :class:`Interrupted` only inside an
+*interruptible* stretch of code (the start, the scheduling loop: nothing to lose there); inside a
+*shielded* one (a group of rows being written, the stop, the merge, the report) it is noted, and raised
+when the code is interruptible again. The stop is bounded (workers get workers.STOP_GRACE_SECONDS, then
+are killed); the merge takes as long as the rows written since the last one. A signal after the first
+never raises: it prints one line saying the run is already stopping.
+
+SIGTERM (a job scheduler's or a service manager's stop) is taken as Ctrl-C is, so such a stop keeps the
+merge too; the exit code is the shell's for the signal, 128 + its number: 130 for SIGINT, 143 for SIGTERM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
+from types import FrameType
+
+HANDLED = (signal.SIGINT, signal.SIGTERM)
+STOPPING_NOTE = b"Already stopping: keeping the rows finished so far and merging them; this ends by itself.\n"
+
+
+class Interrupted(KeyboardInterrupt):
+    """The first stop signal, raised where the code may be interrupted. A KeyboardInterrupt, so that the
+    handlers of `except Exception` (libraries', the report's) let it through as they let Ctrl-C through."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return exit_code(self.signum)
+
+
+def exit_code(signum: int) -> int:
+    return 128 + signum
+
+
+def stopped_line(signum: int, *, resume: bool = True) -> str:
+    """What happened, and for a run what to do, as the one line a stopped command ends with."""
+    what = "Interrupted." if signum == signal.SIGINT else f"Stopped by {signal.Signals(signum).name}."
+    return f"{what} Finished prompts are saved; run the same command with --resume to continue." if resume else what
+
+
+class StopSignals:
+    """The parent's handler of SIGINT and SIGTERM, and the stretches of code it may interrupt."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None    # the first stop signal
+        self._raised = False                # ... raised, or taken by the code (see take)
+        self._interruptible = [True]        # per stretch entered, innermost last
+        self._pid: int | None = None
+        self._said_stopping = False
+
+    def install(self) -> None:
+        self._pid = os.getpid()
+        for signum in HANDLED:
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # A process forked from this one (a reading pool, a plot being drawn) keeps the handler: the
+        # signal reached the whole process group, and the parent decides how its helpers end.
+        if os.getpid() != self._pid:
+            return
+        if self.received is not None:
+            self._say_stopping()
+            return
+        self.received = signum
+        self._raise_pending()
+
+    def _say_stopping(self) -> None:
+        """Once: written straight to the descriptor, as the signal may come in the middle of a print."""
+        if not self._said_stopping:
+            self._said_stopping = True
+            with contextlib.suppress(OSError):
+                os.write(2, STOPPING_NOTE)
+
+    def _raise_pending(self) -> None:
+        if self._interruptible[-1] and self.received is not None and not self._raised:
+            self._raised = True
+            raise Interrupted(self.received)
+
+    def take(self) -> int | None:
+        """The stop signal received so far, if any, now dealt with by the caller: no stretch raises it."""
+        if self.received is not None:
+            self._raised = True
+        return self.received
+
+    @contextlib.contextmanager
+    def shielded(self) -> Iterator[None]:
+        """A stretch a stop signal does not interrupt; one received meanwhile is raised as it ends, if
+        the code around it is interruptible and the stretch ended without an exception of its own."""
+        with self._stretch(interruptible=False):
+            yield
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """A stretch a stop signal interrupts, inside a shielded one; one received before it raises at once."""
+        with self._stretch(interruptible=True):
+            yield
+
+    @contextlib.contextmanager
+    def _stretch(self, *, interruptible: bool) -> Iterator[None]:
+        self._interruptible.append(interruptible)
+        try:
+            self._raise_pending()
+            yield
+        finally:
+            self._interruptible.pop()
+        self._raise_pending()
+
+
+STOP_SIGNALS = StopSignals()
