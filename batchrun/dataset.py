@@ -14,7 +14,7 @@ from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from batchrun.rows import content_key, sample_key
+from batchrun.rows import content_key, sample_key, sample_key_of_unit, unit_key
 
 # Bad lines named one by one; past these a count stands for the rest, so a file of 500 bad lines
 # cannot bury the console (the total goes to the summary and statistics.json).
@@ -189,13 +189,29 @@ def _no_valid_prompt(path: Path, warned: bool) -> DatasetError:
                         + '. Each line needs a JSON object with a non-empty "prompt" string.')
 
 
-def plan_dataset(path: Path, *, max_samples: int | None, done_counts: Counter,
+def plan_dataset(path: Path, *, max_samples: int | None, done_units: Counter,
                  warn: Callable[[str], None], samples_per_prompt: int = 1) -> DatasetPlan:
-    """One pass over the dataset: validate every line, count valid prompts, and decide per
-    occurrence and sample what is pending. ``done_counts`` (sample key -> finished rows) is consumed
-    in dataset order, so three copies of a prompt with two finished leave exactly one pending."""
+    """One pass over the dataset: validate every line, count valid prompts, and decide per unit (a
+    sample of a line) what is pending. ``done_units`` (rows.unit_key -> finished rows): a row counts for
+    the unit it names while that line still holds the row's content, every row there for that one unit,
+    so of two lines with one prompt the one without a row runs. A row whose line holds something else
+    now (the dataset was edited, reordered or cut between runs) counts by its content instead, for the
+    first units of its sample key without a row of their own, in dataset order; knowing which rows those
+    are takes the whole first pass, so a second one runs, only when there are such rows."""
     check_dataset_file(path)
-    remaining_done = Counter(done_counts)
+    plan, moved = _plan_pass(path, max_samples, Counter(done_units), Counter(), warn, samples_per_prompt)
+    if moved:       # the second pass finds the lines the first warned about
+        plan, _ = _plan_pass(path, max_samples, Counter(done_units), moved, lambda _warning: None, samples_per_prompt)
+    if plan.total == 0:
+        raise _no_valid_prompt(path, plan.skipped_lines > 0)
+    return plan
+
+
+def _plan_pass(path: Path, max_samples: int | None, own: Counter, moved: Counter, warn: Callable[[str], None],
+               samples_per_prompt: int) -> tuple[DatasetPlan, Counter]:
+    """A plan where ``own`` (unit key -> rows) counts for its units and ``moved`` (sample key -> rows)
+    for the first units of its key left without; both are used up. Returns it with what is left of
+    ``own`` per sample key: the rows whose line holds other content now, or none."""
     seen: Counter = Counter()       # valid lines so far per content key: gone once the plan is made
     plan = DatasetPlan(path=path, total=0, already_done=0, skipped_lines=0, samples_per_prompt=samples_per_prompt,
                        rounds=[PendingRound() for _ in range(samples_per_prompt)])
@@ -212,8 +228,10 @@ def plan_dataset(path: Path, *, max_samples: int | None, done_counts: Counter,
         any_pending = False
         for sample_index, pending in enumerate(plan.rounds):
             done_key = sample_key(key, sample_index)
-            if remaining_done[done_key] > 0:
-                remaining_done[done_key] -= 1
+            if own.pop(unit_key(plan.total, done_key), 0):
+                plan.already_done += 1
+            elif moved[done_key] > 0:
+                moved[done_key] -= 1
                 plan.already_done += 1
             else:
                 pending.offsets.append(offset)
@@ -226,9 +244,10 @@ def plan_dataset(path: Path, *, max_samples: int | None, done_counts: Counter,
         plan.total += 1
     skipped.finish()
     plan.skipped_lines = skipped.count
-    if plan.total == 0:
-        raise _no_valid_prompt(path, plan.skipped_lines > 0)
-    return plan
+    left: Counter = Counter()
+    for unit, count in own.items():
+        left[sample_key_of_unit(unit)] += count
+    return plan, left
 
 
 def iter_pending(plan: DatasetPlan, *, only: Container[int] | None = None) -> Iterator[DatasetRecord]:

@@ -129,11 +129,11 @@ class BatchRunner:
         # Several samples per prompt, now or in an earlier invocation: the statistics count per prompt.
         self._per_prompt = config.samples_per_prompt > 1 or scan.most_samples > 1
         live_corrupted = sum(scan.live_corrupted(self.superseded_corrupted).values())
-        done_counts = scan.done(rerun_corrupted=config.output.rerun_corrupted, superseded=self.superseded_corrupted)
+        done_units = scan.done(rerun_corrupted=config.output.rerun_corrupted, superseded=self.superseded_corrupted)
         if config.output.rerun_corrupted:    # every corrupted row so far is replaced by the attempt about to run
             self.superseded_corrupted = Counter(scan.corrupted_by_key)
         try:
-            plan = plan_dataset(config.dataset_file, max_samples=config.max_samples, done_counts=done_counts,
+            plan = plan_dataset(config.dataset_file, max_samples=config.max_samples, done_units=done_units,
                                 warn=self.console.warn, samples_per_prompt=config.samples_per_prompt)
         except DatasetError as exc:
             self.console.error(str(exc))

@@ -7,7 +7,7 @@ this invocation live under ``this_run``.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal, NotRequired, TypedDict, get_args
@@ -202,16 +202,9 @@ class MergeStatistics:
         self.corrupted.append((batch_file, row.prompt_index, invented, row.sample_key))
 
     def live_corrupted(self, superseded: Counter) -> list[tuple[str, int, list[str], str]]:
-        """The corrupted rows no later attempt replaced: of each prompt's, the first ``superseded``
-        are the ones a --rerun_corrupted resume ran again."""
-        skip = Counter(superseded)
-        live = []
-        for entry in self.corrupted:
-            if skip[entry[3]] > 0:
-                skip[entry[3]] -= 1
-            else:
-                live.append(entry)
-        return live
+        """The corrupted rows no later attempt replaced (see not_superseded)."""
+        flags = not_superseded((entry[3] for entry in self.corrupted), superseded)
+        return [entry for entry, live in zip(self.corrupted, flags, strict=True) if live]
 
     def tool_counts(self) -> dict[str, ToolFigures]:
         totals: dict[str, ToolFigures] = {name: {"count": 0, "success": 0, "failure": 0} for name in TOOL_NAMES}
@@ -305,3 +298,15 @@ def _this_run_statistics(this_run: ThisRun, duration: float) -> ThisRunStatistic
     if this_run.concurrency:
         section["concurrency"] = this_run.concurrency.as_dict()
     return section
+
+
+def not_superseded(sample_keys: Iterable[str], superseded: Counter) -> Iterator[bool]:
+    """Whether each corrupted row, named by its sample key in batch-file order, still counts: of each
+    sample key's rows, the first ``superseded`` are the ones a --rerun_corrupted resume ran again."""
+    skip = Counter(superseded)
+    for key in sample_keys:
+        if skip[key] > 0:
+            skip[key] -= 1
+            yield False
+        else:
+            yield True

@@ -109,7 +109,7 @@ def growth(warm_up: Callable[[], object], step: Callable[[], object]) -> int:
 
 def test_handing_out_prompts_holds_nothing_per_prompt_already_handed_out(tmp_path):
     dataset = write_dataset(tmp_path / "dataset.jsonl", [f"distinct prompt {number}" for number in range(30_000)])
-    plan = plan_dataset(dataset, max_samples=None, done_counts=Counter(), warn=print)
+    plan = plan_dataset(dataset, max_samples=None, done_units=Counter(), warn=print)
     records = iter_pending(plan)
 
     def hand_out(count: int) -> None:
@@ -122,8 +122,8 @@ def test_handing_out_prompts_holds_nothing_per_prompt_already_handed_out(tmp_pat
 
 def test_duplicates_keep_their_occurrence_numbers(tmp_path):
     dataset = write_dataset(tmp_path / "dataset.jsonl", ["a", "b", "a", "a", "b"])
-    plan = plan_dataset(dataset, max_samples=None, done_counts=Counter({rows.content_key("a", None, None): 1}),
-                        warn=print)
+    done = Counter({rows.unit_key(0, rows.content_key("a", None, None)): 1})
+    plan = plan_dataset(dataset, max_samples=None, done_units=done, warn=print)
     found = [(record.prompt, record.occurrence) for record in iter_pending(plan)]
     assert found == [("b", 0), ("a", 1), ("a", 2), ("b", 1)]
 

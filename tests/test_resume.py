@@ -225,6 +225,32 @@ def test_duplicate_prompts_are_separate_units_of_work(tmp_path, endpoint):
     assert merged_prompts(tmp_path) == Counter({"same": 3, "other": 1})
 
 
+def test_resume_runs_the_occurrence_of_a_repeated_prompt_whose_row_is_missing(tmp_path, endpoint):
+    # The first request of the repeated text fails: prompt 0 gets a failure row, prompt 1 its trajectory.
+    same = "[[fail 400 1]] [[final done]] same task"
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [same, same, "other task"])
+    args = base_args(tmp_path, endpoint, dataset, "--num_workers=1", batch_size=10)
+    assert run_cli(tmp_path, *args).returncode == 2
+    before = len(endpoint.requests)     # not reset: the failure was the text's only one
+    result = run_cli(tmp_path, *args, "--resume")
+    assert result.returncode == 0, result.stderr
+    assert [last_user_message(request) for request in endpoint.requests[before:]] == [same]
+    merged = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
+    assert sorted(row["prompt_index"] for row in merged) == [0, 1, 2]
+
+
+def test_an_edited_line_runs_again_and_its_old_row_counts_for_no_other_line(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["a", "b", "a"])
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset)).returncode == 0
+    endpoint.reset()
+    write_dataset(dataset, ["a", "b", "c", "a"])      # the second "a" edited, then one more "a"
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
+    assert result.returncode == 0, result.stderr
+    # Row 2 ("a") no longer matches its line: it counts by content, for the new line 3.
+    assert [last_user_message(request) for request in endpoint.requests] == ["c"]
+    assert merged_prompts(tmp_path) == Counter({"a": 2, "b": 1, "c": 1})
+
+
 def test_reordered_dataset_resumes_by_content(tmp_path, endpoint):
     prompts = [f"prompt {i}" for i in range(6)]
     dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)

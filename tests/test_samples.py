@@ -127,6 +127,21 @@ def test_each_occurrence_of_a_repeated_prompt_gets_its_own_samples(tmp_path, end
     assert Counter(last_user_message(request) for request in endpoint.requests) == {"same": 2, "other": 1}
 
 
+def test_resume_runs_exactly_the_samples_of_repeated_prompts_that_have_no_row(tmp_path, endpoint):
+    # The first request of the repeated text fails: sample 0 of prompt 0; every other sample completes.
+    same = "[[fail 400 1]] [[final done]] same task"
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [same, same, "other task"])
+    flags = ("--samples_per_prompt=2", "--num_workers=1")
+    sample_run(tmp_path, endpoint, dataset, *flags, expect=2)
+    before = len(endpoint.requests)     # not reset: the failure was the text's only one
+    sample_run(tmp_path, endpoint, dataset, *flags, "--resume")
+    assert [last_user_message(request) for request in endpoint.requests[before:]] == [same]
+    units = Counter((row["prompt_index"], row["sample_index"]) for row in merged(tmp_path))
+    assert units == Counter({(index, sample): 1 for index in range(3) for sample in range(2)})
+    statistics = json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())
+    assert statistics["samples"]["prompts_by_completed_samples"] == {"2": 3}
+
+
 def test_each_sample_draws_its_own_toolsets_and_the_first_draws_as_a_one_sample_run(tmp_path, endpoint):
     dataset = write_dataset(tmp_path / "dataset.jsonl", PROMPTS[:6])
     flags = ("--distribution=research", "--seed=7")

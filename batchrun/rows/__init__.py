@@ -10,7 +10,7 @@ Every kind of row the runner writes carries ``format``, ``prompt_index``, ``cont
 
 The files, each one job (this module gathers the format's vocabulary that the rest of the code uses):
 
-* ``keys.py`` — a prompt's content key and a sample's key (what resume counts done);
+* ``keys.py`` — a prompt's content key, a sample's key and a unit's key (what resume counts done);
 * ``reasoning.py`` — an assistant message's reasoning and visible text, from every form endpoints use;
 * ``records.py`` — what a session records: turns, tool calls, usage, the SessionResult a worker returns;
 * ``outcome.py`` — EndReason (with END_REASONS' descriptions) and RowStatus, the names of outcomes;
@@ -24,7 +24,7 @@ The files, each one job (this module gathers the format's vocabulary that the re
 
 from batchrun.rows.build import ROW_FORMAT, encode_row, failure_row, tombstone_row, trajectory_row
 from batchrun.rows.finished import encode_finished
-from batchrun.rows.keys import content_key, sample_key
+from batchrun.rows.keys import content_key, sample_key, sample_key_of_unit, unit_key
 from batchrun.rows.outcome import (
     COMPLETED,
     DISCARDED,
@@ -67,6 +67,6 @@ __all__ = [
     "calls_of", "content_key", "encode_finished", "encode_row", "failure_row", "is_invented",
     "offered_tool_names", "offered_tool_signatures", "parsed_or_raw", "read_gpt_turn", "read_stored_row",
     "render_conversations", "render_gpt_turn", "render_system_turn", "render_tool_turn",
-    "rendered_tool_responses", "sample_key", "split_reasoning", "split_rendered_calls",
-    "split_rendered_reasoning", "tombstone_row", "tool_result_failed", "trajectory_row",
+    "rendered_tool_responses", "sample_key", "sample_key_of_unit", "split_reasoning", "split_rendered_calls",
+    "split_rendered_reasoning", "tombstone_row", "tool_result_failed", "trajectory_row", "unit_key",
 ]

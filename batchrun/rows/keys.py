@@ -1,4 +1,4 @@
-"""What identifies a unit of work across runs: a prompt's content key and one sample's key. Apart
+"""What identifies a unit of work across runs: a prompt's content key, one sample's key and a unit's key. Apart
 because the dataset planner needs them without anything of the row format."""
 
 from __future__ import annotations
@@ -17,3 +17,15 @@ def sample_key(key: str, sample_index: int) -> str:
     """What resume counts done: one sample of a prompt. Sample 0 is the prompt's content key itself, so
     a run of one sample per prompt (and every row written before samples existed) counts as it always has."""
     return key if sample_index == 0 else f"{key}#{sample_index}"
+
+
+def unit_key(prompt_index: int, sample_key: str) -> str:
+    """Names one unit of work as its row records it: the place of its prompt among the dataset's valid lines,
+    with its sample key. Resume counts a row done for its own unit while the line there still holds the
+    row's content, so that of two lines with one prompt, the one without a row is the one that runs."""
+    return f"{prompt_index}:{sample_key}"
+
+
+def sample_key_of_unit(unit: str) -> str:
+    """The sample key within a unit key (see unit_key)."""
+    return unit.partition(":")[2]

@@ -11,7 +11,7 @@ import msgspec
 
 from batchrun.registry import REGISTRY
 from batchrun.rows.build import KEY_ORDER, ROW_FORMAT, encode_row
-from batchrun.rows.keys import sample_key
+from batchrun.rows.keys import sample_key, unit_key
 from batchrun.rows.outcome import RowStatus
 from batchrun.rows.read_back import (
     LayoutError,
@@ -130,8 +130,14 @@ class StoredRow:
     @property
     def prompt_key(self) -> str:
         """Names the dataset prompt this row is a sample of: its place in the dataset and its content, so
-        that two occurrences of one prompt text (each its own prompt) keep their samples apart."""
-        return f"{self._row.prompt_index}:{self._row.content_key}"
+        that two occurrences of one prompt text (each its own prompt) keep their samples apart: the unit
+        key of its first sample."""
+        return unit_key(self._row.prompt_index, self._row.content_key)
+
+    @property
+    def unit_key(self) -> str:
+        """The unit of work this row is (see unit_key)."""
+        return unit_key(self._row.prompt_index, self.sample_key)
 
     @property
     def is_current(self) -> bool:

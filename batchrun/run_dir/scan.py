@@ -13,16 +13,17 @@ from pathlib import Path
 
 from batchrun import rows
 from batchrun.run_dir.reading import FileRange, lines_at, read_processes, reading_pool, refused_line, split_ranges
-from batchrun.stats import UsageTotals, add_usage, empty_usage
+from batchrun.stats import UsageTotals, add_usage, empty_usage, not_superseded
 
 
 @dataclass
 class ScanResult:
-    """What earlier runs left: finished rows per sample key (rows.sample_key), and what counts as done."""
+    """What earlier runs left: finished rows per unit (rows.unit_key), and what counts as done."""
 
-    done_counts: Counter = field(default_factory=Counter)        # corrupted rows not included
+    done_units: Counter = field(default_factory=Counter)         # corrupted rows not included
     rows_by_status: Counter = field(default_factory=Counter)
     corrupted_by_key: Counter = field(default_factory=Counter)   # corrupted rows, ever, per sample key
+    corrupted_units: list[str] = field(default_factory=list)     # their units, in batch-file order
     unreadable_lines: int = 0
     usage: UsageTotals = field(default_factory=empty_usage)      # of every row
     most_samples: int = 1                                        # the highest sample index of a row, plus one
@@ -30,9 +31,10 @@ class ScanResult:
     def add(self, other: ScanResult) -> None:
         add_usage(self.usage, other.usage)
         self.most_samples = max(self.most_samples, other.most_samples)
-        self.done_counts.update(other.done_counts)
+        self.done_units.update(other.done_units)
         self.rows_by_status.update(other.rows_by_status)
         self.corrupted_by_key.update(other.corrupted_by_key)
+        self.corrupted_units.extend(other.corrupted_units)
         self.unreadable_lines += other.unreadable_lines
 
     def live_corrupted(self, superseded: Counter) -> Counter:
@@ -40,11 +42,13 @@ class ScanResult:
         return +Counter({key: count - superseded[key] for key, count in self.corrupted_by_key.items()})
 
     def done(self, *, rerun_corrupted: bool, superseded: Counter) -> Counter:
-        """Finished rows per sample key: a live corrupted row is done unless the user asked to run
+        """Finished rows per unit key: a live corrupted row is done unless the user asked to run
         it again; a superseded one never is (its prompt's later attempt is what counts)."""
-        if rerun_corrupted:
-            return Counter(self.done_counts)
-        return self.done_counts + self.live_corrupted(superseded)
+        done = Counter(self.done_units)
+        if not rerun_corrupted:
+            flags = not_superseded(map(rows.sample_key_of_unit, self.corrupted_units), superseded)
+            done.update(unit for unit, live in zip(self.corrupted_units, flags, strict=True) if live)
+        return done
 
 
 def scan_files(files: list[Path]) -> ScanResult:
@@ -61,8 +65,8 @@ def scan_files(files: list[Path]) -> ScanResult:
 
 
 def scan_ranges(ranges: list[FileRange]) -> ScanResult:
-    """Count finished prompts by content key in these byte ranges. Failed rows are not
-    done; corrupted rows are counted apart (see ScanResult.done)."""
+    """Count finished samples by unit in these byte ranges. Failed rows are not done; corrupted rows
+    are counted apart (see ScanResult.done)."""
     result = ScanResult()
     for path, start, end in ranges:
         for offset, line in lines_at(path, start, end):
@@ -80,6 +84,7 @@ def scan_ranges(ranges: list[FileRange]) -> ScanResult:
                 continue
             if row.status != rows.DISCARDED and row.invented_tools():
                 result.corrupted_by_key[row.sample_key] += 1
+                result.corrupted_units.append(row.unit_key)
                 continue
-            result.done_counts[row.sample_key] += 1
+            result.done_units[row.unit_key] += 1
     return result
