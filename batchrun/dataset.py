@@ -1,8 +1,9 @@
 """Dataset loading: validate once, remember only where the pending prompts are.
 
 A dataset may hold millions of lines, so nothing here keeps prompts in memory: the plan stores the
-byte offset of every pending sample's line (with how many earlier lines hold the same prompt, and the
-prompt's index), and :func:`iter_pending` re-reads them one at a time as workers need work.
+byte offset of every pending sample's line (with how many earlier lines hold the same prompt, the
+prompt's index and a fingerprint of its content key), and :func:`iter_pending` re-reads them one at a
+time as workers need work, refusing a line that is not the one planned.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ class DatasetError(Exception):
     """The dataset cannot be used at all (missing file, no valid prompt)."""
 
 
+class DatasetChanged(Exception):
+    """A line re-read during the run is not the line planned: the file changed under the run."""
+
+
 @dataclass(frozen=True)
 class DatasetRecord:
     prompt_index: int
@@ -62,6 +67,7 @@ class PendingRound:
     offsets: array = field(default_factory=lambda: array("q"))       # of the line
     occurrences: array = field(default_factory=lambda: array("I"))   # see DatasetRecord
     indexes: array = field(default_factory=lambda: array("q"))       # the prompt index
+    fingerprints: array = field(default_factory=lambda: array("Q"))  # see content_fingerprint
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -129,6 +135,12 @@ def parse_line(raw: bytes, line_number: int) -> tuple[dict | None, str | None]:
         if value is not None and "\0" in value:     # no path or image name can hold one
             return None, f'line {line_number}: "{name}" contains a NUL character; skipped'
     return {"prompt": prompt, "image": image, "cwd": cwd}, None
+
+
+def content_fingerprint(key: str) -> int:
+    """The first 64 bits of a content key: what the plan keeps of each pending line, to tell a line
+    re-read from the one planned without holding a string per line."""
+    return int(key[:16], 16)
 
 
 def _lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
@@ -237,6 +249,7 @@ def _plan_pass(path: Path, max_samples: int | None, own: Counter, moved: Counter
                 pending.offsets.append(offset)
                 pending.occurrences.append(seen[key])
                 pending.indexes.append(plan.total)
+                pending.fingerprints.append(content_fingerprint(key))
                 plan.pending_chars += len(fields["prompt"])
                 any_pending = True
         plan.pending_with_image += any_pending and fields["image"] is not None
@@ -253,16 +266,22 @@ def _plan_pass(path: Path, max_samples: int | None, own: Counter, moved: Counter
 def iter_pending(plan: DatasetPlan, *, only: Container[int] | None = None) -> Iterator[DatasetRecord]:
     """The pending samples of a plan, read from disk one at a time: every prompt's first sample in
     dataset order, then every second sample, and so on, so that a run stopped early leaves each prompt
-    with as many samples as the next, give or take one. ``only``: the units to read (all when None)."""
+    with as many samples as the next, give or take one. ``only``: the units to read (all when None).
+
+    Raises DatasetChanged at the first line that is not the one planned: a file rewritten during the run
+    moves its lines, and a buffered read can join old bytes to new ones, so no line re-read is trusted
+    unless its content key is the planned one."""
     with plan.path.open("rb") as handle:
         for sample_index, pending in enumerate(plan.rounds):
-            for offset, occurrence, index in zip(pending.offsets, pending.occurrences, pending.indexes, strict=True):
+            for offset, occurrence, index, fingerprint in zip(pending.offsets, pending.occurrences, pending.indexes,
+                                                              pending.fingerprints, strict=True):
                 if only is not None and plan.unit(index, sample_index) not in only:
                     continue
                 handle.seek(offset)
                 fields, _warning = parse_line(handle.readline(), 0)
-                if fields is None:      # the file changed under the run; the line is no prompt now
-                    continue
-                key = content_key(fields["prompt"], fields["image"], fields["cwd"])
+                if fields is None or content_fingerprint(
+                        key := content_key(fields["prompt"], fields["image"], fields["cwd"])) != fingerprint:
+                    raise DatasetChanged(f"{plan.path} changed while the run read it: the line of prompt {index} "
+                                         f"(at byte {offset:,}) is no longer the prompt planned")
                 yield DatasetRecord(index, fields["prompt"], fields["image"], fields["cwd"], key, occurrence,
                                     sample_index)

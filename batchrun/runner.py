@@ -22,7 +22,7 @@ from batchrun.config import (
     provider_routing_note,
 )
 from batchrun.console import RunConsole
-from batchrun.dataset import DatasetError, DatasetPlan, iter_pending, plan_dataset
+from batchrun.dataset import DatasetChanged, DatasetError, DatasetPlan, iter_pending, plan_dataset
 from batchrun.environments import environment_class
 from batchrun.environments.base import EnvironmentSettings, run_identity
 from batchrun.install_hint import program
@@ -50,8 +50,8 @@ MAX_CORRUPTED_LINES_SHOWN = 20
 # sandbox, and the next is ready long before another prompt ends.
 SPARE_SANDBOXES = 2
 # Exit codes: every prompt of this invocation done / the run stopped (bad input, a run-wide endpoint
-# error, the lock, a full disk) / the run finished but some prompts failed (--resume retries them); a stop
-# signal's are stop_signals.exit_code.
+# error, the lock, a full disk, the dataset changed under it) / the run finished but some prompts failed
+# (--resume retries them); a stop signal's are stop_signals.exit_code.
 EXIT_OK, EXIT_ERROR, EXIT_SOME_FAILED = 0, 1, 2
 
 
@@ -87,6 +87,7 @@ class BatchRunner:
         # out, which is the order of their units: the first is the lowest (see _publish_progress).
         self._open_units: OrderedDict[int, None] = OrderedDict()
         self._highest_unit = -1                   # of the tasks handed out
+        self._dataset_changed: DatasetChanged | None = None    # why no further prompt was admitted, if so
 
     # -- the run --------------------------------------------------------------------------------
 
@@ -206,6 +207,10 @@ class BatchRunner:
             self.console.error(f"{fatal.message}\nThe run stopped; finished prompts are saved. Fix the problem and "
                         "continue with --resume.")
             return EXIT_ERROR
+        if self._dataset_changed is not None and STOP_SIGNALS.received is None:
+            follower.cancel()
+            self.console.error(self._dataset_changed_message())
+            return EXIT_ERROR
         return self._conclude(plan)
 
     def _conclude(self, plan: DatasetPlan) -> int:
@@ -258,7 +263,7 @@ class BatchRunner:
         left = self._pending_samples
         while True:
             while not exhausted and pool.free_slots:
-                task = None if self._budget_spent() else next(tasks, None)
+                task = None if self._budget_spent() else self._next_task(tasks)
                 if task is None:
                     exhausted = True
                 else:
@@ -279,6 +284,21 @@ class BatchRunner:
                 return fatal
             self._maybe_checkpoint()
             self._publish_progress()
+
+    def _next_task(self, tasks: Iterator[Task]) -> Task | None:
+        """The next task, or None: none is left, or the dataset changed under the run. Then no further
+        prompt starts, and those running finish: each was read before the change, and checked."""
+        try:
+            return next(tasks, None)
+        except DatasetChanged as exc:
+            self._dataset_changed = exc
+            return None
+
+    def _dataset_changed_message(self) -> str:
+        left = self._pending_samples - self.this_run.processed
+        return (f"{self._dataset_changed}. The run stopped admitting prompts ({left:,} {self._units_word} not "
+                "started); every row written is kept. Run the same command with --resume once the dataset file "
+                "no longer changes.")
 
     @property
     def _units_word(self) -> str:

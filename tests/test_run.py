@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 import subprocess
 import sys
+from collections import Counter
 
 import pyarrow as pa
 import pyarrow.json as paj
 import pytest
-from conftest import batch_rows, cli_environment, endpoint_args, human_prompt, read_jsonl, run_cli, write_dataset
+from conftest import (
+    batch_rows,
+    cli_environment,
+    endpoint_args,
+    human_prompt,
+    last_user_message,
+    read_jsonl,
+    run_cli,
+    write_dataset,
+)
 
 from model_tools import TOOL_NAMES
 
@@ -315,3 +326,34 @@ def test_a_bug_in_the_scheduling_loop_shows_its_traceback_rather_than_a_resume_h
     assert result.returncode == 1
     assert "Traceback" in result.stderr and "RuntimeError: a bug in the loop" in result.stderr
     assert "continue with --resume" not in result.stderr
+
+
+def test_a_dataset_rewritten_during_the_run_stops_it_and_no_row_holds_a_prompt_not_planned(tmp_path, endpoint):
+    # Lines of about 1 KB: the reader's buffer holds several, so a rewrite lands amid buffered old bytes.
+    prompts = [f"task {number:02d} " + f"<{number:02d}>" * 250 for number in range(40)]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    second_version = write_dataset(tmp_path / "v2.jsonl", ["a new first task", *prompts])
+
+    def rewrite_at_the_fourth_prompt(body: dict) -> None:
+        if last_user_message(body) == prompts[3] and not rewritten:
+            rewritten.append(True)
+            shutil.copyfile(second_version, dataset)      # as cp does: the same file, truncated and rewritten
+        return None
+
+    rewritten: list[bool] = []
+    endpoint.script = rewrite_at_the_fourth_prompt
+    args = (f"--dataset_file={dataset}", "--batch_size=4", "--num_workers=2", "--run_name=run",
+            "--distribution=terminal_only", *endpoint_args(endpoint))
+    result = run_cli(tmp_path, *args)
+    assert rewritten and result.returncode == 1, result.stdout[-2000:] + result.stderr
+    said = " ".join(result.stderr.split())
+    assert f"{dataset} changed while the run read it" in said and "--resume" in said, said
+    assert "BATCH PROCESSING COMPLETE" not in result.stdout
+    written = batch_rows(tmp_path / "data" / "run")
+    assert 4 <= len(written) < 40
+    assert all(human_prompt(row) == prompts[row["prompt_index"]] for row in written)
+
+    result = run_cli(tmp_path, *args, "--resume")      # the dataset is stable now: the rest runs
+    assert result.returncode == 0, result.stderr
+    merged = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
+    assert Counter(human_prompt(row) for row in merged) == Counter(["a new first task", *prompts])
