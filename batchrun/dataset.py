@@ -107,8 +107,9 @@ class DatasetPlan:
 def parse_line(raw: bytes, line_number: int) -> tuple[dict | None, str | None]:
     """(record fields, None) for a usable line, (None, warning) for a bad one, (None, None) if blank."""
     try:
-        # A byte order mark some editors write before the first line is not part of it.
-        text = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
+        # A byte order mark some editors write before the first line (or before each file joined into
+        # one) is not part of the line.
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError:
         return None, f"line {line_number}: not valid UTF-8; skipped"
     if not text.strip():

@@ -176,8 +176,14 @@ def test_a_dataset_the_runner_may_not_read_is_a_clear_error(tmp_path):
     assert "DatasetError: cannot read" in result.stderr and "Permission denied" in result.stderr, result.stderr
 
 
-def test_a_utf8_byte_order_mark_before_the_first_line_is_not_part_of_it():
-    assert parse_line(b'\xef\xbb\xbf{"prompt": "p0"}\n', 1) == ({"prompt": "p0", "image": None, "cwd": None}, None)
+def test_a_utf8_byte_order_mark_before_the_first_line_is_not_part_of_it(tmp_path, endpoint):
+    args = good_args(tmp_path, endpoint)
+    (tmp_path / "dataset.jsonl").write_bytes(b'\xef\xbb\xbf{"prompt": "p0"}\n{"prompt": "p1"}\n')
+    result = run_cli(tmp_path, *args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "warning" not in result.stderr
+    rows = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
+    assert sorted((row["prompt_index"], human_prompt(row)) for row in rows) == [(0, "p0"), (1, "p1")]
 
 
 def test_a_line_that_is_not_json_is_named_with_where_it_goes_wrong():
