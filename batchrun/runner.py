@@ -132,7 +132,7 @@ class BatchRunner:
         live_corrupted = sum(scan.live_corrupted(self.superseded_corrupted).values())
         done_units = scan.done(rerun_corrupted=config.output.rerun_corrupted, superseded=self.superseded_corrupted)
         if config.output.rerun_corrupted:    # every corrupted row so far is replaced by the attempt about to run
-            self.superseded_corrupted = Counter(scan.corrupted_by_key)
+            self.superseded_corrupted = scan.corrupted_by_key
         try:
             plan = plan_dataset(config.dataset_file, max_samples=config.max_samples, done_units=done_units,
                                 warn=self.console.warn, samples_per_prompt=config.samples_per_prompt)

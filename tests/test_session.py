@@ -278,14 +278,9 @@ def test_arguments_nested_too_deep_to_parse_cost_one_failed_tool_call(tmp_path):
 SECRET = "sk-test-ECHOED-0123456789abcdef"
 
 
-def test_a_secret_the_endpoint_echoes_never_reaches_the_record_or_the_tool(tmp_path):
-    script = [ModelReply(message={"role": "assistant", "content": f"The key is {SECRET}.", "reasoning": f"I saw {SECRET}",
-                                  "tool_calls": [{"id": f"id-{SECRET}", "type": "function", "function": {
-                                      "name": "terminal", "arguments": json.dumps({"command": f"echo '{SECRET}'"})}}]},
-                          finish_reason="tool_calls", usage=Usage()),
-              say(f"Done with {SECRET[:20]}")]
-    model = ScriptedModel(script)
-    services = worker_services(tmp_path, ScriptedModels(model))
+def run_redacting_session(tmp_path: Path, script: list[ModelReply | Exception]) -> tuple[SessionResult, bytes]:
+    """The session run by a worker that redacts SECRET, and the row it makes."""
+    services = worker_services(tmp_path, ScriptedModels(ScriptedModel(script)))
     services.redact = Redactor([SECRET])
 
     async def session() -> SessionResult:
@@ -295,7 +290,16 @@ def test_a_secret_the_endpoint_echoes_never_reaches_the_record_or_the_tool(tmp_p
             await services.close()
 
     result = asyncio.run(session())
-    line = rows.encode_finished(result, batch_num=0, model="m", timestamp="t", discard_no_reasoning=False)
+    return result, rows.encode_finished(result, batch_num=0, model="m", timestamp="t", discard_no_reasoning=False)
+
+
+def test_a_secret_the_endpoint_echoes_never_reaches_the_record_or_the_tool(tmp_path):
+    script = [ModelReply(message={"role": "assistant", "content": f"The key is {SECRET}.", "reasoning": f"I saw {SECRET}",
+                                  "tool_calls": [{"id": f"id-{SECRET}", "type": "function", "function": {
+                                      "name": "terminal", "arguments": json.dumps({"command": f"echo '{SECRET}'"})}}]},
+                          finish_reason="tool_calls", usage=Usage()),
+              say(f"Done with {SECRET[:20]}")]
+    result, line = run_redacting_session(tmp_path, script)
     assert SECRET[:8].encode() not in line and b"[REDACTED]" in line
     [answered] = result.turns[0].tool_calls
     assert json.loads(answered.result or "")["output"] == "[REDACTED]\n"     # the command never held it
@@ -311,18 +315,7 @@ def escaped(text: str) -> str:
 def test_a_secret_hidden_by_json_escapes_in_arguments_never_reaches_the_tool_or_the_record(tmp_path, hidden):
     arguments = '{"command": "echo \'' + hidden + '\' | rev"}'
     assert json.loads(arguments)["command"] == f"echo '{SECRET}' | rev"
-    model = ScriptedModel([raw_call("terminal", arguments), say("Done.")])
-    services = worker_services(tmp_path, ScriptedModels(model))
-    services.redact = Redactor([SECRET])
-
-    async def session() -> SessionResult:
-        try:
-            return await Session(TASK, services).run()
-        finally:
-            await services.close()
-
-    result = asyncio.run(session())
-    line = rows.encode_finished(result, batch_num=0, model="m", timestamp="t", discard_no_reasoning=False)
+    result, line = run_redacting_session(tmp_path, [raw_call("terminal", arguments), say("Done.")])
     [answered] = result.turns[0].tool_calls
     assert json.loads(answered.arguments) == {"command": "echo '[REDACTED]' | rev"}
     assert SECRET[::-1][:8] not in json.loads(answered.result or "")["output"]     # the command never held it

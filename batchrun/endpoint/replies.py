@@ -68,18 +68,24 @@ def _usage_from(data: dict) -> Usage:
                  cost=_count(usage, "cost", "usage"))
 
 
+def _objects(message: dict, key: str) -> list[dict]:
+    """The message's list of objects under ``key`` ([] where it has none); refused in any other shape."""
+    items = message.get(key)
+    if items is None:
+        return []
+    if not isinstance(items, list):
+        raise MalformedReplyError(f"choices[0].message.{key} is not a list: {_preview(items)}")
+    for position, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise MalformedReplyError(f"choices[0].message.{key}[{position}] is not an object: {_preview(item)}")
+    return items
+
+
 def _check_tool_calls(message: dict) -> None:
     """Each tool call must name a function; its arguments may be text or an object (the session
     turns them into text and tells the model when they do not parse)."""
-    calls = message.get("tool_calls")
-    if calls is None:
-        return
-    if not isinstance(calls, list):
-        raise MalformedReplyError(f"choices[0].message.tool_calls is not a list: {_preview(calls)}")
-    for position, call in enumerate(calls):
+    for position, call in enumerate(_objects(message, "tool_calls")):
         where = f"choices[0].message.tool_calls[{position}]"
-        if not isinstance(call, dict):
-            raise MalformedReplyError(f"{where} is not an object: {_preview(call)}")
         function = call.get("function")
         if not isinstance(function, dict):
             raise MalformedReplyError(f"{where}.function is not an object: {_preview(function)}")
@@ -109,15 +115,7 @@ def _check_reasoning(message: dict) -> None:
         value = message.get(key)
         if value is not None and not isinstance(value, str):
             raise MalformedReplyError(f"choices[0].message.{key} is not text: {_preview(value)}")
-    details = message.get("reasoning_details")
-    if details is None:
-        return
-    if not isinstance(details, list):
-        raise MalformedReplyError(f"choices[0].message.reasoning_details is not a list: {_preview(details)}")
-    for position, item in enumerate(details):
-        if not isinstance(item, dict):
-            raise MalformedReplyError(f"choices[0].message.reasoning_details[{position}] is not an object: "
-                                      f"{_preview(item)}")
+    _objects(message, "reasoning_details")
 
 
 def parse_reply(raw: bytes) -> ModelReply:

@@ -30,11 +30,11 @@ def content_part_text(part: Any) -> tuple[str, str] | None:
     if not isinstance(part, dict):
         return None
     kind = part.get("type", "text")
-    if kind == "text" and isinstance(part.get("text"), str):
-        return "text", part["text"]
-    thinking = part.get("thinking")
+    if kind == "text":
+        return ("text", part["text"]) if isinstance(part.get("text"), str) else None
     if kind != "thinking":
         return None
+    thinking = part.get("thinking")
     if isinstance(thinking, str):
         return "thinking", thinking
     if isinstance(thinking, list):

@@ -22,8 +22,7 @@ class ScanResult:
 
     done_units: Counter = field(default_factory=Counter)         # corrupted rows not included
     rows_by_status: Counter = field(default_factory=Counter)
-    corrupted_by_key: Counter = field(default_factory=Counter)   # corrupted rows, ever, per sample key
-    corrupted_units: list[str] = field(default_factory=list)     # their units, in batch-file order
+    corrupted_units: list[str] = field(default_factory=list)     # corrupted rows' units, in batch-file order
     unreadable_lines: int = 0
     usage: UsageTotals = field(default_factory=empty_usage)      # of every row
     most_samples: int = 1                                        # the highest sample index of a row, plus one
@@ -33,9 +32,13 @@ class ScanResult:
         self.most_samples = max(self.most_samples, other.most_samples)
         self.done_units.update(other.done_units)
         self.rows_by_status.update(other.rows_by_status)
-        self.corrupted_by_key.update(other.corrupted_by_key)
         self.corrupted_units.extend(other.corrupted_units)
         self.unreadable_lines += other.unreadable_lines
+
+    @property
+    def corrupted_by_key(self) -> Counter:
+        """Corrupted rows, ever, per sample key."""
+        return Counter(map(rows.sample_key_of_unit, self.corrupted_units))
 
     def live_corrupted(self, superseded: Counter) -> Counter:
         """Corrupted rows per key that no later attempt replaced (``superseded``: see Checkpoint)."""
@@ -83,7 +86,6 @@ def scan_ranges(ranges: list[FileRange]) -> ScanResult:
             if row.status == rows.FAILED:
                 continue
             if row.status != rows.DISCARDED and row.invented_tools():
-                result.corrupted_by_key[row.sample_key] += 1
                 result.corrupted_units.append(row.unit_key)
                 continue
             result.done_units[row.unit_key] += 1
