@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import gzip
+import http.server
 import json
 import socket
+import threading
 import time
 
 import openai
@@ -19,6 +22,7 @@ from scripted_endpoint import OVERFLOW_ERRORS, ScriptedEndpoint
 from test_session import ENDPOINT
 
 from batchrun.endpoint import (
+    MAX_REPLY_BYTES,
     MAX_RETRY_AFTER,
     MalformedReplyError,
     OpenAIEndpoint,
@@ -502,3 +506,149 @@ def test_sessions_take_the_workers_connection_pools_in_turn_whatever_their_promp
             await models.close()
     taken = asyncio.run(pools_taken())
     assert len({id(client) for client in taken[:4]}) == 4 and taken[4:] == taken[:4]
+
+
+# -- replies too large or too slow ------------------------------------------------------------
+
+class RawReplies:
+    """A server on 127.0.0.1 whose reply to a chat call is whatever the prompt's scenario writes on
+    the socket: the shapes of reply a broken or hostile endpoint can send, which the scripted
+    endpoint (whole, well-formed bodies) never does."""
+
+    def __init__(self) -> None:
+        raw = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                scenario = body["messages"][0]["content"]
+                raw.accept_encoding.append(self.headers.get("Accept-Encoding"))
+                try:
+                    getattr(raw, scenario)(self)
+                except OSError:          # the client hung up, as it should on a reply it refuses
+                    pass
+
+        self.accept_encoding: list[str | None] = []
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}/v1"
+
+    def __enter__(self) -> RawReplies:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    @staticmethod
+    def _head(handler, status: int = 200, **headers: str) -> None:
+        handler.send_response(status)
+        handler.send_header("Content-Type", "application/json")
+        for name, value in headers.items():
+            handler.send_header(name.replace("_", "-"), value)
+        handler.end_headers()
+
+    def oversized(self, handler, status: int = 200) -> None:
+        """A well-formed completion whose answer is larger than any reply may be, with no length
+        declared: only counting what arrives can stop it."""
+        self._head(handler, status, Connection="close")
+        handler.wfile.write(b'{"choices":[{"message":{"role":"assistant","content":"')
+        chunk = b"a" * 2**20
+        for _ in range(MAX_REPLY_BYTES // len(chunk) + 1):
+            handler.wfile.write(chunk)
+        handler.wfile.write(b'"},"finish_reason":"stop"}]}')
+
+    def oversized_error(self, handler) -> None:
+        self.oversized(handler, status=500)
+
+    def declared_oversized(self, handler) -> None:
+        self._head(handler, Content_Length=str(10 * 2**30))
+        handler.wfile.write(b"{")
+        time.sleep(3)
+
+    def gzip_bomb(self, handler) -> None:
+        body = gzip.compress(b'{"choices":[{"message":{"content":"' + b"a" * (MAX_REPLY_BYTES + 2**20) + b'"}}]}', 1)
+        self._head(handler, Content_Encoding="gzip", Content_Length=str(len(body)))
+        handler.wfile.write(body)
+
+    def gzipped(self, handler) -> None:
+        body = gzip.compress(completion({"role": "assistant", "content": "Compressed answer."}))
+        self._head(handler, Content_Encoding="gzip", Content_Length=str(len(body)))
+        handler.wfile.write(body)
+
+    def broken_gzip(self, handler) -> None:
+        body = gzip.compress(completion({"role": "assistant", "content": "Cut short."}))[:-12]
+        self._head(handler, Content_Encoding="gzip", Content_Length=str(len(body)))
+        handler.wfile.write(body)
+
+    def brotli(self, handler) -> None:
+        body = completion({"role": "assistant", "content": "Said to be brotli."})
+        self._head(handler, Content_Encoding="br", Content_Length=str(len(body)))
+        handler.wfile.write(body)
+
+    def trickle(self, handler) -> None:
+        """A byte of a reply every 0.1 s, for ever: no single wait is long, the reply never ends."""
+        self._head(handler, Content_Length=str(2**20))
+        for _ in range(10_000):
+            handler.wfile.write(b" ")
+            handler.wfile.flush()
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def raw_replies():
+    with RawReplies() as running:
+        yield running
+
+
+def failure_of(base_url: str, scenario: str, *, timeout: float = 10) -> PromptFailedError:
+    """The failure one call_model call ends in; an outer limit turns a call that never ends into a
+    test failure rather than a hung test."""
+    async def call() -> None:
+        async with make_client(base_url, "sk-test", timeout=timeout) as client:
+            await asyncio.wait_for(call_model(client, RateGate(), body=request_body(scenario), model=MODEL,
+                                              max_retries=0, base_url=base_url), timeout + 20)
+    with pytest.raises(PromptFailedError) as failure:
+        asyncio.run(call())
+    return failure.value
+
+
+@pytest.mark.parametrize("scenario", ["oversized", "oversized_error", "declared_oversized", "gzip_bomb"])
+def test_a_reply_larger_than_any_completion_fails_the_prompt_as_a_bad_response(raw_replies, scenario):
+    failure = failure_of(raw_replies.base_url, scenario)
+    assert failure.error_type == "bad_response", failure
+    assert f"larger than {MAX_REPLY_BYTES // 2**20} MiB" in str(failure)
+
+
+def test_a_gzipped_reply_is_read():
+    with RawReplies() as raw:
+        reply = call_once(raw.base_url, "gzipped")
+        assert split_reasoning(reply.message)[1] == "Compressed answer."
+        assert raw.accept_encoding == ["gzip"]      # the one coding the client decodes within its limit
+
+
+def test_a_gzipped_reply_cut_short_is_a_bad_response(raw_replies):
+    failure = failure_of(raw_replies.base_url, "broken_gzip")
+    assert failure.error_type == "bad_response" and "gzip" in str(failure)
+
+
+def test_a_reply_in_a_coding_that_was_not_asked_for_is_a_bad_response(raw_replies):
+    failure = failure_of(raw_replies.base_url, "brotli")
+    assert failure.error_type == "bad_response" and "'br'" in str(failure)
+
+
+def test_a_reply_trickling_in_for_longer_than_the_request_timeout_fails_as_a_time_out(raw_replies):
+    started = time.monotonic()
+    failure = failure_of(raw_replies.base_url, "trickle", timeout=1)
+    assert failure.error_type == "timeout" and "no reply within 1s" in str(failure)
+    assert time.monotonic() - started < 10

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import datetime
+import gzip
 import json
 import socket
 import ssl
@@ -25,11 +26,13 @@ from conftest import batch_rows, endpoint_args, run_cli, write_dataset
 from scripted_endpoint import ScriptedEndpoint
 
 import model_tools
+from batchrun.endpoint import MAX_REPLY_BYTES
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.environments.local import LocalEnvironment
 from batchrun.install_hint import install_hint
 from batchrun.tools import ModelAccess, ToolContext, ToolError, clients, configuration
 from batchrun.tools.address_policy import address_refusal
+from batchrun.tools.clients import MAX_SERVICE_BYTES
 from batchrun.tools.extract import MAX_CHARS, MAX_PAGE_BYTES, web_extract
 from batchrun.tools.image_gen import image_generate
 from batchrun.tools.search import web_search
@@ -269,6 +272,15 @@ def test_backend_choice_follows_the_documented_order_unless_one_is_named(site, m
     assert "is not one of searxng, brave, tavily, ddgs" in model_tools.unavailable_tools()["web_search"]
 
 
+def test_a_search_service_answering_more_than_any_results_page_is_a_tool_error(site, monkeypatch):
+    site.routes["/search"] = Reply(body=b"[" + b"0," * MAX_SERVICE_BYTES + b"0]", content_type="application/json",
+                                   send_length=False)
+    monkeypatch.setenv("SEARXNG_URL", site.url())
+    with pytest.raises(ToolError, match=f"searxng search failed: the response is larger than "
+                                        f"{MAX_SERVICE_BYTES // 2**20} MiB"):
+        call(web_search, {"query": "cats"})
+
+
 def test_no_search_backend_makes_web_search_unavailable(monkeypatch):
     monkeypatch.setattr(configuration, "installed", lambda module: module != "ddgs")
     reason = model_tools.unavailable_tools()["web_search"]
@@ -502,8 +514,30 @@ def test_pages_over_the_size_cap_are_refused(site, allow_private):
     site.routes["/declared"] = Reply(body=big)
     site.routes["/streamed"] = Reply(body=big, send_length=False)
     for path in ("/declared", "/streamed"):      # refused from the header, and while reading
-        with pytest.raises(ToolError, match=f"over the limit of {MAX_PAGE_BYTES}"):
+        with pytest.raises(ToolError, match=f"larger than {MAX_PAGE_BYTES:,} bytes"):
             call(web_extract, {"urls": [site.url(path)]})
+
+
+def test_a_gzipped_page_is_read_and_gzip_is_the_one_coding_asked_for(site, allow_private):
+    site.routes["/article"] = Reply(body=gzip.compress(ARTICLE.encode()), headers={"Content-Encoding": "gzip"})
+    [result] = call(web_extract, {"urls": [site.url("/article")]})["results"]
+    assert "Indoor cats live longer" in result["content"]
+    assert site.requests[0].headers["accept-encoding"] == "gzip"
+
+
+def test_a_page_that_inflates_past_the_size_cap_is_refused(site, allow_private):
+    bomb = gzip.compress(b"<html><body><p>" + b"x" * (4 * MAX_PAGE_BYTES) + b"</p></body></html>", 9)
+    site.routes["/bomb"] = Reply(body=bomb, headers={"Content-Encoding": "gzip"})
+    with pytest.raises(ToolError, match=f"larger than {MAX_PAGE_BYTES:,} bytes"):
+        call(web_extract, {"urls": [site.url("/bomb")]})
+
+
+def test_a_page_in_a_coding_that_was_not_asked_for_is_refused(site, allow_private):
+    # A coding the client cannot inflate within the cap (brotli, zstd) is refused, whether or not the
+    # library that would inflate it without a bound is installed.
+    site.routes["/br"] = Reply(body=ARTICLE, headers={"Content-Encoding": "br"})
+    with pytest.raises(ToolError, match="encoded as 'br', which was not asked for"):
+        call(web_extract, {"urls": [site.url("/br")]})
 
 
 def test_long_pages_are_cut_with_a_note(site, allow_private):
@@ -635,6 +669,15 @@ def test_image_generate_api_errors_are_tool_errors(images_api, workspace, monkey
     monkeypatch.setenv("IMAGE_GEN_API_KEY", "wrong-key-123456")
     with pytest.raises(ToolError, match="image generation failed"):
         call(image_generate, {"prompt": "x"}, env=workspace)
+
+
+def test_an_images_api_answering_more_than_any_reply_is_a_tool_error(images_api, workspace):
+    images_api.routes["/v1/images/generations"] = Reply(
+        body=b'{"data": [{"url": "' + b"x" * MAX_REPLY_BYTES + b'"}]}', content_type="application/json",
+        send_length=False)
+    with pytest.raises(ToolError, match=f"image generation failed: the reply is larger than "
+                                        f"{MAX_REPLY_BYTES // 2**20} MiB"):
+        call(image_generate, {"prompt": "a cat"}, env=workspace)
 
 
 def test_fal_provider_posts_to_the_model_path_with_its_key(site, monkeypatch, workspace):

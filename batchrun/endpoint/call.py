@@ -27,6 +27,9 @@ async def call_model(client: openai.AsyncOpenAI, gate: Gate, *, body: bytes, mod
     """One chat completion, retried on transient errors with back-off honouring Retry-After;
     ``on_send`` is called as each attempt leaves the gate."""
     attempt = 0
+    # The client's time-out bounds each wait for the next bytes; this bounds the whole reply, which a
+    # server sending a byte now and then would otherwise hold open for ever.
+    deadline = client.timeout if isinstance(client.timeout, (int, float)) else None
     while True:
         retry_after, overloaded = None, False
         async with gate.slot() as request:
@@ -35,7 +38,8 @@ async def call_model(client: openai.AsyncOpenAI, gate: Gate, *, body: bytes, mod
                 # The client's documented raw-post path: same HTTP, auth, errors and timeouts as
                 # chat.completions.create, without re-validating the whole conversation on every call
                 # (that walk cost more CPU than the rest of a session).
-                raw = await client.post("/chat/completions", cast_to=bytes, content=body)
+                async with asyncio.timeout(deadline):
+                    raw = await client.post("/chat/completions", cast_to=bytes, content=body)
                 request.answered()
                 _ANSWERED.add(base_url)
                 return parse_reply(raw)
@@ -46,7 +50,7 @@ async def call_model(client: openai.AsyncOpenAI, gate: Gate, *, body: bytes, mod
                         request.overloaded()
                 retry_after = classify(exc, model=model, base_url=base_url, endpoint_answered=base_url in _ANSWERED)
                 failure: Exception = exc
-            except MalformedReplyError as exc:   # perhaps a proxy's passing fault: worth another attempt
+            except (MalformedReplyError, TimeoutError) as exc:   # perhaps a passing fault: worth another attempt
                 failure = exc
         if attempt >= max_retries:
             text, error_type = failure_summary(failure, client.timeout)

@@ -14,6 +14,7 @@ import openai
 
 from batchrun.config import EndpointConfig
 from batchrun.endpoint.call import call_model
+from batchrun.endpoint.transport import BoundedAioHttpClient
 from batchrun.model import Message, ModelReply
 from batchrun.rate_limit import Gate
 
@@ -25,18 +26,18 @@ TLS_CONTEXT = ssl.create_default_context()
 
 def make_client(base_url: str, api_key: str, *, timeout: float) -> openai.AsyncOpenAI:
     """The client on its aiohttp transport: with hundreds of sessions per process, the default
-    transport's pure-Python HTTP handling cost more CPU than everything else a session does.
-    ``timeout`` (--request_timeout) bounds each wait for the server, so a silent one cannot hold a
-    prompt for ever."""
+    transport's pure-Python HTTP handling cost more CPU than everything else a session does. Each
+    reply's size is bounded (:mod:`batchrun.endpoint.transport`); ``timeout`` (--request_timeout)
+    bounds each wait for the server, and :func:`call_model` the whole reply."""
     return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout,
-                              http_client=openai.DefaultAioHttpClient(timeout=timeout, verify=TLS_CONTEXT))
+                              http_client=BoundedAioHttpClient(timeout=timeout, verify=TLS_CONTEXT))
 
 
 def preload_http_stack() -> None:
     """Import what the HTTP stack loads only when its first client is built (about a hundred modules).
     The pool calls this before forking, so workers share them instead of each loading its own; the
     client built here opens nothing and is dropped."""
-    openai.DefaultAioHttpClient(verify=TLS_CONTEXT)
+    BoundedAioHttpClient(verify=TLS_CONTEXT)
 
 
 class ConversationBody:

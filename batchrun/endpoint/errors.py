@@ -161,6 +161,8 @@ def failure_summary(exc: Exception, timeout: Any) -> tuple[str, str]:
         return f"HTTP {exc.status_code}: {_error_text(exc)}", kind
     if isinstance(exc, openai.APIConnectionError):
         return _connection_failure(exc, timeout)
+    if isinstance(exc, TimeoutError):
+        return _no_reply_within(timeout), "timeout"
     return f"malformed reply: {exc}", "bad_response"
 
 
@@ -172,6 +174,10 @@ def _connection_failure(exc: openai.APIConnectionError, timeout: Any) -> tuple[s
         if isinstance(cause, socket.gaierror):
             return "the endpoint's host name cannot be resolved", "connection"
         if isinstance(cause, TimeoutError):
-            seconds = f"{timeout:g}s" if isinstance(timeout, (int, float)) else str(timeout)
-            return f"no reply within {seconds} (--request_timeout)", "timeout"
+            return _no_reply_within(timeout), "timeout"
     return f"connection failed: {causes[-1]}", "connection"
+
+
+def _no_reply_within(timeout: Any) -> str:
+    seconds = f"{timeout:g}s" if isinstance(timeout, (int, float)) else str(timeout)
+    return f"no reply within {seconds} (--request_timeout)"

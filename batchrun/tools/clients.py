@@ -2,8 +2,8 @@
 
 Building a TLS context reads the whole CA bundle (tens of milliseconds of CPU on the worker's event
 loop, which every other session shares), so one context serves every HTTP client of the process.
-Model clients for a separately configured endpoint live as long as their session and are closed
-with it.
+Model clients for a separately configured endpoint are the run's kind (the reply's size bounded) and
+live as long as their session, which closes them.
 """
 
 from __future__ import annotations
@@ -14,9 +14,15 @@ import ssl
 import httpx
 import openai
 
+from batchrun.bounded_body import ACCEPT_ENCODING
+from batchrun.endpoint.client import TLS_CONTEXT
+from batchrun.endpoint.transport import BoundedAioHttpClient
 from batchrun.tools import ToolContext
 
 USER_AGENT = "Mozilla/5.0 (compatible; batch_runner/0.1; +https://pypi.org/project/batch-runner/)"
+# The most a search or image service may answer: a page of results is kilobytes; fal's synchronous
+# mode answers with the whole image as a data URL, a few megabytes.
+MAX_SERVICE_BYTES = 16 * 2**20
 
 
 @functools.cache
@@ -26,9 +32,10 @@ def _tls_context() -> ssl.SSLContext:
 
 def http_client(timeout: float, *, headers: dict[str, str] | None = None,
                 trust_env: bool = True) -> httpx.AsyncClient:
-    """An httpx client with the shared TLS context and our User-Agent; use it with ``async with``."""
-    return httpx.AsyncClient(verify=_tls_context(), timeout=timeout,
-                             headers={"User-Agent": USER_AGENT, **(headers or {})}, trust_env=trust_env)
+    """An httpx client with the shared TLS context and our User-Agent, asking for the one compression
+    :func:`batchrun.tools.net.read_capped` inflates within its limit; use it with ``async with``."""
+    return httpx.AsyncClient(verify=_tls_context(), timeout=timeout, trust_env=trust_env,
+                             headers={"User-Agent": USER_AGENT, "Accept-Encoding": ACCEPT_ENCODING, **(headers or {})})
 
 
 def openai_client(ctx: ToolContext, slot: str, *, base_url: str, api_key: str | None,
@@ -39,11 +46,8 @@ def openai_client(ctx: ToolContext, slot: str, *, base_url: str, api_key: str | 
     """
     client = ctx.state.get(slot)
     if client is None:
-        # openai 3 annotates http_client as an httpx2 client but accepts an httpx one too (it checks for
-        # either); openai 2 annotates httpx, where this ignore is unused.
-        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key or "unused", timeout=timeout,
-                                    max_retries=2,
-                                    http_client=http_client(timeout))  # type: ignore[arg-type, unused-ignore]
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key or "unused", timeout=timeout, max_retries=2,
+                                    http_client=BoundedAioHttpClient(timeout=timeout, verify=TLS_CONTEXT))
         ctx.state[slot] = client
         ctx.cleanups.append(client.close)
     return client

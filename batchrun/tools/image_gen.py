@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import uuid
 from typing import cast
 
 import httpx
 import openai
 
+from batchrun.endpoint import MalformedReplyError
 from batchrun.time_limit import within
 from batchrun.tools import ToolContext, ToolError
-from batchrun.tools.clients import http_client, openai_client
+from batchrun.tools.clients import MAX_SERVICE_BYTES, http_client, openai_client
 from batchrun.tools.configuration import Backend, NotConfigured, image_provider
 from batchrun.tools.media import EXTENSIONS, image_type
+from batchrun.tools.net import read_capped
 
 IMAGE_SECONDS = 110.0
 IMAGE_DIRECTORY = "images"
@@ -54,7 +57,7 @@ async def _openai_images(provider: Backend, prompt: str, ctx: ToolContext) -> st
                            api_key=provider.api_key, timeout=IMAGE_SECONDS)
     try:
         response = await client.images.generate(model=provider.model, prompt=prompt, n=1)
-    except openai.APIError as exc:
+    except (openai.APIError, MalformedReplyError) as exc:
         raise ToolError(f"image generation failed: {exc}") from None
     item = response.data[0] if response.data else None
     if item is not None and item.url:
@@ -68,14 +71,18 @@ async def _fal(provider: Backend, prompt: str) -> str:
     """The first image URL of a synchronous fal.ai run (a data: URL when the model runs in sync_mode)."""
     async with http_client(IMAGE_SECONDS) as client:
         try:
-            response = await client.post(f"{provider.base_url}/{provider.model}", json={"prompt": prompt},
-                                         headers={"Authorization": f"Key {provider.api_key}"})
+            async with client.stream("POST", f"{provider.base_url}/{provider.model}", json={"prompt": prompt},
+                                     headers={"Authorization": f"Key {provider.api_key}"}) as response:
+                body = await read_capped(response, MAX_SERVICE_BYTES)
         except httpx.HTTPError as exc:
             raise ToolError(f"fal.ai image generation failed: {type(exc).__name__}: {exc}") from None
+        except ToolError as exc:
+            raise ToolError(f"fal.ai image generation failed: {exc}") from None
     if response.status_code != 200:
-        raise ToolError(f"fal.ai image generation failed: HTTP {response.status_code}: {response.text[:300]}")
+        raise ToolError(f"fal.ai image generation failed: HTTP {response.status_code}: "
+                        f"{body[:300].decode('utf-8', 'replace')}")
     try:
-        images = response.json().get("images")
+        images = json.loads(body).get("images")
         url = images[0]["url"]
     except (ValueError, AttributeError, TypeError, LookupError):
         raise ToolError("fal.ai answered without an image URL") from None

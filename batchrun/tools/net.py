@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from batchrun.bounded_body import BodyError, bounded_chunks, check_declared_length, gzipped
 from batchrun.tools import ToolError
 from batchrun.tools.address_policy import allowed_addresses, host_refusal
 
@@ -51,7 +52,6 @@ def check_visible_destination(url: httpx.URL) -> None:
 
 async def _send_pinned(client: httpx.AsyncClient, url: httpx.URL) -> httpx.Response:
     """GET ``url`` over a connection to one of its checked addresses (the next one if it refuses)."""
-    host = url.raw_host.decode("ascii")
     failure: httpx.ConnectError | None = None
     host = url.raw_host.decode("ascii")
     for address in await allowed_addresses(host, url.port or (443 if url.scheme == "https" else 80)):
@@ -65,18 +65,15 @@ async def _send_pinned(client: httpx.AsyncClient, url: httpx.URL) -> httpx.Respo
     raise ToolError(f"cannot connect to {host}: {failure}")
 
 
-async def _read_capped(response: httpx.Response, max_bytes: int) -> bytes:
-    """The (decompressed) body, refused as soon as it passes ``max_bytes``."""
-    declared = response.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise ToolError(f"the response is {int(declared)} bytes, over the limit of {max_bytes}")
-    chunks, size = [], 0
-    async for chunk in response.aiter_bytes():
-        size += len(chunk)
-        if size > max_bytes:
-            raise ToolError(f"the response is over the limit of {max_bytes} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+async def read_capped(response: httpx.Response, max_bytes: int) -> bytes:
+    """The body of a streamed response, inflated if gzipped, refused as soon as it passes
+    ``max_bytes`` (:mod:`batchrun.bounded_body`: httpx would inflate it without a bound)."""
+    try:
+        gzip = gzipped(response.headers.get_list("content-encoding"))
+        check_declared_length(response.headers.get("content-length"), gzip=gzip, limit=max_bytes)
+        return b"".join([chunk async for chunk in bounded_chunks(response.aiter_raw(), gzip=gzip, limit=max_bytes)])
+    except BodyError as exc:
+        raise ToolError(f"the response {exc}") from None
 
 
 async def fetch(client: httpx.AsyncClient, text: str, *, max_bytes: int) -> Page:
@@ -95,7 +92,7 @@ async def fetch(client: httpx.AsyncClient, text: str, *, max_bytes: int) -> Page
                     continue
                 if not response.is_success:
                     raise ToolError(f"HTTP {response.status_code} {response.reason_phrase}".rstrip())
-                body = await _read_capped(response, max_bytes)
+                body = await read_capped(response, max_bytes)
             finally:
                 await response.aclose()
             media_type = response.headers.get("content-type", "").partition(";")[0].strip().lower()

@@ -13,6 +13,7 @@ import re
 import openai
 from openai.types.chat import ChatCompletionContentPartParam
 
+from batchrun.endpoint import MalformedReplyError
 from batchrun.env_vars import variable
 from batchrun.time_limit import within
 from batchrun.tools import ToolContext, ToolError
@@ -35,7 +36,7 @@ async def vision_analyze(args: dict, ctx: ToolContext) -> dict:
     call = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}])
     try:
         response = await within(VISION_SECONDS, call)
-    except openai.APIError as exc:
+    except (openai.APIError, MalformedReplyError) as exc:
         raise ToolError(f"the vision model call failed: {exc}") from None
     except TimeoutError:
         raise ToolError(f"the vision model did not answer within {VISION_SECONDS:g}s") from None

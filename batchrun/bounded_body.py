@@ -1,0 +1,71 @@
+"""An HTTP body read within a size limit, counted after decompression as it arrives.
+
+Whatever answers over HTTP (the model endpoint, a search or image service, a page the model chose)
+can send more than anyone asked for: a body without end, a declared ten gigabytes, or a few kilobytes
+of gzip that inflate to gigabytes. The HTTP stacks inflate without a bound (brotli and zstd, where
+installed, by far more than gzip's thousandfold), so callers ask for gzip alone, and it is inflated
+here, never more than one byte past the limit; a body in a coding nobody asked for is refused.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+
+# The coding every bounded request asks for: one whose inflation this module can bound.
+ACCEPT_ENCODING = "gzip"
+MIB = 2**20
+
+
+class BodyError(Exception):
+    """A body that cannot be read as sent (a coding not asked for, broken gzip, too large). Its text
+    goes after the caller's name for the body: "the reply " + "is not valid gzip"."""
+
+
+class BodyTooLarge(BodyError):
+    def __init__(self, limit: int, declared: int | None = None) -> None:
+        if declared is None:
+            super().__init__(f"is larger than {size_text(limit)}")
+        else:
+            super().__init__(f"declares {declared:,} bytes, larger than {size_text(limit)}")
+
+
+def size_text(size: int) -> str:
+    return f"{size // MIB} MiB" if size % MIB == 0 else f"{size:,} bytes"
+
+
+def gzipped(content_encoding: Iterable[str]) -> bool:
+    """Whether a body with these Content-Encoding values is gzip (else it is sent as it is);
+    BodyError for any other coding."""
+    codings = [coding.strip().lower() for value in content_encoding for coding in value.split(",")]
+    codings = [coding for coding in codings if coding and coding != "identity"]
+    if not codings:
+        return False
+    if codings in (["gzip"], ["x-gzip"]):
+        return True
+    raise BodyError(f"is encoded as {', '.join(map(repr, codings))}, which was not asked for")
+
+
+def check_declared_length(content_length: str | None, *, gzip: bool, limit: int) -> None:
+    """BodyTooLarge before reading a byte when a plain body declares more than ``limit``."""
+    if not gzip and content_length and content_length.isdigit() and int(content_length) > limit:
+        raise BodyTooLarge(limit, int(content_length))
+
+
+async def bounded_chunks(raw: AsyncIterable[bytes], *, gzip: bool, limit: int) -> AsyncIterator[bytes]:
+    """The body's bytes (inflated when ``gzip``), BodyTooLarge as soon as they pass ``limit``."""
+    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS) if gzip else None
+    size = 0
+    async for chunk in raw:
+        if inflater is not None:
+            try:
+                # At most one byte past the room left: a few kilobytes of gzip can stand for gigabytes.
+                chunk = inflater.decompress(chunk, limit - size + 1)
+            except zlib.error as exc:
+                raise BodyError(f"is not valid gzip ({exc})") from None
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        yield chunk
+    if inflater is not None and not inflater.eof:
+        raise BodyError("ends early: its gzip stream is cut short")
