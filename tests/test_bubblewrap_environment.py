@@ -26,8 +26,9 @@ from batchrun.environments import create_environment, default_environment_kind
 from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError, ToolError
 from batchrun.environments.bubblewrap import BubblewrapEnvironment, bubblewrap_problem
 from batchrun.environments.bubblewrap import environment as environment_module
+from batchrun.environments.bubblewrap import program as program_module
 from batchrun.environments.bubblewrap import sandbox as sandbox_module
-from batchrun.environments.bubblewrap.program import Descriptors, root_descriptor, spaced_apart
+from batchrun.environments.bubblewrap.program import Bwrap, Descriptors, root_descriptor, spaced_apart
 from batchrun.environments.seccomp import filter_program
 from batchrun.flag_values import UsageError
 from batchrun.tools import ToolContext
@@ -112,6 +113,22 @@ def test_a_run_choosing_bubblewrap_where_it_cannot_sandbox_stops_at_start_up(mon
     monkeypatch.setenv("TERMINAL_ENV", "bubblewrap")
     with pytest.raises(UsageError, match=r"^TERMINAL_ENV=bubblewrap: bubblewrap is not installed: \.\.\.$"):
         terminal_environment("terminal_only")
+
+
+@pytest.mark.parametrize("said, advice", [
+    ("bwrap: No permissions to create a new namespace, likely because the kernel does not allow "
+     "non-privileged user namespaces", True),
+    ("bwrap: setting up uid map: Permission denied", True),
+    ("as root, sandboxed commands drop to a user of their own with setpriv, which is missing: "
+     "apt-get install util-linux, or run batch_runner as an ordinary user", False),
+    ("does not run: [Errno 8] Exec format error", False),
+])
+def test_the_advice_on_user_namespaces_comes_only_with_a_namespace_problem(monkeypatch, said, advice):
+    monkeypatch.setattr(program_module, "bwrap_candidates", lambda: [Bwrap("/usr/bin/bwrap", "system bwrap")])
+    monkeypatch.setattr(program_module, "candidate_problem", lambda path: said)
+    message = program_module.working_bwrap.__wrapped__()      # not the answer cached for this machine
+    assert isinstance(message, str) and said in message
+    assert ("unprivileged_userns_clone" in message) == advice
 
 
 # --- isolation ----------------------------------------------------------------------------------

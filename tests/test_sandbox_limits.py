@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import multiprocessing
 import os
+import resource
 import secrets
 import shutil
 import subprocess
@@ -119,6 +120,32 @@ def test_a_file_larger_than_the_workspace_limit_cannot_be_written(tmp_path: Path
     [result] = run(kind, settings(tmp_path, workspace_mb=4), "head -c 8000000 /dev/zero > big; ls -l big")
     assert result.exit_code != 0 or "File size limit exceeded" in result.output
     assert " 4194304 " in result.output
+
+
+def hard_limits_seen_under_lower_hard_limits(kind: str, tmp_path: Path, conn) -> None:
+    """In a child process (a hard limit once lowered stays lowered): what a command sees when the
+    runner itself runs under hard limits lower than the environment's own."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100 * MIB, 100 * MIB))
+    resource.setrlimit(resource.RLIMIT_NPROC, (512, 512))
+    try:
+        [result] = run(kind, settings(tmp_path), "ulimit -H -f; ulimit -H -u")
+    except Exception as exc:
+        conn.send((f"{type(exc).__name__}: {exc}", "raised"))
+    else:
+        conn.send((result.output, result.error))
+    finally:
+        asyncio.run(environment_class(kind).close_idle())     # as a worker does when it ends
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_the_runners_lower_hard_limits_hold_in_the_environment_and_do_not_stop_it(tmp_path: Path, kind: str) -> None:
+    parent_end, child_end = multiprocessing.get_context("fork").Pipe()
+    child = multiprocessing.get_context("fork").Process(target=hard_limits_seen_under_lower_hard_limits,
+                                                        args=(kind, tmp_path, child_end))
+    child.start()
+    output, error = parent_end.recv()
+    child.join()
+    assert (output.split(), error) == (["102400", "512"], None)
 
 
 @pytest.mark.parametrize("kind", BACKENDS)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import resource
 import signal
 import threading
 import time
@@ -72,9 +73,10 @@ class ResourceLimits:
         raise them again. ``memory`` is False where a control group caps memory as a whole: a cap on
         each process's address space breaks programs that reserve much and use little (Go, Java).
         """
-        parts = [f"-f {self.workspace_mb * 1024}", f"-u {self.processes}", "-c 0"]
+        parts = [f"-f {_at_most_hard(resource.RLIMIT_FSIZE, self.workspace_mb * 1024, unit=1024)}",
+                 f"-u {_at_most_hard(resource.RLIMIT_NPROC, self.processes, unit=1)}", "-c 0"]
         if memory:
-            parts.insert(0, f"-v {self.memory_mb * 1024}")
+            parts.insert(0, f"-v {_at_most_hard(resource.RLIMIT_AS, self.memory_mb * 1024, unit=1024)}")
         return f"ulimit {' '.join(parts)}"
 
     def exceeded(self, events: LimitEvents) -> str | None:
@@ -85,6 +87,15 @@ class ResourceLimits:
         if events.processes:
             notes.append(f"starting a process failed at the limit of {self.processes} processes")
         return "; ".join(notes) or None
+
+
+def _at_most_hard(limit: int, value: int, *, unit: int) -> int:
+    """``value`` (in the ulimit's units), or this process's hard limit where that is lower. The
+    environment inherits the runner's limits, and an unprivileged shell may only lower a hard limit:
+    asking for more fails every sandbox's start (a run under ``ulimit -H -f``), and where it is
+    allowed (as root) it would loosen a limit the user set."""
+    hard = resource.getrlimit(limit)[1]
+    return value if hard == resource.RLIM_INFINITY else min(value, hard // unit)
 
 
 @dataclass(frozen=True)

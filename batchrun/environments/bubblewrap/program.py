@@ -75,9 +75,12 @@ def working_bwrap() -> Bwrap | str:
         if problem is None:
             return candidate
         problems.append(f"{candidate.describe()}: {problem}")
-    return ("bubblewrap cannot create a sandbox here (" + "; ".join(problems) + "); it needs user "
-            "namespaces: run as root, or allow unprivileged ones (sysctl kernel.unprivileged_userns_clone=1; "
-            "in a container, a seccomp profile that permits them)")
+    said = "; ".join(problems)
+    if not any(word in said.lower() for word in ("namespace", "uid map", "clone")):
+        return f"bubblewrap cannot create a sandbox here ({said})"
+    return (f"bubblewrap cannot create a sandbox here ({said}); it needs user namespaces: run as root, or "
+            "allow unprivileged ones (sysctl kernel.unprivileged_userns_clone=1; in a container, a seccomp "
+            "profile that permits them)")
 
 
 def bwrap_candidates() -> list[Bwrap]:
