@@ -513,6 +513,18 @@ def test_a_line_that_is_json_but_not_a_row_stops_the_export_and_keeps_the_earlie
     assert out.read_bytes() == before and not list(out.parent.glob(out.name + ".*tmp"))
 
 
+@pytest.mark.parametrize("name", ["batch_0.jsonl", "trajectories.jsonl", "checkpoint.json", "new.jsonl"])
+def test_an_export_never_writes_among_the_run_directorys_own_files(run_home, tmp_path, name):
+    home = tmp_path / "home"
+    (home / "data").mkdir(parents=True)
+    subprocess.run(["cp", "-a", str(run_home / "data" / RUN), str(home / "data" / RUN)], check=True)
+    before = {path.name: path.read_bytes() for path in (home / "data" / RUN).iterdir() if path.is_file()}
+    result = run_cli(home, f"--run_name={RUN}", "--export=openai", f"--out=data/{RUN}/{name}")
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"error: --out=data/{RUN}/{name} is in the run directory")
+    assert {path.name: path.read_bytes() for path in (home / "data" / RUN).iterdir() if path.is_file()} == before
+
+
 # -- what an openai line holds -------------------------------------------------------------------------
 
 def test_openai_lines_leave_reasoning_out_unless_asked_to_keep_it(run_home, tmp_path):
