@@ -112,6 +112,23 @@ def test_a_report_that_cannot_be_written_does_not_fail_the_run(tmp_path: Path, e
     assert (tmp_path / "data" / "run" / "trajectories.jsonl").stat().st_size > 0
 
 
+def test_an_endpoints_huge_error_and_a_huge_invented_tool_name_are_trimmed_on_the_page(tmp_path: Path,
+                                                                                       endpoint) -> None:
+    error, name = "E" * 1_000_000, "N" * 300_000
+    endpoint.script = lambda body: ((400, {"error": {"message": error}}, {})
+                                    if "fail me" in json.dumps(body["messages"]) else None)
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["fail me", f"[[call {name} {{}}]]"])
+    result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=2", "--run_name=run",
+                     "--distribution=terminal_only", *endpoint_args(endpoint))
+    assert result.returncode == 2, result.stderr
+    page = (tmp_path / "data" / "run" / report.REPORT_FILE).read_text(encoding="utf-8")
+    assert "E" * 10_000 not in page and "N" * 10_000 not in page
+    assert len(page) < 500_000
+    rows_shown = {row["s"]: row for row in page_data(page)["rows"]}
+    assert rows_shown["failed"]["err"].startswith("HTTP 400: EEE") and "characters not shown" in rows_shown["failed"]["err"]
+    assert rows_shown["corrupted"]["inv"][0].startswith("NNN")
+
+
 def _descendants(pid: int) -> list[int]:
     children = []
     for task in Path(f"/proc/{pid}/task").iterdir():

@@ -14,6 +14,7 @@ TEXT_LIMIT = 2500               # characters kept of one text of a sampled row (
 SYSTEM_TEXT_LIMIT = 1200        # the system turn is the same long tool list in every row
 ROW_BUDGET = 24_000             # characters of turns kept per sampled row; the middle turns go first
 CALLS_PER_TURN = 20             # tool calls / results kept per turn
+NAME_LIMIT = 200                # characters kept of a tool name (a model can make one up of any length)
 
 
 def clip(text: str, limit: int = TEXT_LIMIT) -> str:
@@ -22,6 +23,10 @@ def clip(text: str, limit: int = TEXT_LIMIT) -> str:
         return text
     head, tail = limit * 3 // 4, limit // 4
     return f"{text[:head]}\n… [{len(text) - head - tail:,} characters not shown] …\n{text[-tail:]}"
+
+
+def clip_name(name: str) -> str:
+    return clip(name, NAME_LIMIT)
 
 
 def _clip_value(value: Any) -> Any:
@@ -43,7 +48,7 @@ def _gpt_turn(turn: dict, offered: list[str], layout: rows.GptLayout | None) -> 
     except rows.LayoutError:        # a row edited by hand: shown as the text it is
         read = rows.ReadGptTurn(reasoning="", text=text, calls=[], shown=text)
     reasoning, visible, found = read.reasoning, read.text, read.calls
-    calls = [{"n": call["name"], "a": _clip_value(call.get("arguments")),
+    calls = [{"n": clip_name(call["name"]), "a": _clip_value(call.get("arguments")),
               "inv": rows.is_invented(call["name"], offered)}
              for call in found[:CALLS_PER_TURN]]
     return {"r": "gpt", "think": clip(reasoning), "t": clip(visible.strip()), "calls": calls,
@@ -60,7 +65,9 @@ def _tool_turn(turn: dict) -> dict:
             continue
         content = payload.get("content")
         raw = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
-        results.append({"id": payload.get("tool_call_id"), "n": payload.get("name"), "c": _clip_value(content),
+        name = payload.get("name")
+        results.append({"id": payload.get("tool_call_id"), "n": clip_name(name) if isinstance(name, str) else name,
+                        "c": _clip_value(content),
                         "x": rows.tool_result_failed(raw)})
     return {"r": "tool", "res": results, "more": max(0, len(blocks) - CALLS_PER_TURN)}
 
@@ -97,7 +104,9 @@ def sampled_row(row: rows.StoredRow, status: str, batch_file: str) -> dict:
                             "f": batch_file, "u": data.get("usage") or {}, "calls": data.get("api_calls"),
                             "wall": data.get("wall_time_seconds")}
     if "conversations" not in data:               # failure rows and tombstones keep only the prompt
-        item.update(p=clip(data.get("prompt") or ""), err=data.get("error"), et=data.get("error_type"),
+        error = data.get("error")       # an endpoint's own message: as long as it chose to make it
+        item.update(p=clip(data.get("prompt") or ""), err=clip(error) if isinstance(error, str) else error,
+                    et=data.get("error_type"),
                     dr=data.get("discarded"), turns=[], tools=[], tf=[], inv=[])
         return item
     conversations = [turn for turn in data["conversations"] if isinstance(turn, dict)]
@@ -109,6 +118,6 @@ def sampled_row(row: rows.StoredRow, status: str, batch_file: str) -> dict:
     item.update(p=next((t["t"] for t in turns if t["r"] == "human"), ""), turns=_within_budget(turns),
                 tools=[n for n, e in stats.items() if isinstance(e, dict) and e.get("count")],
                 tf=[n for n, e in stats.items() if isinstance(e, dict) and e.get("failure")],
-                inv=row.invented_tools(), ts=data.get("toolsets_used") or [],
+                inv=[clip_name(name) for name in row.invented_tools()], ts=data.get("toolsets_used") or [],
                 time=(data.get("metadata") or {}).get("timestamp"), model=(data.get("metadata") or {}).get("model"))
     return item
