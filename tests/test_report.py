@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 from collections import Counter
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -568,3 +569,77 @@ def test_the_toolset_table_shows_drawn_and_offered_toolsets_apart():
     assert (summary.toolsets["web"], summary.toolsets_offered["web"]) == (1, 0)
     table = tables.toolset_table(summary, None)
     assert "offered to the model" in table and "0.0%" in table
+
+
+# Every way text could break out of the page's JSON or its markup: closing the script element, opening a
+# comment (which would swallow the closing tag), CDATA's end, JavaScript's line separators, lone surrogates
+# (a model can send "\ud800"; the row stores it escaped), NUL, and a javascript: URL.
+INJECTED = "</script><script>alert(1)</script><!--<script>]]>\u2028\u2029\udfff\ud800\x00javascript:alert(1)"
+
+
+class _Scripts(HTMLParser):
+    """The script elements of a page as a browser's tokenizer finds them: their attributes and text."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[tuple[dict, str]] = []
+        self._open = False
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        if tag == "script":
+            self.found.append((dict(attrs), ""))
+            self._open = True
+
+    def handle_data(self, data: str) -> None:
+        if self._open:
+            self.found[-1] = (self.found[-1][0], self.found[-1][1] + data)
+
+    def handle_endtag(self, tag: str) -> None:
+        self._open = self._open and tag != "script"
+
+
+def injected_run(run_dir: Path) -> None:
+    """A run directory whose every text a row, the checkpoint and the statistics carry holds INJECTED."""
+    calls = [ToolCallRecord("call_0", "terminal", json.dumps({"command" + INJECTED: INJECTED}),
+                            json.dumps({"output": INJECTED, INJECTED: 1, "error": INJECTED})),
+             ToolCallRecord("call_1", "made_up" + INJECTED, INJECTED, INJECTED)]
+
+    def result(index: int) -> SessionResult:
+        return SessionResult(prompt_index=index, content_key=f"{index:032x}", prompt="p" + INJECTED,
+                             toolsets=["terminal"], offered_tools=["terminal"],
+                             turns=[AssistantTurn("r" + INJECTED, "t" + INJECTED, calls),
+                                    AssistantTurn("r" + INJECTED, "done" + INJECTED, [])],
+                             api_calls=2, usage=Usage(1, 1, 1, 0, 0.1), wall_time=1, end_reason="final_answer")
+
+    failed = result(1)
+    failed.end_reason, failed.error, failed.error_type = "error", "E" + INJECTED, "http_" + INJECTED
+    kept = rows.trajectory_row(result(0), batch_num=0, model="m" + INJECTED, timestamp="2026-01-01T00:00:00")
+    discarded = rows.tombstone_row(rows.trajectory_row(result(2), batch_num=0, model="m", timestamp="x"),
+                                   rows.NO_REASONING)
+    lines = []
+    for row in (kept, rows.failure_row(failed), discarded):
+        stored = json.loads(rows.encode_row(row))      # the free-form fields no writer would fill like this
+        if "toolsets_used" in stored:
+            stored["toolsets_used"].append("t" + INJECTED)
+            stored["toolsets_sampled"] = [*(stored.get("toolsets_sampled") or []), "t" + INJECTED]
+            stored["tool_stats"]["k" + INJECTED] = {"count": 1, "success": 0, "failure": 1}
+        lines.append(json.dumps(stored) + "\n")
+    run_dir.mkdir(parents=True)
+    (run_dir / "batch_0.jsonl").write_text("".join(lines), encoding="utf-8")
+    (run_dir / "checkpoint.json").write_text(json.dumps({"model": "m" + INJECTED, "last_updated": INJECTED}))
+    (run_dir / "statistics.json").write_text(json.dumps({"distribution": "d" + INJECTED}))
+
+
+def test_no_text_of_a_row_can_add_a_script_to_the_page_and_the_data_reads_back_whole(tmp_path: Path) -> None:
+    injected_run(tmp_path / "data" / "run")
+    result = run_cli(tmp_path, "--report", "--run_name=run")
+    assert result.returncode == 0, result.stderr
+    page = (tmp_path / "data" / "run" / report.REPORT_FILE).read_text(encoding="utf-8")
+    parser = _Scripts()
+    parser.feed(page)
+    assert [attrs for attrs, _ in parser.found] == [{"type": "application/json", "id": "report-data"}, {}]
+    data = json.loads(parser.found[0][1])
+    read_back = "p" + INJECTED.replace("\udfff\ud800", "??")           # as the row reader reads lone surrogates
+    assert {row["p"] for row in data["rows"]} == {read_back}
+    assert "m</script>" not in page and "\ufffd\ufffd" in page       # the checkpoint's model: escaped, written
+    assert "javascript:" not in "".join(re.findall(r'(?:href|src)="[^"]*"', page))

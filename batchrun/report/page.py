@@ -33,6 +33,13 @@ PLOTS_HINT = ("This plot needs matplotlib: <code>{install}</code>, "
               "then <code>{program} --report --run_name={run_name}</code>")
 NOTHING_TO_PLOT = "Nothing to plot yet."
 
+# A lone surrogate: JSON may carry one ("\ud800", as a model can send it), but UTF-8 cannot write it.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _json_escaped(match: re.Match[str]) -> str:
+    return f"\\u{ord(match.group()):04x}"
+
 
 def _section(title: str, figure: str, body: str, note: str = "") -> str:
     note_html = f'<p class="muted">{html.escape(note)}</p>' if note else ""
@@ -134,8 +141,11 @@ def render(run_dir: Path, summary: RunSummary, sample: TrajectorySample, drawn: 
         '<div id="browser"></div></section>',
     ])
     data = json.dumps({"rows": shown, "total": summary.row_count}, ensure_ascii=False, separators=(",", ":"))
-    values = {"TITLE": html.escape(f"Run report · {run_dir.name}"), "BODY": body,
-              "DATA": data.replace("<", "\\u003c")}     # no text can close the script element
+    # No text can close the script element; lone surrogates stay in the data as JSON escapes (JSON.parse
+    # gives them back), and in the markup become U+FFFD: either way the page can be written as UTF-8.
+    values = {"TITLE": _LONE_SURROGATE.sub("\ufffd", html.escape(f"Run report · {run_dir.name}")),
+              "BODY": _LONE_SURROGATE.sub("\ufffd", body),
+              "DATA": _LONE_SURROGATE.sub(_json_escaped, data.replace("<", "\\u003c"))}
     template = resources.files("batchrun.report").joinpath("template.html").read_text(encoding="utf-8")
     return re.sub(r"\{\{(TITLE|BODY|DATA)\}\}", lambda m: values[m.group(1)], template)
 
