@@ -667,3 +667,14 @@ def test_a_row_whose_arguments_are_nested_too_deep_to_parse_exports_them_as_text
                       AssistantTurn("r", "Done.")])
     [tool_call] = openai_line_of(row, "drop")["messages"][1]["tool_calls"]
     assert tool_call["function"]["arguments"] == deep
+
+
+def test_a_row_whose_turn_is_not_utf8_is_left_out_as_unreadable(run_home, tmp_path):
+    home = tmp_path / "home"
+    (home / "data" / RUN).mkdir(parents=True)
+    source = next(line for line in (run_home / "data" / RUN / "batch_0.jsonl").read_bytes().split(b"\n") if b'"human"' in line)
+    damaged = source.replace(b'"from": "human", "value": "', b'"from": "human", "value": "\xff', 1)   # a flipped bit
+    assert damaged != source
+    (home / "data" / RUN / "batch_0.jsonl").write_bytes(damaged + b"\n")
+    result = export_cli(home, "--export=openai", f"--out={tmp_path / 'out.jsonl'}")
+    assert "1 unreadable" in result.stdout and "Traceback" not in result.stderr

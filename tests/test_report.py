@@ -643,3 +643,15 @@ def test_no_text_of_a_row_can_add_a_script_to_the_page_and_the_data_reads_back_w
     assert {row["p"] for row in data["rows"]} == {read_back}
     assert "m</script>" not in page and "\ufffd\ufffd" in page       # the checkpoint's model: escaped, written
     assert "javascript:" not in "".join(re.findall(r'(?:href|src)="[^"]*"', page))
+
+
+def test_a_row_whose_turn_is_not_utf8_counts_as_unreadable(run_dir: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "data" / "run"
+    copy.mkdir(parents=True)
+    source = next(line for line in (run_dir / "batch_0.jsonl").read_bytes().split(b"\n") if b'"human"' in line)
+    damaged = source.replace(b'"from": "human", "value": "', b'"from": "human", "value": "\xff', 1)   # a flipped bit
+    assert damaged != source
+    (copy / "batch_0.jsonl").write_bytes(damaged + b"\n")
+    result = run_cli(tmp_path, "--report", "--run_name=run")
+    assert result.returncode == 0, result.stderr
+    assert "<b>unreadable lines</b> 1" in (copy / report.REPORT_FILE).read_text(encoding="utf-8")

@@ -248,7 +248,7 @@ def read_stored_row(line: bytes) -> StoredRow | None:
     gave only empty answers): it holds nothing to train on, and resume runs its prompt again.
     """
     row = _decoded(line)
-    if row is None:
+    if row is None or (row.conversations and not _utf8(line)):
         return None
     if row.format is not None and row.format > ROW_FORMAT:
         raise _newer_format(row.format)
@@ -277,6 +277,19 @@ def read_stored_row(line: bytes) -> StoredRow | None:
     # here, with the line it is on.
     invented = _invented_names(row) if row.gpt_turns is not None and row.invented_tool_calls else None
     return StoredRow(line, status, row, invented)
+
+
+def _utf8(line: bytes) -> bool:
+    """Whether a line is UTF-8, as JSON must be: msgspec checks the text it decodes, but keeps the turns'
+    values raw, and a byte a disk or a copy damaged there would break every later reader of the row (the
+    line is not JSON: Python's json refuses it)."""
+    if line.isascii():
+        return True
+    try:
+        line.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _invented_names(row: _Row) -> list[str]:
