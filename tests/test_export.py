@@ -9,6 +9,7 @@ summary are checked through the real CLI on a run made against the scripted endp
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import subprocess
@@ -678,3 +679,27 @@ def test_a_row_whose_turn_is_not_utf8_is_left_out_as_unreadable(run_home, tmp_pa
     (home / "data" / RUN / "batch_0.jsonl").write_bytes(damaged + b"\n")
     result = export_cli(home, "--export=openai", f"--out={tmp_path / 'out.jsonl'}")
     assert "1 unreadable" in result.stdout and "Traceback" not in result.stderr
+
+
+NOT_A_FILE = {"directory": lambda path: path.mkdir(), "fifo": lambda path: os.mkfifo(path),
+              "link_to_dev_zero": lambda path: path.symlink_to("/dev/zero"),
+              "dangling_link": lambda path: path.symlink_to(path.parent / "gone")}
+
+
+@pytest.mark.parametrize("command", ["--report", "--export=openai"])
+@pytest.mark.parametrize("kind", list(NOT_A_FILE))
+def test_a_batch_file_that_is_not_a_regular_file_is_named_in_one_error(run_home, tmp_path, kind, command):
+    # A FIFO would block the read for ever, /dev/zero would fill memory, the others gave a traceback.
+    home = tmp_path / "home"
+    (home / "data").mkdir(parents=True)
+    subprocess.run(["cp", "-a", str(run_home / "data" / RUN), str(home / "data" / RUN)], check=True)
+    for path in (home / "data" / RUN).glob("report.html"):
+        path.unlink()
+    NOT_A_FILE[kind](home / "data" / RUN / "batch_7.jsonl")
+    out = tmp_path / "out.jsonl"
+    result = run_cli(home, f"--run_name={RUN}", command, *([f"--out={out}"] if command != "--report" else []),
+                     timeout=30)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"error: data/{RUN}/batch_7.jsonl is not a regular file: a batch file holds rows. Move it out of data/{RUN}/."]
+    assert not (home / "data" / RUN / "report.html").exists() and not list(tmp_path.glob("out*"))

@@ -11,6 +11,7 @@ import fcntl
 import json
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,8 @@ class RunDirectory:
 
     def batch_files(self) -> list[Path]:
         found = [(int(m.group(1)), p) for p in self.path.glob("batch_*.jsonl") if (m := BATCH_FILE.match(p.name))]
+        for _, path in found:
+            _regular_file(path)
         return [path for _, path in sorted(found)]
 
     def existing_results(self) -> list[str]:
@@ -160,3 +163,15 @@ class RunDirectory:
         """Bring trajectories.jsonl up to date with every batch file, and count what it holds
         (see merge.merge_batch_files)."""
         return merge_batch_files(self.path, self.batch_files(), on_corrupted, per_prompt=per_prompt)
+
+
+def _regular_file(path: Path) -> None:
+    """Refuse a batch file name that holds no file of rows: reading a FIFO would wait for ever, a link to
+    /dev/zero would fill memory with one endless line, and a directory or a broken link cannot be read."""
+    try:
+        regular = stat.S_ISREG(path.stat().st_mode)     # stat, not open: a FIFO is not opened
+    except FileNotFoundError:
+        regular = False
+    if not regular:
+        raise RunDirectoryError(f"{path} is not a regular file: a batch file holds rows. Move it out of "
+                                f"{path.parent}/.")
