@@ -231,7 +231,8 @@ def resource_limits() -> ResourceLimits:
         raw = variable(name)
         if raw is None:
             continue
-        if not raw.isdigit() or int(raw) <= 0:
+        # isdecimal, not isdigit: '²' is a digit that int() refuses.
+        if not raw.isdecimal() or int(raw) <= 0:
             raise UsageError(f"{name} must be a positive whole number, got {raw!r}")
         values[field_name] = int(raw)
     return ResourceLimits(**values)

@@ -135,3 +135,12 @@ def test_a_bad_limit_variable_is_named_before_the_missing_endpoint(monkeypatch: 
     monkeypatch.setenv("TERMINAL_MEMORY_MB", "abc")
     with pytest.raises(UsageError, match="TERMINAL_MEMORY_MB must be a positive whole number"):
         build_config(dataset_file="d.jsonl", batch_size=1, run_name="r")
+
+
+@pytest.mark.parametrize("raw", ["²", "¹²"])
+def test_a_limit_variable_of_digits_that_are_not_decimal_is_one_clear_error(monkeypatch: pytest.MonkeyPatch,
+                                                                          raw: str) -> None:
+    monkeypatch.setenv("TERMINAL_ENV", "local")
+    monkeypatch.setenv("TERMINAL_TMP_MB", raw)
+    with pytest.raises(UsageError, match="TERMINAL_TMP_MB must be a positive whole number"):
+        build_config(**BASE)
