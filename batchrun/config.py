@@ -222,18 +222,24 @@ def terminal_environment(distribution: str) -> tuple[str, str]:
 LIMIT_VARIABLES = {"TERMINAL_MEMORY_MB": "memory_mb", "TERMINAL_MAX_PROCESSES": "processes",
                    "TERMINAL_TMP_MB": "tmp_mb", "TERMINAL_WORKSPACE_MB": "workspace_mb",
                    "TERMINAL_DISK_RESERVE_MB": "disk_reserve_mb"}
+# The most each may be: what the kernel takes. A size's bytes must fit a signed 64-bit number (a control
+# group's memory.max, bwrap's tmpfs --size, ulimit's KiB); a control group refuses a pids.max above the
+# kernel's PID_MAX_LIMIT. Past these every sandbox fails to start, or the limit silently does not hold.
+_MOST_MB = 2 ** 43 - 1
+_MOST_PROCESSES = 4 * 1024 * 1024
+LIMIT_MOST = {name: _MOST_PROCESSES if name == "TERMINAL_MAX_PROCESSES" else _MOST_MB for name in LIMIT_VARIABLES}
 
 
 def resource_limits() -> ResourceLimits:
-    """The defaults, changed by whichever of LIMIT_VARIABLES is set to a positive whole number."""
+    """The defaults, changed by whichever of LIMIT_VARIABLES is set to a whole number in its range."""
     values = {}
     for name, field_name in LIMIT_VARIABLES.items():
         raw = variable(name)
         if raw is None:
             continue
         # isdecimal, not isdigit: '²' is a digit that int() refuses.
-        if not raw.isdecimal() or int(raw) <= 0:
-            raise UsageError(f"{name} must be a positive whole number, got {raw!r}")
+        if not raw.isdecimal() or not 0 < int(raw) <= LIMIT_MOST[name]:
+            raise UsageError(f"{name} must be a whole number from 1 to {LIMIT_MOST[name]}, got {raw!r}")
         values[field_name] = int(raw)
     return ResourceLimits(**values)
 

@@ -133,7 +133,7 @@ def test_a_bad_limit_variable_is_named_before_the_missing_endpoint(monkeypatch: 
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TERMINAL_ENV", "local")
     monkeypatch.setenv("TERMINAL_MEMORY_MB", "abc")
-    with pytest.raises(UsageError, match="TERMINAL_MEMORY_MB must be a positive whole number"):
+    with pytest.raises(UsageError, match="TERMINAL_MEMORY_MB must be a whole number from 1 to "):
         build_config(dataset_file="d.jsonl", batch_size=1, run_name="r")
 
 
@@ -142,5 +142,24 @@ def test_a_limit_variable_of_digits_that_are_not_decimal_is_one_clear_error(monk
                                                                           raw: str) -> None:
     monkeypatch.setenv("TERMINAL_ENV", "local")
     monkeypatch.setenv("TERMINAL_TMP_MB", raw)
-    with pytest.raises(UsageError, match="TERMINAL_TMP_MB must be a positive whole number"):
+    with pytest.raises(UsageError, match="TERMINAL_TMP_MB must be a whole number from 1 to "):
         build_config(**BASE)
+
+
+@pytest.mark.parametrize(("name", "raw", "most"), [("TERMINAL_TMP_MB", "99999999999999999999999999", "8796093022207"),
+                                                   ("TERMINAL_WORKSPACE_MB", "8796093022208", "8796093022207"),
+                                                   ("TERMINAL_MAX_PROCESSES", "4194305", "4194304")])
+def test_a_limit_variable_beyond_what_the_kernel_can_hold_is_one_clear_error(monkeypatch: pytest.MonkeyPatch,
+                                                                           name: str, raw: str, most: str) -> None:
+    monkeypatch.setenv("TERMINAL_ENV", "local")
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(UsageError, match=f"{name} must be a whole number from 1 to {most}, got '{raw}'"):
+        build_config(**BASE)
+
+
+def test_a_limit_variable_at_the_most_the_kernel_can_hold_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TERMINAL_ENV", "local")
+    monkeypatch.setenv("TERMINAL_MEMORY_MB", "8796093022207")
+    monkeypatch.setenv("TERMINAL_MAX_PROCESSES", "4194304")
+    limits = build_config(**BASE).environment.limits
+    assert (limits.memory_mb, limits.processes) == (8796093022207, 4194304)
