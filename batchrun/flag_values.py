@@ -53,17 +53,29 @@ def non_negative_int(flag: str, value: Any) -> int:
     raise UsageError(f"--{flag} must be an integer >= 0, got {value!r}")
 
 
+def _positive_number(value: Any) -> float | None:
+    """The value as a finite float above 0, else None: Fire reads 1e309 as inf and 1 followed by 400 zeros as
+    an int no float holds, neither of them a number of seconds or dollars."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if 0 < number < math.inf else None
+
+
 def positive_seconds(flag: str, value: Any) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return float(value)
+    if (number := _positive_number(value)) is not None:
+        return number
     raise UsageError(f"--{flag} must be a positive number of seconds, got {value!r}")
 
 
 def optional_positive_number(flag: str, value: Any) -> float | None:
     if value is None:
         return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return float(value)
+    if (number := _positive_number(value)) is not None:
+        return number
     raise UsageError(f"--{flag} must be a positive number, got {value!r}")
 
 
@@ -77,7 +89,7 @@ def prices_per_mtok(flag: str, value: Any) -> tuple[float, float, float] | None:
     for item in items:
         try:
             number = float(item) if not isinstance(item, bool) else math.nan
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):     # OverflowError: an int no float holds
             number = math.nan
         numbers.append(number)
     if len(numbers) not in (2, 3) or not all(math.isfinite(number) and number >= 0 for number in numbers):

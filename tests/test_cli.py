@@ -88,6 +88,20 @@ def test_count_flags_reject_zero(tmp_path, endpoint, flag):
     assert_rejected_before_anything(result, tmp_path, endpoint, f"--{flag}", "positive integer")
 
 
+# Fire reads 1e309 as the float inf, and 1 with 400 zeros as an int no float holds: numbers too big to be
+# one, never "no limit".
+@pytest.mark.parametrize("value", ["1e309", "1" + "0" * 400])
+@pytest.mark.parametrize("flag", ["request_timeout", "tool_timeout", "command_timeout", "prompt_timeout", "max_cost"])
+def test_a_number_too_big_for_a_float_is_rejected_not_taken_as_infinite(tmp_path, endpoint, flag, value):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, f"--{flag}={value}", "--price_per_mtok=0,0"))
+    assert_rejected_before_anything(result, tmp_path, endpoint, f"--{flag}", "positive number")
+
+
+def test_a_price_too_big_for_a_float_is_rejected(tmp_path, endpoint):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, f"--price_per_mtok={'1' + '0' * 400},1"))
+    assert_rejected_before_anything(result, tmp_path, endpoint, "--price_per_mtok takes INPUT,OUTPUT[,CACHED]")
+
+
 def test_log_prefix_chars_rejects_a_negative_value(tmp_path, endpoint):
     result = run_cli(tmp_path, *good_args(tmp_path, endpoint, "--log_prefix_chars=-1"))
     assert_rejected_before_anything(result, tmp_path, endpoint, "--log_prefix_chars", ">= 0")
