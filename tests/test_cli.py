@@ -129,6 +129,15 @@ def test_base_url_must_be_http_or_https(tmp_path, endpoint, value):
     assert_rejected_before_anything(result, tmp_path, endpoint, "--base_url", "http(s)")
 
 
+# Each reached the HTTP client unchecked: a traceback, or a failure row for every prompt.
+@pytest.mark.parametrize("value", ["http://[::1/v1", "http://127.0.0.1:99999/v1", "http://127.0.0.1:1/v1\nx",
+                                   "http://127.0.0.1:1/\udcff"])
+def test_a_base_url_no_http_client_can_use_is_rejected_before_anything(tmp_path, endpoint, value):
+    argument = f"--base_url={value}".encode("utf-8", "surrogateescape")
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint), os.fsdecode(argument))
+    assert_rejected_before_anything(result, tmp_path, endpoint, "--base_url", "http(s)")
+
+
 @pytest.mark.parametrize("value", ["a/b", "../escape", "/abs"])
 def test_run_name_must_be_a_plain_name(tmp_path, endpoint, value):
     result = run_cli(tmp_path, *good_args(tmp_path, endpoint, f"--run_name={value}"))
