@@ -162,14 +162,15 @@ def check_dataset_file(path: Path) -> None:
         raise DatasetError(f"--dataset_file must be a file, but {path} is a directory.")
     if not path.is_file():
         raise DatasetError(f"--dataset_file must be a regular file (it is read more than once), but {path} is "
-                           f"{_file_kind(path)}. Save it to a file first.")
+                           f"{file_kind(path)}. Save it to a file first.")
     try:
         path.open("rb").close()
     except OSError as exc:
         raise DatasetError(f"cannot read {path}: {exc.strerror}. Give this user read access to it.") from None
 
 
-def _file_kind(path: Path) -> str:
+def file_kind(path: Path) -> str:
+    """What a path that is not a regular file is, for a message that names it."""
     if path.is_fifo():
         return "a FIFO (a pipe, such as <(command) makes)"
     if path.is_socket():

@@ -16,6 +16,7 @@ from typing import Any, Literal, overload
 from urllib.parse import urlparse
 
 from batchrun import distributions
+from batchrun.dataset import file_kind
 from batchrun.estimate import DEFAULT_SAMPLE
 from batchrun.install_hint import install_hint
 
@@ -165,6 +166,9 @@ def load_prefill(flag: str, path_value: Any) -> tuple[dict, ...]:
         raise UsageError(f"--prefill_messages_file: {path} is a directory; give a JSON file")
     if not path.exists():
         raise UsageError(f"--prefill_messages_file: file not found: {path}")
+    if not path.is_file():     # read whole: a FIFO blocks for ever, /dev/zero fills memory
+        raise UsageError(f"--prefill_messages_file must be a regular file, but {path} is {file_kind(path)}. "
+                         "Save it to a file first.")
     try:
         messages = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:

@@ -219,6 +219,15 @@ def test_a_directory_as_prefill_messages_file_is_named_as_a_directory(tmp_path, 
     assert_rejected_before_anything(result, tmp_path, endpoint, "--prefill_messages_file", "is a directory")
 
 
+# Read whole: a FIFO with no writer blocked the run forever, /dev/zero filled memory until the OOM killer came.
+def test_a_fifo_as_prefill_messages_file_is_named_as_what_it_is(tmp_path, endpoint):
+    fifo = tmp_path / "prefill.json"
+    os.mkfifo(fifo)
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, f"--prefill_messages_file={fifo}"), timeout=30)
+    assert_rejected_before_anything(result, tmp_path, endpoint, "--prefill_messages_file", "must be a regular file",
+                                    "is a FIFO")
+
+
 def test_dataset_without_a_valid_line_is_a_clear_error(tmp_path, endpoint):
     args = good_args(tmp_path, endpoint)
     (tmp_path / "dataset.jsonl").write_text('not json\n\n[1, 2]\n{"prompt": ""}\n')
