@@ -145,12 +145,16 @@ def content_fingerprint(key: str) -> int:
 
 
 def _lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
-    """(1-based line number, byte offset, raw line) without decoding the whole file."""
+    """(1-based line number, byte offset, raw line) without decoding the whole file. A file that opens but
+    fails to read (EIO: a failing disk, /proc/self/mem) is a DatasetError, said as one line."""
     offset = 0
-    with path.open("rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            yield number, offset, raw
-            offset += len(raw)
+    try:
+        with path.open("rb") as handle:
+            for number, raw in enumerate(handle, start=1):
+                yield number, offset, raw
+                offset += len(raw)
+    except OSError as exc:
+        raise DatasetError(f"cannot read {path}: {exc.strerror}.") from None
 
 
 def check_dataset_file(path: Path) -> None:

@@ -228,6 +228,11 @@ def test_a_fifo_as_prefill_messages_file_is_named_as_what_it_is(tmp_path, endpoi
                                     "is a FIFO")
 
 
+def test_a_dataset_that_fails_to_read_is_a_clear_error(tmp_path, endpoint):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint), "--dataset_file=/proc/self/mem")    # EIO at 0
+    assert_rejected_before_anything(result, tmp_path, endpoint, "cannot read /proc/self/mem", "Input/output error")
+
+
 def test_dataset_without_a_valid_line_is_a_clear_error(tmp_path, endpoint):
     args = good_args(tmp_path, endpoint)
     (tmp_path / "dataset.jsonl").write_text('not json\n\n[1, 2]\n{"prompt": ""}\n')
