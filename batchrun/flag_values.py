@@ -133,7 +133,20 @@ def text(flag: str, value: Any, *, required: bool = False) -> str | None:
         return None
     if isinstance(value, bool) or isinstance(value, (tuple, list, dict)):
         raise UsageError(f"--{flag} must be a single value, got {value!r}")
-    return str(value)
+    typed = str(value)
+    if not _is_utf8(typed):     # the value is not shown: it may be the API key
+        raise UsageError(f"--{flag} holds a byte that is not valid UTF-8; give it as UTF-8 text")
+    return typed
+
+
+def _is_utf8(typed: str) -> bool:
+    """A byte of the command line that is not UTF-8 arrives as a lone surrogate, which no row, checkpoint
+    or request can hold."""
+    try:
+        typed.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def choice(flag: str, value: Any, allowed: tuple[str, ...]) -> str | None:

@@ -102,6 +102,16 @@ def test_a_price_too_big_for_a_float_is_rejected(tmp_path, endpoint):
     assert_rejected_before_anything(result, tmp_path, endpoint, "--price_per_mtok takes INPUT,OUTPUT[,CACHED]")
 
 
+# A byte that is not UTF-8 arrives as a lone surrogate, which no row, checkpoint or request can hold: the run
+# crashed once its directory was made.
+@pytest.mark.parametrize("flag", ["model", "dataset_file"])
+def test_a_text_flag_that_is_not_utf8_is_rejected_before_anything(tmp_path, endpoint, flag):
+    dataset = write_dataset(tmp_path / "data\udcff.jsonl", ["q"])
+    value = str(dataset) if flag == "dataset_file" else "model\udcff"
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint), f"--{flag}={value}")
+    assert_rejected_before_anything(result, tmp_path, endpoint, f"--{flag}", "not valid UTF-8")
+
+
 def test_log_prefix_chars_rejects_a_negative_value(tmp_path, endpoint):
     result = run_cli(tmp_path, *good_args(tmp_path, endpoint, "--log_prefix_chars=-1"))
     assert_rejected_before_anything(result, tmp_path, endpoint, "--log_prefix_chars", ">= 0")
@@ -135,7 +145,7 @@ def test_base_url_must_be_http_or_https(tmp_path, endpoint, value):
 def test_a_base_url_no_http_client_can_use_is_rejected_before_anything(tmp_path, endpoint, value):
     argument = f"--base_url={value}".encode("utf-8", "surrogateescape")
     result = run_cli(tmp_path, *good_args(tmp_path, endpoint), os.fsdecode(argument))
-    assert_rejected_before_anything(result, tmp_path, endpoint, "--base_url", "http(s)")
+    assert_rejected_before_anything(result, tmp_path, endpoint, "--base_url")
 
 
 @pytest.mark.parametrize("value", ["a/b", "../escape", "/abs"])
