@@ -142,14 +142,25 @@ def is_openrouter(base_url: str) -> bool:
 def resolve_api_key(explicit: str | None, base_url: str, base_url_given: bool) -> str:
     """--api_key, else the provider's variable; a local endpoint may need none."""
     if explicit:
-        return explicit
+        return header_safe_key(explicit, "--api_key")
     candidates = ("OPENROUTER_API_KEY", "OPENAI_API_KEY") if is_openrouter(base_url) else ("OPENAI_API_KEY",)
     for name in candidates:
         if os.environ.get(name):
-            return os.environ[name]
+            return header_safe_key(os.environ[name], name)
     if not base_url_given:
         raise UsageError(NO_ENDPOINT_GUIDANCE)
     return "no-key"   # the openai client insists on some value; keyless local servers ignore it
+
+
+def header_safe_key(key: str, source: str) -> str:
+    """The key, which goes in every request's Authorization header: the HTTP client refuses a control
+    character (a carriage return pasted with it) and one that is not ASCII there, in every request. The
+    message never shows the key."""
+    if not (key.isascii() and key.isprintable()):
+        raise UsageError(f"the API key from {source} holds a character no HTTP header can carry (a control "
+                         "character such as a pasted carriage return, or one that is not ASCII); set it to "
+                         "the key alone")
+    return key
 
 
 def build_extra_body(*, base_url: str, providers_allowed: list[str] | None, providers_ignored: list[str] | None,

@@ -401,6 +401,16 @@ def test_a_keyless_local_endpoint_needs_no_api_key(tmp_path, endpoint):
     assert len(read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")) == 1
 
 
+# A key pasted with a carriage return, or with a character that is not ASCII, failed every prompt's request.
+@pytest.mark.parametrize("key", ["sk-secret-key\r", "sk-secret-kéy"])
+@pytest.mark.parametrize("source", ["OPENAI_API_KEY", "--api_key"])
+def test_an_api_key_no_http_header_can_carry_is_rejected_without_showing_it(tmp_path, endpoint, key, source):
+    flag = [f"--api_key={key}"] if source == "--api_key" else []
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, *flag), env={"OPENAI_API_KEY": key})
+    assert_rejected_before_anything(result, tmp_path, endpoint, f"the API key from {source}", "HTTP header")
+    assert "secret" not in result.stdout + result.stderr
+
+
 # -- --list_distributions -----------------------------------------------------------------------
 
 def test_list_distributions_prints_every_distribution_with_probabilities(tmp_path):
