@@ -248,6 +248,15 @@ def required_batch_size(flag: str, value: Any) -> int:
     return positive_int(flag, value)
 
 
+def optional_rate(flag: str, value: Any) -> int | None:
+    """Requests per minute: a positive integer the pace's arithmetic (in floats) can hold."""
+    if value is None:
+        return None
+    if _is_int(value) and _positive_number(value) is not None:
+        return value
+    raise UsageError(f"--{flag} must be a positive integer below 1e308, got {value!r}")
+
+
 def optional_non_negative_int(flag: str, value: Any) -> int | None:
     return None if value is None else non_negative_int(flag, value)
 

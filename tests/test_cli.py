@@ -97,6 +97,11 @@ def test_a_number_too_big_for_a_float_is_rejected_not_taken_as_infinite(tmp_path
     assert_rejected_before_anything(result, tmp_path, endpoint, f"--{flag}", "positive number")
 
 
+def test_a_request_rate_too_big_for_a_float_is_rejected(tmp_path, endpoint):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, f"--requests_per_minute={'1' + '0' * 400}"))
+    assert_rejected_before_anything(result, tmp_path, endpoint, "--requests_per_minute", "positive integer")
+
+
 def test_a_price_too_big_for_a_float_is_rejected(tmp_path, endpoint):
     result = run_cli(tmp_path, *good_args(tmp_path, endpoint, f"--price_per_mtok={'1' + '0' * 400},1"))
     assert_rejected_before_anything(result, tmp_path, endpoint, "--price_per_mtok takes INPUT,OUTPUT[,CACHED]")
