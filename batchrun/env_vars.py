@@ -1,9 +1,11 @@
-"""The user's environment variables as the runner reads them: a value (blank counts as unset) or a
-yes/no switch. Read by the configuration of tools and sandboxes alike, so it sits below both."""
+"""The user's environment variables as the runner reads them: a value (blank counts as unset), a
+yes/no switch, or a URL to check. Read by the configuration of tools and sandboxes alike (and the URL check
+by --base_url's), so it sits below them."""
 
 from __future__ import annotations
 
 import os
+from urllib.parse import urlparse
 
 
 def variable(name: str) -> str | None:
@@ -15,3 +17,17 @@ def variable(name: str) -> str | None:
 def enabled(name: str) -> bool:
     """A yes/no environment variable: 1, true, yes or on."""
     return (variable(name) or "").lower() in {"1", "true", "yes", "on"}
+
+
+def usable_http_url(url: str) -> bool:
+    """An http(s) URL with a host the HTTP client can use: no control character or byte that is not UTF-8
+    (which the client refuses in every request), a whole IPv6 bracket and a port that exists (which
+    urlparse raises on, or the client fails every request with)."""
+    if not url.isprintable():
+        return False
+    try:
+        parsed = urlparse(url)
+        _ = parsed.port     # raises on a port out of range
+    except ValueError:
+        return False
+    return parsed.scheme in ("http", "https") and bool(parsed.hostname)

@@ -13,10 +13,10 @@ import math
 import re
 from pathlib import Path
 from typing import Any, Literal, overload
-from urllib.parse import urlparse
 
 from batchrun import distributions
 from batchrun.dataset import file_kind
+from batchrun.env_vars import usable_http_url
 from batchrun.estimate import DEFAULT_SAMPLE
 from batchrun.install_hint import install_hint
 
@@ -200,23 +200,9 @@ def load_prefill(flag: str, path_value: Any) -> tuple[dict, ...]:
 
 def validate_base_url(flag: str, value: Any) -> str:
     url = text(flag, value, required=True)
-    if not _usable_http_url(url):
+    if not usable_http_url(url):
         raise UsageError(f"--base_url must be an http(s) URL such as http://localhost:8000/v1, got {url!r}")
     return url.rstrip("/")
-
-
-def _usable_http_url(url: str) -> bool:
-    """An http(s) URL with a host the HTTP client can use: no control character or byte that is not UTF-8
-    (which the client refuses in every worker), a whole IPv6 bracket and a port that exists (which
-    urlparse raises on, or the client fails every request with)."""
-    if not url.isprintable():
-        return False
-    try:
-        parsed = urlparse(url)
-        _ = parsed.port     # raises on a port out of range
-    except ValueError:
-        return False
-    return parsed.scheme in ("http", "https") and bool(parsed.hostname)
 
 
 def validate_run_name(flag: str, value: Any) -> str:

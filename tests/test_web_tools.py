@@ -272,6 +272,21 @@ def test_backend_choice_follows_the_documented_order_unless_one_is_named(site, m
     assert "is not one of searxng, brave, tavily, ddgs" in model_tools.unavailable_tools()["web_search"]
 
 
+# Each was offered to the model, and then every call of the tool failed (InvalidURL, UnsupportedProtocol).
+@pytest.mark.parametrize(("tool", "settings"), [
+    ("web_search", {"SEARXNG_URL": "searx.local:8080"}),
+    ("web_search", {"SEARXNG_URL": "http://[::1"}),
+    ("web_search", {"TAVILY_API_KEY": "tvly-key-123456", "TAVILY_BASE_URL": "http://127.0.0.1:99999"}),
+    ("web_search", {"BRAVE_SEARCH_API_KEY": "brave-key", "BRAVE_SEARCH_BASE_URL": "ftp://brave.local"}),
+    ("image_generate", {"IMAGE_GEN_BASE_URL": "http://images.local\n/v1"}),
+    ("image_generate", {"FAL_KEY": "fal-key", "FAL_BASE_URL": "fal.run"})])
+def test_a_service_url_no_http_client_can_use_leaves_its_tool_unavailable_saying_which(monkeypatch, tool, settings):
+    for name, value in settings.items():
+        monkeypatch.setenv(name, value)
+    url_variable = next(name for name in settings if name.endswith("URL"))
+    assert model_tools.unavailable_tools()[tool] == f"{url_variable} is not an http(s) URL such as http://localhost:8080"
+
+
 def test_a_search_service_answering_more_than_any_results_page_is_a_tool_error(site, monkeypatch):
     site.routes["/search"] = Reply(body=b"[" + b"0," * MAX_SERVICE_BYTES + b"0]", content_type="application/json",
                                    send_length=False)

@@ -12,7 +12,7 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from batchrun.env_vars import variable
+from batchrun.env_vars import usable_http_url, variable
 from batchrun.install_hint import install_hint
 
 WEB_EXTRA_HINT = install_hint("web")
@@ -63,25 +63,31 @@ def unavailable_line(choose: Callable[[], object]) -> Callable[[], str | None]:
     return reason
 
 
-def _trimmed(url: str) -> str:
-    return url.rstrip("/")
+def _service_url(name: str, default: str | None = None) -> str | None:
+    """The URL in variable ``name`` (else ``default``) without a trailing '/'. One no HTTP client can use
+    leaves its tool unavailable, said at start, rather than offered to fail every call; the value is not
+    shown, as a URL may carry credentials."""
+    url = variable(name) or default
+    if url is not None and not usable_http_url(url):
+        raise NotConfigured(f"{name} is not an http(s) URL such as http://localhost:8080")
+    return url.rstrip("/") if url else None
 
 
 # --- web_search ---------------------------------------------------------------------------------
 
 def _searxng() -> Backend | None:
-    url = variable("SEARXNG_URL")
-    return Backend("searxng", _trimmed(url)) if url else None
+    url = _service_url("SEARXNG_URL")
+    return Backend("searxng", url) if url else None
 
 
 def _brave() -> Backend | None:
     key = variable("BRAVE_SEARCH_API_KEY")
-    return Backend("brave", _trimmed(variable("BRAVE_SEARCH_BASE_URL") or BRAVE_BASE_URL), key) if key else None
+    return Backend("brave", _service_url("BRAVE_SEARCH_BASE_URL", BRAVE_BASE_URL), key) if key else None
 
 
 def _tavily() -> Backend | None:
     key = variable("TAVILY_API_KEY")
-    return Backend("tavily", _trimmed(variable("TAVILY_BASE_URL") or TAVILY_BASE_URL), key) if key else None
+    return Backend("tavily", _service_url("TAVILY_BASE_URL", TAVILY_BASE_URL), key) if key else None
 
 
 def _ddgs() -> Backend | None:
@@ -134,7 +140,7 @@ def _openai_images() -> Backend | None:
     base_url, key = variable("IMAGE_GEN_BASE_URL"), variable("IMAGE_GEN_API_KEY")
     if not (base_url or key):
         return None
-    return Backend("openai", _trimmed(base_url or OPENAI_IMAGES_BASE_URL), key,
+    return Backend("openai", _service_url("IMAGE_GEN_BASE_URL", OPENAI_IMAGES_BASE_URL), key,
                    variable("IMAGE_GEN_MODEL") or OPENAI_IMAGES_MODEL)
 
 
@@ -142,7 +148,7 @@ def _fal() -> Backend | None:
     key = variable("FAL_KEY")
     if not key:
         return None
-    return Backend("fal", _trimmed(variable("FAL_BASE_URL") or FAL_BASE_URL), key,
+    return Backend("fal", _service_url("FAL_BASE_URL", FAL_BASE_URL), key,
                    (variable("FAL_IMAGE_MODEL") or FAL_IMAGE_MODEL).strip("/"))
 
 
