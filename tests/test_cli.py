@@ -535,6 +535,23 @@ def test_an_export_to_a_place_the_runner_may_not_write_is_one_clear_line(tmp_pat
     assert list(closed.iterdir()) == []
 
 
+# The export wrote over the run's own rows, or replaced a device node with its file (as root).
+@pytest.mark.parametrize("out", ["data/run/batch_0.jsonl", "data/run/trajectories.jsonl", "data/run/checkpoint.json",
+                                 "FIFO"])
+def test_an_export_over_the_runs_own_files_or_a_non_regular_file_is_refused_and_nothing_changes(tmp_path, endpoint,
+                                                                                               out):
+    assert run_cli(tmp_path, *good_args(tmp_path, endpoint)).returncode == 0
+    if out == "FIFO":
+        out = str(tmp_path / "fifo")
+        os.mkfifo(out)
+    run_dir = tmp_path / "data" / "run"
+    before = {path.name: path.read_bytes() for path in run_dir.iterdir() if path.is_file()}
+    result = run_cli(tmp_path, "--run_name=run", "--export=sharegpt", f"--out={out}", timeout=30)
+    assert "--out" in error_line(result)
+    assert {path.name: path.read_bytes() for path in run_dir.iterdir() if path.is_file()} == before
+    assert (tmp_path / out).is_fifo() or (tmp_path / out).is_relative_to(run_dir)
+
+
 def test_second_run_on_a_busy_run_directory_is_refused_and_the_first_finishes(tmp_path, endpoint):
     args = good_args(tmp_path, endpoint, prompts=("[[sleep 3]] take your time",))
     first = subprocess.Popen(batch_runner_command(*args), cwd=tmp_path, env=cli_environment(tmp_path),

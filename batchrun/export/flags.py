@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from batchrun import rows
+from batchrun.dataset import file_kind
 from batchrun.export.best_of import BEST_OF_RULES
-from batchrun.export.formats import EXPORT_FORMATS, FORMATS
+from batchrun.export.formats import EXPORT_FOLDER, EXPORT_FORMATS, FORMATS
 from batchrun.export.options import REASONING_MODES, ExportOptions
 from batchrun.flag_values import UsageError, boolean, choice, non_negative_int, text, validate_run_name
 from batchrun.install_hint import install_hint
@@ -32,7 +33,8 @@ def export_options(*, export: Any, run_name: Any, out: Any, reasoning: Any, disc
         raise UsageError(f"--reasoning applies to --export={takes}; --export={fmt} keeps the rows' own turns")
     out_text = text("out", out)
     return ExportOptions(
-        format=fmt, run_dir=run_dir, out=Path(out_text) if out_text else run_dir / spec.default_out,
+        format=fmt, run_dir=run_dir,
+        out=_checked_out(Path(out_text), run_dir) if out_text else run_dir / spec.default_out,
         reasoning=choice("reasoning", reasoning, REASONING_MODES) or "drop",
         discard_no_reasoning=None if discard_no_reasoning is None else boolean("discard_no_reasoning",
                                                                                 discard_no_reasoning),
@@ -40,6 +42,21 @@ def export_options(*, export: Any, run_name: Any, out: Any, reasoning: Any, disc
         end_reasons=_end_reasons(end_reasons), min_tool_calls=non_negative_int("min_tool_calls", min_tool_calls),
         last_call_succeeded=boolean("last_call_succeeded", last_call_succeeded),
         best_of=choice("best_of", best_of, tuple(BEST_OF_RULES)))
+
+
+def _checked_out(out: Path, run_dir: Path) -> Path:
+    """--out, where the export may write: the rename that puts its file there would replace whatever is
+    there, so never a file of the run directory outside its export folder (the run's own rows), never a
+    FIFO or a device (as root, the device node itself), and never a path without a file name."""
+    if not out.name:
+        raise UsageError(f"--out={out} names no file; give a file path, e.g. --out=rows.jsonl")
+    exports = run_dir / EXPORT_FOLDER
+    if out.resolve().is_relative_to(run_dir.resolve()) and not out.resolve().is_relative_to(exports.resolve()):
+        raise UsageError(f"--out={out} is inside the run directory {run_dir}/, whose files the export must not "
+                         f"replace; write under {exports}/ or outside the run directory")
+    if out.exists() and not (out.is_file() or out.is_dir()):
+        raise UsageError(f"--out={out} is {file_kind(out)}; --export writes a regular file there")
+    return out
 
 
 def _end_reasons(value: Any) -> frozenset[str] | None:

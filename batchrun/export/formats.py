@@ -28,12 +28,15 @@ class ExportFormat:
     manifest: Callable[[Path], Path] | None = None
 
 
+# The run directory's folder for exports: the one place in it an --out may write.
+EXPORT_FOLDER = "export"
 # The order is the one the help page and error messages list them in.
 EXPORT_FORMATS: dict[str, ExportFormat] = {
-    "openai": ExportFormat("export/openai.jsonl", "OpenAI chat JSONL", write_openai, chat_messages=True,
+    "openai": ExportFormat(f"{EXPORT_FOLDER}/openai.jsonl", "OpenAI chat JSONL", write_openai, chat_messages=True,
                            manifest=manifest_path),
-    "sharegpt": ExportFormat("export/sharegpt.jsonl", "ShareGPT JSONL", write_sharegpt),
-    "parquet": ExportFormat("export/trajectories.parquet", "Parquet", write_parquet, modules=("pyarrow",)),
-    "hf": ExportFormat("export/hf", "a datasets folder (load_from_disk)", write_hf, modules=("pyarrow", "datasets")),
+    "sharegpt": ExportFormat(f"{EXPORT_FOLDER}/sharegpt.jsonl", "ShareGPT JSONL", write_sharegpt),
+    "parquet": ExportFormat(f"{EXPORT_FOLDER}/trajectories.parquet", "Parquet", write_parquet, modules=("pyarrow",)),
+    "hf": ExportFormat(f"{EXPORT_FOLDER}/hf", "a datasets folder (load_from_disk)", write_hf,
+                       modules=("pyarrow", "datasets")),
 }
 FORMATS = tuple(EXPORT_FORMATS)
