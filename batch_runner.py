@@ -204,6 +204,9 @@ def export_cli(given: dict[str, Any], console: RunConsole) -> int:
         console.error(f"cannot write {exc.filename}: Permission denied. Choose an --out where this user may "
                       "write.")
         return EXIT_ERROR
+    except OSError as exc:     # a place no file can be made in (/proc, a read-only filesystem)
+        console.error(f"cannot write {exc.filename}: {exc.strerror}. Choose another --out.")
+        return EXIT_ERROR
     for line in summary.lines():
         console.print(line)
     return EXIT_OK

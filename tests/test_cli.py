@@ -552,6 +552,12 @@ def test_an_export_over_the_runs_own_files_or_a_non_regular_file_is_refused_and_
     assert (tmp_path / out).is_fifo() or (tmp_path / out).is_relative_to(run_dir)
 
 
+def test_an_export_to_a_place_no_file_can_be_made_is_one_clear_line(tmp_path, endpoint):
+    assert run_cli(tmp_path, *good_args(tmp_path, endpoint)).returncode == 0
+    result = run_cli(tmp_path, "--run_name=run", "--export=sharegpt", "--out=/proc/self/mem")    # /proc: ENOENT
+    assert "cannot write" in error_line(result) and "--out" in error_line(result)
+
+
 def test_second_run_on_a_busy_run_directory_is_refused_and_the_first_finishes(tmp_path, endpoint):
     args = good_args(tmp_path, endpoint, prompts=("[[sleep 3]] take your time",))
     first = subprocess.Popen(batch_runner_command(*args), cwd=tmp_path, env=cli_environment(tmp_path),
