@@ -522,7 +522,7 @@ def test_an_export_never_writes_among_the_run_directorys_own_files(run_home, tmp
     before = {path.name: path.read_bytes() for path in (home / "data" / RUN).iterdir() if path.is_file()}
     result = run_cli(home, f"--run_name={RUN}", "--export=openai", f"--out=data/{RUN}/{name}")
     assert result.returncode == 1
-    assert result.stderr.startswith(f"error: --out=data/{RUN}/{name} is in the run directory")
+    assert result.stderr.startswith(f"error: --out=data/{RUN}/{name} is inside the run directory")
     assert {path.name: path.read_bytes() for path in (home / "data" / RUN).iterdir() if path.is_file()} == before
 
 

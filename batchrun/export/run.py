@@ -19,7 +19,6 @@ def export_run(options: ExportOptions) -> ExportSummary:
     if not options.run_dir.is_dir():
         raise ExportError(f"no run directory {options.run_dir}/ here — --export reads data/<run_name>/ under the "
                           "current directory; check --run_name or cd to where the run was started")
-    _refuse_the_run_directory(options)
     summary = ExportSummary(options)
 
     def counted(records: Iterable[Any]) -> Iterator[Any]:
@@ -39,11 +38,3 @@ def export_run(options: ExportOptions) -> ExportSummary:
         best_of_path(options.out).unlink(missing_ok=True)
     return summary
 
-
-def _refuse_the_run_directory(options: ExportOptions) -> None:
-    """An export (and the manifest or record beside it) never goes straight into the run directory:
-    its files there are the run's own (batch files, checkpoint, merged file...), and one replaced by an
-    export would lose the run's rows; a new name there could be one the run writes later."""
-    if options.out.parent.resolve() == options.run_dir.resolve():
-        raise ExportError(f"--out={options.out} is in the run directory, among the run's own files; "
-                          f"write it elsewhere, or under {options.run_dir}/export/ (the default)")
