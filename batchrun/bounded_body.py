@@ -14,7 +14,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable
 
 # The coding every bounded request asks for: one whose inflation this module can bound.
 ACCEPT_ENCODING = "gzip"
-MIB = 2**20
+_MIB = 2**20
 
 
 class BodyError(Exception):
@@ -25,31 +25,28 @@ class BodyError(Exception):
 class BodyTooLarge(BodyError):
     def __init__(self, limit: int, declared: int | None = None) -> None:
         if declared is None:
-            super().__init__(f"is larger than {size_text(limit)}")
+            super().__init__(f"is larger than {_limit_text(limit)}")
         else:
-            super().__init__(f"declares {declared:,} bytes, larger than {size_text(limit)}")
+            super().__init__(f"declares {declared:,} bytes, larger than {_limit_text(limit)}")
 
 
-def size_text(size: int) -> str:
-    return f"{size // MIB} MiB" if size % MIB == 0 else f"{size:,} bytes"
+def _limit_text(size: int) -> str:
+    return f"{size // _MIB} MiB" if size % _MIB == 0 else f"{size:,} bytes"
 
 
-def gzipped(content_encoding: Iterable[str]) -> bool:
-    """Whether a body with these Content-Encoding values is gzip (else it is sent as it is);
-    BodyError for any other coding."""
+def gzipped_within(content_encoding: Iterable[str], content_length: str | None, *, limit: int) -> bool:
+    """Whether a body with these headers is gzip (else it is sent as it is), after refusing what the
+    headers already show: any other coding (BodyError), a plain body declaring more than ``limit``
+    (BodyTooLarge, before a byte of it is read)."""
     codings = [coding.strip().lower() for value in content_encoding for coding in value.split(",")]
     codings = [coding for coding in codings if coding and coding != "identity"]
     if not codings:
+        if content_length and content_length.isdigit() and int(content_length) > limit:
+            raise BodyTooLarge(limit, int(content_length))
         return False
     if codings in (["gzip"], ["x-gzip"]):
         return True
     raise BodyError(f"is encoded as {', '.join(map(repr, codings))}, which was not asked for")
-
-
-def check_declared_length(content_length: str | None, *, gzip: bool, limit: int) -> None:
-    """BodyTooLarge before reading a byte when a plain body declares more than ``limit``."""
-    if not gzip and content_length and content_length.isdigit() and int(content_length) > limit:
-        raise BodyTooLarge(limit, int(content_length))
 
 
 async def bounded_chunks(raw: AsyncIterable[bytes], *, gzip: bool, limit: int) -> AsyncIterator[bytes]:

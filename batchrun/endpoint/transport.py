@@ -14,13 +14,7 @@ from typing import Any
 import httpx2
 import openai
 
-from batchrun.bounded_body import (
-    ACCEPT_ENCODING,
-    BodyError,
-    bounded_chunks,
-    check_declared_length,
-    gzipped,
-)
+from batchrun.bounded_body import ACCEPT_ENCODING, BodyError, bounded_chunks, gzipped_within
 from batchrun.endpoint.replies import MalformedReplyError
 
 # No chat completion comes near this: a million tokens of answer and reasoning are a few MiB of JSON.
@@ -46,8 +40,8 @@ class BoundedTransport(httpx2.AsyncBaseTransport):
         request.headers["Accept-Encoding"] = ACCEPT_ENCODING
         response = await self._inner.handle_async_request(request)
         try:
-            gzip = gzipped(response.headers.get_list("content-encoding"))
-            check_declared_length(response.headers.get("content-length"), gzip=gzip, limit=MAX_REPLY_BYTES)
+            gzip = gzipped_within(response.headers.get_list("content-encoding"),
+                                  response.headers.get("content-length"), limit=MAX_REPLY_BYTES)
         except BodyError as exc:
             await response.aclose()
             raise _reply_error(exc) from None

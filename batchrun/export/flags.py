@@ -50,8 +50,8 @@ def _checked_out(out: Path, run_dir: Path) -> Path:
     FIFO or a device (as root, the device node itself), and never a path without a file name."""
     if not out.name:
         raise UsageError(f"--out={out} names no file; give a file path, e.g. --out=rows.jsonl")
-    exports = run_dir / EXPORT_FOLDER
-    if out.resolve().is_relative_to(run_dir.resolve()) and not out.resolve().is_relative_to(exports.resolve()):
+    exports, resolved = run_dir / EXPORT_FOLDER, out.resolve()
+    if resolved.is_relative_to(run_dir.resolve()) and not resolved.is_relative_to(exports.resolve()):
         raise UsageError(f"--out={out} is inside the run directory {run_dir}/, whose files the export must not "
                          f"replace; write under {exports}/ or outside the run directory")
     if out.exists() and not (out.is_file() or out.is_dir()):

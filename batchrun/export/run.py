@@ -37,4 +37,3 @@ def export_run(options: ExportOptions) -> ExportSummary:
     else:       # a record of an earlier export's choice would describe rows this file does not hold
         best_of_path(options.out).unlink(missing_ok=True)
     return summary
-

@@ -11,7 +11,6 @@ import fcntl
 import json
 import os
 import re
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +77,11 @@ class RunDirectory:
     def batch_files(self) -> list[Path]:
         found = [(int(m.group(1)), p) for p in self.path.glob("batch_*.jsonl") if (m := BATCH_FILE.match(p.name))]
         for _, path in found:
-            _regular_file(path)
+            # By stat, never by opening: reading a FIFO would wait for ever, a link to /dev/zero would fill
+            # memory with one endless line, and a directory or a broken link cannot be read.
+            if not path.is_file():
+                raise RunDirectoryError(f"{path} is not a regular file: a batch file holds rows. Move it out of "
+                                        f"{path.parent}/.")
         return [path for _, path in sorted(found)]
 
     def existing_results(self) -> list[str]:
@@ -164,14 +167,3 @@ class RunDirectory:
         (see merge.merge_batch_files)."""
         return merge_batch_files(self.path, self.batch_files(), on_corrupted, per_prompt=per_prompt)
 
-
-def _regular_file(path: Path) -> None:
-    """Refuse a batch file name that holds no file of rows: reading a FIFO would wait for ever, a link to
-    /dev/zero would fill memory with one endless line, and a directory or a broken link cannot be read."""
-    try:
-        regular = stat.S_ISREG(path.stat().st_mode)     # stat, not open: a FIFO is not opened
-    except FileNotFoundError:
-        regular = False
-    if not regular:
-        raise RunDirectoryError(f"{path} is not a regular file: a batch file holds rows. Move it out of "
-                                f"{path.parent}/.")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import ssl
+from typing import Any
 
 import httpx
 import openai
@@ -17,7 +18,8 @@ import openai
 from batchrun.bounded_body import ACCEPT_ENCODING
 from batchrun.endpoint.client import TLS_CONTEXT
 from batchrun.endpoint.transport import BoundedAioHttpClient
-from batchrun.tools import ToolContext
+from batchrun.tools import ToolContext, ToolError
+from batchrun.tools.net import read_capped
 
 USER_AGENT = "Mozilla/5.0 (compatible; batch_runner/0.1; +https://pypi.org/project/batch-runner/)"
 # The most a search or image service may answer: a page of results is kilobytes; fal's synchronous
@@ -36,6 +38,19 @@ def http_client(timeout: float, *, headers: dict[str, str] | None = None,
     :func:`batchrun.tools.net.read_capped` inflates within its limit; use it with ``async with``."""
     return httpx.AsyncClient(verify=_tls_context(), timeout=timeout, trust_env=trust_env,
                              headers={"User-Agent": USER_AGENT, "Accept-Encoding": ACCEPT_ENCODING, **(headers or {})})
+
+
+async def service_answer(timeout: float, failed: str, method: str, url: str, **request: Any) -> tuple[int, bytes]:
+    """(status, body) of one call to a configured service, the body read within MAX_SERVICE_BYTES; a
+    transport error or a body refused is a ToolError that starts with ``failed``."""
+    async with http_client(timeout) as client:
+        try:
+            async with client.stream(method, url, **request) as response:
+                return response.status_code, await read_capped(response, MAX_SERVICE_BYTES)
+        except httpx.HTTPError as exc:
+            raise ToolError(f"{failed}: {type(exc).__name__}: {exc}") from None
+        except ToolError as exc:
+            raise ToolError(f"{failed}: {exc}") from None
 
 
 def openai_client(ctx: ToolContext, slot: str, *, base_url: str, api_key: str | None,

@@ -14,16 +14,14 @@ import json
 import uuid
 from typing import cast
 
-import httpx
 import openai
 
 from batchrun.endpoint import MalformedReplyError
 from batchrun.time_limit import within
 from batchrun.tools import ToolContext, ToolError
-from batchrun.tools.clients import MAX_SERVICE_BYTES, http_client, openai_client
+from batchrun.tools.clients import openai_client, service_answer
 from batchrun.tools.configuration import Backend, NotConfigured, image_provider
 from batchrun.tools.media import EXTENSIONS, image_type
-from batchrun.tools.net import read_capped
 
 IMAGE_SECONDS = 110.0
 IMAGE_DIRECTORY = "images"
@@ -69,18 +67,11 @@ async def _openai_images(provider: Backend, prompt: str, ctx: ToolContext) -> st
 
 async def _fal(provider: Backend, prompt: str) -> str:
     """The first image URL of a synchronous fal.ai run (a data: URL when the model runs in sync_mode)."""
-    async with http_client(IMAGE_SECONDS) as client:
-        try:
-            async with client.stream("POST", f"{provider.base_url}/{provider.model}", json={"prompt": prompt},
-                                     headers={"Authorization": f"Key {provider.api_key}"}) as response:
-                body = await read_capped(response, MAX_SERVICE_BYTES)
-        except httpx.HTTPError as exc:
-            raise ToolError(f"fal.ai image generation failed: {type(exc).__name__}: {exc}") from None
-        except ToolError as exc:
-            raise ToolError(f"fal.ai image generation failed: {exc}") from None
-    if response.status_code != 200:
-        raise ToolError(f"fal.ai image generation failed: HTTP {response.status_code}: "
-                        f"{body[:300].decode('utf-8', 'replace')}")
+    failed = "fal.ai image generation failed"
+    status, body = await service_answer(IMAGE_SECONDS, failed, "POST", f"{provider.base_url}/{provider.model}",
+                                        json={"prompt": prompt}, headers={"Authorization": f"Key {provider.api_key}"})
+    if status != 200:
+        raise ToolError(f"{failed}: HTTP {status}: {body[:300].decode('utf-8', 'replace')}")
     try:
         images = json.loads(body).get("images")
         url = images[0]["url"]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from batchrun.bounded_body import BodyError, bounded_chunks, check_declared_length, gzipped
+from batchrun.bounded_body import BodyError, bounded_chunks, gzipped_within
 from batchrun.tools import ToolError
 from batchrun.tools.address_policy import allowed_addresses, host_refusal
 
@@ -69,8 +69,8 @@ async def read_capped(response: httpx.Response, max_bytes: int) -> bytes:
     """The body of a streamed response, inflated if gzipped, refused as soon as it passes
     ``max_bytes`` (:mod:`batchrun.bounded_body`: httpx would inflate it without a bound)."""
     try:
-        gzip = gzipped(response.headers.get_list("content-encoding"))
-        check_declared_length(response.headers.get("content-length"), gzip=gzip, limit=max_bytes)
+        gzip = gzipped_within(response.headers.get_list("content-encoding"), response.headers.get("content-length"),
+                              limit=max_bytes)
         return b"".join([chunk async for chunk in bounded_chunks(response.aiter_raw(), gzip=gzip, limit=max_bytes)])
     except BodyError as exc:
         raise ToolError(f"the response {exc}") from None

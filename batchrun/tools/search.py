@@ -13,14 +13,11 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import httpx
-
 from batchrun.time_limit import within
 from batchrun.tools import ToolContext, ToolError
 from batchrun.tools.arguments import non_empty_text, positive_int
-from batchrun.tools.clients import MAX_SERVICE_BYTES, http_client
+from batchrun.tools.clients import service_answer
 from batchrun.tools.configuration import Backend, NotConfigured, search_backend
-from batchrun.tools.net import read_capped
 
 SEARCH_SECONDS = 20.0
 DEFAULT_RESULTS = 5
@@ -58,19 +55,12 @@ def _result(title: object, url: object, snippet: object) -> dict:
 async def _json(backend: Backend, method: str, url: str, **request: Any) -> dict:
     """One API call's JSON object; transport errors, answers too large and non-200 answers become
     tool errors."""
-    async with http_client(SEARCH_SECONDS) as client:
-        try:
-            async with client.stream(method, url, **request) as response:
-                body = await read_capped(response, MAX_SERVICE_BYTES)
-        except httpx.HTTPError as exc:
-            raise ToolError(f"{backend.name} search failed: {type(exc).__name__}: {exc}") from None
-        except ToolError as exc:
-            raise ToolError(f"{backend.name} search failed: {exc}") from None
-    if response.status_code != 200:
+    failed = f"{backend.name} search failed"
+    status, body = await service_answer(SEARCH_SECONDS, failed, method, url, **request)
+    if status != 200:
         hint = (" (enable the json format under search.formats in the SearXNG settings)"
-                if backend.name == "searxng" and response.status_code == 403 else "")
-        raise ToolError(f"{backend.name} search failed: HTTP {response.status_code}{hint}: "
-                        f"{body[:300].decode('utf-8', 'replace')}")
+                if backend.name == "searxng" and status == 403 else "")
+        raise ToolError(f"{failed}: HTTP {status}{hint}: {body[:300].decode('utf-8', 'replace')}")
     try:
         data = json.loads(body)
     except ValueError:
