@@ -652,3 +652,23 @@ def test_a_reply_trickling_in_for_longer_than_the_request_timeout_fails_as_a_tim
     failure = failure_of(raw_replies.base_url, "trickle", timeout=1)
     assert failure.error_type == "timeout" and "no reply within 1s" in str(failure)
     assert time.monotonic() - started < 10
+
+
+def test_a_reply_refused_mid_body_leaves_the_clients_next_call_whole(raw_replies):
+    # The refused body's connection must not go back to the pool with the rest of that body unread,
+    # where the next call would read it as its own reply.
+    async def calls() -> tuple[Exception | None, object]:
+        async with make_client(raw_replies.base_url, "sk-test", timeout=10) as client:
+            refused: Exception | None = None
+            try:
+                # Kept alive and of declared length: the one shape a pool would take back.
+                await call_model(client, RateGate(), body=request_body("gzip_bomb"), model=MODEL, max_retries=0,
+                                 base_url=raw_replies.base_url)
+            except PromptFailedError as exc:
+                refused = exc
+            reply = await call_model(client, RateGate(), body=request_body("gzipped"), model=MODEL, max_retries=0,
+                                     base_url=raw_replies.base_url)
+            return refused, reply
+    refused, reply = asyncio.run(calls())
+    assert refused is not None and "larger than" in str(refused)
+    assert split_reasoning(reply.message)[1] == "Compressed answer."
