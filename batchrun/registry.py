@@ -16,7 +16,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from batchrun.tools.configuration import extract_backend, image_provider, search_backend, unavailable_line
+from batchrun.tools.configuration import (
+    extract_backend,
+    image_provider,
+    search_backend,
+    unavailable_line,
+    vision_endpoint,
+)
 
 if TYPE_CHECKING:
     from batchrun.tools import ToolContext
@@ -157,14 +163,15 @@ TOOLS: tuple[ToolSpec, ...] = (
              "batchrun.tools.browser.actions:press", **_BROWSER),
     ToolSpec("browser_get_images", "browser", "List the images on the current page with their URLs and alt text.",
              _params({}, []), "batchrun.tools.browser.actions:get_images", **_BROWSER),
-    # vision_analyze needs no configuration: by default it asks the run's own model and endpoint.
+    # vision_analyze needs no configuration (it asks the run's own model and endpoint) but may name another.
     ToolSpec("vision_analyze", "vision",
              "Answer a question about an image given by http(s) URL or by the path of a PNG, JPEG, GIF "
              "or WebP file in your working directory.",
              _params({"image": {**_STRING, "description": "Image URL or file path."},
                       "question": {**_STRING, "description": "What to find out about the image."}},
                      ["image", "question"]),
-             "batchrun.tools.vision:vision_analyze", needs_environment=True),     # reads images from it
+             "batchrun.tools.vision:vision_analyze", unavailable_line(vision_endpoint),
+             needs_environment=True),                                            # reads images from it
     ToolSpec("image_generate", "image_gen",
              "Generate an image from a text prompt; returns its URL, or the path of the image file "
              "saved in your working directory.",

@@ -279,7 +279,8 @@ def test_backend_choice_follows_the_documented_order_unless_one_is_named(site, m
     ("web_search", {"TAVILY_API_KEY": "tvly-key-123456", "TAVILY_BASE_URL": "http://127.0.0.1:99999"}),
     ("web_search", {"BRAVE_SEARCH_API_KEY": "brave-key", "BRAVE_SEARCH_BASE_URL": "ftp://brave.local"}),
     ("image_generate", {"IMAGE_GEN_BASE_URL": "http://images.local\n/v1"}),
-    ("image_generate", {"FAL_KEY": "fal-key", "FAL_BASE_URL": "fal.run"})])
+    ("image_generate", {"FAL_KEY": "fal-key", "FAL_BASE_URL": "fal.run"}),
+    ("vision_analyze", {"VISION_BASE_URL": "vision.local/v1"})])
 def test_a_service_url_no_http_client_can_use_leaves_its_tool_unavailable_saying_which(monkeypatch, tool, settings):
     for name, value in settings.items():
         monkeypatch.setenv(name, value)

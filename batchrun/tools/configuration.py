@@ -134,6 +134,13 @@ def extract_backend() -> Backend:
     return Backend("trafilatura")
 
 
+# --- vision_analyze ---------------------------------------------------------------------------
+
+def vision_endpoint() -> str | None:
+    """VISION_BASE_URL, or None for the run's own endpoint: vision_analyze needs nothing configured."""
+    return _service_url("VISION_BASE_URL")
+
+
 # --- image_generate -----------------------------------------------------------------------------
 
 def _openai_images() -> Backend | None:

@@ -19,6 +19,7 @@ from batchrun.time_limit import within
 from batchrun.tools import ToolContext, ToolError
 from batchrun.tools.arguments import non_empty_text
 from batchrun.tools.clients import openai_client
+from batchrun.tools.configuration import NotConfigured, vision_endpoint
 from batchrun.tools.media import image_type
 from batchrun.tools.net import check_visible_destination, http_url
 
@@ -48,7 +49,11 @@ async def vision_analyze(args: dict, ctx: ToolContext) -> dict:
 
 def _vision_model(ctx: ToolContext) -> tuple[openai.AsyncOpenAI, str]:
     """(client, model). The run's key is never sent to an endpoint other than the run's."""
-    base_url, api_key = variable("VISION_BASE_URL"), variable("VISION_API_KEY")
+    try:
+        base_url = vision_endpoint()
+    except NotConfigured as exc:
+        raise ToolError(str(exc)) from None
+    api_key = variable("VISION_API_KEY")
     model = variable("VISION_MODEL") or (ctx.model.model if ctx.model else None)
     if model is None:
         raise ToolError("no vision model: set VISION_MODEL")
