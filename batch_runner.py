@@ -28,7 +28,7 @@ from batchrun.environments import ENVIRONMENT_KINDS
 from batchrun.export import BEST_OF_RULES, EXPORT_FORMATS, REASONING_MODES, ExportError, export_options, export_run
 from batchrun.flag_values import UsageError, validate_run_name
 from batchrun.install_hint import program
-from batchrun.run_dir import DiskFull, RunDirectoryError, full_disk_named
+from batchrun.run_dir import DiskFull, RunDirectoryError, full_disk_named, require_readable
 from batchrun.runner import EXIT_ERROR, EXIT_OK, BatchRunner
 from batchrun.security import Redactor
 from batchrun.stop_signals import STOP_SIGNALS, Interrupted, stopped_line
@@ -164,11 +164,8 @@ def write_report_cli(run_name: Any, console: RunConsole) -> int:
     except UsageError as exc:
         console.error(str(exc))
         return EXIT_ERROR
-    if not run_dir.is_dir():
-        console.error(f"no run directory {run_dir}/ here — --report reads data/<run_name>/ under the current "
-                      "directory; check --run_name or cd to where the run was started")
-        return EXIT_ERROR
     try:
+        require_readable(run_dir, "--report")
         path = report.write_report(run_dir)
     except DiskFull as exc:
         console.error(f"{exc}. The report there is kept as it was. {exc.remedy}, then run --report again.")
@@ -177,7 +174,7 @@ def write_report_cli(run_name: Any, console: RunConsole) -> int:
         console.error(f"cannot write the report in {run_dir}: Permission denied ({exc.filename}). The report "
                       "there is kept as it was; run --report as a user who may write there.")
         return EXIT_ERROR
-    except RunDirectoryError as exc:    # a batch file that cannot be read (not a regular file)
+    except RunDirectoryError as exc:    # no run directory to read, or a batch file that cannot be read
         console.error(str(exc))
         return EXIT_ERROR
     console.print(f"Report: {path} (open it in a browser; it needs no network)")
@@ -197,7 +194,7 @@ def export_cli(given: dict[str, Any], console: RunConsole) -> int:
     except DiskFull as exc:
         console.error(f"{exc}. The file there is kept as it was. {exc.remedy}, then export again.")
         return EXIT_ERROR
-    except RunDirectoryError as exc:    # a batch file that cannot be read (not a regular file)
+    except RunDirectoryError as exc:    # no run directory to read, or a batch file that cannot be read
         console.error(str(exc))
         return EXIT_ERROR
     except PermissionError as exc:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from batchrun.paths import file_kind, lookup_error
 from batchrun.rows import content_key, sample_key, sample_key_of_unit, unit_key
 
 # Bad lines named one by one; past these a count stands for the rest, so a file of 500 bad lines
@@ -160,6 +161,8 @@ def _lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
 def check_dataset_file(path: Path) -> None:
     """The dataset is a regular file this process can read: it is read more than once (planned, then
     each prompt read again by its offset), which a pipe or a FIFO cannot be."""
+    if problem := lookup_error(path):
+        raise DatasetError(f"--dataset_file={path} cannot be opened: {problem}.")
     if not path.exists():
         raise DatasetError(f"dataset file not found: {path}. Pass an existing JSONL file with --dataset_file.")
     if path.is_dir():
@@ -171,15 +174,6 @@ def check_dataset_file(path: Path) -> None:
         path.open("rb").close()
     except OSError as exc:
         raise DatasetError(f"cannot read {path}: {exc.strerror}. Give this user read access to it.") from None
-
-
-def file_kind(path: Path) -> str:
-    """What a path that is not a regular file is, for a message that names it."""
-    if path.is_fifo():
-        return "a FIFO (a pipe, such as <(command) makes)"
-    if path.is_socket():
-        return "a socket"
-    return "a device"
 
 
 def require_valid_prompt(path: Path, *, warn: Callable[[str], None]) -> None:

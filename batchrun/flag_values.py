@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any, Literal, overload
 
 from batchrun import distributions
-from batchrun.dataset import file_kind
 from batchrun.env_vars import usable_http_url
 from batchrun.estimate import DEFAULT_SAMPLE
 from batchrun.install_hint import install_hint
+from batchrun.paths import file_kind, lookup_error
 
 DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
 DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
@@ -175,6 +175,8 @@ def load_prefill(flag: str, path_value: Any) -> tuple[dict, ...]:
     if path_text is None:
         return ()
     path = Path(path_text)
+    if problem := lookup_error(path):
+        raise UsageError(f"--prefill_messages_file={path} cannot be opened: {problem}")
     if path.is_dir():
         raise UsageError(f"--prefill_messages_file: {path} is a directory; give a JSON file")
     if not path.exists():

@@ -7,6 +7,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -172,10 +173,20 @@ class OutputLines:
 
 
 def run_cli(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
-            timeout: float = 120) -> subprocess.CompletedProcess:
+            timeout: float = 120, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """Run the real CLI in tmp_path (so data/<run_name>/ lands there) and wait for it."""
-    return subprocess.run(batch_runner_command(*args), cwd=tmp_path, env=cli_environment(tmp_path, env),
+    return subprocess.run([*prefix, *batch_runner_command(*args)], cwd=tmp_path, env=cli_environment(tmp_path, env),
                           capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def obeying_file_modes() -> tuple[str, ...]:
+    """A command prefix under which file modes hold, as for any user: root reads and searches everything
+    only through capabilities, which this takes away. Skips the test where it cannot."""
+    if os.geteuid() != 0:
+        return ()
+    if shutil.which("setpriv") is None:
+        pytest.skip("root without setpriv reads every file")
+    return ("setpriv", "--bounding-set", "-dac_override,-dac_read_search")
 
 
 def endpoint_args(server: ScriptedEndpoint, **extra: object) -> list[str]:

@@ -22,6 +22,7 @@ from conftest import (
     cli_environment,
     endpoint_args,
     human_prompt,
+    obeying_file_modes,
     read_jsonl,
     run_cli,
     write_dataset,
@@ -212,6 +213,23 @@ def test_a_dataset_the_runner_may_not_read_is_a_clear_error(tmp_path):
     check = f"from batchrun.dataset import check_dataset_file; check_dataset_file(__import__('pathlib').Path({str(dataset)!r}))"
     result = subprocess.run([*prefix, sys.executable, "-c", check], capture_output=True, text=True, cwd=REPO)
     assert "DatasetError: cannot read" in result.stderr and "Permission denied" in result.stderr, result.stderr
+
+
+# Both read "file not found" (a loop) or ended in a traceback (a directory above that may not be searched).
+@pytest.mark.parametrize("flag", ["--dataset_file", "--prefill_messages_file"])
+def test_a_symlink_loop_as_an_input_file_is_named_as_one(tmp_path, endpoint, flag):
+    (tmp_path / "loop").symlink_to("loop")
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, f"{flag}={tmp_path / 'loop'}"))
+    assert_rejected_before_anything(result, tmp_path, endpoint, flag, "Too many levels of symbolic links")
+
+
+@pytest.mark.parametrize("flag", ["--dataset_file", "--prefill_messages_file"])
+def test_an_input_file_under_a_directory_this_user_may_not_search_is_one_clear_error(tmp_path, endpoint, flag):
+    prefix = obeying_file_modes()
+    args = good_args(tmp_path, endpoint, f"{flag}={tmp_path / 'locked' / 'input.json'}")
+    (tmp_path / "locked").mkdir(mode=0)
+    result = run_cli(tmp_path, *args, prefix=prefix)
+    assert_rejected_before_anything(result, tmp_path, endpoint, flag, "Permission denied")
 
 
 def test_a_utf8_byte_order_mark_before_the_first_line_is_not_part_of_it(tmp_path, endpoint):

@@ -17,7 +17,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, batch_rows, cli_environment, endpoint_args, read_jsonl, run_cli, write_dataset
+from conftest import (
+    REPO,
+    batch_rows,
+    cli_environment,
+    endpoint_args,
+    obeying_file_modes,
+    read_jsonl,
+    run_cli,
+    write_dataset,
+)
 from openai.types.chat import (
     ChatCompletionAssistantMessageParam,
     ChatCompletionMessageParam,
@@ -497,6 +506,26 @@ def test_export_of_a_run_directory_that_is_not_there_names_it(tmp_path):
     result = run_cli(tmp_path, "--export=openai", "--run_name=absent")
     assert result.returncode == 1
     assert result.stderr.startswith("error: no run directory data/absent/ here")
+
+
+# A loop in --out's path ended the export in a traceback (RuntimeError from resolving it).
+@pytest.mark.parametrize("out", ["loop", "loop/rows.jsonl"])
+def test_an_out_path_through_a_symlink_loop_is_one_error_line(run_home, tmp_path, out):
+    (tmp_path / "loop").symlink_to("loop")
+    result = run_cli(run_home, f"--run_name={RUN}", "--export=openai", f"--out={tmp_path / out}")
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: --out=") and "Too many levels of symbolic links" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+# It said "cannot write data/run: Permission denied. Choose an --out", though the export had only to read.
+def test_a_run_directory_this_user_may_not_read_is_named_as_such_by_the_export(tmp_path):
+    prefix = obeying_file_modes()
+    (tmp_path / "data" / "locked").mkdir(parents=True, mode=0)
+    result = run_cli(tmp_path, "--export=openai", "--run_name=locked", prefix=prefix)
+    assert result.returncode == 1
+    assert result.stderr.strip() == ("error: cannot read the run directory data/locked/: Permission denied. "
+                                     "Run --export as a user who may read it.")
 
 
 def test_a_line_that_is_json_but_not_a_row_stops_the_export_and_keeps_the_earlier_file(run_home, tmp_path):

@@ -18,7 +18,16 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from conftest import REPO, batch_runner_command, cli_environment, endpoint_args, run_cli, wait_for, write_dataset
+from conftest import (
+    REPO,
+    batch_runner_command,
+    cli_environment,
+    endpoint_args,
+    obeying_file_modes,
+    run_cli,
+    wait_for,
+    write_dataset,
+)
 from scripted_endpoint import ScriptedEndpoint
 
 import toolset_distributions
@@ -100,6 +109,16 @@ def test_report_flag_needs_an_existing_run_directory(tmp_path: Path, args: list[
     result = run_cli(tmp_path, "--report", *args)
     assert result.returncode == 1
     assert result.stderr.startswith("error:") and message in result.stderr
+
+
+# It ended in a traceback (PermissionError from looking the directory up).
+def test_a_run_directory_this_user_may_not_read_is_named_as_such_by_the_report(tmp_path: Path) -> None:
+    prefix = obeying_file_modes()
+    (tmp_path / "data" / "locked").mkdir(parents=True, mode=0)
+    result = run_cli(tmp_path, "--report", "--run_name=locked", prefix=prefix)
+    assert result.returncode == 1
+    assert result.stderr.strip() == ("error: cannot read the run directory data/locked/: Permission denied. "
+                                     "Run --report as a user who may read it.")
 
 
 def test_a_report_that_cannot_be_written_does_not_fail_the_run(tmp_path: Path, endpoint) -> None:

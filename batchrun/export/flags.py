@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from batchrun import rows
-from batchrun.dataset import file_kind
 from batchrun.export.best_of import BEST_OF_RULES
 from batchrun.export.formats import EXPORT_FOLDER, EXPORT_FORMATS, FORMATS
 from batchrun.export.options import REASONING_MODES, ExportOptions
 from batchrun.flag_values import UsageError, boolean, choice, non_negative_int, text, validate_run_name
 from batchrun.install_hint import install_hint
+from batchrun.paths import file_kind, lookup_error
 
 
 def export_options(*, export: Any, run_name: Any, out: Any, reasoning: Any, discard_no_reasoning: Any,
@@ -50,6 +50,8 @@ def _checked_out(out: Path, run_dir: Path) -> Path:
     FIFO or a device (as root, the device node itself), and never a path without a file name."""
     if not out.name:
         raise UsageError(f"--out={out} names no file; give a file path, e.g. --out=rows.jsonl")
+    if problem := lookup_error(out):
+        raise UsageError(f"--out={out} cannot be reached: {problem}; choose another --out")
     exports, resolved = run_dir / EXPORT_FOLDER, out.resolve()
     if resolved.is_relative_to(run_dir.resolve()) and not resolved.is_relative_to(exports.resolve()):
         raise UsageError(f"--out={out} is inside the run directory {run_dir}/, whose files the export must not "

@@ -14,7 +14,7 @@ REASONING_MODES = ("think", "field", "drop")
 
 
 class ExportError(Exception):
-    """The export cannot be done as asked (no run directory, an --out it must not overwrite, a line of
+    """The export cannot be done as asked (an --out it must not overwrite, a line of
     the run that is JSON but not a row); one line for the user."""
 
 

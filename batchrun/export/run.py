@@ -9,16 +9,14 @@ from typing import Any
 from batchrun.export.best_of import BestOf, best_of_path, chosen_samples
 from batchrun.export.filters import selected_rows
 from batchrun.export.formats import EXPORT_FORMATS
-from batchrun.export.options import ExportError, ExportOptions
+from batchrun.export.options import ExportOptions
 from batchrun.export.summary import ExportSummary
-from batchrun.run_dir import atomic_write_json
+from batchrun.run_dir import atomic_write_json, require_readable
 
 
 def export_run(options: ExportOptions) -> ExportSummary:
     """Write the export; the summary says what was kept and what was left out, by reason."""
-    if not options.run_dir.is_dir():
-        raise ExportError(f"no run directory {options.run_dir}/ here — --export reads data/<run_name>/ under the "
-                          "current directory; check --run_name or cd to where the run was started")
+    require_readable(options.run_dir, "--export")
     summary = ExportSummary(options)
 
     def counted(records: Iterable[Any]) -> Iterator[Any]:

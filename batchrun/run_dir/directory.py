@@ -29,6 +29,21 @@ ESTIMATE = "estimate.json"
 LOCK = ".lock"
 
 
+def require_readable(path: Path, command: str) -> None:
+    """For ``command`` (--report, --export), which only reads a run directory: it is there and this user
+    may list it. A directory that may not be listed would otherwise read as one without batch files."""
+    try:
+        os.scandir(path).close()
+    except (FileNotFoundError, NotADirectoryError):
+        raise RunDirectoryError(f"no run directory {path}/ here — {command} reads data/<run_name>/ under the "
+                                "current directory; check --run_name or cd to where the run was started") from None
+    except PermissionError as exc:
+        raise RunDirectoryError(f"cannot read the run directory {path}/: {exc.strerror}. Run {command} as a user "
+                                "who may read it.") from None
+    except OSError as exc:      # a loop of symbolic links, a failing disk
+        raise RunDirectoryError(f"cannot read the run directory {path}/: {exc.strerror}.") from None
+
+
 class RunDirectory:
     """data/<run_name>/: its lock, its batch files and the files rewritten whole beside them."""
 
