@@ -44,6 +44,19 @@ def positive_int(flag: str, value: Any) -> int:
     raise UsageError(f"--{flag} must be a positive integer, got {value!r}")
 
 
+# The plan keeps a round of pending prompts per sample; far beyond any best-of or pass@k a run draws.
+MAX_SAMPLES_PER_PROMPT = 100_000
+
+
+def samples_per_prompt(flag: str, value: Any) -> int:
+    """A positive integer the plan can hold: a larger one sat silent for minutes, filling memory."""
+    samples = positive_int(flag, value)
+    if samples > MAX_SAMPLES_PER_PROMPT:
+        shown = f"a {len(str(samples))}-digit number" if samples >= 10**18 else f"{samples:,}"
+        raise UsageError(f"--{flag} is at most {MAX_SAMPLES_PER_PROMPT:,}, got {shown}")
+    return samples
+
+
 def optional_positive_int(flag: str, value: Any) -> int | None:
     return None if value is None else positive_int(flag, value)
 

@@ -37,6 +37,7 @@ from batchrun.flag_values import (
     required_batch_size,
     required_text,
     run_switch_on,
+    samples_per_prompt,
     text,
     validate_backend,
     validate_base_url_given,
@@ -118,7 +119,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("backend", "local", "--backend=local|ray", validate_backend),
     Flag("adaptive_concurrency", True,
          "--adaptive_concurrency=False (requests at once stay at --num_workers, 429s or not)", boolean),
-    Flag("samples_per_prompt", 1, "--samples_per_prompt=K (K rows per prompt)", positive_int),
+    Flag("samples_per_prompt", 1, "--samples_per_prompt=K (K rows per prompt)", samples_per_prompt),
     Flag("price_per_mtok", None, "--price_per_mtok=INPUT,OUTPUT[,CACHED] (prices replies that carry "
                                            "no cost)", prices_per_mtok),
     Flag("estimate", None, "--estimate[=N] (run N samples, project the cost and time of the rest, and "

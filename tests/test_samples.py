@@ -26,6 +26,7 @@ from conftest import (
 )
 
 from batchrun import rows
+from batchrun.flag_values import MAX_SAMPLES_PER_PROMPT
 from batchrun.rows import AssistantTurn, SessionResult, ToolCallRecord, Usage
 
 PROMPTS = [f"prompt number {index}" for index in range(10)]
@@ -203,6 +204,14 @@ def test_a_bad_samples_per_prompt_gets_one_error_naming_the_flag(tmp_path, endpo
     dataset = write_dataset(tmp_path / "dataset.jsonl", PROMPTS[:1])
     result = sample_run(tmp_path, endpoint, dataset, f"--samples_per_prompt={value}", expect=1)
     assert "--samples_per_prompt must be a positive integer" in result.stderr
+    assert endpoint.requests == [] and not (tmp_path / "data" / "run").exists()
+
+
+# The plan keeps a round per sample: 10**400 sat silent, filling memory, and left a run directory behind.
+def test_more_samples_per_prompt_than_the_plan_can_hold_is_refused_before_anything(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", PROMPTS[:1])
+    result = sample_run(tmp_path, endpoint, dataset, f"--samples_per_prompt={10**400}", expect=1)
+    assert result.stderr.strip() == f"error: --samples_per_prompt is at most {MAX_SAMPLES_PER_PROMPT:,}, got a 401-digit number"
     assert endpoint.requests == [] and not (tmp_path / "data" / "run").exists()
 
 
