@@ -527,6 +527,15 @@ def test_a_work_directory_under_one_only_root_may_enter_still_works(tmp_path):
 SANDBOX_ID = "readlink /proc/self/ns/net /proc/self/ns/pid /proc/self/ns/ipc /proc/self/ns/mnt"
 
 
+def hold_namespaces(environment: BubblewrapEnvironment) -> list[int]:
+    """Descriptors of the namespaces of the sandbox's shell (those SANDBOX_ID names). The kernel gives a
+    freed namespace's number to the next new one: a sandbox started after the first is gone could show
+    the first's numbers though it shares nothing, unless something holds the first's namespaces."""
+    shell = environment._shell
+    assert shell is not None
+    return [os.open(f"/proc/{shell.sandbox_pids[-1]}/ns/{kind}", os.O_RDONLY) for kind in ("net", "pid", "ipc", "mnt")]
+
+
 def after_release(settings: EnvironmentSettings, first: list[str], second: list[str]) -> tuple[list, list]:
     """Run ``first`` in one prompt's sandbox, release it as a finished session does, run ``second`` in the
     next prompt's, taken from the spares a worker keeps; each list ends with SANDBOX_ID's output."""
@@ -537,6 +546,8 @@ def after_release(settings: EnvironmentSettings, first: list[str], second: list[
             one = BubblewrapEnvironment(settings, prompt_index=0)
             await one.start()
             before = [await one.run(command) for command in [*first, SANDBOX_ID]]
+            held = hold_namespaces(one)
+            assert [os.readlink(f"/proc/self/fd/{fd}") for fd in held] == before[-1].output.split()
             await one.release()
             two = BubblewrapEnvironment(settings, prompt_index=1)
             await two.start()
@@ -544,6 +555,8 @@ def after_release(settings: EnvironmentSettings, first: list[str], second: list[
                 after = [await two.run(command) for command in [*second, SANDBOX_ID]]
             finally:
                 await two.close()
+                for fd in held:
+                    os.close(fd)
             return before, after
         finally:
             await BubblewrapEnvironment.close_idle()
