@@ -10,6 +10,7 @@ import math
 import random
 import re
 import threading
+import time
 
 import msgspec
 import pytest
@@ -134,6 +135,44 @@ def test_split_reasoning_keeps_both_structured_and_different_inline_reasoning():
     reasoning, visible = split_reasoning({"reasoning": "Structured.", "content": "<think>Inline.</think>Answer."})
     assert "Structured." in reasoning and "Inline." in reasoning
     assert visible == "Answer."
+
+
+# Texts an endpoint can send that each cost the old think-block regex a scan to the end from every tag
+# (opens never closed), or a full pass per block taken out (blocks nested by the tags their removal forms).
+ADVERSARIAL_THINK_TAGS = {
+    "opens_never_closed": "<think>" * 40_000,
+    "scratchpad_opens_never_closed": "<REASONING_SCRATCHPAD>" * 15_000,
+    "blocks_forming_blocks": "<thi" * 20_000 + "<think></think>" + "nk>x</think>" * 20_000,
+    "many_different_blocks": "".join(f"<think>{n}</think>" for n in range(100_000)),
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("content", ADVERSARIAL_THINK_TAGS.values(), ids=ADVERSARIAL_THINK_TAGS.keys())
+def test_split_reasoning_takes_time_in_proportion_to_the_text_whatever_tags_it_holds(content):
+    # Before: 280 KB of "<think>" took minutes (112 KB: 19 s, 1.5 MB: more than 8 minutes), all of it
+    # on the worker's event loop, where every other session of the worker and the prompt time limit wait.
+    started = time.monotonic()
+    split_reasoning({"content": content + "Answer."})
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("content, reasoning, visible", [
+    ("<think>a</think>b<think>c</think>d", "a\n\nc", "bd"),
+    ("<think>a<think>b</think>c</think>", "a<think>b", "c</think>"),
+    ("<THINK>a</think>b", "a", "b"),
+    ("</think>a<think>b</think>", "b", "</think>a"),
+    ("<think>a</REASONING_SCRATCHPAD>b", "a</REASONING_SCRATCHPAD>b", ""),
+    ("<th<thi<think></think>nk></think>ink>c</think>d", "c", "d"),
+    ("x<th<think>a</think>ink>b", "a", "x<think>b"),
+    ("<think>a<REASONING_SCRATCHPAD>b</think>c</REASONING_SCRATCHPAD>d", "a<REASONING_SCRATCHPAD>b",
+     "c</REASONING_SCRATCHPAD>d"),
+    ("<think>a</think><think>a</think>b", "a", "b"),
+], ids=["two_blocks", "nested_same_tag", "case_differs", "stray_close_first", "unclosed_with_other_close",
+        "blocks_forming_blocks_twice", "an_open_tag_formed_after_a_block_is_not_an_unclosed_block",
+        "a_block_holding_an_open_tag_of_the_other_kind", "a_repeated_block_is_kept_once"])
+def test_split_reasoning_takes_out_every_think_block_even_those_taking_another_out_forms(content, reasoning, visible):
+    assert split_reasoning({"content": content}) == (reasoning, visible)
 
 
 # --- the success rule ---------------------------------------------------------------------
