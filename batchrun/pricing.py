@@ -34,7 +34,9 @@ class Pricing:
 
     def cost(self, usage: Usage) -> float | None:
         """The reply's cost in USD, or None when no price is known. Cached input tokens are part of
-        ``prompt_tokens`` and reasoning tokens part of ``completion_tokens``, as endpoints report them."""
+        ``prompt_tokens`` and reasoning tokens part of ``completion_tokens``, as endpoints report them;
+        where a gateway reports more cached tokens than prompt tokens (its prompt tokens leave them
+        out), every cached token counts as read, by either price."""
         if self.source == "user":
             input_price, output_price, cached_price = self.per_mtok
             uncached = max(usage.prompt_tokens - usage.cached_tokens, 0)
@@ -44,7 +46,9 @@ class Pricing:
             from genai_prices import Usage as TableUsage
             from genai_prices import calc_price
 
-            priced = calc_price(TableUsage(input_tokens=usage.prompt_tokens, cache_read_tokens=usage.cached_tokens,
+            # The table refuses more cached tokens than input tokens (ValueError, a failed prompt).
+            input_tokens = max(usage.prompt_tokens, usage.cached_tokens)
+            priced = calc_price(TableUsage(input_tokens=input_tokens, cache_read_tokens=usage.cached_tokens,
                                            output_tokens=usage.completion_tokens),
                                 self.model_ref, provider_id=self.provider_id)
             return float(priced.total_price)

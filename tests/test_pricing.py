@@ -47,6 +47,19 @@ def test_user_prices_price_each_reply_by_its_tokens():
     assert cost == pytest.approx((800 * 2.0 + 200 * 0.5 + 100 * 8.0) / 1e6)
 
 
+def test_a_reply_with_more_cached_tokens_than_prompt_tokens_is_priced_by_the_table_as_the_users_prices_do():
+    # Before: genai-prices refused such usage (ValueError: cache_read_tokens cannot exceed input_tokens),
+    # and the session ended as an internal_error failure row holding a traceback, its reply's tokens
+    # never counted. Some gateways report prompt tokens without the cached ones; all cached are read.
+    from genai_prices import Usage as TableUsage
+    from genai_prices import calc_price
+
+    pricing = resolve_pricing("gpt-4o", "http://127.0.0.1:1/v1", None)
+    cost = pricing.cost(Usage(prompt_tokens=10, cached_tokens=1_000, completion_tokens=20))
+    expected = calc_price(TableUsage(input_tokens=1_000, cache_read_tokens=1_000, output_tokens=20), "gpt-4o")
+    assert cost == pytest.approx(float(expected.total_price))
+
+
 def test_without_a_cost_in_the_reply_a_run_costs_its_tokens_at_the_users_prices(tmp_path):
     priced_run(tmp_path, "--price_per_mtok=2,8,0.5")
     figures = statistics(tmp_path)
