@@ -596,6 +596,18 @@ class RawReplies:
         self._head(handler, Content_Encoding="br", Content_Length=str(len(body)))
         handler.wfile.write(body)
 
+    def huge_error(self, handler) -> None:
+        """A 400 whose message is a megabyte long (an endpoint quoting a large request back to it)."""
+        body = json.dumps({"error": {"message": "Bad request: " + "x" * 2**20}}).encode()
+        self._head(handler, 400, Content_Length=str(len(body)))
+        handler.wfile.write(body)
+
+    def huge_overflow(self, handler) -> None:
+        """A context overflow said only at the end of a long message."""
+        body = json.dumps({"error": {"message": "x" * 5_000 + " This model's maximum context length is 8192 tokens"}})
+        self._head(handler, 400, Content_Length=str(len(body)))
+        handler.wfile.write(body.encode())
+
     def trickle(self, handler) -> None:
         """A byte of a reply every 0.1 s, for ever: no single wait is long, the reply never ends."""
         self._head(handler, Content_Length=str(2**20))
@@ -628,6 +640,19 @@ def test_a_reply_larger_than_any_completion_fails_the_prompt_as_a_bad_response(r
     failure = failure_of(raw_replies.base_url, scenario)
     assert failure.error_type == "bad_response", failure
     assert f"larger than {MAX_REPLY_BYTES // 2**20} MiB" in str(failure)
+
+
+def test_an_error_message_of_a_megabyte_fails_the_prompt_with_its_start_and_its_length(raw_replies):
+    # Before: the whole message went into the prompt's failure row, a megabyte for each prompt the
+    # endpoint answered so (and into the one error: line of an error that stops the run).
+    failure = failure_of(raw_replies.base_url, "huge_error")
+    assert failure.error_type == "http_400"
+    assert str(failure).startswith("HTTP 400: Bad request: xxx")
+    assert len(str(failure)) < 2_000 and f"{len('Bad request: ') + 2**20:,} characters" in str(failure)
+
+
+def test_a_context_overflow_said_past_the_shown_start_of_a_long_message_is_still_one(raw_replies):
+    assert failure_of(raw_replies.base_url, "huge_overflow").error_type == "context_length"
 
 
 def test_a_gzipped_reply_is_read():

@@ -74,6 +74,20 @@ def _error_text(exc: openai.APIStatusError) -> str:
     return str(exc.message)
 
 
+# Of an endpoint's error message, what a failure row or the run's error line shows; the whole message is
+# still read for what it means (a context overflow, an unknown model).
+MOST_ERROR_CHARS = 1_000
+
+
+def _shown(detail: str) -> str:
+    """The error message as shown: its start and its length when longer than MOST_ERROR_CHARS. An
+    endpoint quoting a large request back, or a proxy's error page, would otherwise put megabytes
+    into each prompt's failure row."""
+    if len(detail) <= MOST_ERROR_CHARS:
+        return detail
+    return f"{detail[:MOST_ERROR_CHARS]}... ({len(detail):,} characters)"
+
+
 def _causes(exc: BaseException) -> Iterator[BaseException]:
     """The exception, then what it was raised from (or while handling), innermost last. The HTTP
     stack wraps the socket's error twice and reports even a refused connection as a time-out, so
@@ -128,7 +142,8 @@ def classify(exc: Exception, *, model: str, base_url: str, endpoint_answered: bo
     if not isinstance(exc, openai.APIStatusError):
         raise PromptFailedError(f"{type(exc).__name__}: {exc}", "client_error")
     status = exc.status_code
-    detail = _error_text(exc)
+    said = _error_text(exc)
+    detail = _shown(said)
     if status == 429 or status in (408, 409) or status >= 500:
         return retry_after_seconds(exc.response.headers)
     if status == 401:
@@ -140,10 +155,10 @@ def classify(exc: Exception, *, model: str, base_url: str, endpoint_answered: bo
     if status == 404:
         raise RunFatalError(f"the endpoint {base_url} does not know model {model!r} or this API path "
                             f"(HTTP 404: {detail}). Check --model and --base_url (it usually ends in /v1).")
-    if _context_overflow(exc, detail):
+    if _context_overflow(exc, said):
         raise PromptFailedError(f"the conversation no longer fits the model's context (HTTP {status}: {detail})",
                                 CONTEXT_LENGTH)
-    lowered = detail.lower()
+    lowered = said.lower()
     if status == 400 and "model" in lowered and any(
             phrase in lowered for phrase in ("not a valid model", "does not exist", "invalid model", "unknown model")):
         raise RunFatalError(f"the endpoint {base_url} does not accept model {model!r} (HTTP 400: {detail}).")
@@ -158,7 +173,7 @@ def failure_summary(exc: Exception, timeout: Any) -> tuple[str, str]:
     """(what went wrong, error type) for the failure row of a call that used up its retries."""
     if isinstance(exc, openai.APIStatusError):
         kind = "rate_limited" if isinstance(exc, openai.RateLimitError) else f"http_{exc.status_code}"
-        return f"HTTP {exc.status_code}: {_error_text(exc)}", kind
+        return f"HTTP {exc.status_code}: {_shown(_error_text(exc))}", kind
     if isinstance(exc, openai.APIConnectionError):
         return _connection_failure(exc, timeout)
     if isinstance(exc, TimeoutError):
