@@ -608,6 +608,13 @@ class RawReplies:
         self._head(handler, 400, Content_Length=str(len(body)))
         handler.wfile.write(body.encode())
 
+    def error_as_text(self, handler) -> None:
+        """An error given as text, not as an object (Text Generation Inference, Ollama's own API)."""
+        body = json.dumps({"error": "Input validation error: the prompt's context length is too large",
+                           "error_type": "validation"})
+        self._head(handler, 400, Content_Length=str(len(body)))
+        handler.wfile.write(body.encode())
+
     def trickle(self, handler) -> None:
         """A byte of a reply every 0.1 s, for ever: no single wait is long, the reply never ends."""
         self._head(handler, Content_Length=str(2**20))
@@ -653,6 +660,14 @@ def test_an_error_message_of_a_megabyte_fails_the_prompt_with_its_start_and_its_
 
 def test_a_context_overflow_said_past_the_shown_start_of_a_long_message_is_still_one(raw_replies):
     assert failure_of(raw_replies.base_url, "huge_overflow").error_type == "context_length"
+
+
+def test_an_error_given_as_text_is_read_for_what_it_says(raw_replies):
+    # Before: only {"error": {"message": ...}} and {"message": ...} were read; {"error": "..."} showed as
+    # "HTTP 400: Error code: 400", saying nothing of why, and its context overflow went unrecognised.
+    failure = failure_of(raw_replies.base_url, "error_as_text")
+    assert failure.error_type == "context_length"
+    assert "Input validation error: the prompt's context length is too large" in str(failure)
 
 
 def test_a_gzipped_reply_is_read():

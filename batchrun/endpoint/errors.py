@@ -65,7 +65,12 @@ def _seconds_until(value: str | None) -> float | None:
 
 
 def _error_text(exc: openai.APIStatusError) -> str:
+    """What the endpoint said. The client hands on the body's "error" where it has one: text there is
+    the message itself ({"error": "..."}, as Text Generation Inference and Ollama's own API say it),
+    as is a body that is not JSON at all (a proxy's "502 Bad Gateway" page)."""
     body = exc.body
+    if isinstance(body, str) and body.strip():
+        return body.strip()
     if isinstance(body, dict):
         inner = body.get("error")
         message = inner.get("message") if isinstance(inner, dict) else body.get("message")
