@@ -60,6 +60,9 @@ PAGES = {
                     " img.src = '/cat.png?' + i + 'x'.repeat(1900000); img.alt = 'a'.repeat(1000000);"
                     " document.body.append(img); }</script>",
     # Loops forever once the test releases it (the synchronous request tells the test it has started).
+    # Frames that never get a document: one the browser refuses to load, one whose server never answers.
+    "/local-frame": "<title>Framed</title><p>Outside the frame</p><iframe src='file:///etc/passwd'></iframe>",
+    "/silent-frame": "<title>Framed</title><p>Outside the frame</p><iframe src='/silent'></iframe>",
     "/hang": "<title>Hang</title><p>Busy soon</p><script>fetch('/hang-release').then(() => {"
              " const started = new XMLHttpRequest(); started.open('GET', '/hang-started', false);"
              " started.send(); while (true) {} })</script>",
@@ -116,6 +119,8 @@ class SiteHandler(BaseHTTPRequestHandler):
         elif url.path == "/hang-started":
             Hang.started.set()
             self.reply("started", "text/plain")
+        elif url.path == "/silent":
+            self.rfile.read()           # no answer, until the browser hangs up
         elif url.path == "/redirect":
             self.send_response(302)
             self.send_header("Location", METADATA)
@@ -325,6 +330,17 @@ def test_navigating_away_from_a_hung_page_goes_on_in_a_fresh_tab(session: Sessio
     view = session.call("navigate", url=site + "/form")
     assert view["title"] == "Form" and "fresh tab" in view["note"]
     assert hung not in hung.browser.contexts
+
+
+@pytest.mark.parametrize("page", ["/local-frame", "/silent-frame"])
+def test_a_frame_that_never_loads_is_left_out_of_the_snapshot(session: Session, site: str, quick_timeouts: None,
+                                                              page: str) -> None:
+    # Before, Playwright's snapshot waited for ever on the frame's document: every call on the page
+    # failed with "no answer within 5 s", so the page could not be read at all.
+    view = session.call("navigate", url=site + page)
+    assert "Outside the frame" in view["snapshot"] and "frames" in view["note"]
+    clicked = session.call("click", ref=ref(view, "Outside the frame"))
+    assert "Outside the frame" in clicked["snapshot"]
 
 
 # --- what the browser may reach ------------------------------------------------------------------

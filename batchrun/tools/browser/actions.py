@@ -84,6 +84,8 @@ async def navigate(args: dict, ctx: ToolContext) -> dict:
     async with tab.acting(f"opening {cut_text(url, URL_CHARS)}"):
         response = await tab.page.goto(url, wait_until="domcontentloaded")
         view = await page_view(tab)
+    if "note" in view and note:
+        note["note"] += "; " + view["note"]
     return {"status": response.status if response else None, **view, **note}
 
 

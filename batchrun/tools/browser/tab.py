@@ -156,23 +156,62 @@ async def answer(awaitable: Awaitable[T]) -> T:
 
 
 async def page_view(tab: Tab) -> dict:
-    """What the model sees of the page: url, title and the AI snapshot (cut to size by the tool)."""
+    """What the model sees of the page: url, title and the AI snapshot (cut to size by the tool), and a
+    note when the page's frames were left out of it."""
     from playwright.async_api import Error
 
     page = tab.page
 
-    async def read() -> tuple[str, str]:
+    async def read() -> tuple[str, str, bool]:
         with contextlib.suppress(Error):
             await page.wait_for_load_state("domcontentloaded", timeout=NAVIGATION_TIMEOUT_S * 1000)
-        return await answer(_tree_and_title(page))
+        tree, whole = await _tree(page)
+        return tree, await answer(page.title()), whole
 
     try:
-        tree, title = await read()
+        tree, title, whole = await read()
     except Error:       # a navigation replaced the document mid-snapshot; a second failure is real
-        tree, title = await read()
-    return {"url": page.url, "title": title, "snapshot": tree}
+        tree, title, whole = await read()
+    view = {"url": page.url, "title": title, "snapshot": tree}
+    if not whole:
+        view["note"] = (f"the page's frames (iframes) did not answer within {ACTION_TIMEOUT_S:g} s, so "
+                        f"their content is left out of the snapshot")
+    return view
 
 
-async def _tree_and_title(page: Page) -> tuple[str, str]:
-    return await page.aria_snapshot(mode="ai", timeout=0), await page.title()
+# Hides every frame element, in shadow roots too, from the snapshot (which lists what is visible, even
+# when aria-hidden), keeping the layout; returns them with the style attribute each had, for
+# _SHOW_FRAMES to put back.
+_HIDE_FRAMES = """() => {
+  const hidden = [], roots = [document];
+  while (roots.length)
+    for (const element of roots.pop().querySelectorAll('*')) {
+      if (element.shadowRoot) roots.push(element.shadowRoot);
+      if (element.localName !== 'iframe' && element.localName !== 'frame') continue;
+      hidden.push([element, element.getAttribute('style')]);
+      element.style.setProperty('visibility', 'hidden', 'important');
+    }
+  return hidden;
+}"""
+_SHOW_FRAMES = """hidden => { for (const [element, style] of hidden)
+  style === null ? element.removeAttribute('style') : element.setAttribute('style', style); }"""
 
+
+async def _tree(page: Page) -> tuple[str, bool]:
+    """The page's AI snapshot, and whether its frames are in it.
+
+    Playwright's snapshot waits for every frame's document, and one may never come (a frame the browser
+    refused to load, a server that never answers, a script looping in another renderer): then, if the
+    page itself still answers, it is snapshotted again with its frames hidden, rather than not at all.
+    """
+    try:
+        return await answer(page.aria_snapshot(mode="ai", timeout=0)), True
+    except TimeoutError:
+        if not await responds(page):
+            raise
+    hidden = await answer(page.evaluate_handle(_HIDE_FRAMES))
+    try:
+        return await answer(page.aria_snapshot(mode="ai", timeout=0)), False
+    finally:
+        await answer(hidden.evaluate(_SHOW_FRAMES))
+        await answer(hidden.dispose())
