@@ -63,6 +63,8 @@ PAGES = {
     # Frames that never get a document: one the browser refuses to load, one whose server never answers.
     "/local-frame": "<title>Framed</title><p>Outside the frame</p><iframe src='file:///etc/passwd'></iframe>",
     "/silent-frame": "<title>Framed</title><p>Outside the frame</p><iframe src='/silent'></iframe>",
+    "/flood": "<title>Flood</title><p>Pushing</p><script>for (let i = 0; i < 100000; i++)"
+              " history.pushState(null, '', '/flood?' + i)</script>",
     "/hang": "<title>Hang</title><p>Busy soon</p><script>fetch('/hang-release').then(() => {"
              " const started = new XMLHttpRequest(); started.open('GET', '/hang-started', false);"
              " started.send(); while (true) {} })</script>",
@@ -704,6 +706,20 @@ def test_concurrent_sessions_do_not_share_cookies(loop: asyncio.AbstractEventLoo
     finally:
         first.end()
         second.end()
+
+
+def test_a_page_flooding_its_history_leaves_the_browser_answering(loop: asyncio.AbstractEventLoop, site: str) -> None:
+    # Before, Playwright's --disable-ipc-flooding-protection let the page's 100,000 history.pushState calls
+    # keep Chromium's browser process busy for minutes: its tab was closed as unresponsive after 25 s, and
+    # every other session's calls waited past a minute.
+    flooding, other = Session(loop), Session(loop)
+    try:
+        other.call("navigate", url=site + "/form")
+        assert flooding.call("navigate", url=site + "/flood")["title"] == "Flood"
+        assert other.call("snapshot")["title"] == "Form"
+    finally:
+        flooding.end()
+        other.end()
 
 
 def test_ending_the_session_closes_its_context(loop: asyncio.AbstractEventLoop, site: str) -> None:

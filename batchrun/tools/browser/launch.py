@@ -46,6 +46,10 @@ LAUNCH_TIMEOUT_S = 30.0
 CHROMIUM_ARGS = ("--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  "--webrtc-ip-handling-policy=disable_non_proxied_udp", "--force-webrtc-ip-handling-policy")
+# Of the flags Playwright adds for its tests, those that take a browser's defences against a page away:
+# the IPC flooding protection, without which a page's 100,000 history.pushState calls kept Chromium's
+# browser process, and so every session's tab, busy for minutes.
+PLAYWRIGHT_ARGS_LEFT_OUT = ("--disable-ipc-flooding-protection",)
 # Chromium's singleton socket goes to $TMPDIR/org.chromium.Chromium.XXXXXX/SingletonSocket (45 more
 # characters), and a Unix socket path holds at most 107: Chromium aborts at start under a deeper TMPDIR.
 TMPDIR_CHARS = 60
@@ -93,6 +97,7 @@ class _LaunchOptions(TypedDict):
     args: list[str]
     env: dict[str, str | float | bool] | None     # Playwright's own type: it takes numbers too
     timeout: float
+    ignore_default_args: list[str]
 
 
 class _BrowserHost:
@@ -126,7 +131,8 @@ class _BrowserHost:
         if len(temporary) > TMPDIR_CHARS:
             environment, temporary = {**os.environ, "TMPDIR": "/tmp"}, "/tmp"
         options: _LaunchOptions = {"args": list(CHROMIUM_ARGS), "env": environment,
-                                   "timeout": LAUNCH_TIMEOUT_S * 1000}
+                                   "timeout": LAUNCH_TIMEOUT_S * 1000,
+                                   "ignore_default_args": list(PLAYWRIGHT_ARGS_LEFT_OUT)}
         try:
             self._playwright = await async_playwright().start()
             bwrap = await isolating_bwrap()
