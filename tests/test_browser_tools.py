@@ -63,6 +63,9 @@ PAGES = {
     # Frames that never get a document: one the browser refuses to load, one whose server never answers.
     "/local-frame": "<title>Framed</title><p>Outside the frame</p><iframe src='file:///etc/passwd'></iframe>",
     "/silent-frame": "<title>Framed</title><p>Outside the frame</p><iframe src='/silent'></iframe>",
+    # Nested 100,000 deep: Chromium's renderer crashes laying it out.
+    "/crash": "<title>Deep</title><body><script>let node = document.body; for (let i = 0; i < 100000; i++)"
+              " node = node.appendChild(document.createElement('div')); node.textContent = 'bottom'</script>",
     "/flood": "<title>Flood</title><p>Pushing</p><script>for (let i = 0; i < 100000; i++)"
               " history.pushState(null, '', '/flood?' + i)</script>",
     "/hang": "<title>Hang</title><p>Busy soon</p><script>fetch('/hang-release').then(() => {"
@@ -720,6 +723,13 @@ def test_a_page_flooding_its_history_leaves_the_browser_answering(loop: asyncio.
     finally:
         flooding.end()
         other.end()
+
+
+def test_after_its_page_crashed_the_session_browses_on_in_a_fresh_tab(session: Session, site: str) -> None:
+    # Before, the crashed tab stayed the session's: every later call failed with "Page crashed" (a
+    # snapshot only after 30 s), navigations included, so the session could never browse again.
+    assert "crashed" in session.fails("navigate", url=site + "/crash")
+    assert session.call("navigate", url=site + "/form")["title"] == "Form"
 
 
 def test_ending_the_session_closes_its_context(loop: asyncio.AbstractEventLoop, site: str) -> None:

@@ -48,9 +48,9 @@ def _browser_tool(tool: Tool) -> Tool:
             result = await tool(args, ctx)
         except Unresponsive as stuck:
             await discard_tab(ctx)
-            raise ToolError(f"{stuck.what} failed: the page did not respond (a script that never yields?), so "
-                            f"its tab was closed; the next browser call opens a fresh tab, without the old "
-                            f"tab's cookies and history: call browser_navigate to go on") from None
+            raise ToolError(f"{stuck.what} failed: {stuck.why}, so its tab was closed; the next browser call "
+                            f"opens a fresh tab, without the old tab's cookies and history: call browser_navigate "
+                            f"to go on") from None
         return cap_result(result)
 
     return run

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from batchrun.time_limit import within
@@ -34,11 +34,12 @@ _STATE_KEY = "browser"
 
 class Unresponsive(Exception):
     """The page stopped answering during ``what`` (a script that never yields blocks every later
-    call on it, the next navigation included)."""
+    call on it, the next navigation included), or its renderer crashed (which fails every later call)."""
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, why: str = "the page did not respond (a script that never yields?)") -> None:
         super().__init__(what)
         self.what = what
+        self.why = why
 
 
 @dataclass
@@ -50,9 +51,18 @@ class Tab:
     page: Page
     gate: Gate
     gates: Gates
+    crashed: set[Page] = field(default_factory=set)
+
+    def watch(self, page: Page) -> None:
+        """Note the page's renderer crashing: Playwright keeps a crashed page, failing every call on it."""
+        page.on("crash", self._crashed)
+
+    def _crashed(self, page: Page) -> None:
+        self.crashed.add(page)
 
     def follow(self, page: Page) -> None:
         """A link opened in a new window: the model carries on there, as a person would."""
+        self.watch(page)
         self.page = page
 
     async def close(self) -> None:
@@ -78,6 +88,8 @@ class Tab:
             raise ToolError(f"{what} failed: "
                             f"{first_line(exc) or f'no answer within {ACTION_TIMEOUT_S:g} s'}") from None
         except Error as exc:
+            if self.page in self.crashed:
+                raise Unresponsive(what, "the page crashed (too big or too deep for the browser?)") from None
             message = first_line(exc)
             if "ERR_SOCKS_CONNECTION_FAILED" in message and self.gate.failures:
                 message = self.gate.failures[-1]
@@ -101,7 +113,7 @@ async def session_tab(ctx: ToolContext) -> Tab:
     """The session's tab, opened on its first browser call (and again after the browser crashed or
     the tab was discarded)."""
     tab: Tab | None = ctx.state.get(_STATE_KEY)
-    if tab is not None and tab.browser.is_connected():
+    if tab is not None and tab.browser.is_connected() and tab.page not in tab.crashed:
         if tab.page.is_closed():    # the window it followed was closed: back to the newest one left
             tab.page = tab.context.pages[-1] if tab.context.pages else await tab.context.new_page()
         return tab
@@ -118,6 +130,7 @@ async def session_tab(ctx: ToolContext) -> Tab:
         context.set_default_timeout(ACTION_TIMEOUT_S * 1000)
         context.set_default_navigation_timeout(NAVIGATION_TIMEOUT_S * 1000)
         tab = Tab(browser=browser, context=context, page=await context.new_page(), gate=gate, gates=gates)
+        tab.watch(tab.page)
     except BaseException:
         gates.remove(gate)
         gate.close()
