@@ -284,6 +284,14 @@ def test_a_huge_title_and_url_are_cut_and_the_result_says_so(session: Session, s
     assert result_chars(view) <= caps.RESULT_CHARS
 
 
+def test_a_snapshot_whose_long_line_comes_early_keeps_that_lines_start() -> None:
+    # Before, the snapshot was cut at the last line end before the limit, however early: a page with one
+    # long paragraph (or editable element) after a short first line was shown as that first line alone.
+    snapshot = "- generic [ref=e1]:\n  - paragraph [ref=e2]: " + "word " * 20_000
+    capped = caps.cap_result({"snapshot": snapshot})
+    assert len(capped["snapshot"]) == caps.SNAPSHOT_CHARS
+
+
 def test_huge_image_urls_and_alt_texts_are_cut_and_the_list_fits_one_result(session: Session, site: str) -> None:
     session.call("navigate", url=site + "/huge-images")
     listed = session.call("get_images")

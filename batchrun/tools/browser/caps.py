@@ -86,8 +86,10 @@ def cut_text(text: str, limit: int) -> str:
 
 
 def _cut_at_line(text: str, limit: int) -> str:
-    """At most ``limit`` characters of ``text``, ending after a whole line where there is one."""
-    return text[:text.rfind("\n", 0, limit) + 1 or limit]
+    """At most ``limit`` characters of ``text``, ending after a whole line where that keeps at least half
+    of them: a page's one long line (a paragraph, an editable element) must not take the rest with it."""
+    line_end = text.rfind("\n", 0, limit) + 1
+    return text[:line_end if line_end >= limit // 2 else limit]
 
 
 def first_line(exc: BaseException) -> str:
