@@ -22,7 +22,6 @@ from conftest import (
     batch_rows,
     cli_environment,
     endpoint_args,
-    obeying_file_modes,
     read_jsonl,
     run_cli,
     write_dataset,
@@ -516,16 +515,6 @@ def test_an_out_path_through_a_symlink_loop_is_one_error_line(run_home, tmp_path
     assert result.returncode == 1
     assert result.stderr.startswith("error: --out=") and "Too many levels of symbolic links" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
-
-
-# It said "cannot write data/run: Permission denied. Choose an --out", though the export had only to read.
-def test_a_run_directory_this_user_may_not_read_is_named_as_such_by_the_export(tmp_path):
-    prefix = obeying_file_modes()
-    (tmp_path / "data" / "locked").mkdir(parents=True, mode=0)
-    result = run_cli(tmp_path, "--export=openai", "--run_name=locked", prefix=prefix)
-    assert result.returncode == 1
-    assert result.stderr.strip() == ("error: cannot read the run directory data/locked/: Permission denied. "
-                                     "Run --export as a user who may read it.")
 
 
 def test_a_line_that_is_json_but_not_a_row_stops_the_export_and_keeps_the_earlier_file(run_home, tmp_path):

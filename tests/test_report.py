@@ -111,14 +111,16 @@ def test_report_flag_needs_an_existing_run_directory(tmp_path: Path, args: list[
     assert result.stderr.startswith("error:") and message in result.stderr
 
 
-# It ended in a traceback (PermissionError from looking the directory up).
-def test_a_run_directory_this_user_may_not_read_is_named_as_such_by_the_report(tmp_path: Path) -> None:
+# --report ended in a traceback (PermissionError from looking the directory up); --export said "cannot
+# write data/locked: Permission denied. Choose an --out", though it had only to read.
+@pytest.mark.parametrize(("flag", "command"), [("--report", "--report"), ("--export=openai", "--export")])
+def test_a_run_directory_this_user_may_not_read_is_named_as_such(tmp_path: Path, flag: str, command: str) -> None:
     prefix = obeying_file_modes()
     (tmp_path / "data" / "locked").mkdir(parents=True, mode=0)
-    result = run_cli(tmp_path, "--report", "--run_name=locked", prefix=prefix)
+    result = run_cli(tmp_path, flag, "--run_name=locked", prefix=prefix)
     assert result.returncode == 1
     assert result.stderr.strip() == ("error: cannot read the run directory data/locked/: Permission denied. "
-                                     "Run --report as a user who may read it.")
+                                     f"Run {command} as a user who may read it.")
 
 
 def test_a_report_that_cannot_be_written_does_not_fail_the_run(tmp_path: Path, endpoint) -> None:

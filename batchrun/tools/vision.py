@@ -52,7 +52,7 @@ def _vision_model(ctx: ToolContext) -> tuple[openai.AsyncOpenAI, str]:
     try:
         base_url = vision_endpoint()
     except NotConfigured as exc:
-        raise ToolError(str(exc)) from None
+        raise ToolError(f"vision_analyze is not configured: {exc}") from None
     api_key = variable("VISION_API_KEY")
     model = variable("VISION_MODEL") or (ctx.model.model if ctx.model else None)
     if model is None:
