@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import subprocess
+import tracemalloc
 from collections import Counter
 from pathlib import Path
 
@@ -335,6 +336,23 @@ def test_byte_ranges_that_tile_a_batch_file_yield_each_complete_line_once(tmp_pa
         shared = [line for group in split_ranges([path], parts) for p, start, end in group
                   for line in complete_lines(p, start, end)]
         assert shared == whole, parts
+
+
+def test_an_unfinished_last_line_is_never_read_into_memory(tmp_path):
+    """A batch file's last line without a newline (a row cut short, or damage) may be any size: the
+    resume scan, the merge and the report step over it rather than hold it whole."""
+    path = tmp_path / "batch_0.jsonl"
+    path.write_bytes(b'{"a": 1}\n')
+    with path.open("r+b") as handle:
+        handle.truncate(512 << 20)            # a sparse tail of 512 MB without a newline
+    tracemalloc.start()
+    try:
+        assert complete_lines(path) == [b'{"a": 1}\n']
+        assert complete_lines(path, 1) == []
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20
 
 
 def test_resume_scan_shared_out_over_processes_counts_what_one_process_counts(tmp_path, endpoint, monkeypatch):

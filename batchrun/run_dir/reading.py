@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import BinaryIO
 
 from batchrun import rows
 from batchrun.run_dir.errors import RunDirectoryError
@@ -33,17 +34,41 @@ def lines_at(path: Path, start: int = 0, end: int | None = None) -> Iterator[tup
     yield each of its lines exactly once, so separate processes can share one file.
     """
     with path.open("rb", buffering=READ_BUFFER_BYTES) as handle:
+        # A line without a newline may be any size (damage, or a row cut short): never read into it.
+        complete = _end_of_last_newline(handle, start)
+        end = complete if end is None else min(end, complete)
+        if start >= end:
+            return
         if start:
             handle.seek(start - 1)
             position = start - 1 + len(handle.readline())   # the line holding start-1 is not ours
         else:
             position = 0
-        for line in handle:   # rows are kilobytes long: a small buffer costs several reads per line
-            if end is not None and position >= end:
+        while position < end:   # rows are kilobytes long: a small buffer costs several reads per line
+            line = handle.readline()
+            if not line.endswith(b"\n"):   # the file was cut shorter while being read
                 return
-            if line.endswith(b"\n"):
-                yield position, line
+            yield position, line
             position += len(line)
+
+
+def _end_of_last_newline(handle: BinaryIO, start: int) -> int:
+    """Where the file's last newline at or after ``start`` ends, or ``start`` if it has none there.
+
+    Read backwards, one byte first (a batch file nearly always ends with its newline), then in
+    bounded chunks; leaves the file at its start."""
+    position = handle.seek(0, os.SEEK_END)
+    step = 1
+    while position > start:
+        chunk_start = max(start, position - step)
+        handle.seek(chunk_start)
+        newline = handle.read(position - chunk_start).rfind(b"\n")
+        if newline >= 0:
+            position = chunk_start + newline + 1
+            break
+        position, step = chunk_start, READ_BUFFER_BYTES
+    handle.seek(0)
+    return max(position, start)
 
 
 def refused_line(path: Path, offset: int, error: rows.RowError) -> RunDirectoryError:
