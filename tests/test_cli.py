@@ -498,6 +498,18 @@ def test_a_file_where_the_run_directory_goes_is_one_clear_error_and_stays(tmp_pa
     assert endpoint.requests == []
 
 
+# It was called "a file in the way".
+def test_a_symlink_loop_where_the_run_directory_goes_is_named_as_one(tmp_path, endpoint):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "run").symlink_to("run")
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    error_line(result)
+    assert "Too many levels of symbolic links" in said(result) and "--run_name" in said(result)
+    assert "file in the way" not in said(result)
+    assert (tmp_path / "data" / "run").is_symlink() and endpoint.requests == []
+
+
 def said(result) -> str:
     """The run's stderr as one line (the console wraps long lines at 80 columns in a log)."""
     return " ".join(result.stderr.split())

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.messages import Finished
+from batchrun.paths import lookup_error
 from batchrun.run_dir.checkpoint import CHECKPOINT, Checkpoint
 from batchrun.run_dir.durable import append_whole, atomic_write_json, cut_torn_tail, fsync_dir
 from batchrun.run_dir.errors import RunDirectoryError, full_disk_named, is_disk_full
@@ -61,6 +62,9 @@ class RunDirectory:
                 self.path.mkdir(parents=True, exist_ok=True)
                 fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         except (FileExistsError, NotADirectoryError) as exc:
+            if reason := lookup_error(self.path):   # a loop of symbolic links exists but is not "a file"
+                raise RunDirectoryError(f"cannot use the run directory {self.path}: {reason}. Move it, or choose "
+                                        "another --run_name.") from None
             raise RunDirectoryError(f"{self.path} is not a directory: {exc.filename} is a file in the way. Move it, "
                                     "or choose another --run_name.") from None
         except PermissionError as exc:
