@@ -16,6 +16,15 @@ import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
+from batchrun import stop_signals
+
+# The imports below take about half a second; Ctrl-C meanwhile ends in one line, not an import's traceback.
+# Only where this file is the program (run by path, or as the installed `batch_runner`), never where
+# another program imports it.
+if __name__ == "__main__" or Path(sys.argv[0]).name == "batch_runner":
+    stop_signals.end_quietly_while_loading()
+
+# isort: split
 import fire
 
 import model_tools

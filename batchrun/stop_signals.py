@@ -49,6 +49,18 @@ def stopped_line(signum: int, *, resume: bool = True) -> str:
     return f"{what} Finished prompts are saved; run the same command with --resume to continue." if resume else what
 
 
+def end_quietly_while_loading() -> None:
+    """Until :meth:`StopSignals.install`: Ctrl-C ends the program with the one line it ends with later,
+    instead of Python's traceback of whichever import it interrupted. Nothing is written yet to keep."""
+    signal.signal(signal.SIGINT, _end_while_loading)
+
+
+def _end_while_loading(signum: int, frame: FrameType | None) -> None:
+    with contextlib.suppress(OSError):
+        os.write(1, f"{stopped_line(signum, resume=False)}\n".encode())
+    os._exit(exit_code(signum))
+
+
 class StopSignals:
     """The parent's handler of SIGINT and SIGTERM, and the stretches of code it may interrupt."""
 

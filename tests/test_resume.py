@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import tracemalloc
 from collections import Counter
 from pathlib import Path
@@ -141,6 +142,25 @@ def test_ctrl_c_while_the_run_starts_says_so_in_one_line_and_resume_runs_every_p
     result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
     assert result.returncode == 0, result.stderr
     assert merged_prompts(tmp_path) == Counter(prompts)
+
+
+def test_ctrl_c_while_the_program_loads_ends_it_in_one_line(tmp_path, endpoint):
+    """The modules take about half a second to load; Ctrl-C then printed Python's traceback of an import.
+    ``-X importtime`` says when a module has loaded: the signal comes once fire has, with the project's
+    own (most of the time) still to load."""
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["p"])
+    process = subprocess.Popen([sys.executable, "-X", "importtime", *batch_runner_command(
+        *base_args(tmp_path, endpoint, dataset))[1:]], cwd=tmp_path, env=cli_environment(tmp_path),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        preexec_fn=default_sigint)
+    output = OutputLines(process)
+    output.wait_for("| fire\n")
+    os.killpg(process.pid, signal.SIGINT)
+    said = "".join(line for line in stopped_output(process, output).splitlines(keepends=True)
+                   if not line.startswith("import time:"))
+    assert process.returncode == 130, said
+    assert said == "Interrupted.\n"
+    assert not (tmp_path / "data").exists() and not endpoint.requests
 
 
 @pytest.mark.parametrize(("module", "name"), [
