@@ -119,10 +119,12 @@ def test_a_command_left_starting_when_its_loop_ends_is_killed_and_later_commands
         env = await started(settings)
         asyncio.ensure_future(env.run(f"sleep {marker}"))
         await asyncio.sleep(0)          # asyncio.run cancels the command and closes the loop
-    asyncio.run(abandon())
+        return env
+    abandoned = asyncio.run(abandon())
     wait_for(lambda: live_processes_mentioning(f"sleep {marker}") == [], timeout=3, what="the command to be killed")
     result, _ = run_command(settings, "echo still here")
     assert result.output == "still here\n"
+    asyncio.run(abandoned.close())      # its control group, which a run's end would remove
 
 
 def test_a_command_that_cannot_start_is_an_error_result(tmp_path):
