@@ -9,17 +9,20 @@ import dataclasses
 import gc
 import http.server
 import itertools
+import json
 import os
 import resource
 import secrets
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import live_processes_mentioning, wait_for
+from conftest import REPO, live_processes_mentioning, wait_for
 
 from batchrun.config import terminal_environment
 from batchrun.environments import create_environment, default_environment_kind
@@ -788,10 +791,34 @@ def test_a_worker_never_gives_a_uid_still_in_use_to_another_sandbox(monkeypatch)
     # in a long run while a slow prompt keeps its own.
     from batchrun.environments.bubblewrap import program
     monkeypatch.setattr(program, "_sandbox_numbers", itertools.count())
-    monkeypatch.setattr(program, "_live_uids", set())
+    monkeypatch.setattr(program, "_live_uids", {})
     slow = program.sandbox_uid()
     for _ in range(3 * program.UIDS_PER_PROCESS):
         program.release_sandbox_uid(program.sandbox_uid())
     assert program.sandbox_uid() != slow
     live = {slow} | {program.sandbox_uid() for _ in range(100)}
     assert len(live) == 101
+
+
+# Where kernel.pid_max is above 65,536 (systemd sets 4,194,304), two workers' pids can be equal modulo
+# 65,536 and choose the same block; this machine's pid_max cannot make such a pair on demand, so two
+# processes are told the same pid.
+_HOLD_UIDS = """
+import os, sys
+os.getpid = lambda: 4242
+from batchrun.environments.bubblewrap import program
+print(sorted(program.sandbox_uid() for _ in range(5)), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_two_workers_whose_pids_choose_the_same_block_never_hold_the_same_uid():
+    holders = [subprocess.Popen([sys.executable, "-c", _HOLD_UIDS], cwd=REPO, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        held = [set(json.loads(holder.stdout.readline())) for holder in holders]   # type: ignore[union-attr]
+    finally:
+        for holder in holders:
+            holder.communicate("", timeout=30)
+    assert all(len(uids) == 5 for uids in held)
+    assert not held[0] & held[1]

@@ -21,6 +21,7 @@ import functools
 import itertools
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -37,11 +38,12 @@ RUNNING_AS_ROOT = os.geteuid() == 0
 # A root run gives each sandbox a uid of its own from this range, which ordinary hosts leave unused, so
 # no two live sandboxes share a process count (ulimit -u counts per uid) or own each other's files. Each
 # worker process takes its uids from a block of its own (by its pid), in turn, skipping those still in
-# use: a slow prompt keeps its uid however many sandboxes come after it.
+# use: a slow prompt keeps its uid however many sandboxes come after it. Two workers whose pids are equal
+# modulo 65,536 choose the same block, so each uid is also claimed machine-wide (see _claim).
 _SANDBOX_UID_BASE = 0x40000000
 UIDS_PER_PROCESS = 1 << 14
 _sandbox_numbers = itertools.count()
-_live_uids: set[int] = set()
+_live_uids: dict[int, socket.socket] = {}     # each with its claim
 
 
 @dataclass(frozen=True)
@@ -253,21 +255,35 @@ def sandbox_command(bwrap: str, allow_network: bool, limits: ResourceLimits, des
 
 
 def sandbox_uid() -> int:
-    """A uid for a root run's sandbox that no other live sandbox of this process has (nor of another
-    process of the machine, unless their pids are equal modulo 65,536); given back by release_sandbox_uid."""
+    """A uid for a root run's sandbox that no other live sandbox of the machine has; given back by
+    release_sandbox_uid."""
     block = _SANDBOX_UID_BASE + (os.getpid() & 0xFFFF) * UIDS_PER_PROCESS
     for _ in range(UIDS_PER_PROCESS):
         uid = block + next(_sandbox_numbers) % UIDS_PER_PROCESS
-        if uid not in _live_uids:
-            _live_uids.add(uid)
+        if uid not in _live_uids and (claim := _claim(uid)) is not None:
+            _live_uids[uid] = claim
             return uid
     raise EnvironmentSetupError(f"more than {UIDS_PER_PROCESS} sandboxes at once in one worker process")
 
 
+def _claim(uid: int) -> socket.socket | None:
+    """This process's hold on ``uid`` among every process of the machine, or None if another holds it: an
+    abstract Unix socket's name, which the kernel gives one socket at a time and frees with its process
+    however that ends (a killed worker's uids are free again at once). Abstract names are per network
+    namespace, as the workers of every run started on one host or in one container share."""
+    claim = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        claim.bind(f"\0batch_runner/sandbox-uid/{uid}")
+    except OSError:
+        claim.close()
+        return None
+    return claim
+
+
 def release_sandbox_uid(uid: int | None) -> None:
     """A sandbox's processes are gone: its uid may serve another."""
-    if uid is not None:
-        _live_uids.discard(uid)
+    if uid is not None and (claim := _live_uids.pop(uid, None)) is not None:
+        claim.close()
 
 
 def as_user(uid: int | None) -> list[str]:
