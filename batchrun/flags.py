@@ -188,7 +188,7 @@ def help_page(*, program: str, choices: dict[str, str]) -> str:
         lines += [f"{section if number == 0 else '':<11}{line}" for number, line in enumerate(body)]
     lines += ["", "Start with README.md; every flag, the row format and the environments: docs/ "
                   "(e.g. docs/command-line.md).",
-              "Exit codes: 0 done, 2 some prompts failed (--resume retries them), 1 stopped, 130 interrupted."]
+              "Exit codes: 0 done, 2 some prompts failed (--resume retries them), 1 stopped, 130 Ctrl-C, 143 SIGTERM."]
     return "\n".join(lines)
 
 
