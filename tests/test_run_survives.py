@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,8 @@ from conftest import (
     wait_for,
     write_dataset,
 )
+
+from batchrun import workers
 
 KILL_WORKER = '[[call terminal {"command": "kill -9 $PPID"}]] kill the worker'
 
@@ -176,3 +180,30 @@ def test_with_no_sandbox_a_run_without_command_tools_goes_on(tmp_path, endpoint)
     result = _run_hidden(tmp_path, endpoint, hide, "question", "minimal")
     assert result.returncode == 0, result.stdout + result.stderr
     assert json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())["total_prompts"] == 1
+
+
+
+def _worker_that_ignores_the_stop() -> None:
+    """A worker stuck where no stop reaches it: it reads nothing and outlives SIGTERM and SIGINT."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    time.sleep(600)
+
+
+def test_a_worker_that_does_not_stop_within_the_grace_is_killed_and_the_stop_ends(monkeypatch):
+    """README: the workers get workers.STOP_GRACE_SECONDS (15 s) to stop, then are killed, so a stop ends."""
+    monkeypatch.setattr(workers, "STOP_GRACE_SECONDS", 0.5)
+    parent_end, child_end = workers._FORK.Pipe(duplex=True)
+    stuck = workers._FORK.Process(target=_worker_that_ignores_the_stop, daemon=True)
+    stuck.start()
+    child_end.close()
+    pool = workers.ProcessPool.__new__(workers.ProcessPool)      # its stop alone, over one stuck worker
+    pool._conns, pool._processes = [parent_end], [stuck]
+    try:
+        started = time.monotonic()
+        assert pool.stop() == []
+        assert time.monotonic() - started < 5
+        assert not stuck.is_alive()
+    finally:
+        if stuck.is_alive():
+            stuck.kill()
