@@ -315,3 +315,32 @@ def test_an_export_does_not_use_the_temporary_name_another_writer_may_hold(tmp_p
     result = run_cli(tmp_path, "--run_name=run", "--export=sharegpt", f"--out={out}")
     assert result.returncode == 0, result.stdout + result.stderr
     assert len(read_jsonl(out)) == 1 and held.is_dir()
+
+
+# ---------------------------------------------------------------------------------------------
+# Durable before done: what a power cut after the call returns cannot take back
+
+
+def test_a_row_appended_to_its_batch_file_is_synced_before_the_append_returns(tmp_path, monkeypatch):
+    """README: each row is appended and fsynced the moment its prompt finishes."""
+    from batchrun.run_dir import durable
+
+    synced: list[int] = []
+    real_fdatasync = os.fdatasync
+    monkeypatch.setattr(durable.os, "fdatasync", lambda fd: (synced.append(os.fstat(fd).st_size), real_fdatasync(fd)))
+    row = b'{"format": 4}\n'
+    RunDirectory(tmp_path).append(0, row)
+    assert synced == [len(row)]           # once, with the whole row in the file
+
+
+def test_a_rewritten_file_is_synced_before_it_is_renamed_over_the_old_one(tmp_path, monkeypatch):
+    """rows.md: a rewritten file is written beside itself, made durable, and renamed over the old file."""
+    from batchrun.run_dir import durable
+
+    steps: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(durable.os, "fsync", lambda fd: (steps.append("fsync"), real_fsync(fd)))
+    monkeypatch.setattr(durable.os, "replace", lambda *paths: (steps.append("replace"), real_replace(*paths)))
+    atomic_write_json(tmp_path / CHECKPOINT, {"written": True})
+    assert steps == ["fsync", "replace", "fsync"]     # the file, then its name into place, then the directory
+    assert json.loads((tmp_path / CHECKPOINT).read_text()) == {"written": True}
