@@ -182,7 +182,6 @@ def test_with_no_sandbox_a_run_without_command_tools_goes_on(tmp_path, endpoint)
     assert json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())["total_prompts"] == 1
 
 
-
 def _worker_that_ignores_the_stop() -> None:
     """A worker stuck where no stop reaches it: it reads nothing and outlives SIGTERM and SIGINT."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
