@@ -99,6 +99,12 @@ class DatasetPlan:
         return [self.unit(index, sample_index) for sample_index, pending in enumerate(self.rounds)
                 for index in pending.indexes]
 
+    def pending_units_in_dataset_order(self) -> list[int]:
+        """Every pending sample's unit, by its prompt's place in the dataset (then by sample): what
+        --estimate spaces its draw over, so that the draw covers the dataset from end to end however
+        many samples each prompt has."""
+        return sorted(self.pending_units(), key=lambda unit: (unit % self.total, unit // self.total))
+
     def unit(self, prompt_index: int, sample_index: int) -> int:
         """The unit of one sample (see messages.Task): unique in the plan, rising in the order
         iter_pending hands samples out, and the prompt index itself for a prompt's first sample."""

@@ -1,7 +1,8 @@
 """--estimate: run a sample of the dataset, then project what the rest will cost and how long it will take.
 
-The sample is drawn across the dataset (every k-th pending sample from a random start), so that a dataset
-sorted by length or topic is sampled from end to end. Tokens and cost are projected with the prompt's
+The sample is drawn across the dataset (every k-th pending sample, in dataset order, from a random
+start), so that a dataset sorted by length or topic is sampled from end to end, however many samples
+each prompt has. Tokens and cost are projected with the prompt's
 length as a helper (a regression estimator: what a sample used, corrected by how much longer or shorter
 the remaining prompts are than the sampled ones), since longer prompts cost more; wall time per sample and
 model calls and the duration by their means. Each interval is the 10th to 90th percentile of the projection
@@ -35,7 +36,8 @@ class SampledRun:
 
 
 def chosen_units(units: Sequence[int], size: int, rng: random.Random) -> set[int]:
-    """``size`` of ``units`` (in the order they would be handed out), evenly spaced from a random start."""
+    """``size`` of ``units`` (in dataset order: DatasetPlan.pending_units_in_dataset_order), evenly spaced
+    from a random start."""
     if size >= len(units):
         return set(units)
     step = len(units) / size

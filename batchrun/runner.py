@@ -145,7 +145,8 @@ class BatchRunner:
         self._pending_samples = plan.pending
         self._sessions_asked = config.pool.num_workers
         if config.estimate is not None:     # only a sample of what is pending runs
-            chosen = estimate.chosen_units(plan.pending_units(), config.estimate, random.Random(config.seed))
+            chosen = estimate.chosen_units(plan.pending_units_in_dataset_order(), config.estimate,
+                                            random.Random(config.seed))
             self._estimate_units, self._pending_samples = chosen, len(chosen)
         if self._pending_samples:     # never more sessions (nor worker processes) than prompts to run
             pool = dataclasses.replace(config.pool, num_workers=min(config.pool.num_workers, self._pending_samples))

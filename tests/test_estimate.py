@@ -68,6 +68,17 @@ def test_the_estimate_counts_samples_when_prompts_run_several_times(tmp_path):
     assert estimate_json(tmp_path)["remaining"]["samples"] == 24
 
 
+def test_with_several_samples_per_prompt_the_sample_is_still_drawn_from_end_to_end_of_the_dataset(tmp_path):
+    """Spaced over the samples in the order they run (every prompt's first, then every second...), the
+    draw fell on the same few prompts again and again: 10 of 100 prompts x 5 samples were 2 prompts."""
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [f"prompt {index}" for index in range(100)])
+    with ScriptedEndpoint() as server:
+        run(tmp_path, server, dataset, "--estimate=10", "--samples_per_prompt=5")
+    indexes = sorted(row["prompt_index"] for row in batch_rows(tmp_path / "data" / "run"))
+    assert len(set(indexes)) == 10, indexes
+    assert indexes[0] < 10 and indexes[-1] >= 90
+
+
 def test_the_estimate_gives_per_sample_figures_and_the_remaining_cost(tmp_path):
     dataset = write_dataset(tmp_path / "dataset.jsonl", [f"prompt {index}" for index in range(50)])
     with ScriptedEndpoint() as server:
