@@ -321,3 +321,25 @@ def test_bubblewrap_follows_a_symlink_to_an_absolute_workspace_path(tmp_path):
             return before, after
     before, after = asyncio.run(scenario())
     assert before == b"old\n" and (after.output, after.exit_code) == ("new\n", 0)
+
+
+def test_a_read_stops_at_the_size_limit_however_much_the_file_grows_while_it_is_read():
+    """security.md: reads stop at the size limit even if the file grows. A file that a command keeps
+    writing has no end to read to; a pipe fed without end stands for it (its size said 0 at the look)."""
+    reader, writer = os.pipe()
+    stop = threading.Event()
+
+    def feed() -> None:
+        with contextlib.suppress(OSError):
+            while not stop.is_set():
+                os.write(writer, b"x" * 65536)
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    try:
+        assert len(confined_files._read_at_most(reader, 10_001, 0)) == 10_001
+    finally:
+        stop.set()
+        os.close(reader)
+        feeder.join(timeout=5)
+        os.close(writer)
