@@ -68,6 +68,8 @@ PAGES = {
               " node = node.appendChild(document.createElement('div')); node.textContent = 'bottom'</script>",
     "/flood": "<title>Flood</title><p>Pushing</p><script>for (let i = 0; i < 100000; i++)"
               " history.pushState(null, '', '/flood?' + i)</script>",
+    "/popups": "<title>Popups</title><p>Opening windows</p><script>for (let i = 0; i < 200; i++)"
+               " window.open('about:blank')</script>",
     "/hang": "<title>Hang</title><p>Busy soon</p><script>fetch('/hang-release').then(() => {"
              " const started = new XMLHttpRequest(); started.open('GET', '/hang-started', false);"
              " started.send(); while (true) {} })</script>",
@@ -116,6 +118,9 @@ class SiteHandler(BaseHTTPRequestHandler):
             self.reply("<title>Set</title><p>set</p>", cookie=f"who={query['who'][0]}")
         elif url.path == "/show-cookie":
             self.reply(f"<title>Cookie</title><p>cookie: {self.headers.get('Cookie', 'none')}</p>")
+        elif url.path == "/window":          # its link opens the next window
+            number = int(url.query)
+            self.reply(f"<title>Window {number}</title><a href='/window?{number + 1}' target='_blank'>Open another</a>")
         elif url.path == "/webrtc":
             self.reply(WEBRTC)
         elif url.path == "/hang-release":
@@ -731,6 +736,33 @@ def test_a_page_flooding_its_history_leaves_the_browser_answering(loop: asyncio.
     finally:
         flooding.end()
         other.end()
+
+
+def test_a_page_opening_windows_on_load_opens_none_and_stays_the_sessions_page(session: Session, site: str) -> None:
+    # Before, Playwright's --disable-popup-blocking let the page's 200 window.open calls open 200 windows,
+    # and the navigation failed after 23 s as if the page never yielded.
+    view = session.call("navigate", url=site + "/popups")
+    assert view["title"] == "Popups" and "Opening windows" in view["snapshot"]
+    opened = session.ctx.state["browser"]
+    assert opened.context.pages == [opened.page]
+
+
+def test_a_session_keeps_only_its_newest_windows_open(session: Session, site: str) -> None:
+    opened_windows = tab.MAX_WINDOWS + 2
+    view = session.call("navigate", url=site + "/window?0")
+    opened = session.ctx.state["browser"]
+    for number in range(1, opened_windows + 1):
+        session.call("click", ref=ref(view, 'link "Open another"'))
+        deadline = time.monotonic() + 10
+        while not opened.page.url.endswith(f"?{number}"):     # a new window comes after the click returned
+            assert time.monotonic() < deadline, f"window {number} never came"
+            session.run(asyncio.sleep(0.05))
+        view = session.call("snapshot")
+    deadline = time.monotonic() + 10
+    while len(opened.context.pages) > tab.MAX_WINDOWS and time.monotonic() < deadline:
+        session.run(asyncio.sleep(0.05))
+    assert [page.url for page in opened.context.pages] == [
+        f"{site}/window?{number}" for number in range(opened_windows - tab.MAX_WINDOWS + 1, opened_windows + 1)]
 
 
 def test_after_its_page_crashed_the_session_browses_on_in_a_fresh_tab(session: Session, site: str) -> None:

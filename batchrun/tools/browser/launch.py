@@ -48,8 +48,9 @@ CHROMIUM_ARGS = ("--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
                  "--webrtc-ip-handling-policy=disable_non_proxied_udp", "--force-webrtc-ip-handling-policy")
 # Of the flags Playwright adds for its tests, those that take a browser's defences against a page away:
 # the IPC flooding protection, without which a page's 100,000 history.pushState calls kept Chromium's
-# browser process, and so every session's tab, busy for minutes.
-PLAYWRIGHT_ARGS_LEFT_OUT = ("--disable-ipc-flooding-protection",)
+# browser process, and so every session's tab, busy for minutes; and the popup blocker, without which a
+# page's 200 window.open calls on load each opened a window, and its navigation failed after 23 s.
+PLAYWRIGHT_ARGS_LEFT_OUT = ("--disable-ipc-flooding-protection", "--disable-popup-blocking")
 # Chromium's singleton socket goes to $TMPDIR/org.chromium.Chromium.XXXXXX/SingletonSocket (45 more
 # characters), and a Unix socket path holds at most 107: Chromium aborts at start under a deeper TMPDIR.
 TMPDIR_CHARS = 60

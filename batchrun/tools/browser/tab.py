@@ -29,6 +29,10 @@ T = TypeVar("T")
 
 NAVIGATION_TIMEOUT_S = 15.0
 ACTION_TIMEOUT_S = 5.0        # also what the page gets to answer any other call, and to prove it is alive
+# The windows a session's context keeps open: a page that opens one whenever it may (the popup blocker
+# lets one through per user action, and each of Playwright's scripts on the page counts as one) would
+# otherwise pile up renderers in the worker's one browser.
+MAX_WINDOWS = 4
 _STATE_KEY = "browser"
 
 
@@ -60,10 +64,16 @@ class Tab:
     def _crashed(self, page: Page) -> None:
         self.crashed.add(page)
 
-    def follow(self, page: Page) -> None:
-        """A link opened in a new window: the model carries on there, as a person would."""
+    async def follow(self, page: Page) -> None:
+        """A link opened in a new window: the model carries on there, as a person would; the oldest
+        windows beyond MAX_WINDOWS are closed."""
+        from playwright.async_api import Error
+
         self.watch(page)
         self.page = page
+        for old in self.context.pages[:-MAX_WINDOWS]:
+            with contextlib.suppress(Error, TimeoutError):
+                await within(ACTION_TIMEOUT_S, old.close())
 
     async def close(self) -> None:
         """Close the context, its pages and their renderers (a hung one included)."""
