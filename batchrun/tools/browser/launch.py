@@ -54,8 +54,10 @@ PLAYWRIGHT_ARGS_LEFT_OUT = ("--disable-ipc-flooding-protection", "--disable-popu
 # Chromium's singleton socket goes to $TMPDIR/org.chromium.Chromium.XXXXXX/SingletonSocket (45 more
 # characters), and a Unix socket path holds at most 107: Chromium aborts at start under a deeper TMPDIR.
 TMPDIR_CHARS = 60
-#: The program of the namespace's first process, as python -c runs it.
+#: The programs of the namespace's first process and of what dies with its parent, as python -c runs them.
 _ENTER_NAMESPACE = resources.files(__package__).joinpath("enter_namespace.py").read_text(encoding="utf-8")
+_DIE_WITH_PARENT = resources.files(__package__).joinpath("die_with_parent.py").read_text(encoding="utf-8")
+_NODE_VARIABLE = "PLAYWRIGHT_NODEJS_PATH"
 _namespace_probes: dict[str, bool] = {}
 
 
@@ -122,26 +124,28 @@ class _BrowserHost:
             return self._browser, self._gates
 
     async def _launch(self) -> None:
-        from playwright.async_api import Error, async_playwright
+        from playwright.async_api import Error
 
         executable = chromium_executable()
         if executable is None:
             raise ToolError(f"no Chromium found: {INSTALL_HINT}")
-        environment: dict[str, str | float | bool] | None = None
         temporary = tempfile.gettempdir()
         if len(temporary) > TMPDIR_CHARS:
-            environment, temporary = {**os.environ, "TMPDIR": "/tmp"}, "/tmp"
+            temporary = "/tmp"
+        # Chromium's TMPDIR, given as the driver's is the browser's directory (see _start_driver).
+        environment: dict[str, str | float | bool] = {**os.environ, "TMPDIR": temporary}
         options: _LaunchOptions = {"args": list(CHROMIUM_ARGS), "env": environment,
                                    "timeout": LAUNCH_TIMEOUT_S * 1000,
                                    "ignore_default_args": list(PLAYWRIGHT_ARGS_LEFT_OUT)}
+        self._directory = tempfile.mkdtemp(prefix="batchrun-browser-", dir=temporary)
         try:
-            self._playwright = await async_playwright().start()
+            self._playwright = await _start_driver(Path(self._directory))
             bwrap = await isolating_bwrap()
             if bwrap is None:
-                self._browser = await self._playwright.chromium.launch(executable_path=executable, **options)
+                unsandboxed = _dying_with_parent(Path(self._directory) / "chromium", '"$PPID"', executable)
+                self._browser = await self._playwright.chromium.launch(executable_path=unsandboxed, **options)
                 self._gates = LoopbackGates()
                 return
-            self._directory = tempfile.mkdtemp(prefix="batchrun-browser-", dir=temporary)
             self._browser, listener = await _launch_isolated(self._playwright.chromium, bwrap, executable,
                                                              Path(self._directory), options)
             gates = NamespaceGates(listener)
@@ -169,6 +173,46 @@ class _BrowserHost:
         if self._directory is not None:
             shutil.rmtree(self._directory, ignore_errors=True)
         self._browser = self._playwright = self._gates = self._directory = None
+
+
+async def _start_driver(directory: Path) -> Playwright:
+    """Start Playwright's driver, to be killed by the kernel when this process dies, however it dies.
+
+    The driver ends its browser when its pipe from this process closes, but gracefully: it waited up to
+    30 s for a busy browser to close, and the driver, the sandboxes and Chromium outlived the worker
+    meanwhile. Killed at once, the driver takes Chromium with it: the sandboxes' bwrap die with their
+    parent (--die-with-parent), and a Chromium started without them is started as the driver is.
+    Playwright takes the driver's Node.js from PLAYWRIGHT_NODEJS_PATH alone, so a script in
+    ``directory`` stands in for it, named there while the driver starts. (The kernel kills it when the
+    thread that started it ends: the event loop's, whose end leaves the driver unused anyway.) A driver
+    killed leaves its temporary directories (Chromium's profile on the host among them), so it makes
+    them in ``directory``: all that a killed worker's browser leaves is that one directory.
+    """
+    import playwright
+    from playwright.async_api import async_playwright
+
+    chosen = os.environ.get(_NODE_VARIABLE)
+    node = chosen or str(Path(playwright.__file__).parent / "driver" / "node")
+    os.environ[_NODE_VARIABLE] = _dying_with_parent(directory / "node", str(os.getpid()), node,
+                                                    TMPDIR=str(directory))
+    try:
+        return await async_playwright().start()
+    finally:
+        if chosen is None:
+            del os.environ[_NODE_VARIABLE]
+        else:
+            os.environ[_NODE_VARIABLE] = chosen
+
+
+def _dying_with_parent(script: Path, parent: str, program: str, **environment: str) -> str:
+    """Write ``script``, which runs ``program`` with the script's arguments and ``environment``, to be
+    killed when its parent dies: process ``parent``, or the script's own parent for '"$PPID"'."""
+    exports = "".join(f"export {name}={shlex.quote(value)}\n" for name, value in environment.items())
+    script.write_text("#!/bin/sh\n" + exports + "exec "
+                      + shlex.join([sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT])
+                      + f" {parent} " + shlex.quote(program) + ' "$@"\n')
+    script.chmod(0o700)
+    return str(script)
 
 
 async def _launch_isolated(chromium: BrowserType, bwrap: str, executable: str, directory: Path,
@@ -241,8 +285,8 @@ def current_host() -> _BrowserHost:
 async def close_browser() -> None:
     """Close this process's browser, if it launched one: the worker's last step after its sessions.
 
-    Without it Chromium still dies with the worker (the Playwright driver closes its browsers when
-    its pipe to this process closes); this just makes the end orderly and immediate.
+    Without it Chromium still dies with the worker (the kernel kills the driver, and the driver's
+    death Chromium); this makes the end orderly, the browser's temporary files removed.
     """
     global _host
     host, _host = _host, None
