@@ -116,6 +116,32 @@ def test_closing_is_quick_though_the_containers_first_process_ignores_sigterm(en
     assert engine.live(settings.run_label) == []
 
 
+@pytest.fixture
+def volume_image(engine) -> Iterator[str]:
+    """The test image with a VOLUME, as many published images declare (databases, data directories)."""
+    image = f"{engine.image}-volume"
+    builder = f"batch_runner-test-volume-{os.getpid()}"
+    engine.run("create", "--name", builder, engine.image, "true")
+    try:
+        engine.run("commit", "--change", 'VOLUME ["/data"]', builder, image)
+    finally:
+        engine.run("rm", builder)
+    yield image
+    engine.run("rmi", image)
+
+
+def test_closing_removes_the_volumes_the_image_gave_the_container(engine, volume_image, tmp_path):
+    """An anonymous volume outlives its container unless removed with it: what the prompt wrote there
+    would stay on the engine's disk for good."""
+    env = started(engine, make_settings(tmp_path), image=volume_image)
+    try:
+        asyncio.run(env.run("head -c 1m /dev/zero > /data/left"))
+        [volume] = engine.run("inspect", "--format", "{{range .Mounts}}{{.Name}}{{end}}", env.name).split()
+    finally:
+        asyncio.run(env.close())
+    assert volume not in engine.run("volume", "ls", "--quiet").split()
+
+
 def test_docker_engine_down_fails_the_start_with_the_daemons_message(tmp_path, monkeypatch):
     engine = make_backend("docker", tmp_path, monkeypatch)
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-engine.sock")

@@ -255,7 +255,7 @@ def test_cancelling_a_start_while_the_container_is_created_lets_the_creation_fin
             await task
     asyncio.run(scenario())
     [_, (_, second)] = docker_stand_in.calls("docker", "created")
-    assert docker_stand_in.calls("docker", "rm")[-1] == ["rm", "-f", second]
+    assert docker_stand_in.calls("docker", "rm")[-1] == ["rm", "-f", "-v", second]
     assert docker_stand_in.live(settings.run_label) == []
 
 

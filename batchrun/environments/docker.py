@@ -106,7 +106,9 @@ class DockerEnvironment(CliContainerEnvironment):
             raise setup_error(f"cannot start a container from {self.image}", created.message())
 
     async def _remove(self) -> None:
-        await self._call([self.executable, "rm", "-f", self.name])
+        # With its anonymous volumes (an image's VOLUME): the engines keep them, and what was written in
+        # them, unless told.
+        await self._call([self.executable, "rm", "-f", "-v", self.name])
 
     def exec_argv(self, argv: list[str], *, workdir: str, stdin: bool = False) -> list[str]:
         return [self.executable, "exec", *(["-i"] if stdin else []), "-w", workdir, self.name, *argv]
@@ -124,7 +126,7 @@ class DockerEnvironment(CliContainerEnvironment):
                                         "--format", "{{.Names}}"], timeout=HOUSEKEEPING_TIMEOUT)
             leftovers = listed.stdout.decode("utf-8", "replace").split() if listed.ok else []
             if leftovers:
-                call_cli_blocking([executable, "rm", "-f", *leftovers], timeout=HOUSEKEEPING_TIMEOUT)
+                call_cli_blocking([executable, "rm", "-f", "-v", *leftovers], timeout=HOUSEKEEPING_TIMEOUT)
         super().remove_leftovers(settings)
 
 
