@@ -33,7 +33,7 @@ from container_backends import ENGINES, UNPULLABLE_IMAGE, EngineBackend, environ
 
 from batchrun.environments import docker as docker_module
 from batchrun.environments import environment_class
-from batchrun.environments.base import EnvironmentSetupError, run_identity
+from batchrun.environments.base import EnvironmentSetupError, ToolError, run_identity
 from batchrun.environments.limits import ResourceLimits
 
 
@@ -102,6 +102,27 @@ def test_tmp_is_capped_at_its_size(capped):
     result = asyncio.run(capped.run("head -c 20m /dev/zero > /tmp/big; wc -c < /tmp/big"))
     assert "No space left on device" in result.output
     assert result.output.split()[-1] == str(8 * 1024 * 1024)
+
+
+# -- what is read from the container ----------------------------------------------------------------
+
+ENDLESS_HEAD = "printf '#!/bin/sh\\nexec yes\\n' > /usr/bin/head; chmod +x /usr/bin/head; echo short > small.txt"
+
+
+def test_a_file_read_by_a_program_the_prompt_replaced_stops_at_the_file_size_limit(engine, tmp_path):
+    """The file tools run the container's own programs, which a command can replace: one that never
+    stops writing must not fill the worker's memory (about 90 MB a second through `exec`) until the
+    call's time-out."""
+    env = started(engine, make_settings(tmp_path, max_file_bytes=1_000_000))
+    try:
+        asyncio.run(env.run(ENDLESS_HEAD))
+        began = time.monotonic()
+        with pytest.raises(ToolError, match="larger than the file tools' limit of 1000000 bytes"):
+            asyncio.run(env.read_file("small.txt"))
+        took = time.monotonic() - began
+    finally:
+        asyncio.run(env.close())
+    assert took < 10
 
 
 # -- removal -----------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from batchrun.environments.base import (
     ToolError,
 )
 from batchrun.environments.command_output import run_merged
-from batchrun.environments.container_cli import CliResult, call_cli
+from batchrun.environments.container_cli import STDOUT_BYTES, CliResult, call_cli
 from batchrun.environments.image_lock import ImageLock
 
 T = TypeVar("T")
@@ -174,6 +174,8 @@ class ContainerEnvironment(Environment):
         target = self._path(path)
         limit = self.settings.max_file_bytes
         result = await self._exec(["sh", "-c", _READ_SCRIPT, "sh", target, str(limit + 1)], workdir=self.workdir)
+        if len(result.stdout) > limit:
+            raise ToolError(f"{path!r} is larger than the file tools' limit of {limit} bytes")
         if result.returncode == _MISSING:
             raise ToolError(f"{path!r} does not exist")
         if result.returncode == _IS_DIRECTORY:
@@ -182,8 +184,6 @@ class ContainerEnvironment(Environment):
             raise ToolError(f"{path!r} is not a regular file")
         if not result.ok:
             raise ToolError(f"cannot read {path!r}: {result.message()}")
-        if len(result.stdout) > limit:
-            raise ToolError(f"{path!r} is larger than the file tools' limit of {limit} bytes")
         return result.stdout
 
     async def write_file(self, path: str, data: bytes) -> str:
@@ -292,15 +292,18 @@ class CliContainerEnvironment(ContainerEnvironment):
         protection across runs."""
         return self.settings.work_root / "image-locks"
 
-    async def _call(self, argv: list[str], *, stdin: bytes | None = None,
-                    timeout: float = HOUSEKEEPING_TIMEOUT) -> CliResult:
+    async def _call(self, argv: list[str], *, stdin: bytes | None = None, timeout: float = HOUSEKEEPING_TIMEOUT,
+                    max_stdout: int = STDOUT_BYTES) -> CliResult:
         try:
-            return await call_cli(argv, timeout=timeout, stdin=stdin)
+            return await call_cli(argv, timeout=timeout, stdin=stdin, max_stdout=max_stdout)
         except OSError as exc:
             return CliResult(returncode=127, stdout=b"", stderr=f"cannot run {argv[0]}: {exc}")
 
     async def _exec(self, argv: list[str], *, workdir: str, stdin: bytes | None = None) -> CliResult:
-        return await self._call(self.exec_argv(argv, workdir=workdir, stdin=stdin is not None), stdin=stdin)
+        """What a program in the container writes is kept up to one byte past the largest file the tools
+        read: a program the prompt replaced may write without end."""
+        return await self._call(self.exec_argv(argv, workdir=workdir, stdin=stdin is not None), stdin=stdin,
+                                max_stdout=self.settings.max_file_bytes + 1)
 
     async def _exec_merged(self, argv: list[str], *, timeout: float) -> CommandResult:
         try:
