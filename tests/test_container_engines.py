@@ -104,6 +104,33 @@ def test_tmp_is_capped_at_its_size(capped):
     assert result.output.split()[-1] == str(8 * 1024 * 1024)
 
 
+# -- time-outs ---------------------------------------------------------------------------------------
+
+DETACHED_WRITER = "setsid sh -c 'while :; do date >> /workspace/ticks; sleep 0.2; done' > /dev/null 2>&1 &"
+
+
+def test_a_time_out_ends_the_processes_the_command_detached(engine, tmp_path):
+    """`timeout` in the container kills the command's process group; a `setsid` child is in none of it."""
+    env = started(engine, make_settings(tmp_path))
+    try:
+        result = asyncio.run(env.run(f"{DETACHED_WRITER}\nsleep 30", timeout=1))
+        processes = engine.run("top", env.name)
+    finally:
+        asyncio.run(env.close())
+    assert result.timed_out
+    assert "while" not in processes and "sleep infinity" in processes
+
+
+def test_a_time_out_keeps_the_workspace_and_the_next_command_runs(engine, tmp_path):
+    env = started(engine, make_settings(tmp_path))
+    try:
+        asyncio.run(env.run("echo kept > notes.txt; sleep 30", timeout=1))
+        after = asyncio.run(env.run("cat notes.txt"))
+    finally:
+        asyncio.run(env.close())
+    assert (after.output, after.exit_code) == ("kept\n", 0)
+
+
 # -- what is read from the container ----------------------------------------------------------------
 
 ENDLESS_HEAD = "printf '#!/bin/sh\\nexec yes\\n' > /usr/bin/head; chmod +x /usr/bin/head; echo short > small.txt"

@@ -167,7 +167,11 @@ class ContainerEnvironment(Environment):
         began = time.monotonic()
         result = await self._exec_merged(argv, timeout=limit + _CLI_GRACE_SECONDS)
         if result.exit_code == _KILLED_BY_TIMEOUT and time.monotonic() - began >= limit:
-            return dataclasses.replace(result, exit_code=None, timed_out=True)
+            result = dataclasses.replace(result, exit_code=None, timed_out=True)
+        if result.timed_out:
+            problem = await to_completion(self._end_processes())
+            if problem is not None:
+                return dataclasses.replace(result, error=f"the processes it left could not be ended: {problem}")
         return result
 
     async def read_file(self, path: str) -> bytes:
@@ -228,6 +232,11 @@ class ContainerEnvironment(Environment):
     @abc.abstractmethod
     async def _remove(self) -> None:
         """Remove the container and everything kept for it; called once, also after a failed start."""
+
+    async def _end_processes(self) -> str | None:
+        """After a time-out: end every process of the container but its first, also those the command
+        detached from its process group; None, or why that failed. Runtimes that cannot leave it as it is."""
+        return None
 
     @abc.abstractmethod
     async def _exec(self, argv: list[str], *, workdir: str, stdin: bytes | None = None) -> CliResult:

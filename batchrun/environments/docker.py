@@ -105,6 +105,16 @@ class DockerEnvironment(CliContainerEnvironment):
         if not created.ok:
             raise setup_error(f"cannot start a container from {self.image}", created.message())
 
+    async def _end_processes(self) -> str | None:
+        """Stop and start the container: the engine kills its first process, and the kernel every other one
+        of its PID namespace with it, whatever the programs in the container were changed to do. The files
+        stay (the workspace), `/tmp` is a new tmpfs."""
+        for step in ("stop", "start"):
+            done = await self._call([self.executable, step, *(["--time", "0"] if step == "stop" else []), self.name])
+            if not done.ok:
+                return done.message()
+        return None
+
     async def _remove(self) -> None:
         # With its anonymous volumes (an image's VOLUME): the engines keep them, and what was written in
         # them, unless told.
