@@ -1,7 +1,7 @@
 """The docker backend (TERMINAL_ENV=docker): one container per prompt from the row's image, driven
 through ``docker`` or, with TERMINAL_CONTAINER_CLI=podman, through Podman (same command lines).
 
-The container idles (``sleep infinity``) while commands run in it through ``exec``. Its name starts
+The container idles (a shell that reaps orphans) while commands run in it through ``exec``. Its name starts
 with the run's prefix and it carries labels naming the run and the prompt, so the containers of a
 crashed run can be found and removed before the next run under the same name starts.
 """
@@ -33,6 +33,12 @@ CLI_VARIABLE = "TERMINAL_CONTAINER_CLI"
 _reachable_engines: set[str] = set()
 _present_images: set[tuple[str, str]] = set()
 _questions = SingleFlight()
+# The container's first process: it must reap the orphans the kernel hands it (`sleep infinity` never
+# did, and each zombie held a place in the process limit until the prompt ended), and outlive whatever a
+# command kills. The kernel keeps every signal from inside the container off it but those it handles, and
+# it handles none; a `sleep` of its own, killed, is started again. (The engines' `--init` dies with its
+# one child, which a `kill -9 -1` or `pkill sleep` would end, and Podman's needs catatonit installed.)
+_FIRST_PROCESS = 'trap "" TERM INT HUP; while :; do sleep infinity & wait; done'
 # A running engine answers `version` at once; a node check must not hold up the actor for long.
 _NODE_CHECK_TIMEOUT = 30.0
 
@@ -97,11 +103,11 @@ class DockerEnvironment(CliContainerEnvironment):
         # The engine's control groups cap the container as a whole; swap equal to memory means none.
         limits = ["--memory", f"{caps.memory_mb}m", "--memory-swap", f"{caps.memory_mb}m",
                   "--pids-limit", str(caps.processes), "--tmpfs", f"/tmp:size={caps.tmp_mb}m"]
-        # No stop time-out: `sleep` as PID 1 ignores SIGTERM, and Podman's `rm -f` would wait 10 s for it.
+        # No stop time-out: the first process ignores SIGTERM, and Podman's `rm -f` would wait 10 s for it.
         created = await self._call([
             self.executable, "run", "-d", "--label", f"{RUN_LABEL}={self.settings.run_label}",
             "--label", f"{PROMPT_LABEL}={self.prompt_index}", "--name", self.name, *network, *limits,
-            "--stop-timeout", "0", "--entrypoint", "sleep", self.image, "infinity"])
+            "--stop-timeout", "0", "--entrypoint", "sh", self.image, "-c", _FIRST_PROCESS])
         if not created.ok:
             raise setup_error(f"cannot start a container from {self.image}", created.message())
 
