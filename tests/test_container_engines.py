@@ -149,6 +149,16 @@ def test_a_time_out_keeps_the_workspace_and_the_next_command_runs(engine, tmp_pa
     assert (after.output, after.exit_code) == ("kept\n", 0)
 
 
+def test_a_time_out_that_left_nothing_running_keeps_tmp(engine, tmp_path):
+    env = started(engine, make_settings(tmp_path))
+    try:
+        asyncio.run(env.run("echo kept > /tmp/notes; sleep 30", timeout=1))
+        after = asyncio.run(env.run("cat /tmp/notes"))
+    finally:
+        asyncio.run(env.close())
+    assert after.output == "kept\n"
+
+
 # -- what is read from the container ----------------------------------------------------------------
 
 ENDLESS_HEAD = "printf '#!/bin/sh\\nexec yes\\n' > /usr/bin/head; chmod +x /usr/bin/head; echo short > small.txt"

@@ -39,6 +39,8 @@ _questions = SingleFlight()
 # it handles none; a `sleep` of its own, killed, is started again. (The engines' `--init` dies with its
 # one child, which a `kill -9 -1` or `pkill sleep` would end, and Podman's needs catatonit installed.)
 _FIRST_PROCESS = 'trap "" TERM INT HUP; while :; do sleep infinity & wait; done'
+# What runs in a container while no command does: that shell and its `sleep`.
+_IDLE_PROCESSES = 2
 # A running engine answers `version` at once; a node check must not hold up the actor for long.
 _NODE_CHECK_TIMEOUT = 30.0
 
@@ -112,9 +114,14 @@ class DockerEnvironment(CliContainerEnvironment):
             raise setup_error(f"cannot start a container from {self.image}", created.message())
 
     async def _end_processes(self) -> str | None:
-        """Stop and start the container: the engine kills its first process, and the kernel every other one
-        of its PID namespace with it, whatever the programs in the container were changed to do. The files
-        stay (the workspace), `/tmp` is a new tmpfs."""
+        """Where the engine lists more than the first process and its `sleep`, stop and start the container:
+        the engine kills its first process, and the kernel every other one of its PID namespace with it,
+        whatever the programs in the container were changed to do. The files stay (the workspace), `/tmp`
+        is a new tmpfs. The listing is the engine's (a heading, then a line per process), and no process
+        can take a line away."""
+        listed = await self._call([self.executable, "top", self.name])
+        if listed.ok and len(listed.stdout.splitlines()) <= 1 + _IDLE_PROCESSES:
+            return None
         for step in ("stop", "start"):
             done = await self._call([self.executable, step, *(["--time", "0"] if step == "stop" else []), self.name])
             if not done.ok:
