@@ -150,3 +150,18 @@ def test_cli_runs_a_prompt_in_a_sandbox_and_terminates_a_crashed_runs_sandboxes_
     assert {RUN_TAG: label, "batch_runner.prompt": "0"} in tags
     assert modal_fake.live(label) == []             # the crashed run's sandbox, and this run's
     assert not list(tmp_path.glob("proof.txt"))
+
+
+def test_what_a_program_in_the_sandbox_writes_for_the_file_tools_stops_past_their_limit(modal_fake, tmp_path):
+    # The file tools run the sandbox's own sh and head, which a command may replace with a program that
+    # writes without end: all of it was read into the worker.
+    env = environment(modal_fake, make_settings(tmp_path, max_file_bytes=10_000))
+
+    async def scenario():
+        await env.start()
+        try:
+            return await env._exec(["sh", "-c", "head -c 50000000 /dev/zero"], workdir="/")
+        finally:
+            await env.close()
+    result = asyncio.run(scenario())
+    assert len(result.stdout) == 10_001 and not result.ok

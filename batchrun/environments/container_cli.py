@@ -20,7 +20,7 @@ _MESSAGE_CHARS = 1000
 # What a call may write, unless its caller allows more: an engine's answers and a pull's progress log are
 # far shorter. Programs in a container are the prompt's to replace, so what they write is bounded too.
 STDOUT_BYTES = 16 * 1024 * 1024
-_STDERR_BYTES = 64 * 1024
+STDERR_BYTES = 64 * 1024
 _READ_CHUNK_BYTES = 65536
 # Words the engines put around every explanation; without them the reason comes first.
 _BOILERPLATE = re.compile(r"(?:docker: )?Error response from daemon: |^Error: "
@@ -78,7 +78,7 @@ async def call_cli(argv: list[str], *, timeout: float, stdin: bytes | None = Non
     async def talk() -> tuple[bytes, bytes]:
         assert process.stdout is not None and process.stderr is not None
         stdout, stderr, _ = await asyncio.gather(
-            collect(process.stdout, max_stdout), collect(process.stderr, _STDERR_BYTES), _feed(process, stdin))
+            collect(process.stdout, max_stdout), collect(process.stderr, STDERR_BYTES), _feed(process, stdin))
         await process.wait()
         return stdout, stderr
 

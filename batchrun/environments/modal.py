@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+from collections.abc import AsyncIterable
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -26,7 +27,7 @@ from batchrun.environments.container import (
     ContainerEnvironment,
     setup_error,
 )
-from batchrun.environments.container_cli import CliResult
+from batchrun.environments.container_cli import STDERR_BYTES, CliResult
 from batchrun.environments.single_flight import SingleFlight
 from batchrun.install_hint import install_hint
 from batchrun.time_limit import within
@@ -129,12 +130,24 @@ class ModalEnvironment(ContainerEnvironment):
             return CliResult(returncode=127, stdout=b"", stderr=f"Modal: {exc}")
 
     async def _exec_captured(self, argv: list[str], workdir: str, stdin: bytes) -> CliResult:
+        """What the program writes is kept up to one byte past the largest file the tools read (64 KB of
+        stderr): the file tools run the sandbox's own programs, which a command may replace with one that
+        writes without end. Past that it is no longer read, and the sandbox's removal ends it."""
         process = await self._created().exec.aio(*argv, workdir=workdir, text=False)
         if stdin:
             process.stdin.write(stdin)
         process.stdin.write_eof()
         await process.stdin.drain.aio()
-        stdout, stderr = await asyncio.gather(process.stdout.read.aio(), process.stderr.read.aio())
+        stderr_read = asyncio.ensure_future(_at_most(process.stderr, STDERR_BYTES))
+        try:
+            stdout, overflowed = await _at_most(process.stdout, self.settings.max_file_bytes)
+            if overflowed:
+                return CliResult(returncode=None, stdout=stdout, stderr="", overflowed=True)
+            stderr, overflowed = await stderr_read
+        finally:
+            stderr_read.cancel()
+        if overflowed:
+            return CliResult(returncode=None, stdout=stdout, stderr=stderr.decode("utf-8", "replace"), overflowed=True)
         returncode = await process.wait.aio()
         return CliResult(returncode=returncode, stdout=stdout, stderr=stderr.decode("utf-8", "replace"))
 
@@ -178,3 +191,13 @@ class ModalEnvironment(ContainerEnvironment):
             except (modal.exception.Error, OSError):
                 pass
         super().remove_leftovers(settings)
+
+
+async def _at_most(stream: AsyncIterable[bytes], limit: int) -> tuple[bytes, bool]:
+    """What ``stream`` holds up to one byte past ``limit``, and whether it held more (the rest unread)."""
+    data = bytearray()
+    async for chunk in stream:
+        data += chunk
+        if len(data) > limit:
+            return bytes(data[:limit + 1]), True
+    return bytes(data), False

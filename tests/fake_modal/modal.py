@@ -243,6 +243,9 @@ class Sandbox:
     async def terminate(self, *, wait: bool = False) -> None:
         _log("Sandbox.terminate", object_id=self.object_id)
         self._container.remove()
+        for process in self._processes:     # killed with the container: its pipes read out and it reaped
+            with contextlib.suppress(TimeoutError):     # while the caller's loop runs, which may end next
+                await asyncio.wait_for(process.communicate(), 5)
         for process in self._processes:     # reaped in their loop, not complained about when it closes
             with contextlib.suppress(RuntimeError):     # exec'd from a loop that has ended since
                 await process.wait()
