@@ -142,6 +142,8 @@ def parse_line(raw: bytes, line_number: int) -> tuple[dict | None, str | None]:
             return None, f'line {line_number}: "{name}" must be a non-empty string; skipped'
         if value is not None and "\0" in value:     # no path or image name can hold one
             return None, f'line {line_number}: "{name}" contains a NUL character; skipped'
+    if image is not None and image.startswith("-"):     # a container engine would read it as an option
+        return None, f'line {line_number}: "image" starts with "-", as no image name does; skipped'
     return {"prompt": prompt, "image": image, "cwd": cwd}, None
 
 

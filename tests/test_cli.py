@@ -661,6 +661,18 @@ def test_a_nul_in_cwd_or_image_skips_the_line_with_a_warning_and_no_resume_retri
     assert sorted(human_prompt(row) for row in batch_rows(tmp_path / "data" / "run")) == ["after", "before"]
 
 
+# A container engine reads such a name as one of its options ("--privileged"); no image name starts so.
+def test_an_image_that_starts_with_a_dash_skips_the_line_with_a_warning(tmp_path, endpoint):
+    args = good_args(tmp_path, endpoint)
+    bad = json.dumps({"prompt": "privileged", "image": "--privileged"})
+    (tmp_path / "dataset.jsonl").write_text("\n".join(['{"prompt": "before"}', bad]) + "\n")
+    result = run_cli(tmp_path, *args)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == ['warning: line 2: "image" starts with "-", as no image name does; skipped'], result.stderr
+    assert [human_prompt(row) for row in batch_rows(tmp_path / "data" / "run")] == ["before"]
+
+
 @pytest.mark.parametrize("asking", [["--help"], ["-h"], [], ["--run_name=x", "--help"]])
 def test_help_and_no_arguments_print_the_usage_page(tmp_path, asking):
     result = run_cli(tmp_path, *asking)
