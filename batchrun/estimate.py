@@ -33,6 +33,7 @@ class SampledRun:
     model_calls: int
     tool_calls: int
     wall_time: float
+    failed: bool                 # its row is a failure: --resume runs it again, so it is still to run
 
 
 def chosen_units(units: Sequence[int], size: int, rng: random.Random) -> set[int]:
@@ -104,6 +105,8 @@ def report_lines(report: dict) -> list[str]:
                 f"{unit}{figures['high']:,.{digits}f})")
 
     lines = [f"Estimate from {report['sampled']} samples drawn across the dataset (their rows are kept):",
+             *([f"  {report['sampled_failed']} of them failed: --resume runs them again, among the other samples"]
+               if report["sampled_failed"] else []),
              f"  per sample: tokens {figure('tokens')}, model calls {figure('model_calls')}, "
              f"tool calls {figure('tool_calls')}, wall time {figure('wall_time_seconds')} s"
              + (f", cost {figure('cost', '$')}" if per["cost"] is not None else "")]
@@ -149,7 +152,8 @@ def throughput_bounds(runs: Sequence[SampledRun], *, sessions: int, requests_per
 def estimate_report(runs: Sequence[SampledRun], *, remaining: int, remaining_chars: int, sessions: int,
                     requests_per_minute: int | None, concurrency: ConcurrencyFigures | None,
                     unpriced_replies: int, rng: random.Random) -> dict:
-    """estimate.json: the sample's figures per sample, and the projection for the ``remaining`` samples."""
+    """estimate.json: the sample's figures per sample, and the projection for the ``remaining`` samples
+    (those not run yet and the sample's failed ones, which --resume runs again)."""
     xs = [float(run.prompt_chars) for run in runs]
     sessions = max(1, min(sessions, remaining))
     bounds = throughput_bounds(runs, sessions=sessions, requests_per_minute=requests_per_minute,
@@ -168,6 +172,7 @@ def estimate_report(runs: Sequence[SampledRun], *, remaining: int, remaining_cha
     cost = projected(xs, [run.cost for run in runs], remaining, remaining_chars, rng) if cost_known else None
     return {
         "sampled": len(runs),
+        "sampled_failed": sum(run.failed for run in runs),
         "per_sample": {"tokens": spread([run.tokens for run in runs]),
                        "model_calls": spread([run.model_calls for run in runs]),
                        "tool_calls": spread([run.tool_calls for run in runs]),

@@ -412,7 +412,8 @@ class BatchRunner:
                 prompt_chars=self._estimate_chars.pop(finished.unit, 0),
                 tokens=finished.usage["prompt_tokens"] + finished.usage["completion_tokens"],
                 cost=finished.usage["cost"], model_calls=finished.api_calls,
-                tool_calls=sum(count for _name, count, _failed in finished.tool_calls), wall_time=finished.wall_time))
+                tool_calls=sum(count for _name, count, _failed in finished.tool_calls), wall_time=finished.wall_time,
+                failed=finished.status == rows.FAILED))
         if self.this_run.processed % self.config.output.batch_size == 0:
             self._checkpoint_due = True
         self.console.prompt_finished(finished)
@@ -517,9 +518,11 @@ class BatchRunner:
     def _report_estimate(self, plan: DatasetPlan) -> None:
         """Project the rest of the run from the samples --estimate ran; print it and write estimate.json."""
         runs = self._estimate_runs
-        sampled_chars = sum(run.prompt_chars for run in runs)
+        # A failed sample is still pending: --resume runs it again.
+        done = [run for run in runs if not run.failed]
+        done_chars = sum(run.prompt_chars for run in done)
         projection = estimate.estimate_report(
-            runs, remaining=plan.pending - len(runs), remaining_chars=max(plan.pending_chars - sampled_chars, 0),
+            runs, remaining=plan.pending - len(done), remaining_chars=max(plan.pending_chars - done_chars, 0),
             sessions=self._sessions_asked, requests_per_minute=self.config.pool.requests_per_minute,
             concurrency=self.this_run.concurrency, unpriced_replies=self.this_run.unpriced_replies,
             rng=random.Random(self.config.seed))
@@ -527,7 +530,7 @@ class BatchRunner:
         for line in estimate.report_lines(projection):
             self.console.print(line)
         self.console.print(f"Written to {self.run_dir.path}/estimate.json. The whole run: the same command with "
-                           "--resume and without --estimate (the samples above are not run again).",
+                           "--resume and without --estimate (the samples above that did not fail are not run again).",
                            style="bold")
 
     def _print_pricing(self) -> None:

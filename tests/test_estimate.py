@@ -136,3 +136,21 @@ def test_an_estimate_as_big_as_what_is_pending_runs_it_all_and_projects_nothing_
     assert figures["remaining"]["samples"] == 0
     assert figures["remaining"]["tokens"] == {"estimate": 0.0, "low": 0.0, "high": 0.0}
     assert figures["whole_run"]["tokens"]["estimate"] == 5 * 120
+
+
+def test_a_sampled_prompt_that_failed_is_counted_among_the_samples_the_resume_runs(tmp_path):
+    """A failed sample's row is retried by --resume: the estimate counted it as done, projecting 0 samples
+    left and saying none of the sample would run again, and the resume then ran both failed prompts."""
+    prompts = ["fails [[fail 400 always]]", "works", "fails too [[fail 400 always]]", "works too"]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    with ScriptedEndpoint() as server:
+        result = run(tmp_path, server, dataset, "--estimate=4", expect=2)     # 2: some prompts failed
+        figures = estimate_json(tmp_path)
+        assert figures["sampled"] == 4 and figures["sampled_failed"] == 2
+        assert figures["remaining"]["samples"] == 2
+        assert "2 of them failed" in " ".join(result.stdout.split())
+        server.reset()
+
+        run(tmp_path, server, dataset, "--resume", expect=2)
+        assert {last_user_message(request) for request in server.requests} == {prompts[0], prompts[2]}
+
