@@ -151,9 +151,10 @@ def throughput_bounds(runs: Sequence[SampledRun], *, sessions: int, requests_per
 
 def estimate_report(runs: Sequence[SampledRun], *, remaining: int, remaining_chars: int, sessions: int,
                     requests_per_minute: int | None, concurrency: ConcurrencyFigures | None,
-                    unpriced_replies: int, rng: random.Random) -> dict:
+                    unpriced_replies: int, spent_tokens: int, spent_cost: float, rng: random.Random) -> dict:
     """estimate.json: the sample's figures per sample, and the projection for the ``remaining`` samples
-    (those not run yet and the sample's failed ones, which --resume runs again)."""
+    (those not run yet and the sample's failed ones, which --resume runs again). ``spent_tokens`` and
+    ``spent_cost``: what the run has used so far, earlier invocations and the sample included."""
     xs = [float(run.prompt_chars) for run in runs]
     sessions = max(1, min(sessions, remaining))
     bounds = throughput_bounds(runs, sessions=sessions, requests_per_minute=requests_per_minute,
@@ -192,9 +193,10 @@ def estimate_report(runs: Sequence[SampledRun], *, remaining: int, remaining_cha
             "bounds": {name: {"samples_per_second": round(bound["per_second"], 3), "why": bound["why"]}
                        for name, bound in bounds.items()},
         },
-        # The sample and the rest together: what the whole run will have used.
-        "whole_run": {"tokens": _plus(tokens, sum(run.tokens for run in runs)),
-                      "cost": _plus(cost, sum(run.cost for run in runs)) if cost is not None else None},
+        # What the run has used so far (the sample, and earlier invocations on a resumed run) and the rest
+        # together: what the whole run will have used.
+        "whole_run": {"tokens": _plus(tokens, spent_tokens),
+                      "cost": _plus(cost, spent_cost) if cost is not None else None},
         "cost_unknown_replies": unpriced_replies,
         "interval": f"{int(INTERVAL[0] * 100)}th to {int(INTERVAL[1] * 100)}th percentile of "
                     f"{BOOTSTRAP_ROUNDS} bootstrap resamples of the sample",

@@ -521,10 +521,12 @@ class BatchRunner:
         # A failed sample is still pending: --resume runs it again.
         done = [run for run in runs if not run.failed]
         done_chars = sum(run.prompt_chars for run in done)
+        spent = self._run_spend()
         projection = estimate.estimate_report(
             runs, remaining=plan.pending - len(done), remaining_chars=max(plan.pending_chars - done_chars, 0),
             sessions=self._sessions_asked, requests_per_minute=self.config.pool.requests_per_minute,
             concurrency=self.this_run.concurrency, unpriced_replies=self.this_run.unpriced_replies,
+            spent_tokens=spent["prompt_tokens"] + spent["completion_tokens"], spent_cost=spent["cost"],
             rng=random.Random(self.config.seed))
         self.run_dir.write_estimate(projection)
         for line in estimate.report_lines(projection):

@@ -154,3 +154,14 @@ def test_a_sampled_prompt_that_failed_is_counted_among_the_samples_the_resume_ru
         run(tmp_path, server, dataset, "--resume", expect=2)
         assert {last_user_message(request) for request in server.requests} == {prompts[0], prompts[2]}
 
+
+def test_on_a_resumed_run_the_whole_runs_projection_counts_what_earlier_invocations_spent(tmp_path):
+    """whole_run was the sample plus the rest: after a first invocation had run every prompt once, raising
+    --samples_per_prompt to 2 with --estimate projected 1,200 tokens for a run that had already used 1,200."""
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [f"prompt {index}" for index in range(10)])
+    with ScriptedEndpoint() as server:
+        run(tmp_path, server, dataset)
+        run(tmp_path, server, dataset, "--resume", "--samples_per_prompt=2", "--estimate=2")
+    whole_run = estimate_json(tmp_path)["whole_run"]
+    assert whole_run["tokens"]["estimate"] == 20 * 120
+    assert whole_run["cost"]["estimate"] == pytest.approx(20 * 0.001)
