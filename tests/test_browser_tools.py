@@ -576,6 +576,11 @@ def fresh_browser(loop: asyncio.AbstractEventLoop) -> Iterator[None]:
     loop.run_until_complete(launch.close_browser())
 
 
+async def no_isolating_bwrap() -> None:
+    """As on a machine where bubblewrap cannot make the browser's namespaces."""
+    return None
+
+
 def running_chromium(session: Session, site: str) -> list[int]:
     """The Chromium processes (browser, renderer, helpers) once a page is open."""
     session.call("navigate", url=site + "/")
@@ -642,9 +647,15 @@ def test_chromium_can_write_only_its_size_capped_tmp_and_dev_shm(session: Sessio
     assert profiles and all(profile.startswith(b"--user-data-dir=/tmp/") for profile in profiles), profiles
 
 
+# Where bubblewrap cannot make Chromium's sandbox, Chromium runs on the host: it got the whole of the
+# runner's environment, the API key included.
+@pytest.mark.parametrize("sandboxed", [True, False], ids=["sandboxed", "unsandboxed"])
 def test_chromiums_environment_holds_none_of_the_runners_secrets(fresh_browser: None, session: Session, site: str,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  sandboxed: bool) -> None:
     monkeypatch.setenv("OPENAI_API_KEY", SECRET)       # in the runner's environment when the browser starts
+    if not sandboxed:
+        monkeypatch.setattr(launch, "isolating_bwrap", no_isolating_bwrap)
     environments = []
     for pid in running_chromium(session, site):
         with contextlib.suppress(FileNotFoundError, ProcessLookupError):

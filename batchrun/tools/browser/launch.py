@@ -23,6 +23,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
+from batchrun.environments.base import scrubbed_environment
 from batchrun.time_limit import within
 from batchrun.tools import ToolError
 from batchrun.tools.browser.availability import INSTALL_HINT, chromium_executable
@@ -132,12 +133,15 @@ class _BrowserHost:
         temporary = tempfile.gettempdir()
         if len(temporary) > TMPDIR_CHARS:
             temporary = "/tmp"
-        # Chromium's TMPDIR, given as the driver's is the browser's directory (see _start_driver).
-        environment: dict[str, str | float | bool] = {**os.environ, "TMPDIR": temporary}
+        self._directory = tempfile.mkdtemp(prefix="batchrun-browser-", dir=temporary)
+        # A tool's environment, never the runner's (its API key): where no sandbox can be made, Chromium
+        # runs on the host with it. TMPDIR is named, as the driver's is the browser's directory (see
+        # _start_driver).
+        environment: dict[str, str | float | bool] = {**scrubbed_environment(home=self._directory),
+                                                      "TMPDIR": temporary}
         options: _LaunchOptions = {"args": list(CHROMIUM_ARGS), "env": environment,
                                    "timeout": LAUNCH_TIMEOUT_S * 1000,
                                    "ignore_default_args": list(PLAYWRIGHT_ARGS_LEFT_OUT)}
-        self._directory = tempfile.mkdtemp(prefix="batchrun-browser-", dir=temporary)
         try:
             self._playwright = await _start_driver(Path(self._directory))
             bwrap = await isolating_bwrap()
