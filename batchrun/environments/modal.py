@@ -139,17 +139,16 @@ class ModalEnvironment(ContainerEnvironment):
         process.stdin.write_eof()
         await process.stdin.drain.aio()
         stderr_read = asyncio.ensure_future(_at_most(process.stderr, STDERR_BYTES))
+        stderr = b""
         try:
             stdout, overflowed = await _at_most(process.stdout, self.settings.max_file_bytes)
-            if overflowed:
-                return CliResult(returncode=None, stdout=stdout, stderr="", overflowed=True)
-            stderr, overflowed = await stderr_read
+            if not overflowed:
+                stderr, overflowed = await stderr_read
         finally:
             stderr_read.cancel()
-        if overflowed:
-            return CliResult(returncode=None, stdout=stdout, stderr=stderr.decode("utf-8", "replace"), overflowed=True)
-        returncode = await process.wait.aio()
-        return CliResult(returncode=returncode, stdout=stdout, stderr=stderr.decode("utf-8", "replace"))
+        returncode = None if overflowed else await process.wait.aio()
+        return CliResult(returncode=returncode, stdout=stdout, stderr=stderr.decode("utf-8", "replace"),
+                         overflowed=overflowed)
 
     async def _exec_merged(self, argv: list[str], *, timeout: float) -> CommandResult:
         """Output is read as it comes and only the capped part kept; a command that outlives
