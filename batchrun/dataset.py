@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 from array import array
 from collections import Counter
-from collections.abc import Callable, Container, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from batchrun.paths import file_kind, lookup_error
-from batchrun.rows import content_key, sample_key, sample_key_of_unit, unit_key
+from batchrun.rows import content_key, content_key_of_sample, sample_key, split_unit, unit_key
 
 # Bad lines named one by one; past these a count stands for the rest, so a file of 500 bad lines
 # cannot bury the console (the total goes to the summary and statistics.json).
@@ -84,6 +84,9 @@ class DatasetPlan:
     pending_with_image: int = 0                  # prompts with a sample pending that name a container image
     pending_chars: int = 0                       # the prompt characters of every pending sample
     rounds: list[PendingRound] = field(default_factory=list)     # per sample index
+    # Where the prompts of earlier rows are now, when their line holds other content: rows.prompt_key as
+    # the rows name it -> the prompt's index now (see plan_dataset). Empty unless the dataset changed.
+    relocated: dict[str, int] = field(default_factory=dict)
 
     @property
     def pending(self) -> int:
@@ -210,28 +213,61 @@ def _no_valid_prompt(path: Path, warned: bool) -> DatasetError:
 
 
 def plan_dataset(path: Path, *, max_samples: int | None, done_units: Counter,
-                 warn: Callable[[str], None], samples_per_prompt: int = 1) -> DatasetPlan:
+                 warn: Callable[[str], None], samples_per_prompt: int = 1,
+                 other_prompts: Iterable[str] = ()) -> DatasetPlan:
     """One pass over the dataset: validate every line, count valid prompts, and decide per unit (a
     sample of a line) what is pending. ``done_units`` (rows.unit_key -> finished rows): a row counts for
     the unit it names while that line still holds the row's content, every row there for that one unit,
     so of two lines with one prompt the one without a row runs. A row whose line holds something else
     now (the dataset was edited, reordered or cut between runs) counts by its content instead, for the
     first units of its sample key without a row of their own, in dataset order; knowing which rows those
-    are takes the whole first pass, so a second one runs, only when there are such rows."""
+    are takes the whole first pass, so a second one runs, only when there are such rows.
+
+    The second pass also finds where the prompts of such rows are now (DatasetPlan.relocated), those of
+    ``other_prompts`` too (rows.prompt_key of the rows that count nothing done: failures, corrupted rows):
+    a prompt is where one of its rows was counted done; else, when one line holds its content, there."""
     check_dataset_file(path)
-    plan, moved = _plan_pass(path, max_samples, Counter(done_units), Counter(), warn, samples_per_prompt)
-    if moved:       # the second pass finds the lines the first warned about
-        plan, _ = _plan_pass(path, max_samples, Counter(done_units), moved, lambda _warning: None, samples_per_prompt)
+    plan, moved, stale = _plan_pass(path, max_samples, Counter(done_units), {}, set(other_prompts), None, warn,
+                                    samples_per_prompt)
+    if moved or stale:      # the second pass finds the lines the first warned about
+        relocation = _Relocation(stale)
+        plan, _, _ = _plan_pass(path, max_samples, Counter(done_units), moved, set(), relocation,
+                                lambda _warning: None, samples_per_prompt)
+        plan.relocated = relocation.places()
     if plan.total == 0:
         raise _no_valid_prompt(path, plan.skipped_lines > 0)
     return plan
 
 
-def _plan_pass(path: Path, max_samples: int | None, own: Counter, moved: Counter, warn: Callable[[str], None],
-               samples_per_prompt: int) -> tuple[DatasetPlan, Counter]:
-    """A plan where ``own`` (unit key -> rows) counts for its units and ``moved`` (sample key -> rows)
-    for the first units of its key left without; both are used up. Returns it with what is left of
-    ``own`` per sample key: the rows whose line holds other content now, or none."""
+class _Relocation:
+    """What the second pass learns about the prompts whose rows name a line that holds other content now."""
+
+    def __init__(self, stale: set[str]) -> None:
+        self.stale = stale                                  # their rows.prompt_key, as the rows name them
+        self.lines: dict[str, list[int]] = {split_unit(prompt)[1]: [] for prompt in stale}  # per content key
+        self.counted: dict[str, int] = {}                   # prompt -> the line one of its rows counted for
+
+    def see(self, prompt_index: int, key: str) -> None:
+        self.stale.discard(unit_key(prompt_index, key))    # a row of a sample past --samples_per_prompt
+        if (lines := self.lines.get(key)) is not None:
+            lines.append(prompt_index)
+
+    def places(self) -> dict[str, int]:
+        places = {prompt: line for prompt, line in self.counted.items() if prompt in self.stale}
+        for prompt in self.stale - places.keys():
+            lines = self.lines[split_unit(prompt)[1]]
+            if len(lines) == 1:
+                places[prompt] = lines[0]
+        return places
+
+
+def _plan_pass(path: Path, max_samples: int | None, own: Counter, moved: dict[str, list[int]], others: set[str],
+               relocation: _Relocation | None, warn: Callable[[str], None],
+               samples_per_prompt: int) -> tuple[DatasetPlan, dict[str, list[int]], set[str]]:
+    """A plan where ``own`` (unit key -> rows) counts for its units and ``moved`` (sample key -> the
+    prompt indexes its rows name, highest first) for the first units of its key left without; both are
+    used up. Returns it with what is left of ``own`` as ``moved`` takes it, and the prompts (rows.prompt_key)
+    of those rows and of ``others`` whose line does not hold their content."""
     seen: Counter = Counter()       # valid lines so far per content key: gone once the plan is made
     plan = DatasetPlan(path=path, total=0, already_done=0, skipped_lines=0, samples_per_prompt=samples_per_prompt,
                        rounds=[PendingRound() for _ in range(samples_per_prompt)])
@@ -245,13 +281,18 @@ def _plan_pass(path: Path, max_samples: int | None, own: Counter, moved: Counter
                 skipped.add(warning)
             continue
         key = content_key(fields["prompt"], fields["image"], fields["cwd"])
+        if relocation is not None:
+            relocation.see(plan.total, key)
+        others.discard(unit_key(plan.total, key))
         any_pending = False
         for sample_index, pending in enumerate(plan.rounds):
             done_key = sample_key(key, sample_index)
             if own.pop(unit_key(plan.total, done_key), 0):
                 plan.already_done += 1
-            elif moved[done_key] > 0:
-                moved[done_key] -= 1
+            elif moved.get(done_key):
+                written = moved[done_key].pop()
+                if relocation is not None:
+                    relocation.counted.setdefault(unit_key(written, key), plan.total)
                 plan.already_done += 1
             else:
                 pending.offsets.append(offset)
@@ -265,10 +306,14 @@ def _plan_pass(path: Path, max_samples: int | None, own: Counter, moved: Counter
         plan.total += 1
     skipped.finish()
     plan.skipped_lines = skipped.count
-    left: Counter = Counter()
+    left: dict[str, list[int]] = {}
     for unit, count in own.items():
-        left[sample_key_of_unit(unit)] += count
-    return plan, left
+        index, done_key = split_unit(unit)
+        left.setdefault(done_key, []).extend([index] * count)
+        others.add(unit_key(index, content_key_of_sample(done_key)))
+    for indexes in left.values():
+        indexes.sort(reverse=True)
+    return plan, left, others
 
 
 def iter_pending(plan: DatasetPlan, *, only: Container[int] | None = None) -> Iterator[DatasetRecord]:

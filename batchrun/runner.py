@@ -135,10 +135,13 @@ class BatchRunner:
             self.superseded_corrupted = scan.corrupted_by_key
         try:
             plan = plan_dataset(config.dataset_file, max_samples=config.max_samples, done_units=done_units,
-                                warn=self.console.warn, samples_per_prompt=config.samples_per_prompt)
+                                warn=self.console.warn, samples_per_prompt=config.samples_per_prompt,
+                                other_prompts=scan.other_prompts)
         except DatasetError as exc:
             self.console.error(str(exc))
             return EXIT_ERROR
+        if config.output.resume:
+            self.run_dir.write_relocations(plan.relocated)
         self.done_samples = plan.already_done
         self._total_prompts = plan.total
         self._total_samples = plan.units

@@ -37,6 +37,7 @@ from conftest import (
 )
 
 from batchrun import rows
+from batchrun.dataset import plan_dataset
 from batchrun.messages import Finished, Spent
 from batchrun.run_dir import DiskFull, RunDirectory, SpentLedger, lines_at, reading, scan_ranges, split_ranges
 
@@ -282,6 +283,79 @@ def test_reordered_dataset_resumes_by_content(tmp_path, endpoint):
     assert result.returncode == 0
     assert sorted(last_user_message(r) for r in endpoint.requests) == prompts[3:]
     assert merged_prompts(tmp_path) == Counter(prompts)
+
+
+def prompt_of(index: int, text: str) -> str:
+    """The prompt key of the rows of ``text`` written at ``index``."""
+    return rows.unit_key(index, rows.content_key(text, None, None))
+
+
+def relocated(tmp_path: Path, lines: list[str], done: list[tuple[int, str, int]], *, samples_per_prompt: int = 1,
+              other_prompts: tuple[str, ...] = ()) -> dict[str, int]:
+    """Where the planner finds the prompts of rows (prompt index, text, sample index) in ``lines``."""
+    dataset = write_dataset(tmp_path / "planned.jsonl", lines)
+    done_units = Counter(rows.unit_key(index, rows.sample_key(rows.content_key(text, None, None), sample))
+                         for index, text, sample in done)
+    return plan_dataset(dataset, max_samples=None, done_units=done_units, warn=lambda _warning: None,
+                        samples_per_prompt=samples_per_prompt, other_prompts=other_prompts).relocated
+
+
+def test_the_prompts_of_rows_whose_line_moved_are_found_where_they_are_now(tmp_path):
+    assert relocated(tmp_path, ["c", "a", "b"], [(0, "a", 0), (1, "b", 0), (2, "c", 0)]) == \
+        {prompt_of(0, "a"): 1, prompt_of(1, "b"): 2, prompt_of(2, "c"): 0}
+
+
+def test_rows_on_a_line_that_still_holds_their_prompt_are_not_relocated(tmp_path):
+    assert relocated(tmp_path, ["a", "b"], [(0, "a", 0), (1, "b", 0)]) == {}
+    # Samples past --samples_per_prompt on their own line: not counted now, and not moved either.
+    assert relocated(tmp_path, ["a"], [(0, "a", 0), (0, "a", 1)]) == {}
+
+
+def test_a_prompt_no_longer_in_the_dataset_keeps_the_place_its_rows_name(tmp_path):
+    assert relocated(tmp_path, ["b"], [(0, "a", 0)]) == {}
+
+
+def test_the_prompt_of_a_failed_row_is_found_where_its_content_is_now(tmp_path):
+    assert relocated(tmp_path, ["b", "a"], [], other_prompts=(prompt_of(0, "a"),)) == {prompt_of(0, "a"): 1}
+    assert relocated(tmp_path, ["a", "b"], [], other_prompts=(prompt_of(0, "a"),)) == {}
+
+
+def test_a_repeated_prompt_is_found_where_its_rows_counted(tmp_path):
+    # "a" was on lines 0 and 2: line 2 still holds it, line 0's rows count for the "a" now on line 1.
+    assert relocated(tmp_path, ["b", "a", "a"], [(0, "a", 0), (2, "a", 0)], samples_per_prompt=2) == \
+        {prompt_of(0, "a"): 1}
+    # A failed row of a text on two lines: which of them it was a try of is not known, and it stays.
+    assert relocated(tmp_path, ["a", "a"], [], other_prompts=(prompt_of(3, "a"),)) == {}
+
+
+def test_after_the_dataset_is_put_back_in_order_the_rows_name_their_own_places_again(tmp_path, endpoint):
+    prompts = [f"prompt {i}" for i in range(3)]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset)).returncode == 0
+    write_dataset(dataset, prompts[::-1])
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume")).returncode == 0
+    run_dir = tmp_path / "data" / "run"
+    assert (run_dir / "relocations.json").exists()
+    assert {human_prompt(row): row["prompt_index"] for row in read_jsonl(run_dir / "trajectories.jsonl")} == \
+        {prompt: 2 - index for index, prompt in enumerate(prompts)}
+    write_dataset(dataset, prompts)
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume")).returncode == 0
+    assert not (run_dir / "relocations.json").exists()
+    assert {human_prompt(row): row["prompt_index"] for row in read_jsonl(run_dir / "trajectories.jsonl")} == \
+        {prompt: index for index, prompt in enumerate(prompts)}
+
+
+def test_an_unreadable_record_of_relocated_prompts_stops_the_export_saying_how_to_mend_it(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["a"])
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset)).returncode == 0
+    (tmp_path / "data" / "run" / "relocations.json").write_text('{"places": {"0:x": "one"}}')
+    result = run_cli(tmp_path, "--run_name=run", "--export=sharegpt", f"--out={tmp_path / 'out.jsonl'}")
+    assert result.returncode == 1, result.stderr
+    assert "relocations.json" in result.stderr and "--resume" in result.stderr
+    assert "Traceback" not in result.stderr
+    # A resumed run writes the record anew.
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume")).returncode == 0
+    assert not (tmp_path / "data" / "run" / "relocations.json").exists()
 
 
 def test_changed_batch_size_loses_and_duplicates_nothing(tmp_path, endpoint):

@@ -27,6 +27,7 @@ from conftest import (
 
 from batchrun import rows
 from batchrun.flag_values import MAX_SAMPLES_PER_PROMPT
+from batchrun.report.scan import RunScan
 from batchrun.rows import AssistantTurn, SessionResult, ToolCallRecord, Usage
 
 PROMPTS = [f"prompt number {index}" for index in range(10)]
@@ -321,3 +322,59 @@ def test_an_unknown_best_of_rule_is_refused_naming_the_rules(tmp_path):
     result = run_cli(tmp_path, "--run_name=run", "--export=sharegpt", "--best_of=shortest")
     assert result.returncode == 1
     assert "--best_of must be one of first_completed, fewest_calls, longest_reasoning" in result.stderr
+
+
+# -- a dataset reordered between invocations ------------------------------------------------------
+
+
+def reordered_run(tmp_path: Path, endpoint, before: list[str], after: list[str], *flags: str) -> Path:
+    """A run of ``before`` with one sample per prompt, resumed with ``after`` and two samples per prompt."""
+    dataset = write_dataset(tmp_path / "dataset.jsonl", before)
+    sample_run(tmp_path, endpoint, dataset, *flags, expect=2 if any("[[fail" in line for line in before) else 0)
+    write_dataset(dataset, after)
+    sample_run(tmp_path, endpoint, dataset, "--samples_per_prompt=2", "--resume", *flags)
+    return tmp_path / "data" / "run"
+
+
+def test_after_a_reorder_the_merged_rows_of_a_prompt_carry_its_place_in_the_dataset_now(tmp_path, endpoint):
+    run_dir = reordered_run(tmp_path, endpoint, PROMPTS[:4], PROMPTS[3::-1])
+    places = {(human_prompt(row), row["prompt_index"]) for row in merged(tmp_path)}
+    assert places == {(prompt, 3 - index) for index, prompt in enumerate(PROMPTS[:4])}
+    assert {row["prompt_index"] for row in batch_rows(run_dir) if row["sample_index"] == 0} == {0, 1, 2, 3}
+
+
+def test_after_a_reorder_statistics_count_each_prompt_once_with_all_its_samples(tmp_path, endpoint):
+    run_dir = reordered_run(tmp_path, endpoint, PROMPTS[:4], PROMPTS[3::-1])
+    statistics = json.loads((run_dir / "statistics.json").read_text())
+    assert statistics["samples"] == {"prompts_with_rows": 4, "prompts_with_a_completed_sample": 4,
+                                     "prompts_by_completed_samples": {"2": 4}}
+
+
+def test_after_a_reorder_best_of_keeps_one_sample_per_prompt(tmp_path, endpoint):
+    reordered_run(tmp_path, endpoint, PROMPTS[:4], PROMPTS[3::-1])
+    kept, _result = exported_samples(tmp_path, "--best_of=first_completed")
+    assert kept == {0: 0, 1: 0, 2: 0, 3: 0}
+
+
+def test_after_a_reorder_a_prompt_whose_only_earlier_row_failed_is_one_prompt(tmp_path, endpoint):
+    hard = "[[fail 400 1]] hard"
+    run_dir = reordered_run(tmp_path, endpoint, [hard, *PROMPTS[:2]], [*PROMPTS[:2], hard], "--num_workers=1")
+    statistics = json.loads((run_dir / "statistics.json").read_text())
+    assert statistics["samples"]["prompts_with_rows"] == 3
+
+
+def test_after_a_reorder_the_occurrences_of_a_repeated_prompt_keep_their_samples_apart(tmp_path, endpoint):
+    run_dir = reordered_run(tmp_path, endpoint, ["same", "other", "same"], ["other", "same", "same"])
+    assert Counter((row["prompt_index"], row["sample_index"]) for row in merged(tmp_path)) == \
+        Counter({(index, sample): 1 for index in range(3) for sample in range(2)})
+    statistics = json.loads((run_dir / "statistics.json").read_text())
+    assert statistics["samples"]["prompts_by_completed_samples"] == {"2": 3}
+
+
+def test_after_a_reorder_the_report_shows_each_row_at_its_prompts_place_now(tmp_path, endpoint):
+    run_dir = reordered_run(tmp_path, endpoint, PROMPTS[:4], PROMPTS[3::-1])
+    scan = RunScan(run_dir)
+    scan.read_new_rows()
+    chosen = scan.sample.chosen()
+    assert len(chosen) == 8
+    assert {(row["p"], row["id"]) for row in chosen} == {(prompt, 3 - index) for index, prompt in enumerate(PROMPTS[:4])}

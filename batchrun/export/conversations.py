@@ -161,6 +161,6 @@ class Candidate:
 
     def sharegpt_line(self) -> bytes:
         """The row as the merge writes it: its own bytes when it is a current trajectory row."""
-        if self.stored.status != rows.DISCARDED and self.stored.is_current:
+        if self.stored.status != rows.DISCARDED and self.stored.is_verbatim:
             return self.stored.line
         return rows.encode_row(self.row)

@@ -42,6 +42,7 @@ def selected_rows(options: ExportOptions, dropped: Counter,
     ``dropped``. ``on_row`` sees every readable row, kept or not."""
     directory = RunDirectory(options.run_dir)
     superseded = superseded_corrupted(directory.read_checkpoint() or {})
+    relocated = directory.relocations()
     for path in directory.batch_files():
         for offset, line in lines_at(path):
             try:
@@ -52,6 +53,8 @@ def selected_rows(options: ExportOptions, dropped: Counter,
             if stored is None:
                 dropped["unreadable"] += 1
                 continue
+            if relocated:
+                stored.relocate(relocated)
             if on_row is not None:
                 on_row(stored)
             candidate = Candidate(stored, (path.name, offset))

@@ -23,6 +23,7 @@ class RunScan:
         self.run_dir = RunDirectory(run_dir)
         self.summary, self.sample = RunSummary(), TrajectorySample(sample_limit)
         self.summary.superseded = superseded_corrupted(read_json(run_dir / CHECKPOINT))
+        self._relocated = self.run_dir.relocations()   # the rows shown name their prompts' places now
         self._read_up_to: dict[Path, int] = {}     # per batch file: the end of its last complete row read
         self._row_id = 0
 
@@ -53,6 +54,8 @@ class RunScan:
         if row is None:
             self.summary.unreadable_lines += 1
             return
+        if self._relocated:
+            row.relocate(self._relocated)
         status, facts = self.summary.add(row)
         self.sample.offer(self._row_id, categories(status, facts),
                           lambda: sampled_row(row, status, path.name))

@@ -24,7 +24,14 @@ The files, each one job (this module gathers the format's vocabulary that the re
 
 from batchrun.rows.build import ROW_FORMAT, encode_row, failure_row, tombstone_row, trajectory_row
 from batchrun.rows.finished import encode_finished
-from batchrun.rows.keys import content_key, sample_key, sample_key_of_unit, unit_key
+from batchrun.rows.keys import (
+    content_key,
+    content_key_of_sample,
+    sample_key,
+    sample_key_of_unit,
+    split_unit,
+    unit_key,
+)
 from batchrun.rows.outcome import (
     COMPLETED,
     DISCARDED,
@@ -64,9 +71,9 @@ __all__ = [
     "COMPLETED", "DISCARDED", "END_REASONS", "FAILED", "MAX_TURNS_REACHED", "NO_REASONING", "PARTIAL",
     "ROW_FORMAT", "AssistantTurn", "EndReason", "GptLayout", "HumanTurn", "LayoutError", "ReadGptTurn",
     "RowError", "RowStatus", "SessionResult", "StoredRow", "ToolCallRecord", "Turn", "Usage", "arguments_text",
-    "calls_of", "content_key", "encode_finished", "encode_row", "failure_row", "is_invented",
+    "calls_of", "content_key", "content_key_of_sample", "encode_finished", "encode_row", "failure_row", "is_invented",
     "offered_tool_names", "offered_tool_signatures", "parsed_or_raw", "read_gpt_turn", "read_stored_row",
     "render_conversations", "render_gpt_turn", "render_system_turn", "render_tool_turn",
     "rendered_tool_responses", "sample_key", "sample_key_of_unit", "split_reasoning", "split_rendered_calls",
-    "split_rendered_reasoning", "tombstone_row", "tool_result_failed", "trajectory_row", "unit_key",
+    "split_rendered_reasoning", "split_unit", "tombstone_row", "tool_result_failed", "trajectory_row", "unit_key",
 ]

@@ -26,6 +26,18 @@ def unit_key(prompt_index: int, sample_key: str) -> str:
     return f"{prompt_index}:{sample_key}"
 
 
+def content_key_of_sample(key: str) -> str:
+    """The content key within a sample key (see sample_key)."""
+    return key.partition("#")[0]
+
+
+def split_unit(unit: str) -> tuple[int, str]:
+    """The prompt index and the sample key within a unit key (see unit_key); a prompt key (the unit key of a
+    prompt's first sample) gives its prompt index and content key."""
+    index, _, key = unit.partition(":")
+    return int(index), key
+
+
 def sample_key_of_unit(unit: str) -> str:
     """The sample key within a unit key (see unit_key)."""
     return unit.partition(":")[2]

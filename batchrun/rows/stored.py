@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 
 import msgspec
 
@@ -102,17 +103,24 @@ _FORMAT_1_EMPTY_THINK = re.compile(r"\A<think>\n\n</think>")
 class StoredRow:
     """One row of a batch file, with the facts resume, merge, statistics and the report need."""
 
-    __slots__ = ("line", "status", "_row", "_invented")
+    __slots__ = ("line", "status", "_row", "_invented", "_place")
 
     def __init__(self, line: bytes, status: RowStatus, row: _Row, invented: list[str] | None = None) -> None:
         self.line = line
         self.status = status
         self._row = row
         self._invented = invented       # read with the row when it has any (read_stored_row)
+        self._place: int | None = None  # see relocate
 
     @property
     def prompt_index(self) -> int:
-        return self._row.prompt_index
+        return self._row.prompt_index if self._place is None else self._place
+
+    def relocate(self, places: Mapping[str, int]) -> None:
+        """Give the row its prompt's place in the dataset now, where a resumed run found it moved since the
+        row was written (``places``: see DatasetPlan.relocated), so that every row of one prompt names
+        one place: the prompt's index, its keys and the line the merge and the export write."""
+        self._place = places.get(unit_key(self._row.prompt_index, self._row.content_key))
 
     @property
     def content_key(self) -> str:
@@ -132,17 +140,23 @@ class StoredRow:
         """Names the dataset prompt this row is a sample of: its place in the dataset and its content, so
         that two occurrences of one prompt text (each its own prompt) keep their samples apart: the unit
         key of its first sample."""
-        return unit_key(self._row.prompt_index, self._row.content_key)
+        return unit_key(self.prompt_index, self._row.content_key)
 
     @property
     def unit_key(self) -> str:
         """The unit of work this row is (see unit_key)."""
-        return unit_key(self._row.prompt_index, self.sample_key)
+        return unit_key(self.prompt_index, self.sample_key)
 
     @property
     def is_current(self) -> bool:
         """False for a row of an earlier format (see ROW_FORMAT)."""
         return self._row.format == ROW_FORMAT
+
+    @property
+    def is_verbatim(self) -> bool:
+        """Whether the line as written is the row as the merge and the export write it: of the current
+        format, and not relocated."""
+        return self.is_current and self._place is None
 
     def layouts(self) -> list[GptLayout] | None:
         """How each gpt turn was rendered (see read_gpt_turn); None for a row of format 1 or 2."""
@@ -219,10 +233,12 @@ class StoredRow:
     def upgraded(self) -> bytes:
         """The line in the current format, so that every row of the merged file has the same keys
         of the same types, as loaders such as ``datasets.load_dataset("json")`` require: a format 1
-        row loses the ``tool_calls`` lists of its turns and gains the newer keys."""
-        if self.is_current:
+        row loses the ``tool_calls`` lists of its turns and gains the newer keys. A relocated row names its
+        prompt's place now."""
+        if self.is_verbatim:
             return self.line
         row = json.loads(self.line)
+        row["prompt_index"] = self.prompt_index
         conversations = row.get("conversations") or ()
         for turn in conversations:
             turn.pop("tool_calls", None)

@@ -10,6 +10,7 @@ every file as it was. The package's faces are re-exported here; each module does
 - ``checkpoint.py``  checkpoint.json (Checkpoint) and what resume reads back from it
 - ``scan.py``        the resume scan (ScanResult): what is done, failed, corrupted
 - ``merge.py``       trajectories.jsonl and its statistics input, appended to from where the last merge stopped
+- ``relocations.py`` relocations.json: where the prompts of earlier rows are now, after the dataset changed
 - ``spent.py``       spent.jsonl (SpentLedger, RowPlace): what sessions cut off before their rows spent
 """
 

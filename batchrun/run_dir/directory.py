@@ -11,6 +11,7 @@ import fcntl
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from batchrun.run_dir.checkpoint import CHECKPOINT, Checkpoint
 from batchrun.run_dir.durable import append_whole, atomic_write_json, cut_torn_tail, fsync_dir
 from batchrun.run_dir.errors import RunDirectoryError, full_disk_named, is_disk_full
 from batchrun.run_dir.merge import TRAJECTORIES, OnCorrupted, merge_batch_files
+from batchrun.run_dir.relocations import read_relocations, write_relocations
 from batchrun.run_dir.scan import ScanResult, scan_files
 from batchrun.run_dir.spent import RowPlace
 from batchrun.stats import MergeStatistics
@@ -184,5 +186,13 @@ class RunDirectory:
     def merge(self, on_corrupted: OnCorrupted, *, per_prompt: bool = False) -> MergeStatistics:
         """Bring trajectories.jsonl up to date with every batch file, and count what it holds
         (see merge.merge_batch_files)."""
-        return merge_batch_files(self.path, self.batch_files(), on_corrupted, per_prompt=per_prompt)
+        return merge_batch_files(self.path, self.batch_files(), on_corrupted, per_prompt=per_prompt,
+                                 relocated=self.relocations())
+
+    def write_relocations(self, places: Mapping[str, int]) -> None:
+        """Record where the prompts of earlier rows are now (see relocations.py)."""
+        write_relocations(self.path, places)
+
+    def relocations(self) -> dict[str, int]:
+        return read_relocations(self.path)
 

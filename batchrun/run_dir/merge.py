@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +22,7 @@ from batchrun.registry import REGISTRY
 from batchrun.run_dir.durable import atomic_write_json, replacing
 from batchrun.run_dir.errors import full_disk_named
 from batchrun.run_dir.reading import FileRange, lines_at, read_processes, reading_pool, refused_line, split_ranges
+from batchrun.run_dir.relocations import relocations_digest
 from batchrun.stats import MergeStatistics
 
 TRAJECTORIES = "trajectories.jsonl"
@@ -37,7 +38,7 @@ OnCorrupted = Callable[[str, int, list[str], str], None]
 
 
 def merge_batch_files(directory: Path, files: list[Path], on_corrupted: OnCorrupted, *,
-                      per_prompt: bool = False) -> MergeStatistics:
+                      per_prompt: bool = False, relocated: Mapping[str, int] | None = None) -> MergeStatistics:
     """Bring trajectories.jsonl up to date with these batch files, and count what it holds.
 
     Trajectory rows that call no invented tool are kept; tombstones, failures, corrupted rows
@@ -45,17 +46,21 @@ def merge_batch_files(directory: Path, files: list[Path], on_corrupted: OnCorrup
     the record of the last merge still matches the files, only rows written since are read and
     appended; otherwise the whole file is rewritten (a big directory shared out over one process per
     core) and atomically replaced. ``per_prompt``: count each prompt's completed samples too
-    (MergeStatistics.prompt_samples); once counted, a run goes on counting them.
+    (MergeStatistics.prompt_samples); once counted, a run goes on counting them. ``relocated``: where
+    prompts are now whose rows name another place (see relocations.py); a merge done under other places
+    is done again.
     """
-    previous = _read_merge_record(directory, files)
+    relocated = relocated or {}
+    digest = relocations_digest(relocated)
+    previous = _read_merge_record(directory, files, digest)
     if previous is not None and per_prompt and previous.statistics.prompt_samples is None:
         previous = None     # the figures so far lack them: count everything again
     if previous is None:
-        statistics, ends = _rewrite_trajectories(directory, files, on_corrupted, per_prompt)
+        statistics, ends = _rewrite_trajectories(directory, files, on_corrupted, per_prompt, relocated)
     else:
-        statistics, ends = _append_to_trajectories(directory, files, previous, on_corrupted)
+        statistics, ends = _append_to_trajectories(directory, files, previous, on_corrupted, relocated)
     statistics.batch_files = len(files)
-    _write_merge_record(directory, statistics, ends)
+    _write_merge_record(directory, statistics, ends, digest)
     return statistics
 
 
@@ -78,7 +83,7 @@ class MergePart:
     ends: dict[str, int] = field(default_factory=dict)        # per file: the end of its last complete line
 
     def keep(self, path: Path, offset: int, line: bytes, row: rows.StoredRow) -> None:
-        if not row.is_current:                 # a row of an earlier format: merged upgraded
+        if not row.is_verbatim:                # an earlier format, or relocated: merged upgraded
             line = row.upgraded()
             self.kept.append(line)
         elif self.kept and isinstance(self.kept[-1], tuple) and self.kept[-1][0] == path \
@@ -89,17 +94,17 @@ class MergePart:
         self.kept_bytes += len(line)
 
 
-def _rewrite_trajectories(directory: Path, files: list[Path], on_corrupted: OnCorrupted,
-                          per_prompt: bool) -> tuple[MergeStatistics, dict[str, int]]:
+def _rewrite_trajectories(directory: Path, files: list[Path], on_corrupted: OnCorrupted, per_prompt: bool,
+                          relocated: Mapping[str, int]) -> tuple[MergeStatistics, dict[str, int]]:
     groups = split_ranges(files, read_processes(files))
     target = directory / TRAJECTORIES
     if len(groups) == 1:
-        parts = [read_merge_part(groups[0], per_prompt)]
+        parts = [read_merge_part(groups[0], per_prompt, relocated)]
         with replacing(target, needed=parts[0].kept_bytes) as out:
             copy_kept_rows(out.fileno(), 0, parts[0].kept)
     else:
         with reading_pool(len(groups)) as pool:
-            parts = list(pool.map(read_merge_part, groups, [per_prompt] * len(groups)))
+            parts = list(pool.map(read_merge_part, groups, [per_prompt] * len(groups), [relocated] * len(groups)))
             starts = [sum(part.kept_bytes for part in parts[:index]) for index in range(len(parts))]
             with replacing(target, needed=sum(part.kept_bytes for part in parts)) as out:
                 # Each process copies its rows into place; the kernel moves the bytes.
@@ -107,10 +112,10 @@ def _rewrite_trajectories(directory: Path, files: list[Path], on_corrupted: OnCo
     return _combined(parts, {}, MergeStatistics(prompt_samples=Counter() if per_prompt else None), on_corrupted)
 
 
-def _append_to_trajectories(directory: Path, files: list[Path], previous: MergeRecord,
-                            on_corrupted: OnCorrupted) -> tuple[MergeStatistics, dict[str, int]]:
+def _append_to_trajectories(directory: Path, files: list[Path], previous: MergeRecord, on_corrupted: OnCorrupted,
+                            relocated: Mapping[str, int]) -> tuple[MergeStatistics, dict[str, int]]:
     part = read_merge_part([(path, previous.offsets.get(path.name, 0), path.stat().st_size) for path in files],
-                           previous.statistics.prompt_samples is not None)
+                           previous.statistics.prompt_samples is not None, relocated)
     path = directory / TRAJECTORIES
     with path.open("r+b") as out, full_disk_named(path, part.kept_bytes):
         # A merge that crashed after appending left rows past the recorded size: they go, and
@@ -125,12 +130,13 @@ def _append_to_trajectories(directory: Path, files: list[Path], previous: MergeR
     return _combined([part], previous.offsets, previous.statistics, on_corrupted)
 
 
-def _read_merge_record(directory: Path, files: list[Path]) -> MergeRecord | None:
+def _read_merge_record(directory: Path, files: list[Path], relocations: str) -> MergeRecord | None:
     """The last merge's record, if trajectories.jsonl and every batch file it read are still
-    what it left (same tail bytes at the recorded sizes); None means: rewrite everything."""
+    what it left (same tail bytes at the recorded sizes) and it placed prompts as ``relocations`` (a
+    relocations_digest) does; None means: rewrite everything."""
     try:
         data = json.loads((directory / MERGE_RECORD).read_text(encoding="utf-8"))
-        if data.get("format") != MERGE_RECORD_FORMAT:
+        if data.get("format") != MERGE_RECORD_FORMAT or data.get("relocations", "") != relocations:
             return None
         names = {path.name for path in files}
         if not set(data["files"]) <= names:       # a batch file that was merged is gone
@@ -148,18 +154,22 @@ def _read_merge_record(directory: Path, files: list[Path]) -> MergeRecord | None
         return None
 
 
-def _write_merge_record(directory: Path, statistics: MergeStatistics, ends: dict[str, int]) -> None:
+def _write_merge_record(directory: Path, statistics: MergeStatistics, ends: dict[str, int],
+                        relocations: str) -> None:
     size = (directory / TRAJECTORIES).stat().st_size
     atomic_write_json(directory / MERGE_RECORD, {
         "format": MERGE_RECORD_FORMAT,
+        "relocations": relocations,
         "trajectories": [size, _tail_digest(directory / TRAJECTORIES, size)],
         "files": {name: [end, _tail_digest(directory / name, end)] for name, end in ends.items()},
         "statistics": statistics.to_state(),
     })
 
 
-def read_merge_part(ranges: list[FileRange], per_prompt: bool = False) -> MergePart:
-    """Classify and count the rows that begin in these byte ranges (see merge_batch_files)."""
+def read_merge_part(ranges: list[FileRange], per_prompt: bool = False,
+                    relocated: Mapping[str, int] | None = None) -> MergePart:
+    """Classify and count the rows that begin in these byte ranges, each at its prompt's place now
+    (see merge_batch_files)."""
     part = MergePart(MergeStatistics(prompt_samples=Counter() if per_prompt else None))
     statistics = part.statistics
     for path, start, end in ranges:
@@ -171,6 +181,8 @@ def read_merge_part(ranges: list[FileRange], per_prompt: bool = False) -> MergeP
                 raise refused_line(path, offset, exc) from None
             if row is None:
                 continue
+            if relocated:
+                row.relocate(relocated)
             if row.status in (rows.FAILED, rows.DISCARDED):
                 statistics.on_row(row)
                 continue

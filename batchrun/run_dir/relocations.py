@@ -1,0 +1,52 @@
+"""relocations.json: where the prompts of earlier rows are in the dataset now.
+
+A resumed run whose dataset was reordered or edited meets rows that name a line holding other content now
+(dataset.plan_dataset finds where their prompts went). Those rows stay as they were written, since batch
+files only grow; the run records each such prompt's place instead, and the merge and the export read the
+rows through it (StoredRow.relocate), so that every row of one prompt names one place: trajectories.jsonl
+and the exports carry the place now, the statistics count each prompt once, --best_of keeps one sample of
+it. Each resumed run writes the file anew from every row and the dataset as it is then.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+from batchrun.run_dir.durable import atomic_write_json, fsync_dir
+from batchrun.run_dir.errors import RunDirectoryError
+
+RELOCATIONS = "relocations.json"
+_REMEDY = ("run again with --resume, which writes it anew from the rows and the dataset, or remove it (each row "
+           "then names the place it was written with)")
+
+
+def write_relocations(directory: Path, places: Mapping[str, int]) -> None:
+    """Record ``places`` (rows.prompt_key as rows name it -> the prompt's index now); none, no file."""
+    path = directory / RELOCATIONS
+    if places:
+        atomic_write_json(path, {"places": dict(places)})
+    elif path.exists():
+        path.unlink()
+        fsync_dir(directory)
+
+
+def read_relocations(directory: Path) -> dict[str, int]:
+    """What the last resumed run recorded (see write_relocations); empty where it recorded nothing."""
+    path = directory / RELOCATIONS
+    try:
+        places = json.loads(path.read_bytes())["places"]
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RunDirectoryError(f"cannot read {path} ({exc}); {_REMEDY}") from None
+    if not isinstance(places, dict) or not all(isinstance(index, int) for index in places.values()):
+        raise RunDirectoryError(f"{path} is not a record of relocated prompts; {_REMEDY}")
+    return places
+
+
+def relocations_digest(places: Mapping[str, int]) -> str:
+    """Tells one record from another: a merge done under other places is not appended to."""
+    return hashlib.sha256(json.dumps(sorted(places.items())).encode()).hexdigest() if places else ""
