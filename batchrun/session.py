@@ -55,6 +55,7 @@ SUMMARY_REQUEST = ("You've reached the maximum number of tool-calling iterations
 REASONING_FIELDS = ("reasoning", "reasoning_content", "reasoning_details")
 ENVIRONMENT_STARTS_AT_ONCE = 8
 KEPT_ARGUMENT_CHARS = 2_000      # of arguments too large for any tool, which the tool refused
+SPLIT_ASIDE_CHARS = 64 * 1024    # a reply's text from which its reasoning is taken out in a thread
 
 
 @dataclass
@@ -100,6 +101,16 @@ def runtime_messages(config: SessionConfig, prompt: str) -> list[Message]:
         system += "\n\n" + config.ephemeral_system_prompt
     return [{"role": "system", "content": system}, *map(dict, config.prefill_messages),
             {"role": "user", "content": prompt}]
+
+
+async def _split_reasoning(message: Message) -> tuple[str, str]:
+    """split_reasoning, in a thread for a long reply: a reply of many think blocks takes microseconds a
+    block to take apart (seconds for a few megabytes), and the worker's other sessions share this event
+    loop. Content that is not one string (a list of parts) goes to the thread too."""
+    content = message.get("content")
+    if content is None or (isinstance(content, str) and len(content) < SPLIT_ASIDE_CHARS):
+        return split_reasoning(message)
+    return await asyncio.to_thread(split_reasoning, message)
 
 
 def _tool_calls_of(message: Message, turn_number: int, redact: Redactor) -> list[ToolCallRecord]:
@@ -307,7 +318,7 @@ class Session:
         empty_retries = continuations = invented_streak = cut_calls = 0
         while self.api_calls < self.config.max_turns:
             reply = await self._call(messages)
-            reasoning, visible = split_reasoning(reply.message)
+            reasoning, visible = await _split_reasoning(reply.message)
             calls = _tool_calls_of(reply.message, self.api_calls - 1, redact)
             cut_off = reply.finish_reason == "length"
             if calls and cut_off:        # its last call's arguments may be cut mid-way: ask once more
@@ -357,7 +368,7 @@ class Session:
             reply = await self._call(request, with_tools=False)
         except PromptFailedError:
             return
-        reasoning, visible = split_reasoning(reply.message)
+        reasoning, visible = await _split_reasoning(reply.message)
         if visible:
             redact = self.services.redact
             self._ask(messages, SUMMARY_REQUEST)

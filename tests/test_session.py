@@ -15,6 +15,7 @@ import pytest
 
 import model_tools
 from batchrun import rows
+from batchrun import session as session_module
 from batchrun.config import EndpointConfig, SessionConfig
 from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError
 from batchrun.environments.local import LocalEnvironment
@@ -528,3 +529,40 @@ def test_a_prompt_that_ends_before_its_environment_started_cuts_the_start_short(
     assert result.end_reason == "final_answer" and result.error is None
     assert watch.closed >= 1 and "started" not in watch.events
     assert not list(tmp_path.iterdir())       # the directory it began with is gone
+
+
+def test_the_worker_keeps_serving_its_other_sessions_while_a_huge_reply_is_read(tmp_path, monkeypatch):
+    # Half a megabyte of tiny think blocks takes a good fraction of a second to take apart; the other
+    # sessions of the worker share its event loop, and must not wait for it.
+    huge = "<think>a</think>b" * 30_000
+    reading = {"now": False, "others_served": 0}
+    split = session_module.split_reasoning
+
+    def observed_split(message: dict) -> tuple[str, str]:
+        reading["now"] = True
+        try:
+            return split(message)
+        finally:
+            reading["now"] = False
+
+    monkeypatch.setattr(session_module, "split_reasoning", observed_split)
+    model = ScriptedModel([say(huge)])
+    services = worker_services(tmp_path, ScriptedModels(model))
+
+    async def another_session() -> None:
+        while True:
+            await asyncio.sleep(0.001)
+            reading["others_served"] += reading["now"]
+
+    async def both() -> SessionResult:
+        other = asyncio.create_task(another_session())
+        try:
+            return await Session(TASK, services).run()
+        finally:
+            other.cancel()
+            await services.close()
+
+    result = asyncio.run(both())
+    assert result.end_reason == rows.EndReason.FINAL_ANSWER
+    assert result.turns[-1].content == "b" * 30_000
+    assert reading["others_served"] > 0
