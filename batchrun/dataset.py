@@ -84,8 +84,8 @@ class DatasetPlan:
     pending_with_image: int = 0                  # prompts with a sample pending that name a container image
     pending_chars: int = 0                       # the prompt characters of every pending sample
     rounds: list[PendingRound] = field(default_factory=list)     # per sample index
-    # Where the prompts of earlier rows are now, when their line holds other content: rows.prompt_key as
-    # the rows name it -> the prompt's index now (see plan_dataset). Empty unless the dataset changed.
+    # Where the units of earlier rows are now, when their line holds other content: rows.unit_key as the
+    # rows name it -> the prompt index now (see plan_dataset). Empty unless the dataset changed.
     relocated: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -214,7 +214,7 @@ def _no_valid_prompt(path: Path, warned: bool) -> DatasetError:
 
 def plan_dataset(path: Path, *, max_samples: int | None, done_units: Counter,
                  warn: Callable[[str], None], samples_per_prompt: int = 1,
-                 other_prompts: Iterable[str] = ()) -> DatasetPlan:
+                 other_units: Iterable[str] = ()) -> DatasetPlan:
     """One pass over the dataset: validate every line, count valid prompts, and decide per unit (a
     sample of a line) what is pending. ``done_units`` (rows.unit_key -> finished rows): a row counts for
     the unit it names while that line still holds the row's content, every row there for that one unit,
@@ -223,15 +223,16 @@ def plan_dataset(path: Path, *, max_samples: int | None, done_units: Counter,
     first units of its sample key without a row of their own, in dataset order; knowing which rows those
     are takes the whole first pass, so a second one runs, only when there are such rows.
 
-    The second pass also finds where the prompts of such rows are now (DatasetPlan.relocated), those of
-    ``other_prompts`` too (rows.prompt_key of the rows that count nothing done: failures, corrupted rows):
-    a prompt is where one of its rows was counted done; else, when one line holds its content, there."""
+    The second pass also finds where the units of such rows are now (DatasetPlan.relocated), and those
+    of ``other_units`` (the units of rows that count nothing done: failures, corrupted rows): a unit is
+    on the line its row was counted for; else, where one line (past --max_samples too) holds its content,
+    on that line, unless it is a finished sample that line already has."""
     check_dataset_file(path)
-    plan, moved, stale = _plan_pass(path, max_samples, Counter(done_units), {}, set(other_prompts), None, warn,
-                                    samples_per_prompt)
+    plan, moved, stale = _plan_pass(path, max_samples, Counter(done_units), {}, _by_prompt(other_units), None,
+                                    warn, samples_per_prompt)
     if moved or stale:      # the second pass finds the lines the first warned about
-        relocation = _Relocation(stale)
-        plan, _, _ = _plan_pass(path, max_samples, Counter(done_units), moved, set(), relocation,
+        relocation = _Relocation(stale, done_units)
+        plan, _, _ = _plan_pass(path, max_samples, Counter(done_units), moved, {}, relocation,
                                 lambda _warning: None, samples_per_prompt)
         plan.relocated = relocation.places()
     if plan.total == 0:
@@ -239,51 +240,83 @@ def plan_dataset(path: Path, *, max_samples: int | None, done_units: Counter,
     return plan
 
 
-class _Relocation:
-    """What the second pass learns about the prompts whose rows name a line that holds other content now."""
+def _by_prompt(units: Iterable[str]) -> dict[str, set[str]]:
+    """Units grouped by the prompt they name: rows.prompt_key -> their sample keys."""
+    grouped: dict[str, set[str]] = {}
+    for unit in units:
+        index, key = split_unit(unit)
+        grouped.setdefault(unit_key(index, content_key_of_sample(key)), set()).add(key)
+    return grouped
 
-    def __init__(self, stale: set[str]) -> None:
-        self.stale = stale                                  # their rows.prompt_key, as the rows name them
+
+class _Relocation:
+    """What the second pass learns about the units whose rows name a line that holds other content now."""
+
+    def __init__(self, stale: dict[str, set[str]], done_units: Counter) -> None:
+        self.stale = stale                  # rows.prompt_key -> sample keys, as the rows name them
+        self.done_units = done_units        # where finished rows are, as they name it
         self.lines: dict[str, list[int]] = {split_unit(prompt)[1]: [] for prompt in stale}  # per content key
-        self.counted: dict[str, int] = {}                   # prompt -> the line one of its rows counted for
+        self.counted: dict[str, int] = {}   # unit -> the line its row was counted for
+        self.finished_at: set[str] = set()  # the units (lines now) that moved finished rows take
 
     def see(self, prompt_index: int, key: str) -> None:
-        self.stale.discard(unit_key(prompt_index, key))    # a row of a sample past --samples_per_prompt
+        """A valid line, within --max_samples or past it."""
+        self.stale.pop(unit_key(prompt_index, key), None)   # rows of its own (a sample past --samples_per_prompt)
         if (lines := self.lines.get(key)) is not None:
             lines.append(prompt_index)
 
+    def count(self, written: int, done_key: str, prompt_index: int) -> None:
+        """A row written for line ``written`` counts done for this line."""
+        self.counted.setdefault(unit_key(written, done_key), prompt_index)
+        self.finished_at.add(unit_key(prompt_index, done_key))
+
     def places(self) -> dict[str, int]:
-        places = {prompt: line for prompt, line in self.counted.items() if prompt in self.stale}
-        for prompt in self.stale - places.keys():
-            lines = self.lines[split_unit(prompt)[1]]
-            if len(lines) == 1:
-                places[prompt] = lines[0]
+        places = dict(self.counted)
+        for prompt in sorted(self.stale):
+            written, key = split_unit(prompt)
+            if len(lines := self.lines[key]) != 1:
+                continue
+            for done_key in sorted(self.stale[prompt]):
+                unit, there = unit_key(written, done_key), unit_key(lines[0], done_key)
+                if unit in places:
+                    continue
+                if unit in self.done_units:
+                    if there in self.done_units or there in self.finished_at:
+                        continue        # the line has that sample: this row is one more, of a line now gone
+                    self.finished_at.add(there)
+                places[unit] = lines[0]
         return places
 
 
-def _plan_pass(path: Path, max_samples: int | None, own: Counter, moved: dict[str, list[int]], others: set[str],
-               relocation: _Relocation | None, warn: Callable[[str], None],
-               samples_per_prompt: int) -> tuple[DatasetPlan, dict[str, list[int]], set[str]]:
+def _plan_pass(path: Path, max_samples: int | None, own: Counter, moved: dict[str, list[int]],
+               others: dict[str, set[str]], relocation: _Relocation | None, warn: Callable[[str], None],
+               samples_per_prompt: int) -> tuple[DatasetPlan, dict[str, list[int]], dict[str, set[str]]]:
     """A plan where ``own`` (unit key -> rows) counts for its units and ``moved`` (sample key -> the
     prompt indexes its rows name, highest first) for the first units of its key left without; both are
-    used up. Returns it with what is left of ``own`` as ``moved`` takes it, and the prompts (rows.prompt_key)
-    of those rows and of ``others`` whose line does not hold their content."""
+    used up. Returns it with what is left of ``own`` as ``moved`` takes it, and the units of those rows
+    and of ``others`` (see _by_prompt) whose line does not hold their content, by prompt. With a
+    ``relocation``, the lines past --max_samples are read too, only to be seen by it."""
     seen: Counter = Counter()       # valid lines so far per content key: gone once the plan is made
     plan = DatasetPlan(path=path, total=0, already_done=0, skipped_lines=0, samples_per_prompt=samples_per_prompt,
                        rounds=[PendingRound() for _ in range(samples_per_prompt)])
     skipped = SkippedLines(warn)
+    beyond = 0                      # valid lines past --max_samples
     for number, offset, raw in _lines(path):
-        if max_samples is not None and plan.total >= max_samples:
+        past = max_samples is not None and plan.total >= max_samples
+        if past and relocation is None:
             break
         fields, warning = parse_line(raw, number)
         if fields is None:
-            if warning:
+            if warning and not past:
                 skipped.add(warning)
             continue
         key = content_key(fields["prompt"], fields["image"], fields["cwd"])
         if relocation is not None:
-            relocation.see(plan.total, key)
-        others.discard(unit_key(plan.total, key))
+            relocation.see(plan.total + beyond, key)
+        if past:
+            beyond += 1
+            continue
+        others.pop(unit_key(plan.total, key), None)
         any_pending = False
         for sample_index, pending in enumerate(plan.rounds):
             done_key = sample_key(key, sample_index)
@@ -292,7 +325,7 @@ def _plan_pass(path: Path, max_samples: int | None, own: Counter, moved: dict[st
             elif moved.get(done_key):
                 written = moved[done_key].pop()
                 if relocation is not None:
-                    relocation.counted.setdefault(unit_key(written, key), plan.total)
+                    relocation.count(written, done_key, plan.total)
                 plan.already_done += 1
             else:
                 pending.offsets.append(offset)
@@ -310,7 +343,7 @@ def _plan_pass(path: Path, max_samples: int | None, own: Counter, moved: dict[st
     for unit, count in own.items():
         index, done_key = split_unit(unit)
         left.setdefault(done_key, []).extend([index] * count)
-        others.add(unit_key(index, content_key_of_sample(done_key)))
+        others.setdefault(unit_key(index, content_key_of_sample(done_key)), set()).add(done_key)
     for indexes in left.values():
         indexes.sort(reverse=True)
     return plan, left, others

@@ -136,7 +136,7 @@ class BatchRunner:
         try:
             plan = plan_dataset(config.dataset_file, max_samples=config.max_samples, done_units=done_units,
                                 warn=self.console.warn, samples_per_prompt=config.samples_per_prompt,
-                                other_prompts=scan.other_prompts)
+                                other_units=scan.other_units)
         except DatasetError as exc:
             self.console.error(str(exc))
             return EXIT_ERROR

@@ -285,24 +285,24 @@ def test_reordered_dataset_resumes_by_content(tmp_path, endpoint):
     assert merged_prompts(tmp_path) == Counter(prompts)
 
 
-def prompt_of(index: int, text: str) -> str:
-    """The prompt key of the rows of ``text`` written at ``index``."""
-    return rows.unit_key(index, rows.content_key(text, None, None))
+def unit_of(index: int, text: str, sample: int = 0) -> str:
+    """The unit key of the row of ``text``'s sample written at ``index``."""
+    return rows.unit_key(index, rows.sample_key(rows.content_key(text, None, None), sample))
 
 
 def relocated(tmp_path: Path, lines: list[str], done: list[tuple[int, str, int]], *, samples_per_prompt: int = 1,
-              other_prompts: tuple[str, ...] = ()) -> dict[str, int]:
-    """Where the planner finds the prompts of rows (prompt index, text, sample index) in ``lines``."""
+              failed: tuple[tuple[int, str, int], ...] = (), max_samples: int | None = None) -> dict[str, int]:
+    """Where the planner finds, in ``lines``, the units of finished rows and failed ones, each named by
+    the prompt index, text and sample index it was written with."""
     dataset = write_dataset(tmp_path / "planned.jsonl", lines)
-    done_units = Counter(rows.unit_key(index, rows.sample_key(rows.content_key(text, None, None), sample))
-                         for index, text, sample in done)
-    return plan_dataset(dataset, max_samples=None, done_units=done_units, warn=lambda _warning: None,
-                        samples_per_prompt=samples_per_prompt, other_prompts=other_prompts).relocated
+    return plan_dataset(dataset, max_samples=max_samples, done_units=Counter(unit_of(*row) for row in done),
+                        warn=lambda _warning: None, samples_per_prompt=samples_per_prompt,
+                        other_units=[unit_of(*row) for row in failed]).relocated
 
 
-def test_the_prompts_of_rows_whose_line_moved_are_found_where_they_are_now(tmp_path):
+def test_the_rows_whose_line_moved_are_found_where_their_prompt_is_now(tmp_path):
     assert relocated(tmp_path, ["c", "a", "b"], [(0, "a", 0), (1, "b", 0), (2, "c", 0)]) == \
-        {prompt_of(0, "a"): 1, prompt_of(1, "b"): 2, prompt_of(2, "c"): 0}
+        {unit_of(0, "a"): 1, unit_of(1, "b"): 2, unit_of(2, "c"): 0}
 
 
 def test_rows_on_a_line_that_still_holds_their_prompt_are_not_relocated(tmp_path):
@@ -315,17 +315,31 @@ def test_a_prompt_no_longer_in_the_dataset_keeps_the_place_its_rows_name(tmp_pat
     assert relocated(tmp_path, ["b"], [(0, "a", 0)]) == {}
 
 
-def test_the_prompt_of_a_failed_row_is_found_where_its_content_is_now(tmp_path):
-    assert relocated(tmp_path, ["b", "a"], [], other_prompts=(prompt_of(0, "a"),)) == {prompt_of(0, "a"): 1}
-    assert relocated(tmp_path, ["a", "b"], [], other_prompts=(prompt_of(0, "a"),)) == {}
+def test_a_failed_row_is_found_where_its_content_is_now(tmp_path):
+    assert relocated(tmp_path, ["b", "a"], [], failed=((0, "a", 0),)) == {unit_of(0, "a"): 1}
+    assert relocated(tmp_path, ["a", "b"], [], failed=((0, "a", 0),)) == {}
+    # A failed row of a text on two lines: which of them it was a try of is not known, and it stays.
+    assert relocated(tmp_path, ["a", "a"], [], failed=((3, "a", 0),)) == {}
 
 
-def test_a_repeated_prompt_is_found_where_its_rows_counted(tmp_path):
+def test_each_row_of_a_repeated_prompt_goes_to_the_line_it_counted_for(tmp_path):
     # "a" was on lines 0 and 2: line 2 still holds it, line 0's rows count for the "a" now on line 1.
     assert relocated(tmp_path, ["b", "a", "a"], [(0, "a", 0), (2, "a", 0)], samples_per_prompt=2) == \
-        {prompt_of(0, "a"): 1}
-    # A failed row of a text on two lines: which of them it was a try of is not known, and it stays.
-    assert relocated(tmp_path, ["a", "a"], [], other_prompts=(prompt_of(3, "a"),)) == {}
+        {unit_of(0, "a"): 1}
+    # "a" at 0 has only its second sample, "a" at 1 both: each sample goes to a line without one.
+    places = relocated(tmp_path, ["x", "y", "a", "a"], [(0, "a", 1), (1, "a", 0), (1, "a", 1)],
+                       samples_per_prompt=2, failed=((0, "a", 0),))
+    assert places[unit_of(1, "a", 0)] == 2 and {places[unit_of(0, "a", 1)], places[unit_of(1, "a", 1)]} == {2, 3}
+
+
+def test_a_prompt_moved_past_max_samples_is_found_where_it_is_now(tmp_path):
+    assert relocated(tmp_path, ["b", "a"], [(0, "a", 0)], max_samples=1) == {unit_of(0, "a"): 1}
+
+
+def test_a_finished_sample_a_line_already_has_stays_where_its_row_names(tmp_path):
+    # "a" was on two lines and is on one now: the second line's row is one sample too many there.
+    assert relocated(tmp_path, ["a"], [(0, "a", 0), (1, "a", 0)], samples_per_prompt=2) == {}
+    assert relocated(tmp_path, ["b", "a"], [(0, "a", 0), (2, "a", 0)], max_samples=1) == {unit_of(0, "a"): 1}
 
 
 def test_after_the_dataset_is_put_back_in_order_the_rows_name_their_own_places_again(tmp_path, endpoint):

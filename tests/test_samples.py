@@ -378,3 +378,42 @@ def test_after_a_reorder_the_report_shows_each_row_at_its_prompts_place_now(tmp_
     chosen = scan.sample.chosen()
     assert len(chosen) == 8
     assert {(row["p"], row["id"]) for row in chosen} == {(prompt, 3 - index) for index, prompt in enumerate(PROMPTS[:4])}
+
+
+def places_of_prompts(tmp_path: Path) -> dict[str, set[int]]:
+    found: dict[str, set[int]] = {}
+    for row in merged(tmp_path):
+        found.setdefault(human_prompt(row), set()).add(row["prompt_index"])
+    return found
+
+
+def merged_samples(tmp_path: Path) -> Counter:
+    return Counter((row["prompt_index"], row["content_key"], row["sample_index"]) for row in merged(tmp_path))
+
+
+def test_a_resume_with_a_lower_max_samples_keeps_the_rows_of_a_moved_prompt_at_one_place(tmp_path, endpoint):
+    run_dir = reordered_run(tmp_path, endpoint, PROMPTS[:4], PROMPTS[3::-1])
+    sample_run(tmp_path, endpoint, tmp_path / "dataset.jsonl", "--samples_per_prompt=2", "--resume",
+               "--max_samples=2")
+    assert places_of_prompts(tmp_path) == {prompt: {3 - index} for index, prompt in enumerate(PROMPTS[:4])}
+    statistics = json.loads((run_dir / "statistics.json").read_text())
+    assert statistics["samples"]["prompts_by_completed_samples"] == {"2": 4}
+
+
+def test_a_repeated_prompt_cut_to_one_line_does_not_give_that_line_a_sample_twice(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["same", "same"])
+    sample_run(tmp_path, endpoint, dataset)
+    write_dataset(dataset, ["same"])
+    sample_run(tmp_path, endpoint, dataset, "--samples_per_prompt=2", "--resume")
+    assert max(merged_samples(tmp_path).values()) == 1, merged_samples(tmp_path)
+
+
+@pytest.mark.parametrize("after", [["x", "y", "same", "same"], ["same", "other"]])
+def test_after_a_reorder_no_line_of_a_repeated_prompt_has_a_sample_twice(tmp_path, endpoint, after):
+    # The first request fails: the first occurrence has only its second sample, the other both.
+    repeated = "[[fail 400 1]] same"
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [repeated, repeated])
+    sample_run(tmp_path, endpoint, dataset, "--samples_per_prompt=2", "--num_workers=1", expect=2)
+    write_dataset(dataset, [repeated if line == "same" else line for line in after])
+    sample_run(tmp_path, endpoint, dataset, "--samples_per_prompt=2", "--resume")
+    assert max(merged_samples(tmp_path).values()) == 1, merged_samples(tmp_path)

@@ -117,10 +117,10 @@ class StoredRow:
         return self._row.prompt_index if self._place is None else self._place
 
     def relocate(self, places: Mapping[str, int]) -> None:
-        """Give the row its prompt's place in the dataset now, where a resumed run found it moved since the
-        row was written (``places``: see DatasetPlan.relocated), so that every row of one prompt names
-        one place: the prompt's index, its keys and the line the merge and the export write."""
-        self._place = places.get(unit_key(self._row.prompt_index, self._row.content_key))
+        """Give the row its place in the dataset now, where a resumed run found it moved since the row was
+        written (``places``: see DatasetPlan.relocated), so that every row of one prompt names one place:
+        the row's prompt index, its keys and the line the merge and the export write."""
+        self._place = places.get(unit_key(self._row.prompt_index, self.sample_key))
 
     @property
     def content_key(self) -> str:

@@ -1,11 +1,11 @@
-"""relocations.json: where the prompts of earlier rows are in the dataset now.
+"""relocations.json: where the rows written for lines that hold other content now belong.
 
 A resumed run whose dataset was reordered or edited meets rows that name a line holding other content now
-(dataset.plan_dataset finds where their prompts went). Those rows stay as they were written, since batch
-files only grow; the run records each such prompt's place instead, and the merge and the export read the
-rows through it (StoredRow.relocate), so that every row of one prompt names one place: trajectories.jsonl
-and the exports carry the place now, the statistics count each prompt once, --best_of keeps one sample of
-it. Each resumed run writes the file anew from every row and the dataset as it is then.
+(dataset.plan_dataset finds where each such unit went). Those rows stay as they were written, since batch
+files only grow; the run records each unit's place now instead, and the merge, the report and the export
+read the rows through it (StoredRow.relocate), so that every row of one prompt names one place:
+trajectories.jsonl and the exports carry the place now, the statistics count each prompt once, --best_of
+keeps one sample of it. Each resumed run writes the file anew from every row and the dataset as it is then.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ _REMEDY = ("run again with --resume, which writes it anew from the rows and the 
 
 
 def write_relocations(directory: Path, places: Mapping[str, int]) -> None:
-    """Record ``places`` (rows.prompt_key as rows name it -> the prompt's index now); none, no file."""
+    """Record ``places`` (rows.unit_key as rows name it -> the prompt index now); none, no file."""
     path = directory / RELOCATIONS
     if places:
         atomic_write_json(path, {"places": dict(places)})

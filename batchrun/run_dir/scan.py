@@ -26,9 +26,9 @@ class ScanResult:
     unreadable_lines: int = 0
     usage: UsageTotals = field(default_factory=empty_usage)      # of every row
     most_samples: int = 1                                        # the highest sample index of a row, plus one
-    # The prompts (rows.prompt_key) of rows that count nothing done, failures and corrupted rows: the
-    # planner finds where they are now when the dataset changed, as it does for the rows counted done.
-    other_prompts: set[str] = field(default_factory=set)
+    # The units of rows that count nothing done, failures and corrupted rows: the planner finds where
+    # they are now when the dataset changed, as it does for the rows counted done.
+    other_units: set[str] = field(default_factory=set)
 
     def add(self, other: ScanResult) -> None:
         add_usage(self.usage, other.usage)
@@ -37,7 +37,7 @@ class ScanResult:
         self.rows_by_status.update(other.rows_by_status)
         self.corrupted_units.extend(other.corrupted_units)
         self.unreadable_lines += other.unreadable_lines
-        self.other_prompts |= other.other_prompts
+        self.other_units |= other.other_units
 
     @property
     def corrupted_by_key(self) -> Counter:
@@ -88,11 +88,11 @@ def scan_ranges(ranges: list[FileRange]) -> ScanResult:
             add_usage(result.usage, row.usage())
             result.most_samples = max(result.most_samples, row.sample_index + 1)
             if row.status == rows.FAILED:
-                result.other_prompts.add(row.prompt_key)
+                result.other_units.add(row.unit_key)
                 continue
             if row.status != rows.DISCARDED and row.invented_tools():
                 result.corrupted_units.append(row.unit_key)
-                result.other_prompts.add(row.prompt_key)
+                result.other_units.add(row.unit_key)
                 continue
             result.done_units[row.unit_key] += 1
     return result
