@@ -316,7 +316,8 @@ def _plan_pass(path: Path, max_samples: int | None, own: Counter, moved: dict[st
         if past:
             beyond += 1
             continue
-        others.pop(unit_key(plan.total, key), None)
+        if others:      # empty unless earlier rows failed: no key built per line for nothing
+            others.pop(unit_key(plan.total, key), None)
         any_pending = False
         for sample_index, pending in enumerate(plan.rounds):
             done_key = sample_key(key, sample_index)

@@ -190,7 +190,7 @@ class RunDirectory:
                                  relocated=self.relocations())
 
     def write_relocations(self, places: Mapping[str, int]) -> None:
-        """Record where the prompts of earlier rows are now (see relocations.py)."""
+        """Record where the rows written for lines that hold other content now belong (see relocations.py)."""
         write_relocations(self.path, places)
 
     def relocations(self) -> dict[str, int]:

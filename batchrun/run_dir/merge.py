@@ -132,7 +132,7 @@ def _append_to_trajectories(directory: Path, files: list[Path], previous: MergeR
 
 def _read_merge_record(directory: Path, files: list[Path], relocations: str) -> MergeRecord | None:
     """The last merge's record, if trajectories.jsonl and every batch file it read are still
-    what it left (same tail bytes at the recorded sizes) and it placed prompts as ``relocations`` (a
+    what it left (same tail bytes at the recorded sizes) and it placed rows as ``relocations`` (a
     relocations_digest) does; None means: rewrite everything."""
     try:
         data = json.loads((directory / MERGE_RECORD).read_text(encoding="utf-8"))
