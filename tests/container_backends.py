@@ -102,6 +102,11 @@ class EngineBackend(Backend):
         """The engine's CLI, for what a test checks behind the backend's back."""
         return subprocess.run([self.name, *args], capture_output=True, text=True, timeout=60, check=True).stdout
 
+    def storage(self) -> Path:
+        """Where the engine keeps its images and containers' layers."""
+        template = "{{.Store.GraphRoot}}" if self.name == "podman" else "{{.DockerRootDir}}"
+        return Path(self.run("info", "--format", template).strip())
+
 
 @dataclass
 class StandInBackend(Backend):

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -120,6 +121,109 @@ def test_tmp_is_capped_at_its_size(capped):
     result = asyncio.run(capped.run("head -c 20m /dev/zero > /tmp/big; wc -c < /tmp/big"))
     assert "No space left on device" in result.output
     assert result.output.split()[-1] == str(8 * 1024 * 1024)
+
+
+def test_root_in_the_container_keeps_only_the_capabilities_ordinary_work_needs(engine, tmp_path):
+    """Root in its own container may change owners and drop to other users, but not make device nodes,
+    open raw sockets or chroot."""
+    env = started(engine, make_settings(tmp_path))
+    try:
+        owners = asyncio.run(env.run("touch f && chown nobody f && stat -c %U f && setpriv --reuid=65534 "
+                                     "--regid=65534 --clear-groups id -u"))
+        refused = asyncio.run(env.run("mknod /dev/mem2 c 1 1; chroot / true; echo $?"))
+        bounding = asyncio.run(env.run("grep CapBnd /proc/self/status"))
+    finally:
+        asyncio.run(env.close())
+    assert owners.output == "nobody\n65534\n"
+    assert "mknod: /dev/mem2: Operation not permitted" in refused.output and refused.output.endswith("125\n")
+    capabilities = int(bounding.output.split()[1], 16)
+    cap_mknod, cap_net_raw, cap_sys_chroot, cap_setfcap = 27, 13, 18, 31
+    assert not capabilities & (1 << cap_mknod | 1 << cap_net_raw | 1 << cap_sys_chroot | 1 << cap_setfcap)
+
+
+@pytest.fixture
+def small_disk(engine, tmp_path):
+    """Settings whose workspace limit is 40 MB, where the container's writable layer can be watched."""
+    return make_settings(tmp_path, limits=ResourceLimits(workspace_mb=40))
+
+
+def in_container(engine: EngineBackend, settings, steps):
+    """Start an environment, run ``steps(env)`` and close it, all on one event loop: the disk watch
+    runs on the loop the container was started on."""
+    async def scenario():
+        env = environment(engine, settings)
+        await env.start()
+        try:
+            return await steps(env)
+        finally:
+            await env.close()
+    return asyncio.run(scenario())
+
+
+def test_a_container_writing_past_the_workspace_limit_is_stopped_while_it_writes(engine, small_disk):
+    """Files of 30 MB each (each under the limit), written one after another: the watch on the
+    container's writable layer kills its processes as it passes 40 MB, long before the tenth."""
+    async def steps(env):
+        writer = await env.run("for i in $(seq 10); do head -c 30m /dev/zero > /f$i; done; echo wrote all")
+        left = await env.run("du -cm /f* | tail -1")
+        return writer, left
+    writer, left = in_container(engine, small_disk, steps)
+    assert "wrote all" not in writer.output
+    assert "went over its limit of 40 MB" in writer.error
+    assert int(left.output.split()[0]) < 200
+
+
+def test_a_container_stopped_for_its_size_runs_the_next_command_with_its_files(engine, small_disk):
+    async def steps(env):
+        stopped = await env.run("echo kept > notes.txt; head -c 30m /dev/zero > /a; head -c 30m /dev/zero > /b; "
+                                "sleep 5")
+        after = await env.run("rm /a /b; cat notes.txt")
+        written = await env.write_file("more.txt", b"room again")
+        return stopped, after, written
+    stopped, after, written = in_container(engine, small_disk, steps)
+    assert "went over its limit of 40 MB" in stopped.error
+    assert (after.output, after.exit_code, after.error) == ("kept\n", 0, None)
+    assert written == "more.txt"
+
+
+def test_a_file_the_container_holds_open_after_deleting_it_counts_towards_the_limit(engine, small_disk):
+    """No walk of the layer sees a deleted file that a process still holds: its space is found through
+    the container's processes."""
+    async def steps(env):
+        return await env.run("(exec 3> /held; head -c 30m /dev/zero >&3; rm /held; sleep 30) & sleep 1; "
+                             "head -c 30m /dev/zero > /named; sleep 5; echo slept")
+    result = in_container(engine, small_disk, steps)
+    assert "slept" not in result.output
+    assert "went over its limit of 40 MB" in result.error
+
+
+def test_a_container_cannot_take_the_disks_reserve(engine, tmp_path):
+    free_mb = shutil.disk_usage(engine.storage()).free // 2**20
+    # A reserve just below what is free now: the first 64 MB or so of writing reaches it.
+    settings = make_settings(tmp_path, limits=ResourceLimits(workspace_mb=10_000, disk_reserve_mb=max(free_mb - 64, 1)))
+
+    async def steps(env):
+        return await env.run("for i in $(seq 40); do head -c 25m /dev/zero > /f$i; done; echo finished")
+    result = in_container(engine, settings, steps)
+    assert "finished" not in result.output
+    assert "almost full" in result.error
+
+
+def test_no_file_in_the_container_can_outgrow_the_workspace_limit(engine, small_disk):
+    """`fallocate` reserves space in one call, faster than any look at the disk: the file size limit
+    refuses it at once."""
+    async def steps(env):
+        return await env.run("fallocate -l 100m /big; echo $?; du -k /big")
+    result = in_container(engine, small_disk, steps)
+    assert result.output.splitlines() == ["File size limit exceeded", "153", "0\t/big"]
+
+
+def test_the_file_tools_refuse_a_write_that_would_pass_the_workspace_limit(engine, small_disk):
+    async def steps(env):
+        await env.run("head -c 30m /dev/zero > /a")
+        with pytest.raises(ToolError, match="over its limit of 40 MB"):
+            await env.write_file("big.txt", b"x" * 15 * 1024 * 1024)
+    in_container(engine, small_disk, steps)
 
 
 # -- time-outs ---------------------------------------------------------------------------------------

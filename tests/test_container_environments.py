@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import time
 
 import pytest
@@ -33,6 +34,7 @@ from batchrun.environments import create_environment, environment_class
 from batchrun.environments import docker as docker_module
 from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError
 from batchrun.environments.container import ContainerEnvironment
+from batchrun.environments.container_layer import parse_layer
 from batchrun.environments.image_lock import image_file_stem
 from batchrun.environments.singularity import sif_cache
 from batchrun.tools import ToolContext, ToolError
@@ -338,3 +340,20 @@ def test_apptainer_kind_drives_the_apptainer_program(tmp_path, monkeypatch):
     close(env)
     assert result.output == "hello\n"
     assert stand_in.calls("apptainer", "instance", "start") and stand_in.calls("apptainer", "instance", "stop")
+
+
+# -- the watch on a container's writable layer ------------------------------------------------------
+
+def test_a_layer_is_watched_where_its_first_process_has_the_containers_root(tmp_path):
+    assert parse_layer(f"{os.getpid()}\t{tmp_path}\t/\n") == (os.getpid(), tmp_path)
+
+
+def test_a_layer_is_not_watched_where_the_pid_names_another_process_here(tmp_path):
+    """A runner in a PID namespace of its own sees another process under the engine's pid: killing it
+    for the container's size would hit a stranger."""
+    assert parse_layer(f"{os.getpid()}\t{tmp_path}\t{tmp_path}") is None
+
+
+@pytest.mark.parametrize("answer", ["0\t/x\t/x", "\t\t", "<no value>\t<no value>\t<no value>", "12"])
+def test_a_layer_is_not_watched_without_a_running_container_or_an_overlay_directory(answer):
+    assert parse_layer(answer) is None

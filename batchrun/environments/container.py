@@ -35,6 +35,7 @@ from batchrun.environments.base import (
 from batchrun.environments.command_output import run_merged
 from batchrun.environments.container_cli import STDOUT_BYTES, CliResult, call_cli
 from batchrun.environments.image_lock import ImageLock
+from batchrun.environments.limits import MIB
 
 T = TypeVar("T")
 
@@ -59,9 +60,14 @@ _READ_SCRIPT = (f'[ -e "$1" ] || exit {_MISSING}; [ -d "$1" ] && exit {_IS_DIREC
                 f'[ -f "$1" ] || exit {_NOT_REGULAR}; exec head -c "$2" "$1"')
 # $1: the file; the content comes on stdin.
 _WRITE_SCRIPT = f'[ -d "$1" ] && exit {_IS_DIRECTORY}; mkdir -p "$(dirname "$1")" && cat > "$1"'
-# Runs its arguments with stderr into stdout inside the container, so that the two stay in the order
-# written: a runtime forwarding them as two streams (docker and podman exec do) mixes them up.
-_MERGED = 'exec "$@" 2>&1'
+# Runs its arguments after the first with stderr into stdout inside the container, so that the two stay in
+# the order written: a runtime forwarding them as two streams (docker and podman exec do) mixes them up.
+# The first caps the size of every file they write, in the 512-byte blocks of POSIX `ulimit -f`: the one
+# bound on `fallocate`, which the engines' system-call filters allow and which takes gigabytes in one call,
+# faster than any look at the disk. The soft and the hard limit are set, and no capability is left to
+# raise the hard one again; where a lower one already holds, it stays.
+_MERGED = 'ulimit -f "$1" 2>/dev/null; shift; exec "$@" 2>&1'
+_ULIMIT_BLOCK = 512
 
 
 def container_path(base: str, path: str) -> str:
@@ -163,7 +169,9 @@ class ContainerEnvironment(Environment):
         """``sh -c command`` in the container (images may lack bash), killed by ``timeout`` inside
         the container and, should the runtime hang, given up on by us a little later."""
         limit = self.settings.command_timeout if timeout is None else timeout
-        argv = ["sh", "-c", _MERGED, "sh", "timeout", "-s", "KILL", str(max(1, math.ceil(limit))), "sh", "-c", command]
+        file_blocks = self.settings.limits.workspace_mb * MIB // _ULIMIT_BLOCK
+        argv = ["sh", "-c", _MERGED, "sh", str(file_blocks),
+                "timeout", "-s", "KILL", str(max(1, math.ceil(limit))), "sh", "-c", command]
         began = time.monotonic()
         result = await self._exec_merged(argv, timeout=limit + _CLI_GRACE_SECONDS)
         if result.exit_code == _KILLED_BY_TIMEOUT and time.monotonic() - began >= limit:

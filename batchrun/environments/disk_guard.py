@@ -60,7 +60,7 @@ class WorkspaceWatch:
         self.limit_bytes = limit_bytes
         self.stop = stop
         self.holders = holders
-        self.device = os.stat(directory).st_dev
+        self.device = os.stat(directory).st_dev     # where the holders' unnamed files count (see unnamed_usage)
         self.unnamed = 0        # what the holders' files with no name took when last counted
         self.used = 0
         self.stopped_at = -_MIN_ROOM_BYTES      # what it held when its processes were last stopped

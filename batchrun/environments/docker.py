@@ -8,10 +8,11 @@ crashed run can be found and removed before the next run under the same name sta
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 from batchrun.env_vars import variable
-from batchrun.environments.base import EnvironmentSettings
+from batchrun.environments.base import CommandResult, EnvironmentSettings, ToolError
 from batchrun.environments.container import (
     HOUSEKEEPING_TIMEOUT,
     PULL_TIMEOUT,
@@ -20,6 +21,7 @@ from batchrun.environments.container import (
     setup_error,
 )
 from batchrun.environments.container_cli import call_cli_blocking
+from batchrun.environments.container_layer import LAYER_FORMAT, LayerWatch, parse_layer
 from batchrun.environments.single_flight import SingleFlight
 
 RUN_LABEL = "batch_runner.run"
@@ -43,6 +45,11 @@ _FIRST_PROCESS = 'trap "" TERM INT HUP; while :; do sleep infinity & wait; done'
 _IDLE_PROCESSES = 2
 # A running engine answers `version` at once; a node check must not hold up the actor for long.
 _NODE_CHECK_TIMEOUT = 30.0
+# What root in the container keeps of the engine's default capabilities: what ordinary work as root in a
+# system of one's own takes (package managers change owners and drop to users of their own, servers bind
+# low ports, root signals processes it started as another user). Gone: making device nodes, raw sockets,
+# file capabilities, chroot, changing the capability sets, writing the audit log.
+_CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID", "NET_BIND_SERVICE")
 
 
 class DockerEnvironment(CliContainerEnvironment):
@@ -50,6 +57,11 @@ class DockerEnvironment(CliContainerEnvironment):
     program = "docker"
     install_hint = ("install Docker (https://docs.docker.com/engine/install/), or Podman and set "
                     f"{CLI_VARIABLE}=podman")
+
+    def __init__(self, settings: EnvironmentSettings, *, prompt_index: int,
+                 image: str | None = None, cwd: str | None = None) -> None:
+        super().__init__(settings, prompt_index=prompt_index, image=image, cwd=cwd)
+        self._layer: LayerWatch | None = None   # the watch on what the container writes, where it can be had
 
     @classmethod
     def cli(cls) -> str:
@@ -104,7 +116,8 @@ class DockerEnvironment(CliContainerEnvironment):
         caps = self.settings.limits
         # The engine's control groups cap the container as a whole; swap equal to memory means none.
         limits = ["--memory", f"{caps.memory_mb}m", "--memory-swap", f"{caps.memory_mb}m",
-                  "--pids-limit", str(caps.processes), "--tmpfs", f"/tmp:size={caps.tmp_mb}m"]
+                  "--pids-limit", str(caps.processes), "--tmpfs", f"/tmp:size={caps.tmp_mb}m",
+                  "--cap-drop=ALL", *(f"--cap-add={capability}" for capability in _CAPABILITIES)]
         # No stop time-out: the first process ignores SIGTERM, and Podman's `rm -f` would wait 10 s for it.
         created = await self._call([
             self.executable, "run", "-d", "--label", f"{RUN_LABEL}={self.settings.run_label}",
@@ -112,6 +125,60 @@ class DockerEnvironment(CliContainerEnvironment):
             "--stop-timeout", "0", "--entrypoint", "sh", self.image, "-c", _FIRST_PROCESS])
         if not created.ok:
             raise setup_error(f"cannot start a container from {self.image}", created.message())
+        await self._watch_layer()
+
+    async def _watch_layer(self) -> None:
+        """Watch the container's writable layer where this machine holds it (see container_layer), or
+        take note that its first process is a new one (the container was started again)."""
+        answer = await self._call([self.executable, "inspect", "--format", LAYER_FORMAT, self.name])
+        found = parse_layer(answer.stdout.decode("utf-8", "replace")) if answer.ok else None
+        try:
+            if found is not None and self._layer is not None:
+                self._layer.restarted(found[0])
+            elif found is not None:
+                self._layer = LayerWatch(found[1], found[0], self.settings.limits)
+        except OSError:         # the first process ended between the answer and now
+            pass
+
+    async def _ready(self) -> None:
+        """Start the container again where the disk watch killed its processes."""
+        if self._layer is not None and self._layer.killed:
+            started = await self._call([self.executable, "start", self.name])
+            if not started.ok:
+                raise ToolError(f"the container could not be started again: {started.message()}")
+            await self._watch_layer()
+
+    async def run(self, command: str, timeout: float | None = None) -> CommandResult:
+        try:
+            await self._ready()
+        except ToolError as exc:
+            return CommandResult(output="", exit_code=None, error=str(exc))
+        layer = self._layer
+        if layer is not None:
+            await layer.watch.settle()
+        result = await super().run(command, timeout)
+        if layer is None:
+            return result
+        # The layer's own look comes first: a command that wrote past the limit just before it ended is
+        # caught here rather than at the next tick.
+        await layer.watch.look()
+        note = layer.watch.take_reason()
+        if note is None and layer.watch.used > layer.watch.limit_bytes:
+            note = (f"the container holds more than the workspace limit of {self.settings.limits.workspace_mb} "
+                    "MB; delete files before writing more")
+        if note is None:
+            return result
+        return dataclasses.replace(result, error="; ".join([*([result.error] if result.error else []), note]))
+
+    async def read_file(self, path: str) -> bytes:
+        await self._ready()
+        return await super().read_file(path)
+
+    async def write_file(self, path: str, data: bytes) -> str:
+        await self._ready()
+        if self._layer is not None and (refusal := self._layer.watch.refuses(len(data))):
+            raise ToolError(refusal)
+        return await super().write_file(path, data)
 
     async def _end_processes(self) -> str | None:
         """Where the engine lists more than the first process and its `sleep`, stop and start the container:
@@ -126,9 +193,12 @@ class DockerEnvironment(CliContainerEnvironment):
             done = await self._call([self.executable, step, *(["--time", "0"] if step == "stop" else []), self.name])
             if not done.ok:
                 return done.message()
+        await self._watch_layer()
         return None
 
     async def _remove(self) -> None:
+        if self._layer is not None:
+            self._layer.close()
         # With its anonymous volumes (an image's VOLUME): the engines keep them, and what was written in
         # them, unless told.
         await self._call([self.executable, "rm", "-f", "-v", self.name])
