@@ -218,6 +218,25 @@ def test_no_file_in_the_container_can_outgrow_the_workspace_limit(engine, small_
     assert result.output.splitlines() == ["File size limit exceeded", "153", "0\t/big"]
 
 
+# Stands in for the image's `sh`: run as our command wrapper (`sh -c SCRIPT sh BLOCKS timeout ...`), it
+# skips the script, and so the `ulimit -f` in it; any other use it hands to dash.
+SHELL_SKIPPING_ULIMIT = ("printf '#!/bin/bash\\nif [ \"$1\" = -c ] && [ \"$3\" = sh ]; then shift 4; exec \"$@\"; fi\\n"
+                         "exec /bin/dash \"$@\"\\n' > /sh.new && chmod +x /sh.new && mv /sh.new /bin/sh")
+
+
+def test_a_command_replacing_the_images_shell_cannot_lift_dockers_file_size_limit(tmp_path, monkeypatch):
+    """Docker only: Podman's file size limit is the one each command's `sh` sets (see _file_size_limit)."""
+    engine = make_backend("docker", tmp_path, monkeypatch)
+
+    async def steps(env):
+        await env.run(SHELL_SKIPPING_ULIMIT)
+        unlimited = await env.run("ulimit -f")
+        return unlimited, await env.run("fallocate -l 100m /big; echo $?")
+    unlimited, result = in_container(engine, make_settings(tmp_path, limits=ResourceLimits(workspace_mb=40)), steps)
+    assert unlimited.output == str(40 * 2048) + "\n"      # Docker's limit, in the shell's 512-byte blocks
+    assert result.output.splitlines() == ["File size limit exceeded", "153"]
+
+
 def test_the_file_tools_refuse_a_write_that_would_pass_the_workspace_limit(engine, small_disk):
     async def steps(env):
         await env.run("head -c 30m /dev/zero > /a")

@@ -179,7 +179,7 @@ def test_docker_checks_the_engine_then_pulls_a_missing_image_before_creating_the
                                                                                           tmp_path):
     close(started(docker_stand_in, make_settings(tmp_path)))
     commands = [argv[0] if argv[0] != "image" else "image inspect" for argv in docker_stand_in.calls("docker")]
-    assert commands[:4] == ["version", "image inspect", "image inspect", "pull"]
+    assert commands[:5] == ["version", "--version", "image inspect", "image inspect", "pull"]
     assert commands.index("pull") < commands.index("run")
     assert docker_stand_in.calls("docker", "pull") == [["pull", STAND_IN_IMAGE]]
 

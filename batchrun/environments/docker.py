@@ -22,6 +22,7 @@ from batchrun.environments.container import (
 )
 from batchrun.environments.container_cli import call_cli_blocking
 from batchrun.environments.container_layer import LAYER_FORMAT, LayerWatch, parse_layer
+from batchrun.environments.limits import MIB
 from batchrun.environments.single_flight import SingleFlight
 
 RUN_LABEL = "batch_runner.run"
@@ -33,6 +34,7 @@ CLI_VARIABLE = "TERMINAL_CONTAINER_CLI"
 # An engine that did not answer is asked again, so a daemon started mid-run is noticed. Sessions
 # asking at the same moment share one question.
 _reachable_engines: set[str] = set()
+_podman_engines: set[str] = set()          # of those, the ones that are Podman
 _present_images: set[tuple[str, str]] = set()
 _questions = SingleFlight()
 # The container's first process: it must reap the orphans the kernel hands it (`sleep infinity` never
@@ -93,6 +95,9 @@ class DockerEnvironment(CliContainerEnvironment):
         if not answer.ok:
             raise setup_error(f"the {self.cli()} engine is not reachable (start it, or choose another "
                               "TERMINAL_ENV)", answer.message())
+        named = await self._call([self.executable, "--version"])
+        if named.ok and named.stdout.lower().startswith(b"podman"):
+            _podman_engines.add(self.executable)
         _reachable_engines.add(self.executable)
 
     async def _image_present(self) -> bool:
@@ -117,6 +122,7 @@ class DockerEnvironment(CliContainerEnvironment):
         # The engine's control groups cap the container as a whole; swap equal to memory means none.
         limits = ["--memory", f"{caps.memory_mb}m", "--memory-swap", f"{caps.memory_mb}m",
                   "--pids-limit", str(caps.processes), "--tmpfs", f"/tmp:size={caps.tmp_mb}m",
+                  *self._file_size_limit(),
                   "--cap-drop=ALL", *(f"--cap-add={capability}" for capability in _CAPABILITIES)]
         # No stop time-out: the first process ignores SIGTERM, and Podman's `rm -f` would wait 10 s for it.
         created = await self._call([
@@ -126,6 +132,15 @@ class DockerEnvironment(CliContainerEnvironment):
         if not created.ok:
             raise setup_error(f"cannot start a container from {self.image}", created.message())
         await self._watch_layer()
+
+    def _file_size_limit(self) -> list[str]:
+        """Docker's own cap on the size of any file, which no program in the container can lift (each
+        command's `sh` also sets one, but a command can replace the image's `sh`). Not for Podman: given
+        one limit, it drops the limits its configuration names and raises open files and processes to
+        its defaults, which fails every container where it lacks CAP_SYS_RESOURCE."""
+        if self.executable in _podman_engines:
+            return []
+        return ["--ulimit", f"fsize={self.settings.limits.workspace_mb * MIB}"]
 
     async def _watch_layer(self) -> None:
         """Watch the container's writable layer where this machine holds it (see container_layer), or
