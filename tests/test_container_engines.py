@@ -173,6 +173,16 @@ def test_a_container_writing_past_the_workspace_limit_is_stopped_while_it_writes
     assert int(left.output.split()[0]) < 200
 
 
+def test_a_writer_left_in_the_background_is_stopped_between_commands(engine, small_disk):
+    async def steps(env):
+        await env.run("(while :; do head -c 5m /dev/zero >> /grow; sleep 0.05; done) > /dev/null 2>&1 &")
+        await asyncio.sleep(4)
+        return await env.run("echo next; du -m /grow")
+    after = in_container(engine, small_disk, steps)
+    assert after.output.startswith("next\n") and int(after.output.split()[1]) < 100
+    assert "went over its limit of 40 MB" in after.error
+
+
 def test_a_container_stopped_for_its_size_runs_the_next_command_with_its_files(engine, small_disk):
     async def steps(env):
         stopped = await env.run("echo kept > notes.txt; head -c 30m /dev/zero > /a; head -c 30m /dev/zero > /b; "
