@@ -69,6 +69,8 @@ PAGES = {
               " node = node.appendChild(document.createElement('div')); node.textContent = 'bottom'</script>",
     "/flood": "<title>Flood</title><p>Pushing</p><script>for (let i = 0; i < 100000; i++)"
               " history.pushState(null, '', '/flood?' + i)</script>",
+    "/kept-in-page": "<title>Kept</title><a href='/form' target='_blank' onclick='event.preventDefault();"
+                     " this.textContent = \"Handled here\"'>Open elsewhere</a>",
     "/popups": "<title>Popups</title><p>Opening windows</p><script>for (let i = 0; i < 200; i++)"
                " window.open('about:blank')</script>",
     "/hang": "<title>Hang</title><p>Busy soon</p><script>fetch('/hang-release').then(() => {"
@@ -839,6 +841,23 @@ def test_a_page_opening_windows_on_load_opens_none_and_stays_the_sessions_page(s
     assert view["title"] == "Popups" and "Opening windows" in view["snapshot"]
     opened = session.ctx.state["browser"]
     assert opened.context.pages == [opened.page]
+
+
+def test_a_click_on_a_link_that_opens_a_new_window_returns_the_new_windows_page(session: Session, site: str) -> None:
+    # Before, the click returned the page the link was on: the new window reached the session only
+    # after the click had answered.
+    view = session.call("navigate", url=site + "/window?0")
+    opened = session.call("click", ref=ref(view, 'link "Open another"'))
+    assert opened["title"] == "Window 1" and opened["url"] == site + "/window?1"
+
+
+def test_a_click_on_a_new_window_link_whose_page_keeps_the_click_returns_that_page(session: Session,
+                                                                                  site: str) -> None:
+    view = session.call("navigate", url=site + "/kept-in-page")
+    began = time.monotonic()
+    clicked = session.call("click", ref=ref(view, 'link "Open elsewhere"'))
+    assert clicked["title"] == "Kept" and "Handled here" in clicked["snapshot"]
+    assert time.monotonic() - began < tab.NAVIGATION_TIMEOUT_S
 
 
 def test_a_session_keeps_only_its_newest_windows_open(session: Session, site: str) -> None:

@@ -320,7 +320,7 @@ class CliContainerEnvironment(ContainerEnvironment):
         """What a program in the container writes is kept up to one byte past the largest file the tools
         read: a program the prompt replaced may write without end."""
         return await self._call(self.exec_argv(argv, workdir=workdir, stdin=stdin is not None), stdin=stdin,
-                                max_stdout=self.settings.max_file_bytes + 1)
+                                max_stdout=self.settings.max_file_bytes)
 
     async def _exec_merged(self, argv: list[str], *, timeout: float) -> CommandResult:
         try:

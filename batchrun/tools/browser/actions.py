@@ -8,6 +8,7 @@ call opens a fresh one instead of waiting on it again.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from collections.abc import Awaitable, Callable
@@ -18,6 +19,8 @@ from batchrun.tools import ToolContext, ToolError
 from batchrun.tools.address_policy import allowed_addresses
 from batchrun.tools.browser.caps import ALT_CHARS, MAX_IMAGES, TEXT_CHARS, URL_CHARS, cap_result, cut_text
 from batchrun.tools.browser.tab import (
+    ACTION_TIMEOUT_S,
+    NAVIGATION_TIMEOUT_S,
     Tab,
     Unresponsive,
     answer,
@@ -97,15 +100,48 @@ async def snapshot(args: dict, ctx: ToolContext) -> dict:
         return await page_view(tab)
 
 
+# Whether a click on the element opens a new window: it is in a link, or is a form's submit button, aimed
+# at `_blank`. (A script's window.open cannot be told beforehand: its window is the session's page from the
+# next call on.)
+_OPENS_WINDOW_SCRIPT = """e => {
+  const link = e.closest('a[href], area[href]');
+  const target = link ? link.target : (e.form ? (e.formTarget || e.form.target) : '');
+  return (target || '').toLowerCase() === '_blank';
+}"""
+
+
 @_browser_tool
 async def click(args: dict, ctx: ToolContext) -> dict:
-    """Click an element by ref; a navigation it starts is waited for before the snapshot."""
+    """Click an element by ref; a navigation it starts, or the window it opens, is waited for before the
+    snapshot. Playwright tells of a new window only after the click has returned."""
     tab = await open_tab(ctx)
     element, ref = _element(tab, args)
     async with tab.acting(f"click on {ref}"):
         await _require(element, ref)
-        await element.click()
+        if await answer(element.evaluate(_OPENS_WINDOW_SCRIPT)):
+            await _click_into_new_window(tab, element)
+        else:
+            await element.click()
         return {"result": f"clicked {ref}", **await page_view(tab)}
+
+
+async def _click_into_new_window(tab: Tab, element: Locator) -> None:
+    """Click, and make the window that opens the session's page once its document is there. A page may
+    keep the click to itself (a script's handler): after ACTION_TIMEOUT_S with no window, it stays."""
+    from playwright.async_api import TimeoutError as PlaywrightTimeout
+
+    clicked = False
+    try:
+        async with tab.context.expect_page(timeout=ACTION_TIMEOUT_S * 1000) as opened:
+            await element.click()
+            clicked = True
+    except PlaywrightTimeout:
+        if clicked:             # the wait for the window ran out, not the click
+            return
+        raise
+    tab.page = await opened.value       # as tab.follow does, whichever comes first
+    with contextlib.suppress(PlaywrightTimeout):    # a slow page is shown as far as it got
+        await tab.page.wait_for_load_state("domcontentloaded", timeout=NAVIGATION_TIMEOUT_S * 1000)
 
 
 @_browser_tool
