@@ -144,6 +144,7 @@ def test_root_in_the_container_keeps_only_the_capabilities_ordinary_work_needs(e
 @pytest.fixture
 def small_disk(engine, tmp_path):
     """Settings whose workspace limit is 40 MB, where the container's writable layer can be watched."""
+    engine.require_overlay()
     return make_settings(tmp_path, limits=ResourceLimits(workspace_mb=40))
 
 
@@ -208,6 +209,7 @@ def test_a_file_the_container_holds_open_after_deleting_it_counts_towards_the_li
 
 
 def test_a_container_cannot_take_the_disks_reserve(engine, tmp_path):
+    engine.require_overlay()
     free_mb = shutil.disk_usage(engine.storage()).free // 2**20
     # A reserve just below what is free now: the first 64 MB or so of writing reaches it.
     settings = make_settings(tmp_path, limits=ResourceLimits(workspace_mb=10_000, disk_reserve_mb=max(free_mb - 64, 1)))
@@ -219,12 +221,12 @@ def test_a_container_cannot_take_the_disks_reserve(engine, tmp_path):
     assert "almost full" in result.error
 
 
-def test_no_file_in_the_container_can_outgrow_the_workspace_limit(engine, small_disk):
+def test_no_file_in_the_container_can_outgrow_the_workspace_limit(engine, tmp_path):
     """`fallocate` reserves space in one call, faster than any look at the disk: the file size limit
     refuses it at once."""
     async def steps(env):
         return await env.run("fallocate -l 100m /big; echo $?; du -k /big")
-    result = in_container(engine, small_disk, steps)
+    result = in_container(engine, make_settings(tmp_path, limits=ResourceLimits(workspace_mb=40)), steps)
     assert result.output.splitlines() == ["File size limit exceeded", "153", "0\t/big"]
 
 
