@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import subprocess
 import time
 
 import pytest
@@ -34,8 +35,9 @@ from batchrun.environments import create_environment, environment_class
 from batchrun.environments import docker as docker_module
 from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError
 from batchrun.environments.container import ContainerEnvironment
-from batchrun.environments.container_layer import parse_layer
+from batchrun.environments.container_layer import LayerWatch, parse_layer
 from batchrun.environments.image_lock import image_file_stem
+from batchrun.environments.limits import ResourceLimits
 from batchrun.environments.singularity import sif_cache
 from batchrun.tools import ToolContext, ToolError
 from batchrun.tools.files import read_file, write_file
@@ -357,3 +359,28 @@ def test_a_layer_is_not_watched_where_the_pid_names_another_process_here(tmp_pat
 @pytest.mark.parametrize("answer", ["0\t/x\t/x", "\t\t", "<no value>\t<no value>\t<no value>", "12"])
 def test_a_layer_is_not_watched_without_a_running_container_or_an_overlay_directory(answer):
     assert parse_layer(answer) is None
+
+
+def test_a_layer_watch_whose_new_first_process_was_gone_signals_no_other_process(tmp_path):
+    """The descriptor on the old first process is closed before the new one is opened; its number, soon
+    another descriptor's (here one on an unrelated process), must not be what a kill for the size hits."""
+    async def scenario():
+        first = subprocess.Popen(["sleep", "60"])
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        layer = LayerWatch(tmp_path, first.pid, ResourceLimits())
+        try:
+            with pytest.raises(OSError):
+                layer.restarted(gone.pid)
+            bystander = subprocess.Popen(["sleep", "60"])
+            held = os.pidfd_open(bystander.pid)       # takes the number the layer's descriptor had
+            layer.watch.stop()
+            await asyncio.sleep(0.2)
+            alive = bystander.poll() is None
+            os.close(held)
+            bystander.kill()
+            return alive
+        finally:
+            layer.close()
+            first.kill()
+    assert asyncio.run(scenario())

@@ -63,9 +63,12 @@ class LayerWatch:
             raise
 
     def restarted(self, first_pid: int) -> None:
-        """The container was started again (its first process is new)."""
-        if self._first >= 0:
-            os.close(self._first)
+        """The container was started again (its first process is new). Where that process is gone
+        already, OSError, and the watch holds no process until the next start: a closed descriptor's
+        number, soon another's, must never be signalled."""
+        previous, self._first = self._first, -1
+        if previous >= 0:
+            os.close(previous)
         self._first = os.pidfd_open(first_pid)
         self._namespace = os.readlink(f"/proc/{first_pid}/ns/pid")
         # The container's processes see its files on the overlay's own device, made anew by each start,
@@ -74,10 +77,12 @@ class LayerWatch:
         self.killed = False
 
     def _kill(self) -> None:
-        try:
-            signal.pidfd_send_signal(self._first, signal.SIGKILL)
-        except ProcessLookupError:
-            pass                # already gone: a time-out's stop, or the engine
+        """Called by the disk guard's task, which watches every container of the worker: never raises."""
+        if self._first >= 0:
+            try:
+                signal.pidfd_send_signal(self._first, signal.SIGKILL)
+            except OSError:
+                pass            # already gone: a time-out's stop, or the engine
         self.killed = True
 
     def holders(self) -> list[int]:
