@@ -294,6 +294,33 @@ def test_files_deleted_while_open_cannot_take_the_disks_reserve(tmp_path: Path, 
     assert "finished" not in result.output and "almost full" in (result.error or ""), result
 
 
+# Writes files, deletes each while open and sends its descriptor into a Unix socket, where it waits:
+# no process has it open any more, so /proc shows it nowhere, yet its space stays taken. Past the
+# workspace limit nothing sees them (docs/environments.md, note 6); below the disk's reserve every look
+# counts the file being written, which the writer holds, and its growth stops the prompt.
+FILES_HIDDEN_IN_A_SOCKET = """python3 -c '
+import os, socket
+kept, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+block = bytes(1 << 20)
+for i in range(40):
+    fd = os.open(f"hidden{i}", os.O_CREAT | os.O_WRONLY)
+    for _ in range(25):
+        os.write(fd, block)
+    os.unlink(f"hidden{i}")
+    socket.send_fds(kept, [b"x"], [fd])
+    os.close(fd)
+print("finished")
+'"""
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_files_hidden_in_a_socket_cannot_take_the_disks_reserve(tmp_path: Path, kind: str) -> None:
+    free_mb = shutil.disk_usage(tmp_path).free // 2**20
+    limits = settings(tmp_path, workspace_mb=10_000, disk_reserve_mb=max(free_mb - 64, 1))
+    [result] = run(kind, limits, FILES_HIDDEN_IN_A_SOCKET)
+    assert "finished" not in result.output and "almost full" in (result.error or ""), result
+
+
 @pytest.mark.parametrize("kind", BACKENDS)
 def test_the_file_tools_refuse_a_write_past_the_workspace_limit(tmp_path: Path, kind: str) -> None:
     async def scenario() -> None:
