@@ -141,6 +141,23 @@ def test_root_in_the_container_keeps_only_the_capabilities_ordinary_work_needs(e
     assert not capabilities & (1 << cap_mknod | 1 << cap_net_raw | 1 << cap_sys_chroot | 1 << cap_setfcap)
 
 
+# A package of one file owned by another user, built and installed in the container: what dpkg does as
+# root (owners, modes, its database) needs no capability the container lost.
+LOCAL_PACKAGE = ("mkdir -p /pkg/DEBIAN /pkg/opt/demo && printf 'Package: demo\\nVersion: 1\\nArchitecture: all\\n"
+                 "Maintainer: t <t@example.com>\\nDescription: d\\n' > /pkg/DEBIAN/control && echo hi > /pkg/opt/demo/f "
+                 "&& chown 1000:1000 /pkg/opt/demo/f && dpkg-deb --build /pkg /demo.deb > /dev/null && dpkg -i /demo.deb "
+                 "> /dev/null && stat -c '%u %n' /opt/demo/f && useradd -m worker && su worker -c 'id -un'")
+
+
+def test_root_in_the_container_installs_a_package_and_adds_a_user(engine, tmp_path):
+    env = started(engine, make_settings(tmp_path))
+    try:
+        result = asyncio.run(env.run(LOCAL_PACKAGE))
+    finally:
+        asyncio.run(env.close())
+    assert (result.output, result.exit_code) == ("1000 /opt/demo/f\nworker\n", 0)
+
+
 @pytest.fixture
 def small_disk(engine, tmp_path):
     """Settings whose workspace limit is 40 MB, where the container's writable layer can be watched."""
