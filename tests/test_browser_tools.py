@@ -69,6 +69,8 @@ PAGES = {
               " node = node.appendChild(document.createElement('div')); node.textContent = 'bottom'</script>",
     "/flood": "<title>Flood</title><p>Pushing</p><script>for (let i = 0; i < 100000; i++)"
               " history.pushState(null, '', '/flood?' + i)</script>",
+    "/new-window-form": "<title>Search</title><form action='/form' target='_blank'>"
+                        "<input name='q' aria-label='Query'><button>Search elsewhere</button></form>",
     "/kept-in-page": "<title>Kept</title><a href='/form' target='_blank' onclick='event.preventDefault();"
                      " this.textContent = \"Handled here\"'>Open elsewhere</a>",
     "/popups": "<title>Popups</title><p>Opening windows</p><script>for (let i = 0; i < 200; i++)"
@@ -858,6 +860,16 @@ def test_a_click_on_a_new_window_link_whose_page_keeps_the_click_returns_that_pa
     clicked = session.call("click", ref=ref(view, 'link "Open elsewhere"'))
     assert clicked["title"] == "Kept" and "Handled here" in clicked["snapshot"]
     assert time.monotonic() - began < tab.NAVIGATION_TIMEOUT_S
+
+
+def test_a_form_aimed_at_a_new_window_opens_it_on_submit_and_not_when_its_field_is_clicked(
+        session: Session, site: str) -> None:
+    view = session.call("navigate", url=site + "/new-window-form")
+    began = time.monotonic()
+    focused = session.call("click", ref=ref(view, 'textbox "Query"'))
+    assert focused["title"] == "Search" and time.monotonic() - began < tab.ACTION_TIMEOUT_S
+    submitted = session.call("click", ref=ref(view, 'button "Search elsewhere"'))
+    assert submitted["title"] == "Form"
 
 
 def test_a_session_keeps_only_its_newest_windows_open(session: Session, site: str) -> None:

@@ -100,12 +100,13 @@ async def snapshot(args: dict, ctx: ToolContext) -> dict:
         return await page_view(tab)
 
 
-# Whether a click on the element opens a new window: it is in a link, or is a form's submit button, aimed
+# Whether a click on the element opens a new window: it is in a link, or in a form's submit button, aimed
 # at `_blank`. (A script's window.open cannot be told beforehand: its window is the session's page from the
 # next call on.)
 _OPENS_WINDOW_SCRIPT = """e => {
-  const link = e.closest('a[href], area[href]');
-  const target = link ? link.target : (e.form ? (e.formTarget || e.form.target) : '');
+  const link = e.closest('a[href], area[href]'), control = e.closest('button, input');
+  const submits = control && control.form && ['submit', 'image'].includes(control.type);
+  const target = link ? link.target : submits ? (control.formTarget || control.form.target) : '';
   return (target || '').toLowerCase() === '_blank';
 }"""
 
