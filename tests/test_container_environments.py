@@ -35,7 +35,7 @@ from batchrun.environments import create_environment, environment_class
 from batchrun.environments import docker as docker_module
 from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError
 from batchrun.environments.container import ContainerEnvironment
-from batchrun.environments.container_layer import LayerWatch, parse_layer
+from batchrun.environments.container_layer import LayerWatch, parse_layer, root_upper_dir
 from batchrun.environments.image_lock import image_file_stem
 from batchrun.environments.limits import ResourceLimits
 from batchrun.environments.singularity import sif_cache
@@ -346,17 +346,31 @@ def test_apptainer_kind_drives_the_apptainer_program(tmp_path, monkeypatch):
 
 # -- the watch on a container's writable layer ------------------------------------------------------
 
-def test_a_layer_is_watched_where_its_first_process_has_the_containers_root(tmp_path):
-    assert parse_layer(f"{os.getpid()}\t{tmp_path}\t/\n") == (os.getpid(), tmp_path)
+OVERLAY_ROOT = (b"99 75 0:40 / / rw,relatime master:40 - overlay overlay rw,lowerdir=/s/l/A:/s/l/B,"
+                b"upperdir=/s/overlay/with\\040space/diff,workdir=/s/overlay/with\\040space/work\n"
+                b"100 99 0:42 / /proc rw,nosuid - proc proc rw\n")
 
 
-def test_a_layer_is_not_watched_where_the_pid_names_another_process_here(tmp_path):
+def test_the_layer_is_the_upper_directory_of_the_overlay_at_the_root():
+    assert root_upper_dir(OVERLAY_ROOT) == b"/s/overlay/with space/diff"
+
+
+def test_a_root_that_is_not_an_overlay_has_no_layer():
+    assert root_upper_dir(b"22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n") is None
+
+
+def test_the_last_mount_at_the_root_is_the_one_seen():
+    covered = b"23 22 0:50 / / rw - tmpfs tmpfs rw\n"
+    assert root_upper_dir(OVERLAY_ROOT + covered) is None
+
+
+def test_a_layer_is_not_watched_where_the_pid_names_a_process_whose_root_is_not_that_layer(tmp_path):
     """A runner in a PID namespace of its own sees another process under the engine's pid: killing it
     for the container's size would hit a stranger."""
-    assert parse_layer(f"{os.getpid()}\t{tmp_path}\t{tmp_path}") is None
+    assert parse_layer(f"{os.getpid()}\t{tmp_path}\n") is None
 
 
-@pytest.mark.parametrize("answer", ["0\t/x\t/x", "\t\t", "<no value>\t<no value>\t<no value>", "12"])
+@pytest.mark.parametrize("answer", ["0\t/x", "\t", "<no value>\t<no value>", "12", f"{os.getpid()}\trelative"])
 def test_a_layer_is_not_watched_without_a_running_container_or_an_overlay_directory(answer):
     assert parse_layer(answer) is None
 

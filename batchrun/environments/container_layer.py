@@ -16,34 +16,55 @@ reaches a process that took its number after it ended.
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 
+from batchrun import kernel_files
 from batchrun.environments.disk_guard import WorkspaceWatch, guard_for
 from batchrun.environments.limits import MIB, ResourceLimits
 
 #: The ``inspect --format`` template whose answer :func:`parse_layer` reads.
-LAYER_FORMAT = "{{.State.Pid}}\t{{.GraphDriver.Data.UpperDir}}\t{{.GraphDriver.Data.MergedDir}}"
+LAYER_FORMAT = "{{.State.Pid}}\t{{.GraphDriver.Data.UpperDir}}"
+# How /proc's mount tables write a space, tab, newline or backslash in a path: an octal escape.
+_MOUNTINFO_ESCAPE = re.compile(rb"\\([0-7]{3})")
 
 
 def parse_layer(answer: str) -> tuple[int, Path] | None:
     """(the first process's pid on this machine, the writable layer's directory) from an answer to
     LAYER_FORMAT; None where the layer cannot be watched from here: another storage driver, an engine on
     another machine or behind another user's permissions, or a pid that names another process here (a
-    runner in a PID namespace of its own), told apart by its root being the container's."""
+    runner in a PID namespace of its own). The process is told to be the container's by its root: the
+    kernel's table of its mounts shows an overlay at / whose upper directory is that layer (the runner
+    may be in a mount namespace of its own, where the engine's mounts are not seen)."""
     fields = answer.strip().split("\t")
-    if len(fields) != 3 or not fields[0].isdigit() or int(fields[0]) <= 0:
+    if len(fields) != 2 or not fields[0].isdigit() or int(fields[0]) <= 0 or not fields[1].startswith("/"):
         return None
-    pid, upper, merged = int(fields[0]), Path(fields[1]), fields[2]
+    pid, upper = int(fields[0]), Path(fields[1])
     try:
         if not os.path.isdir(upper) or not os.access(upper, os.R_OK | os.X_OK):
             return None
-        root, container_root = os.stat(f"/proc/{pid}/root"), os.stat(merged)
+        mounts = kernel_files.read(f"/proc/{pid}/mountinfo")
     except (OSError, ValueError):
         return None
-    if (root.st_dev, root.st_ino) != (container_root.st_dev, container_root.st_ino):
-        return None
-    return pid, upper
+    return (pid, upper) if root_upper_dir(mounts) == os.fsencode(upper) else None
+
+
+def root_upper_dir(mountinfo: bytes) -> bytes | None:
+    """The upper directory of the overlay mounted at / in a /proc/PID/mountinfo table (the last mount
+    there, which covers any before it), or None where / is not an overlay."""
+    upper = None
+    for line in mountinfo.splitlines():
+        mount, separator, filesystem = line.partition(b" - ")
+        fields, described = mount.split(b" "), filesystem.split(b" ")
+        if not separator or len(fields) < 5 or fields[4] != b"/":
+            continue
+        upper = None
+        if described[0] == b"overlay" and len(described) >= 3:
+            for option in described[2].split(b","):
+                if option.startswith(b"upperdir="):
+                    upper = _MOUNTINFO_ESCAPE.sub(lambda code: bytes([int(code[1], 8)]), option[len(b"upperdir="):])
+    return upper
 
 
 class LayerWatch:
