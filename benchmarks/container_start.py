@@ -27,7 +27,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from batchrun.environments import create_environment  # noqa: E402
+from batchrun.environments import create_environment, environment_class  # noqa: E402
 from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError  # noqa: E402
 from batchrun.environments.bubblewrap import bubblewrap_problem  # noqa: E402
 from batchrun.environments.docker import CLI_VARIABLE  # noqa: E402
@@ -92,8 +92,12 @@ async def measure(label: str, kind: str, work_root: Path, prompts: int, concurre
     except EnvironmentSetupError as exc:
         print(f"  {label:<11} failed: {exc}")
         return
-    starts, closes, command = await one_by_one(kind, settings, prompts)
-    per_prompt = await together(kind, settings, prompts, concurrency)
+    try:
+        starts, closes, command = await one_by_one(kind, settings, prompts)
+        per_prompt = await together(kind, settings, prompts, concurrency)
+    finally:
+        # What a worker does as it ends: the spare sandboxes and kept control groups go.
+        await environment_class(kind).close_idle()
     print(f"  {label:<11} start {ms(statistics.mean(starts))} (median {ms(statistics.median(starts)).strip()})"
           f"   close {ms(statistics.mean(closes))}   {concurrency} at a time {ms(per_prompt)} per prompt"
           f"   command {command * 1000:5.1f} ms")
