@@ -135,6 +135,18 @@ class WorkspaceWatch:
             return self._guard.low_on_space_note(self.directory)
         return None
 
+    async def note_after_command(self) -> str | None:
+        """Look now (a command just ended: one that wrote past the limit just before it ended is caught here
+        rather than at the next tick), and say why the processes were stopped since the last call, or that
+        the workspace is still over its limit; None when there is nothing to say."""
+        await self.look()
+        if reason := self.take_reason():
+            return reason
+        if self.used > self.limit_bytes:
+            return (f"the workspace holds more than its limit of {self.limit_bytes // MIB} MB; "
+                    "delete files before writing more")
+        return None
+
     def take_reason(self) -> str | None:
         """Why the prompt's processes were stopped since the last call, if they were."""
         reason, self.reason = self.reason, None

@@ -172,16 +172,7 @@ class DockerEnvironment(CliContainerEnvironment):
         if layer is not None:
             await layer.watch.settle()
         result = await super().run(command, timeout)
-        if layer is None:
-            return result
-        # The layer's own look comes first: a command that wrote past the limit just before it ended is
-        # caught here rather than at the next tick.
-        await layer.watch.look()
-        note = layer.watch.take_reason()
-        if note is None and layer.watch.used > layer.watch.limit_bytes:
-            note = (f"the container holds more than the workspace limit of {self.settings.limits.workspace_mb} "
-                    "MB; delete files before writing more")
-        if note is None:
+        if layer is None or (note := await layer.watch.note_after_command()) is None:
             return result
         return dataclasses.replace(result, error="; ".join([*([result.error] if result.error else []), note]))
 

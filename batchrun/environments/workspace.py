@@ -140,15 +140,9 @@ class HostWorkspace:
 
         The workspace's own look at the disk comes first: a command that wrote past the limit just before
         it ended is caught here rather than at the next tick."""
-        limits = self.settings.limits
-        notes = [note] if (note := limits.exceeded(self.limit_events() - before)) else []
-        if self.watch is not None:
-            await self.watch.look()
-            if reason := self.watch.take_reason():
-                notes.append(reason)
-            elif self.watch.used > self.watch.limit_bytes:
-                notes.append(f"the workspace holds more than its limit of {limits.workspace_mb} MB; "
-                             "delete files before writing more")
+        notes = [note] if (note := self.settings.limits.exceeded(self.limit_events() - before)) else []
+        if self.watch is not None and (note := await self.watch.note_after_command()):
+            notes.append(note)
         if not notes:
             return result
         error = "; ".join(([result.error] if result.error else []) + notes)
