@@ -279,6 +279,25 @@ def wait_for(condition, timeout: float = 60.0, what: str = "condition") -> None:
         time.sleep(0.05)
 
 
+@contextlib.contextmanager
+def mounted_tmpfs(directory: Path, options: str):
+    """A tmpfs of its own at ``directory`` (made here) with mount ``options``, unmounted afterwards;
+    skips the test where no tmpfs can be mounted (it needs root)."""
+    if os.geteuid() != 0:
+        pytest.skip("a disk of a chosen size is made by mounting a tmpfs, which needs root")
+    directory.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(directory)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield directory
+    finally:
+        if subprocess.run(["umount", str(directory)]).returncode != 0:
+            subprocess.run(["umount", "--lazy", str(directory)], check=True)
+            raise AssertionError(f"{directory} was still in use after the test (a process left running?)")
+
+
 def process_state(pid: int) -> str:
     """The state letter of a process (R, S, Z, ...); "Z" also for one that is gone."""
     try:

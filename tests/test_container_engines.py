@@ -225,6 +225,18 @@ def test_a_file_the_container_holds_open_after_deleting_it_counts_towards_the_li
     assert "went over its limit of 40 MB" in result.error
 
 
+def test_empty_files_in_the_container_count_towards_the_workspace_limit(engine, small_disk):
+    """Each takes an inode of the engine's disk and no block: it counts the disk's space per inode."""
+    if os.statvfs(engine.storage()).f_files == 0:
+        pytest.skip("the engine's disk makes inodes as it needs them: none can run out")
+
+    async def steps(env):
+        return await env.run("mkdir /e && cd /e && seq 20000 | xargs touch; sleep 5; echo finished")
+    result = in_container(engine, small_disk, steps)
+    assert "finished" not in result.output
+    assert "went over its limit of 40 MB" in result.error
+
+
 def test_a_container_cannot_take_the_disks_reserve(engine, tmp_path):
     engine.require_overlay()
     free_mb = shutil.disk_usage(engine.storage()).free // 2**20

@@ -4,10 +4,13 @@ against what runs after them (seen as the model's next command killed right afte
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 
-from batchrun.environments.disk_guard import DiskGuard, WorkspaceWatch
+import pytest
+
+from batchrun.environments.disk_guard import DiskGuard, WorkspaceWatch, free_space
 from batchrun.environments.limits import MIB
 
 LIMIT = 10 * MIB
@@ -56,3 +59,21 @@ def test_a_command_after_a_stop_starts_from_a_walk_of_the_workspace_as_it_is(tmp
     asyncio.run(watch.settle())
     assert not watch.baseline_due and watch.stopped_at == watch.used >= 3 * MIB
     assert stops == ["stop"]
+
+
+def test_a_workspace_on_a_disk_with_a_fixed_number_of_inodes_counts_each_file_at_their_share(tmp_path):
+    status = os.statvfs(tmp_path)
+    if status.f_files == 0:
+        pytest.skip("this filesystem makes inodes as it needs them")
+    watch, _ = watch_over(tmp_path)
+    assert watch.least_per_file == status.f_blocks * status.f_frsize // status.f_files
+
+
+def test_free_inodes_count_as_free_space_at_their_share_of_the_disk(tmp_path):
+    status = os.statvfs(tmp_path)
+    if status.f_files == 0:
+        pytest.skip("this filesystem makes inodes as it needs them")
+    share = status.f_blocks * status.f_frsize // status.f_files
+    free = free_space(tmp_path)
+    assert free.bytes == min(status.f_bavail * status.f_frsize, status.f_favail * share)
+    assert free.files == status.f_favail

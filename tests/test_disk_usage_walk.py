@@ -130,3 +130,15 @@ def test_the_walk_never_counts_a_directory_swapped_in_from_outside(tmp_path):
     with swapping_for_symlink(tree / "swap", tmp_path / "outside"):
         for round_number in range(RACE_ROUNDS):
             assert DiskUsageWalk(tree, MIB).run() is False, f"round {round_number}"
+
+
+def test_an_empty_file_counts_the_least_a_file_is_given(tmp_path):
+    # An empty file takes no block but an inode; a walk that counted blocks only let a prompt use up the
+    # disk's inodes while its workspace stayed far below its limit.
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    for number in range(100):
+        (tree / f"empty{number}").touch()
+    walk = DiskUsageWalk(tree, 100 * 16384, least_per_file=16384)
+    assert walk.run() is False and walk.used == 100 * 16384
+    assert DiskUsageWalk(tree, 100 * 16384 - 1, least_per_file=16384).run() is True

@@ -21,6 +21,7 @@ from conftest import (
     cli_environment,
     endpoint_args,
     live_processes_mentioning,
+    mounted_tmpfs,
     read_jsonl,
     run_cli,
     write_dataset,
@@ -35,20 +36,8 @@ DISK_BYTES = 8 << 20
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """An 8 MB filesystem of its own, unmounted afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("a full disk is made by mounting a small tmpfs, which needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES}", "tmpfs", str(disk)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "disk", f"size={DISK_BYTES}") as disk:
         yield disk
-    finally:
-        if subprocess.run(["umount", str(disk)]).returncode != 0:
-            subprocess.run(["umount", "--lazy", str(disk)], check=True)
-            raise AssertionError(f"{disk} was still in use after the test (a process left running?)")
 
 
 def fill(disk: Path, leave: int = 0) -> Path:

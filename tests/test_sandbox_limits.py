@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import live_processes_mentioning, wait_for
+from conftest import live_processes_mentioning, mounted_tmpfs, wait_for
 
 from batchrun.environments import create_environment, environment_class, limits
 from batchrun.environments.base import Environment, EnvironmentSettings, ToolError
@@ -270,6 +270,34 @@ def test_a_prompt_cannot_take_the_disks_reserve(tmp_path: Path, kind: str) -> No
     result, used = asyncio.run(scenario())
     assert "finished" not in result.output and "almost full" in (result.error or "")
     assert used < 500 * 2**20
+
+
+# Empty files, made as fast as one process can: they take no block, only the disk's inodes.
+EMPTY_FILES = ("python3 -c 'import os\nfor n in range({files}):\n os.close(os.open(f\"e{{n}}\", os.O_CREAT | os.O_WRONLY))'"
+               "; echo finished")
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_empty_files_count_towards_the_workspace_limit(tmp_path: Path, kind: str) -> None:
+    if os.statvfs(tmp_path).f_files == 0:
+        pytest.skip("this filesystem makes inodes as it needs them: none can run out")
+    # 20,000 inodes are at least 80 MB of the disk's share on any filesystem with a fixed number of them.
+    [result] = run(kind, settings(tmp_path, workspace_mb=10), EMPTY_FILES.format(files=20_000))
+    assert "finished" not in result.output
+    assert "workspace went over its limit of 10 MB" in (result.error or ""), result
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_a_prompt_cannot_take_the_disks_last_inodes(tmp_path: Path, kind: str) -> None:
+    # 100,000 inodes (100 KB of the disk each) and room for far more bytes than the prompt writes: only
+    # the inodes run out. 90% of them are kept for the run, so the watch has 90,000 files' time to act.
+    with mounted_tmpfs(tmp_path / "disk", "size=10000m,nr_inodes=100000") as disk:
+        limits = EnvironmentSettings(work_root=disk / "work", run_label=RUN_LABEL,
+                                     limits=ResourceLimits(workspace_mb=100_000, disk_reserve_mb=9_000))
+        [result] = run(kind, limits, EMPTY_FILES.format(files=99_000))
+        asyncio.run(environment_class(kind).close_idle())      # as a worker ends: nothing left on the disk
+    assert "finished" not in result.output
+    assert "almost out of room for new files" in (result.error or ""), result
 
 
 # Files the command deletes while it keeps them open: no walk of the workspace sees them, the disk does.

@@ -23,6 +23,12 @@ The same ``statvfs`` keeps a reserve free on that filesystem (``ResourceLimits.d
 the run's own files share it (the default layout), a prompt filling the disk would otherwise stop the
 run's writes. Below the reserve, the processes of every workspace that grew since its last walk are
 stopped.
+
+Inodes run out as well as blocks: on a filesystem with a fixed number of them (ext4, tmpfs), empty
+files take no block and a prompt could make files until no one can create one, the run's rows
+included. So each file counts at least its share of the disk (its size divided by its number of
+inodes, 16 KB on an ext4 made with the defaults), and free inodes count as free space at that share:
+a workspace at its limit holds no more of the inodes than of the space, and the reserve keeps both.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from batchrun.environments.disk_usage import FULL, INLINE_WALK_ENTRIES, DiskUsageWalk, disk_usage, unnamed_usage
@@ -61,6 +68,7 @@ class WorkspaceWatch:
         self.stop = stop
         self.holders = holders
         self.device = os.stat(directory).st_dev     # where the holders' unnamed files count (see unnamed_usage)
+        self.least_per_file = free_space(directory).file_share
         self.unnamed = 0        # what the holders' files with no name took when last counted
         self.used = 0
         self.stopped_at = -_MIN_ROOM_BYTES      # what it held when its processes were last stopped
@@ -117,7 +125,7 @@ class WorkspaceWatch:
         """Walk the workspace now (a command just ended): on the event loop while it is small, since a hop
         to a thread waits behind every other session of the process, in a thread beyond that."""
         started = time.monotonic()
-        walk = DiskUsageWalk(self.directory, FULL)
+        walk = DiskUsageWalk(self.directory, FULL, self.least_per_file)
         given_up = walk.run(max_entries=INLINE_WALK_ENTRIES)
         if given_up is None:
             given_up = await asyncio.to_thread(walk.run)
@@ -131,7 +139,7 @@ class WorkspaceWatch:
         if self.used + size > self.limit_bytes:
             return (f"writing {size} bytes would take the workspace over its limit of {self.limit_bytes // MIB} "
                     f"MB (it holds {self.used // MIB} MB); delete files first")
-        if _free_bytes(self.directory) - size < self._guard.reserve_bytes:
+        if free_space(self.directory).bytes - size < self._guard.reserve_bytes:
             return self._guard.low_on_space_note(self.directory)
         return None
 
@@ -171,7 +179,7 @@ class DiskGuard:
         writing it, ``holders`` names them (for the files they hold with no name left)."""
         watch = WorkspaceWatch(self, directory, limit_bytes, stop, holders)
         if not self._watches:
-            self._most_free = _free_bytes(directory)
+            self._most_free = free_space(directory).bytes
         self._watches.append(watch)
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
@@ -182,10 +190,14 @@ class DiskGuard:
             self._watches.remove(watch)
 
     def low_on_space(self, directory: Path) -> bool:
-        return _free_bytes(directory) < self.reserve_bytes
+        return free_space(directory).bytes < self.reserve_bytes
 
     def low_on_space_note(self, directory: Path) -> str:
-        return (f"the disk holding the workspace is almost full ({_free_bytes(directory) // MIB} MB free, "
+        free = free_space(directory)
+        if free.files_run_out_first:
+            return (f"the disk holding the workspace is almost out of room for new files ({free.files} more "
+                    f"fit, {self.reserve_bytes // free.file_share} of them kept for the run's own files)")
+        return (f"the disk holding the workspace is almost full ({free.blocks // MIB} MB free, "
                 f"{self.reserve_bytes // MIB} MB of it kept for the run's own files)")
 
     async def _run(self) -> None:
@@ -196,7 +208,7 @@ class DiskGuard:
 
     async def _tick(self) -> None:
         watches = list(self._watches)
-        free = _free_bytes(watches[0].directory)
+        free = free_space(watches[0].directory).bytes
         self._most_free = max(self._most_free, free)
         everything = (free < self.reserve_bytes
                       or (self._most_free - free) * 2 >= min(watch.room() for watch in watches))
@@ -211,7 +223,7 @@ class DiskGuard:
                     watch.unnamed = unnamed
                 watch.counted(min(FULL, named + watch.unnamed), seconds, began)
         if everything:
-            self._most_free = _free_bytes(watches[0].directory)
+            self._most_free = free_space(watches[0].directory).bytes
 
 
 def _count(watches: list[WorkspaceWatch], with_unnamed: bool) -> list[tuple[int, int | None, float, float]]:
@@ -224,17 +236,36 @@ def _count(watches: list[WorkspaceWatch], with_unnamed: bool) -> list[tuple[int,
         if with_unnamed:
             unnamed = unnamed_usage(watch.holders(), watch.device)
             unnamed = FULL if unnamed is None else unnamed
-        counts.append((disk_usage(watch.directory), unnamed, time.monotonic() - started, started))
+        counts.append((disk_usage(watch.directory, watch.least_per_file), unnamed, time.monotonic() - started, started))
     return counts
 
 
-def _free_bytes(directory: Path) -> int:
-    """Space an unprivileged writer can still take on the filesystem holding ``directory``."""
+@dataclass(frozen=True)
+class FreeSpace:
+    """What an unprivileged writer can still take on a filesystem."""
+
+    blocks: int         # bytes
+    files: int          # inodes (0 with file_share where the filesystem makes them as it needs them)
+    file_share: int     # the disk's bytes per inode, 0 where it has no fixed number of them
+
+    @property
+    def files_run_out_first(self) -> bool:
+        return self.file_share > 0 and self.files * self.file_share < self.blocks
+
+    @property
+    def bytes(self) -> int:
+        """The free space, free inodes counted at their share of the disk: whichever runs out first."""
+        return self.files * self.file_share if self.files_run_out_first else self.blocks
+
+
+def free_space(directory: Path) -> FreeSpace:
+    """What is left on the filesystem holding ``directory``."""
     try:
         status = os.statvfs(directory)
     except OSError:
-        return 1 << 62      # gone (the prompt is ending): nothing to guard
-    return status.f_bavail * status.f_frsize
+        return FreeSpace(1 << 62, 0, 0)     # gone (the prompt is ending): nothing to guard
+    share = status.f_blocks * status.f_frsize // status.f_files if status.f_files else 0
+    return FreeSpace(status.f_bavail * status.f_frsize, status.f_favail, share)
 
 
 _guards: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[int, DiskGuard]] = weakref.WeakKeyDictionary()

@@ -15,16 +15,18 @@ INLINE_WALK_ENTRIES = 200
 
 class DiskUsageWalk:
     """Whether the files under ``root`` take more than ``limit_bytes`` of disk (blocks, so a sparse
-    file counts what it really uses). It stops once over, and can pause after some entries and go on
-    later (in a thread) where it left off.
+    file counts what it really uses, and at least ``least_per_file`` for each entry: an empty file takes
+    an inode, which a disk with a fixed number of them runs out of). It stops once over, and can pause
+    after some entries and go on later (in a thread) where it left off.
 
     Nothing a command does hides files from it: it goes by descriptors (``TreeCursor``), so a tree
     deeper than PATH_MAX is walked to its end, and a directory the runner's own user may not read is
     made readable to it (the workspace is the prompt's; root reads it as it is). It follows no link."""
 
-    def __init__(self, root: Path, limit_bytes: int) -> None:
+    def __init__(self, root: Path, limit_bytes: int, least_per_file: int = 0) -> None:
         self._root = root
         self._limit = limit_bytes
+        self._least_per_file = least_per_file
         self.used = 0       # bytes counted so far (all of them once run() returns False)
         self._cursor: TreeCursor | None = None
         self._entries: Iterator[os.DirEntry[str]] | None = None      # the current directory, being read
@@ -63,7 +65,7 @@ class DiskUsageWalk:
                         info = cursor.attempt(os.lstat, entry.name)
                     except OSError:
                         continue        # gone since it was listed
-                    self.used += info.st_blocks * 512
+                    self.used += max(info.st_blocks * 512, self._least_per_file)
                     if self.used > self._limit:
                         return self._finish(True)
                     if stat.S_ISDIR(info.st_mode):
@@ -105,10 +107,10 @@ def _read(cursor: TreeCursor) -> Iterator[os.DirEntry[str]] | None:
         return None
 
 
-def disk_usage(root: Path) -> int:
-    """The bytes of disk the files under ``root`` take (blocks: a sparse file counts what it uses); a
-    tree that kept moving under the walk counts as full."""
-    walk = DiskUsageWalk(root, FULL)
+def disk_usage(root: Path, least_per_file: int = 0) -> int:
+    """The bytes of disk the files under ``root`` take (blocks: a sparse file counts what it uses; each
+    at least ``least_per_file``); a tree that kept moving under the walk counts as full."""
+    walk = DiskUsageWalk(root, FULL, least_per_file)
     return FULL if walk.run() else walk.used
 
 

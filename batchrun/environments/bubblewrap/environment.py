@@ -27,7 +27,12 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from batchrun.environments.base import CommandResult, Environment, EnvironmentSettings, EnvironmentSetupError
-from batchrun.environments.bubblewrap.program import bubblewrap_problem, release_sandbox_uid, working_bwrap
+from batchrun.environments.bubblewrap.program import (
+    bubblewrap_problem,
+    close_root_descriptors,
+    release_sandbox_uid,
+    working_bwrap,
+)
 from batchrun.environments.bubblewrap.root import MOUNT_POINT
 from batchrun.environments.bubblewrap.sandbox import new_sandbox, spares, start_shell
 from batchrun.environments.bubblewrap.shell import SHELL_GRACE_SECONDS, Shell
@@ -212,6 +217,7 @@ class BubblewrapEnvironment(Environment):
         """Kill this process's spares (its work is done): all at once, as the kernel tears each one's
         namespaces down in its own time; then remove the control groups kept for further prompts."""
         await spares.close()
+        close_root_descriptors()
         await asyncio.to_thread(remove_kept_groups)
 
     def _hand_workdir_over(self, workspace: HostWorkspace) -> None:

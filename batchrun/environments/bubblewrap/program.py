@@ -208,10 +208,22 @@ def _is_open(fd: int) -> bool:
     return True
 
 
-@functools.cache
+_root_descriptors: dict[tuple[Path, bool], int] = {}
+
+
 def root_descriptor(work_root: Path, allow_network: bool) -> int:
     """This process's descriptor of the run's root for sandboxes (made the first time it is asked for)."""
-    return open_root(system_root(work_root, allow_network=allow_network))
+    key = (work_root, allow_network)
+    if key not in _root_descriptors:
+        _root_descriptors[key] = open_root(system_root(work_root, allow_network=allow_network))
+    return _root_descriptors[key]
+
+
+def close_root_descriptors() -> None:
+    """This process's work is done: it holds nothing of the run's directory open (which may be a disk
+    to unmount)."""
+    while _root_descriptors:
+        os.close(_root_descriptors.popitem()[1])
 
 
 def open_root(root: Path) -> int:
