@@ -94,6 +94,20 @@ def test_a_command_going_over_the_memory_limit_is_killed(capped):
     assert "status 137" in result.output          # SIGKILL from the engine's memory control group
 
 
+def test_a_command_killed_for_its_memory_leaves_nothing_where_the_runner_was_started(engine, tmp_path, monkeypatch):
+    """Podman's monitor of a command writes files named for the kill (`oom`, `oomKilled`) into its
+    current directory: the user's, had the runner not given the engine's CLI one of the run's own."""
+    users_directory = tmp_path / "users-directory"
+    users_directory.mkdir()
+    monkeypatch.chdir(users_directory)
+    env = started(engine, make_settings(tmp_path, limits=ResourceLimits(memory_mb=64)))
+    try:
+        asyncio.run(env.run("head -c 300m /dev/zero | tail > /dev/null"))
+    finally:
+        asyncio.run(env.close())
+    assert list(users_directory.iterdir()) == []
+
+
 def test_processes_beyond_the_limit_cannot_start(capped):
     result = asyncio.run(capped.run("for i in $(seq 60); do sleep 1 & done; wait"))
     assert "Cannot fork" in result.output
@@ -248,6 +262,26 @@ def test_a_container_cannot_take_the_disks_reserve(engine, tmp_path):
     result = in_container(engine, settings, steps)
     assert "finished" not in result.output
     assert "almost full" in result.error
+
+
+def test_a_stop_gives_back_the_space_a_file_reserved_past_its_end(engine, tmp_path):
+    """`fallocate --keep-size` reserves space past a file's end in one call, which no file size limit
+    bounds and the engines' system-call filters allow: the stop that follows frees it at once, and the
+    file keeps every byte it had."""
+    engine.require_overlay()
+    storage = engine.storage()
+    free_mb = shutil.disk_usage(storage).free // 2**20
+    reserve_mb = max(free_mb - 64, 1)
+    settings = make_settings(tmp_path, limits=ResourceLimits(workspace_mb=10_000, disk_reserve_mb=reserve_mb))
+
+    async def steps(env):
+        taken = await env.run("printf kept > /k; fallocate --keep-size -o 0 -l 400m /k; sleep 5; echo finished")
+        free_after_stop = shutil.disk_usage(storage).free // 2**20
+        return taken, free_after_stop, await env.run("cat /k; stat -c ' %s' /k")
+    taken, free_after_stop, after = in_container(engine, settings, steps)
+    assert "finished" not in taken.output and "almost full" in taken.error
+    assert free_after_stop > reserve_mb
+    assert after.output == "kept 4\n"
 
 
 def test_no_file_in_the_container_can_outgrow_the_workspace_limit(engine, tmp_path):

@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from container_backends import (
@@ -35,7 +36,7 @@ from batchrun.environments import create_environment, environment_class
 from batchrun.environments import docker as docker_module
 from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError
 from batchrun.environments.container import ContainerEnvironment
-from batchrun.environments.container_layer import LayerWatch, parse_layer, root_upper_dir
+from batchrun.environments.container_layer import LayerWatch, free_past_ends, parse_layer, root_upper_dir
 from batchrun.environments.image_lock import image_file_stem
 from batchrun.environments.limits import ResourceLimits
 from batchrun.environments.singularity import sif_cache
@@ -398,3 +399,35 @@ def test_a_layer_watch_whose_new_first_process_was_gone_signals_no_other_process
             layer.close()
             first.kill()
     assert asyncio.run(scenario())
+
+
+def reserved_past_end(path: Path, content: bytes, reserved: int) -> os.stat_result:
+    """``path`` holding ``content`` and ``reserved`` bytes of disk past its end (fallocate --keep-size)."""
+    path.write_bytes(content)
+    done = subprocess.run(["fallocate", "--keep-size", "-o", "0", "-l", str(reserved), str(path)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"this filesystem cannot reserve space past a file's end: {done.stderr.strip()}")
+    os.utime(path, ns=(1_000_000_000, 2_000_000_000))
+    return path.stat()
+
+
+def test_the_space_files_of_a_layer_reserved_past_their_ends_is_given_back_and_nothing_else_changes(tmp_path):
+    layer = tmp_path / "layer"
+    (layer / "deep" / "er").mkdir(parents=True)
+    before = reserved_past_end(layer / "deep" / "er" / "log", b"kept", 64 << 20)
+    free_past_ends(layer)
+    after = (layer / "deep" / "er" / "log").stat()
+    assert before.st_blocks * 512 >= 64 << 20 and after.st_blocks * 512 <= after.st_blksize
+    assert (layer / "deep" / "er" / "log").read_bytes() == b"kept"
+    assert (after.st_mtime_ns, after.st_atime_ns) == (2_000_000_000, 1_000_000_000)
+
+
+def test_giving_back_space_follows_no_link_out_of_the_layer(tmp_path):
+    outside = reserved_past_end(tmp_path / "outside", b"theirs", 64 << 20)
+    layer = tmp_path / "layer"
+    layer.mkdir()
+    (layer / "link").symlink_to(tmp_path / "outside")
+    (layer / "up").symlink_to(tmp_path)
+    free_past_ends(layer)
+    assert (tmp_path / "outside").stat().st_blocks == outside.st_blocks

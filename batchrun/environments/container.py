@@ -309,10 +309,17 @@ class CliContainerEnvironment(ContainerEnvironment):
         protection across runs."""
         return self.settings.work_root / "image-locks"
 
+    def _cli_directory(self) -> Path:
+        """Where the CLI runs: the run's own directory. An engine's helpers write there (Podman's monitor
+        of a command leaves `oom` and `oomKilled` files where it runs), never where the user started
+        the runner."""
+        self.settings.work_root.mkdir(parents=True, exist_ok=True)
+        return self.settings.work_root
+
     async def _call(self, argv: list[str], *, stdin: bytes | None = None, timeout: float = HOUSEKEEPING_TIMEOUT,
                     max_stdout: int = STDOUT_BYTES) -> CliResult:
         try:
-            return await call_cli(argv, timeout=timeout, stdin=stdin, max_stdout=max_stdout)
+            return await call_cli(argv, timeout=timeout, stdin=stdin, max_stdout=max_stdout, cwd=self._cli_directory())
         except OSError as exc:
             return CliResult(returncode=127, stdout=b"", stderr=f"cannot run {argv[0]}: {exc}")
 
@@ -325,7 +332,7 @@ class CliContainerEnvironment(ContainerEnvironment):
     async def _exec_merged(self, argv: list[str], *, timeout: float) -> CommandResult:
         try:
             return await run_merged(self.exec_argv(argv, workdir=self.workdir), timeout=timeout,
-                                    max_output_chars=self.settings.max_output_chars)
+                                    max_output_chars=self.settings.max_output_chars, cwd=self._cli_directory())
         except OSError as exc:
             return CommandResult(output="", exit_code=None, error=f"could not start {self.executable}: {exc}")
 

@@ -11,6 +11,7 @@ import contextlib
 import re
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 from batchrun.environments.command_output import kill_group_of, wait_for_exit
 from batchrun.time_limit import within
@@ -52,16 +53,16 @@ class CliResult:
 
 
 async def call_cli(argv: list[str], *, timeout: float, stdin: bytes | None = None,
-                   max_stdout: int = STDOUT_BYTES) -> CliResult:
+                   max_stdout: int = STDOUT_BYTES, cwd: Path | None = None) -> CliResult:
     """Run ``argv`` to completion (killed after ``timeout`` seconds, on cancellation, or once it has
-    written more than ``max_stdout`` bytes to stdout or 64 KB to stderr).
+    written more than ``max_stdout`` bytes to stdout or 64 KB to stderr), in ``cwd`` where given.
 
     It gets its own process group, so killing it on our side also ends the helpers a CLI starts.
     Raises OSError when the program cannot be started.
     """
     process = await asyncio.create_subprocess_exec(
         *argv, stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True, cwd=cwd)
     overflowed = False
 
     async def collect(stream: asyncio.StreamReader, limit: int) -> bytes:

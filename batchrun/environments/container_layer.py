@@ -11,23 +11,38 @@ Over the limit, the container's first process is killed: the kernel kills every 
 PID namespace with it, whatever those processes were changed to do. The container is started again
 before its next command, its files as they were. The first process is held by a pidfd, so a kill never
 reaches a process that took its number after it ended.
+
+The engines' system-call filters allow ``fallocate``, and ``fallocate --keep-size`` reserves any amount
+past a file's end in one call, which no file size limit bounds: one call can take the disk, the run's
+reserve included. The look that follows stops the container, and once its processes are gone the stop
+gives that space back: each file that holds space past its end is truncated to the length it has, which
+frees the space on ext4 and XFS and leaves every byte and time of the file as it was.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
+import stat
+import time
 from pathlib import Path
 
 from batchrun import kernel_files
 from batchrun.environments.disk_guard import WorkspaceWatch, guard_for
 from batchrun.environments.limits import MIB, ResourceLimits
+from batchrun.environments.tree_cursor import Moved, TreeCursor
 
 #: The ``inspect --format`` template whose answer :func:`parse_layer` reads.
 LAYER_FORMAT = "{{.State.Pid}}\t{{.GraphDriver.Data.UpperDir}}"
 # How /proc's mount tables write a space, tab, newline or backslash in a path: an octal escape.
 _MOUNTINFO_ESCAPE = re.compile(rb"\\([0-7]{3})")
+# How long a killed container's processes may take to be gone before space is given back. No file is
+# touched while one lives: it could be writing the file being truncated.
+_DYING_SECONDS = 2.0
+# Opens a file only to truncate it: never through a link, never waiting for a FIFO's reader.
+_TRUNCATE_FLAGS = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
 def parse_layer(answer: str) -> tuple[int, Path] | None:
@@ -75,6 +90,7 @@ class LayerWatch:
         self._namespace = ""
         #: Set when the watch killed the container's processes: it must be started again before use.
         self.killed = False
+        self._giving_back: asyncio.Future[None] | None = None
         self.watch: WorkspaceWatch = guard_for(limits.disk_reserve_mb * MIB).watch(
             directory, limits.workspace_mb * MIB, self._kill, self.holders)
         try:
@@ -98,13 +114,32 @@ class LayerWatch:
         self.killed = False
 
     def _kill(self) -> None:
-        """Called by the disk guard's task, which watches every container of the worker: never raises."""
-        if self._first >= 0:
-            try:
-                signal.pidfd_send_signal(self._first, signal.SIGKILL)
-            except OSError:
-                pass            # already gone: a time-out's stop, or the engine
+        """Called by the disk guard's task, which watches every container of the worker: never raises.
+        Once the processes are gone, the space the layer's files hold past their ends is given back
+        (see the module)."""
         self.killed = True
+        if self._first < 0:
+            return              # no process held (see restarted): none known to wait for before giving back
+        try:
+            signal.pidfd_send_signal(self._first, signal.SIGKILL)
+        except OSError:
+            pass                # already gone: a time-out's stop, or the engine
+        if self._giving_back is None or self._giving_back.done():
+            self._giving_back = asyncio.ensure_future(asyncio.to_thread(self._give_back))
+
+    async def given_back(self) -> None:
+        """Wait until a stop has given back what it could: before the container's next command or start,
+        and before its processes' effect on the disk is judged."""
+        if self._giving_back is not None:
+            await self._giving_back
+
+    def _give_back(self) -> None:
+        deadline = time.monotonic() + _DYING_SECONDS
+        while self.holders():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
+        free_past_ends(self.watch.directory)
 
     def holders(self) -> list[int]:
         """Every process of the container's PID namespace: ``exec`` starts programs in it from outside,
@@ -124,3 +159,66 @@ class LayerWatch:
         if self._first >= 0:
             os.close(self._first)
             self._first = -1
+
+
+def free_past_ends(root: Path) -> None:
+    """Give back the space the files under ``root`` hold past their ends, keeping each byte and time of
+    them. Goes by descriptors and follows no link (see TreeCursor); a file changed into anything but
+    that regular file between the look and the open is left alone."""
+    cursor = TreeCursor.at(root, stat.S_IRUSR | stat.S_IXUSR)
+    if cursor is None:
+        return
+    with cursor:
+        entries: list[os.DirEntry[str]] | None = _listing(cursor)
+        try:
+            while True:
+                if entries is not None:
+                    for entry in entries:
+                        try:
+                            info = cursor.attempt(os.lstat, entry.name)
+                        except OSError:
+                            continue
+                        if stat.S_ISDIR(info.st_mode):
+                            cursor.pending.append(entry.name)
+                        elif stat.S_ISREG(info.st_mode) and _holds_past_end(info):
+                            _truncate_to_length(cursor.fd, entry.name, info)
+                    entries = None
+                elif cursor.pending:
+                    if cursor.enter(cursor.pending.pop()):
+                        entries = _listing(cursor)
+                elif cursor.at_root:
+                    return
+                else:
+                    cursor.leave()
+        except Moved:
+            return          # no process lives to move directories: nothing is left to do safely
+
+
+def _listing(cursor: TreeCursor) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(cursor.fd) as entries:
+            return list(entries)
+    except OSError:
+        return []
+
+
+def _holds_past_end(info: os.stat_result) -> bool:
+    """Whether the file has more blocks than its length needs (a preallocation past its end)."""
+    blocks_needed = -(-info.st_size // info.st_blksize) * info.st_blksize
+    return info.st_blocks * 512 > blocks_needed
+
+
+def _truncate_to_length(directory: int, name: str, seen: os.stat_result) -> None:
+    try:
+        fd = os.open(name, _TRUNCATE_FLAGS, dir_fd=directory)
+    except OSError:
+        return
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISREG(info.st_mode) and (info.st_dev, info.st_ino) == (seen.st_dev, seen.st_ino):
+            os.ftruncate(fd, info.st_size)
+            os.utime(fd, ns=(info.st_atime_ns, info.st_mtime_ns))
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -156,8 +156,10 @@ class DockerEnvironment(CliContainerEnvironment):
             pass
 
     async def _ready(self) -> None:
-        """Start the container again where the disk watch killed its processes."""
+        """Start the container again where the disk watch killed its processes, once the space its
+        files held past their ends is given back."""
         if self._layer is not None and self._layer.killed:
+            await self._layer.given_back()
             started = await self._call([self.executable, "start", self.name])
             if not started.ok:
                 raise ToolError(f"the container could not be started again: {started.message()}")
@@ -172,7 +174,10 @@ class DockerEnvironment(CliContainerEnvironment):
         if layer is not None:
             await layer.watch.settle()
         result = await super().run(command, timeout)
-        if layer is None or (note := await layer.watch.note_after_command()) is None:
+        if layer is None:
+            return result
+        await layer.given_back()
+        if (note := await layer.watch.note_after_command()) is None:
             return result
         return dataclasses.replace(result, error="; ".join([*([result.error] if result.error else []), note]))
 
@@ -192,6 +197,8 @@ class DockerEnvironment(CliContainerEnvironment):
         whatever the programs in the container were changed to do. The files stay (the workspace), `/tmp`
         is a new tmpfs. The listing is the engine's (a heading, then a line per process), and no process
         can take a line away."""
+        if self._layer is not None:
+            await self._layer.given_back()      # nothing starts while files are truncated
         listed = await self._call([self.executable, "top", self.name])
         if listed.ok and len(listed.stdout.splitlines()) <= 1 + _IDLE_PROCESSES:
             return None
