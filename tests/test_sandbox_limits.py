@@ -285,6 +285,7 @@ def test_empty_files_count_towards_the_workspace_limit(tmp_path: Path, kind: str
     [result] = run(kind, settings(tmp_path, workspace_mb=10), EMPTY_FILES.format(files=20_000))
     assert "finished" not in result.output
     assert "workspace went over its limit of 10 MB" in (result.error or ""), result
+    assert "each file counted as at least" in (result.error or "")
 
 
 @pytest.mark.parametrize("kind", BACKENDS)

@@ -104,9 +104,15 @@ class WorkspaceWatch:
         # still add to what was written then (delayed allocation, metadata).
         if used > self.limit_bytes and used > self.stopped_at + _MIN_ROOM_BYTES:
             self.stopped(f"the workspace went over its limit of {self.limit_bytes // MIB} MB (it holds "
-                         f"{used // MIB} MB)")
+                         f"{used // MIB} MB{self._counting_note()})")
         elif grew and self._guard.low_on_space(self.directory):
             self.stopped(self._guard.low_on_space_note(self.directory))
+
+    def _counting_note(self) -> str:
+        """How files were counted, where that is more than their size says (see the module)."""
+        if not self.least_per_file:
+            return ""
+        return f", each file counted as at least {self.least_per_file // 1024} KB, its share of the disk's inodes"
 
     def stopped(self, why: str) -> None:
         self.stopped_at = self.used
