@@ -7,6 +7,7 @@ replaces the literal values of the API key and of every secret-looking environme
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -91,11 +92,16 @@ _JSON_ESCAPE = re.compile(r"\\(?:ud[89ab][0-9a-f]{2}\\ud[c-f][0-9a-f]{2}|u[0-9a-
 
 
 def _canonical_escape(match: re.Match[str]) -> str:
+    return _canonical(match.group(0))
+
+
+@functools.lru_cache(maxsize=4096)      # text a model escapes repeats its few escapes many times over
+def _canonical(escape: str) -> str:
     """An escape as json.dumps writes its character (itself where it is not valid JSON)."""
     try:
-        return json.dumps(json.loads(f'"{match.group(0)}"'), ensure_ascii=False)[1:-1]
+        return json.dumps(json.loads(f'"{escape}"'), ensure_ascii=False)[1:-1]
     except ValueError:
-        return match.group(0)
+        return escape
 
 
 def canonical_json_escapes(text: str) -> str:

@@ -55,7 +55,7 @@ SUMMARY_REQUEST = ("You've reached the maximum number of tool-calling iterations
 REASONING_FIELDS = ("reasoning", "reasoning_content", "reasoning_details")
 ENVIRONMENT_STARTS_AT_ONCE = 8
 KEPT_ARGUMENT_CHARS = 2_000      # of arguments too large for any tool, which the tool refused
-SPLIT_ASIDE_CHARS = 64 * 1024    # a reply's text from which its reasoning is taken out in a thread
+READ_ASIDE_CHARS = 64 * 1024     # a reply's text and arguments from which it is taken apart in a thread
 
 
 @dataclass
@@ -103,14 +103,23 @@ def runtime_messages(config: SessionConfig, prompt: str) -> list[Message]:
             {"role": "user", "content": prompt}]
 
 
-async def _split_reasoning(message: Message) -> tuple[str, str]:
-    """split_reasoning, in a thread for a long reply: a reply of many think blocks takes microseconds a
-    block to take apart (seconds for a few megabytes), and the worker's other sessions share this event
-    loop. Content that is not one string (a list of parts) goes to the thread too."""
-    content = message.get("content")
-    if content is None or (isinstance(content, str) and len(content) < SPLIT_ASIDE_CHARS):
-        return split_reasoning(message)
-    return await asyncio.to_thread(split_reasoning, message)
+async def _read_reply(message: Message, turn_number: int, redact: Redactor) -> tuple[str, str, list[ToolCallRecord]]:
+    """The reply's reasoning, visible text and tool calls, redacted; in a thread for a long reply. Its
+    size is the endpoint's to choose, and taking it apart costs microseconds per think block and per
+    escape in a call's arguments (seconds for a few megabytes), while the worker's other sessions
+    share this event loop. Content that is not one string (a list of parts) goes to the thread too."""
+    texts = [message.get("content") or "", *((call.get("function") or {}).get("arguments") or ""
+                                             for call in message.get("tool_calls") or ())]
+    size = sum(len(text) if isinstance(text, str) else READ_ASIDE_CHARS for text in texts)
+    size += sum(len(str(message[field])) for field in REASONING_FIELDS if message.get(field))
+    if size < READ_ASIDE_CHARS:
+        return _taken_apart(message, turn_number, redact)
+    return await asyncio.to_thread(_taken_apart, message, turn_number, redact)
+
+
+def _taken_apart(message: Message, turn_number: int, redact: Redactor) -> tuple[str, str, list[ToolCallRecord]]:
+    reasoning, visible = split_reasoning(message)
+    return redact(reasoning), redact(visible), _tool_calls_of(message, turn_number, redact)
 
 
 def _tool_calls_of(message: Message, turn_number: int, redact: Redactor) -> list[ToolCallRecord]:
@@ -318,8 +327,7 @@ class Session:
         empty_retries = continuations = invented_streak = cut_calls = 0
         while self.api_calls < self.config.max_turns:
             reply = await self._call(messages)
-            reasoning, visible = await _split_reasoning(reply.message)
-            calls = _tool_calls_of(reply.message, self.api_calls - 1, redact)
+            reasoning, visible, calls = await _read_reply(reply.message, self.api_calls - 1, redact)
             cut_off = reply.finish_reason == "length"
             if calls and cut_off:        # its last call's arguments may be cut mid-way: ask once more
                 if cut_calls:
@@ -334,8 +342,7 @@ class Session:
                 empty_retries += 1
                 continue
             empty_retries = cut_calls = 0
-            self._record(messages, reply, AssistantTurn(reasoning=redact(reasoning), content=redact(visible),
-                                                        tool_calls=calls))
+            self._record(messages, reply, AssistantTurn(reasoning=reasoning, content=visible, tool_calls=calls))
             if not cut_off:
                 continuations = 0
             if not calls:
@@ -368,11 +375,10 @@ class Session:
             reply = await self._call(request, with_tools=False)
         except PromptFailedError:
             return
-        reasoning, visible = await _split_reasoning(reply.message)
+        reasoning, visible, _ = await _read_reply(reply.message, self.api_calls - 1, self.services.redact)
         if visible:
-            redact = self.services.redact
             self._ask(messages, SUMMARY_REQUEST)
-            self._record(messages, reply, AssistantTurn(reasoning=redact(reasoning), content=redact(visible)))
+            self._record(messages, reply, AssistantTurn(reasoning=reasoning, content=visible))
 
     async def _run_tool(self, call: ToolCallRecord) -> tuple[str, bool]:
         """(result JSON text, whether the model invented the tool)."""

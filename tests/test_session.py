@@ -566,3 +566,40 @@ def test_the_worker_keeps_serving_its_other_sessions_while_a_huge_reply_is_read(
     assert result.end_reason == rows.EndReason.FINAL_ANSWER
     assert result.turns[-1].content == "b" * 30_000
     assert reading["others_served"] > 0
+
+
+def test_the_worker_keeps_serving_its_other_sessions_while_a_huge_tool_call_is_redacted(tmp_path, monkeypatch):
+    # Every escape in a call's arguments is written out before the secrets are looked for, and a few
+    # megabytes of them take seconds; the other sessions of the worker share its event loop.
+    escaped = "\\u0041" * 100_000
+    reply = call("terminal", {"command": "true"})
+    reply.message["tool_calls"][0]["function"]["arguments"] = '{"command": "echo ' + escaped + '"}'
+    redacting = {"now": False, "others_served": 0}
+    json_text = Redactor.json_text
+
+    def observed_json_text(self: Redactor, text: str) -> str:
+        redacting["now"] = True
+        try:
+            return json_text(self, text)
+        finally:
+            redacting["now"] = False
+
+    monkeypatch.setattr(Redactor, "json_text", observed_json_text)
+    services = worker_services(tmp_path, ScriptedModels(ScriptedModel([reply, say("Done.")])))
+
+    async def another_session() -> None:
+        while True:
+            await asyncio.sleep(0.001)
+            redacting["others_served"] += redacting["now"]
+
+    async def both() -> SessionResult:
+        other = asyncio.create_task(another_session())
+        try:
+            return await Session(TASK, services).run()
+        finally:
+            other.cancel()
+            await services.close()
+
+    result = asyncio.run(both())
+    assert result.end_reason == rows.EndReason.FINAL_ANSWER
+    assert redacting["others_served"] > 0
