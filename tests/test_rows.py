@@ -320,6 +320,20 @@ def test_tool_call_block_carries_invalid_arguments_as_the_raw_string(arguments):
     assert tagged_payloads(gpt["value"], "tool_call") == [{"name": "terminal", "arguments": arguments}]
 
 
+def strict_json(text: str) -> object:
+    """JSON as strict parsers (JavaScript's JSON.parse, most others) read it: no NaN or Infinity."""
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("arguments", ['{"timeout": NaN}', '{"timeout": -Infinity}', '{"timeout": 1e400}'])
+def test_arguments_with_numbers_json_cannot_hold_stay_the_text_the_model_wrote(arguments):
+    gpt = turns_from(row_of(session([AssistantTurn("", "", [call("terminal", arguments)])])), "gpt")[0]
+    [payload] = [strict_json(line) for line in re.findall(r"<tool_call>\n(.*)\n</tool_call>", gpt["value"])]
+    assert payload == {"name": "terminal", "arguments": arguments}
+
+
 # --- rendering: tool turns -----------------------------------------------------------------------------
 
 def test_each_gpt_turn_with_calls_is_followed_by_exactly_one_tool_turn():

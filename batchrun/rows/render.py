@@ -6,6 +6,7 @@ read_back.py reads them back."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -41,11 +42,24 @@ def render_system_turn(tool_names: Iterable[str]) -> str:
 
 def parsed_or_raw(text: str) -> Any:
     """JSON text as its value; anything else (invalid JSON a model wrote, JSON nested deeper than
-    Python reads, plain output) as the text."""
+    Python reads, plain output) as the text. So is text holding NaN, Infinity or a number too large
+    for a float, which Python reads but would write back as NaN or Infinity: not JSON to strict
+    parsers, which would refuse the row's block."""
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
     except (ValueError, TypeError, RecursionError):
         return text
+
+
+def _refuse_constant(constant: str) -> None:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is too large for a float")
+    return value
 
 
 # Arguments nested deeper stay text in a call block: written one level deeper inside it, a value Python
