@@ -89,6 +89,19 @@ def test_a_deleted_trajectories_file_is_rebuilt_whole(tmp_path, endpoint):
     assert merged_lines(run_dir) == expected and statistics.merged == sum(expected.values())
 
 
+@pytest.mark.parametrize("damage", [lambda _: None, lambda _: [], lambda _: 5, lambda _: "text",
+                                    lambda record: {**record, "files": [], "trajectories": []}],
+                         ids=["null", "list", "number", "string", "fields_of_another_shape"])
+def test_a_merge_record_of_another_shape_makes_the_merge_rewrite_everything(tmp_path, endpoint, damage):
+    # The record is only a shortcut: a damaged one must cost a full merge, never the run's end.
+    run_dir = run(tmp_path, endpoint)
+    expected = merged_lines(run_dir)
+    record = json.loads((run_dir / MERGE_RECORD).read_text())
+    (run_dir / MERGE_RECORD).write_text(json.dumps(damage(record)))
+    statistics = RunDirectory(run_dir).merge(lambda *_: None)
+    assert merged_lines(run_dir) == expected and statistics.merged == sum(expected.values())
+
+
 def test_corrupted_rows_are_reported_once_not_at_every_later_merge(tmp_path, endpoint):
     run_dir = run(tmp_path, endpoint)
     reported: list[int] = []

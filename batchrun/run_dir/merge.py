@@ -136,6 +136,8 @@ def _read_merge_record(directory: Path, files: list[Path], relocations: str) -> 
     relocations_digest) does; None means: rewrite everything."""
     try:
         data = json.loads((directory / MERGE_RECORD).read_text(encoding="utf-8"))
+        if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
+            return None
         if data.get("format") != MERGE_RECORD_FORMAT or data.get("relocations", "") != relocations:
             return None
         names = {path.name for path in files}
@@ -150,7 +152,7 @@ def _read_merge_record(directory: Path, files: list[Path], relocations: str) -> 
                 return None
             offsets[name] = offset
         return MergeRecord(trajectories_bytes, offsets, MergeStatistics.from_state(data["statistics"]))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, IndexError):    # damaged: only a shortcut is lost
         return None
 
 
