@@ -45,10 +45,13 @@ class Model(Protocol):
     ``messages`` only grows from one call to the next (an implementation may keep what it made of
     the earlier ones). A call retries what is worth retrying itself; what it cannot recover from it
     raises as :class:`PromptFailedError` (this prompt) or :class:`RunFatalError` (the whole run).
-    ``on_send`` is called each time a request of the call is let through the run's gate and goes out."""
+    ``on_send`` is called each time a request of the call is let through the run's gate and goes out;
+    ``on_refused`` with the usage (and where its cost came from) of each reply the call refused whose
+    usage could be read: the endpoint billed it, and the session counts it as it counts a reply."""
 
     async def reply(self, messages: Sequence[Message], *, with_tools: bool,
-                    on_send: Callable[[], None] = lambda: None) -> ModelReply: ...
+                    on_send: Callable[[], None] = lambda: None,
+                    on_refused: Callable[[Usage, str], None] = lambda usage, cost_source: None) -> ModelReply: ...
 
 
 class ModelSource(Protocol):

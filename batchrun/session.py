@@ -290,13 +290,18 @@ class Session:
     async def _call(self, messages: list[Message], *, with_tools: bool = True) -> ModelReply:
         self.api_calls += 1     # every request sent counts, also one the endpoint refuses (a context overflow)
         try:
-            reply = await self.model.reply(messages, with_tools=with_tools, on_send=self._request_out.set)
+            reply = await self.model.reply(messages, with_tools=with_tools, on_send=self._request_out.set,
+                                           on_refused=self._spend)
         finally:
             self._request_out.set()     # a model that never said its request went out has answered by now
-        self.usage.add(reply.usage)
-        if self.services.on_spent is not None:
-            self.services.on_spent(self.task.unit, reply.usage, reply.cost_source)
+        self._spend(reply.usage, reply.cost_source)
         return reply
+
+    def _spend(self, usage: Usage, cost_source: str) -> None:
+        """Count what one reply was billed for, as it arrives: towards this row, the run's ledger and its caps."""
+        self.usage.add(usage)
+        if self.services.on_spent is not None:
+            self.services.on_spent(self.task.unit, usage, cost_source)
 
     def _record(self, messages: list[Message], reply: ModelReply, turn: AssistantTurn) -> None:
         self.turns.append(turn)

@@ -53,12 +53,13 @@ def _finished(task: Task, result: rows.SessionResult, config: RunConfig) -> Fini
                     tool_calls=tuple((name, count, failure) for name, count, _, failure in stored.tool_counts()))
 
 
-def _failed(task: Task, error: str, error_type: str) -> rows.SessionResult:
+def _failed(task: Task, error: str, error_type: str, *, api_calls: int = 0,
+            usage: rows.Usage | None = None) -> rows.SessionResult:
     """A task whose session left nothing usable (a bug, a worker that died) fails visibly, and
-    resume runs it again, instead of vanishing."""
+    resume runs it again, instead of vanishing; with what its session spent, where that is known."""
     return rows.SessionResult(
         prompt_index=task.prompt_index, content_key=task.content_key, prompt=task.prompt,
-        toolsets=list(task.toolsets), offered_tools=[], turns=[], api_calls=0, usage=rows.Usage(),
+        toolsets=list(task.toolsets), offered_tools=[], turns=[], api_calls=api_calls, usage=usage or rows.Usage(),
         wall_time=0.0, end_reason=rows.EndReason.ERROR, error=error, error_type=error_type,
         sample_index=task.sample_index)
 
@@ -102,14 +103,18 @@ async def outcome(task: Task, services: SessionServices, config: RunConfig) -> F
 
     Every task ends in a message, whatever raises, here or while its row is encoded: the parent
     waits for one answer per task it handed out."""
+    session: Session | None = None
     try:
-        result = await Session(task, services).run()
+        session = Session(task, services)
+        result = await session.run()
     except RunFatalError as exc:
         return Fatal(services.redact(str(exc)))
     except asyncio.CancelledError:
         raise
     except Exception:
-        result = _failed(task, services.redact(traceback.format_exc(limit=5)), "internal_error")
+        # The replies it was billed for count in the row, as in the run's ledger they already do.
+        result = _failed(task, services.redact(traceback.format_exc(limit=5)), "internal_error",
+                         api_calls=session.api_calls if session else 0, usage=session.usage if session else None)
     try:
         return _finished(task, result, config)
     except Exception:

@@ -34,7 +34,7 @@ from batchrun.endpoint import (
 )
 from batchrun.model import PromptFailedError, RunFatalError
 from batchrun.rate_limit import RateGate
-from batchrun.rows import split_reasoning
+from batchrun.rows import Usage, split_reasoning
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -64,12 +64,13 @@ def error_from(base_url: str, prompt: str = "q", timeout: float = 10) -> openai.
     return asyncio.run(call())
 
 
-def call_once(base_url: str, prompt: str, *, max_retries: int = 0, timeout: float = 10):
+def call_once(base_url: str, prompt: str, *, max_retries: int = 0, timeout: float = 10,
+              on_refused=lambda usage, source: None):
     """One call_model call through a fresh client and gate, as a session makes it."""
     async def call():
         async with make_client(base_url, "sk-test", timeout=timeout) as client:
             return await call_model(client, RateGate(), body=request_body(prompt), model=MODEL,
-                                    max_retries=max_retries, base_url=base_url)
+                                    max_retries=max_retries, base_url=base_url, on_refused=on_refused)
     return asyncio.run(call())
 
 
@@ -400,6 +401,7 @@ def test_a_reply_says_whether_its_endpoint_reported_its_cost(usage, source):
      "usage.prompt_tokens_details.cached_tokens is negative"),
     (completion({"content": "hi"}, usage={"cost": 1.7e308}), "usage.cost is more than"),
     (completion({"content": "hi"}, usage={"completion_tokens": 1e300}), "usage.completion_tokens is more than"),
+    (completion({"content": "hi"}, usage={"prompt_tokens": 10**400}), "usage.prompt_tokens is more than"),
     # Text in a shape the reader would take for none: an answer or reasoning read as empty is lost.
     (completion({"content": 12345}), "message.content is neither text nor a list of text parts"),
     (completion({"content": {"text": "hi"}}), "message.content is neither text nor a list of text parts"),
@@ -438,6 +440,22 @@ def test_malformed_reply_is_retried_then_fails_the_prompt(ep):
         call_once(ep.base_url, "[[malformed message_null always]] lost", max_retries=1)
     assert failure.value.error_type == "bad_response" and "message is null" in str(failure.value)
     assert len(ep.chat_requests_for("lost")) == 2
+
+
+def test_a_refused_reply_still_counts_the_usage_it_was_billed_for(ep):
+    billed: list[tuple[Usage, str]] = []
+    call_once(ep.base_url, "[[malformed message_null 1]] billed", max_retries=1,
+              on_refused=lambda usage, source: billed.append((usage, source)))
+    [(usage, source)] = billed
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.cost, source) == (100, 20, 0.001, "endpoint")
+
+
+def test_a_refused_reply_whose_usage_cannot_be_read_counts_nothing(ep):
+    ep.script = lambda _body: (200, {"choices": [], "usage": {"prompt_tokens": 10**400, "cost": 5}}, {})
+    billed: list[tuple[Usage, str]] = []
+    with pytest.raises(PromptFailedError):
+        call_once(ep.base_url, "q", on_refused=lambda usage, source: billed.append((usage, source)))
+    assert billed == []
 
 
 # -- through the real command line ------------------------------------------------------------
@@ -488,6 +506,21 @@ def test_request_timeout_must_be_a_positive_number_of_seconds(tmp_path, ep, valu
     assert ep.requests == []
 
 
+def test_refused_replies_count_towards_the_spending_cap_and_the_failure_row(tmp_path, ep):
+    # Before: the endpoint billed every refused reply and the run recorded nothing, so no cap tripped.
+    prompts = [f"[[malformed message_null always]] refused {i}" for i in range(4)]
+    result = run_prompts(tmp_path, ep.base_url, prompts, "--max_retries=3", "--num_workers=1", "--max_cost=0.005",
+                         "--price_per_mtok=0,0")
+    assert "spending cap reached" in result.stdout, result.stdout
+    rows = batch_rows(tmp_path / "data" / "run")
+    assert 0 < len(rows) < len(prompts)
+    for row in rows:      # one call of four attempts, each billed 0.001
+        assert row["error_type"] == "bad_response" and row["api_calls"] == 1
+        assert row["usage"]["cost"] == pytest.approx(0.004) and row["usage"]["prompt_tokens"] == 400
+    spent = json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())["this_run"]
+    assert spent["usage"]["cost"] == pytest.approx(0.004 * len(rows)), spent
+
+
 def test_rate_limit_with_garbage_retry_after_still_completes_the_prompt(tmp_path, ep):
     result = run_prompts(tmp_path, ep.base_url, ["[[fail 429 1 retry_after=soon]] limited"])
     assert result.returncode == 0, result.stderr
@@ -527,6 +560,7 @@ class RawReplies:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 scenario = body["messages"][0]["content"]
+                raw.scenarios.append(scenario)
                 raw.accept_encoding.append(self.headers.get("Accept-Encoding"))
                 try:
                     getattr(raw, scenario)(self)
@@ -534,6 +568,7 @@ class RawReplies:
                     pass
 
         self.accept_encoding: list[str | None] = []
+        self.scenarios: list[str] = []
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -615,6 +650,16 @@ class RawReplies:
         self._head(handler, 400, Content_Length=str(len(body)))
         handler.wfile.write(body.encode())
 
+    def bad_chunk_size(self, handler) -> None:
+        handler.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+                            b'zz\r\n{"cho\r\n')
+        handler.close_connection = True
+
+    def bad_header_line(self, handler) -> None:
+        handler.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nbad header line\r\n"
+                            b"Content-Length: 2\r\n\r\n{}")
+        handler.close_connection = True
+
     def trickle(self, handler) -> None:
         """A byte of a reply every 0.1 s, for ever: no single wait is long, the reply never ends."""
         self._head(handler, Content_Length=str(2**20))
@@ -685,6 +730,16 @@ def test_a_gzipped_reply_cut_short_is_a_bad_response(raw_replies):
 def test_a_reply_in_a_coding_that_was_not_asked_for_is_a_bad_response(raw_replies):
     failure = failure_of(raw_replies.base_url, "brotli")
     assert failure.error_type == "bad_response" and "'br'" in str(failure)
+
+
+@pytest.mark.parametrize("scenario", ["bad_chunk_size", "bad_header_line"])
+def test_a_reply_that_breaks_http_is_retried_then_fails_as_a_connection_failure(raw_replies, scenario):
+    # Before: the HTTP stack's own error escaped the client unwrapped, and the prompt failed at once as
+    # an internal error with a traceback.
+    with pytest.raises(PromptFailedError) as failure:
+        call_once(raw_replies.base_url, scenario, max_retries=1)
+    assert failure.value.error_type == "connection" and "connection failed" in str(failure.value)
+    assert raw_replies.scenarios.count(scenario) == 2
 
 
 def test_a_reply_trickling_in_for_longer_than_the_request_timeout_fails_as_a_time_out(raw_replies):

@@ -47,3 +47,27 @@ def test_an_exception_while_the_row_is_encoded_becomes_a_failure_row(monkeypatch
     assert message.status == rows.FAILED and message.prompt_index == 7 and message.batch_num == 1
     row = json.loads(message.row)
     assert row["failed"] is True and "the row could not be encoded" in row["error"]
+
+
+class SessionThatBreaks:
+    """A session with a bug that strikes after it has paid for replies."""
+
+    def __init__(self, task: Task, services: object) -> None:
+        self.api_calls, self.usage = 0, rows.Usage()
+
+    async def run(self) -> rows.SessionResult:
+        self.api_calls = 3
+        self.usage.add(rows.Usage(prompt_tokens=200, completion_tokens=40, cost=0.002))
+        raise RuntimeError("a bug in the session")
+
+
+def test_the_failure_row_of_a_session_that_broke_keeps_what_it_spent(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: such a row said 0 calls and no usage, though the replies were paid for.
+    monkeypatch.setattr(worker_process, "Session", SessionThatBreaks)
+    services = SimpleNamespace(redact=lambda text: text)
+    message = asyncio.run(worker_process.outcome(TASK, services, CONFIG))
+    assert isinstance(message, Finished) and message.status == rows.FAILED
+    row = json.loads(message.row)
+    assert row["error_type"] == "internal_error" and "a bug in the session" in row["error"]
+    assert (row["api_calls"], row["usage"]["prompt_tokens"], row["usage"]["cost"]) == (3, 200, 0.002)
+    assert (message.api_calls, message.usage["cost"]) == (3, 0.002)

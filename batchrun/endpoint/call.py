@@ -15,6 +15,7 @@ from batchrun.endpoint.errors import OVERLOAD_STATUSES, backoff_delay, classify,
 from batchrun.endpoint.replies import MalformedReplyError, parse_reply
 from batchrun.model import ModelReply, PromptFailedError
 from batchrun.rate_limit import Gate, wake_delay
+from batchrun.rows import Usage
 
 # Endpoints (base URLs) that have sent an HTTP response, any status, in this process. One that never
 # has and refuses connections (or whose host does not resolve) is not there at all: the run stops at
@@ -23,9 +24,11 @@ _ANSWERED: set[str] = set()
 
 
 async def call_model(client: openai.AsyncOpenAI, gate: Gate, *, body: bytes, model: str, max_retries: int,
-                     base_url: str, on_send: Callable[[], None] = lambda: None) -> ModelReply:
+                     base_url: str, on_send: Callable[[], None] = lambda: None,
+                     on_refused: Callable[[Usage, str], None] = lambda usage, cost_source: None) -> ModelReply:
     """One chat completion, retried on transient errors with back-off honouring Retry-After;
-    ``on_send`` is called as each attempt leaves the gate."""
+    ``on_send`` is called as each attempt leaves the gate, ``on_refused`` with the usage (and its
+    cost's source) of each reply refused as malformed whose usage could be read."""
     attempt = 0
     # The client's time-out bounds each wait for the next bytes; this bounds the whole reply, which a
     # server sending a byte now and then would otherwise hold open for ever.
@@ -50,7 +53,11 @@ async def call_model(client: openai.AsyncOpenAI, gate: Gate, *, body: bytes, mod
                         request.overloaded()
                 retry_after = classify(exc, model=model, base_url=base_url, endpoint_answered=base_url in _ANSWERED)
                 failure: Exception = exc
-            except (MalformedReplyError, TimeoutError) as exc:   # perhaps a passing fault: worth another attempt
+            except MalformedReplyError as exc:   # perhaps a passing fault: worth another attempt
+                if exc.usage is not None:       # the endpoint billed it all the same
+                    on_refused(exc.usage, exc.cost_source)
+                failure = exc
+            except TimeoutError as exc:
                 failure = exc
         if attempt >= max_retries:
             text, error_type = failure_summary(failure, client.timeout)

@@ -17,6 +17,7 @@ from batchrun.endpoint.call import call_model
 from batchrun.endpoint.transport import BoundedAioHttpClient
 from batchrun.model import Message, ModelReply
 from batchrun.rate_limit import Gate
+from batchrun.rows import Usage
 
 # The system's CA store, loaded once per process (at import, so before the pool forks workers share
 # it): loading it per client would be paid again for every client of every worker. Not
@@ -69,18 +70,26 @@ class OpenAIModel:
         self._bodies: dict[bool, ConversationBody] = {}
 
     async def reply(self, messages: Sequence[Message], *, with_tools: bool,
-                    on_send: Callable[[], None] = lambda: None) -> ModelReply:
+                    on_send: Callable[[], None] = lambda: None,
+                    on_refused: Callable[[Usage, str], None] = lambda usage, cost_source: None) -> ModelReply:
         body = self._bodies.get(with_tools)
         if body is None:
             body = self._bodies[with_tools] = ConversationBody(self._fields(with_tools))
         config = self._config
         reply = await call_model(self._client, self._gate, body=body.encode(messages), model=config.model,
-                                 max_retries=config.max_retries, base_url=config.base_url, on_send=on_send)
-        if reply.cost_source == "unknown":      # the endpoint said nothing of cost: price it, if a price is known
-            cost = config.pricing.cost(reply.usage)
-            if cost is not None:
-                reply.usage.cost, reply.cost_source = cost, config.pricing.source
+                                 max_retries=config.max_retries, base_url=config.base_url, on_send=on_send,
+                                 on_refused=lambda usage, source: on_refused(usage, self._priced(usage, source)))
+        reply.cost_source = self._priced(reply.usage, reply.cost_source)
         return reply
+
+    def _priced(self, usage: Usage, cost_source: str) -> str:
+        """Where ``usage``'s cost comes from, once a reply that said nothing of cost is priced (in place),
+        if a price is known."""
+        if cost_source == "unknown":
+            cost = self._config.pricing.cost(usage)
+            if cost is not None:
+                usage.cost, cost_source = cost, self._config.pricing.source
+        return cost_source
 
     def _fields(self, with_tools: bool) -> Message:
         """Every field of a chat-completions call but its messages (provider routing and reasoning included)."""

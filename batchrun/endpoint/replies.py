@@ -15,7 +15,12 @@ from batchrun.rows.reasoning import content_part_text
 class MalformedReplyError(Exception):
     """A 200 response that is not a chat completion (an error body, a broken proxy, a buggy server).
     It fails the prompt, to be retried on resume: never read as an empty answer, which the
-    no-reasoning filter would discard for good."""
+    no-reasoning filter would discard for good. ``usage`` (with ``cost_source``) is the reply's usage
+    where it could be read: the endpoint billed that reply, refused or not."""
+
+    def __init__(self, message: str, usage: Usage | None = None, cost_source: str = "unknown") -> None:
+        super().__init__(message)
+        self.usage, self.cost_source = usage, cost_source
 
 
 def _preview(value: Any) -> str:
@@ -38,7 +43,9 @@ def _count(section: dict, key: str, where: str) -> float:
         number = float(value)
     except (TypeError, ValueError):
         number = math.nan
-    if isinstance(value, bool) or not math.isfinite(number):
+    except OverflowError:      # an integer of hundreds of digits, beyond any float
+        number = math.inf if value > 0 else -math.inf
+    if isinstance(value, bool) or math.isnan(number):
         raise MalformedReplyError(f"{where}.{key} is not a number: {_preview(value)}")
     if number < 0:
         raise MalformedReplyError(f"{where}.{key} is negative: {_preview(value)}")
@@ -56,8 +63,7 @@ def _object(section: dict, key: str, where: str) -> dict:
     return value
 
 
-def _usage_from(data: dict) -> Usage:
-    usage = _object(data, "usage", "reply")
+def _usage_from(usage: dict) -> Usage:
     completion_details = _object(usage, "completion_tokens_details", "usage")
     prompt_details = _object(usage, "prompt_tokens_details", "usage")
     reasoning = _count(completion_details, "reasoning_tokens", "usage.completion_tokens_details")
@@ -128,6 +134,20 @@ def parse_reply(raw: bytes) -> ModelReply:
         raise MalformedReplyError(f"reply is nested too deeply to read: {_preview(raw)!r}") from None
     if not isinstance(data, dict):
         raise MalformedReplyError(f"reply is not a JSON object: {_preview(raw)}")
+    section = _object(data, "usage", "reply")
+    usage = _usage_from(section)
+    cost_source = "endpoint" if section.get("cost") is not None else "unknown"
+    try:
+        message, finish_reason = _first_choice(data)
+    except MalformedReplyError as exc:
+        if section:
+            exc.usage, exc.cost_source = usage, cost_source
+        raise
+    return ModelReply(message=message, finish_reason=finish_reason, usage=usage, cost_source=cost_source)
+
+
+def _first_choice(data: dict) -> tuple[dict, Any]:
+    """The first choice's message and finish reason, checked."""
     choices = data.get("choices")
     if not choices:
         raise MalformedReplyError(f"reply has no choices: {_preview(data.get('error') or data)}")
@@ -144,7 +164,4 @@ def parse_reply(raw: bytes) -> ModelReply:
     _check_tool_calls(message)
     _check_content(message)
     _check_reasoning(message)
-    usage = data.get("usage")
-    reported = isinstance(usage, dict) and usage.get("cost") is not None
-    return ModelReply(message=message, finish_reason=choice.get("finish_reason"), usage=_usage_from(data),
-                      cost_source="endpoint" if reported else "unknown")
+    return message, choice.get("finish_reason")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 import httpx2
 import openai
 
@@ -38,7 +39,10 @@ class BoundedTransport(httpx2.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         request.headers["Accept-Encoding"] = ACCEPT_ENCODING
-        response = await self._inner.handle_async_request(request)
+        try:
+            response = await self._inner.handle_async_request(request)
+        except aiohttp.ClientError as exc:
+            raise _broken_http(exc) from exc
         try:
             gzip = gzipped_within(response.headers.get_list("content-encoding"),
                                   response.headers.get("content-length"), limit=MAX_REPLY_BYTES)
@@ -67,9 +71,18 @@ class _BoundedReply(httpx2.AsyncByteStream):
                 yield chunk
         except BodyError as exc:
             raise _reply_error(exc) from None
+        except aiohttp.ClientError as exc:
+            raise _broken_http(exc) from exc
 
     async def aclose(self) -> None:
         await self._raw.aclose()
+
+
+def _broken_http(exc: aiohttp.ClientError) -> httpx2.RemoteProtocolError:
+    """An error of aiohttp that openai's transport does not translate (a response that breaks HTTP: a
+    bad chunk size or header line), as the error the client turns into a connection failure: retried
+    like a dropped connection, instead of escaping the client as an internal error."""
+    return httpx2.RemoteProtocolError(str(exc), request=None)
 
 
 def _reply_error(exc: BodyError) -> MalformedReplyError:
