@@ -57,7 +57,8 @@ class ScriptedModel:
         self.calls: list[tuple[list[Message], bool]] = []
 
     async def reply(self, messages: Sequence[Message], *, with_tools: bool,
-                    on_send: Callable[[], None] = lambda: None) -> ModelReply:
+                    on_send: Callable[[], None] = lambda: None,
+                    on_refused: Callable[[Usage, str], None] = lambda usage, cost_source: None) -> ModelReply:
         on_send()
         self.calls.append((copy.deepcopy(list(messages)), with_tools))
         step = self.script.pop(0)
@@ -434,7 +435,8 @@ class WatchedModel(ScriptedModel):
         self.watch = watch
 
     async def reply(self, messages: Sequence[Message], *, with_tools: bool,
-                    on_send: Callable[[], None] = lambda: None) -> ModelReply:
+                    on_send: Callable[[], None] = lambda: None,
+                    on_refused: Callable[[Usage, str], None] = lambda usage, cost_source: None) -> ModelReply:
         on_send()
         if self.watch.forever:      # the start is under way when the session ends
             await self.watch.begun().wait()
@@ -472,7 +474,8 @@ class HeldModel(ScriptedModel):
         self.release: asyncio.Event | None = None       # made on the session's loop
 
     async def reply(self, messages: Sequence[Message], *, with_tools: bool,
-                    on_send: Callable[[], None] = lambda: None) -> ModelReply:
+                    on_send: Callable[[], None] = lambda: None,
+                    on_refused: Callable[[Usage, str], None] = lambda usage, cost_source: None) -> ModelReply:
         if not self.calls:
             self.release = asyncio.Event()
             await self.release.wait()
