@@ -37,7 +37,7 @@ from batchrun.environments import ENVIRONMENT_KINDS
 from batchrun.export import BEST_OF_RULES, EXPORT_FORMATS, REASONING_MODES, ExportError, export_options, export_run
 from batchrun.flag_values import UsageError, validate_run_name
 from batchrun.install_hint import program
-from batchrun.run_dir import DiskFull, RunDirectoryError, full_disk_named, require_readable
+from batchrun.run_dir import DiskFull, RunDirectoryError, full_disk_named, require_readable, write_refusal_remedy
 from batchrun.runner import EXIT_ERROR, EXIT_OK, BatchRunner
 from batchrun.security import Redactor
 from batchrun.stop_signals import STOP_SIGNALS, Interrupted, stopped_line
@@ -179,12 +179,14 @@ def write_report_cli(run_name: Any, console: RunConsole) -> int:
     except DiskFull as exc:
         console.error(f"{exc}. The report there is kept as it was. {exc.remedy}, then run --report again.")
         return EXIT_ERROR
-    except PermissionError as exc:
-        console.error(f"cannot write the report in {run_dir}: Permission denied ({exc.filename}). The report "
-                      "there is kept as it was; run --report as a user who may write there.")
-        return EXIT_ERROR
     except RunDirectoryError as exc:    # no run directory to read, or a batch file that cannot be read
         console.error(str(exc))
+        return EXIT_ERROR
+    except OSError as exc:
+        if (remedy := write_refusal_remedy(exc)) is None:
+            raise
+        console.error(f"cannot write the report in {run_dir}: {exc.strerror} ({exc.filename}). The report "
+                      f"there is kept as it was; run --report {remedy}.")
         return EXIT_ERROR
     console.print(f"Report: {path} (open it in a browser; it needs no network)")
     return EXIT_OK

@@ -6,12 +6,14 @@ before any model call and before data/<run_name>/ exists.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from conftest import (
     cli_environment,
     endpoint_args,
     human_prompt,
+    mounted_tmpfs,
     obeying_file_modes,
     read_jsonl,
     run_cli,
@@ -550,6 +553,28 @@ def test_report_in_a_run_directory_the_runner_may_not_write_is_one_clear_line(tm
     error_line(result)
     assert "cannot write" in said(result) and "Permission denied" in said(result)
     assert (run_dir / "report.html").read_bytes() == page
+
+
+@contextlib.contextmanager
+def run_made_then_read_only(tmp_path, endpoint) -> Iterator[Path]:
+    """A finished run whose data/ then lies on a filesystem mounted read-only (a snapshot, a full
+    disk's emergency remount), where even root cannot write; ``tmp_path`` is the working directory."""
+    with mounted_tmpfs(tmp_path / "data", "size=64m") as data:
+        assert run_cli(tmp_path, *good_args(tmp_path, endpoint)).returncode == 0
+        subprocess.run(["mount", "-o", "remount,ro", str(data)], check=True)
+        yield data / "run"
+
+
+@pytest.mark.parametrize("command", [["--resume"], ["--report", "--run_name=run"]], ids=["resume", "report"])
+def test_a_run_directory_on_a_read_only_filesystem_is_one_clear_error(tmp_path, endpoint, command):
+    with run_made_then_read_only(tmp_path, endpoint) as run_dir:
+        before = {path.name: path.read_bytes() for path in run_dir.iterdir()}
+        args = good_args(tmp_path, endpoint, *command) if command == ["--resume"] else command
+        result = run_cli(tmp_path, *args)
+        after = {path.name: path.read_bytes() for path in run_dir.iterdir()}
+    error_line(result)
+    assert "cannot write" in said(result) and "Read-only file system" in said(result), said(result)
+    assert after == before
 
 
 def test_an_export_to_a_place_the_runner_may_not_write_is_one_clear_line(tmp_path, endpoint):

@@ -19,7 +19,7 @@ from batchrun.messages import Finished
 from batchrun.paths import lookup_error
 from batchrun.run_dir.checkpoint import CHECKPOINT, Checkpoint
 from batchrun.run_dir.durable import append_whole, atomic_write_json, cut_torn_tail, fsync_dir
-from batchrun.run_dir.errors import RunDirectoryError, full_disk_named, is_disk_full
+from batchrun.run_dir.errors import RunDirectoryError, full_disk_named, is_disk_full, write_refusal_remedy
 from batchrun.run_dir.merge import TRAJECTORIES, OnCorrupted, merge_batch_files
 from batchrun.run_dir.relocations import read_relocations, write_relocations
 from batchrun.run_dir.scan import ScanResult, scan_files
@@ -69,9 +69,11 @@ class RunDirectory:
                                         "another --run_name.") from None
             raise RunDirectoryError(f"{self.path} is not a directory: {exc.filename} is a file in the way. Move it, "
                                     "or choose another --run_name.") from None
-        except PermissionError as exc:
-            raise RunDirectoryError(f"cannot write in {self.path}: Permission denied ({exc.filename}). Run as a "
-                                    "user who may write there, or choose another --run_name.") from None
+        except OSError as exc:
+            if (remedy := write_refusal_remedy(exc)) is None:
+                raise
+            raise RunDirectoryError(f"cannot write in {self.path}: {exc.strerror} ({exc.filename}). Run {remedy}, "
+                                    "or choose another --run_name.") from None
         try:
             # A POSIX record lock belongs to this process alone: forked workers do not inherit it,
             # so a killed runner frees the directory at once even while its workers wind down.

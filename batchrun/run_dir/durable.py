@@ -8,6 +8,7 @@ only once it is complete and durable. Only the parent process writes the run dir
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -87,7 +88,8 @@ def replacing(path: Path, *, needed: int = 0, durable: bool = True) -> Iterator[
                     os.fsync(handle.fileno())
             os.replace(temp, path)
         except BaseException:
-            temp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):      # the failure to report is the one that got here
+                temp.unlink(missing_ok=True)
             raise
     if durable:
         fsync_dir(path.parent)

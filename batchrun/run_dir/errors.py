@@ -53,6 +53,16 @@ def is_disk_full(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
+def write_refusal_remedy(exc: OSError) -> str | None:
+    """How to get past a write the system refuses until something changes (permissions, a filesystem
+    mounted read-only), as the end of "run ... "; None for any other failure."""
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return "as a user who may write there"
+    if exc.errno == errno.EROFS:
+        return "once its filesystem is mounted writable"
+    return None
+
+
 @contextmanager
 def full_disk_named(path: Path, needed: int = 0) -> Iterator[None]:
     """A full disk met inside the block becomes DiskFull for ``path`` (see DiskFull)."""
