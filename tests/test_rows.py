@@ -865,6 +865,8 @@ def other_rows() -> dict[str, bytes]:
         "array": b"[1, 2, 3]\n", "string": b'"a string"\n', "null": b"null\n", "number": b"42\n",
         "other_program_row": b'{"conversations": [], "completed": true, "end_reason": "final_answer"}\n',
         "string_prompt_index": json.dumps({**row, "prompt_index": "3"}).encode() + b"\n",
+        "negative_prompt_index": json.dumps({**row, "prompt_index": -1}).encode() + b"\n",
+        "negative_sample_index": json.dumps({**row, "sample_index": -1}).encode() + b"\n",
         "no_content_key": json.dumps({k: v for k, v in row.items() if k != "content_key"}).encode() + b"\n",
         "no_kind": json.dumps({k: v for k, v in row.items() if k != "conversations"}).encode() + b"\n",
         "turn_value_not_text": json.dumps(no_value).encode() + b"\n",

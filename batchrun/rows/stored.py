@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
+from typing import Annotated
 
 import msgspec
 
@@ -68,11 +69,16 @@ class _GptLayout(msgspec.Struct):
     tool_calls: int
 
 
+# A place in the dataset, or a sample of it: a negative one names none, and would be merged beside the
+# row resume runs again in its stead.
+_Index = Annotated[int, msgspec.Meta(ge=0)]
+
+
 class _Row(msgspec.Struct):
-    prompt_index: int
+    prompt_index: _Index
     content_key: str
     end_reason: str
-    sample_index: int = 0                      # 0 in a row of format 1 to 3
+    sample_index: _Index = 0                   # 0 in a row of format 1 to 3
     format: int | None = None                  # None: written before rows carried a format
     conversations: list[_Turn] | None = None   # a trajectory row (a tombstone keeps it too)
     gpt_turns: list[_GptLayout] | None = None  # None: a row of format 1 or 2
