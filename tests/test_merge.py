@@ -102,6 +102,16 @@ def test_a_merge_record_of_another_shape_makes_the_merge_rewrite_everything(tmp_
     assert merged_lines(run_dir) == expected and statistics.merged == sum(expected.values())
 
 
+@pytest.mark.parametrize("copy", ["batch_00.jsonl", "batch_\u0660.jsonl"], ids=["leading_zero", "other_digit"])
+def test_a_copy_of_a_batch_file_under_another_name_for_its_number_is_not_merged_again(tmp_path, endpoint, copy):
+    run_dir = run(tmp_path, endpoint)
+    expected = merged_lines(run_dir)
+    (run_dir / copy).write_bytes((run_dir / "batch_0.jsonl").read_bytes())
+    (run_dir / MERGE_RECORD).unlink()
+    statistics = RunDirectory(run_dir).merge(lambda *_: None)
+    assert merged_lines(run_dir) == expected and statistics.merged == sum(expected.values())
+
+
 def test_corrupted_rows_are_reported_once_not_at_every_later_merge(tmp_path, endpoint):
     run_dir = run(tmp_path, endpoint)
     reported: list[int] = []

@@ -26,7 +26,9 @@ from batchrun.run_dir.scan import ScanResult, scan_files
 from batchrun.run_dir.spent import RowPlace
 from batchrun.stats import MergeStatistics
 
-BATCH_FILE = re.compile(r"^batch_(\d+)\.jsonl$")
+# The names the runner writes: one per number. A copy named for the same number another way (batch_00,
+# or other digits than ASCII's, which int() reads too) would be merged a second time.
+BATCH_FILE = re.compile(r"^batch_(0|[1-9][0-9]*)\.jsonl$")
 STATISTICS = "statistics.json"
 ESTIMATE = "estimate.json"
 LOCK = ".lock"
