@@ -56,6 +56,12 @@ REASONING_FIELDS = ("reasoning", "reasoning_content", "reasoning_details")
 ENVIRONMENT_STARTS_AT_ONCE = 8
 KEPT_ARGUMENT_CHARS = 2_000      # of arguments too large for any tool, which the tool refused
 READ_ASIDE_CHARS = 64 * 1024     # a reply's text and arguments from which it is taken apart in a thread
+# What one prompt's tools may do for the model. A reply of a few megabytes holds a million calls, each of
+# which may run up to its time limit and return up to the largest file the tools read: past these, calls
+# are answered without running, so that no reply holds a session for ever or makes a row (and the
+# requests after it) of gigabytes. No model's context holds this much.
+MAX_CALLS_PER_REPLY = 128
+MAX_RESULT_CHARS = 20_000_000       # of every result of the prompt's calls together
 
 
 @dataclass
@@ -176,6 +182,7 @@ class Session:
         self.turns: list[Turn] = []
         self.usage = Usage()
         self.api_calls = 0
+        self._result_chars = 0      # of every tool result so far (see MAX_RESULT_CHARS)
         self.env: Environment | None = None
         self._environment_start: asyncio.Future[None] | None = None
         self._awaiting_environment = False
@@ -359,8 +366,8 @@ class Session:
                 self._ask(messages, CONTINUE_REQUEST)
                 continue
             invented = False
-            for call in calls:
-                call.result, was_invented = await self._run_tool(call)
+            for position, call in enumerate(calls):
+                call.result, was_invented = await self._answer(call, position)
                 invented |= was_invented
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": call.result})
                 call.arguments = _kept_arguments(call, self.services.env_settings.max_file_bytes)
@@ -384,6 +391,19 @@ class Session:
         if visible:
             self._ask(messages, SUMMARY_REQUEST)
             self._record(messages, reply, AssistantTurn(reasoning=reasoning, content=visible))
+
+    async def _answer(self, call: ToolCallRecord, position: int) -> tuple[str, bool]:
+        """(the result of the reply's call at ``position``, whether the model invented its tool); calls
+        past what one reply or one prompt may have run are answered without running."""
+        if position >= MAX_CALLS_PER_REPLY:
+            return _error(f"not run: a reply may call at most {MAX_CALLS_PER_REPLY} tools; call fewer at "
+                          "once"), False
+        if self._result_chars > MAX_RESULT_CHARS:
+            return _error(f"not run: this prompt's tool results already hold {self._result_chars:,} characters, "
+                          f"more than a prompt's may ({MAX_RESULT_CHARS:,}); answer with what you have"), False
+        result, invented = await self._run_tool(call)
+        self._result_chars += len(result)
+        return result, invented
 
     async def _run_tool(self, call: ToolCallRecord) -> tuple[str, bool]:
         """(result JSON text, whether the model invented the tool)."""

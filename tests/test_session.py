@@ -606,3 +606,34 @@ def test_the_worker_keeps_serving_its_other_sessions_while_a_huge_tool_call_is_r
     result = asyncio.run(both())
     assert result.end_reason == rows.EndReason.FINAL_ANSWER
     assert redacting["others_served"] > 0
+
+
+def calls(name: str, arguments: list[dict[str, Any]]) -> ModelReply:
+    """One reply calling ``name`` once with each of ``arguments``."""
+    tool_calls = [{"id": f"call_{number}", "type": "function",
+                   "function": {"name": name, "arguments": json.dumps(value)}} for number, value in enumerate(arguments)]
+    return ModelReply(message={"role": "assistant", "content": "", "tool_calls": tool_calls},
+                      finish_reason="tool_calls", usage=Usage(prompt_tokens=10, completion_tokens=5))
+
+
+def test_the_calls_of_a_reply_past_the_most_one_reply_may_make_are_answered_without_running(tmp_path):
+    # A reply of a few megabytes holds a million calls: run one after another, they would hold the
+    # session for as long as they take, each up to its time limit.
+    many = session_module.MAX_CALLS_PER_REPLY + 2
+    result, _ = run_session(tmp_path, [calls("terminal", [{"command": f"echo ran {n}"} for n in range(many)]), say("Done.")])
+    answered = [json.loads(call.result or "") for call in result.turns[0].tool_calls]
+    assert [answer.get("output") for answer in answered[:-2]] == [f"ran {n}\n" for n in range(many - 2)]
+    assert all("not run" in answer["error"] for answer in answered[-2:])
+    assert result.end_reason == "final_answer"
+
+
+def test_tool_calls_past_what_a_prompts_results_may_hold_are_answered_without_running(tmp_path, monkeypatch):
+    # Each result may be as large as the largest file the tools read: a few calls per reply for each of
+    # --max_turns replies would otherwise make a row, and the requests, of gigabytes.
+    monkeypatch.setattr(session_module, "MAX_RESULT_CHARS", 5_000)
+    command = {"command": "head -c 3000 /dev/zero | tr '\\0' x"}
+    result, _ = run_session(tmp_path, [calls("terminal", [command] * 2), calls("terminal", [command]), say("Done.")])
+    first, second = [[json.loads(call.result or "") for call in turn.tool_calls]
+                     for turn in result.turns if isinstance(turn, AssistantTurn) and turn.tool_calls]
+    assert [len(answer["output"]) for answer in first] == [3000, 3000]
+    assert "not run" in second[0]["error"] and "5,000" in second[0]["error"]
