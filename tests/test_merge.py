@@ -81,6 +81,21 @@ def test_a_batch_file_changed_other_than_by_appending_makes_the_merge_rewrite_ev
     assert statistics.merged == sum(merged_lines(run_dir).values())
 
 
+def test_a_row_damaged_in_place_is_merged_once_when_its_prompt_has_run_again(tmp_path, endpoint):
+    # Damage that keeps the file's length passes the merge record's checks of where each file ended;
+    # the resumed run writes the prompt's row again, and the copy merged before must not stay beside it.
+    run_dir = run(tmp_path, endpoint)
+    batch = run_dir / "batch_0.jsonl"
+    lines = batch.read_bytes().splitlines(keepends=True)
+    damaged = next(number for number, line in enumerate(lines) if json.loads(line).get("completed"))
+    lines[damaged] = b"#" * (len(lines[damaged]) - 1) + b"\n"
+    batch.write_bytes(b"".join(lines))
+    run(tmp_path, endpoint, "--resume", exit_code=0)
+    merged = merged_lines(run_dir)
+    assert Counter(json.loads(line)["prompt_index"] for line in merged.elements()).most_common(1)[0][1] == 1
+    assert merged == rewritten(run_dir)[0]
+
+
 def test_a_deleted_trajectories_file_is_rebuilt_whole(tmp_path, endpoint):
     run_dir = run(tmp_path, endpoint)
     expected = merged_lines(run_dir)

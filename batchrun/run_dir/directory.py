@@ -20,7 +20,7 @@ from batchrun.paths import lookup_error
 from batchrun.run_dir.checkpoint import CHECKPOINT, Checkpoint
 from batchrun.run_dir.durable import append_whole, atomic_write_json, cut_torn_tail, fsync_dir
 from batchrun.run_dir.errors import RunDirectoryError, full_disk_named, is_disk_full, write_refusal_remedy
-from batchrun.run_dir.merge import TRAJECTORIES, OnCorrupted, merge_batch_files
+from batchrun.run_dir.merge import TRAJECTORIES, OnCorrupted, forget_merge_over_damage, merge_batch_files
 from batchrun.run_dir.relocations import read_relocations, write_relocations
 from batchrun.run_dir.scan import ScanResult, scan_files
 from batchrun.run_dir.spent import RowPlace
@@ -120,7 +120,9 @@ class RunDirectory:
         """What the batch files hold (see scan.scan_files), once torn tails are cut off. Only a
         resumed run scans, with the lock held and before it appends."""
         self.cut_torn_tails()
-        return scan_files(self.batch_files())
+        result = scan_files(self.batch_files())
+        forget_merge_over_damage(self.path, result.unreadable)
+        return result
 
     def cut_torn_tails(self) -> None:
         """Cut off what a crash left after the last newline of each batch file (see durable.cut_torn_tail)."""

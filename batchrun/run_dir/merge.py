@@ -35,6 +35,10 @@ MERGE_BUFFER_BYTES = 1 << 20
 
 # A corrupted row as the merge reports it: batch file, prompt index, invented tools, content key.
 OnCorrupted = Callable[[str, int, list[str], str], None]
+# A line of a batch file: the file's name and where the line starts.
+LinePlace = tuple[str, int]
+# What a merge made: its figures, where each batch file was read to, the lines read that were no rows.
+Merged = tuple[MergeStatistics, dict[str, int], list[LinePlace]]
 
 
 def merge_batch_files(directory: Path, files: list[Path], on_corrupted: OnCorrupted, *,
@@ -56,12 +60,29 @@ def merge_batch_files(directory: Path, files: list[Path], on_corrupted: OnCorrup
     if previous is not None and per_prompt and previous.statistics.prompt_samples is None:
         previous = None     # the figures so far lack them: count everything again
     if previous is None:
-        statistics, ends = _rewrite_trajectories(directory, files, on_corrupted, per_prompt, relocated)
+        statistics, ends, unreadable = _rewrite_trajectories(directory, files, on_corrupted, per_prompt, relocated)
     else:
-        statistics, ends = _append_to_trajectories(directory, files, previous, on_corrupted, relocated)
+        statistics, ends, unreadable = _append_to_trajectories(directory, files, previous, on_corrupted, relocated)
     statistics.batch_files = len(files)
-    _write_merge_record(directory, statistics, ends, digest)
+    _write_merge_record(directory, statistics, ends, digest, unreadable)
     return statistics
+
+
+def forget_merge_over_damage(directory: Path, unreadable: list[LinePlace]) -> None:
+    """Make the next merge read everything when a line it already read is no row now (``unreadable``:
+    what a scan of the batch files found): a row damaged in place, its file's length kept, passes the
+    record's checks of where each file ended, and the row its prompt gets again would be merged beside
+    the copy merged before."""
+    if not unreadable:
+        return
+    try:
+        data = json.loads((directory / MERGE_RECORD).read_text(encoding="utf-8"))
+        merged_to = {name: int(end) for name, (end, _) in data["files"].items()}
+        known = {(name, int(offset)) for name, offset in data.get("unreadable", [])}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return      # no record, or one the merge will not use
+    if any(offset < merged_to.get(name, 0) and (name, offset) not in known for name, offset in unreadable):
+        (directory / MERGE_RECORD).unlink(missing_ok=True)
 
 
 @dataclass
@@ -71,6 +92,7 @@ class MergeRecord:
     trajectories_bytes: int
     offsets: dict[str, int]
     statistics: MergeStatistics
+    unreadable: list[LinePlace]     # the lines it read that were no rows (see forget_merge_over_damage)
 
 
 @dataclass
@@ -81,6 +103,7 @@ class MergePart:
     kept: list[FileRange | bytes] = field(default_factory=list)   # kept rows, adjacent ones joined
     kept_bytes: int = 0
     ends: dict[str, int] = field(default_factory=dict)        # per file: the end of its last complete line
+    unreadable: list[LinePlace] = field(default_factory=list)
 
     def keep(self, path: Path, offset: int, line: bytes, row: rows.StoredRow) -> None:
         if not row.is_verbatim:                # an earlier format, or relocated: merged upgraded
@@ -95,7 +118,7 @@ class MergePart:
 
 
 def _rewrite_trajectories(directory: Path, files: list[Path], on_corrupted: OnCorrupted, per_prompt: bool,
-                          relocated: Mapping[str, int]) -> tuple[MergeStatistics, dict[str, int]]:
+                          relocated: Mapping[str, int]) -> Merged:
     groups = split_ranges(files, read_processes(files))
     target = directory / TRAJECTORIES
     if len(groups) == 1:
@@ -109,11 +132,11 @@ def _rewrite_trajectories(directory: Path, files: list[Path], on_corrupted: OnCo
             with replacing(target, needed=sum(part.kept_bytes for part in parts)) as out:
                 # Each process copies its rows into place; the kernel moves the bytes.
                 list(pool.map(_copy_into, [Path(out.name)] * len(parts), starts, [part.kept for part in parts]))
-    return _combined(parts, {}, MergeStatistics(prompt_samples=Counter() if per_prompt else None), on_corrupted)
+    return _combined(parts, {}, [], MergeStatistics(prompt_samples=Counter() if per_prompt else None), on_corrupted)
 
 
 def _append_to_trajectories(directory: Path, files: list[Path], previous: MergeRecord, on_corrupted: OnCorrupted,
-                            relocated: Mapping[str, int]) -> tuple[MergeStatistics, dict[str, int]]:
+                            relocated: Mapping[str, int]) -> Merged:
     part = read_merge_part([(path, previous.offsets.get(path.name, 0), path.stat().st_size) for path in files],
                            previous.statistics.prompt_samples is not None, relocated)
     path = directory / TRAJECTORIES
@@ -127,7 +150,7 @@ def _append_to_trajectories(directory: Path, files: list[Path], previous: MergeR
         except OSError:     # what was merged before stays whole, without a half row after it
             out.truncate(previous.trajectories_bytes)
             raise
-    return _combined([part], previous.offsets, previous.statistics, on_corrupted)
+    return _combined([part], previous.offsets, previous.unreadable, previous.statistics, on_corrupted)
 
 
 def _read_merge_record(directory: Path, files: list[Path], relocations: str) -> MergeRecord | None:
@@ -151,13 +174,14 @@ def _read_merge_record(directory: Path, files: list[Path], relocations: str) -> 
             if not _has_tail(directory / name, offset, tail):
                 return None
             offsets[name] = offset
-        return MergeRecord(trajectories_bytes, offsets, MergeStatistics.from_state(data["statistics"]))
+        unreadable = [(str(name), int(offset)) for name, offset in data.get("unreadable", [])]
+        return MergeRecord(trajectories_bytes, offsets, MergeStatistics.from_state(data["statistics"]), unreadable)
     except (OSError, ValueError, KeyError, TypeError, IndexError):    # damaged: only a shortcut is lost
         return None
 
 
 def _write_merge_record(directory: Path, statistics: MergeStatistics, ends: dict[str, int],
-                        relocations: str) -> None:
+                        relocations: str, unreadable: list[LinePlace]) -> None:
     size = (directory / TRAJECTORIES).stat().st_size
     atomic_write_json(directory / MERGE_RECORD, {
         "format": MERGE_RECORD_FORMAT,
@@ -165,6 +189,7 @@ def _write_merge_record(directory: Path, statistics: MergeStatistics, ends: dict
         "trajectories": [size, _tail_digest(directory / TRAJECTORIES, size)],
         "files": {name: [end, _tail_digest(directory / name, end)] for name, end in ends.items()},
         "statistics": statistics.to_state(),
+        "unreadable": unreadable,
     })
 
 
@@ -182,6 +207,7 @@ def read_merge_part(ranges: list[FileRange], per_prompt: bool = False,
             except rows.RowError as exc:
                 raise refused_line(path, offset, exc) from None
             if row is None:
+                part.unreadable.append((path.name, offset))
                 continue
             if relocated:
                 row.relocate(relocated)
@@ -197,17 +223,19 @@ def read_merge_part(ranges: list[FileRange], per_prompt: bool = False,
     return part
 
 
-def _combined(parts: list[MergePart], offsets: dict[str, int], statistics: MergeStatistics,
-              on_corrupted: OnCorrupted) -> tuple[MergeStatistics, dict[str, int]]:
-    """The parts' figures added to ``statistics``, and where each batch file has been read to."""
-    ends = dict(offsets)
+def _combined(parts: list[MergePart], offsets: dict[str, int], unreadable: list[LinePlace],
+              statistics: MergeStatistics, on_corrupted: OnCorrupted) -> Merged:
+    """The parts' figures added to ``statistics``, where each batch file has been read to, and the
+    lines read that were no rows."""
+    ends, unreadable = dict(offsets), list(unreadable)
     for part in parts:
         statistics.add(part.statistics)
         for corrupted in part.statistics.corrupted:
             on_corrupted(*corrupted)
         for name, end in part.ends.items():
             ends[name] = max(ends.get(name, 0), end)
-    return statistics, ends
+        unreadable += part.unreadable
+    return statistics, ends, unreadable
 
 
 def copy_kept_rows(out: int, position: int, kept: list[FileRange | bytes]) -> None:

@@ -23,7 +23,7 @@ class ScanResult:
     done_units: Counter = field(default_factory=Counter)         # corrupted rows not included
     rows_by_status: Counter = field(default_factory=Counter)
     corrupted_units: list[str] = field(default_factory=list)     # corrupted rows' units, in batch-file order
-    unreadable_lines: int = 0
+    unreadable: list[tuple[str, int]] = field(default_factory=list)     # lines that are no rows: (file, offset)
     usage: UsageTotals = field(default_factory=empty_usage)      # of every row
     most_samples: int = 1                                        # the highest sample index of a row, plus one
     # The units of rows that count nothing done, failures and corrupted rows: the planner finds where
@@ -36,7 +36,7 @@ class ScanResult:
         self.done_units.update(other.done_units)
         self.rows_by_status.update(other.rows_by_status)
         self.corrupted_units.extend(other.corrupted_units)
-        self.unreadable_lines += other.unreadable_lines
+        self.unreadable += other.unreadable
         self.other_units |= other.other_units
 
     @property
@@ -82,7 +82,7 @@ def scan_ranges(ranges: list[FileRange]) -> ScanResult:
             except rows.RowError as exc:
                 raise refused_line(path, offset, exc) from None
             if row is None:
-                result.unreadable_lines += 1
+                result.unreadable.append((path.name, offset))
                 continue
             result.rows_by_status[row.status] += 1
             add_usage(result.usage, row.usage())
