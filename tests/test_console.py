@@ -207,6 +207,16 @@ def test_summary_at_80_columns_keeps_every_figure_on_one_line():
         assert figure in text
 
 
+def test_summary_counts_one_of_a_thing_in_the_singular():
+    out = recording_console(terminal=True)
+    this_run = ThisRun()
+    this_run.statuses[rows.COMPLETED], this_run.api_calls = 1, 1
+    run_console(out).summary(statistics(this_run, MergeStatistics(merged=1)), 1)
+    text = "\n".join(lines_of(out))
+    for figure in ["1 prompt processed", "1 API call ", "1 trajectory in the merged file", "1 batch file"]:
+        assert figure in text + " ", figure
+
+
 def test_tool_usage_table_fits_80_columns_with_its_figures_whole():
     out = recording_console(terminal=True)
     this_run, merge = big_run()

@@ -41,6 +41,11 @@ RULE_WIDTH = 60
 MAX_ERROR_CHARS = 200         # without --verbose a failure's message is one line of at most this
 
 
+def counted(number: int, noun: str, plural: str | None = None) -> str:
+    """``number`` of ``noun``, the noun in the plural unless there is one: "1 prompt", "2 prompts"."""
+    return f"{number:,} {noun if number == 1 else plural or noun + 's'}"
+
+
 class _Fitted:
     """A renderable laid out afresh at every refresh, for the width the terminal has at that moment."""
 
@@ -245,12 +250,13 @@ class RunConsole:
     @staticmethod
     def _run_rows(statistics: dict, merged_batch_files: int) -> list[tuple[str, list[str]]]:
         run = statistics["this_run"]
-        return [("This run", [f"{run['prompts_processed']:,} prompts processed", f"✅ {run['completed']:,} completed",
+        return [("This run", [f"{counted(run['prompts_processed'], 'prompt')} processed",
+                              f"✅ {run['completed']:,} completed",
                               f"⚠️ {run['partial']:,} partial", f"❌ {run['failed']:,} failed",
-                              f"🚫 {run['discarded_no_reasoning']:,} discarded", f"{run['api_calls']:,} API calls",
-                              f"{statistics['duration_seconds']:.1f}s"]),
-                ("All runs", [f"{statistics['trajectories_in_merged_file']:,} trajectories in the merged file",
-                              f"{merged_batch_files:,} batch files"])]
+                              f"🚫 {run['discarded_no_reasoning']:,} discarded",
+                              counted(run['api_calls'], 'API call'), f"{statistics['duration_seconds']:.1f}s"]),
+                ("All runs", [f"{counted(statistics['trajectories_in_merged_file'], 'trajectory', 'trajectories')} "
+                              "in the merged file", counted(merged_batch_files, "batch file")])]
 
     @staticmethod
     def _merged_file_rows(statistics: dict) -> list[tuple[str, list[str]]]:
