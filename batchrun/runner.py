@@ -108,6 +108,15 @@ class BatchRunner:
         except RunDirectoryError as exc:    # a batch file line the resume scan or the merge cannot read
             self.console.error(str(exc))
             return EXIT_ERROR
+        except FileNotFoundError as exc:
+            if self.run_dir.path.is_dir():
+                raise
+            if self._report is not None:
+                self._report.cancel()
+            self.console.error(f"{self.run_dir.path} was removed while the run wrote to it ({exc.filename} could "
+                               "not be written), and the rows written there with it. Run the same command again "
+                               "to start over, or put the directory back and add --resume.")
+            return EXIT_ERROR
         finally:
             self.spent.close()
             self.run_dir.release()

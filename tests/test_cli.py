@@ -638,6 +638,28 @@ def test_second_run_on_a_busy_run_directory_is_refused_and_the_first_finishes(tm
     assert len(endpoint.requests) == 1
 
 
+def test_a_run_directory_removed_during_the_run_is_one_clear_error(tmp_path, endpoint):
+    prompts = [f"[[sleep 0.3]] question {number}" for number in range(12)]
+    args = good_args(tmp_path, endpoint, "--num_workers=2", prompts=prompts)
+    run = subprocess.Popen(batch_runner_command(*args), cwd=tmp_path, env=cli_environment(tmp_path),
+                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        run_dir = tmp_path / "data" / "run"
+        deadline = time.monotonic() + 60
+        while not (run_dir / "batch_0.jsonl").exists():
+            assert run.poll() is None and time.monotonic() < deadline, "the run never wrote a row"
+            time.sleep(0.02)
+        shutil.rmtree(run_dir)
+        out, err = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    result = subprocess.CompletedProcess(run.args, run.returncode, out, err)
+    line = error_line(result)
+    assert "was removed" in line and str(Path("data") / "run") in line, line
+
+
 # -- --reasoning_disabled -----------------------------------------------------------------------
 
 def test_reasoning_disabled_warns_about_the_filter_and_turns_reasoning_off(tmp_path, endpoint):
