@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import math
+import os
 import queue
 import signal
 import sys
@@ -35,6 +36,7 @@ from batchrun.session import Session, SessionServices
 SESSIONS_PER_CLIENT = 16
 # A parent that stopped reading is stopping too; the last rows wait this long to be taken.
 _OUTBOX_CLOSE_SECONDS = 10.0
+_CANNOT_REPORT = 70         # the exit status of a worker whose messages can no longer reach the parent
 
 
 def _finished(task: Task, result: rows.SessionResult, config: RunConfig) -> Finished:
@@ -202,6 +204,11 @@ class _Outbox:
                 self._conn.send(message)
             except OSError:
                 return      # the parent is gone; the reader thread ends the worker
+            except BaseException:
+                # A message that cannot be sent (no memory left to pickle a row): a worker that can no
+                # longer report must end, so that the parent fails its prompts (resume runs them again)
+                # and goes on, instead of waiting for their rows for ever.
+                os._exit(_CANNOT_REPORT)
 
 
 def main(conn: Connection, siblings: list[Connection], worker: int, slots: int, config: RunConfig, gate: RateGate,

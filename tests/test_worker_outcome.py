@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -71,3 +73,31 @@ def test_the_failure_row_of_a_session_that_broke_keeps_what_it_spent(monkeypatch
     assert row["error_type"] == "internal_error" and "a bug in the session" in row["error"]
     assert (row["api_calls"], row["usage"]["prompt_tokens"], row["usage"]["cost"]) == (3, 200, 0.002)
     assert (message.api_calls, message.usage["cost"]) == (3, 0.002)
+
+
+class Unsendable:
+    """A message the pipe cannot carry, as one the worker has no memory left to pickle."""
+
+    def __reduce__(self) -> tuple:
+        raise MemoryError("no memory left to pickle the row")
+
+
+def send_unsendable(conn) -> None:
+    outbox = worker_process._Outbox(conn)
+    outbox.put(Unsendable())        # type: ignore[arg-type]
+    outbox.put(Unsendable())        # type: ignore[arg-type]
+    time.sleep(30)                  # the worker's loop goes on; only its messages stop
+
+
+def test_a_worker_that_can_no_longer_send_its_rows_ends_instead_of_leaving_the_parent_waiting():
+    # The parent fails the prompts of a worker that died and goes on; one that lives on without
+    # sending would hold their rows, and the run's end, for ever.
+    parent, child = multiprocessing.Pipe()
+    process = multiprocessing.get_context("fork").Process(target=send_unsendable, args=(child,))
+    process.start()
+    process.join(10)
+    ended = process.exitcode
+    if ended is None:
+        process.kill()
+        process.join()
+    assert ended not in (None, 0)
