@@ -309,12 +309,20 @@ class CliContainerEnvironment(ContainerEnvironment):
         protection across runs."""
         return self.settings.work_root / "image-locks"
 
-    def _cli_directory(self) -> Path:
-        """Where the CLI runs: the run's own directory. An engine's helpers write there (Podman's monitor
-        of a command leaves `oom` and `oomKilled` files where it runs), never where the user started
-        the runner."""
-        self.settings.work_root.mkdir(parents=True, exist_ok=True)
-        return self.settings.work_root
+    async def start(self) -> None:
+        try:
+            self.settings.work_root.mkdir(parents=True, exist_ok=True)      # see _cli_directory
+        except OSError as exc:
+            raise setup_error(f"cannot create the run's working directory {self.settings.work_root}",
+                              str(exc)) from exc
+        await super().start()
+
+    def _cli_directory(self) -> Path | None:
+        """Where the CLI runs: the run's own directory, made at the start. An engine's helpers write
+        there (Podman's monitor of a command leaves `oom` and `oomKilled` files where it runs), never
+        where the user started the runner. Once the run removed it (its end, a crashed run's clean-up),
+        the calls left are removals, which leave nothing."""
+        return self.settings.work_root if self.settings.work_root.is_dir() else None
 
     async def _call(self, argv: list[str], *, stdin: bytes | None = None, timeout: float = HOUSEKEEPING_TIMEOUT,
                     max_stdout: int = STDOUT_BYTES) -> CliResult:
