@@ -353,6 +353,16 @@ def test_extract_returns_other_text_as_it_is_and_refuses_binary(site, allow_priv
     assert "image/png" in results[3]["error"]
 
 
+@pytest.mark.parametrize("charset", ["rot13", "hex", "base64", "zlib", "no-such-charset"])
+def test_a_page_naming_a_charset_that_is_no_text_encoding_is_read_as_utf8(site, allow_private, charset):
+    # Python knows these names, as codecs from bytes to bytes or str to str: decoding a page with one
+    # raised out of the tool, and the other pages of the call were lost with it.
+    site.routes["/odd.txt"] = Reply(body=b"plain text", content_type=f"text/plain; charset={charset}")
+    site.routes["/cats"] = Reply(body=ARTICLE)
+    results = call(web_extract, {"urls": [site.url("/odd.txt"), site.url("/cats")]})["results"]
+    assert results[0]["content"] == "plain text" and "All about cats" in results[1]["content"]
+
+
 def test_extract_reports_each_failing_url_and_fails_only_when_all_fail(site, allow_private):
     site.routes["/cats"] = Reply(body=ARTICLE)
     good, missing = site.url("/cats"), site.url("/missing")

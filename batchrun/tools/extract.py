@@ -101,12 +101,15 @@ def _looks_like_html(body: bytes) -> bool:
 
 
 def _codec(charset: str | None) -> str:
-    """The server's charset when Python knows it, else UTF-8."""
+    """The server's charset when Python knows it as a text encoding, else UTF-8."""
     if charset:
         try:
-            return codecs.lookup(charset).name
+            info = codecs.lookup(charset)
         except LookupError:
-            pass
+            return "utf-8"
+        # Python also knows codecs that are no text encodings (rot13, hex, zlib): decode() refuses them.
+        if info._is_text_encoding:
+            return info.name
     return "utf-8"
 
 
