@@ -35,7 +35,7 @@ from batchrun.tools.address_policy import address_refusal
 from batchrun.tools.clients import MAX_SERVICE_BYTES
 from batchrun.tools.extract import MAX_CHARS, MAX_PAGE_BYTES, web_extract
 from batchrun.tools.image_gen import image_generate
-from batchrun.tools.search import web_search
+from batchrun.tools.search import MAX_SNIPPET_CHARS, MAX_TITLE_CHARS, web_search
 from batchrun.tools.vision import vision_analyze
 
 TOOL_VARIABLES = ("WEB_SEARCH_BACKEND", "SEARXNG_URL", "BRAVE_SEARCH_API_KEY", "BRAVE_SEARCH_BASE_URL",
@@ -211,6 +211,18 @@ def test_searxng_results_are_mapped(site, monkeypatch):
         {"title": "Second", "url": "https://two.example/", "snippet": "Two"}]}
     [request] = site.requests
     assert request.query == {"q": ["cats"], "format": ["json"]}
+
+
+def test_search_results_are_cut_to_what_a_result_needs(site, monkeypatch):
+    # A service's answer may be 16 MiB: one result of it must not become a tool result of that size.
+    site.routes["/searx/search"] = json_reply({"results": [
+        {"title": "T" * 100_000, "url": "https://one.example/", "content": "S" * 100_000},
+        {"title": "Long URL", "url": "https://two.example/" + "a" * 100_000, "content": "dropped"}]})
+    monkeypatch.setenv("SEARXNG_URL", site.url("/searx/"))
+    [result] = call(web_search, {"query": "cats"})["results"]
+    assert len(result["title"]) <= MAX_TITLE_CHARS + 1
+    assert len(result["snippet"]) <= MAX_SNIPPET_CHARS + 1
+    assert result["title"].endswith("…") and result["snippet"].endswith("…")
 
 
 def test_searxng_without_json_format_explains_the_setting(site, monkeypatch):

@@ -22,6 +22,11 @@ from batchrun.tools.configuration import Backend, NotConfigured, search_backend
 SEARCH_SECONDS = 20.0
 DEFAULT_RESULTS = 5
 MAX_RESULTS = 20
+# What a result needs of its title and snippet, and the longest URL it may name (browsers' practical
+# limit): a service's answer may be 16 MiB, and one result of it must not be a tool result of that size.
+MAX_TITLE_CHARS = 300
+MAX_SNIPPET_CHARS = 1_000
+MAX_URL_CHARS = 2_048
 _TAG = re.compile(r"<[^>]+>")
 _SPACE = re.compile(r"\s+")
 
@@ -41,15 +46,20 @@ async def web_search(args: dict, ctx: ToolContext) -> dict:
     return {"results": [result for result in results if result["url"]][:count]}
 
 
-def _plain(text: object) -> str:
-    """Snippets arrive with highlighting markup (<strong>) and entities; the model wants text."""
+def _plain(text: object, limit: int) -> str:
+    """Snippets arrive with highlighting markup (<strong>) and entities; the model wants text, at most
+    ``limit`` characters of it (and an ellipsis where cut)."""
     if not isinstance(text, str):
         return ""
-    return _SPACE.sub(" ", html.unescape(_TAG.sub("", text))).strip()
+    plain = _SPACE.sub(" ", html.unescape(_TAG.sub("", text))).strip()
+    return plain if len(plain) <= limit else plain[:limit] + "…"
 
 
 def _result(title: object, url: object, snippet: object) -> dict:
-    return {"title": _plain(title), "url": url if isinstance(url, str) else "", "snippet": _plain(snippet)}
+    """A result; one whose URL is longer than any link can be has none, and is left out."""
+    usable = isinstance(url, str) and len(url) <= MAX_URL_CHARS
+    return {"title": _plain(title, MAX_TITLE_CHARS), "url": url if usable else "",
+            "snippet": _plain(snippet, MAX_SNIPPET_CHARS)}
 
 
 async def _json(backend: Backend, method: str, url: str, **request: Any) -> dict:
