@@ -881,6 +881,15 @@ def test_reader_refuses_json_that_is_not_a_row_instead_of_skipping_it(kind):
         read_stored_row(other_rows()[kind])
 
 
+def test_a_row_is_one_line_to_readers_that_split_at_every_unicode_line_break():
+    # JSON allows U+0085, U+2028 and U+2029 raw inside strings; Python's str.splitlines, codecs' line
+    # readers and some JSONL loaders break lines there and would cut the row in pieces.
+    text = "a\u0085b\u2028c\u2029d"
+    line = rows.encode_row({"value": text})
+    assert len(line.decode("utf-8").splitlines()) == 1
+    assert json.loads(line) == {"value": text}
+
+
 # --- lines that are not JSON: what a crash leaves --------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", CUT_ROWS)

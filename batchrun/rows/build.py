@@ -71,7 +71,17 @@ def failure_row(result: SessionResult) -> dict:
             "end_reason": result.end_reason}
 
 
+# JSON allows these raw inside strings, but Python's str.splitlines, codecs' line readers and some JSONL
+# loaders break lines at them, and would cut a row in pieces: escaped, the line holds the same JSON.
+_LINE_BREAKS_JSON_ALLOWS = {"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
 def encode_row(row: dict) -> bytes:
-    """One JSONL line, always valid UTF-8 whatever bytes a tool produced (lone surrogates -> '?'), and
-    always JSON: a NaN or an infinity raises here rather than make a line no reader takes."""
-    return (json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8", "replace")
+    """One JSONL line, always valid UTF-8 whatever bytes a tool produced (lone surrogates -> '?'),
+    always JSON (a NaN or an infinity raises here rather than make a line no reader takes), and one
+    line to any line reader."""
+    text = json.dumps(row, ensure_ascii=False, allow_nan=False)
+    for character, escaped in _LINE_BREAKS_JSON_ALLOWS.items():
+        if character in text:       # rare; a quick look where the text has no character beyond ASCII
+            text = text.replace(character, escaped)
+    return (text + "\n").encode("utf-8", "replace")
