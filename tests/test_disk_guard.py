@@ -8,9 +8,8 @@ import os
 import time
 from pathlib import Path
 
-import pytest
-
-from batchrun.environments.disk_guard import DiskGuard, WorkspaceWatch, free_space
+from batchrun.environments import disk_guard
+from batchrun.environments.disk_guard import DiskGuard, WorkspaceWatch
 from batchrun.environments.limits import MIB
 
 LIMIT = 10 * MIB
@@ -52,6 +51,17 @@ def test_a_walk_begun_before_the_stop_changes_nothing(tmp_path):
     assert stops == ["stop"] and watch.used == 20 * MIB and watch.baseline_due
 
 
+def test_growth_past_the_limit_after_the_workspace_shrank_below_what_a_stop_left_is_stopped(tmp_path):
+    # What a stop left can go (deleted, or a reservation past a file's end given back): growing again
+    # from there past the limit must be stopped, not only growth past what the stop once left.
+    watch, stops = watch_over(tmp_path)
+    watch.counted(10_000 * MIB, 0.0, time.monotonic())
+    watch.counted(10_000 * MIB, 0.0, time.monotonic())      # the baseline after the stop
+    watch.counted(1 * MIB, 0.0, time.monotonic())
+    watch.counted(5_000 * MIB, 0.0, time.monotonic())
+    assert stops == ["stop", "stop"]
+
+
 def test_a_command_after_a_stop_starts_from_a_walk_of_the_workspace_as_it_is(tmp_path):
     watch, stops = watch_over(tmp_path)
     watch.counted(20 * MIB, 0.0, time.monotonic())
@@ -61,19 +71,35 @@ def test_a_command_after_a_stop_starts_from_a_walk_of_the_workspace_as_it_is(tmp
     assert stops == ["stop"]
 
 
-def test_a_workspace_on_a_disk_with_a_fixed_number_of_inodes_counts_each_file_at_their_share(tmp_path):
-    status = os.statvfs(tmp_path)
-    if status.f_files == 0:
-        pytest.skip("this filesystem makes inodes as it needs them")
+def disk(monkeypatch, *, gib: int, inodes: int, free_gib: int, free_inodes: int) -> None:
+    """The filesystem under every watch, as statvfs tells it: ``gib`` GiB and ``inodes`` inodes, of which
+    ``free_gib`` and ``free_inodes`` are free."""
+    block = 4096
+    status = os.statvfs_result((block, block, gib * 2**30 // block, free_gib * 2**30 // block,
+                                free_gib * 2**30 // block, inodes, free_inodes, free_inodes, 0, 255))
+    monkeypatch.setattr(disk_guard.os, "statvfs", lambda _: status)
+
+
+def test_each_file_counts_at_least_its_share_of_the_disks_inodes(tmp_path, monkeypatch):
+    disk(monkeypatch, gib=16, inodes=2**20, free_gib=8, free_inodes=2**19)      # 16 KiB a file
+    for number in range(10):
+        (tmp_path / f"empty{number}").touch()
     watch, _ = watch_over(tmp_path)
-    assert watch.least_per_file == status.f_blocks * status.f_frsize // status.f_files
+    asyncio.run(watch.look())
+    assert watch.used == 10 * 16 * 1024
 
 
-def test_free_inodes_count_as_free_space_at_their_share_of_the_disk(tmp_path):
-    status = os.statvfs(tmp_path)
-    if status.f_files == 0:
-        pytest.skip("this filesystem makes inodes as it needs them")
-    share = status.f_blocks * status.f_frsize // status.f_files
-    free = free_space(tmp_path)
-    assert free.bytes == min(status.f_bavail * status.f_frsize, status.f_favail * share)
-    assert free.files == status.f_favail
+def test_a_disk_short_of_inodes_is_short_of_space_and_says_which(tmp_path, monkeypatch):
+    disk(monkeypatch, gib=16, inodes=2**20, free_gib=8, free_inodes=1000)
+    guard = DiskGuard(reserve_bytes=64 * MIB)       # 4,096 files' share
+    assert guard.low_on_space(tmp_path)
+    assert guard.low_on_space_note(tmp_path).startswith(
+        "the disk holding the workspace is almost out of room for new files (1000 more fit, 4096 of them kept")
+
+
+def test_a_disk_that_makes_inodes_as_it_needs_them_counts_blocks_alone(tmp_path, monkeypatch):
+    disk(monkeypatch, gib=16, inodes=0, free_gib=8, free_inodes=0)
+    (tmp_path / "empty").touch()
+    watch, _ = watch_over(tmp_path)
+    asyncio.run(watch.look())
+    assert watch.used == 0 and not watch._guard.low_on_space(tmp_path)

@@ -52,6 +52,8 @@ WRITE_RATE = 2048 * MIB
 MAX_WALK_INTERVAL = 2.0
 # A walk of a workspace waits at least this many times as long as the last one took.
 _WALK_COST_FACTOR = 20
+# What a file of a few bytes takes on most filesystems: a share of the inodes no larger is not worth a word.
+_BLOCK_BYTES = 4096
 # A workspace with no room left still counts this much, so that its walks come a tick apart, not at once.
 _MIN_ROOM_BYTES = MIB
 
@@ -100,6 +102,9 @@ class WorkspaceWatch:
     def _judge(self, used: int) -> None:
         grew = used > self.used
         self.used = used
+        # What the stop left that went since (deleted, or space reserved past a file's end given back) is
+        # room the prompt may not take again past the limit.
+        self.stopped_at = min(self.stopped_at, used)
         # Over the limit and grown since the last stop, by more than the allocation the filesystem may
         # still add to what was written then (delayed allocation, metadata).
         if used > self.limit_bytes and used > self.stopped_at + _MIN_ROOM_BYTES:
@@ -109,8 +114,8 @@ class WorkspaceWatch:
             self.stopped(self._guard.low_on_space_note(self.directory))
 
     def _counting_note(self) -> str:
-        """How files were counted, where that is more than their size says (see the module)."""
-        if not self.least_per_file:
+        """How files were counted, where that is more than their blocks say (see the module)."""
+        if self.least_per_file <= _BLOCK_BYTES:
             return ""
         return f", each file counted as at least {self.least_per_file // 1024} KB, its share of the disk's inodes"
 
