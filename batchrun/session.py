@@ -56,6 +56,7 @@ REASONING_FIELDS = ("reasoning", "reasoning_content", "reasoning_details")
 ENVIRONMENT_STARTS_AT_ONCE = 8
 KEPT_ARGUMENT_CHARS = 2_000      # of arguments too large for any tool, which the tool refused
 READ_ASIDE_CHARS = 64 * 1024     # a reply's text and arguments from which it is taken apart in a thread
+_CALL_CHARS = 256                # what taking one call apart costs, as characters of text would
 # What one prompt's tools may do for the model. A reply of a few megabytes holds a million calls, each of
 # which may run up to its time limit and return up to the largest file the tools read: past these, calls
 # are answered without running, so that no reply holds a session for ever or makes a row (and the
@@ -114,9 +115,10 @@ async def _read_reply(message: Message, turn_number: int, redact: Redactor) -> t
     size is the endpoint's to choose, and taking it apart costs microseconds per think block and per
     escape in a call's arguments (seconds for a few megabytes), while the worker's other sessions
     share this event loop. Content that is not one string (a list of parts) goes to the thread too."""
-    texts = [message.get("content") or "", *((call.get("function") or {}).get("arguments") or ""
-                                             for call in message.get("tool_calls") or ())]
-    size = sum(len(text) if isinstance(text, str) else READ_ASIDE_CHARS for text in texts)
+    calls = message.get("tool_calls") or ()
+    texts = [message.get("content") or "", *((call.get("function") or {}).get("arguments") or "" for call in calls)]
+    # Each call also costs its id, name and records, whatever its arguments.
+    size = _CALL_CHARS * len(calls) + sum(len(text) if isinstance(text, str) else READ_ASIDE_CHARS for text in texts)
     size += sum(len(str(message[field])) for field in REASONING_FIELDS if message.get(field))
     if size < READ_ASIDE_CHARS:
         return _taken_apart(message, turn_number, redact)

@@ -389,6 +389,9 @@ def test_a_reply_says_whether_its_endpoint_reported_its_cost(usage, source):
      "tool_calls[0].function.name is not a string"),
     (completion({"content": "", "tool_calls": [{"id": "c", "function": {"name": 7}}]}),
      "tool_calls[0].function.name is not a string"),
+    # A few megabytes hold a million calls: taking them apart and answering each would hold the worker.
+    (completion({"content": "", "tool_calls": [{"function": {"name": "x"}}] * 1025}),
+     "1025 tool calls, more than any model's reply makes"),
     (completion({"content": "hi"}, usage=[1]), "usage is not an object"),
     (completion({"content": "hi"}, usage={"prompt_tokens": "many"}), "usage.prompt_tokens is not a number"),
     (completion({"content": "hi"}, usage={"cost": "free"}), "usage.cost is not a number"),

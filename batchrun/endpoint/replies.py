@@ -11,6 +11,9 @@ from batchrun.model import ModelReply
 from batchrun.rows import Usage
 from batchrun.rows.reasoning import content_part_text
 
+# The most tool calls a reply may hold (the session runs the first 128 of them: see session.py).
+MAX_TOOL_CALLS = 1024
+
 
 class MalformedReplyError(Exception):
     """A 200 response that is not a chat completion (an error body, a broken proxy, a buggy server).
@@ -89,8 +92,14 @@ def _objects(message: dict, key: str) -> list[dict]:
 
 def _check_tool_calls(message: dict) -> None:
     """Each tool call must name a function; its arguments may be text or an object (the session
-    turns them into text and tells the model when they do not parse)."""
-    for position, call in enumerate(_objects(message, "tool_calls")):
+    turns them into text and tells the model when they do not parse). A reply of more calls than any
+    model makes is refused: a few megabytes hold a million, and taking them apart and answering each
+    would hold every session of the worker."""
+    calls = _objects(message, "tool_calls")
+    if len(calls) > MAX_TOOL_CALLS:
+        raise MalformedReplyError(f"choices[0].message has {len(calls)} tool calls, more than any model's reply "
+                                  f"makes ({MAX_TOOL_CALLS})")
+    for position, call in enumerate(calls):
         where = f"choices[0].message.tool_calls[{position}]"
         function = call.get("function")
         if not isinstance(function, dict):
