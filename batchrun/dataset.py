@@ -85,8 +85,9 @@ class DatasetPlan:
     pending_chars: int = 0                       # the prompt characters of every pending sample
     rounds: list[PendingRound] = field(default_factory=list)     # per sample index
     # Where the units of earlier rows are now, when their line holds other content: rows.unit_key as the
-    # rows name it -> the prompt index now (see plan_dataset). Empty unless the dataset changed.
-    relocated: dict[str, int] = field(default_factory=dict)
+    # rows name it -> the prompt index now, or None where no line of the dataset is theirs (see
+    # plan_dataset). Empty unless the dataset changed.
+    relocated: dict[str, int | None] = field(default_factory=dict)
 
     @property
     def pending(self) -> int:
@@ -226,7 +227,9 @@ def plan_dataset(path: Path, *, max_samples: int | None, done_units: Counter,
     The second pass also finds where the units of such rows are now (DatasetPlan.relocated), and those
     of ``other_units`` (the units of rows that count nothing done: failures, corrupted rows): a unit is
     on the line its row was counted for; else, where one line (past --max_samples too) holds its content,
-    on that line, unless it is a finished sample that line already has."""
+    on that line, unless it is a finished sample that line already has; else on none (None): its prompt is
+    no longer in the dataset, or which of several lines it was written for cannot be known, and any place
+    given it would put it among another prompt's rows."""
     check_dataset_file(path)
     plan, moved, stale = _plan_pass(path, max_samples, Counter(done_units), {}, _by_prompt(other_units), None,
                                     warn, samples_per_prompt)
@@ -270,22 +273,27 @@ class _Relocation:
         self.counted.setdefault(unit_key(written, done_key), prompt_index)
         self.finished_at.add(unit_key(prompt_index, done_key))
 
-    def places(self) -> dict[str, int]:
-        places = dict(self.counted)
+    def places(self) -> dict[str, int | None]:
+        places: dict[str, int | None] = dict(self.counted)
         for prompt in sorted(self.stale):
             written, key = split_unit(prompt)
-            if len(lines := self.lines[key]) != 1:
-                continue
             for done_key in sorted(self.stale[prompt]):
-                unit, there = unit_key(written, done_key), unit_key(lines[0], done_key)
-                if unit in places:
-                    continue
-                if unit in self.done_units:
-                    if there in self.done_units or there in self.finished_at:
-                        continue        # the line has that sample: this row is one more, of a line now gone
-                    self.finished_at.add(there)
-                places[unit] = lines[0]
+                if (unit := unit_key(written, done_key)) not in places:
+                    places[unit] = self._line_now(unit, done_key, self.lines[key])
         return places
+
+    def _line_now(self, unit: str, done_key: str, lines: list[int]) -> int | None:
+        """The place of a row no line counted: the one line that holds its content. A finished row of a
+        text on several lines is one sample more than any of them has (each without that sample would
+        have counted it), and a failure there could be a try of any of them."""
+        if len(lines) != 1:
+            return None
+        if unit in self.done_units:
+            there = unit_key(lines[0], done_key)
+            if there in self.done_units or there in self.finished_at:
+                return None     # the line has that sample: this row is one more, of a line now gone
+            self.finished_at.add(there)
+        return lines[0]
 
 
 def _plan_pass(path: Path, max_samples: int | None, own: Counter, moved: dict[str, list[int]],

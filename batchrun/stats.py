@@ -134,6 +134,7 @@ class MergeStatistics:
     corrupted: list[tuple[str, int, list[str], str]] = field(default_factory=list)   # file, index, tools, key
     usage: UsageTotals = field(default_factory=empty_usage)
     batch_files: int = 0
+    placeless: int = 0      # rows of any kind whose prompt is no longer in the dataset (StoredRow.placeless)
     # Per prompt (StoredRow.prompt_key), its completed samples; None unless the run has several samples per
     # prompt (a dict the size of the dataset is kept only where it says something).
     prompt_samples: Counter | None = None
@@ -156,6 +157,11 @@ class MergeStatistics:
         self.end_reasons[row.end_reason()] += 1
         self.tool_entries.update(row.tool_counts())
 
+    def on_placeless(self, row: rows.StoredRow) -> None:
+        """Counted apart from every other figure but what was spent, which was spent all the same."""
+        add_usage(self.usage, row.usage())
+        self.placeless += 1
+
     def _count_sample(self, row: rows.StoredRow, *, completed: bool) -> None:
         if self.prompt_samples is not None:
             self.prompt_samples[row.prompt_key] += completed     # a prompt without a completed sample counts too
@@ -171,6 +177,7 @@ class MergeStatistics:
         self.merged_by_status.update(other.merged_by_status)
         self.end_reasons.update(other.end_reasons)
         self.discarded += other.discarded
+        self.placeless += other.placeless
         self.corrupted.extend(other.corrupted)
         add_usage(self.usage, other.usage)
 
@@ -180,7 +187,7 @@ class MergeStatistics:
                 "turns_with_reasoning": self.turns_with_reasoning,
                 "turns_without_reasoning": self.turns_without_reasoning,
                 "merged": self.merged, "merged_by_status": dict(self.merged_by_status),
-                "end_reasons": dict(self.end_reasons), "discarded": self.discarded,
+                "end_reasons": dict(self.end_reasons), "discarded": self.discarded, "placeless": self.placeless,
                 "corrupted": [list(entry) for entry in self.corrupted], "usage": self.usage.copy(),
                 "prompt_samples": None if self.prompt_samples is None else dict(self.prompt_samples)}
 
@@ -192,6 +199,9 @@ class MergeStatistics:
                    turns_without_reasoning=state["turns_without_reasoning"],
                    merged=state["merged"], merged_by_status=Counter(state["merged_by_status"]),
                    end_reasons=Counter(state["end_reasons"]), discarded=state["discarded"],
+                   # A record from before rows could be placeless counts none: any there are now came with a
+                   # relocations.json it was not made under, which no merge appends to.
+                   placeless=state.get("placeless", 0),
                    corrupted=[(name, index, invented, key) for name, index, invented, key in state["corrupted"]],
                    usage=usage_totals(state["usage"]),
                    prompt_samples=None if state.get("prompt_samples") is None else Counter(state["prompt_samples"]))
@@ -241,6 +251,16 @@ class MergeStatistics:
                 "coverage_percent": round(100 * self.turns_with_reasoning / total, 2) if total else 0.0}
 
 
+def placeless_line(count: int) -> str:
+    """Why rows of the batch files are missing from everything merged and counted, and what brings them back."""
+    if count == 1:
+        return ("1 row left out: its prompt is no longer in the dataset (its line was edited or removed); it stays "
+                "in its batch file, and a --resume with that line back in the dataset brings it back")
+    return (f"{count:,} rows left out: their prompts are no longer in the dataset (their lines were edited or "
+            "removed); they stay in the batch files, and a --resume with those lines back in the dataset brings "
+            "them back")
+
+
 def build_statistics(*, run_name: str, distribution: str, model: str, batch_size: int, total_prompts: int,
                      skipped_dataset_lines: int, duration: float, merge: MergeStatistics, this_run: ThisRun,
                      superseded_corrupted: Counter, unfinished: UsageTotals, samples_per_prompt: int = 1,
@@ -274,6 +294,8 @@ def build_statistics(*, run_name: str, distribution: str, model: str, batch_size
         "filtered_corrupted": len(corrupted),
         "corrupted_entries": [{"batch_file": name, "prompt_index": index, "invented_tools": invented}
                               for name, index, invented, _key in corrupted[:100]],
+        "filtered_prompt_gone": merge.placeless,
+        **({"filtered_prompt_gone_why": placeless_line(merge.placeless)} if merge.placeless else {}),
         "usage": rounded_usage(usage),
         "spent_by_unfinished_sessions": rounded_usage(unfinished),
         # How replies without a cost of their own were priced, and how many had none (their cost is not in

@@ -39,6 +39,8 @@ from conftest import (
 from batchrun import rows
 from batchrun.dataset import plan_dataset
 from batchrun.messages import Finished, Spent
+from batchrun.report import summary
+from batchrun.report.scan import RunScan
 from batchrun.run_dir import DiskFull, RunDirectory, SpentLedger, lines_at, reading, scan_ranges, split_ranges
 
 
@@ -311,15 +313,15 @@ def test_rows_on_a_line_that_still_holds_their_prompt_are_not_relocated(tmp_path
     assert relocated(tmp_path, ["a"], [(0, "a", 0), (0, "a", 1)]) == {}
 
 
-def test_a_prompt_no_longer_in_the_dataset_keeps_the_place_its_rows_name(tmp_path):
-    assert relocated(tmp_path, ["b"], [(0, "a", 0)]) == {}
+def test_a_prompt_no_longer_in_the_dataset_has_no_place(tmp_path):
+    assert relocated(tmp_path, ["b"], [(0, "a", 0)]) == {unit_of(0, "a"): None}
 
 
 def test_a_failed_row_is_found_where_its_content_is_now(tmp_path):
     assert relocated(tmp_path, ["b", "a"], [], failed=((0, "a", 0),)) == {unit_of(0, "a"): 1}
     assert relocated(tmp_path, ["a", "b"], [], failed=((0, "a", 0),)) == {}
-    # A failed row of a text on two lines: which of them it was a try of is not known, and it stays.
-    assert relocated(tmp_path, ["a", "a"], [], failed=((3, "a", 0),)) == {}
+    # A failed row of a text on two lines: which of them it was a try of is not known, so it has no place.
+    assert relocated(tmp_path, ["a", "a"], [], failed=((3, "a", 0),)) == {unit_of(3, "a"): None}
 
 
 def test_each_row_of_a_repeated_prompt_goes_to_the_line_it_counted_for(tmp_path):
@@ -336,10 +338,114 @@ def test_a_prompt_moved_past_max_samples_is_found_where_it_is_now(tmp_path):
     assert relocated(tmp_path, ["b", "a"], [(0, "a", 0)], max_samples=1) == {unit_of(0, "a"): 1}
 
 
-def test_a_finished_sample_a_line_already_has_stays_where_its_row_names(tmp_path):
+def test_a_finished_sample_a_line_already_has_has_no_place(tmp_path):
     # "a" was on two lines and is on one now: the second line's row is one sample too many there.
-    assert relocated(tmp_path, ["a"], [(0, "a", 0), (1, "a", 0)], samples_per_prompt=2) == {}
-    assert relocated(tmp_path, ["b", "a"], [(0, "a", 0), (2, "a", 0)], max_samples=1) == {unit_of(0, "a"): 1}
+    assert relocated(tmp_path, ["a"], [(0, "a", 0), (1, "a", 0)], samples_per_prompt=2) == {unit_of(1, "a"): None}
+    assert relocated(tmp_path, ["b", "a"], [(0, "a", 0), (2, "a", 0)], max_samples=1) == \
+        {unit_of(0, "a"): 1, unit_of(2, "a"): None}
+
+
+def test_a_finished_sample_of_a_text_on_several_lines_that_each_have_it_has_no_place(tmp_path):
+    # "a" was on three lines and is on two now, each with its own row: the third row is one too many.
+    assert relocated(tmp_path, ["a", "a", "c"], [(0, "a", 0), (1, "a", 0), (2, "a", 0)]) == {unit_of(2, "a"): None}
+
+
+def merged_places(run_dir: Path) -> list[tuple[int, int, str]]:
+    return sorted((row["prompt_index"], row["sample_index"], human_prompt(row))
+                  for row in read_jsonl(run_dir / "trajectories.jsonl"))
+
+
+def test_the_row_of_an_edited_line_is_left_out_of_the_merged_file_and_counted(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["alpha", "bteta typo", "gamma"])
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset)).returncode == 0
+    write_dataset(dataset, ["alpha", "beta fixed", "gamma"])
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "data" / "run"
+    assert merged_places(run_dir) == [(0, 0, "alpha"), (1, 0, "beta fixed"), (2, 0, "gamma")]
+    statistics = json.loads((run_dir / "statistics.json").read_text())
+    assert statistics["completed_in_merged_file"] == 3
+    assert statistics["filtered_prompt_gone"] == 1
+    assert "no longer in the dataset" in statistics["filtered_prompt_gone_why"]
+    assert "1 row left out: its prompt is no longer in the dataset" in " ".join(result.stdout.split())
+    assert "bteta typo" in {human_prompt(row) for row in batch_rows(run_dir)}     # nothing written is lost
+
+
+def test_the_row_of_a_removed_line_is_left_out_and_no_other_prompt_shares_its_place(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["A", "B", "C"])
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset)).returncode == 0
+    write_dataset(dataset, ["A", "C"])
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "data" / "run"
+    assert merged_places(run_dir) == [(0, 0, "A"), (1, 0, "C")]
+    assert json.loads((run_dir / "statistics.json").read_text())["filtered_prompt_gone"] == 1
+
+
+def test_the_samples_of_a_removed_line_are_left_out_of_the_per_prompt_figures(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["A", "B", "C"])
+    args = ("--samples_per_prompt=2",)
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, *args)).returncode == 0
+    write_dataset(dataset, ["A", "C"])
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, *args, "--resume"))
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "data" / "run"
+    assert merged_places(run_dir) == [(0, 0, "A"), (0, 1, "A"), (1, 0, "C"), (1, 1, "C")]
+    statistics = json.loads((run_dir / "statistics.json").read_text())
+    assert statistics["samples"]["prompts_with_rows"] == 2
+    assert statistics["samples"]["prompts_by_completed_samples"] == {"2": 2}
+    assert statistics["filtered_prompt_gone"] == 2
+
+
+def test_the_export_counts_only_the_prompts_still_in_the_dataset(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["A", "B", "C"])
+    args = ("--samples_per_prompt=2",)
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, *args)).returncode == 0
+    write_dataset(dataset, ["A", "C"])
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, *args, "--resume")).returncode == 0
+    out = tmp_path / "out.jsonl"
+    result = run_cli(tmp_path, "--run_name=run", "--export=sharegpt", "--best_of=first_completed", f"--out={out}")
+    assert result.returncode == 0, result.stderr
+    assert "2 of 2 prompts kept" in result.stdout
+    assert "prompt_gone" in result.stdout
+    assert sorted((row["prompt_index"], human_prompt(row)) for row in read_jsonl(out)) == [(0, "A"), (1, "C")]
+
+
+def test_the_report_leaves_out_the_rows_of_a_removed_line(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["A", "B", "C"])
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset)).returncode == 0
+    write_dataset(dataset, ["A", "C"])
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume")).returncode == 0
+    scan = RunScan(tmp_path / "data" / "run")
+    scan.read_new_rows()
+    assert scan.summary.kept == 2 and scan.summary.statuses[summary.PROMPT_GONE] == 1
+
+
+def test_putting_a_removed_line_back_brings_its_row_back_without_running_it(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["A", "B", "C"])
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset)).returncode == 0
+    write_dataset(dataset, ["A", "C"])
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume")).returncode == 0
+    endpoint.reset()
+    write_dataset(dataset, ["A", "B", "C"])
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
+    assert result.returncode == 0, result.stderr
+    assert endpoint.requests == []
+    run_dir = tmp_path / "data" / "run"
+    assert merged_places(run_dir) == [(0, 0, "A"), (1, 0, "B"), (2, 0, "C")]
+    assert json.loads((run_dir / "statistics.json").read_text())["filtered_prompt_gone"] == 0
+    assert not (run_dir / "relocations.json").exists()
+
+
+def test_a_resume_over_an_unchanged_dataset_writes_no_record_of_relocations(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["A", "B", "C"])
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--max_samples=2")).returncode == 0
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "data" / "run"
+    assert not (run_dir / "relocations.json").exists()
+    assert "no longer in the dataset" not in result.stdout
+    assert json.loads((run_dir / "statistics.json").read_text())["filtered_prompt_gone"] == 0
 
 
 def test_after_the_dataset_is_put_back_in_order_the_rows_name_their_own_places_again(tmp_path, endpoint):

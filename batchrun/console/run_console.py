@@ -278,6 +278,8 @@ class RunConsole:
         if corrupted := statistics["filtered_corrupted"]:
             result.append(("Corrupted", [f"{corrupted:,} left out of the merged file (invented tool names)",
                                          "kept in the batch files", "--resume --rerun_corrupted runs them again"]))
+        if why := statistics.get("filtered_prompt_gone_why"):
+            result.append(("Dataset changed", [why]))
         if failed := statistics["failed_prompts"]:
             causes = [f"{cause}: {n:,}" for cause, n in sorted(statistics["failures_by_cause"].items())]
             result.append(("Failed", [f"{failed:,} prompt{'s' if failed != 1 else ''} this run", *causes,

@@ -23,6 +23,7 @@ from batchrun.run_dir import RunDirectory, line_number, lines_at, superseded_cor
 DROP_REASONS = {
     "failed": "failure rows: no trajectory (--resume retries them)",
     "unreadable": "lines that are not JSON (cut short by a crash)",
+    "prompt_gone": "prompts no longer in the dataset (--resume with their lines back brings them back)",
     "superseded": "corrupted attempts a --rerun_corrupted resume redid",
     "no_trajectory": "older tombstones, which kept no trajectory",
     "invented_tools": "called tools not offered (--discard_invented=False)",
@@ -39,7 +40,7 @@ DROP_REASONS = {
 def selected_rows(options: ExportOptions, dropped: Counter,
                   on_row: Callable[[rows.StoredRow], None] | None = None) -> Iterator[Candidate]:
     """The run's rows that pass every filter, in batch file order; the others counted by reason in
-    ``dropped``. ``on_row`` sees every readable row, kept or not."""
+    ``dropped``. ``on_row`` sees every readable row of a prompt in the dataset, kept or not."""
     directory = RunDirectory(options.run_dir)
     superseded = superseded_corrupted(directory.read_checkpoint() or {})
     relocated = directory.relocations()
@@ -55,6 +56,9 @@ def selected_rows(options: ExportOptions, dropped: Counter,
                 continue
             if relocated:
                 stored.relocate(relocated)
+                if stored.placeless:    # no prompt of the dataset is its, so on_row does not count one for it
+                    dropped["prompt_gone"] += 1
+                    continue
             if on_row is not None:
                 on_row(stored)
             candidate = Candidate(stored, (path.name, offset))

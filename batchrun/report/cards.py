@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from batchrun import rows
 from batchrun.report.markup import card, money, number, percent
-from batchrun.report.summary import CORRUPTED, SUPERSEDED, RunSummary, Timeline
+from batchrun.report.summary import CORRUPTED, PROMPT_GONE, SUPERSEDED, RunSummary, Timeline
 
 
 def cards_html(summary: RunSummary, info: dict) -> str:
@@ -25,7 +25,9 @@ def cards_html(summary: RunSummary, info: dict) -> str:
         card("rows in batch files", number(summary.row_count),
               f"dataset: {number(total_prompts)} prompts" if isinstance(total_prompts, int) else ""),
         card("kept trajectories", number(kept),
-              f"{number(statuses[rows.COMPLETED])} completed · {number(statuses[rows.PARTIAL])} partial",
+              f"{number(statuses[rows.COMPLETED])} completed · {number(statuses[rows.PARTIAL])} partial"
+              + (f" · {number(statuses[PROMPT_GONE])} more rows left out: their prompts are no longer in the dataset"
+                 if statuses[PROMPT_GONE] else ""),
               "good" if kept else ""),
         card("failed attempts", number(statuses[rows.FAILED]),
               f"{number(open_failures)} still failing (--resume retries them)", "bad" if open_failures else ""),

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from batchrun import rows
-from batchrun.report.summary import CORRUPTED, SUPERSEDED
+from batchrun.report.summary import CORRUPTED, PROMPT_GONE, SUPERSEDED
 
 SAMPLE_LIMIT = 500              # trajectories embedded in the page at most
 
@@ -26,7 +26,7 @@ def categories(status: str, facts: dict) -> list[tuple[str, str]]:
         return [("failed", facts["cause"])]
     if status in (rows.DISCARDED, CORRUPTED):
         return [(status, "")]
-    if status == SUPERSEDED:
+    if status in (SUPERSEDED, PROMPT_GONE):
         return []
     found = [("partial", facts["end_reason"])] if status == rows.PARTIAL else [("completed", "")]
     found += [("tool", name) for name in facts["tools"]]

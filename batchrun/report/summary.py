@@ -20,6 +20,7 @@ TIMELINE_BUCKETS = 2000         # time buckets at most; they widen as a long run
 BINS_PER_DECADE = 10
 CORRUPTED = "corrupted"         # a trajectory row naming an invented tool: left out of the merged file
 SUPERSEDED = "superseded"       # a corrupted row whose prompt a --rerun_corrupted resume ran again
+PROMPT_GONE = "prompt_gone"     # a row whose prompt is no longer in the dataset (StoredRow.placeless)
 
 
 @dataclass
@@ -122,7 +123,7 @@ def _epoch(timestamp: str) -> int | None:
 class RunSummary:
     """Everything the page shows about the rows, fed one stored row at a time."""
 
-    statuses: Counter = field(default_factory=Counter)           # completed/partial/failed/discarded/corrupted
+    statuses: Counter = field(default_factory=Counter)           # completed/partial/failed/discarded/corrupted/...
     end_reasons: Counter = field(default_factory=Counter)        # kept trajectory rows
     failure_causes: Counter = field(default_factory=Counter)     # every failure row (each failed attempt)
     discard_reasons: Counter = field(default_factory=Counter)
@@ -164,6 +165,9 @@ class RunSummary:
         usage = row.usage()
         for key in self.usage:
             self.usage[key] += usage.get(key) or 0
+        if row.placeless:
+            self.statuses[PROMPT_GONE] += 1
+            return PROMPT_GONE, {}
         if row.status == rows.FAILED:
             return self._add_failure(row)
         self.open_failures.pop(row.sample_key, None)    # a retry that succeeded (or was discarded)

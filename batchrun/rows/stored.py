@@ -109,7 +109,7 @@ _FORMAT_1_EMPTY_THINK = re.compile(r"\A<think>\n\n</think>")
 class StoredRow:
     """One row of a batch file, with the facts resume, merge, statistics and the report need."""
 
-    __slots__ = ("line", "status", "_row", "_invented", "_place")
+    __slots__ = ("line", "status", "_row", "_invented", "_place", "_placeless")
 
     def __init__(self, line: bytes, status: RowStatus, row: _Row, invented: list[str] | None = None) -> None:
         self.line = line
@@ -117,16 +117,28 @@ class StoredRow:
         self._row = row
         self._invented = invented       # read with the row when it has any (read_stored_row)
         self._place: int | None = None  # see relocate
+        self._placeless = False
 
     @property
     def prompt_index(self) -> int:
         return self._row.prompt_index if self._place is None else self._place
 
-    def relocate(self, places: Mapping[str, int]) -> None:
+    def relocate(self, places: Mapping[str, int | None]) -> None:
         """Give the row its place in the dataset now, where a resumed run found it moved since the row was
         written (``places``: see DatasetPlan.relocated), so that every row of one prompt names one place:
-        the row's prompt index, its keys and the line the merge and the export write."""
-        self._place = places.get(unit_key(self._row.prompt_index, self.sample_key))
+        the row's prompt index, its keys and the line the merge and the export write. A row it found no
+        place for is then :attr:`placeless`."""
+        unit = unit_key(self._row.prompt_index, self.sample_key)
+        self._place = places.get(unit)
+        self._placeless = unit in places and self._place is None
+
+    @property
+    def placeless(self) -> bool:
+        """Whether the last resumed run found no line of its dataset for this row: its prompt is no longer
+        there (see DatasetPlan.relocated). Every reader leaves such a row out, as the place it was written
+        with is another prompt's now or may become one; the batch file keeps it, and a resume over a
+        dataset that holds the line again gives it its place back."""
+        return self._placeless
 
     @property
     def content_key(self) -> str:

@@ -195,10 +195,10 @@ class RunDirectory:
         return merge_batch_files(self.path, self.batch_files(), on_corrupted, per_prompt=per_prompt,
                                  relocated=self.relocations())
 
-    def write_relocations(self, places: Mapping[str, int]) -> None:
+    def write_relocations(self, places: Mapping[str, int | None]) -> None:
         """Record where the rows written for lines that hold other content now belong (see relocations.py)."""
         write_relocations(self.path, places)
 
-    def relocations(self) -> dict[str, int]:
+    def relocations(self) -> dict[str, int | None]:
         return read_relocations(self.path)
 

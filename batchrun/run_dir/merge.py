@@ -42,11 +42,12 @@ Merged = tuple[MergeStatistics, dict[str, int], list[LinePlace]]
 
 
 def merge_batch_files(directory: Path, files: list[Path], on_corrupted: OnCorrupted, *,
-                      per_prompt: bool = False, relocated: Mapping[str, int] | None = None) -> MergeStatistics:
+                      per_prompt: bool = False, relocated: Mapping[str, int | None] | None = None) -> MergeStatistics:
     """Bring trajectories.jsonl up to date with these batch files, and count what it holds.
 
     Trajectory rows that call no invented tool are kept; tombstones, failures, corrupted rows
-    (each passed to ``on_corrupted``) and broken lines are left out. Batch files only grow, so when
+    (each passed to ``on_corrupted``), rows whose prompt is no longer in the dataset
+    (StoredRow.placeless) and broken lines are left out. Batch files only grow, so when
     the record of the last merge still matches the files, only rows written since are read and
     appended; otherwise the whole file is rewritten (a big directory shared out over one process per
     core) and atomically replaced. ``per_prompt``: count each prompt's completed samples too
@@ -118,7 +119,7 @@ class MergePart:
 
 
 def _rewrite_trajectories(directory: Path, files: list[Path], on_corrupted: OnCorrupted, per_prompt: bool,
-                          relocated: Mapping[str, int]) -> Merged:
+                          relocated: Mapping[str, int | None]) -> Merged:
     groups = split_ranges(files, read_processes(files))
     target = directory / TRAJECTORIES
     if len(groups) == 1:
@@ -136,7 +137,7 @@ def _rewrite_trajectories(directory: Path, files: list[Path], on_corrupted: OnCo
 
 
 def _append_to_trajectories(directory: Path, files: list[Path], previous: MergeRecord, on_corrupted: OnCorrupted,
-                            relocated: Mapping[str, int]) -> Merged:
+                            relocated: Mapping[str, int | None]) -> Merged:
     part = read_merge_part([(path, previous.offsets.get(path.name, 0), path.stat().st_size) for path in files],
                            previous.statistics.prompt_samples is not None, relocated)
     path = directory / TRAJECTORIES
@@ -194,7 +195,7 @@ def _write_merge_record(directory: Path, statistics: MergeStatistics, ends: dict
 
 
 def read_merge_part(ranges: list[FileRange], per_prompt: bool = False,
-                    relocated: Mapping[str, int] | None = None) -> MergePart:
+                    relocated: Mapping[str, int | None] | None = None) -> MergePart:
     """Classify and count the rows that begin in these byte ranges, each at its prompt's place now
     (see merge_batch_files)."""
     part = MergePart(MergeStatistics(prompt_samples=Counter() if per_prompt else None))
@@ -211,6 +212,9 @@ def read_merge_part(ranges: list[FileRange], per_prompt: bool = False,
                 continue
             if relocated:
                 row.relocate(relocated)
+                if row.placeless:
+                    statistics.on_placeless(row)
+                    continue
             if row.status in (rows.FAILED, rows.DISCARDED):
                 statistics.on_row(row)
                 continue
