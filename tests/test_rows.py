@@ -320,6 +320,13 @@ def test_tool_call_block_carries_invalid_arguments_as_the_raw_string(arguments):
     assert tagged_payloads(gpt["value"], "tool_call") == [{"name": "terminal", "arguments": arguments}]
 
 
+def test_a_call_block_an_earlier_version_wrote_with_nan_still_reads_back():
+    # Earlier versions wrote a model's NaN into the block as it was: their rows must still read.
+    rest = 'Let me look.\n<tool_call>\n{"name": "terminal", "arguments": {"timeout": NaN}}\n</tool_call>'
+    text, [call_read] = rows.split_rendered_calls(rest)
+    assert text == "Let me look." and math.isnan(call_read["arguments"]["timeout"])
+
+
 def strict_json(text: str) -> object:
     """JSON as strict parsers (JavaScript's JSON.parse, most others) read it: no NaN or Infinity."""
     def refuse(constant: str) -> None:

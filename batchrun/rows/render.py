@@ -42,9 +42,17 @@ def render_system_turn(tool_names: Iterable[str]) -> str:
 
 def parsed_or_raw(text: str) -> Any:
     """JSON text as its value; anything else (invalid JSON a model wrote, JSON nested deeper than
-    Python reads, plain output) as the text. So is text holding NaN, Infinity or a number too large
-    for a float, which Python reads but would write back as NaN or Infinity: not JSON to strict
-    parsers, which would refuse the row's block."""
+    Python reads, plain output) as the text. Reads what rows hold, written by any version."""
+    try:
+        return json.loads(text)
+    except (ValueError, TypeError, RecursionError):
+        return text
+
+
+def _strict_value_or_text(text: str) -> Any:
+    """parsed_or_raw for what is about to be written: text holding NaN, Infinity or a number too large
+    for a float stays text, as Python would write its value back as NaN or Infinity, which strict JSON
+    parsers refuse."""
     try:
         return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
     except (ValueError, TypeError, RecursionError):
@@ -70,7 +78,7 @@ MAX_ARGUMENT_DEPTH = 500
 def arguments_value(text: str) -> Any:
     """A call's arguments as its block holds them: their JSON value, or the text (not JSON, or nested
     deeper than MAX_ARGUMENT_DEPTH)."""
-    value = parsed_or_raw(text)
+    value = _strict_value_or_text(text)
     if text.count("[") + text.count("{") > MAX_ARGUMENT_DEPTH and _depth(value) > MAX_ARGUMENT_DEPTH:
         return text
     return value
