@@ -16,7 +16,7 @@ The engines' system-call filters allow ``fallocate``, and ``fallocate --keep-siz
 past a file's end in one call, which no file size limit bounds: one call can take the disk, the run's
 reserve included. The look that follows stops the container, and once its processes are gone the stop
 gives that space back: each file that holds space past its end is truncated to the length it has, which
-frees the space on ext4 and XFS and leaves every byte and time of the file as it was.
+frees the space on ext4 and XFS and leaves the file's bytes, size and modification time as they were.
 """
 
 from __future__ import annotations
