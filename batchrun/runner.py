@@ -21,7 +21,7 @@ from batchrun.config import (
     RunConfig,
     provider_routing_note,
 )
-from batchrun.console import RunConsole
+from batchrun.console import RunConsole, counted
 from batchrun.dataset import DatasetChanged, DatasetError, DatasetPlan, iter_pending, plan_dataset
 from batchrun.environments import environment_class
 from batchrun.environments.base import EnvironmentSettings, run_identity
@@ -248,7 +248,7 @@ class BatchRunner:
         if stopped_by is not None:
             return exit_code(stopped_by)
         if failed := self.this_run.statuses[rows.FAILED]:
-            self.console.print(f"{failed} prompt{'s' if failed != 1 else ''} failed (see failures by cause "
+            self.console.print(f"{counted(failed, 'prompt')} failed (see failures by cause "
                                "above); run the same command with --resume to retry them.", style="yellow")
             return EXIT_SOME_FAILED
         return EXIT_OK
@@ -384,7 +384,7 @@ class BatchRunner:
         """What is full, what it needs, what was kept and what to do, as one message."""
         lines = [f"{exc}.", "The run stopped; every row written before is kept."]
         if lost := len(self._held_back):
-            lines.append(f"{lost} finished prompt{'s' if lost != 1 else ''} could not be written; --resume runs "
+            lines.append(f"{counted(lost, 'finished prompt')} could not be written; --resume runs "
                          f"{'them' if lost != 1 else 'it'} again.")
         left = self._pending_samples - self.this_run.processed
         rows_known = self._rows_written + lost

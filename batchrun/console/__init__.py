@@ -2,6 +2,6 @@
 each prompt's line, warnings, the summary) over ``layout.py`` (lines fitted to the reader's width, and
 nothing a terminal would take as a command)."""
 
-from batchrun.console.run_console import RunConsole
+from batchrun.console.run_console import RunConsole, counted
 
-__all__ = ["RunConsole"]
+__all__ = ["RunConsole", "counted"]

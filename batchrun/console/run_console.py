@@ -273,7 +273,7 @@ class RunConsole:
                                        f"({statistics['samples_per_prompt']} per prompt asked)",
                                        f"prompts by completed samples: {spread}"]))
         if skipped := statistics["skipped_dataset_lines"]:
-            result.append(("Dataset", [f"{skipped:,} bad line{'s' if skipped != 1 else ''} skipped",
+            result.append(("Dataset", [f"{counted(skipped, 'bad line')} skipped",
                                        "see the warnings at the start"]))
         if corrupted := statistics["filtered_corrupted"]:
             result.append(("Corrupted", [f"{corrupted:,} left out of the merged file (invented tool names)",
@@ -282,7 +282,7 @@ class RunConsole:
             result.append(("Dataset changed", [why]))
         if failed := statistics["failed_prompts"]:
             causes = [f"{cause}: {n:,}" for cause, n in sorted(statistics["failures_by_cause"].items())]
-            result.append(("Failed", [f"{failed:,} prompt{'s' if failed != 1 else ''} this run", *causes,
+            result.append(("Failed", [f"{counted(failed, 'prompt')} this run", *causes,
                                       "--resume retries them"]))
         return result
 
