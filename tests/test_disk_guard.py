@@ -103,3 +103,26 @@ def test_a_disk_that_makes_inodes_as_it_needs_them_counts_blocks_alone(tmp_path,
     watch, _ = watch_over(tmp_path)
     asyncio.run(watch.look())
     assert watch.used == 0 and not watch._guard.low_on_space(tmp_path)
+
+
+def test_a_walk_never_waits_behind_the_other_work_of_the_workers_threads(tmp_path):
+    # Long replies are taken apart in the event loop's threads, and the endpoint chooses how long: a walk
+    # queued behind them would let a writer run past its limit for as long.
+    for number in range(1000):          # more than a walk does on the event loop
+        (tmp_path / f"file{number}").touch()
+    watch, _ = watch_over(tmp_path)
+
+    async def scenario() -> bool:
+        release = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        busy = [asyncio.ensure_future(asyncio.to_thread(lambda: asyncio.run_coroutine_threadsafe(
+            release.wait(), loop).result())) for _ in range(64)]
+        try:
+            await asyncio.wait_for(watch.look(), timeout=30)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            release.set()
+            await asyncio.gather(*busy)
+    assert asyncio.run(scenario())

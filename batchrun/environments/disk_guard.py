@@ -39,6 +39,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +55,8 @@ MAX_WALK_INTERVAL = 2.0
 _WALK_COST_FACTOR = 20
 # What a file of a few bytes takes on most filesystems: a share of the inodes no larger is not worth a word.
 _BLOCK_BYTES = 4096
+# Walks at once in a worker process: the guard's own, and those after commands of several sessions.
+_WALK_THREADS = 4
 # A workspace with no room left still counts this much, so that its walks come a tick apart, not at once.
 _MIN_ROOM_BYTES = MIB
 
@@ -134,12 +137,12 @@ class WorkspaceWatch:
 
     async def look(self) -> None:
         """Walk the workspace now (a command just ended): on the event loop while it is small, since a hop
-        to a thread waits behind every other session of the process, in a thread beyond that."""
+        to a thread waits behind the walks of the other sessions of the process, in a thread beyond that."""
         started = time.monotonic()
         walk = DiskUsageWalk(self.directory, FULL, self.least_per_file)
         given_up = walk.run(max_entries=INLINE_WALK_ENTRIES)
         if given_up is None:
-            given_up = await asyncio.to_thread(walk.run)
+            given_up = await asyncio.get_running_loop().run_in_executor(self._guard.threads, walk.run)
         # The files with no name are as they were last counted (see the module): a command that ended
         # closed its own, and looking through /proc on the event loop after every command costs a tenth
         # of a command.
@@ -180,6 +183,10 @@ class DiskGuard:
 
     def __init__(self, reserve_bytes: int) -> None:
         self.reserve_bytes = reserve_bytes
+        # The walks' own threads: the event loop's are shared with work whose length a prompt or the
+        # endpoint chooses (a long reply taken apart), and a walk queued behind it would let a writer run
+        # past its limit for as long.
+        self.threads = ThreadPoolExecutor(max_workers=_WALK_THREADS, thread_name_prefix="disk-guard")
         self._watches: list[WorkspaceWatch] = []
         self._task: asyncio.Task | None = None
         self._most_free = 0         # the most free space seen since the last walk of every workspace
@@ -227,7 +234,7 @@ class DiskGuard:
         due = watches if everything else [watch for watch in watches if watch.due <= now]
         if not due:
             return
-        counts = await asyncio.to_thread(_count, due, everything)
+        counts = await asyncio.get_running_loop().run_in_executor(self.threads, _count, due, everything)
         for watch, (named, unnamed, seconds, began) in zip(due, counts, strict=True):
             if watch in self._watches:
                 if unnamed is not None:
