@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -573,19 +574,21 @@ def test_the_worker_keeps_serving_its_other_sessions_while_a_huge_reply_is_read(
 
 def test_the_worker_keeps_serving_its_other_sessions_while_a_huge_tool_call_is_redacted(tmp_path, monkeypatch):
     # Every escape in a call's arguments is written out before the secrets are looked for, and a few
-    # megabytes of them take seconds; the other sessions of the worker share its event loop.
+    # megabytes of them take seconds; the other sessions of the worker share its event loop. The
+    # redaction here waits until another session has run: on the event loop, none ever could.
     escaped = "\\u0041" * 100_000
     reply = call("terminal", {"command": "true"})
     reply.message["tool_calls"][0]["function"]["arguments"] = '{"command": "echo ' + escaped + '"}'
-    redacting = {"now": False, "others_served": 0}
+    redacting, served = threading.Event(), threading.Event()
     json_text = Redactor.json_text
 
     def observed_json_text(self: Redactor, text: str) -> str:
-        redacting["now"] = True
+        redacting.set()
         try:
+            served.wait(timeout=10)
             return json_text(self, text)
         finally:
-            redacting["now"] = False
+            redacting.clear()
 
     monkeypatch.setattr(Redactor, "json_text", observed_json_text)
     services = worker_services(tmp_path, ScriptedModels(ScriptedModel([reply, say("Done.")])))
@@ -593,7 +596,8 @@ def test_the_worker_keeps_serving_its_other_sessions_while_a_huge_tool_call_is_r
     async def another_session() -> None:
         while True:
             await asyncio.sleep(0.001)
-            redacting["others_served"] += redacting["now"]
+            if redacting.is_set():
+                served.set()
 
     async def both() -> SessionResult:
         other = asyncio.create_task(another_session())
@@ -605,7 +609,7 @@ def test_the_worker_keeps_serving_its_other_sessions_while_a_huge_tool_call_is_r
 
     result = asyncio.run(both())
     assert result.end_reason == rows.EndReason.FINAL_ANSWER
-    assert redacting["others_served"] > 0
+    assert served.is_set()
 
 
 def calls(name: str, arguments: list[dict[str, Any]]) -> ModelReply:
