@@ -8,7 +8,7 @@ import asyncio
 import copy
 import json
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -535,6 +535,19 @@ def test_a_prompt_that_ends_before_its_environment_started_cuts_the_start_short(
     assert not list(tmp_path.iterdir())       # the directory it began with is gone
 
 
+def run_beside(services: SessionServices, another_session: Callable[[], Coroutine[Any, Any, None]]) -> SessionResult:
+    """TASK's session, with ``another_session`` running on the same event loop until it ends, as the
+    worker's other sessions do."""
+    async def both() -> SessionResult:
+        other = asyncio.create_task(another_session())
+        try:
+            return await Session(TASK, services).run()
+        finally:
+            other.cancel()
+            await services.close()
+    return asyncio.run(both())
+
+
 def test_the_worker_keeps_serving_its_other_sessions_while_a_huge_reply_is_read(tmp_path, monkeypatch):
     # Half a megabyte of tiny think blocks takes a good fraction of a second to take apart; the other
     # sessions of the worker share its event loop, and must not wait for it.
@@ -558,15 +571,7 @@ def test_the_worker_keeps_serving_its_other_sessions_while_a_huge_reply_is_read(
             await asyncio.sleep(0.001)
             reading["others_served"] += reading["now"]
 
-    async def both() -> SessionResult:
-        other = asyncio.create_task(another_session())
-        try:
-            return await Session(TASK, services).run()
-        finally:
-            other.cancel()
-            await services.close()
-
-    result = asyncio.run(both())
+    result = run_beside(services, another_session)
     assert result.end_reason == rows.EndReason.FINAL_ANSWER
     assert result.turns[-1].content == "b" * 30_000
     assert reading["others_served"] > 0
@@ -599,15 +604,7 @@ def test_the_worker_keeps_serving_its_other_sessions_while_a_huge_tool_call_is_r
             if redacting.is_set():
                 served.set()
 
-    async def both() -> SessionResult:
-        other = asyncio.create_task(another_session())
-        try:
-            return await Session(TASK, services).run()
-        finally:
-            other.cancel()
-            await services.close()
-
-    result = asyncio.run(both())
+    result = run_beside(services, another_session)
     assert result.end_reason == rows.EndReason.FINAL_ANSWER
     assert served.is_set()
 
