@@ -169,37 +169,12 @@ def free_past_ends(root: Path) -> None:
     if cursor is None:
         return
     with cursor:
-        entries: list[os.DirEntry[str]] | None = _listing(cursor)
         try:
-            while True:
-                if entries is not None:
-                    for entry in entries:
-                        try:
-                            info = cursor.attempt(os.lstat, entry.name)
-                        except OSError:
-                            continue
-                        if stat.S_ISDIR(info.st_mode):
-                            cursor.pending.append(entry.name)
-                        elif stat.S_ISREG(info.st_mode) and _holds_past_end(info):
-                            _truncate_to_length(cursor.fd, entry.name, info)
-                    entries = None
-                elif cursor.pending:
-                    if cursor.enter(cursor.pending.pop()):
-                        entries = _listing(cursor)
-                elif cursor.at_root:
-                    return
-                else:
-                    cursor.leave()
+            for name, info in cursor.entries():
+                if stat.S_ISREG(info.st_mode) and _holds_past_end(info):
+                    _truncate_to_length(cursor.fd, name, info)
         except Moved:
             return          # no process lives to move directories: nothing is left to do safely
-
-
-def _listing(cursor: TreeCursor) -> list[os.DirEntry[str]]:
-    try:
-        with os.scandir(cursor.fd) as entries:
-            return list(entries)
-    except OSError:
-        return []
 
 
 def _holds_past_end(info: os.stat_result) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 
 from batchrun.environments.tree_cursor import Moved, TreeCursor
@@ -29,7 +29,7 @@ class DiskUsageWalk:
         self._least_per_file = least_per_file
         self.used = 0       # bytes counted so far (all of them once run() returns False)
         self._cursor: TreeCursor | None = None
-        self._entries: Iterator[os.DirEntry[str]] | None = None      # the current directory, being read
+        self._entries: Generator[tuple[str, os.stat_result], None, None] | None = None
         self._restarts = 0
         self._answer: bool | None = None
 
@@ -41,10 +41,10 @@ class DiskUsageWalk:
             self._cursor = TreeCursor.at(self._root, stat.S_IRUSR | stat.S_IXUSR)
             if self._cursor is None:
                 return self._finish(False)
-            self._entries = _read(self._cursor)
+            self._entries = self._cursor.entries()
         while True:
             try:
-                return self._walk(self._cursor, max_entries)
+                return self._count(max_entries)
             except Moved:
                 # Only a process moving directories while the walk runs gets here: past a few times,
                 # what it may be hiding counts as over.
@@ -52,59 +52,31 @@ class DiskUsageWalk:
                     return self._finish(True)
                 self._restarts += 1
                 self.used = 0
-                self._close_entries()
                 self._cursor.restart()
-                self._entries = _read(self._cursor)
+                self._entries = self._cursor.entries()
 
-    def _walk(self, cursor: TreeCursor, max_entries: int | None) -> bool | None:
+    def _count(self, max_entries: int | None) -> bool | None:
         seen = 0
-        while True:
-            if self._entries is not None:
-                for entry in self._entries:
-                    try:
-                        info = cursor.attempt(os.lstat, entry.name)
-                    except OSError:
-                        continue        # gone since it was listed
-                    self.used += max(info.st_blocks * 512, self._least_per_file)
-                    if self.used > self._limit:
-                        return self._finish(True)
-                    if stat.S_ISDIR(info.st_mode):
-                        cursor.pending.append(entry.name)
-                    seen += 1
-                    if max_entries is not None and seen >= max_entries:
-                        return None
-                self._close_entries()
-            elif cursor.pending:
-                if cursor.enter(cursor.pending.pop()):
-                    self._entries = _read(cursor)
-            elif cursor.at_root:
-                return self._finish(False)
-            else:
-                cursor.leave()
+        for _, info in self._entries or ():
+            self.used += max(info.st_blocks * 512, self._least_per_file)
+            if self.used > self._limit:
+                return self._finish(True)
+            seen += 1
+            if max_entries is not None and seen >= max_entries:
+                return None
+        return self._finish(False)
 
     def _finish(self, over: bool) -> bool:
-        self._close_entries()
+        if self._entries is not None:
+            self._entries.close()       # its directory's listing
         if self._cursor is not None:
             self._cursor.close()
         self._answer = over
         return over
 
-    def _close_entries(self) -> None:
-        if self._entries is not None:
-            self._entries.close()       # type: ignore[attr-defined]  # a scandir iterator
-            self._entries = None
-
 
 # Times the workspace walk starts again because a directory moved under it, before it gives up.
 _WALK_RESTARTS = 8
-
-
-def _read(cursor: TreeCursor) -> Iterator[os.DirEntry[str]] | None:
-    """The entries of the cursor's current directory, read as they are asked for."""
-    try:
-        return os.scandir(cursor.fd)
-    except OSError:
-        return None
 
 
 def disk_usage(root: Path, least_per_file: int = 0) -> int:

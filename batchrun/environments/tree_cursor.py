@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -137,6 +137,33 @@ class TreeCursor:
         self.fd = parent
         return self._levels.pop().name
 
+    def entries(self) -> Generator[tuple[str, os.stat_result], None, None]:
+        """Each entry of the tree, with what ``lstat`` says of it, for a cursor at its root (new or
+        restarted); entries gone since their directory was listed are left out. While an entry is
+        yielded, ``fd`` is the directory holding it, so the walker may act on it by name there. A
+        walker that stops early may go on later from where it stopped. Raises Moved as ``leave`` does;
+        the cursor then needs a ``restart`` before it walks again."""
+        listing = _listing(self.fd)
+        while True:
+            if listing is not None:
+                with listing:
+                    for entry in listing:
+                        try:
+                            info = self.attempt(os.lstat, entry.name)
+                        except OSError:
+                            continue            # gone since it was listed
+                        if stat.S_ISDIR(info.st_mode):
+                            self.pending.append(entry.name)
+                        yield entry.name, info
+                listing = None
+            elif self.pending:
+                if self.enter(self.pending.pop()):
+                    listing = _listing(self.fd)
+            elif self.at_root:
+                return
+            else:
+                self.leave()
+
     def restart(self) -> None:
         """Back to the root, with nothing pending."""
         self._close_current()
@@ -156,6 +183,14 @@ class TreeCursor:
 
     def _open_subdirectory(self, name: str, dir_fd: int) -> int | None:
         return _open_directory(name, dir_fd=dir_fd, loosen=self._loosen)
+
+
+def _listing(fd: int) -> os._ScandirIterator[str] | None:
+    """The entries of directory ``fd``, read as they are asked for; None when it cannot be read."""
+    try:
+        return os.scandir(fd)
+    except OSError:
+        return None
 
 
 def _open_directory(name: str, *, dir_fd: int, loosen: int) -> int | None:
