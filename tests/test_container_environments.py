@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ from batchrun.environments import container as container_module
 from batchrun.environments import create_environment, environment_class
 from batchrun.environments import docker as docker_module
 from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError
-from batchrun.environments.container import ContainerEnvironment
+from batchrun.environments.container import CliContainerEnvironment, ContainerEnvironment
 from batchrun.environments.container_layer import LayerWatch, free_past_ends, parse_layer, root_upper_dir
 from batchrun.environments.image_lock import image_file_stem
 from batchrun.environments.limits import ResourceLimits
@@ -99,6 +100,20 @@ def test_a_start_failing_after_the_container_exists_removes_it(backend, tmp_path
     monkeypatch.setattr(type(env), "_create", create_then_block)
     with pytest.raises(EnvironmentSetupError, match="/blocked/sub"):
         asyncio.run(env.start())
+    assert backend.live(settings.run_label) == []
+
+
+def test_a_container_is_removed_when_the_runs_directory_goes_between_the_look_and_the_removal(
+        backend, tmp_path, monkeypatch):
+    """The engine CLIs run in the run's directory while it exists; its clean-up may remove it just after
+    a close looked (the look is made to find it there, below)."""
+    if not issubclass(environment_class(backend.kind), CliContainerEnvironment):
+        pytest.skip("no CLI: the backend's calls have no working directory")
+    settings = make_settings(tmp_path)
+    env = started(backend, settings)
+    monkeypatch.setattr(CliContainerEnvironment, "_cli_directory", lambda self: self.settings.work_root)
+    shutil.rmtree(settings.work_root)
+    close(env)
     assert backend.live(settings.run_label) == []
 
 

@@ -21,7 +21,7 @@ import math
 import secrets
 import shutil
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import ClassVar, TypeVar
 
@@ -324,10 +324,22 @@ class CliContainerEnvironment(ContainerEnvironment):
         the calls left are removals, which leave nothing."""
         return self.settings.work_root if self.settings.work_root.is_dir() else None
 
+    async def _started_in_cli_directory(self, start: Callable[[Path | None], Awaitable[T]]) -> T:
+        """``start(cwd)`` in the CLI's directory; again in none when the run removed that directory
+        between the look and the start, which raises FileNotFoundError before the program runs."""
+        directory = self._cli_directory()
+        try:
+            return await start(directory)
+        except FileNotFoundError:
+            if directory is None or directory.is_dir():
+                raise               # the program itself is missing
+        return await start(None)
+
     async def _call(self, argv: list[str], *, stdin: bytes | None = None, timeout: float = HOUSEKEEPING_TIMEOUT,
                     max_stdout: int = STDOUT_BYTES) -> CliResult:
         try:
-            return await call_cli(argv, timeout=timeout, stdin=stdin, max_stdout=max_stdout, cwd=self._cli_directory())
+            return await self._started_in_cli_directory(
+                lambda cwd: call_cli(argv, timeout=timeout, stdin=stdin, max_stdout=max_stdout, cwd=cwd))
         except OSError as exc:
             return CliResult(returncode=127, stdout=b"", stderr=f"cannot run {argv[0]}: {exc}")
 
@@ -339,8 +351,9 @@ class CliContainerEnvironment(ContainerEnvironment):
 
     async def _exec_merged(self, argv: list[str], *, timeout: float) -> CommandResult:
         try:
-            return await run_merged(self.exec_argv(argv, workdir=self.workdir), timeout=timeout,
-                                    max_output_chars=self.settings.max_output_chars, cwd=self._cli_directory())
+            return await self._started_in_cli_directory(
+                lambda cwd: run_merged(self.exec_argv(argv, workdir=self.workdir), timeout=timeout,
+                                       max_output_chars=self.settings.max_output_chars, cwd=cwd))
         except OSError as exc:
             return CommandResult(output="", exit_code=None, error=f"could not start {self.executable}: {exc}")
 
