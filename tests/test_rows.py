@@ -1167,3 +1167,14 @@ def test_arguments_nested_about_as_deep_as_python_reads_are_kept_in_a_row_that_r
     first_turn = next(turn for turn in json.loads(made[0])["conversations"] if turn["from"] == "gpt")
     [read_call] = rows.read_gpt_turn(first_turn["value"], (0, 1)).calls
     assert rows.arguments_text(read_call["arguments"]) == arguments
+
+
+@pytest.mark.parametrize("arguments", ['"str"', '"5"', '"{}"', "str", '""'])
+def test_arguments_that_are_a_json_string_read_back_as_the_text_the_model_sent(arguments):
+    # A JSON string's value and text that is no JSON at all would both be a string in the call block:
+    # `"str"` came back as `str`.
+    result = session([AssistantTurn("r", "", [call("made_up", arguments, '{"error": "unknown tool"}')]),
+                      AssistantTurn("r", "Done.")])
+    first_turn = next(turn for turn in json.loads(encode(result))["conversations"] if turn["from"] == "gpt")
+    [read_call] = rows.read_gpt_turn(first_turn["value"], (0, 1)).calls
+    assert rows.arguments_text(read_call["arguments"]) == arguments

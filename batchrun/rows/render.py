@@ -76,9 +76,12 @@ MAX_ARGUMENT_DEPTH = 500
 
 
 def arguments_value(text: str) -> Any:
-    """A call's arguments as its block holds them: their JSON value, or the text (not JSON, or nested
-    deeper than MAX_ARGUMENT_DEPTH)."""
+    """A call's arguments as its block holds them: their JSON value, or the text (not JSON, a JSON
+    string, or nested deeper than MAX_ARGUMENT_DEPTH). A string in the block is always the text the
+    model sent: a JSON string's value would read back as text without its quotes."""
     value = _strict_value_or_text(text)
+    if isinstance(value, str):
+        return text
     if text.count("[") + text.count("{") > MAX_ARGUMENT_DEPTH and _depth(value) > MAX_ARGUMENT_DEPTH:
         return text
     return value
