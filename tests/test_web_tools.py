@@ -375,6 +375,14 @@ def test_a_page_naming_a_charset_that_is_no_text_encoding_is_read_as_utf8(site, 
     assert results[0]["content"] == "plain text" and "All about cats" in results[1]["content"]
 
 
+def test_extract_cuts_a_page_title_as_search_results_are_cut(site, allow_private):
+    # The content is cut to MAX_CHARS; a title of megabytes (one <title> element) came back whole.
+    site.routes["/titled"] = Reply(body=f"<html><head><title>{'T ' * 1_000_000}</title></head>"
+                                        f"<body><p>{'Some text. ' * 50}</p></body></html>")
+    [page] = call(web_extract, {"urls": [site.url("/titled")]})["results"]
+    assert len(page["title"]) <= MAX_TITLE_CHARS + 1 and page["title"].endswith("…")
+
+
 def test_extract_reports_each_failing_url_and_fails_only_when_all_fail(site, allow_private):
     site.routes["/cats"] = Reply(body=ARTICLE)
     good, missing = site.url("/cats"), site.url("/missing")

@@ -17,7 +17,7 @@ import trafilatura
 from batchrun.time_limit import within
 from batchrun.tools import ToolContext, ToolError
 from batchrun.tools.clients import http_client
-from batchrun.tools.net import Page, fetch
+from batchrun.tools.net import MAX_TITLE_CHARS, Page, fetch, shortened
 
 MAX_URLS = 5
 MAX_PAGE_BYTES = 5_000_000
@@ -62,7 +62,7 @@ async def _extract_one(client: httpx.AsyncClient, url: str) -> dict:
     if page.redirects:
         result["final_url"] = page.url
     if title:
-        result["title"] = title
+        result["title"] = shortened(title, MAX_TITLE_CHARS)
     result["content"] = _capped(text)
     return result
 

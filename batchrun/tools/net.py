@@ -17,6 +17,9 @@ from batchrun.tools import ToolError
 from batchrun.tools.address_policy import allowed_addresses, host_refusal
 
 MAX_REDIRECTS = 5
+# A page's title as every tool gives it (a search result's, an extracted page's): a page may hold one of
+# megabytes, which must not make a tool result of that size.
+MAX_TITLE_CHARS = 300
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,11 @@ class Page:
     content_type: str          # media type, lower case, without parameters ("" when not sent)
     charset: str | None
     body: bytes
+
+
+def shortened(text: str, limit: int) -> str:
+    """``text`` at most ``limit`` characters long, with an ellipsis where it was cut."""
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def http_url(text: str) -> httpx.URL:

@@ -18,13 +18,14 @@ from batchrun.tools import ToolContext, ToolError
 from batchrun.tools.arguments import non_empty_text, positive_int
 from batchrun.tools.clients import service_answer
 from batchrun.tools.configuration import Backend, NotConfigured, search_backend
+from batchrun.tools.net import MAX_TITLE_CHARS, shortened
 
 SEARCH_SECONDS = 20.0
 DEFAULT_RESULTS = 5
 MAX_RESULTS = 20
-# What a result needs of its title and snippet, and the longest URL it may name (browsers' practical
-# limit): a service's answer may be 16 MiB, and one result of it must not be a tool result of that size.
-MAX_TITLE_CHARS = 300
+# What a result needs of its snippet (and title: MAX_TITLE_CHARS), and the longest URL it may name
+# (browsers' practical limit): a service's answer may be 16 MiB, and one result of it must not be a tool
+# result of that size.
 MAX_SNIPPET_CHARS = 1_000
 MAX_URL_CHARS = 2_048
 _TAG = re.compile(r"<[^>]+>")
@@ -51,8 +52,7 @@ def _plain(text: object, limit: int) -> str:
     ``limit`` characters of it (and an ellipsis where cut)."""
     if not isinstance(text, str):
         return ""
-    plain = _SPACE.sub(" ", html.unescape(_TAG.sub("", text))).strip()
-    return plain if len(plain) <= limit else plain[:limit] + "…"
+    return shortened(_SPACE.sub(" ", html.unescape(_TAG.sub("", text))).strip(), limit)
 
 
 def _result(title: object, url: object, snippet: object) -> dict:
