@@ -3,6 +3,7 @@ per-prompt lines, the end summary, in a terminal and in a log file."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import re
 from collections import Counter
@@ -215,6 +216,16 @@ def test_summary_counts_one_of_a_thing_in_the_singular():
     text = "\n".join(lines_of(out))
     for figure in ["1 prompt processed", "1 API call ", "1 trajectory in the merged file", "1 batch file"]:
         assert figure in text + " ", figure
+
+
+def test_per_prompt_line_counts_one_model_call_in_the_singular():
+    out = recording_console(terminal=True)
+    console, this_run = run_console(out), ThisRun()
+    console.start_progress(10, 0, this_run)
+    record(console, this_run, dataclasses.replace(finished(0), api_calls=1))
+    console.stop_progress()
+    line = next(line for line in lines_of(out) if "[1/10]" in line)
+    assert " · 1 model call · " in line
 
 
 def test_tool_usage_table_fits_80_columns_with_its_figures_whole():

@@ -182,7 +182,7 @@ class RunConsole:
         if finished.status == rows.FAILED:
             figures.append("failed — will retry on resume")
         else:
-            figures += [f"{finished.api_calls} model calls", f"{finished.wall_time:.1f}s"]
+            figures += [counted(finished.api_calls, "model call"), f"{finished.wall_time:.1f}s"]
         if finished.status == rows.DISCARDED:
             figures.append("discarded: no reasoning")
         elif finished.status == rows.PARTIAL:
