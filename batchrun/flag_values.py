@@ -93,6 +93,11 @@ def optional_positive_number(flag: str, value: Any) -> float | None:
     raise UsageError(f"--{flag} must be a positive number, got {value!r}")
 
 
+# A dollar a token, far above any model's price: with a reply's counts at most a billion (as the endpoint
+# replies are checked), no reply's cost can then overflow a float into inf, and the run's sums into NaN.
+MOST_PER_MTOK = 1_000_000
+
+
 def prices_per_mtok(flag: str, value: Any) -> tuple[float, float, float] | None:
     """--price_per_mtok=INPUT,OUTPUT[,CACHED] (USD per million tokens; fire may already have made it a
     tuple) -> (input, output, cached input); cached input costs what input does unless given."""
@@ -106,9 +111,10 @@ def prices_per_mtok(flag: str, value: Any) -> tuple[float, float, float] | None:
         except (TypeError, ValueError, OverflowError):     # OverflowError: an int no float holds
             number = math.nan
         numbers.append(number)
-    if len(numbers) not in (2, 3) or not all(math.isfinite(number) and number >= 0 for number in numbers):
+    if len(numbers) not in (2, 3) or not all(0 <= number <= MOST_PER_MTOK for number in numbers):
         raise UsageError(f"--price_per_mtok takes INPUT,OUTPUT[,CACHED]: USD per million prompt, completion and "
-                         f"cached prompt tokens, e.g. --price_per_mtok=0.6,2.4; got {value!r}")
+                         f"cached prompt tokens, each at most ${MOST_PER_MTOK:,}, e.g. --price_per_mtok=0.6,2.4; "
+                         f"got {value!r}")
     return numbers[0], numbers[1], numbers[2] if len(numbers) == 3 else numbers[0]
 
 

@@ -128,3 +128,12 @@ def test_max_cost_counts_what_the_users_prices_say_replies_cost(tmp_path):
 def test_a_bad_price_per_mtok_gets_one_error_naming_the_flag(tmp_path, value):
     result = priced_run(tmp_path, f"--price_per_mtok={value}", expect=1)
     assert "--price_per_mtok takes INPUT,OUTPUT[,CACHED]" in result.stderr
+
+
+def test_a_price_per_mtok_above_a_dollar_a_token_is_refused(tmp_path):
+    # Before: 1e308 passed the check; each reply then cost inf, every prompt failed with an internal error
+    # (a traceback, its usage dropped from its row) and statistics.json held NaN, which no JSON reader takes.
+    result = priced_run(tmp_path, "--price_per_mtok=1e308,1", expect=1)
+    assert "--price_per_mtok takes INPUT,OUTPUT[,CACHED]" in result.stderr
+    assert "at most $1,000,000" in result.stderr
+    assert not (tmp_path / "data" / "run").exists()
