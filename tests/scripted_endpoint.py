@@ -66,6 +66,7 @@ Retry-After, and is counted in ``rejected`` (not recorded in ``requests``). It m
 server runs; ``None`` (the default) means no cap.
 
 ``reports_cost=False`` leaves ``cost`` out of each reply's usage (as OpenAI, vLLM and llama.cpp do);
+``reports_usage=False`` leaves ``usage`` out of each reply altogether (as some servers and proxies do);
 ``tokens_by_length=True`` reports ``prompt_tokens`` as the characters of the request's messages // 4, so
 longer prompts cost more tokens, as with a real model.
 
@@ -590,10 +591,12 @@ class ScriptedEndpoint:
         max_concurrent: int | None = None,
         reports_cost: bool = True,
         tokens_by_length: bool = False,
+        reports_usage: bool = True,
     ):
         self.api_key = api_key
         self.reports_cost = reports_cost            # False: usage without "cost", as most endpoints send it
         self.tokens_by_length = tokens_by_length    # True: prompt_tokens = characters of the messages // 4
+        self.reports_usage = reports_usage          # False: no "usage" in the reply, as some servers and proxies
         self.models = set(models) if models else None
         self.latency = latency
         self.max_concurrent = max_concurrent
@@ -731,6 +734,8 @@ class ScriptedEndpoint:
             "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
             "usage": self._usage(messages),
         }
+        if not self.reports_usage:
+            del completion["usage"]
         if k < script.malformed_count:
             broken, content_type = malformed_reply(script.malformed, completion)
             return 200, broken, {}, content_type

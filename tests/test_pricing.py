@@ -137,3 +137,18 @@ def test_a_price_per_mtok_above_a_dollar_a_token_is_refused(tmp_path):
     assert "--price_per_mtok takes INPUT,OUTPUT[,CACHED]" in result.stderr
     assert "at most $1,000,000" in result.stderr
     assert not (tmp_path / "data" / "run").exists()
+
+
+def test_a_reply_without_usage_has_an_unknown_cost_not_a_price_of_no_tokens(tmp_path):
+    # Before: such a reply was priced as 0 tokens at the user's prices: the run said it cost $0.0000
+    # (replies_by_cost_source {"user": 4}) though the endpoint billed every reply.
+    dataset = write_dataset(tmp_path / "dataset.jsonl", PROMPTS)
+    with ScriptedEndpoint(reports_cost=False, reports_usage=False) as server:
+        result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=2", "--run_name=run",
+                         "--distribution=minimal", f"--base_url={server.base_url}", "--model=scripted-model",
+                         "--price_per_mtok=1,1")
+    assert result.returncode == 0, result.stderr
+    assert statistics(tmp_path)["this_run"]["replies_by_cost_source"] == {"unknown": REPLIES}
+    assert f"cost unknown ({REPLIES} replies without a price)" in result.stdout
+    assert "$0.0000" not in result.stdout
+

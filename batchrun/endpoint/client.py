@@ -84,8 +84,9 @@ class OpenAIModel:
 
     def _priced(self, usage: Usage, cost_source: str) -> str:
         """Where ``usage``'s cost comes from, once a reply that said nothing of cost is priced (in place),
-        if a price is known."""
-        if cost_source == "unknown":
+        if a price is known. A reply that counted no tokens (no usage at all, as some servers and proxies
+        send) has nothing to price: its cost stays unknown rather than $0, which the caps would believe."""
+        if cost_source == "unknown" and (usage.prompt_tokens or usage.completion_tokens):
             cost = self._config.pricing.cost(usage)
             if cost is not None:
                 usage.cost, cost_source = cost, self._config.pricing.source
