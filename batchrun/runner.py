@@ -237,9 +237,7 @@ class BatchRunner:
             self._report_estimate(plan)
         if (cap := self._budget_spent()) and self.this_run.processed < plan.pending:
             self.console.print(f"Stopped admitting prompts: {cap}. {plan.pending - self.this_run.processed} "
-                               f"{self._units_word} were not started (the cap counts the whole run, earlier "
-                               "invocations included: --resume with a higher cap continues them).",
-                               style="yellow")
+                               f"{self._units_word} were not started.", style="yellow")
         if self._every_row_discarded():
             self.console.print(f"Every row of this run was discarded: no assistant turn had reasoning. "
                                f"--discard_no_reasoning=False keeps such rows (the batch files hold them: "
@@ -404,13 +402,20 @@ class BatchRunner:
         return usage
 
     def _budget_spent(self) -> str | None:
-        """Why no further prompt may start (--max_cost / --max_total_tokens reached by the whole run), if so."""
+        """Why no further prompt may start (--max_cost / --max_total_tokens reached by the whole run, or
+        --max_cost past knowing), if so."""
         usage, config = self._run_spend(), self.config
+        higher = (" (the cap counts the whole run, earlier invocations included: --resume with a higher cap "
+                  "continues them)")
+        if config.max_cost is not None and (unknown := self.this_run.unpriced_replies):
+            # What those replies cost is not in the sum: going on could spend any amount past the cap.
+            return (f"--max_cost cannot be held: the cost of {counted(unknown, 'reply', 'replies')} is unknown "
+                    "(the endpoint reported no usage or cost for it, and no price applies)")
         if config.max_cost is not None and usage["cost"] >= config.max_cost:
-            return f"spending cap reached: ${usage['cost']:.4f} of --max_cost=${config.max_cost:g}"
+            return f"spending cap reached: ${usage['cost']:.4f} of --max_cost=${config.max_cost:g}{higher}"
         tokens = usage["prompt_tokens"] + usage["completion_tokens"]
         if config.max_total_tokens is not None and tokens >= config.max_total_tokens:
-            return f"token cap reached: {tokens:,} of --max_total_tokens={config.max_total_tokens:,}"
+            return f"token cap reached: {tokens:,} of --max_total_tokens={config.max_total_tokens:,}{higher}"
         return None
 
     def _record(self, finished: Finished) -> None:

@@ -152,3 +152,15 @@ def test_a_reply_without_usage_has_an_unknown_cost_not_a_price_of_no_tokens(tmp_
     assert f"cost unknown ({REPLIES} replies without a price)" in result.stdout
     assert "$0.0000" not in result.stdout
 
+
+def test_max_cost_admits_no_prompt_once_a_replys_cost_is_unknown(tmp_path):
+    # Before: replies without usage counted $0, and a run under --max_cost=0.000001 ran every prompt.
+    dataset = write_dataset(tmp_path / "dataset.jsonl", PROMPTS)
+    with ScriptedEndpoint(reports_cost=False, reports_usage=False) as server:
+        result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=2", "--run_name=run",
+                         "--distribution=minimal", f"--base_url={server.base_url}", "--model=scripted-model",
+                         "--price_per_mtok=1,1", "--max_cost=0.000001", "--num_workers=1")
+    assert result.returncode == 0, result.stderr
+    assert len(batch_rows(tmp_path / "data" / "run")) == 1
+    said = " ".join(result.stdout.split())
+    assert "Stopped admitting prompts: --max_cost cannot be held: the cost of 1 reply is unknown" in said
