@@ -196,7 +196,9 @@ class BatchRunner:
     def _run_pool(self, plan: DatasetPlan, pool: WorkerPool, env_settings: EnvironmentSettings,
                   follower: ReportFollower) -> int:
         """The scheduling loop, then the stop, then the end of the run; its exit code."""
-        self.console.start_progress(plan.units, plan.already_done, self.this_run,
+        # Out of what this invocation will have done: under --estimate only its sample runs, and a total
+        # of the whole dataset would project the live line's ETA and cost for samples it never starts.
+        self.console.start_progress(plan.already_done + self._pending_samples, plan.already_done, self.this_run,
                                     samples=plan.samples_per_prompt > 1)
         fatal, disk_full = None, None
         try:

@@ -165,3 +165,13 @@ def test_on_a_resumed_run_the_whole_runs_projection_counts_what_earlier_invocati
     whole_run = estimate_json(tmp_path)["whole_run"]
     assert whole_run["tokens"]["estimate"] == 20 * 120
     assert whole_run["cost"]["estimate"] == pytest.approx(20 * 0.001)
+
+
+def test_the_progress_of_an_estimate_counts_the_samples_it_runs_not_the_whole_dataset(tmp_path):
+    # Before: each line counted against the whole dataset ("[2/6]"), and the live line's ETA and projected
+    # cost were those of the six prompts, for an invocation that runs two.
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [f"prompt {index}" for index in range(6)])
+    with ScriptedEndpoint() as server:
+        result = run(tmp_path, server, dataset, "--estimate=2", "--num_workers=1")
+    assert "[2/2] prompt" in result.stdout
+    assert "/6]" not in result.stdout
