@@ -237,9 +237,10 @@ class BatchRunner:
         self._finish(plan, interrupted=stopped_by is not None)
         if self._estimate_units is not None and stopped_by is None and self._estimate_runs:
             self._report_estimate(plan)
-        if (cap := self._budget_spent()) and self.this_run.processed < plan.pending:
-            self.console.print(f"Stopped admitting prompts: {cap}. {plan.pending - self.this_run.processed} "
-                               f"{self._units_word} were not started.", style="yellow")
+        # Of this invocation's own: under --estimate that is its sample, not every pending prompt.
+        if (cap := self._budget_spent()) and (left := self._pending_samples - self.this_run.processed) > 0:
+            self.console.print(f"Stopped admitting prompts: {cap}. {counted(left, self._units_word[:-1])} "
+                               f"{'was' if left == 1 else 'were'} not started.", style="yellow")
         if self._every_row_discarded():
             self.console.print(f"Every row of this run was discarded: no assistant turn had reasoning. "
                                f"--discard_no_reasoning=False keeps such rows (the batch files hold them: "

@@ -7,7 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
-from conftest import batch_rows, human_prompt, last_user_message, run_cli, write_dataset
+from conftest import REPORTED_COST, batch_rows, human_prompt, last_user_message, run_cli, write_dataset
 from scripted_endpoint import ScriptedEndpoint
 
 from batchrun import estimate
@@ -175,3 +175,14 @@ def test_the_progress_of_an_estimate_counts_the_samples_it_runs_not_the_whole_da
         result = run(tmp_path, server, dataset, "--estimate=2", "--num_workers=1")
     assert "[2/2] prompt" in result.stdout
     assert "/6]" not in result.stdout
+
+
+def test_an_estimate_stopped_by_the_cap_counts_only_its_own_samples_as_not_started(tmp_path):
+    # Before: "5 prompts were not started", counting the whole dataset's pending prompts, of which the
+    # estimate was only ever to run two.
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [f"prompt {index}" for index in range(6)])
+    with ScriptedEndpoint() as server:
+        result = run(tmp_path, server, dataset, "--estimate=2", "--num_workers=1", "--max_cost=0.0005",
+                     *REPORTED_COST)
+    assert len(batch_rows(tmp_path / "data" / "run")) == 1
+    assert "1 prompt was not started" in " ".join(result.stdout.split())
