@@ -340,6 +340,8 @@ class BatchRunner:
     def _persist_group(self, finished: list[Finished], spent: list[Spent]) -> None:
         for event in spent:
             self.this_run.cost_sources[event.cost_source] += 1
+            if not (event.usage.get("prompt_tokens") or event.usage.get("completion_tokens")):
+                self.this_run.tokenless_replies += 1
         by_batch: dict[int, list[Finished]] = {}
         for message in finished:
             by_batch.setdefault(message.batch_num, []).append(message)
@@ -406,7 +408,7 @@ class BatchRunner:
 
     def _budget_spent(self) -> str | None:
         """Why no further prompt may start (--max_cost / --max_total_tokens reached by the whole run, or
-        --max_cost past knowing), if so."""
+        a cap past knowing), if so."""
         usage, config = self._run_spend(), self.config
         higher = (" (the cap counts the whole run, earlier invocations included: --resume with a higher cap "
                   "continues them)")
@@ -416,6 +418,9 @@ class BatchRunner:
                     "(the endpoint reported no usage or cost for it, and no price applies)")
         if config.max_cost is not None and usage["cost"] >= config.max_cost:
             return f"spending cap reached: ${usage['cost']:.4f} of --max_cost=${config.max_cost:g}{higher}"
+        if config.max_total_tokens is not None and (tokenless := self.this_run.tokenless_replies):
+            return (f"--max_total_tokens cannot be held: {counted(tokenless, 'reply', 'replies')} counted no tokens "
+                    "(the endpoint reported no usage for it)")
         tokens = usage["prompt_tokens"] + usage["completion_tokens"]
         if config.max_total_tokens is not None and tokens >= config.max_total_tokens:
             return f"token cap reached: {tokens:,} of --max_total_tokens={config.max_total_tokens:,}{higher}"

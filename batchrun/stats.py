@@ -102,6 +102,7 @@ class ThisRun:
     api_calls: int = 0
     concurrency: ConcurrencyFigures | None = None     # as the pool last reported it
     cost_sources: Counter = field(default_factory=Counter)   # replies by where their cost came from
+    tokenless_replies: int = 0      # replies that counted no tokens (no usage): --max_total_tokens cannot see them
 
     @property
     def unpriced_replies(self) -> int:

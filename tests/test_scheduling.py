@@ -21,6 +21,7 @@ from conftest import (
     write_dataset,
 )
 from container_backends import install_stand_in_clis
+from scripted_endpoint import ScriptedEndpoint
 
 from batchrun.workers import Places, process_count
 
@@ -157,3 +158,13 @@ def test_waiting_places_hold_one_task_per_eight_slots_until_the_last_round():
     for _ in range(3):
         places.give_back(0)
     assert places.free == 1 and places.take() == 0 and places.free == 0
+
+
+def test_token_cap_admits_no_prompt_once_a_reply_counted_no_tokens(tmp_path):
+    # Before: replies without usage counted 0 tokens, and a run under --max_total_tokens=1 ran every prompt.
+    with ScriptedEndpoint(reports_usage=False) as server:
+        result = run(tmp_path, server, [f"wordy {i}" for i in range(3)], "--num_workers=1", "--max_total_tokens=1")
+    assert result.returncode == 0, result.stderr
+    assert len(batch_rows(tmp_path / "data" / "run")) == 1
+    said = " ".join(result.stdout.split())
+    assert "Stopped admitting prompts: --max_total_tokens cannot be held: 1 reply counted no tokens" in said
