@@ -297,12 +297,23 @@ class Session:
         return any(isinstance(turn, AssistantTurn) for turn in self.turns)
 
     async def _call(self, messages: list[Message], *, with_tools: bool = True) -> ModelReply:
-        self.api_calls += 1     # every request sent counts, also one the endpoint refuses (a context overflow)
+        # Every request sent counts, also one the endpoint refuses (a context overflow); one the prompt's
+        # time limit cut off while it waited at the run's gate was never sent, and does not.
+        sent = False
+
+        def going_out() -> None:
+            nonlocal sent
+            if not sent:
+                sent = True
+                self.api_calls += 1
+            self._request_out.set()
+
         try:
-            reply = await self.model.reply(messages, with_tools=with_tools, on_send=self._request_out.set,
-                                           on_refused=self._spend)
+            reply = await self.model.reply(messages, with_tools=with_tools, on_send=going_out, on_refused=self._spend)
         finally:
             self._request_out.set()     # a model that never said its request went out has answered by now
+        if not sent:
+            going_out()
         self._spend(reply.usage, reply.cost_source)
         return reply
 

@@ -168,3 +168,14 @@ def test_token_cap_admits_no_prompt_once_a_reply_counted_no_tokens(tmp_path):
     assert len(batch_rows(tmp_path / "data" / "run")) == 1
     said = " ".join(result.stdout.split())
     assert "Stopped admitting prompts: --max_total_tokens cannot be held: 1 reply counted no tokens" in said
+
+
+def test_a_prompt_that_timed_out_waiting_for_its_pace_slot_counts_no_model_call(tmp_path, endpoint):
+    # Before: its failure row said api_calls 1, and the summary counted a request the endpoint never saw.
+    result = run(tmp_path, endpoint, ["first", "second"], "--num_workers=2", "--requests_per_minute=1",
+                 "--prompt_timeout=2")
+    assert result.returncode == 2, result.stderr
+    failed = [row for row in batch_rows(tmp_path / "data" / "run") if row.get("failed")]
+    assert len(failed) == 1 and failed[0]["error_type"] == "prompt_timeout"
+    assert failed[0]["api_calls"] == 0
+    assert len(endpoint.requests) == 1
