@@ -31,9 +31,22 @@ def pace_interval(requests_per_minute: int | None) -> float:
     return 60.0 / requests_per_minute if requests_per_minute else 0.0
 
 
-def take_pace_slot(next_free: float, now: float, interval: float) -> tuple[float, float]:
+# Slots given back and not taken again that the run keeps (see take_pace_slot); one more is lost, as every
+# such slot was before, which costs pace, never the limit.
+GIVEN_BACK_MOST = 256
+
+
+def take_pace_slot(next_free: float, now: float, interval: float, given_back: list[float]) -> tuple[float, float]:
     """(when this request may go, the slot after it): each request takes the next free slot of the
-    run's pace, and a slot left unused in the past is not saved up for a burst later."""
+    run's pace, and a slot left unused in the past is not saved up for a burst later. A slot still
+    ahead that its request gave back (its session was cut off while it waited) is taken first: left
+    taken, it would push every later request back, until sessions with a --prompt_timeout time out
+    waiting, each leaving one more. ``given_back`` loses the slots taken and those now past."""
+    given_back[:] = [slot for slot in given_back if slot > now]
+    if given_back:
+        earliest = min(given_back)
+        given_back.remove(earliest)
+        return earliest, next_free
     slot = max(next_free, now)
     return slot, slot + interval
 
@@ -72,8 +85,12 @@ class Gate(abc.ABC):
             await asyncio.sleep(wake_delay(delay))     # not every session of the run at the same instant
         if self._interval:
             slot = await self._reserve()
-            if (delay := slot - self._now()) > 0:
-                await asyncio.sleep(delay)
+            try:
+                if (delay := slot - self._now()) > 0:
+                    await asyncio.sleep(delay)
+            except asyncio.CancelledError:
+                self._give_back(slot)
+                raise
 
     @abc.abstractmethod
     def _now(self) -> float:
@@ -91,6 +108,10 @@ class Gate(abc.ABC):
     async def _reserve(self) -> float:
         """This request's slot of the run's pace (see :func:`take_pace_slot`)."""
 
+    @abc.abstractmethod
+    def _give_back(self, slot: float) -> None:
+        """A slot its request will not use, for the next request to take (see :func:`take_pace_slot`)."""
+
 
 class RateGate(Gate):
     """The worker processes' gate: the limits in shared memory, inherited by the forked workers.
@@ -102,7 +123,9 @@ class RateGate(Gate):
                  adaptive: bool = False, workers: int = 1) -> None:
         super().__init__(requests_per_minute)
         self._resume = _FORK.Value("d", 0.0)
-        self._next_slot = _FORK.Value("d", 0.0)
+        self._next_slot = _FORK.Value("d", 0.0)     # its lock guards the slots given back too
+        self._given_back = _FORK.Array("d", GIVEN_BACK_MOST, lock=False)
+        self._given_back_count = _FORK.Value("i", 0, lock=False)
         self.limit: SharedLimit = SharedLimit(ceiling, adaptive, workers)
         self.adaptive = adaptive
 
@@ -118,5 +141,15 @@ class RateGate(Gate):
 
     async def _reserve(self) -> float:
         with self._next_slot.get_lock():
-            slot, self._next_slot.value = take_pace_slot(self._next_slot.value, self._now(), self._interval)
+            given_back = list(self._given_back[:self._given_back_count.value])
+            slot, self._next_slot.value = take_pace_slot(self._next_slot.value, self._now(), self._interval,
+                                                         given_back)
+            self._given_back[:len(given_back)] = given_back
+            self._given_back_count.value = len(given_back)
         return slot
+
+    def _give_back(self, slot: float) -> None:
+        with self._next_slot.get_lock():
+            if (count := self._given_back_count.value) < GIVEN_BACK_MOST:
+                self._given_back[count] = slot
+                self._given_back_count.value = count + 1

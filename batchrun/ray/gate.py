@@ -16,7 +16,7 @@ from typing import Any
 
 from batchrun import concurrency
 from batchrun.concurrency import ConcurrencyFigures, Outcome, Ticket
-from batchrun.rate_limit import Gate, pace_interval, take_pace_slot
+from batchrun.rate_limit import GIVEN_BACK_MOST, Gate, pace_interval, take_pace_slot
 
 
 class GateKeeper:
@@ -28,6 +28,7 @@ class GateKeeper:
     def __init__(self, requests_per_minute: int | None, ceiling: int, adaptive: bool) -> None:
         self._resume_at = 0.0           # wall clock: nodes' monotonic clocks are unrelated
         self._next_slot = 0.0
+        self._given_back: list[float] = []
         self._interval = pace_interval(requests_per_minute)
         self._changed = asyncio.Event()
         self._limit = concurrency.new_state(ceiling, adaptive)
@@ -97,8 +98,12 @@ class GateKeeper:
         return self._resume_at
 
     async def reserve(self) -> float:
-        slot, self._next_slot = take_pace_slot(self._next_slot, time.time(), self._interval)
+        slot, self._next_slot = take_pace_slot(self._next_slot, time.time(), self._interval, self._given_back)
         return slot
+
+    async def give_back(self, slot: float) -> None:
+        if len(self._given_back) < GIVEN_BACK_MOST:
+            self._given_back.append(slot)
 
 
 class KeeperLimit:
@@ -163,6 +168,9 @@ class RayRateGate(Gate):
 
     async def _reserve(self) -> float:
         return float(await self._keeper.reserve.remote())
+
+    def _give_back(self, slot: float) -> None:
+        self._keeper.give_back.remote(slot)
 
     async def _follow(self) -> None:
         """Learn of other actors' pauses as they happen."""
