@@ -667,6 +667,16 @@ def test_vision_refuses_non_images_metadata_urls_and_other_schemes(endpoint, wor
     assert endpoint.requests == []
 
 
+@pytest.mark.parametrize("host", ["0xa9fea9fe", "2852039166", "169.254.43518", "0xa9.0xfe.0xa9.0xfe", "0x7f.1", "127.1"])
+def test_vision_refuses_an_address_written_in_another_ipv4_notation(endpoint, host):
+    # Before, only dotted-decimal addresses were judged: the provider's fetcher (glibc, a WHATWG URL
+    # parser) reads 0xa9fea9fe as 169.254.169.254, and the URL was passed on as public.
+    with pytest.raises(ToolError, match="refused"):
+        call(vision_analyze, {"image": f"http://{host}/latest/meta-data/", "question": "?"},
+             base_url=endpoint.base_url)
+    assert endpoint.requests == []
+
+
 def test_vision_model_errors_are_tool_errors(endpoint):
     endpoint.script = lambda body: (400, {"error": {"message": "this model does not accept images"}}, {})
     with pytest.raises(ToolError, match="does not accept images"):

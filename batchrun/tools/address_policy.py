@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import re
 import socket
 
 from batchrun.env_vars import enabled
@@ -35,6 +36,10 @@ _IPV4_IN_LAST_32_BITS = tuple(map(ipaddress.ip_network, ("::/96", "::ffff:0:0/96
                                                          "64:ff9b::/96")))
 # For local use only, though Python's ipaddress calls them global: site-local, and NAT64 within a site.
 _LOCAL_USE = tuple(map(ipaddress.ip_network, ("fec0::/10", "64:ff9b:1::/48")))
+
+# The other notations C's inet_aton, and so whatever fetches a URL for someone else, reads as an IPv4
+# address: hex and octal parts, and fewer than four parts ("0xa9fea9fe", "2852039166", "127.1").
+_IPV4_NOTATION = re.compile(r"(?:0x[0-9a-f]*|[0-9]+)(?:\.(?:0x[0-9a-f]*|[0-9]+)){0,3}", re.IGNORECASE)
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -84,7 +89,15 @@ def host_refusal(host: str) -> str | None:
     try:
         return address_refusal(host)
     except ValueError:
+        pass
+    if not _IPV4_NOTATION.fullmatch(host):
         return None
+    try:
+        address = ipaddress.IPv4Address(socket.inet_aton(host))
+    except OSError:
+        return None
+    reason = _refusal(address)
+    return f"{host} is {address}, which {reason}" if reason else None
 
 
 async def allowed_addresses(host: str, port: int) -> list[str]:
