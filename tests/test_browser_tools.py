@@ -75,6 +75,7 @@ PAGES = {
                      " this.textContent = \"Handled here\"'>Open elsewhere</a>",
     "/popups": "<title>Popups</title><p>Opening windows</p><script>for (let i = 0; i < 200; i++)"
                " window.open('about:blank')</script>",
+    "/stopped": "<title>Stopped</title><p>Before the stop</p><script>window.stop()</script><p>After the stop</p>",
     "/hang": "<title>Hang</title><p>Busy soon</p><script>fetch('/hang-release').then(() => {"
              " const started = new XMLHttpRequest(); started.open('GET', '/hang-started', false);"
              " started.send(); while (true) {} })</script>",
@@ -109,6 +110,12 @@ class Hang:
     started = threading.Event()
 
 
+class Stall:
+    """Ends the /stalled page's wait."""
+
+    release = threading.Event()
+
+
 class SiteHandler(BaseHTTPRequestHandler):
     """Static pages, a result page echoing the form, a cookie jar probe and a redirect to metadata."""
 
@@ -134,6 +141,13 @@ class SiteHandler(BaseHTTPRequestHandler):
         elif url.path == "/hang-started":
             Hang.started.set()
             self.reply("started", "text/plain")
+        elif url.path == "/stalled":         # the start of a page, then nothing until the test ends it
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.end_headers()
+            self.wfile.write(b"<title>Stalled</title><p>Arrived so far</p>")
+            self.wfile.flush()
+            Stall.release.wait(30)
         elif url.path == "/silent":
             self.rfile.read()           # no answer, until the browser hangs up
         elif url.path == "/redirect":
@@ -353,6 +367,28 @@ def test_navigating_away_from_a_hung_page_goes_on_in_a_fresh_tab(session: Sessio
     view = session.call("navigate", url=site + "/form")
     assert view["title"] == "Form" and "fresh tab" in view["note"]
     assert hung not in hung.browser.contexts
+
+
+def test_a_page_that_stops_its_own_loading_is_shown_at_once(session: Session, site: str) -> None:
+    # Before, Playwright waited for a DOMContentLoaded that a stopped document never fires: the
+    # navigation failed with "Timeout 15000ms exceeded", and every later call waited 15 s.
+    view = session.call("navigate", url=site + "/stopped")
+    assert view["title"] == "Stopped" and "Before the stop" in view["snapshot"]
+    began = time.monotonic()
+    assert "Before the stop" in session.call("snapshot")["snapshot"]
+    assert time.monotonic() - began < tab.ACTION_TIMEOUT_S
+
+
+def test_a_page_whose_server_stalls_is_shown_as_far_as_it_arrived(session: Session, site: str,
+                                                                  quick_timeouts: None) -> None:
+    # Before, the navigation failed with "Timeout 3000ms exceeded" though the page was there to read.
+    Stall.release.clear()
+    try:
+        view = session.call("navigate", url=site + "/stalled")
+    finally:
+        Stall.release.set()
+    assert view["title"] == "Stalled" and "Arrived so far" in view["snapshot"]
+    assert "had not finished loading" in view["note"]
 
 
 @pytest.mark.parametrize("page", ["/local-frame", "/silent-frame"])

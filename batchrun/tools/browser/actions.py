@@ -8,6 +8,7 @@ call opens a fresh one instead of waiting on it again.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import re
@@ -85,8 +86,9 @@ async def navigate(args: dict, ctx: ToolContext) -> dict:
         note["note"] = ("the previous page did not respond, so its tab was closed and this page opened in a "
                         "fresh tab, without the old tab's cookies and history")
     async with tab.acting(f"opening {cut_text(url, URL_CHARS)}"):
-        response = await tab.page.goto(url, wait_until="domcontentloaded")
-        view = await page_view(tab)
+        began = asyncio.get_running_loop().time()
+        response = await tab.page.goto(url, wait_until="commit")      # page_view waits for the document
+        view = await page_view(tab, since=began)
     if "note" in view and note:
         note["note"] += "; " + view["note"]
     return {"status": response.status if response else None, **view, **note}

@@ -178,28 +178,59 @@ async def answer(awaitable: Awaitable[T]) -> T:
     return await within(ACTION_TIMEOUT_S, awaitable)
 
 
-async def page_view(tab: Tab) -> dict:
+async def page_view(tab: Tab, since: float | None = None) -> dict:
     """What the model sees of the page: url, title and the AI snapshot (cut to size by the tool), and a
-    note when the page's frames were left out of it."""
+    note when the page had not finished loading or its frames were left out of it. The document gets
+    NAVIGATION_TIMEOUT_S to be parsed, from ``since`` (the event loop's time a navigation began) or now."""
     from playwright.async_api import Error
 
     page = tab.page
+    deadline = (asyncio.get_running_loop().time() if since is None else since) + NAVIGATION_TIMEOUT_S
 
-    async def read() -> tuple[str, str, bool]:
-        with contextlib.suppress(Error):
-            await page.wait_for_load_state("domcontentloaded", timeout=NAVIGATION_TIMEOUT_S * 1000)
+    async def read() -> tuple[str, str, bool, bool]:
+        parsed = await _parsed(tab, deadline)
         tree, whole = await _tree(page)
-        return tree, await answer(page.title()), whole
+        return tree, await answer(page.title()), parsed, whole
 
     try:
-        tree, title, whole = await read()
+        tree, title, parsed, whole = await read()
     except Error:       # a navigation replaced the document mid-snapshot; a second failure is real
-        tree, title, whole = await read()
+        tree, title, parsed, whole = await read()
     view = {"url": page.url, "title": title, "snapshot": tree}
+    notes = []
+    if not parsed:
+        notes.append(f"the page had not finished loading within {NAVIGATION_TIMEOUT_S:g} s (a slow or stalled "
+                     f"server?), so this is as much of it as had arrived")
     if not whole:
-        view["note"] = (f"the page's frames (iframes) did not answer within {ACTION_TIMEOUT_S:g} s, so "
-                        f"their content is left out of the snapshot")
+        notes.append(f"the page's frames (iframes) did not answer within {ACTION_TIMEOUT_S:g} s, so their "
+                     f"content is left out of the snapshot")
+    if notes:
+        view["note"] = "; ".join(notes)
     return view
+
+
+async def _parsed(tab: Tab, deadline: float) -> bool:
+    """Wait until the page's document has been parsed (a navigation may have just begun); whether it was
+    by ``deadline`` (the event loop's time). A document whose loading was stopped (window.stop()) is parsed
+    as far as it will ever be, yet never fires the DOMContentLoaded that Playwright's load states wait
+    for: its readyState tells."""
+    from playwright.async_api import Error
+    from playwright.async_api import TimeoutError as PlaywrightTimeout
+
+    page = tab.page
+    try:
+        if await answer(page.evaluate("document.readyState")) != "loading":
+            return True
+        left_ms = (deadline - asyncio.get_running_loop().time()) * 1000
+        if left_ms < 1:         # Playwright reads a timeout of 0 as none at all
+            return False
+        await page.wait_for_function("document.readyState !== 'loading'", polling=100, timeout=left_ms)
+    except PlaywrightTimeout:
+        return False
+    except Error:               # between two documents, the next one parsed or not: the snapshot tells
+        if page in tab.crashed:     # Playwright would wait on it for ever
+            raise
+    return True
 
 
 # Hides every frame element, in shadow roots too, from the snapshot (which lists what is visible, even
