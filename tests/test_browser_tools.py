@@ -76,6 +76,10 @@ PAGES = {
     "/popups": "<title>Popups</title><p>Opening windows</p><script>for (let i = 0; i < 200; i++)"
                " window.open('about:blank')</script>",
     "/stopped": "<title>Stopped</title><p>Before the stop</p><script>window.stop()</script><p>After the stop</p>",
+    # Scripts that replace the builtins the tools' own scripts on the page call (and Playwright's).
+    "/garbled-images": "<title>Garbled</title><img src='/cat.png' alt='A cat'><script>"
+                       "Object.defineProperty(Set.prototype, 'size', {get() { return 'many' }})</script>",
+    "/garbled-scroll": "<title>Garbled</title><p>Scroll me</p><script>Math.round = () => null</script>",
     "/hang": "<title>Hang</title><p>Busy soon</p><script>fetch('/hang-release').then(() => {"
              " const started = new XMLHttpRequest(); started.open('GET', '/hang-started', false);"
              " started.send(); while (true) {} })</script>",
@@ -326,6 +330,16 @@ def test_huge_image_urls_and_alt_texts_are_cut_and_the_list_fits_one_result(sess
     assert result_chars(listed) <= caps.RESULT_CHARS
     notes = " ".join(listed["truncated"])
     assert f"{len(images)} of 60 images" in notes and "src" in notes and "alt" in notes
+
+
+@pytest.mark.parametrize(("page", "tool", "args"), [("/garbled-images", "get_images", {}),
+                                                     ("/garbled-scroll", "scroll", {"direction": "down"})])
+def test_a_page_that_garbles_the_tools_scripts_gets_a_tool_error(session: Session, site: str, page: str, tool: str,
+                                                                 args: dict) -> None:
+    # Before, the answer's wrong shape raised out of the tool (TypeError: '<' not supported between
+    # 'int' and 'str'; 'NoneType' object is not subscriptable), as if the tool had a bug.
+    session.call("navigate", url=site + page)
+    assert "garbled" in session.fails(tool, **args)
 
 
 # --- a page that never yields --------------------------------------------------------------------

@@ -170,6 +170,8 @@ async def scroll(args: dict, ctx: ToolContext) -> dict:
         position = await answer(tab.page.evaluate(
             "down => { scrollBy(0, (down ? 0.8 : -0.8) * innerHeight);"
             " return [Math.round(scrollY), document.documentElement.scrollHeight]; }", direction == "down"))
+        if not (isinstance(position, list) and len(position) == 2 and all(map(_is_number, position))):
+            raise _garbled(f"scrolling {direction}")
         return {"result": f"scrolled {direction} to {position[0]} of {position[1]} px", **await page_view(tab)}
 
 
@@ -223,10 +225,28 @@ async def get_images(args: dict, ctx: ToolContext) -> dict:
     tab = await open_tab(ctx)
     async with tab.acting("listing images"):
         found = await answer(tab.page.evaluate(_IMAGES_SCRIPT, [MAX_IMAGES, URL_CHARS, ALT_CHARS]))
+    if not (isinstance(found, dict) and isinstance(found.get("images"), list) and _is_number(found.get("count"))
+            and all(isinstance(image, dict) and set(image) == {"src", "alt"} and all(map(_is_text, image.values()))
+                    for image in found["images"])):
+        raise _garbled("listing images")
     return {"url": tab.page.url, "images": found["images"][:MAX_IMAGES], "count": found["count"]}
 
 
 # --- helpers ------------------------------------------------------------------------------------
+
+def _garbled(what: str) -> ToolError:
+    """A script's answer without the shape the script gives it: it runs among the page's own scripts,
+    which can replace any builtin it calls (Set, Math.round...), Playwright's serialising ones too."""
+    return ToolError(f"{what} failed: the page's own scripts garbled the answer (they replaced functions "
+                     f"the browser provides)")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_text(value: object) -> bool:
+    return isinstance(value, str)
 
 def _string(args: dict, name: str, *, allow_empty: bool = False) -> str:
     value = args.get(name)
