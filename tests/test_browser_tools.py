@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import json
 import os
 import re
@@ -84,6 +85,8 @@ PAGES = {
              " const started = new XMLHttpRequest(); started.open('GET', '/hang-started', false);"
              " started.send(); while (true) {} })</script>",
 }
+# A gzip bomb: 300 KB that inflate to a 256 MiB page.
+BOMB = gzip.compress(b"<title>Bomb</title><p>Start of the bomb</p>" + b"a" * 2**28, 1)
 # A page whose button starts WebRTC towards the UDP ports in its query: STUN and TURN servers, and a
 # remote peer candidate added by hand.
 WEBRTC = """<title>RTC</title><button onclick="start()">Start</button><script>
@@ -152,6 +155,8 @@ class SiteHandler(BaseHTTPRequestHandler):
             self.wfile.write(b"<title>Stalled</title><p>Arrived so far</p>")
             self.wfile.flush()
             Stall.release.wait(30)
+        elif url.path == "/bomb":
+            self.reply(BOMB, headers={"Content-Encoding": "gzip"})
         elif url.path == "/silent":
             self.rfile.read()           # no answer, until the browser hangs up
         elif url.path == "/redirect":
@@ -163,13 +168,16 @@ class SiteHandler(BaseHTTPRequestHandler):
         else:
             self.send_error(404)
 
-    def reply(self, body: str | bytes, content_type: str = "text/html", cookie: str | None = None) -> None:
+    def reply(self, body: str | bytes, content_type: str = "text/html", cookie: str | None = None,
+              headers: dict[str, str] | None = None) -> None:
         data = body.encode() if isinstance(body, str) else body
         self.send_response(200)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         if cookie:
             self.send_header("Set-Cookie", cookie)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(data)
 
@@ -330,6 +338,14 @@ def test_huge_image_urls_and_alt_texts_are_cut_and_the_list_fits_one_result(sess
     assert result_chars(listed) <= caps.RESULT_CHARS
     notes = " ".join(listed["truncated"])
     assert f"{len(images)} of 60 images" in notes and "src" in notes and "alt" in notes
+
+
+def test_a_page_that_inflates_past_the_size_cap_is_stopped_there_and_says_so(session: Session, site: str) -> None:
+    # Before, the renderer took in the inflating page until the navigation's 15 s ran out (3 GB of
+    # memory by then), and the navigation failed with "Timeout 15000ms exceeded".
+    view = session.call("navigate", url=site + "/bomb")
+    assert view["title"] == "Bomb" and "Start of the bomb" in view["snapshot"]
+    assert "larger than" in view.get("note", "")
 
 
 @pytest.mark.parametrize(("page", "tool", "args"), [("/garbled-images", "get_images", {}),

@@ -10,11 +10,12 @@ what to do with a page, this says how long the page gets and what its failures m
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from batchrun.time_limit import within
 from batchrun.tools import ToolContext, ToolError
@@ -23,7 +24,7 @@ from batchrun.tools.browser.gate import Gate, Gates
 from batchrun.tools.browser.launch import current_host
 
 if TYPE_CHECKING:
-    from playwright.async_api import Browser, BrowserContext, Page
+    from playwright.async_api import Browser, BrowserContext, CDPSession, Page
 
 T = TypeVar("T")
 
@@ -33,6 +34,10 @@ ACTION_TIMEOUT_S = 5.0        # also what the page gets to answer any other call
 # lets one through per user action, and each of Playwright's scripts on the page counts as one) would
 # otherwise pile up renderers in the worker's one browser.
 MAX_WINDOWS = 4
+# The most a document (a page's or a frame's) may hold after decompression: a few hundred kilobytes of
+# gzip inflate to gigabytes, which the renderer takes in for as long as the navigation may last (3 GB of
+# memory in 15 s), and stops answering meanwhile.
+MAX_DOCUMENT_BYTES = 10 * 2**20
 _STATE_KEY = "browser"
 
 
@@ -56,10 +61,44 @@ class Tab:
     gate: Gate
     gates: Gates
     crashed: set[Page] = field(default_factory=set)
+    oversized: set[Page] = field(default_factory=set)       # those whose loading was stopped, until shown
+    _stopping: set[asyncio.Task] = field(default_factory=set)
 
-    def watch(self, page: Page) -> None:
-        """Note the page's renderer crashing: Playwright keeps a crashed page, failing every call on it."""
+    async def watch(self, page: Page) -> None:
+        """Note the page's renderer crashing (Playwright keeps a crashed page, failing every call on it),
+        and stop the page's loading when a document passes MAX_DOCUMENT_BYTES."""
+        from playwright.async_api import Error
+
         page.on("crash", self._crashed)
+        documents: dict[str, int] = {}          # request id: bytes received, after decompression
+
+        def response(event: dict[str, Any]) -> None:
+            if event["type"] == "Document":
+                documents[event["requestId"]] = 0
+
+        def data(event: dict[str, Any]) -> None:
+            received = documents.get(event["requestId"])
+            if received is None:
+                return
+            documents[event["requestId"]] = received = received + event["dataLength"]
+            if received > MAX_DOCUMENT_BYTES:
+                del documents[event["requestId"]]
+                self.oversized.add(page)
+                stopping = asyncio.ensure_future(_stop_loading(cdp))
+                self._stopping.add(stopping)
+                stopping.add_done_callback(self._stopping.discard)
+
+        def ended(event: dict[str, Any]) -> None:
+            documents.pop(event["requestId"], None)
+
+        with contextlib.suppress(Error):        # a window closed as soon as it opened
+            cdp = await self.context.new_cdp_session(page)
+            cdp.on("Network.responseReceived", response)
+            cdp.on("Network.dataReceived", data)
+            cdp.on("Network.loadingFinished", ended)
+            cdp.on("Network.loadingFailed", ended)
+            # Without buffers, or it would keep its own copy of every body a script fetched.
+            await cdp.send("Network.enable", {"maxTotalBufferSize": 0, "maxResourceBufferSize": 0})
 
     def _crashed(self, page: Page) -> None:
         self.crashed.add(page)
@@ -69,8 +108,8 @@ class Tab:
         windows beyond MAX_WINDOWS are closed."""
         from playwright.async_api import Error
 
-        self.watch(page)
         self.page = page
+        await self.watch(page)
         for old in self.context.pages[:-MAX_WINDOWS]:
             with contextlib.suppress(Error, TimeoutError):
                 await within(ACTION_TIMEOUT_S, old.close())
@@ -140,7 +179,7 @@ async def session_tab(ctx: ToolContext) -> Tab:
         context.set_default_timeout(ACTION_TIMEOUT_S * 1000)
         context.set_default_navigation_timeout(NAVIGATION_TIMEOUT_S * 1000)
         tab = Tab(browser=browser, context=context, page=await context.new_page(), gate=gate, gates=gates)
-        tab.watch(tab.page)
+        await tab.watch(tab.page)
     except BaseException:
         gates.remove(gate)
         gate.close()
@@ -148,6 +187,15 @@ async def session_tab(ctx: ToolContext) -> Tab:
     context.on("page", tab.follow)
     ctx.state[_STATE_KEY] = tab
     return tab
+
+
+async def _stop_loading(cdp: CDPSession) -> None:
+    """Stop the page's loading, as its Stop button does: in the browser process, however busy the
+    renderer is."""
+    from playwright.async_api import Error
+
+    with contextlib.suppress(Error):        # closed meanwhile
+        await cdp.send("Page.stopLoading")
 
 
 async def open_tab(ctx: ToolContext) -> Tab:
@@ -198,6 +246,10 @@ async def page_view(tab: Tab, since: float | None = None) -> dict:
         tree, title, parsed, whole = await read()
     view = {"url": page.url, "title": title, "snapshot": tree}
     notes = []
+    if page in tab.oversized:
+        tab.oversized.discard(page)
+        notes.append(f"the page is larger than {MAX_DOCUMENT_BYTES // 2**20} MiB (after decompression), so its "
+                     f"loading was stopped there")
     if not parsed:
         notes.append(f"the page had not finished loading within {NAVIGATION_TIMEOUT_S:g} s (a slow or stalled "
                      f"server?), so this is as much of it as had arrived")
