@@ -85,6 +85,9 @@ PAGES = {
              " const started = new XMLHttpRequest(); started.open('GET', '/hang-started', false);"
              " started.send(); while (true) {} })</script>",
 }
+# An SVG document (which has no body element), its title long.
+DRAWING = ("<svg xmlns='http://www.w3.org/2000/svg'><title>" + "Drawing " * 400_000 + "</title>"
+           "<text x='10' y='20'>Hello from SVG</text></svg>")
 # A gzip bomb: 300 KB that inflate to a 256 MiB page.
 BOMB = gzip.compress(b"<title>Bomb</title><p>Start of the bomb</p>" + b"a" * 2**28, 1)
 # A page whose button starts WebRTC towards the UDP ports in its query: STUN and TURN servers, and a
@@ -155,6 +158,8 @@ class SiteHandler(BaseHTTPRequestHandler):
             self.wfile.write(b"<title>Stalled</title><p>Arrived so far</p>")
             self.wfile.flush()
             Stall.release.wait(30)
+        elif url.path == "/drawing.svg":
+            self.reply(DRAWING, "image/svg+xml")
         elif url.path == "/bomb":
             self.reply(BOMB, headers={"Content-Encoding": "gzip"})
         elif url.path == "/silent":
@@ -338,6 +343,13 @@ def test_huge_image_urls_and_alt_texts_are_cut_and_the_list_fits_one_result(sess
     assert result_chars(listed) <= caps.RESULT_CHARS
     notes = " ".join(listed["truncated"])
     assert f"{len(images)} of 60 images" in notes and "src" in notes and "alt" in notes
+
+
+def test_an_svg_document_is_shown(session: Session, site: str) -> None:
+    # Before, Playwright's snapshot waited for a body element, which an SVG document never has: the
+    # navigation failed with "no answer within 5 s".
+    view = session.call("navigate", url=site + "/drawing.svg")
+    assert "Hello from SVG" in view["snapshot"] and view["title"].startswith("Drawing Drawing")
 
 
 def test_a_page_that_inflates_past_the_size_cap_is_stopped_there_and_says_so(session: Session, site: str) -> None:

@@ -309,15 +309,18 @@ async def _tree(page: Page) -> tuple[str, bool]:
     Playwright's snapshot waits for every frame's document, and one may never come (a frame the browser
     refused to load, a server that never answers, a script looping in another renderer): then, if the
     page itself still answers, it is snapshotted again with its frames hidden, rather than not at all.
+    Playwright's snapshot of a page is one of its body, which it waits for: a document without one (SVG,
+    XML) is snapshotted from its root element instead.
     """
+    root = page if await answer(page.evaluate("!!document.body")) else page.locator(":root")
     try:
-        return await answer(page.aria_snapshot(mode="ai", timeout=0)), True
+        return await answer(root.aria_snapshot(mode="ai", timeout=0)), True
     except TimeoutError:
         if not await responds(page):
             raise
     hidden = await answer(page.evaluate_handle(_HIDE_FRAMES))
     try:
-        return await answer(page.aria_snapshot(mode="ai", timeout=0)), False
+        return await answer(root.aria_snapshot(mode="ai", timeout=0)), False
     finally:
         await answer(hidden.evaluate(_SHOW_FRAMES))
         await answer(hidden.dispose())
