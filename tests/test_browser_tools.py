@@ -81,6 +81,9 @@ PAGES = {
     "/garbled-images": "<title>Garbled</title><img src='/cat.png' alt='A cat'><script>"
                        "Object.defineProperty(Set.prototype, 'size', {get() { return 'many' }})</script>",
     "/garbled-scroll": "<title>Garbled</title><p>Scroll me</p><script>Math.round = () => null</script>",
+    "/field-named-target": "<title>Search</title><form action='/form' target='_blank'><input name='target'"
+                           " aria-label='Target'><button>Search elsewhere</button></form>",
+    "/svg-link": "<title>Map</title><svg><a href='/form'><text x='10' y='20'>To the form</text></a></svg>",
     "/hang": "<title>Hang</title><p>Busy soon</p><script>fetch('/hang-release').then(() => {"
              " const started = new XMLHttpRequest(); started.open('GET', '/hang-started', false);"
              " started.send(); while (true) {} })</script>",
@@ -273,6 +276,13 @@ def test_navigate_follow_a_link_fill_a_form_submit_and_go_back(session: Session,
     assert session.call("back")["url"] == site + "/form"
     assert session.call("back")["url"] == site + "/"
     assert "no previous page" in session.fails("back")
+
+
+def test_a_click_on_a_link_inside_an_svg_follows_it(session: Session, site: str) -> None:
+    # Before, the check for a new window read the link's target as a string, which an SVG link's is not:
+    # the click failed with "(target || "").toLowerCase is not a function".
+    view = session.call("navigate", url=site + "/svg-link")
+    assert session.call("click", ref=ref(view, 'link "To the form"'))["title"] == "Form"
 
 
 def test_enter_submits_the_field_just_typed_into(session: Session, site: str) -> None:
@@ -948,6 +958,13 @@ def test_a_form_aimed_at_a_new_window_opens_it_on_submit_and_not_when_its_field_
     assert focused["title"] == "Search" and time.monotonic() - began < tab.ACTION_TIMEOUT_S
     submitted = session.call("click", ref=ref(view, 'button "Search elsewhere"'))
     assert submitted["title"] == "Form"
+
+
+def test_a_form_with_a_field_named_target_opens_its_new_window_on_submit(session: Session, site: str) -> None:
+    # Before, form.target was that field, not the form's target: the click failed with
+    # "(target || "").toLowerCase is not a function".
+    view = session.call("navigate", url=site + "/field-named-target")
+    assert session.call("click", ref=ref(view, 'button "Search elsewhere"'))["title"] == "Form"
 
 
 def test_a_session_keeps_only_its_newest_windows_open(session: Session, site: str) -> None:

@@ -104,11 +104,13 @@ async def snapshot(args: dict, ctx: ToolContext) -> dict:
 
 # Whether a click on the element opens a new window: it is in a link, or in a form's submit button, aimed
 # at `_blank`. (A script's window.open cannot be told beforehand: its window is the session's page from the
-# next call on.)
+# next call on.) The attributes, not the properties: an SVG link's target is an object, and a form's
+# `target` is its field of that name if it has one.
 _OPENS_WINDOW_SCRIPT = """e => {
-  const link = e.closest('a[href], area[href]'), control = e.closest('button, input');
+  const link = e.closest('a[href], a[*|href], area[href]'), control = e.closest('button, input');
   const submits = control && control.form && ['submit', 'image'].includes(control.type);
-  const target = link ? link.target : submits ? (control.formTarget || control.form.target) : '';
+  const target = link ? link.getAttribute('target')
+    : submits ? (control.getAttribute('formtarget') || control.form.getAttribute('target')) : '';
   return (target || '').toLowerCase() === '_blank';
 }"""
 
