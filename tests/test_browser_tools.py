@@ -52,6 +52,7 @@ PAGES = {
          f"<p>{INJECTION.replace('<', '&lt;').replace('>', '&gt;')}</p>",
     "/form": "<title>Form</title><form action='/result'><label>Name <input name='name'></label>"
              "<button type='submit'>Send</button></form>",
+    "/to-metadata": f"<title>Links</title><a href='{METADATA}'>Metadata</a>",
     "/leaky": f"<title>Leaky</title><p>Look</p><img src='{METADATA}' alt='metadata'>",
     "/long": "<title>Long</title>" + "".join(f"<p>Paragraph number {i} of a long page.</p>" for i in range(2000)),
     # Built by the page, so that the server sends little: a 5 MiB title, and 60 images whose URLs are
@@ -477,6 +478,14 @@ def test_loopback_is_refused_unless_allowed(session: Session, site: str, monkeyp
 def test_redirect_to_metadata_is_refused(session: Session, site: str) -> None:
     message = session.fails("navigate", url=site + "/redirect")
     assert "refused 169.254.169.254" in message and "link-local" in message
+
+
+def test_a_click_on_a_link_to_a_refused_address_says_why_it_was_refused(session: Session, site: str) -> None:
+    # Before, the model saw Chromium's error page alone ("This site can't be reached",
+    # ERR_SOCKS_CONNECTION_FAILED), never the gate's reason.
+    view = session.call("navigate", url=site + "/to-metadata")
+    clicked = session.call("click", ref=ref(view, 'link "Metadata"'))
+    assert "refused 169.254.169.254" in clicked.get("note", "") and "link-local" in clicked["note"]
 
 
 def test_page_cannot_load_from_metadata_address(session: Session, site: str) -> None:

@@ -246,6 +246,8 @@ async def page_view(tab: Tab, since: float | None = None) -> dict:
         tree, title, parsed, whole = await read()
     view = {"url": page.url, "title": title, "snapshot": tree}
     notes = []
+    if page.url.startswith("chrome-error:") and tab.gate.failures:     # its error page tells no reason
+        notes.append(f"the browser could not open the page: {tab.gate.failures[-1]}")
     if page in tab.oversized:
         tab.oversized.discard(page)
         notes.append(f"the page is larger than {MAX_DOCUMENT_BYTES // 2**20} MiB (after decompression), so its "
