@@ -677,6 +677,15 @@ def test_vision_refuses_an_address_written_in_another_ipv4_notation(endpoint, ho
     assert endpoint.requests == []
 
 
+@pytest.mark.parametrize("host", ["localhost", "LOCALHOST.", "metadata.localhost"])
+def test_vision_refuses_a_loopback_host_name(endpoint, host):
+    # Before, only addresses were judged: http://localhost/ reaches the provider's own loopback, which
+    # web_extract and the browser refuse.
+    with pytest.raises(ToolError, match="WEB_ALLOW_PRIVATE=1"):
+        call(vision_analyze, {"image": f"http://{host}:8080/admin.png", "question": "?"}, base_url=endpoint.base_url)
+    assert endpoint.requests == []
+
+
 def test_vision_model_errors_are_tool_errors(endpoint):
     endpoint.script = lambda body: (400, {"error": {"message": "this model does not accept images"}}, {})
     with pytest.raises(ToolError, match="does not accept images"):

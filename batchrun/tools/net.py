@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import httpx
 
 from batchrun.bounded_body import BodyError, bounded_chunks, gzipped_within
+from batchrun.env_vars import enabled
 from batchrun.tools import ToolError
-from batchrun.tools.address_policy import allowed_addresses, host_refusal
+from batchrun.tools.address_policy import ALLOW_PRIVATE, allowed_addresses, host_refusal
 
 MAX_REDIRECTS = 5
 # A page's title as every tool gives it (a search result's, an extracted page's): a page may hold one of
@@ -52,7 +53,12 @@ def http_url(text: str) -> httpx.URL:
 
 
 def check_visible_destination(url: httpx.URL) -> None:
-    """Refuse what the URL itself shows; all that can be judged for a URL someone else fetches."""
+    """Refuse what the URL itself shows; all that can be judged for a URL someone else fetches. That
+    includes a loopback name (RFC 6761: localhost and every name under it), which the fetcher resolves
+    to its own loopback, as a fetch of our own would find by resolving it."""
+    host = url.host.rstrip(".").lower()
+    if (host == "localhost" or host.endswith(".localhost")) and not enabled(ALLOW_PRIVATE):
+        raise ToolError(f"refused {url}: {host} is a loopback name (allowed only with {ALLOW_PRIVATE}=1)")
     reason = host_refusal(url.host)
     if reason:
         raise ToolError(f"refused {url}: {reason}")
