@@ -677,6 +677,16 @@ def test_vision_refuses_an_address_written_in_another_ipv4_notation(endpoint, ho
     assert endpoint.requests == []
 
 
+@pytest.mark.parametrize("host", ["169.254.169.254\\.example.com", "169%2e254%2e169%2e254", "%31%36%39.254.169.254"])
+def test_vision_refuses_a_host_that_another_url_parser_reads_as_an_address(endpoint, host):
+    # Before, httpx kept these as names: a WHATWG URL parser (browsers, Node) reads the backslash as a
+    # slash and decodes the escapes, so the provider fetched 169.254.169.254.
+    with pytest.raises(ToolError, match="host name"):
+        call(vision_analyze, {"image": f"http://{host}/latest/meta-data/", "question": "?"},
+             base_url=endpoint.base_url)
+    assert endpoint.requests == []
+
+
 @pytest.mark.parametrize("host", ["localhost", "LOCALHOST.", "metadata.localhost"])
 def test_vision_refuses_a_loopback_host_name(endpoint, host):
     # Before, only addresses were judged: http://localhost/ reaches the provider's own loopback, which

@@ -8,6 +8,7 @@ host name.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import httpx
@@ -21,6 +22,11 @@ MAX_REDIRECTS = 5
 # A page's title as every tool gives it (a search result's, an extracted page's): a page may hold one of
 # megabytes, which must not make a tool result of that size.
 MAX_TITLE_CHARS = 300
+# What a host name (IDNA names already in their ASCII form) or an IPv4 address is made of. httpx takes
+# more, which other URL parsers read otherwise: a WHATWG one (browsers, Node) reads a backslash as a
+# slash and decodes escapes, so "169.254.169.254\.example.com" and "169%2e254%2e169%2e254" are
+# 169.254.169.254 to a provider that fetches them.
+_HOST_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,9 @@ def http_url(text: str) -> httpx.URL:
         raise ToolError(f"only http and https URLs are allowed, not {text!r}")
     if not url.host:
         raise ToolError(f"{text!r} has no host name")
+    host = url.raw_host.decode("ascii")
+    if ":" not in host and not _HOST_NAME.fullmatch(host):     # IPv6 literals httpx checks itself
+        raise ToolError(f"{text!r} has no valid host name: {host!r} holds characters no host name holds")
     return url
 
 
