@@ -29,7 +29,9 @@ import pytest
 from conftest import batch_rows, endpoint_args, run_cli, write_dataset
 
 import model_tools
+from batchrun.environments import limits
 from batchrun.environments.base import EnvironmentSettings
+from batchrun.environments.limits import remove_run_leftovers
 from batchrun.install_hint import install_hint
 from batchrun.time_limit import within
 from batchrun.tools import ToolContext, ToolError
@@ -69,6 +71,9 @@ PAGES = {
     # Nested 100,000 deep: Chromium's renderer crashes laying it out.
     "/crash": "<title>Deep</title><body><script>let node = document.body; for (let i = 0; i < 100000; i++)"
               " node = node.appendChild(document.createElement('div')); node.textContent = 'bottom'</script>",
+    # Fills 8 buffers of 512 MiB and holds them: 4 GiB of one renderer, unless something stops it.
+    "/hog": "<title>Hog</title><p>Filling</p><script>const held = []; for (let i = 0; i < 8; i++)"
+            " held.push(new Uint8Array(512 * 2**20).fill(1))</script>",
     "/flood": "<title>Flood</title><p>Pushing</p><script>for (let i = 0; i < 100000; i++)"
               " history.pushState(null, '', '/flood?' + i)</script>",
     "/new-window-form": "<title>Search</title><form action='/form' target='_blank'>"
@@ -224,9 +229,9 @@ def allow_private(monkeypatch: pytest.MonkeyPatch) -> None:
 class Session:
     """One agent session's view of the browser tools: its own ToolContext, called through the registry."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, settings: EnvironmentSettings | None = None) -> None:
         self.loop = loop
-        self.ctx = ToolContext(env=None, settings=EnvironmentSettings(work_root=Path("."), run_label="test"))
+        self.ctx = ToolContext(env=None, settings=settings or EnvironmentSettings(work_root=Path("."), run_label="test"))
 
     def run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
         return self.loop.run_until_complete(coroutine)
@@ -832,7 +837,7 @@ from batchrun.environments.base import EnvironmentSettings
 from batchrun.tools import ToolContext
 
 async def main():
-    ctx = ToolContext(env=None, settings=EnvironmentSettings(work_root=Path("."), run_label="test"))
+    ctx = ToolContext(env=None, settings=EnvironmentSettings(work_root=Path("."), run_label=sys.argv[2]))
     await model_tools.dispatch("browser_navigate", {"url": sys.argv[1]}, ctx)
     print("browsing", flush=True)
     await asyncio.sleep(3600)
@@ -858,7 +863,8 @@ def chromium_browser_process(processes: dict[int, tuple[str, str]]) -> int:
     """The one Chromium process that is no helper (Chromium gives each helper a --type, but not its crash
     reporter)."""
     [pid] = [pid for pid, (name, _) in processes.items() if "chrom" in name and "crashpad" not in name
-             and b"--type=" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+             and b"--type=" not in (arguments := Path(f"/proc/{pid}/cmdline").read_bytes())
+             and arguments]         # an exited helper, not yet reaped, has none
     return pid
 
 
@@ -878,12 +884,13 @@ def test_nothing_the_worker_started_outlives_its_kill_9(site: str, tmp_path: Pat
         env["PATH"] = f"{tmp_path}:{env['PATH']}"
     started: dict[int, tuple[str, str]] = {}
     try:
-        with subprocess.Popen([sys.executable, "-c", program, site + "/"], stdout=subprocess.PIPE, text=True,
-                              env=env) as worker:
+        with subprocess.Popen([sys.executable, "-c", program, site + "/", OWN_RUN_LABEL], stdout=subprocess.PIPE,
+                              text=True, env=env) as worker:
             try:
                 assert worker.stdout is not None and worker.stdout.readline() == "browsing\n"
                 started = descendants(worker.pid)
                 assert ("bwrap" in {name for name, _ in started.values()}) == sandboxed
+                groups = browser_groups(started)
                 if not browser_answers:         # stopped, as the busiest browser is for the driver's close
                     os.kill(chromium_browser_process(started), signal.SIGSTOP)
             finally:
@@ -892,9 +899,105 @@ def test_nothing_the_worker_started_outlives_its_kill_9(site: str, tmp_path: Pat
         while still_running(started) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert still_running(started) == {}
+        # What the run's next start does: the killed worker's control group goes with the run's leftovers.
+        remove_run_leftovers(OWN_RUN_LABEL)
+        assert not any(group.exists() for group in groups)
     finally:
         for pid in still_running(started):
             os.kill(pid, signal.SIGKILL)
+
+
+# --- the browser's memory and processes -----------------------------------------------------------
+
+# A run label of this test process's own: another test run on the machine removes its "test" groups.
+OWN_RUN_LABEL = f"test-browser-{os.getpid()}"
+SMALL_MEMORY_MB = 1024
+CGROUP_V2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
+
+
+def control_groups(pid: int) -> list[Path]:
+    """The directories of the memory and pids control groups ``pid`` is in, memory's first (one for both
+    on cgroup v2)."""
+    found = []
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if CGROUP_V2 and controllers == "":
+            found.append(Path("/sys/fs/cgroup" + path))
+        elif not CGROUP_V2 and controllers in ("memory", "pids"):
+            found.append(Path("/sys/fs/cgroup", controllers) / path.lstrip("/"))
+    return sorted(found)
+
+
+def browsers_groups() -> dict[int, tuple[str, tuple[Path, ...]]]:
+    """The name and control groups of each process of the browser this test process started (Chromium's
+    and its sandbox's), by process id."""
+    found = {}
+    for pid, (name, _) in descendants(os.getpid()).items():
+        if "chrom" in name or name == "bwrap":
+            with contextlib.suppress(OSError):      # a helper that ended meanwhile
+                if Path(f"/proc/{pid}/cmdline").read_bytes():   # an exited one, not yet reaped, has none
+                    found[pid] = name, tuple(control_groups(pid))
+    return found
+
+
+def browser_groups(processes: dict[int, tuple[str, str]]) -> list[Path]:
+    """The control groups of the browser's one process that is no helper, among ``processes``."""
+    return control_groups(chromium_browser_process(processes))
+
+
+@pytest.fixture
+def limited(loop: asyncio.AbstractEventLoop, fresh_browser: None) -> Iterator[Session]:
+    """A session of a run with a small memory limit, whose first call launches the browser."""
+    if not limits.cgroups_available():
+        pytest.skip("no control group can be made here (a run as an ordinary user?)")
+    settings = EnvironmentSettings(work_root=Path("."), run_label=OWN_RUN_LABEL,
+                                   limits=limits.ResourceLimits(memory_mb=SMALL_MEMORY_MB, processes=512))
+    opened = Session(loop, settings)
+    yield opened
+    opened.end()
+
+
+def test_a_page_past_the_memory_limit_fails_saying_so_and_other_tabs_go_on(limited: Session, site: str) -> None:
+    # Before, nothing bounded Chromium's memory: the page's renderer held its 4 GiB.
+    other = Session(limited.loop, limited.ctx.settings)
+    try:
+        other.call("navigate", url=site + "/form")
+        limited.call("navigate", url=site + "/")
+        groups = browser_groups(descendants(os.getpid()))
+        message = limited.fails("navigate", url=site + "/hog")
+        assert f"more memory than the limit of {SMALL_MEMORY_MB} MB (TERMINAL_MEMORY_MB)" in message, message
+        assert "fresh tab" in message
+        peak = (groups[0] / ("memory.peak" if CGROUP_V2 else "memory.max_usage_in_bytes")).read_text()
+        assert int(peak) <= SMALL_MEMORY_MB * 2**20
+        assert other.call("snapshot")["title"] == "Form"
+        assert limited.call("navigate", url=site + "/form")["title"] == "Form"
+        # A crash that is not the kernel's doing for memory is no memory kill.
+        assert "TERMINAL_MEMORY_MB" not in limited.fails("navigate", url=site + "/crash")
+    finally:
+        other.end()
+
+
+@pytest.mark.parametrize("sandboxed", [True, False], ids=["sandboxed", "without bwrap"])
+def test_every_chromium_process_is_in_the_browsers_control_group_which_goes_with_it(
+        loop: asyncio.AbstractEventLoop, limited: Session, site: str, monkeypatch: pytest.MonkeyPatch,
+        sandboxed: bool) -> None:
+    if not sandboxed:
+        monkeypatch.setattr(launch, "isolating_bwrap", no_isolating_bwrap)
+    limited.call("navigate", url=site + "/")
+    processes = browsers_groups()
+    assert ("bwrap" in {name for name, _ in processes.values()}) == sandboxed
+    [group] = {groups for _, groups in processes.values()}
+    assert all(directory.parent.name == OWN_RUN_LABEL for directory in group), group
+    limit = "memory.max" if CGROUP_V2 else "memory.limit_in_bytes"
+    assert int((group[0] / limit).read_text()) == SMALL_MEMORY_MB * 2**20
+    assert int((group[-1] / "pids.max").read_text()) == 512
+    # Relaunched after it died, the browser has a group of its own, the old one gone; closed, none.
+    limited.run(limited.ctx.state["browser"].browser.close())
+    limited.call("navigate", url=site + "/form")
+    [relaunched] = {groups for _, groups in browsers_groups().values()}
+    assert relaunched != group and not any(directory.exists() for directory in group)
+    loop.run_until_complete(launch.close_browser())
+    assert not any(directory.exists() for directory in relaunched)
 
 
 # --- sessions ------------------------------------------------------------------------------------

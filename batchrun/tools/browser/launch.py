@@ -1,10 +1,15 @@
 """This process's Chromium: launched on first use, in its network namespace and sandbox where bwrap can
-make them (else sharing the host's network, behind the WebRTC flags alone), relaunched if it died,
-closed at the worker's end.
+make them (else sharing the host's network, behind the WebRTC flags alone), in a control group of its
+own where one can be made, relaunched if it died, closed at the worker's end.
 
 Chromium is heavy (about 0.4 GB and 1.5 s to start), so a worker process launches one browser and
 shares it among all its sessions; each session's tab (batchrun.tools.browser.tab) is a browser context
 of it. Playwright is imported only here and in the tab, on first use.
+
+A page is as hostile as a command (one filled 4 GB of buffers in its renderer), so the browser's whole
+process tree is held to a prompt's memory and process limits, as a prompt's sandbox is: the wrapper
+script that Playwright starts joins the group before it execs anything, so no process of the browser
+ever runs outside it.
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
 from batchrun.environments.base import scrubbed_environment
+from batchrun.environments.limits import ENTER_GROUPS, PromptCgroup, ResourceLimits
 from batchrun.time_limit import within
 from batchrun.tools import ToolError
 from batchrun.tools.browser.availability import INSTALL_HINT, chromium_executable
@@ -104,6 +111,24 @@ class _LaunchOptions(TypedDict):
     ignore_default_args: list[str]
 
 
+class MemoryKills:
+    """Tells a renderer that the kernel killed for the browser's memory limit from one that crashed."""
+
+    def __init__(self, cgroup: PromptCgroup | None, limit_mb: int) -> None:
+        self._cgroup = cgroup
+        self.limit_mb = limit_mb
+        self._seen = 0 if cgroup is None else cgroup.events().memory
+
+    def new(self) -> bool:
+        """Whether the kernel killed a process of the browser for memory since the last call: the kill
+        is counted before the process dies, so before its page's crash is reported."""
+        if self._cgroup is None:
+            return False
+        kills = self._cgroup.events().memory
+        new, self._seen = kills > self._seen, kills
+        return new
+
+
 class _BrowserHost:
     """This process's Chromium, launched on first use and relaunched if it died; bound to one event
     loop, because Playwright's connection is."""
@@ -115,16 +140,20 @@ class _BrowserHost:
         self._browser: Browser | None = None
         self._gates: Gates | None = None
         self._directory: str | None = None
+        self._cgroup: PromptCgroup | None = None
+        self._memory_kills: MemoryKills | None = None
 
-    async def browser(self) -> tuple[Browser, Gates]:
+    async def browser(self, limits: ResourceLimits, run_label: str) -> tuple[Browser, Gates, MemoryKills]:
+        """The browser, launched (if it is not running) in a control group with ``limits`` under the
+        run's groups (``run_label``), so that the run's next start removes a killed worker's."""
         async with self._lock:
             if self._browser is None or self._gates is None or not self._browser.is_connected():
                 await self._stop()
-                await self._launch()
-            assert self._browser is not None and self._gates is not None
-            return self._browser, self._gates
+                await self._launch(limits, run_label)
+            assert self._browser is not None and self._gates is not None and self._memory_kills is not None
+            return self._browser, self._gates, self._memory_kills
 
-    async def _launch(self) -> None:
+    async def _launch(self, limits: ResourceLimits, run_label: str) -> None:
         from playwright.async_api import Error
 
         executable = chromium_executable()
@@ -134,6 +163,10 @@ class _BrowserHost:
         if len(temporary) > TMPDIR_CHARS:
             temporary = "/tmp"
         self._directory = tempfile.mkdtemp(prefix="batchrun-browser-", dir=temporary)
+        # A page's renderer is the prompt's doing, as a command is: it gets the prompt's limits.
+        self._cgroup = PromptCgroup.create(run_label, limits)
+        self._memory_kills = MemoryKills(self._cgroup, limits.memory_mb)
+        groups = [] if self._cgroup is None else self._cgroup.procs_files()
         # A tool's environment, never the runner's (its API key): where no sandbox can be made, Chromium
         # runs on the host with it. TMPDIR is named, as the driver's is the browser's directory (see
         # _start_driver).
@@ -146,12 +179,12 @@ class _BrowserHost:
             self._playwright = await _start_driver(Path(self._directory))
             bwrap = await isolating_bwrap()
             if bwrap is None:
-                unsandboxed = _dying_with_parent(Path(self._directory) / "chromium", '"$PPID"', executable)
+                unsandboxed = _dying_with_parent(Path(self._directory) / "chromium", '"$PPID"', executable, groups)
                 self._browser = await self._playwright.chromium.launch(executable_path=unsandboxed, **options)
                 self._gates = LoopbackGates()
                 return
             self._browser, listener = await _launch_isolated(self._playwright.chromium, bwrap, executable,
-                                                             Path(self._directory), options)
+                                                             Path(self._directory), groups, options)
             gates = NamespaceGates(listener)
             self._gates = gates
             await gates.start()
@@ -176,7 +209,10 @@ class _BrowserHost:
             self._gates.close()
         if self._directory is not None:
             shutil.rmtree(self._directory, ignore_errors=True)
-        self._browser = self._playwright = self._gates = self._directory = None
+        if self._cgroup is not None:
+            await asyncio.to_thread(self._cgroup.destroy)
+        self._browser = self._playwright = self._gates = self._directory = self._cgroup = None
+        self._memory_kills = None
 
 
 async def _start_driver(directory: Path) -> Playwright:
@@ -208,21 +244,28 @@ async def _start_driver(directory: Path) -> Playwright:
             os.environ[_NODE_VARIABLE] = chosen
 
 
-def _dying_with_parent(script: Path, parent: str, program: str, **environment: str) -> str:
-    """Write ``script``, which runs ``program`` with the script's arguments and ``environment``, to be
-    killed when its parent dies: process ``parent``, or the script's own parent for '"$PPID"'."""
+def _dying_with_parent(script: Path, parent: str, program: str, groups: Sequence[str] = (),
+                       **environment: str) -> str:
+    """Write ``script``, which runs ``program`` with the script's arguments and ``environment``, in the
+    control groups whose procs files are ``groups``, to be killed when its parent dies: process
+    ``parent``, or the script's own parent for '"$PPID"'."""
     exports = "".join(f"export {name}={shlex.quote(value)}\n" for name, value in environment.items())
-    script.write_text("#!/bin/sh\n" + exports + "exec "
+    script.write_text("#!/bin/sh\n" + _joining(groups) + exports + "exec "
                       + shlex.join([sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT])
                       + f" {parent} " + shlex.quote(program) + ' "$@"\n')
     script.chmod(0o700)
     return str(script)
 
 
+def _joining(groups: Sequence[str]) -> str:
+    """Shell lines that move the script into the control groups whose procs files are ``groups``."""
+    return f'set -- {shlex.join(groups)} -- "$@"\n{ENTER_GROUPS}\n' if groups else ""
+
+
 async def _launch_isolated(chromium: BrowserType, bwrap: str, executable: str, directory: Path,
-                           options: _LaunchOptions) -> tuple[Browser, socket.socket]:
-    """Launch Chromium in its sandbox, in a network namespace of its own; returns it and the socket
-    listening for its gates in that namespace.
+                           groups: Sequence[str], options: _LaunchOptions) -> tuple[Browser, socket.socket]:
+    """Launch Chromium in its sandbox, in a network namespace of its own and the control groups whose
+    procs files are ``groups``; returns it and the socket listening for its gates in that namespace.
 
     Playwright starts a single executable, so a script in ``directory`` wraps Chromium in bwrap.
     """
@@ -230,10 +273,9 @@ async def _launch_isolated(chromium: BrowserType, bwrap: str, executable: str, d
     wrapper = directory / "chromium"
     program = os.path.realpath(executable)
     sandbox = sandbox_argv(bwrap, sandbox_user(), chromium_installation(program))
-    wrapper.write_text("#!/bin/sh\nexec " + shlex.join([*namespace_argv(bwrap), sys.executable, "-I", "-S", "-c",
-                                                        _ENTER_NAMESPACE, str(handover_path), str(GATE_PORT),
-                                                        PROFILE, *sandbox, program])
-                       + ' "$@"\n')
+    command = [*namespace_argv(bwrap), sys.executable, "-I", "-S", "-c", _ENTER_NAMESPACE, str(handover_path),
+               str(GATE_PORT), PROFILE, *sandbox, program]
+    wrapper.write_text("#!/bin/sh\n" + _joining(groups) + "exec " + shlex.join(command) + ' "$@"\n')
     wrapper.chmod(0o700)
     with socket.socket(socket.AF_UNIX) as handover:
         handover.bind(str(handover_path))

@@ -21,7 +21,7 @@ from batchrun.time_limit import within
 from batchrun.tools import ToolContext, ToolError
 from batchrun.tools.browser.caps import first_line
 from batchrun.tools.browser.gate import Gate, Gates
-from batchrun.tools.browser.launch import current_host
+from batchrun.tools.browser.launch import MemoryKills, current_host
 
 if TYPE_CHECKING:
     from playwright.async_api import Browser, BrowserContext, CDPSession, Page
@@ -60,7 +60,8 @@ class Tab:
     page: Page
     gate: Gate
     gates: Gates
-    crashed: set[Page] = field(default_factory=set)
+    memory_kills: MemoryKills
+    crashed: dict[Page, str] = field(default_factory=dict)      # the pages whose renderer died, and why
     oversized: set[Page] = field(default_factory=set)       # those whose loading was stopped, until shown
     _stopping: set[asyncio.Task] = field(default_factory=set)
 
@@ -101,7 +102,11 @@ class Tab:
             await cdp.send("Network.enable", {"maxTotalBufferSize": 0, "maxResourceBufferSize": 0})
 
     def _crashed(self, page: Page) -> None:
-        self.crashed.add(page)
+        if self.memory_kills.new():
+            self.crashed[page] = (f"the page used more memory than the limit of {self.memory_kills.limit_mb} MB "
+                                  f"(TERMINAL_MEMORY_MB) and was killed")
+        else:
+            self.crashed[page] = "the page crashed (too big or too deep for the browser?)"
 
     async def follow(self, page: Page) -> None:
         """A link opened in a new window: the model carries on there, as a person would; the oldest
@@ -138,7 +143,7 @@ class Tab:
                             f"{first_line(exc) or f'no answer within {ACTION_TIMEOUT_S:g} s'}") from None
         except Error as exc:
             if self.page in self.crashed:
-                raise Unresponsive(what, "the page crashed (too big or too deep for the browser?)") from None
+                raise Unresponsive(what, self.crashed[self.page]) from None
             message = first_line(exc)
             if "ERR_SOCKS_CONNECTION_FAILED" in message and self.gate.failures:
                 message = self.gate.failures[-1]
@@ -171,14 +176,15 @@ async def session_tab(ctx: ToolContext) -> Tab:
     elif tab is not None:
         await tab.close()
     ctx.state[_STATE_KEY] = None
-    browser, gates = await current_host().browser()
+    browser, gates, memory_kills = await current_host().browser(ctx.settings.limits, ctx.settings.run_label)
     gate = Gate()
     try:
         context = await browser.new_context(proxy={"server": await gates.add(gate)}, service_workers="block",
                                             accept_downloads=False)
         context.set_default_timeout(ACTION_TIMEOUT_S * 1000)
         context.set_default_navigation_timeout(NAVIGATION_TIMEOUT_S * 1000)
-        tab = Tab(browser=browser, context=context, page=await context.new_page(), gate=gate, gates=gates)
+        tab = Tab(browser=browser, context=context, page=await context.new_page(), gate=gate, gates=gates,
+                  memory_kills=memory_kills)
         await tab.watch(tab.page)
     except BaseException:
         gates.remove(gate)
