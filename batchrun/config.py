@@ -13,10 +13,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 from batchrun import distributions, flags, registry
-from batchrun.env_vars import enabled, variable
+from batchrun.env_vars import enabled, names_host, variable
 from batchrun.environments import ENVIRONMENT_KINDS, default_environment_kind, environment_class
 from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError
 from batchrun.environments.limits import ResourceLimits
@@ -136,7 +135,7 @@ def checked_pricing(pricing: Pricing, base_url: str, max_cost: float | None) -> 
 
 
 def is_openrouter(base_url: str) -> bool:
-    return (urlparse(base_url).hostname or "").endswith("openrouter.ai")
+    return names_host(base_url, "openrouter.ai")
 
 
 def resolve_api_key(explicit: str | None, base_url: str, base_url_given: bool) -> str:

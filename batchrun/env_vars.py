@@ -31,3 +31,10 @@ def usable_http_url(url: str) -> bool:
     except ValueError:
         return False
     return parsed.scheme in ("http", "https") and bool(parsed.hostname)
+
+
+def names_host(url: str, domain: str) -> bool:
+    """Whether the URL's host is ``domain`` or a subdomain of it; a host that merely ends in the same
+    letters (notopenrouter.ai) is another party, and must get neither its key nor its treatment."""
+    host = (urlparse(url).hostname or "").lower()
+    return host == domain or host.endswith(f".{domain}")

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Literal
-from urllib.parse import urlparse
 
+from batchrun.env_vars import names_host
 from batchrun.rows import Usage
 
 # Where a reply's cost came from.
@@ -64,8 +64,7 @@ class Pricing:
 
 def reports_cost(base_url: str) -> bool:
     """Whether the endpoint puts each reply's cost in its usage."""
-    host = (urlparse(base_url).hostname or "").lower()
-    return any(host == known or host.endswith(f".{known}") for known in COST_REPORTING_HOSTS)
+    return any(names_host(base_url, known) for known in COST_REPORTING_HOSTS)
 
 
 def resolve_pricing(model: str, base_url: str, user_prices: tuple[float, float, float] | None) -> Pricing:

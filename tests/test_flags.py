@@ -128,6 +128,25 @@ def test_a_python_caller_passes_flags_by_name_as_the_signature_says(monkeypatch:
     assert seen["unknown"] == {"max_turnz": 1}
 
 
+# A host that merely ends in "openrouter.ai" (notopenrouter.ai) was taken for OpenRouter and sent its key.
+@pytest.mark.parametrize("base_url", ["https://notopenrouter.ai/v1", "https://openrouter.ai.example.com/v1"])
+def test_the_openrouter_key_goes_to_no_other_host(monkeypatch: pytest.MonkeyPatch, base_url: str) -> None:
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.setenv("OPENROUTER_API_KEY", "sk-or-secret")
+    monkeypatch.setenv("TERMINAL_ENV", "local")
+    config = build_config(**{**BASE, "api_key": None, "base_url": base_url})
+    assert config.endpoint.api_key == "no-key"
+    assert "usage" not in config.endpoint.extra_body
+
+
+def test_the_openrouter_key_goes_to_openrouter_and_its_subdomains(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.setenv("OPENROUTER_API_KEY", "sk-or-secret")
+    monkeypatch.setenv("TERMINAL_ENV", "local")
+    for base_url in ("https://openrouter.ai/api/v1", "https://eu.OpenRouter.ai/api/v1"):
+        assert build_config(**{**BASE, "api_key": None, "base_url": base_url}).endpoint.api_key == "sk-or-secret"
+
+
 def test_a_bad_limit_variable_is_named_before_the_missing_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("OPENROUTER_API_KEY", "OPENAI_API_KEY"):
         monkeypatch.delenv(name, raising=False)
