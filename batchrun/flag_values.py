@@ -13,6 +13,7 @@ import math
 import re
 from pathlib import Path
 from typing import Any, Literal, overload
+from urllib.parse import urlsplit
 
 from batchrun import distributions
 from batchrun.env_vars import usable_http_url
@@ -221,9 +222,25 @@ def load_prefill(flag: str, path_value: Any) -> tuple[dict, ...]:
 
 def validate_base_url(flag: str, value: Any) -> str:
     url = text(flag, value, required=True)
+    # Checked first, and the URL not shown: what these parts hold is often a credential.
+    if _has_credentials(url):
+        raise UsageError("--base_url must not hold a user name or password (USER:PASSWORD@): requests carry the "
+                         "API key in a header of their own; give the URL without them, and the key with --api_key "
+                         "or OPENAI_API_KEY")
+    if "?" in url or "#" in url:    # the client appends the API path (/chat/completions) after them
+        raise UsageError("--base_url must end at its path, such as http://localhost:8000/v1, with no ?query or "
+                         "#fragment; an API key goes in --api_key or OPENAI_API_KEY")
     if not usable_http_url(url):
         raise UsageError(f"--base_url must be an http(s) URL such as http://localhost:8000/v1, got {url!r}")
     return url.rstrip("/")
+
+
+def _has_credentials(url: str) -> bool:
+    try:
+        parsed = urlsplit(url)
+        return parsed.username is not None or parsed.password is not None
+    except ValueError:     # no host to read them from (a broken IPv6 bracket): an "@" is reason enough
+        return "@" in url
 
 
 def validate_run_name(flag: str, value: Any) -> str:

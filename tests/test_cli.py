@@ -157,6 +157,32 @@ def test_a_base_url_no_http_client_can_use_is_rejected_before_anything(tmp_path,
     assert_rejected_before_anything(result, tmp_path, endpoint, "--base_url")
 
 
+# A user and password in the URL failed every prompt (the client refuses them beside the key's header),
+# a query or fragment every request (the API path is appended after it); and each was printed as typed.
+URL_SECRET = "url-secret-0123456789abcdef"
+
+
+@pytest.mark.parametrize("credentials", [f"user:{URL_SECRET}@", f"{URL_SECRET}@"])
+def test_a_base_url_with_a_user_or_password_is_rejected_without_showing_it(tmp_path, endpoint, credentials):
+    value = endpoint.base_url.replace("http://", f"http://{credentials}")
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, f"--base_url={value}"))
+    assert_rejected_before_anything(result, tmp_path, endpoint, "--base_url", "--api_key")
+    assert URL_SECRET not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("rest", [f"?api_key={URL_SECRET}", f"#{URL_SECRET}"])
+def test_a_base_url_with_a_query_or_fragment_is_rejected_without_showing_it(tmp_path, endpoint, rest):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, f"--base_url={endpoint.base_url}{rest}"))
+    assert_rejected_before_anything(result, tmp_path, endpoint, "--base_url", "/v1")
+    assert URL_SECRET not in result.stdout + result.stderr
+
+
+def test_a_password_in_a_base_url_that_is_not_http_is_not_shown(tmp_path, endpoint):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, f"--base_url=ftp://user:{URL_SECRET}@example.com/v1"))
+    assert_rejected_before_anything(result, tmp_path, endpoint, "--base_url")
+    assert URL_SECRET not in result.stdout + result.stderr
+
+
 @pytest.mark.parametrize("value", ["a/b", "../escape", "/abs"])
 def test_run_name_must_be_a_plain_name(tmp_path, endpoint, value):
     result = run_cli(tmp_path, *good_args(tmp_path, endpoint, f"--run_name={value}"))
