@@ -15,6 +15,7 @@ from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from batchrun.flag_values import is_utf8
 from batchrun.paths import file_kind, lookup_error
 from batchrun.rows import content_key, content_key_of_sample, sample_key, split_unit, unit_key
 
@@ -146,6 +147,8 @@ def parse_line(raw: bytes, line_number: int) -> tuple[dict | None, str | None]:
             return None, f'line {line_number}: "{name}" must be a non-empty string; skipped'
         if value is not None and "\0" in value:     # no path or image name can hold one
             return None, f'line {line_number}: "{name}" contains a NUL character; skipped'
+        if value is not None and not is_utf8(value):
+            return None, f'line {line_number}: "{name}" is not valid Unicode (a lone surrogate); skipped'
     if image is not None and image.startswith("-"):     # a container engine would read it as an option
         return None, f'line {line_number}: "image" starts with "-", as no image name does; skipped'
     return {"prompt": prompt, "image": image, "cwd": cwd}, None

@@ -154,14 +154,14 @@ def text(flag: str, value: Any, *, required: bool = False) -> str | None:
     if isinstance(value, bool) or isinstance(value, (tuple, list, dict)):
         raise UsageError(f"--{flag} must be a single value, got {value!r}")
     typed = str(value)
-    if not _is_utf8(typed):     # the value is not shown: it may be the API key
+    if not is_utf8(typed):     # the value is not shown: it may be the API key
         raise UsageError(f"--{flag} holds a byte that is not valid UTF-8; give it as UTF-8 text")
     return typed
 
 
-def _is_utf8(typed: str) -> bool:
-    """A byte of the command line that is not UTF-8 arrives as a lone surrogate, which no row, checkpoint
-    or request can hold."""
+def is_utf8(typed: str) -> bool:
+    """Whether UTF-8 can write the text. A byte of the command line that is not UTF-8 arrives as a lone
+    surrogate, as does JSON's "\\ud800"; no row, checkpoint, path or request can hold one."""
     try:
         typed.encode("utf-8")
     except UnicodeEncodeError:

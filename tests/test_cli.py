@@ -734,6 +734,26 @@ def test_a_nul_in_cwd_or_image_skips_the_line_with_a_warning_and_no_resume_retri
     assert sorted(human_prompt(row) for row in batch_rows(tmp_path / "data" / "run")) == ["after", "before"]
 
 
+# JSON's \ud800 escape decodes to a lone surrogate, which no path or command line can carry: the prompt
+# failed with a traceback in its row, and every --resume ran it again.
+@pytest.mark.parametrize("field", ["cwd", "image"])
+def test_a_lone_surrogate_in_cwd_or_image_skips_the_line_with_a_warning_and_no_resume_retries_it(tmp_path, endpoint,
+                                                                                                  field):
+    bad = json.dumps({"prompt": "with a surrogate", field: "/tmp/a\ud800b"})
+    args = good_args(tmp_path, endpoint)
+    (tmp_path / "dataset.jsonl").write_text("\n".join(['{"prompt": "before"}', bad, '{"prompt": "after"}']) + "\n")
+    for attempt in (args, [*args, "--resume"]):
+        endpoint.reset()
+        result = run_cli(tmp_path, *attempt)
+        assert result.returncode == 0, result.stderr
+        assert "Traceback" not in result.stdout + result.stderr
+        warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+        assert warnings == [f'warning: line 2: "{field}" is not valid Unicode (a lone surrogate); skipped'], \
+            result.stderr
+    assert endpoint.requests == []                      # the resume found nothing to run, nor to retry
+    assert sorted(human_prompt(row) for row in batch_rows(tmp_path / "data" / "run")) == ["after", "before"]
+
+
 # A container engine reads such a name as one of its options ("--privileged"); no image name starts so.
 def test_an_image_that_starts_with_a_dash_skips_the_line_with_a_warning(tmp_path, endpoint):
     args = good_args(tmp_path, endpoint)
