@@ -11,6 +11,7 @@ files / checkpoint -> merge -> trajectories.jsonl + statistics.json. See README.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -47,22 +48,35 @@ from batchrun.stop_signals import STOP_SIGNALS, Interrupted, stopped_line
 # ('Hello', 'world') and `--run_name=1_000` as 1000; for the free-text flags the text as typed is what counts.
 def _typed_text_values(argv: list[str]) -> dict[str, str]:
     """`--name=value` / `--name value` of the free-text flags, exactly as given on the command line."""
-    typed: dict[str, str] = {}
+    named, _words = _split_arguments(argv)
+    return {name: value for name, value in named.items() if name in flags.TEXT_FLAGS and value is not None}
+
+
+def _split_arguments(argv: list[str]) -> tuple[dict[str, str | None], list[str]]:
+    """The command line as fire splits it: each flag's value as typed (None for a switch given bare), and
+    the words no flag took, in order. As fire, a flag takes the next word for its value unless that word is
+    a flag too: "--" or "-" and a letter starts one, so "-5" or "-0x10" is a value."""
+    named: dict[str, str | None] = {}
+    words: list[str] = []
     position = 0
     while position < len(argv):
         argument = argv[position]
         if argument == "--":
             break
-        name, equals, value = argument[2:].partition("=") if argument.startswith("--") else ("", "", "")
-        name = name.replace("-", "_")
-        if name in flags.TEXT_FLAGS:
-            if equals:
-                typed[name] = value
-            elif position + 1 < len(argv) and not argv[position + 1].startswith("-"):
-                typed[name] = argv[position + 1]
+        if _is_flag(argument):
+            name, equals, value = argument.lstrip("-").partition("=")
+            if not equals and position + 1 < len(argv) and not _is_flag(argv[position + 1]):
                 position += 1
+                value, equals = argv[position], "="
+            named[name.replace("-", "_")] = value if equals else None
+        else:
+            words.append(argument)
         position += 1
-    return typed
+    return named, words
+
+
+def _is_flag(argument: str) -> bool:
+    return argument.startswith("--") or re.match(r"-[A-Za-z]", argument) is not None
 
 
 def main(*args: Any, **kwargs: Any) -> None:

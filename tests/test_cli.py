@@ -360,6 +360,14 @@ def test_free_text_with_a_comma_is_passed_through_as_typed(tmp_path, endpoint):
     assert "Hello, world" in request["messages"][0]["content"]
 
 
+# fire takes "-0x10" as the flag's value (only "-" and a letter starts a flag) and reads it as the int -16.
+def test_a_space_separated_free_text_value_that_starts_with_a_dash_keeps_its_spelling(tmp_path, endpoint):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, "--ephemeral_system_prompt", "-0x10"))
+    assert result.returncode == 0, result.stderr
+    [request] = endpoint.requests
+    assert request["messages"][0]["content"].endswith("-0x10")
+
+
 def test_space_separated_flag_values_are_accepted(tmp_path, endpoint):
     dataset = write_dataset(tmp_path / "dataset.jsonl", ["first", "second", "third"])
     result = run_cli(tmp_path, "--dataset_file", str(dataset), "--batch_size", "2", "--run_name", "spaced",
