@@ -79,6 +79,21 @@ def _is_flag(argument: str) -> bool:
     return argument.startswith("--") or re.match(r"-[A-Za-z]", argument) is not None
 
 
+def _misplaced_word(argv: list[str]) -> tuple[str, str] | None:
+    """(word, flag) for the first word without a flag that fire would take as a flag given by place after
+    one given by name: fire fills the first place no flag named, however far down the table, so an
+    unquoted value's second word silently became the API key. Words in the first places, the reference
+    runner's `FILE N NAME`, are the flags they stand for."""
+    named, words = _split_arguments(argv)
+    by_name = {name[2:] if name not in flags.BY_NAME and name.startswith("no") and value is None else name
+               for name, value in named.items()}
+    open_places = [name for name in flags.NAMES if name not in by_name]
+    for word, place, in_order in zip(words, open_places, flags.NAMES, strict=False):
+        if place != in_order:
+            return word, place
+    return None
+
+
 def main(*args: Any, **kwargs: Any) -> None:
     """Run an agent over every prompt of DATASET_FILE and write data/RUN_NAME/: README.md; every flag in
     docs/command-line.md, or --help. Fire reads the flags by the signature batchrun/flags.py makes, and
@@ -134,6 +149,11 @@ def _run_command(given: dict[str, Any], unknown_flags: dict[str, Any], console: 
         close = difflib.get_close_matches(name, flags.NAMES, n=1)
         hint = f" — did you mean --{close[0]}?" if close else f" — {program()} --help lists the main ones"
         console.error(f"unknown flag --{name}{hint}")
+        return EXIT_ERROR
+    if stray := _misplaced_word(sys.argv[1:]):
+        word, place = stray
+        console.error(f"{word!r} comes without a flag, and would be taken as --{place}: write --{place}=VALUE if "
+                      "that is what it is, or quote a value that holds spaces (--name=\"two words\")")
         return EXIT_ERROR
     if given["list_distributions"] is True:
         list_distributions(console)

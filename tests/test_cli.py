@@ -368,6 +368,25 @@ def test_a_space_separated_free_text_value_that_starts_with_a_dash_keeps_its_spe
     assert request["messages"][0]["content"].endswith("-0x10")
 
 
+# fire puts a word without a flag in the first place no flag named, however far down the table: here the
+# API key's, which silently replaced the one the environment holds.
+def test_a_word_without_a_flag_after_named_flags_is_refused_saying_where_it_would_go(tmp_path, endpoint):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint), "stray")
+    assert_rejected_before_anything(result, tmp_path, endpoint, "'stray'", "--api_key")
+
+
+def test_an_unquoted_value_with_a_space_is_refused_not_split(tmp_path, endpoint):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, "--ephemeral_system_prompt", "Be", "brief"))
+    assert_rejected_before_anything(result, tmp_path, endpoint, "'brief'", "quote")
+
+
+def test_the_first_flags_may_be_given_by_place_as_the_reference_runner_takes_them(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["q"])
+    result = run_cli(tmp_path, str(dataset), "2", "run", "terminal_only", *endpoint_args(endpoint))
+    assert result.returncode == 0, result.stderr
+    assert len(read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")) == 1
+
+
 def test_space_separated_flag_values_are_accepted(tmp_path, endpoint):
     dataset = write_dataset(tmp_path / "dataset.jsonl", ["first", "second", "third"])
     result = run_cli(tmp_path, "--dataset_file", str(dataset), "--batch_size", "2", "--run_name", "spaced",
