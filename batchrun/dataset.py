@@ -8,16 +8,25 @@ time as workers need work, refusing a line that is not the one planned.
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 from array import array
 from collections import Counter
 from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from batchrun.flag_values import is_utf8
 from batchrun.paths import file_kind, lookup_error
 from batchrun.rows import content_key, content_key_of_sample, sample_key, split_unit, unit_key
+
+# No prompt a model's context holds comes near this (a million tokens are about 4 MB). A longer line is
+# passed over unread: read whole, a file without newlines in gigabytes (a binary file, a dataset saved as
+# one JSON array) would be held in memory at once, and several times over once decoded.
+LONGEST_LINE = 64 * 1024 * 1024
+_SKIP_CHUNK = 1024 * 1024
 
 # Bad lines named one by one; past these a count stands for the rest, so a file of 500 bad lines
 # cannot bury the console (the total goes to the summary and statistics.json).
@@ -116,8 +125,12 @@ class DatasetPlan:
         return sample_index * self.total + prompt_index
 
 
-def parse_line(raw: bytes, line_number: int) -> tuple[dict | None, str | None]:
-    """(record fields, None) for a usable line, (None, warning) for a bad one, (None, None) if blank."""
+def parse_line(raw: bytes | None, line_number: int) -> tuple[dict | None, str | None]:
+    """(record fields, None) for a usable line, (None, warning) for a bad one, (None, None) if blank; ``raw``
+    is None for a line longer than LONGEST_LINE."""
+    if raw is None:
+        return None, (f"line {line_number}: longer than {LONGEST_LINE // 1024**2} MiB, more than a prompt can be; "
+                      "skipped")
     try:
         # A byte order mark some editors write before the first line (or before each file joined into
         # one) is not part of the line.
@@ -160,17 +173,38 @@ def content_fingerprint(key: str) -> int:
     return int(key[:16], 16)
 
 
-def _lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
-    """(1-based line number, byte offset, raw line) without decoding the whole file. A file that opens but
-    fails to read (EIO: a failing disk, /proc/self/mem) is a DatasetError, said as one line."""
+def _lines(path: Path) -> Iterator[tuple[int, int, bytes | None]]:
+    """(1-based line number, byte offset, raw line) without decoding the whole file; the raw line is None
+    for one longer than LONGEST_LINE. A file that opens but fails to read (EIO: a failing disk,
+    /proc/self/mem) is a DatasetError, said as one line."""
     offset = 0
     try:
         with path.open("rb") as handle:
-            for number, raw in enumerate(handle, start=1):
-                yield number, offset, raw
-                offset += len(raw)
+            for number in itertools.count(1):
+                raw = handle.readline(LONGEST_LINE + 1)
+                if not raw:
+                    return
+                if len(raw) > LONGEST_LINE and not raw.endswith(b"\n"):
+                    yield number, offset, None
+                    offset += len(raw) + _rest_of_line(handle)
+                else:
+                    yield number, offset, raw
+                    offset += len(raw)
     except OSError as exc:
         raise DatasetError(f"cannot read {path}: {exc.strerror}.") from None
+
+
+def _rest_of_line(handle: BinaryIO) -> int:
+    """Reads past the rest of the line a chunk at a time (readline with a limit copies a few KiB at a
+    time, minutes for gigabytes); the bytes it held."""
+    skipped = 0
+    while chunk := handle.read(_SKIP_CHUNK):
+        end = chunk.find(b"\n")
+        if end >= 0:
+            handle.seek(end + 1 - len(chunk), os.SEEK_CUR)
+            return skipped + end + 1
+        skipped += len(chunk)
+    return skipped
 
 
 def check_dataset_file(path: Path) -> None:
@@ -376,7 +410,7 @@ def iter_pending(plan: DatasetPlan, *, only: Container[int] | None = None) -> It
                 if only is not None and plan.unit(index, sample_index) not in only:
                     continue
                 handle.seek(offset)
-                fields, _warning = parse_line(handle.readline(), 0)
+                fields, _warning = parse_line(handle.readline(LONGEST_LINE + 1), 0)
                 if fields is None or content_fingerprint(
                         key := content_key(fields["prompt"], fields["image"], fields["cwd"])) != fingerprint:
                     raise DatasetChanged(f"{plan.path} changed while the run read it: the line of prompt {index} "

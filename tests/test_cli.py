@@ -744,6 +744,25 @@ def test_a_dataset_line_nested_100000_deep_is_skipped_with_a_warning_naming_it(t
     assert sorted(human_prompt(row) for row in batch_rows(tmp_path / "data" / "run")) == ["after", "before"]
 
 
+# A file without a newline in gigabytes (a binary file, a dataset saved as one JSON array) was read as one
+# line, held in memory whole and then several times over: the run died of it, or took the machine's memory.
+def test_a_line_longer_than_any_prompt_can_be_is_skipped_unread_with_a_warning(tmp_path, endpoint):
+    if shutil.which("prlimit") is None:
+        pytest.skip("needs prlimit (util-linux) to bound the run's memory")
+    dataset = tmp_path / "dataset.jsonl"
+    with dataset.open("wb") as handle:
+        handle.write(b'{"prompt": "before"}\n')
+        handle.seek(4 * 1024**3, os.SEEK_CUR)          # a hole: 4 GiB of NUL bytes that take no disk
+        handle.write(b'\n{"prompt": "after"}\n')
+    args = [f"--dataset_file={dataset}", "--batch_size=2", "--run_name=run", "--distribution=terminal_only",
+            *endpoint_args(endpoint)]
+    result = run_cli(tmp_path, *args, prefix=("prlimit", f"--as={2 * 1024**3}"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "line 2: longer than 64 MiB" in warnings[0], result.stderr
+    assert sorted(human_prompt(row) for row in batch_rows(tmp_path / "data" / "run")) == ["after", "before"]
+
+
 @pytest.mark.parametrize("field", ["cwd", "image"])
 def test_a_nul_in_cwd_or_image_skips_the_line_with_a_warning_and_no_resume_retries_it(tmp_path, endpoint, field):
     bad = json.dumps({"prompt": "with a NUL", field: "/tmp/a\0b"})
