@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shlex
 from array import array
 from collections import Counter
 from collections.abc import Callable, Container, Iterable, Iterator
@@ -237,11 +238,46 @@ def require_valid_prompt(path: Path, *, warn: Callable[[str], None]) -> None:
             return
         if warning:
             warnings.append(warning)
+    if (what := _what_else(path)) is not None:   # its lines' warnings would say only that it is not JSONL
+        raise DatasetError(what)
     skipped = SkippedLines(warn)
     for warning in warnings:
         skipped.add(warning)
     skipped.finish()
     raise _no_valid_prompt(path, bool(warnings))
+
+
+# What a dataset that is not JSONL text often is instead, told by its first bytes: (they, what it is, how
+# to make JSONL of it; {path} is the file, quoted for a shell).
+_OTHER_FORMATS = (
+    (b"\x1f\x8b", "gzip-compressed", "decompress it first: gunzip -k {path}"),
+    (b"BZh", "bzip2-compressed", "decompress it first: bunzip2 -k {path}"),
+    (b"\xfd7zXZ\x00", "xz-compressed", "decompress it first: xz -dk {path}"),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it first: zstd -d {path}"),
+    (b"PK\x03\x04", "a zip archive", "unzip it and pass the JSONL file inside"),
+    (b"PAR1", "a Parquet file", "convert it first, e.g. with pandas: "
+                                 "read_parquet(FILE).to_json('out.jsonl', orient='records', lines=True)"),
+    (b"\xff\xfe", "UTF-16 text", "save it as UTF-8: iconv -f UTF-16 -t UTF-8 {path} > out.jsonl"),
+    (b"\xfe\xff", "UTF-16 text", "save it as UTF-8: iconv -f UTF-16 -t UTF-8 {path} > out.jsonl"),
+)
+
+
+def _what_else(path: Path) -> str | None:
+    """For a file without a valid line: what it is instead, and how to make JSONL of it, where its first
+    bytes tell (a compressed file, UTF-16 text, one JSON array); else None."""
+    try:
+        with path.open("rb") as handle:
+            start = handle.read(4096)
+    except OSError:
+        return None
+    quoted = shlex.quote(str(path))
+    for magic, kind, remedy in _OTHER_FORMATS:
+        if start.startswith(magic):
+            return f"{path} is {kind}, not JSONL text (UTF-8, one JSON object per line); {remedy.format(path=quoted)}"
+    if start.removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"["):
+        return (f"{path} holds one JSON array, not JSONL (one JSON object per line); convert it: "
+                f"jq -c '.[]' {quoted} > out.jsonl")
+    return None
 
 
 def _no_valid_prompt(path: Path, warned: bool) -> DatasetError:

@@ -7,6 +7,7 @@ before any model call and before data/<run_name>/ exists.
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import os
 import shutil
@@ -305,6 +306,28 @@ def test_dataset_without_a_valid_line_is_a_clear_error(tmp_path, endpoint):
     assert [w.split(":")[1].strip() for w in warnings] == ["line 1", "line 3", "line 4"]
     assert endpoint.requests == []
     assert not (tmp_path / "data").exists()
+
+
+# Each was a warning per line of bytes that are not UTF-8 or not JSON, then "no valid prompt": nothing said
+# what the file was, nor how to make JSONL of it.
+@pytest.mark.parametrize("content, kind, remedy", [
+    (gzip.compress(b'{"prompt": "q"}\n'), "gzip-compressed", "gunzip"),
+    (b"\x28\xb5\x2f\xfd" + b"\x00\x01\x02" * 20, "zstd-compressed", "zstd -d"),
+    ('{"prompt": "q"}\n'.encode("utf-16"), "UTF-16", "iconv"),
+], ids=["gzip", "zstd", "utf-16"])
+def test_a_dataset_that_is_not_jsonl_text_is_named_as_what_it_is_with_how_to_convert_it(tmp_path, endpoint, content,
+                                                                                       kind, remedy):
+    args = good_args(tmp_path, endpoint)
+    (tmp_path / "dataset.jsonl").write_bytes(content)
+    result = run_cli(tmp_path, *args)
+    assert_rejected_before_anything(result, tmp_path, endpoint, "dataset.jsonl", kind, remedy)
+
+
+def test_a_dataset_saved_as_one_json_array_is_named_as_one_with_how_to_convert_it(tmp_path, endpoint):
+    args = good_args(tmp_path, endpoint)
+    (tmp_path / "dataset.jsonl").write_text(json.dumps([{"prompt": "a"}, {"prompt": "b"}], indent=2))
+    result = run_cli(tmp_path, *args)
+    assert_rejected_before_anything(result, tmp_path, endpoint, "dataset.jsonl", "one JSON array", "jq -c")
 
 
 # -- fire quirks that must be accepted ----------------------------------------------------------
