@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from batchrun import distributions, flags, registry
-from batchrun.env_vars import enabled, names_host, variable
+from batchrun.env_vars import enabled, names_host, switch_problem, variable
 from batchrun.environments import ENVIRONMENT_KINDS, default_environment_kind, environment_class
 from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError
 from batchrun.environments.limits import ResourceLimits
 from batchrun.flag_values import DEFAULT_BASE_URL, UsageError
 from batchrun.pricing import Pricing, reports_cost, resolve_pricing
+from batchrun.tools.address_policy import ALLOW_LINK_LOCAL, ALLOW_PRIVATE
 
 NO_ENDPOINT_GUIDANCE = """\
 error: no API key and no endpoint. batch_runner needs an OpenAI-compatible endpoint; pick one:
@@ -228,6 +229,9 @@ def terminal_environment(distribution: str) -> tuple[str, str]:
         raise UsageError(str(exc)) from None
 
 
+# The yes/no variables: what the sandbox's network and the web tools' addresses allow.
+SWITCH_VARIABLES = ("TERMINAL_ALLOW_NETWORK", ALLOW_PRIVATE, ALLOW_LINK_LOCAL)
+
 # Variable -> field of ResourceLimits: the environment variables that change a prompt's limits.
 LIMIT_VARIABLES = {"TERMINAL_MEMORY_MB": "memory_mb", "TERMINAL_MAX_PROCESSES": "processes",
                    "TERMINAL_TMP_MB": "tmp_mb", "TERMINAL_WORKSPACE_MB": "workspace_mb",
@@ -263,6 +267,9 @@ def build_config(**given: Any) -> RunConfig:
     base_url = values["base_url"] or DEFAULT_BASE_URL
     kind, reason = terminal_environment(values["distribution"])
     limits = resource_limits()
+    for name in SWITCH_VARIABLES:
+        if problem := switch_problem(name):
+            raise UsageError(problem)
     default_image = os.environ.get("TERMINAL_DEFAULT_IMAGE", "").strip() or DEFAULT_IMAGE
     pricing = checked_pricing(resolve_pricing(values["model"], base_url, values["price_per_mtok"]),
                               base_url, values["max_cost"])

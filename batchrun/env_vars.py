@@ -14,9 +14,22 @@ def variable(name: str) -> str | None:
     return value or None
 
 
+_YES = frozenset({"1", "true", "yes", "on"})
+_NO = frozenset({"0", "false", "no", "off"})
+
+
 def enabled(name: str) -> bool:
     """A yes/no environment variable: 1, true, yes or on."""
-    return (variable(name) or "").lower() in {"1", "true", "yes", "on"}
+    return (variable(name) or "").lower() in _YES
+
+
+def switch_problem(name: str) -> str | None:
+    """Why a yes/no variable's value is neither, else None: read as no, "y" or "enable" would keep
+    closed what the user meant to open, without a word."""
+    value = variable(name)
+    if value is None or value.lower() in _YES | _NO:
+        return None
+    return f"{name} is a switch: 1 to allow, 0 or unset not to; got {value!r}"
 
 
 def usable_http_url(url: str) -> bool:

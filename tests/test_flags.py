@@ -147,6 +147,23 @@ def test_the_openrouter_key_goes_to_openrouter_and_its_subdomains(monkeypatch: p
         assert build_config(**{**BASE, "api_key": None, "base_url": base_url}).endpoint.api_key == "sk-or-secret"
 
 
+# "y", "enable" or "2" read as no: the network stayed closed, or the address refused, without a word.
+@pytest.mark.parametrize("name", ["TERMINAL_ALLOW_NETWORK", "WEB_ALLOW_PRIVATE", "WEB_ALLOW_LINK_LOCAL"])
+def test_a_switch_variable_that_is_neither_yes_nor_no_is_one_clear_error(monkeypatch: pytest.MonkeyPatch,
+                                                                         name: str) -> None:
+    monkeypatch.setenv("TERMINAL_ENV", "local")
+    monkeypatch.setenv(name, "y")
+    with pytest.raises(UsageError, match=f"{name} is a switch: 1 to allow, 0 or unset not to; got 'y'"):
+        build_config(**BASE)
+
+
+@pytest.mark.parametrize("value", ["1", "TRUE", "yes", "on", "0", "False", "no", "OFF", " "])
+def test_a_switch_variable_takes_the_usual_words_for_yes_and_no(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("TERMINAL_ENV", "local")
+    monkeypatch.setenv("TERMINAL_ALLOW_NETWORK", value)
+    assert build_config(**BASE).environment.allow_network is (value.strip().lower() in ("1", "true", "yes", "on"))
+
+
 def test_a_bad_limit_variable_is_named_before_the_missing_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("OPENROUTER_API_KEY", "OPENAI_API_KEY"):
         monkeypatch.delenv(name, raising=False)
