@@ -271,6 +271,9 @@ def build_config(**given: Any) -> RunConfig:
         if problem := switch_problem(name):
             raise UsageError(problem)
     default_image = os.environ.get("TERMINAL_DEFAULT_IMAGE", "").strip() or DEFAULT_IMAGE
+    if default_image.startswith("-"):     # a container engine would read it as an option, as a dataset's image
+        raise UsageError(f"TERMINAL_DEFAULT_IMAGE must name an image; got {default_image!r}, which a container "
+                         "engine would read as an option (no image name starts with \"-\")")
     pricing = checked_pricing(resolve_pricing(values["model"], base_url, values["price_per_mtok"]),
                               base_url, values["max_cost"])
     extra_body = build_extra_body(

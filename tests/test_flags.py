@@ -164,6 +164,15 @@ def test_a_switch_variable_takes_the_usual_words_for_yes_and_no(monkeypatch: pyt
     assert build_config(**BASE).environment.allow_network is (value.strip().lower() in ("1", "true", "yes", "on"))
 
 
+# A container engine read it as one of its options: every prompt's container failed to start, each a
+# failure row that every --resume ran again.
+def test_a_default_image_that_starts_with_a_dash_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TERMINAL_ENV", "local")
+    monkeypatch.setenv("TERMINAL_DEFAULT_IMAGE", "--privileged")
+    with pytest.raises(UsageError, match="TERMINAL_DEFAULT_IMAGE must name an image; got '--privileged'"):
+        build_config(**BASE)
+
+
 def test_a_bad_limit_variable_is_named_before_the_missing_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("OPENROUTER_API_KEY", "OPENAI_API_KEY"):
         monkeypatch.delenv(name, raising=False)
