@@ -589,6 +589,20 @@ def test_a_symlink_loop_where_the_run_directory_goes_is_named_as_one(tmp_path, e
     assert (tmp_path / "data" / "run").is_symlink() and endpoint.requests == []
 
 
+# It was called "a file in the way" too.
+@pytest.mark.parametrize("in_the_way", ["data/run", "data"], ids=["the-run-directory", "its-parent"])
+def test_a_dangling_symlink_where_the_run_directory_goes_is_named_as_one(tmp_path, endpoint, in_the_way):
+    (tmp_path / "data").mkdir(exist_ok=in_the_way == "data/run")
+    if in_the_way == "data":
+        (tmp_path / "data").rmdir()
+    (tmp_path / in_the_way).symlink_to(tmp_path / "gone")
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint))
+    error_line(result)
+    assert f"{in_the_way} is a symbolic link to {tmp_path / 'gone'}, which does not exist" in said(result)
+    assert "--run_name" in said(result) and "file in the way" not in said(result)
+    assert (tmp_path / in_the_way).is_symlink() and not (tmp_path / "gone").exists() and endpoint.requests == []
+
+
 def said(result) -> str:
     """The run's stderr as one line (the console wraps long lines at 80 columns in a log)."""
     return " ".join(result.stderr.split())

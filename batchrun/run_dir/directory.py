@@ -69,6 +69,11 @@ class RunDirectory:
             if reason := lookup_error(self.path):   # a loop of symbolic links exists but is not "a file"
                 raise RunDirectoryError(f"cannot use the run directory {self.path}: {reason}. Move it, or choose "
                                         "another --run_name.") from None
+            in_the_way = Path(exc.filename)
+            if in_the_way.is_symlink() and not in_the_way.exists():
+                raise RunDirectoryError(f"{in_the_way} is a symbolic link to {os.readlink(in_the_way)}, which does "
+                                        "not exist. Make that directory, remove the link, or choose another "
+                                        "--run_name.") from None
             raise RunDirectoryError(f"{self.path} is not a directory: {exc.filename} is a file in the way. Move it, "
                                     "or choose another --run_name.") from None
         except OSError as exc:
