@@ -19,14 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from batchrun.flag_values import is_utf8
+from batchrun.flag_values import MOST_TEXT_BYTES, is_utf8
 from batchrun.paths import file_kind, lookup_error
 from batchrun.rows import content_key, content_key_of_sample, sample_key, split_unit, unit_key
 
-# No prompt a model's context holds comes near this (a million tokens are about 4 MB). A longer line is
-# passed over unread: read whole, a file without newlines in gigabytes (a binary file, a dataset saved as
-# one JSON array) would be held in memory at once, and several times over once decoded.
-LONGEST_LINE = 64 * 1024 * 1024
+# A longer line is passed over unread, a chunk at a time.
+LONGEST_LINE = MOST_TEXT_BYTES
 _SKIP_CHUNK = 1024 * 1024
 
 # Bad lines named one by one; past these a count stands for the rest, so a file of 500 bad lines

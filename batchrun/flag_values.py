@@ -29,6 +29,10 @@ PROVIDER_SORTS = ("price", "throughput", "latency")
 PREFILL_ROLES = ("system", "user", "assistant")
 BACKENDS = ("local", "ray")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# No text a model's context holds comes near this (a million tokens are about 4 MB): the most a dataset's
+# line or a prefill file may be, so that neither is read whole when it is something else (a binary file,
+# a dataset named by mistake), which would hold gigabytes in memory, several times over once decoded.
+MOST_TEXT_BYTES = 64 * 1024 * 1024
 
 
 class UsageError(Exception):
@@ -205,6 +209,9 @@ def load_prefill(flag: str, path_value: Any) -> tuple[dict, ...]:
         raise UsageError(f"--prefill_messages_file must be a regular file, but {path} is {file_kind(path)}. "
                          "Save it to a file first.")
     try:
+        if (size := path.stat().st_size) > MOST_TEXT_BYTES:
+            raise UsageError(f"--prefill_messages_file: {path} is {size / 1024**2:,.0f} MiB; it is sent with every "
+                             f"request, and no model's context holds more than {MOST_TEXT_BYTES // 1024**2} MiB")
         messages = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise UsageError(f"--prefill_messages_file: cannot read {path}: {exc.strerror}") from None

@@ -206,6 +206,19 @@ def test_prefill_messages_file_must_be_a_json_array_of_role_content_messages(tmp
     assert_rejected_before_anything(result, tmp_path, endpoint, "--prefill_messages_file", complaint)
 
 
+# It was read whole: a big file named by mistake (the dataset, say) took gigabytes of memory before its
+# JSON was found wanting, or the run died of a MemoryError traceback.
+def test_a_prefill_messages_file_larger_than_any_context_is_refused_unread(tmp_path, endpoint):
+    if shutil.which("prlimit") is None:
+        pytest.skip("needs prlimit (util-linux) to bound the run's memory")
+    path = tmp_path / "prefill.json"
+    with path.open("wb") as handle:
+        handle.truncate(4 * 1024**3)           # a hole: 4 GiB that take no disk
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, f"--prefill_messages_file={path}"),
+                     prefix=("prlimit", f"--as={2 * 1024**3}"))
+    assert_rejected_before_anything(result, tmp_path, endpoint, "--prefill_messages_file", "64 MiB")
+
+
 @pytest.mark.parametrize("argument", ["--providers_allowed=", "--providers_allowed= , ", "--providers_allowed"],
                          ids=["empty", "only-commas", "no-value"])
 def test_providers_allowed_needs_at_least_one_name(tmp_path, endpoint, argument):
