@@ -104,7 +104,7 @@ def main(*args: Any, **kwargs: Any) -> None:
     unknown_flags = bound.arguments.pop("unknown_flags")
     given = dict(bound.arguments)
     for name, typed in _typed_text_values(sys.argv[1:]).items():
-        if given[name] is not None and not isinstance(given[name], str):
+        if not isinstance(given[name], str):     # None too: "--run_name=None" is a name, not "not given"
             given[name] = typed
     try:
         code = run_cli(given, unknown_flags)

@@ -388,6 +388,13 @@ def test_run_name_that_reads_as_a_python_literal_keeps_its_spelling(tmp_path, en
     assert not (tmp_path / "data" / "1000").exists()
 
 
+def test_run_name_spelled_as_a_python_constant_is_taken_as_typed(tmp_path, endpoint):
+    # fire turns None into None, which read as "not given": "--run_name is required"
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, run_name="None"))
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "data" / "None" / "trajectories.jsonl").exists()
+
+
 def test_free_text_with_a_comma_is_passed_through_as_typed(tmp_path, endpoint):
     # fire turns "Hello, world" into the tuple ('Hello', 'world')
     result = run_cli(tmp_path, *good_args(tmp_path, endpoint, "--ephemeral_system_prompt=Hello, world"))
