@@ -717,6 +717,18 @@ def test_an_export_over_the_runs_own_files_or_a_non_regular_file_is_refused_and_
     assert (tmp_path / out).is_fifo() or (tmp_path / out).is_relative_to(run_dir)
 
 
+# The export replaced it: the run's prompts were gone, and --resume could run nothing more.
+@pytest.mark.parametrize("spelled", ["as-given", "another-way"])
+def test_an_export_over_the_runs_dataset_is_refused_and_the_dataset_stays(tmp_path, endpoint, spelled):
+    assert run_cli(tmp_path, *good_args(tmp_path, endpoint)).returncode == 0
+    dataset = tmp_path / "dataset.jsonl"
+    before = dataset.read_bytes()
+    out = dataset if spelled == "as-given" else Path("tmp") / ".." / "dataset.jsonl"
+    result = run_cli(tmp_path, "--run_name=run", "--export=sharegpt", f"--out={out}")
+    assert "the run's dataset" in error_line(result) and "--out" in error_line(result)
+    assert dataset.read_bytes() == before
+
+
 def test_an_export_to_a_place_no_file_can_be_made_is_one_clear_line(tmp_path, endpoint):
     assert run_cli(tmp_path, *good_args(tmp_path, endpoint)).returncode == 0
     result = run_cli(tmp_path, "--run_name=run", "--export=sharegpt", "--out=/proc/self/mem")    # /proc: ENOENT

@@ -14,6 +14,8 @@ from batchrun.export.options import REASONING_MODES, ExportOptions
 from batchrun.flag_values import UsageError, boolean, choice, non_negative_int, text, validate_run_name
 from batchrun.install_hint import install_hint
 from batchrun.paths import file_kind, lookup_error
+from batchrun.report.scan import read_json
+from batchrun.run_dir import CHECKPOINT
 
 
 def export_options(*, export: Any, run_name: Any, out: Any, reasoning: Any, discard_no_reasoning: Any,
@@ -58,7 +60,20 @@ def _checked_out(out: Path, run_dir: Path) -> Path:
                          f"replace; write under {exports}/ or outside the run directory")
     if out.exists() and not (out.is_file() or out.is_dir()):
         raise UsageError(f"--out={out} is {file_kind(out)}; --export writes a regular file there")
+    if _is_the_runs_dataset(out, run_dir):
+        raise UsageError(f"--out={out} is the run's dataset, which the export must not replace (--resume reads "
+                         "it again); choose another --out")
     return out
+
+
+def _is_the_runs_dataset(out: Path, run_dir: Path) -> bool:
+    """Whether ``out`` is the file the run's checkpoint names as its dataset (given relative to where the
+    run started, the directory data/ is in)."""
+    dataset = read_json(run_dir / CHECKPOINT).get("dataset_file")
+    try:
+        return isinstance(dataset, str) and bool(dataset) and out.exists() and out.samefile(dataset)
+    except OSError:     # the dataset is gone, or cannot be looked up: nothing of it to replace
+        return False
 
 
 def _end_reasons(value: Any) -> frozenset[str] | None:
