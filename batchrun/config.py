@@ -201,11 +201,13 @@ def provider_routing_note(endpoint: EndpointConfig) -> str | None:
 DEFAULT_IMAGE = EnvironmentSettings.default_image
 
 
-def terminal_environment(distribution: str) -> tuple[str, str]:
+def terminal_environment(distribution: str, backend: str = "local") -> tuple[str, str]:
     """(kind, why) from TERMINAL_ENV; unset means the isolated sandbox.
 
     Where no sandbox works and the distribution can offer the terminal or file tools, the run stops
     here, before any model call: model-written commands never run unisolated unless the user said so.
+    So it does where the backend named cannot work on this machine (no container CLI, an engine that does
+    not answer) and the run's environments are made here, as each Ray actor checks its node.
     """
     kind = os.environ.get("TERMINAL_ENV", "").strip()
     if not kind:
@@ -224,9 +226,15 @@ def terminal_environment(distribution: str) -> tuple[str, str]:
     if kind not in ENVIRONMENT_KINDS:
         raise UsageError(f"TERMINAL_ENV must be one of {', '.join(ENVIRONMENT_KINDS)}, got {kind!r}")
     try:
-        return kind, environment_class(kind).startup_check()
+        why = environment_class(kind).startup_check()
     except EnvironmentSetupError as exc:
         raise UsageError(str(exc)) from None
+    toolsets = sorted(distributions.possible_toolsets(distribution))
+    if (backend == "local" and registry.needs_environment(registry.tools_for_toolsets(toolsets))
+            and (problem := environment_class(kind).node_problem()) is not None):
+        raise UsageError(f"TERMINAL_ENV={kind} cannot make the prompts' environments here ({problem}); make it "
+                         "work (docs/environments.md says what each backend needs), or choose another TERMINAL_ENV")
+    return kind, why
 
 
 # The yes/no variables: what the sandbox's network and the web tools' addresses allow.
@@ -265,7 +273,7 @@ def build_config(**given: Any) -> RunConfig:
     guidance never hides another mistake."""
     values = flags.run_values(given)
     base_url = values["base_url"] or DEFAULT_BASE_URL
-    kind, reason = terminal_environment(values["distribution"])
+    kind, reason = terminal_environment(values["distribution"], values["backend"])
     limits = resource_limits()
     for name in SWITCH_VARIABLES:
         if problem := switch_problem(name):

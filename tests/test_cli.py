@@ -343,6 +343,25 @@ def test_a_dataset_saved_as_one_json_array_is_named_as_one_with_how_to_convert_i
     assert_rejected_before_anything(result, tmp_path, endpoint, "dataset.jsonl", "one JSON array", "jq -c")
 
 
+# Each prompt's environment failed to start, a failure row each that every --resume ran again; a Ray
+# node so placed stopped the run before any model call, naming what is missing.
+def test_a_container_cli_that_is_not_there_stops_the_run_at_start(tmp_path, endpoint):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint),
+                     env={"TERMINAL_ENV": "docker", "TERMINAL_CONTAINER_CLI": "no-such-container-program"})
+    assert_rejected_before_anything(result, tmp_path, endpoint, "TERMINAL_ENV=docker",
+                                    "`no-such-container-program` was not found on PATH")
+
+
+def test_a_container_engine_that_does_not_answer_stops_the_run_at_start(tmp_path, endpoint):
+    engine = tmp_path / "down-engine"
+    engine.write_text("#!/bin/sh\necho 'Cannot connect to the Docker daemon' >&2\nexit 1\n")
+    engine.chmod(0o755)
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint),
+                     env={"TERMINAL_ENV": "docker", "TERMINAL_CONTAINER_CLI": str(engine)})
+    assert_rejected_before_anything(result, tmp_path, endpoint, "TERMINAL_ENV=docker", "not reachable",
+                                    "Cannot connect to the Docker daemon")
+
+
 # -- fire quirks that must be accepted ----------------------------------------------------------
 
 def test_providers_allowed_given_as_a_comma_list_reaches_the_request(tmp_path, endpoint):
