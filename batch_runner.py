@@ -36,7 +36,7 @@ from batchrun.console import RunConsole
 from batchrun.dataset import DatasetError, require_valid_prompt
 from batchrun.environments import ENVIRONMENT_KINDS
 from batchrun.export import BEST_OF_RULES, EXPORT_FORMATS, REASONING_MODES, ExportError, export_options, export_run
-from batchrun.flag_values import UsageError, validate_run_name
+from batchrun.flag_values import UsageError, boolean, validate_run_name
 from batchrun.install_hint import program
 from batchrun.run_dir import DiskFull, RunDirectoryError, full_disk_named, require_readable, write_refusal_remedy
 from batchrun.runner import EXIT_ERROR, EXIT_OK, BatchRunner
@@ -155,10 +155,15 @@ def _run_command(given: dict[str, Any], unknown_flags: dict[str, Any], console: 
         console.error(f"{word!r} comes without a flag, and would be taken as --{place}: write --{place}=VALUE if "
                       "that is what it is, or quote a value that holds spaces (--name=\"two words\")")
         return EXIT_ERROR
-    if given["list_distributions"] is True:
+    try:     # modes: a value that is neither True nor False is no reason to start a run instead
+        listing, reporting = (boolean(name, given[name]) for name in ("list_distributions", "report"))
+    except UsageError as exc:
+        console.error(str(exc))
+        return EXIT_ERROR
+    if listing:
         list_distributions(console)
         return EXIT_OK
-    if given["report"] is True:
+    if reporting:
         return write_report_cli(given["run_name"], console)
     if given["export"] is not None:
         return export_cli(given, console)

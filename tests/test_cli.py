@@ -226,6 +226,14 @@ def test_providers_allowed_needs_at_least_one_name(tmp_path, endpoint, argument)
     assert_rejected_before_anything(result, tmp_path, endpoint, "--providers_allowed", "comma-separated")
 
 
+# Either read as "not that mode": a run, whose first complaint was "--dataset_file is required".
+@pytest.mark.parametrize("argument", ["--report=yes", "--list_distributions=1"])
+def test_a_mode_switch_given_a_value_other_than_true_or_false_is_refused_naming_it(tmp_path, endpoint, argument):
+    result = run_cli(tmp_path, argument, "--run_name=run")
+    flag = argument.partition("=")[0]
+    assert_rejected_before_anything(result, tmp_path, endpoint, f"{flag} is a switch")
+
+
 @pytest.mark.parametrize("typo, meant", [("--num_worker=3", "--num_workers"), ("--batchsize=2", "--batch_size"),
                                          ("--resmue", "--resume")])
 def test_unknown_flag_suggests_the_close_real_flag(tmp_path, endpoint, typo, meant):
