@@ -212,7 +212,7 @@ def load_prefill(flag: str, path_value: Any) -> tuple[dict, ...]:
         if (size := path.stat().st_size) > MOST_TEXT_BYTES:
             raise UsageError(f"--prefill_messages_file: {path} is {size / 1024**2:,.0f} MiB; it is sent with every "
                              f"request, and no model's context holds more than {MOST_TEXT_BYTES // 1024**2} MiB")
-        messages = json.loads(path.read_text(encoding="utf-8"))
+        messages = json.loads(path.read_text(encoding="utf-8-sig"))     # past a byte order mark, as a dataset
     except OSError as exc:
         raise UsageError(f"--prefill_messages_file: cannot read {path}: {exc.strerror}") from None
     except (ValueError, UnicodeDecodeError) as exc:

@@ -206,6 +206,16 @@ def test_prefill_messages_file_must_be_a_json_array_of_role_content_messages(tmp
     assert_rejected_before_anything(result, tmp_path, endpoint, "--prefill_messages_file", complaint)
 
 
+# A byte order mark, as Windows' Notepad writes, made it "not valid JSON" (a dataset's is read past).
+def test_a_prefill_messages_file_with_a_utf8_byte_order_mark_is_read(tmp_path, endpoint):
+    path = tmp_path / "prefill.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps([{"role": "user", "content": "EXAMPLE-Q"}]).encode())
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, f"--prefill_messages_file={path}"))
+    assert result.returncode == 0, result.stderr
+    [request] = endpoint.requests
+    assert request["messages"][1]["content"] == "EXAMPLE-Q"
+
+
 # It was read whole: a big file named by mistake (the dataset, say) took gigabytes of memory before its
 # JSON was found wanting, or the run died of a MemoryError traceback.
 def test_a_prefill_messages_file_larger_than_any_context_is_refused_unread(tmp_path, endpoint):
