@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from batchrun.flag_values import MOST_TEXT_BYTES, is_utf8
-from batchrun.paths import file_kind, lookup_error
+from batchrun.paths import file_kind, lookup_error, unexpanded_home
 from batchrun.rows import content_key, content_key_of_sample, sample_key, split_unit, unit_key
 
 # A longer line is passed over unread, a chunk at a time.
@@ -212,7 +212,8 @@ def check_dataset_file(path: Path) -> None:
     if problem := lookup_error(path):
         raise DatasetError(f"--dataset_file={path} cannot be opened: {problem}.")
     if not path.exists():
-        raise DatasetError(f"dataset file not found: {path}. Pass an existing JSONL file with --dataset_file.")
+        raise DatasetError(f"dataset file not found: {path}{unexpanded_home(path, '--dataset_file')}. Pass an "
+                           "existing JSONL file with --dataset_file.")
     if path.is_dir():
         raise DatasetError(f"--dataset_file must be a file, but {path} is a directory.")
     if not path.is_file():

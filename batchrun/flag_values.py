@@ -19,7 +19,7 @@ from batchrun import distributions
 from batchrun.env_vars import usable_http_url
 from batchrun.estimate import DEFAULT_SAMPLE
 from batchrun.install_hint import install_hint
-from batchrun.paths import file_kind, lookup_error
+from batchrun.paths import file_kind, lookup_error, unexpanded_home
 
 DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
 DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
@@ -204,7 +204,7 @@ def load_prefill(flag: str, path_value: Any) -> tuple[dict, ...]:
     if path.is_dir():
         raise UsageError(f"--prefill_messages_file: {path} is a directory; give a JSON file")
     if not path.exists():
-        raise UsageError(f"--prefill_messages_file: file not found: {path}")
+        raise UsageError(f"--prefill_messages_file: file not found: {path}{unexpanded_home(path, '--' + flag)}")
     if not path.is_file():     # read whole: a FIFO blocks for ever, /dev/zero fills memory
         raise UsageError(f"--prefill_messages_file must be a regular file, but {path} is {file_kind(path)}. "
                          "Save it to a file first.")

@@ -25,3 +25,12 @@ def lookup_error(path: Path) -> str | None:
     except OSError as exc:
         return exc.strerror or str(exc)
     return None
+
+
+def unexpanded_home(path: Path, flag: str) -> str:
+    """For a path not found: how to write it, where it starts with a "~" the shell left as it was (no shell
+    expands one after "="); else nothing."""
+    if not str(path).startswith("~"):
+        return ""
+    return (f" (the shell expands ~ only at the start of a word: write {flag} {path}, or {flag}=$HOME"
+            f"{str(path).removeprefix('~')})")

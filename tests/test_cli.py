@@ -257,6 +257,14 @@ def test_missing_dataset_file_is_a_clear_error(tmp_path, endpoint):
     assert_rejected_before_anything(result, tmp_path, endpoint, "--dataset_file", "not found", "nowhere.jsonl")
 
 
+# No shell expands "~" after "=": "not found" alone left the user to find why a file that is there is not.
+@pytest.mark.parametrize("flag", ["--dataset_file", "--prefill_messages_file"])
+def test_a_file_named_with_a_tilde_the_shell_left_says_how_to_write_it(tmp_path, endpoint, flag):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, f"{flag}=~/prompts.jsonl"))
+    assert_rejected_before_anything(result, tmp_path, endpoint, "~/prompts.jsonl", "not found",
+                                    "the shell expands ~ only at the start of a word", f"{flag} ~/prompts.jsonl")
+
+
 def test_a_fifo_as_dataset_is_named_as_what_it_is(tmp_path):
     fifo = tmp_path / "fifo.jsonl"
     os.mkfifo(fifo)
