@@ -249,10 +249,10 @@ def require_valid_prompt(path: Path, *, warn: Callable[[str], None]) -> None:
 # What a dataset that is not JSONL text often is instead, told by its first bytes: (they, what it is, how
 # to make JSONL of it; {path} is the file, quoted for a shell).
 _OTHER_FORMATS = (
-    (b"\x1f\x8b", "gzip-compressed", "decompress it first: gunzip -k {path}"),
-    (b"BZh", "bzip2-compressed", "decompress it first: bunzip2 -k {path}"),
-    (b"\xfd7zXZ\x00", "xz-compressed", "decompress it first: xz -dk {path}"),
-    (b"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it first: zstd -d {path}"),
+    (b"\x1f\x8b", "gzip-compressed", "decompress it first: gunzip -c {path} > out.jsonl"),
+    (b"BZh", "bzip2-compressed", "decompress it first: bunzip2 -c {path} > out.jsonl"),
+    (b"\xfd7zXZ\x00", "xz-compressed", "decompress it first: xz -dc {path} > out.jsonl"),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it first: zstd -dc {path} > out.jsonl"),
     (b"PK\x03\x04", "a zip archive", "unzip it and pass the JSONL file inside"),
     (b"PAR1", "a Parquet file", "convert it first, e.g. with pandas: "
                                  "read_parquet(FILE).to_json('out.jsonl', orient='records', lines=True)"),

@@ -350,8 +350,8 @@ def test_dataset_without_a_valid_line_is_a_clear_error(tmp_path, endpoint):
 # Each was a warning per line of bytes that are not UTF-8 or not JSON, then "no valid prompt": nothing said
 # what the file was, nor how to make JSONL of it.
 @pytest.mark.parametrize("content, kind, remedy", [
-    (gzip.compress(b'{"prompt": "q"}\n'), "gzip-compressed", "gunzip"),
-    (b"\x28\xb5\x2f\xfd" + b"\x00\x01\x02" * 20, "zstd-compressed", "zstd -d"),
+    (gzip.compress(b'{"prompt": "q"}\n'), "gzip-compressed", "gunzip -c"),
+    (b"\x28\xb5\x2f\xfd" + b"\x00\x01\x02" * 20, "zstd-compressed", "zstd -dc"),
     ('{"prompt": "q"}\n'.encode("utf-16"), "UTF-16", "iconv"),
 ], ids=["gzip", "zstd", "utf-16"])
 def test_a_dataset_that_is_not_jsonl_text_is_named_as_what_it_is_with_how_to_convert_it(tmp_path, endpoint, content,
