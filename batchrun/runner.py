@@ -239,7 +239,7 @@ class BatchRunner:
             self._report_estimate(plan)
         # Of this invocation's own: under --estimate that is its sample, not every pending prompt.
         if (cap := self._budget_spent()) and (left := self._pending_samples - self.this_run.processed) > 0:
-            self.console.print(f"Stopped admitting prompts: {cap}. {counted(left, self._units_word[:-1])} "
+            self.console.print(f"Stopped admitting prompts: {cap}. {counted(left, self._unit)} "
                                f"{'was' if left == 1 else 'were'} not started.", style="yellow")
         if self._every_row_discarded():
             self.console.print(f"Every row of this run was discarded: no assistant turn had reasoning. "
@@ -310,14 +310,14 @@ class BatchRunner:
 
     def _dataset_changed_message(self) -> str:
         left = self._pending_samples - self.this_run.processed
-        return (f"{self._dataset_changed}. The run stopped admitting prompts ({left:,} {self._units_word} not "
+        return (f"{self._dataset_changed}. The run stopped admitting prompts ({counted(left, self._unit)} not "
                 "started); every row written is kept. Run the same command with --resume once the dataset file "
                 "no longer changes.")
 
     @property
-    def _units_word(self) -> str:
-        """What the run counts: prompts, or their samples when each runs several times."""
-        return "samples" if self.config.samples_per_prompt > 1 else "prompts"
+    def _unit(self) -> str:
+        """What the run counts: a prompt, or a sample of one when each runs several times."""
+        return "sample" if self.config.samples_per_prompt > 1 else "prompt"
 
     def _publish_progress(self) -> None:
         """Tell the report's helper which batch files can still grow: none below the lowest batch
@@ -393,9 +393,9 @@ class BatchRunner:
         rows_known = self._rows_written + lost
         if left > 0 and rows_known:
             per_row = (self._row_bytes + sum(len(message.row) for message in self._held_back)) // rows_known
-            lines.append(f"Finishing the run needs roughly {size_text(2 * left * per_row)} more: {left:,} "
-                         f"{self._units_word} left at about {size_text(per_row)} a row, each written to its batch "
-                         "file and again to trajectories.jsonl.")
+            lines.append(f"Finishing the run needs roughly {size_text(2 * left * per_row)} more: "
+                         f"{counted(left, self._unit)} left at about {size_text(per_row)} a row, each written to its "
+                         "batch file and again to trajectories.jsonl.")
         lines.append(f"{exc.remedy}, then run the same command with --resume.")
         return " ".join(lines)
 
