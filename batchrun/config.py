@@ -18,7 +18,7 @@ from batchrun import distributions, flags, registry
 from batchrun.env_vars import enabled, names_host, switch_problem, variable
 from batchrun.environments import ENVIRONMENT_KINDS, default_environment_kind, environment_class
 from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError
-from batchrun.environments.limits import ResourceLimits
+from batchrun.environments.limits import MOST_MB, MOST_PROCESSES, ResourceLimits
 from batchrun.flag_values import DEFAULT_BASE_URL, UsageError
 from batchrun.pricing import Pricing, reports_cost, resolve_pricing
 from batchrun.tools.address_policy import ALLOW_LINK_LOCAL, ALLOW_PRIVATE
@@ -244,12 +244,8 @@ SWITCH_VARIABLES = ("TERMINAL_ALLOW_NETWORK", ALLOW_PRIVATE, ALLOW_LINK_LOCAL)
 LIMIT_VARIABLES = {"TERMINAL_MEMORY_MB": "memory_mb", "TERMINAL_MAX_PROCESSES": "processes",
                    "TERMINAL_TMP_MB": "tmp_mb", "TERMINAL_WORKSPACE_MB": "workspace_mb",
                    "TERMINAL_DISK_RESERVE_MB": "disk_reserve_mb"}
-# The most each may be: what the kernel takes. A size's bytes must fit a signed 64-bit number (a control
-# group's memory.max, bwrap's tmpfs --size, ulimit's KiB); a control group refuses a pids.max above the
-# kernel's PID_MAX_LIMIT. Past these every sandbox fails to start, or the limit silently does not hold.
-_MOST_MB = 2 ** 43 - 1
-_MOST_PROCESSES = 4 * 1024 * 1024
-LIMIT_MOST = {name: _MOST_PROCESSES if name == "TERMINAL_MAX_PROCESSES" else _MOST_MB for name in LIMIT_VARIABLES}
+# The most each may be: what the kernel takes.
+LIMIT_MOST = {name: MOST_PROCESSES if name == "TERMINAL_MAX_PROCESSES" else MOST_MB for name in LIMIT_VARIABLES}
 
 
 def resource_limits() -> ResourceLimits:

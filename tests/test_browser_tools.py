@@ -74,6 +74,9 @@ PAGES = {
     # Fills 8 buffers of 512 MiB and holds them: 4 GiB of one renderer, unless something stops it.
     "/hog": "<title>Hog</title><p>Filling</p><script>const held = []; for (let i = 0; i < 8; i++)"
             " held.push(new Uint8Array(512 * 2**20).fill(1))</script>",
+    # Starts workers, each a thread of the renderer, until the process limit refuses one.
+    "/threads": "<title>Threads</title><p>Spawning</p><script>const held = []; for (let i = 0; i < 400; i++)"
+                " held.push(new Worker(URL.createObjectURL(new Blob(['setInterval(() => 0, 1000)']))))</script>",
     "/flood": "<title>Flood</title><p>Pushing</p><script>for (let i = 0; i < 100000; i++)"
               " history.pushState(null, '', '/flood?' + i)</script>",
     "/new-window-form": "<title>Search</title><form action='/form' target='_blank'>"
@@ -968,7 +971,7 @@ def test_a_page_past_the_memory_limit_fails_saying_so_and_other_tabs_go_on(limit
         assert f"more memory than the limit of {SMALL_MEMORY_MB} MB (TERMINAL_MEMORY_MB)" in message, message
         assert "fresh tab" in message
         peak = (groups[0] / ("memory.peak" if CGROUP_V2 else "memory.max_usage_in_bytes")).read_text()
-        assert int(peak) <= SMALL_MEMORY_MB * 2**20
+        assert int(peak) <= 2 * SMALL_MEMORY_MB * 2**20      # two tabs open: two prompts' memory
         assert other.call("snapshot")["title"] == "Form"
         assert limited.call("navigate", url=site + "/form")["title"] == "Form"
         # A crash that is not the kernel's doing for memory is no memory kill.
@@ -998,6 +1001,52 @@ def test_every_chromium_process_is_in_the_browsers_control_group_which_goes_with
     assert relaunched != group and not any(directory.exists() for directory in group)
     loop.run_until_complete(launch.close_browser())
     assert not any(directory.exists() for directory in relaunched)
+
+
+FEW_PROCESSES = 200      # a prompt's processes: the browser and about four tabs, which take 25 each
+
+
+@pytest.fixture
+def few_processes(loop: asyncio.AbstractEventLoop, fresh_browser: None) -> EnvironmentSettings:
+    """A run's settings whose prompts may each have FEW_PROCESSES processes, its browser launched afresh."""
+    if not limits.cgroups_available():
+        pytest.skip("no control group can be made here (a run as an ordinary user?)")
+    return EnvironmentSettings(work_root=Path("."), run_label=OWN_RUN_LABEL,
+                               limits=limits.ResourceLimits(memory_mb=SMALL_MEMORY_MB, processes=FEW_PROCESSES))
+
+
+def test_each_prompts_tab_brings_a_prompts_limits_to_the_shared_browser(
+        loop: asyncio.AbstractEventLoop, few_processes: EnvironmentSettings, site: str) -> None:
+    # Before, the tabs of all a worker's prompts shared one prompt's limits: the fifth tab here could not
+    # start its renderer ("Target crashed"); with the default 1,024 processes, about the 36th.
+    sessions = [Session(loop, few_processes) for _ in range(10)]
+    try:
+        for number, session in enumerate(sessions):
+            assert session.call("navigate", url=f"{site}/form?{number}")["title"] == "Form"
+        assert [session.call("snapshot")["title"] for session in sessions] == ["Form"] * 10
+        group = browser_groups(descendants(os.getpid()))
+        memory_limit = group[0] / ("memory.max" if CGROUP_V2 else "memory.limit_in_bytes")
+        assert int((group[-1] / "pids.max").read_text()) == 10 * FEW_PROCESSES
+        assert int(memory_limit.read_text()) == 10 * SMALL_MEMORY_MB * 2**20
+        # Tabs closed give their share back.
+        for session in sessions[4:]:
+            session.end()
+        assert int((group[-1] / "pids.max").read_text()) == 4 * FEW_PROCESSES
+        assert int(memory_limit.read_text()) == 4 * SMALL_MEMORY_MB * 2**20
+    finally:
+        for session in sessions:
+            session.end()
+
+
+def test_a_page_that_takes_every_thread_left_fails_saying_which_limit(
+        loop: asyncio.AbstractEventLoop, few_processes: EnvironmentSettings, site: str) -> None:
+    session = Session(loop, few_processes)
+    try:
+        message = session.fails("navigate", url=site + "/threads")
+        assert "limit of 200 for each open tab (TERMINAL_MAX_PROCESSES)" in message, message
+        assert session.call("navigate", url=site + "/form")["title"] == "Form"
+    finally:
+        session.end()
 
 
 # --- sessions ------------------------------------------------------------------------------------

@@ -400,6 +400,29 @@ def test_an_emptied_control_group_serves_the_next_prompt_with_that_prompts_limit
 
 
 @needs_cgroups
+def test_a_groups_limits_changed_while_it_runs_never_take_memory_its_processes_hold() -> None:
+    group = PromptCgroup.create(RUN_LABEL, ResourceLimits(memory_mb=256, processes=64))
+    assert group is not None
+    holder = subprocess.Popen(["bash", "-c", f"{ENTER_GROUPS}; exec python3 -c \"held = bytearray(96 * 2**20);"
+                               " held[::4096] = b'x' * len(held[::4096]); print(flush=True); input()\"",
+                               "bash", *group.procs_files(), "--"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        holder.stdout.readline()        # type: ignore[union-attr]
+        held = group_memory_bytes(group)
+        group.set_limits(ResourceLimits(memory_mb=32, processes=8))
+        assert group_memory_limit_bytes(group) >= held > 96 * MIB
+        assert (group.directories[-1] / "pids.max").read_text().strip() == "8"
+        assert holder.poll() is None and group.events().memory == 0
+        group.set_limits(ResourceLimits(memory_mb=512, processes=64))
+        assert group_memory_limit_bytes(group) == 512 * MIB
+    finally:
+        holder.kill()
+        holder.wait()
+        group.destroy()
+
+
+@needs_cgroups
 def test_a_control_group_still_counting_dead_processes_is_not_reused() -> None:
     first = PromptCgroup.create(RUN_LABEL, ResourceLimits())
     assert first is not None

@@ -26,12 +26,17 @@ import resource
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from batchrun import kernel_files
 
 MIB = 1024 * 1024
+# The most a limit may be: what the kernel takes. A size's bytes must fit a signed 64-bit number (a control
+# group's memory.max, bwrap's tmpfs --size, ulimit's KiB); a control group refuses a pids.max above the
+# kernel's PID_MAX_LIMIT. Past these every sandbox fails to start, or the limit silently does not hold.
+MOST_MB = 2 ** 43 - 1
+MOST_PROCESSES = 4 * 1024 * 1024
 # Shell code that moves the shell running it into control groups: its arguments are the groups'
 # cgroup.procs files up to a "--", which it consumes; what follows "--" is left in "$@".
 ENTER_GROUPS = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 126; shift; done; shift'
@@ -218,6 +223,16 @@ class PromptCgroup:
             _write(self.directories[0] / "memory.memsw.limit_in_bytes", memory, missing_ok=True)
             _write(self.directories[1] / "pids.max", str(limits.processes))
 
+    def set_limits(self, limits: ResourceLimits) -> None:
+        """Change the limits of a group whose processes run on: its memory limit no lower than the memory
+        they hold now, for a lower one would make the kernel reclaim or kill in it at once."""
+        held_mb = -(-self._charged_bytes() // MIB)
+        self._apply(replace(limits, memory_mb=max(limits.memory_mb, held_mb)))
+
+    def _charged_bytes(self) -> int:
+        memory = "memory.current" if self._hierarchy.version == 2 else "memory.usage_in_bytes"
+        return int(kernel_files.read(self.directories[0] / memory))
+
     def adopt(self, pids: list[int]) -> bool:
         """Move ``pids`` into this group: a sandbox's own processes, before it has run anything (so none of
         its children can be outside). False if one could not be moved."""
@@ -297,7 +312,6 @@ class PromptCgroup:
         self._remove_directories()
 
     def _as_good_as_new(self) -> bool:
-        memory = self.directories[0] / ("memory.current" if self._hierarchy.version == 2 else "memory.usage_in_bytes")
         try:
             for attempt in range(_REMOVE_ATTEMPTS):
                 if not any(kernel_files.read(directory / "cgroup.procs").split() for directory in self.directories):
@@ -306,7 +320,7 @@ class PromptCgroup:
                     return False
                 time.sleep(_REMOVE_PAUSE_SECONDS)    # processes just killed are still exiting
             return (int(kernel_files.read(self.directories[-1] / "pids.current")) <= _REUSED_MAX_UNREAPED
-                    and int(kernel_files.read(memory)) <= _REUSED_MAX_CHARGED_BYTES)
+                    and self._charged_bytes() <= _REUSED_MAX_CHARGED_BYTES)
         except (OSError, ValueError):
             return False
 

@@ -7,7 +7,7 @@ shares it among all its sessions; each session's tab (batchrun.tools.browser.tab
 of it. Playwright is imported only here and in the tab, on first use.
 
 A page is as hostile as a command (one filled 4 GB of buffers in its renderer), so the browser's whole
-process tree is held to a prompt's memory and process limits, as a prompt's sandbox is: the wrapper
+process tree is held to a prompt's memory and process limits for each tab open (TabLimits): the wrapper
 script that Playwright starts joins the group before it execs anything, so no process of the browser
 ever runs outside it.
 """
@@ -25,12 +25,20 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
 from batchrun.environments.base import scrubbed_environment
-from batchrun.environments.limits import ENTER_GROUPS, PromptCgroup, ResourceLimits
+from batchrun.environments.limits import (
+    ENTER_GROUPS,
+    MOST_MB,
+    MOST_PROCESSES,
+    LimitEvents,
+    PromptCgroup,
+    ResourceLimits,
+)
 from batchrun.time_limit import within
 from batchrun.tools import ToolError
 from batchrun.tools.browser.availability import INSTALL_HINT, chromium_executable
@@ -111,22 +119,51 @@ class _LaunchOptions(TypedDict):
     ignore_default_args: list[str]
 
 
-class MemoryKills:
-    """Tells a renderer that the kernel killed for the browser's memory limit from one that crashed."""
+class TabLimits:
+    """The limits of the browser's control group: a prompt's for each tab open in it, as the tabs of all
+    the prompts a worker runs at once share one browser (a tab takes about 25 processes and threads, the
+    browser about 85 of its own: one prompt's 1,024 held about 35 tabs, and the next tab's renderer
+    could not start). And which limit, if any, struck when a page's renderer died."""
 
-    def __init__(self, cgroup: PromptCgroup | None, limit_mb: int) -> None:
+    def __init__(self, cgroup: PromptCgroup | None, limits: ResourceLimits) -> None:
         self._cgroup = cgroup
-        self.limit_mb = limit_mb
-        self._seen = 0 if cgroup is None else cgroup.events().memory
+        self.limits = limits
+        self._tabs = 0
+        self._seen = LimitEvents() if cgroup is None else cgroup.events()
 
-    def new(self) -> bool:
-        """Whether the kernel killed a process of the browser for memory since the last call: the kill
-        is counted before the process dies, so before its page's crash is reported."""
+    def tab_opening(self) -> None:
+        """Before a tab opens: its renderer's processes must fit."""
+        self._tabs += 1
+        self._resize()
+
+    def tab_closed(self) -> None:
+        self._tabs -= 1
+        self._resize()
+
+    def _resize(self) -> None:
         if self._cgroup is None:
-            return False
-        kills = self._cgroup.events().memory
-        new, self._seen = kills > self._seen, kills
-        return new
+            return
+        tabs = max(1, self._tabs)
+        shared = replace(self.limits, memory_mb=min(MOST_MB, self.limits.memory_mb * tabs),
+                         processes=min(MOST_PROCESSES, self.limits.processes * tabs))
+        with contextlib.suppress(OSError):      # the group of a browser that died, removed meanwhile
+            self._cgroup.set_limits(shared)
+
+    def struck(self) -> str | None:
+        """What the kernel did to the browser for its limits since the last call, if anything: killed a
+        process for memory (counted before the process dies, so before its page's crash is reported),
+        or refused a process or thread."""
+        if self._cgroup is None:
+            return None
+        events = self._cgroup.events()
+        new, self._seen = events - self._seen, events
+        if new.memory:
+            return (f"the page used more memory than the limit of {self.limits.memory_mb} MB (TERMINAL_MEMORY_MB) "
+                    "and was killed")
+        if new.processes:
+            return (f"the browser could not start a process or thread: the pages hold the limit of "
+                    f"{self.limits.processes} for each open tab (TERMINAL_MAX_PROCESSES)")
+        return None
 
 
 class _BrowserHost:
@@ -141,17 +178,17 @@ class _BrowserHost:
         self._gates: Gates | None = None
         self._directory: str | None = None
         self._cgroup: PromptCgroup | None = None
-        self._memory_kills: MemoryKills | None = None
+        self._tab_limits: TabLimits | None = None
 
-    async def browser(self, limits: ResourceLimits, run_label: str) -> tuple[Browser, Gates, MemoryKills]:
+    async def browser(self, limits: ResourceLimits, run_label: str) -> tuple[Browser, Gates, TabLimits]:
         """The browser, launched (if it is not running) in a control group with ``limits`` under the
         run's groups (``run_label``), so that the run's next start removes a killed worker's."""
         async with self._lock:
             if self._browser is None or self._gates is None or not self._browser.is_connected():
                 await self._stop()
                 await self._launch(limits, run_label)
-            assert self._browser is not None and self._gates is not None and self._memory_kills is not None
-            return self._browser, self._gates, self._memory_kills
+            assert self._browser is not None and self._gates is not None and self._tab_limits is not None
+            return self._browser, self._gates, self._tab_limits
 
     async def _launch(self, limits: ResourceLimits, run_label: str) -> None:
         from playwright.async_api import Error
@@ -165,7 +202,7 @@ class _BrowserHost:
         self._directory = tempfile.mkdtemp(prefix="batchrun-browser-", dir=temporary)
         # A page's renderer is the prompt's doing, as a command is: it gets the prompt's limits.
         self._cgroup = PromptCgroup.create(run_label, limits)
-        self._memory_kills = MemoryKills(self._cgroup, limits.memory_mb)
+        self._tab_limits = TabLimits(self._cgroup, limits)
         groups = [] if self._cgroup is None else self._cgroup.procs_files()
         # A tool's environment, never the runner's (its API key): where no sandbox can be made, Chromium
         # runs on the host with it. TMPDIR is named, as the driver's is the browser's directory (see
@@ -212,7 +249,7 @@ class _BrowserHost:
         if self._cgroup is not None:
             await asyncio.to_thread(self._cgroup.destroy)
         self._browser = self._playwright = self._gates = self._directory = self._cgroup = None
-        self._memory_kills = None
+        self._tab_limits = None
 
 
 async def _start_driver(directory: Path) -> Playwright:

@@ -21,7 +21,7 @@ from batchrun.time_limit import within
 from batchrun.tools import ToolContext, ToolError
 from batchrun.tools.browser.caps import first_line
 from batchrun.tools.browser.gate import Gate, Gates
-from batchrun.tools.browser.launch import MemoryKills, current_host
+from batchrun.tools.browser.launch import TabLimits, current_host
 
 if TYPE_CHECKING:
     from playwright.async_api import Browser, BrowserContext, CDPSession, Page
@@ -60,7 +60,7 @@ class Tab:
     page: Page
     gate: Gate
     gates: Gates
-    memory_kills: MemoryKills
+    limits: TabLimits
     crashed: dict[Page, str] = field(default_factory=dict)      # the pages whose renderer died, and why
     oversized: set[Page] = field(default_factory=set)       # those whose loading was stopped, until shown
     _stopping: set[asyncio.Task] = field(default_factory=set)
@@ -102,11 +102,7 @@ class Tab:
             await cdp.send("Network.enable", {"maxTotalBufferSize": 0, "maxResourceBufferSize": 0})
 
     def _crashed(self, page: Page) -> None:
-        if self.memory_kills.new():
-            self.crashed[page] = (f"the page used more memory than the limit of {self.memory_kills.limit_mb} MB "
-                                  f"(TERMINAL_MEMORY_MB) and was killed")
-        else:
-            self.crashed[page] = "the page crashed (too big or too deep for the browser?)"
+        self.crashed[page] = self.limits.struck() or "the page crashed (too big or too deep for the browser?)"
 
     async def follow(self, page: Page) -> None:
         """A link opened in a new window: the model carries on there, as a person would; the oldest
@@ -123,6 +119,7 @@ class Tab:
         """Close the context, its pages and their renderers (a hung one included)."""
         with contextlib.suppress(Exception):
             await within(ACTION_TIMEOUT_S, self.context.close())
+        self.limits.tab_closed()
         self.gates.remove(self.gate)
         self.gate.close()
 
@@ -176,19 +173,25 @@ async def session_tab(ctx: ToolContext) -> Tab:
     elif tab is not None:
         await tab.close()
     ctx.state[_STATE_KEY] = None
-    browser, gates, memory_kills = await current_host().browser(ctx.settings.limits, ctx.settings.run_label)
+    from playwright.async_api import Error
+
+    browser, gates, limits = await current_host().browser(ctx.settings.limits, ctx.settings.run_label)
     gate = Gate()
+    limits.tab_opening()
     try:
         context = await browser.new_context(proxy={"server": await gates.add(gate)}, service_workers="block",
                                             accept_downloads=False)
         context.set_default_timeout(ACTION_TIMEOUT_S * 1000)
         context.set_default_navigation_timeout(NAVIGATION_TIMEOUT_S * 1000)
         tab = Tab(browser=browser, context=context, page=await context.new_page(), gate=gate, gates=gates,
-                  memory_kills=memory_kills)
+                  limits=limits)
         await tab.watch(tab.page)
-    except BaseException:
+    except BaseException as exc:
+        limits.tab_closed()
         gates.remove(gate)
         gate.close()
+        if isinstance(exc, Error) and (why := limits.struck()) is not None:
+            raise ToolError(f"could not open a tab: {why}") from None
         raise
     context.on("page", tab.follow)
     ctx.state[_STATE_KEY] = tab
