@@ -161,7 +161,7 @@ class TabLimits:
             return (f"the page used more memory than the limit of {self.limits.memory_mb} MB (TERMINAL_MEMORY_MB) "
                     "and was killed")
         if new.processes:
-            return (f"the browser could not start a process or thread: the pages hold the limit of "
+            return (f"the browser could not start a process or thread: it reached its limit of "
                     f"{self.limits.processes} for each open tab (TERMINAL_MAX_PROCESSES)")
         return None
 
