@@ -375,6 +375,15 @@ def test_sharegpt_with_the_runs_own_filters_is_the_merged_file_byte_for_byte(run
     assert out.read_bytes() == (run_home / "data" / RUN / "trajectories.jsonl").read_bytes()
 
 
+def test_sharegpt_of_a_batch_file_saved_with_a_byte_order_mark_is_the_merged_file_without_it(run_home, tmp_path):
+    home = tmp_path / "home"
+    (home / "data" / RUN).mkdir(parents=True)
+    for path in (run_home / "data" / RUN).glob("batch_*.jsonl"):
+        (home / "data" / RUN / path.name).write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    out = exported(home, tmp_path, "sharegpt")
+    assert out.read_bytes() == (run_home / "data" / RUN / "trajectories.jsonl").read_bytes()
+
+
 def test_the_export_says_what_it_kept_and_what_it_left_out_by_reason(run_home, tmp_path):
     out = tmp_path / "out.jsonl"
     result = export_cli(run_home, "--export=openai", f"--out={out}")

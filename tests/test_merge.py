@@ -159,6 +159,17 @@ def test_rows_written_by_another_json_encoder_are_merged_and_counted_like_our_ow
     assert statistics.to_state() == reference and statistics.merged == 11
 
 
+def test_a_batch_file_saved_with_a_byte_order_mark_merges_its_first_row_without_it(tmp_path, endpoint):
+    # An editor may add the mark when a batch file is saved by hand; copied into the merged file, it
+    # would start a line in its middle that json.loads, datasets and pandas refuse.
+    run_dir = run(tmp_path, endpoint)
+    expected = merged_lines(run_dir)
+    batch = run_dir / "batch_0.jsonl"
+    batch.write_bytes(b"\xef\xbb\xbf" + batch.read_bytes())
+    RunDirectory(run_dir).merge(lambda *_: None)
+    assert merged_lines(run_dir) == expected
+
+
 def test_a_row_of_a_newer_format_stops_the_merge_naming_file_and_line(tmp_path, endpoint):
     run_dir = run(tmp_path, endpoint)
     trajectories = (run_dir / TRAJECTORIES).read_bytes()

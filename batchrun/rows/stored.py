@@ -4,6 +4,7 @@ refusal of newer ones."""
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from collections.abc import Mapping
@@ -173,8 +174,9 @@ class StoredRow:
     @property
     def is_verbatim(self) -> bool:
         """Whether the line as written is the row as the merge and the export write it: of the current
-        format, and not relocated."""
-        return self.is_current and self._place is None
+        format, not relocated, and without the byte order mark an editor may put before a batch file's
+        first line (json.loads, datasets and pandas refuse a line that starts with one)."""
+        return self.is_current and self._place is None and not self.line.startswith(codecs.BOM_UTF8)
 
     def layouts(self) -> list[GptLayout] | None:
         """How each gpt turn was rendered (see read_gpt_turn); None for a row of format 1 or 2."""
