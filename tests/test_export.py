@@ -454,6 +454,34 @@ def test_parquet_of_no_rows_is_a_valid_empty_file_with_the_schema(run_home, tmp_
     assert (table.num_rows, table.schema) == (0, export.arrow_schema())
 
 
+# Rows edited by hand that every reader of rows takes, with a value the Parquet column cannot hold.
+UNFIT_FOR_PARQUET = {"api_calls_as_text": ("api_calls", lambda row: row.update(api_calls="3")),
+                     "batch_num_as_text": ("batch_num", lambda row: row["metadata"].update(batch_num="x")),
+                     "tokens_beyond_int64": ("usage", lambda row: row["usage"].update(prompt_tokens=2 ** 63))}
+
+
+@pytest.mark.parametrize("edit", list(UNFIT_FOR_PARQUET))
+def test_a_row_whose_value_does_not_fit_its_parquet_column_stops_the_export_naming_it(run_home, tmp_path, edit):
+    pytest.importorskip("pyarrow")
+    column, change = UNFIT_FOR_PARQUET[edit]
+    home = tmp_path / "home"
+    (home / "data" / RUN).mkdir(parents=True)
+    lines = (run_home / "data" / RUN / "batch_0.jsonl").read_bytes().splitlines(keepends=True)
+    merged = set((run_home / "data" / RUN / "trajectories.jsonl").read_bytes().splitlines(keepends=True))
+    number = next(number for number, line in enumerate(lines) if line in merged)     # a row the export keeps
+    row = json.loads(lines[number])
+    change(row)
+    lines[number] = rows.encode_row(row)
+    (home / "data" / RUN / "batch_0.jsonl").write_bytes(b"".join(lines))
+    out = tmp_path / "out.parquet"
+    result = run_cli(home, f"--run_name={RUN}", "--export=parquet", f"--out={out}")
+    assert result.returncode == 1
+    [message] = result.stderr.strip().splitlines()
+    assert message.startswith(f"error: data/{RUN}/batch_0.jsonl line {number + 1}: not a batch_runner row "
+                              f"(its {column!r} ")
+    assert not list(tmp_path.glob("out*"))
+
+
 def test_hf_folder_opens_with_load_from_disk_holding_the_parquet_rows(run_home, tmp_path):
     datasets = pytest.importorskip("datasets")
     pq = pytest.importorskip("pyarrow.parquet")
