@@ -678,3 +678,18 @@ def test_a_row_whose_turn_is_not_utf8_counts_as_unreadable(run_dir: Path, tmp_pa
     result = run_cli(tmp_path, "--report", "--run_name=run")
     assert result.returncode == 0, result.stderr
     assert "<b>unreadable lines</b> 1" in (copy / report.REPORT_FILE).read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("this_run", ["text", 5, ["a list"]], ids=["text", "number", "list"])
+def test_a_statistics_file_whose_this_run_is_not_an_object_still_gives_the_page(run_dir: Path, tmp_path: Path,
+                                                                                 this_run: object) -> None:
+    # statistics.json edited by hand: the page reads what it can of it, as of a file that is not JSON.
+    copy = tmp_path / "data" / "run"
+    copy.mkdir(parents=True)
+    for path in run_dir.glob("batch_*.jsonl"):
+        (copy / path.name).write_bytes(path.read_bytes())
+    statistics = json.loads((run_dir / "statistics.json").read_text(encoding="utf-8"))
+    (copy / "statistics.json").write_text(json.dumps({**statistics, "this_run": this_run}), encoding="utf-8")
+    result = run_cli(tmp_path, "--report", "--run_name=run")
+    assert result.returncode == 0, result.stderr
+    assert page_data((copy / report.REPORT_FILE).read_text(encoding="utf-8"))["total"] == len(PROMPTS)

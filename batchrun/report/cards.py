@@ -49,7 +49,8 @@ def cards_html(summary: RunSummary, info: dict) -> str:
 
 def _cost_card(cost: float, kept: int, info: dict) -> str:
     """What the rows cost; when replies of the last invocation had no price, that it says less than was spent."""
-    sources = (info.get("this_run") or {}).get("replies_by_cost_source") or {}
+    this_run = info.get("this_run")       # statistics.json may have been edited by hand: read what fits
+    sources = (this_run.get("replies_by_cost_source") if isinstance(this_run, dict) else None) or {}
     unpriced = sources.get("unknown", 0) if isinstance(sources, dict) else 0
     if isinstance(unpriced, int) and unpriced > 0:
         return card("cost", f"≥ {money(cost)}" if cost else "unknown",
