@@ -505,6 +505,18 @@ def test_hf_export_never_replaces_a_folder_that_is_not_a_dataset(run_home, tmp_p
     assert (tmp_path / "hf" / "mine.txt").read_text() == "keep me"
 
 
+def test_hf_export_over_a_link_to_an_earlier_one_replaces_the_link_and_leaves_that_folder(run_home, tmp_path):
+    # As the file formats do; it said "error: cannot write None: None" (rmtree refuses a link).
+    datasets = pytest.importorskip("datasets")
+    elsewhere = exported(run_home, tmp_path, "hf")
+    before = {path.name: path.read_bytes() for path in elsewhere.iterdir()}
+    link = tmp_path / "linked_hf"
+    link.symlink_to(elsewhere)
+    export_cli(run_home, "--export=hf", f"--out={link}", "--end_reasons=prompt_timeout")
+    assert not link.is_symlink() and datasets.load_from_disk(str(link)).num_rows == 0
+    assert {path.name: path.read_bytes() for path in elsewhere.iterdir()} == before
+
+
 def test_a_missing_extra_is_named_with_the_command_that_installs_it(run_home):
     blocked = (f"import runpy, sys; sys.path.insert(0, {str(REPO)!r}); sys.modules['pyarrow'] = None; "
                f"sys.argv = ['batch_runner.py', '--export=parquet', '--run_name={RUN}']; "

@@ -137,7 +137,9 @@ def write_hf(options: ExportOptions, candidates: Iterable[Candidate]) -> None:
             else:     # datasets reads no rows from an empty file, and loads no folder of 0 shards
                 empty = datasets.Dataset.from_dict({name: [] for name in schema.names}, features=features)
                 empty.save_to_disk(f"{work}/saved", num_shards=1)
-            if out.exists():
+            if out.is_symlink():    # replaced, as the file formats replace one; what it points to is left
+                out.unlink()
+            elif out.exists():
                 shutil.rmtree(out)
             os.replace(f"{work}/saved", out)
     finally:
