@@ -7,6 +7,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import msgspec
 import pytest
 from conftest import endpoint_args, run_cli, write_dataset
 
@@ -168,6 +169,21 @@ def test_a_batch_file_saved_with_a_byte_order_mark_merges_its_first_row_without_
     batch.write_bytes(b"\xef\xbb\xbf" + batch.read_bytes())
     RunDirectory(run_dir).merge(lambda *_: None)
     assert merged_lines(run_dir) == expected
+
+
+def test_a_row_holding_a_lone_surrogate_escape_is_merged_as_strict_json(tmp_path, endpoint):
+    # Python's json writes and reads "\\udc80", which strict parsers (datasets' pyarrow, msgspec) refuse:
+    # copied as written, the line would keep datasets from loading the merged file at all.
+    run_dir = run(tmp_path, endpoint)
+    batch = run_dir / "batch_0.jsonl"
+    lines = batch.read_bytes().splitlines(keepends=True)
+    row = json.loads(lines[0])
+    row["conversations"][1]["value"] += "\udc80"
+    lines[0] = json.dumps(row).encode() + b"\n"
+    batch.write_bytes(b"".join(lines))
+    statistics = RunDirectory(run_dir).merge(lambda *_: None)
+    merged = list(merged_lines(run_dir).elements())
+    assert all(msgspec.json.decode(line) for line in merged) and statistics.merged == len(merged) == 11
 
 
 def test_a_row_of_a_newer_format_stops_the_merge_naming_file_and_line(tmp_path, endpoint):

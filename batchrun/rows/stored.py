@@ -4,7 +4,6 @@ refusal of newer ones."""
 
 from __future__ import annotations
 
-import codecs
 import json
 import re
 from collections.abc import Mapping
@@ -110,12 +109,14 @@ _FORMAT_1_EMPTY_THINK = re.compile(r"\A<think>\n\n</think>")
 class StoredRow:
     """One row of a batch file, with the facts resume, merge, statistics and the report need."""
 
-    __slots__ = ("line", "status", "_row", "_invented", "_place", "_placeless")
+    __slots__ = ("line", "status", "_row", "_as_written", "_invented", "_place", "_placeless")
 
-    def __init__(self, line: bytes, status: RowStatus, row: _Row, invented: list[str] | None = None) -> None:
+    def __init__(self, line: bytes, status: RowStatus, row: _Row, as_written: bool = True,
+                 invented: list[str] | None = None) -> None:
         self.line = line
         self.status = status
         self._row = row
+        self._as_written = as_written   # read as strict JSON, not only by Python's rules (_decoded_by_python_rules)
         self._invented = invented       # read with the row when it has any (read_stored_row)
         self._place: int | None = None  # see relocate
         self._placeless = False
@@ -174,9 +175,10 @@ class StoredRow:
     @property
     def is_verbatim(self) -> bool:
         """Whether the line as written is the row as the merge and the export write it: of the current
-        format, not relocated, and without the byte order mark an editor may put before a batch file's
-        first line (json.loads, datasets and pandas refuse a line that starts with one)."""
-        return self.is_current and self._place is None and not self.line.startswith(codecs.BOM_UTF8)
+        format, not relocated, and strict JSON. A line only Python's rules read (a byte order mark an
+        editor put before it, a lone surrogate escape) is one that datasets refuses, and pandas or
+        json.loads too for the mark, so it is written re-encoded."""
+        return self.is_current and self._place is None and self._as_written
 
     def layouts(self) -> list[GptLayout] | None:
         """How each gpt turn was rendered (see read_gpt_turn); None for a row of format 1 or 2."""
@@ -283,8 +285,11 @@ def read_stored_row(line: bytes) -> StoredRow | None:
     A row without a single gpt turn reads as a failure (older versions wrote such rows when a model
     gave only empty answers): it holds nothing to train on, and resume runs its prompt again.
     """
-    row = _decoded(line)
-    if row is None or (row.conversations and not _utf8(line)):
+    decoded = _decoded(line)
+    if decoded is None:
+        return None
+    row, as_written = decoded
+    if row.conversations and not _utf8(line):
         return None
     if row.format is not None and row.format > ROW_FORMAT:
         raise _newer_format(row.format)
@@ -312,7 +317,7 @@ def read_stored_row(line: bytes) -> StoredRow | None:
     # Read now, when the row has any, so that a turn that is not what its record renders is refused
     # here, with the line it is on.
     invented = _invented_names(row) if row.gpt_turns is not None and row.invented_tool_calls else None
-    return StoredRow(line, status, row, invented)
+    return StoredRow(line, status, row, as_written, invented)
 
 
 def _utf8(line: bytes) -> bool:
@@ -344,9 +349,10 @@ def _invented_names(row: _Row) -> list[str]:
     return list(dict.fromkeys(call["name"] for call in calls if is_invented(call["name"], offered)))
 
 
-def _decoded(line: bytes) -> _Row | None:
+def _decoded(line: bytes) -> tuple[_Row, bool] | None:
+    """The row on the line, and whether it was read as written (see StoredRow.is_verbatim)."""
     try:
-        return _ROW.decode(line)
+        return _ROW.decode(line), True
     except msgspec.ValidationError as exc:
         _refuse_newer_format(line)
         raise RowError(f"not a batch_runner row ({exc}); fix or remove this line") from None
@@ -356,7 +362,7 @@ def _decoded(line: bytes) -> _Row | None:
         raise _too_deep() from None
 
 
-def _decoded_by_python_rules(line: bytes) -> _Row | None:
+def _decoded_by_python_rules(line: bytes) -> tuple[_Row, bool] | None:
     """msgspec refuses lone UTF-16 surrogates (``"\\udc80"``), which Python's json writes and reads: a
     line that is JSON by Python's rules is read once more with them replaced, never taken for debris."""
     try:
@@ -368,7 +374,8 @@ def _decoded_by_python_rules(line: bytes) -> _Row | None:
         return None
     except RecursionError:
         raise _too_deep() from None
-    return _decoded(encode_row(value))      # encode_row writes each lone surrogate as "?"
+    decoded = _decoded(encode_row(value))     # encode_row writes each lone surrogate as "?"
+    return None if decoded is None else (decoded[0], False)
 
 
 class _NotJsonConstant(Exception):
