@@ -142,6 +142,17 @@ def test_file_tools_reach_absolute_paths_inside_the_container_only(backend, tmp_
         close(env)
 
 
+def test_writing_over_a_fifo_in_the_container_is_refused_as_not_a_regular_file(backend, tmp_path):
+    """A FIFO with no reader held the write (and the process writing in the container) for minutes."""
+    env = started(backend, make_settings(tmp_path))
+    try:
+        assert asyncio.run(env.run("mkfifo pipe")).exit_code == 0
+        with pytest.raises(ToolError, match="'pipe' is not a regular file"):
+            asyncio.run(env.write_file("pipe", b"data"))
+    finally:
+        close(env)
+
+
 # -- a missing program -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("kind", "hint"), [("docker", "install Docker"), ("singularity", "install SingularityCE"),

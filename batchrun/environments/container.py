@@ -58,8 +58,10 @@ _MISSING, _IS_DIRECTORY, _NOT_REGULAR = 3, 4, 5
 # $1: the file, $2: how many bytes to read at most (one more than allowed, to notice a larger file).
 _READ_SCRIPT = (f'[ -e "$1" ] || exit {_MISSING}; [ -d "$1" ] && exit {_IS_DIRECTORY}; '
                 f'[ -f "$1" ] || exit {_NOT_REGULAR}; exec head -c "$2" "$1"')
-# $1: the file; the content comes on stdin.
-_WRITE_SCRIPT = f'[ -d "$1" ] && exit {_IS_DIRECTORY}; mkdir -p "$(dirname "$1")" && cat > "$1"'
+# $1: the file; the content comes on stdin. Only a regular file is written over: opening a FIFO waits
+# for a reader that never comes, and a device or socket is no file to keep what the model wrote.
+_WRITE_SCRIPT = (f'[ -d "$1" ] && exit {_IS_DIRECTORY}; [ -e "$1" ] && [ ! -f "$1" ] && exit {_NOT_REGULAR}; '
+                 'mkdir -p "$(dirname "$1")" && cat > "$1"')
 # Runs its arguments after the first with stderr into stdout inside the container, so that the two stay in
 # the order written: a runtime forwarding them as two streams (docker and podman exec do) mixes them up.
 # The first caps the size of every file they write, in the 512-byte blocks of POSIX `ulimit -f`: the one
@@ -206,6 +208,8 @@ class ContainerEnvironment(Environment):
         result = await self._exec(["sh", "-c", _WRITE_SCRIPT, "sh", target], workdir=self.workdir, stdin=data)
         if result.returncode == _IS_DIRECTORY:
             raise ToolError(f"{path!r} is a directory, not a file")
+        if result.returncode == _NOT_REGULAR:
+            raise ToolError(f"{path!r} is not a regular file")
         if not result.ok:
             raise ToolError(f"cannot write {path!r}: {result.message()}")
         if target.startswith(self.workdir.rstrip("/") + "/"):
