@@ -67,6 +67,18 @@ def test_the_container_is_labelled_with_the_run_and_prompt_and_has_no_network(en
     assert working_directory == "/workspace\n"
 
 
+def test_the_users_proxy_settings_and_their_credentials_stay_out_of_the_container(engine, tmp_path, monkeypatch):
+    """Podman copies the proxy variables of the environment it runs in into each container it starts."""
+    for name in ("HTTPS_PROXY", "http_proxy", "NO_PROXY"):
+        monkeypatch.setenv(name, "http://user:proxy-secret@proxy.example:3128")
+    env = started(engine, make_settings(tmp_path, allow_network=True))
+    try:
+        seen = asyncio.run(env.run("env")).output
+    finally:
+        asyncio.run(env.close())
+    assert "proxy-secret" not in seen
+
+
 def test_allow_network_gives_the_container_the_engines_network(tmp_path, monkeypatch):
     """Docker only: the test engines give no container a network of its own (see container_engine.sh)."""
     engine = make_backend("docker", tmp_path, monkeypatch)

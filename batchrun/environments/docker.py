@@ -122,7 +122,7 @@ class DockerEnvironment(CliContainerEnvironment):
         # The engine's control groups cap the container as a whole; swap equal to memory means none.
         limits = ["--memory", f"{caps.memory_mb}m", "--memory-swap", f"{caps.memory_mb}m",
                   "--pids-limit", str(caps.processes), "--tmpfs", f"/tmp:size={caps.tmp_mb}m",
-                  *self._file_size_limit(),
+                  *self._file_size_limit(), *self._no_proxy_variables(),
                   "--cap-drop=ALL", *(f"--cap-add={capability}" for capability in _CAPABILITIES)]
         # No stop time-out: the first process ignores SIGTERM, and Podman's `rm -f` would wait 10 s for it.
         created = await self._call([
@@ -141,6 +141,12 @@ class DockerEnvironment(CliContainerEnvironment):
         if self.executable in _podman_engines:
             return []
         return ["--ulimit", f"fsize={self.settings.limits.workspace_mb * MIB}"]
+
+    def _no_proxy_variables(self) -> list[str]:
+        """Podman copies the proxy variables of the environment it runs in (the user's, whose proxy URLs
+        may carry a password) into every container it starts, unless told not to; Docker copies none.
+        A command sees no variable of the user's."""
+        return ["--http-proxy=false"] if self.executable in _podman_engines else []
 
     async def _watch_layer(self) -> None:
         """Watch the container's writable layer where this machine holds it (see container_layer), or
