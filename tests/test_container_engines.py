@@ -305,9 +305,9 @@ def test_no_file_in_the_container_can_outgrow_the_workspace_limit(engine, tmp_pa
     assert result.output.splitlines() == ["File size limit exceeded", "153", "0\t/big"]
 
 
-# Stands in for the image's `sh`: run as our command wrapper (`sh -c SCRIPT sh BLOCKS timeout ...`), it
+# Stands in for the image's `sh`: run as our command wrapper (`sh -c SCRIPT sh BLOCKS DIRECTORY timeout ...`), it
 # skips the script, and so the `ulimit -f` in it; any other use it hands to dash.
-SHELL_SKIPPING_ULIMIT = ("printf '#!/bin/bash\\nif [ \"$1\" = -c ] && [ \"$3\" = sh ]; then shift 4; exec \"$@\"; fi\\n"
+SHELL_SKIPPING_ULIMIT = ("printf '#!/bin/bash\\nif [ \"$1\" = -c ] && [ \"$3\" = sh ]; then shift 5; exec \"$@\"; fi\\n"
                          "exec /bin/dash \"$@\"\\n' > /sh.new && chmod +x /sh.new && mv /sh.new /bin/sh")
 
 

@@ -131,6 +131,19 @@ def test_commands_start_in_the_rows_cwd_made_in_the_container(backend, tmp_path,
         close(env)
 
 
+def test_a_command_removing_its_working_directory_leaves_the_later_commands_and_file_tools_working(backend, tmp_path):
+    """Every later call failed where the runtime was told to start in a directory no longer there."""
+    env = started(backend, make_settings(tmp_path), cwd="proj")
+    try:
+        assert asyncio.run(env.run("cd .. && rm -rf proj")).exit_code == 0
+        after = asyncio.run(env.run("echo back > here.txt"))
+        written = asyncio.run(env.write_file("notes.txt", b"again"))
+        read = asyncio.run(env.read_file("/workspace/proj/here.txt"))
+    finally:
+        close(env)
+    assert (after.output, after.exit_code, written, read) == ("", 0, "notes.txt", b"back\n")
+
+
 def test_file_tools_reach_absolute_paths_inside_the_container_only(backend, tmp_path):
     env = started(backend, make_settings(tmp_path))
     try:

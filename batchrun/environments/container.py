@@ -67,8 +67,10 @@ _WRITE_SCRIPT = (f'[ -d "$1" ] && exit {_IS_DIRECTORY}; [ -e "$1" ] && [ ! -f "$
 # The first caps the size of every file they write, in the 512-byte blocks of POSIX `ulimit -f`: the one
 # bound on `fallocate`, which the engines' system-call filters allow and which takes gigabytes in one call,
 # faster than any look at the disk. The soft and the hard limit are set, and no capability is left to
-# raise the hard one again; where a lower one already holds, it stays.
-_MERGED = 'ulimit -f "$1" 2>/dev/null; shift; exec "$@" 2>&1'
+# raise the hard one again; where a lower one already holds, it stays. The second is the working directory,
+# made again where a command removed it (the runtime, told to start there, would fail every later call);
+# where it cannot be, the command runs in / after the shell's word on why.
+_MERGED = 'ulimit -f "$1" 2>/dev/null; mkdir -p "$2" 2>/dev/null; cd "$2" || cd /; shift 2; exec "$@" 2>&1'
 _ULIMIT_BLOCK = 512
 
 
@@ -172,7 +174,7 @@ class ContainerEnvironment(Environment):
         the container and, should the runtime hang, given up on by us a little later."""
         limit = self.settings.command_timeout if timeout is None else timeout
         file_blocks = self.settings.limits.workspace_mb * MIB // _ULIMIT_BLOCK
-        argv = ["sh", "-c", _MERGED, "sh", str(file_blocks),
+        argv = ["sh", "-c", _MERGED, "sh", str(file_blocks), self.workdir,
                 "timeout", "-s", "KILL", str(max(1, math.ceil(limit))), "sh", "-c", command]
         began = time.monotonic()
         result = await self._exec_merged(argv, timeout=limit + _CLI_GRACE_SECONDS)
@@ -187,7 +189,7 @@ class ContainerEnvironment(Environment):
     async def read_file(self, path: str) -> bytes:
         target = self._path(path)
         limit = self.settings.max_file_bytes
-        result = await self._exec(["sh", "-c", _READ_SCRIPT, "sh", target, str(limit + 1)], workdir=self.workdir)
+        result = await self._exec(["sh", "-c", _READ_SCRIPT, "sh", target, str(limit + 1)], workdir="/")
         if len(result.stdout) > limit:
             raise ToolError(f"{path!r} is larger than the file tools' limit of {limit} bytes")
         if result.returncode == _MISSING:
@@ -205,7 +207,7 @@ class ContainerEnvironment(Environment):
         if len(data) > limit:
             raise ToolError(f"{len(data)} bytes is more than the file tools' limit of {limit} bytes")
         target = self._path(path)
-        result = await self._exec(["sh", "-c", _WRITE_SCRIPT, "sh", target], workdir=self.workdir, stdin=data)
+        result = await self._exec(["sh", "-c", _WRITE_SCRIPT, "sh", target], workdir="/", stdin=data)
         if result.returncode == _IS_DIRECTORY:
             raise ToolError(f"{path!r} is a directory, not a file")
         if result.returncode == _NOT_REGULAR:
@@ -257,8 +259,9 @@ class ContainerEnvironment(Environment):
 
     @abc.abstractmethod
     async def _exec_merged(self, argv: list[str], *, timeout: float) -> CommandResult:
-        """Run ``argv`` (which writes everything to its stdout) in the container's working directory,
-        its output capped at the settings' limit; given up on after ``timeout`` seconds."""
+        """Run ``argv`` (which writes everything to its stdout and goes to the working directory itself) in
+        the container, starting in ``/``, its output capped at the settings' limit; given up on after
+        ``timeout`` seconds."""
 
 
 class CliContainerEnvironment(ContainerEnvironment):
@@ -356,7 +359,7 @@ class CliContainerEnvironment(ContainerEnvironment):
     async def _exec_merged(self, argv: list[str], *, timeout: float) -> CommandResult:
         try:
             return await self._started_in_cli_directory(
-                lambda cwd: run_merged(self.exec_argv(argv, workdir=self.workdir), timeout=timeout,
+                lambda cwd: run_merged(self.exec_argv(argv, workdir="/"), timeout=timeout,
                                        max_output_chars=self.settings.max_output_chars, cwd=cwd))
         except OSError as exc:
             return CommandResult(output="", exit_code=None, error=f"could not start {self.executable}: {exc}")

@@ -156,7 +156,7 @@ class ModalEnvironment(ContainerEnvironment):
         collector = OutputCollector(self.settings.max_output_chars)
 
         async def follow() -> int:
-            process = await self._created().exec.aio(*argv, workdir=self.workdir, text=False)
+            process = await self._created().exec.aio(*argv, workdir="/", text=False)
             process.stdin.write_eof()       # a command reading its input gets end-of-file, not a hang
             await process.stdin.drain.aio()
             async for chunk in process.stdout:
