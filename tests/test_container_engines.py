@@ -79,6 +79,20 @@ def test_the_users_proxy_settings_and_their_credentials_stay_out_of_the_containe
     assert "proxy-secret" not in seen
 
 
+def test_what_a_command_writes_to_the_containers_first_process_is_kept_nowhere(engine, tmp_path):
+    """The engines keep a container's first process's output in a log on this machine's disk, where neither
+    the workspace limit nor the writable layer's watch counts it, until the container is removed; its
+    descriptors are open to root in the container."""
+    env = started(engine, make_settings(tmp_path))
+    try:
+        written = asyncio.run(env.run("echo kept-by-the-engine > /proc/1/fd/1; echo kept-by-the-engine > /proc/1/fd/2"))
+        logs = subprocess.run([engine.name, "logs", env.name], capture_output=True, text=True, timeout=60)
+    finally:
+        asyncio.run(env.close())
+    assert written.exit_code == 0
+    assert "kept-by-the-engine" not in logs.stdout + logs.stderr
+
+
 def test_allow_network_gives_the_container_the_engines_network(tmp_path, monkeypatch):
     """Docker only: the test engines give no container a network of its own (see container_engine.sh)."""
     engine = make_backend("docker", tmp_path, monkeypatch)

@@ -125,10 +125,13 @@ class DockerEnvironment(CliContainerEnvironment):
                   *self._file_size_limit(), *self._no_proxy_variables(),
                   "--cap-drop=ALL", *(f"--cap-add={capability}" for capability in _CAPABILITIES)]
         # No stop time-out: the first process ignores SIGTERM, and Podman's `rm -f` would wait 10 s for it.
+        # No log: the engines keep the first process's output in a file on this machine's disk until the
+        # container is removed, which no limit of the prompt's counts, and root in the container may write
+        # to that process's descriptors (`yes > /proc/1/fd/1`).
         created = await self._call([
             self.executable, "run", "-d", "--label", f"{RUN_LABEL}={self.settings.run_label}",
             "--label", f"{PROMPT_LABEL}={self.prompt_index}", "--name", self.name, *network, *limits,
-            "--stop-timeout", "0", "--entrypoint", "sh", self.image, "-c", _FIRST_PROCESS])
+            "--log-driver", "none", "--stop-timeout", "0", "--entrypoint", "sh", self.image, "-c", _FIRST_PROCESS])
         if not created.ok:
             raise setup_error(f"cannot start a container from {self.image}", created.message())
         await self._watch_layer()
