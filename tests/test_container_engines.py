@@ -310,6 +310,31 @@ def test_a_stop_gives_back_the_space_a_file_reserved_past_its_end(engine, tmp_pa
     assert after.output == "kept 4\n"
 
 
+def test_the_files_the_engine_mounts_into_the_container_count_towards_the_workspace_limit(engine, small_disk):
+    """/etc/hosts and /etc/hostname are files of the engine's on this machine's disk, outside the writable
+    layer, and root in the container may write them."""
+    async def steps(env):
+        return await env.run("for f in /etc/hosts /etc/hostname; do head -c 30m /dev/zero > $f; done; sleep 5; "
+                             "echo slept")
+    result = in_container(engine, small_disk, steps)
+    assert "slept" not in result.output
+    assert "went over its limit of 40 MB" in result.error
+
+
+def test_a_stop_gives_back_the_space_reserved_past_the_end_of_a_file_the_engine_mounts(engine, tmp_path):
+    engine.require_overlay()
+    storage = engine.storage()
+    reserve_mb = max(shutil.disk_usage(storage).free // 2**20 - 64, 1)
+    settings = make_settings(tmp_path, limits=ResourceLimits(workspace_mb=10_000, disk_reserve_mb=reserve_mb))
+
+    async def steps(env):
+        taken = await env.run("fallocate --keep-size -o 0 -l 400m /etc/hosts; sleep 5; echo finished")
+        return taken, shutil.disk_usage(storage).free // 2**20
+    taken, free_after_stop = in_container(engine, settings, steps)
+    assert "finished" not in taken.output and "almost full" in taken.error
+    assert free_after_stop > reserve_mb
+
+
 def test_no_file_in_the_container_can_outgrow_the_workspace_limit(engine, tmp_path):
     """`fallocate` reserves space in one call, faster than any look at the disk: the file size limit
     refuses it at once."""

@@ -5,7 +5,9 @@ XFS with project quotas), and it usually shares a disk with the run directory. W
 container's writable layer as a directory of this machine (Docker's and Podman's overlay drivers, run by
 the runner's user), everything the container writes outside its /tmp (a tmpfs, capped on its own) lands
 in that directory, so the worker's disk guard watches it as it watches a sandbox's workspace: walked
-while commands run, its holders' unnamed files counted, the disk reserve kept.
+while commands run, its holders' unnamed files counted, the disk reserve kept. The files the engine makes
+for the container and mounts into it (``/etc/hosts``, ``/etc/hostname``, ``/etc/resolv.conf``) lie outside
+the layer, on this machine's disk too, and root in the container may write them: they count with it.
 
 Over the limit, the container's first process is killed: the kernel kills every other process of its
 PID namespace with it, whatever those processes were changed to do. The container is started again
@@ -15,8 +17,9 @@ reaches a process that took its number after it ended.
 The engines' system-call filters allow ``fallocate``, and ``fallocate --keep-size`` reserves any amount
 past a file's end in one call, which no file size limit bounds: one call can take the disk, the run's
 reserve included. The look that follows stops the container, and once its processes are gone the stop
-gives that space back: each file that holds space past its end is truncated to the length it has, which
-frees the space on ext4 and XFS and leaves the file's bytes, size and modification time as they were.
+gives that space back: each file of the layer, and each of the engine's files, that holds space past its
+end is truncated to the length it has, which frees the space on ext4 and XFS and leaves the file's bytes,
+size and modification time as they were.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ from batchrun.environments.disk_guard import WorkspaceWatch, guard_for
 from batchrun.environments.limits import MIB, ResourceLimits
 from batchrun.environments.tree_cursor import Moved, TreeCursor
 
-#: The ``inspect --format`` template whose answer :func:`parse_layer` reads.
-LAYER_FORMAT = "{{.State.Pid}}\t{{.GraphDriver.Data.UpperDir}}"
+#: The ``inspect --format`` template whose answer :func:`parse_layer` reads: the first process, the layer, and
+#: the engine's files mounted into the container (a path is empty where the engine made no such file).
+LAYER_FORMAT = "{{.State.Pid}}\t{{.GraphDriver.Data.UpperDir}}\t{{.HostsPath}}\t{{.HostnamePath}}\t{{.ResolvConfPath}}"
 # How /proc's mount tables write a space, tab, newline or backslash in a path: an octal escape.
 _MOUNTINFO_ESCAPE = re.compile(rb"\\([0-7]{3})")
 # How long a killed container's processes may take to be gone before space is given back. No file is
@@ -45,24 +49,26 @@ _DYING_SECONDS = 2.0
 _TRUNCATE_FLAGS = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
-def parse_layer(answer: str) -> tuple[int, Path] | None:
-    """(the first process's pid on this machine, the writable layer's directory) from an answer to
-    LAYER_FORMAT; None where the layer cannot be watched from here: another storage driver, an engine on
-    another machine or behind another user's permissions, or a pid that names another process here (a
-    runner in a PID namespace of its own). The process is told to be the container's by its root: the
-    kernel's table of its mounts shows an overlay at / whose upper directory is that layer (the runner
-    may be in a mount namespace of its own, where the engine's mounts are not seen)."""
+def parse_layer(answer: str) -> tuple[int, Path, tuple[Path, ...]] | None:
+    """(the first process's pid on this machine, the writable layer's directory, the engine's files mounted
+    into the container) from an answer to LAYER_FORMAT; None where the layer cannot be watched from here:
+    another storage driver, an engine on another machine or behind another user's permissions, or a pid
+    that names another process here (a runner in a PID namespace of its own). The process is told to be
+    the container's by its root: the kernel's table of its mounts shows an overlay at / whose upper
+    directory is that layer (the runner may be in a mount namespace of its own, where the engine's mounts
+    are not seen)."""
     fields = answer.strip().split("\t")
-    if len(fields) != 2 or not fields[0].isdigit() or int(fields[0]) <= 0 or not fields[1].startswith("/"):
+    if len(fields) < 2 or not fields[0].isdigit() or int(fields[0]) <= 0 or not fields[1].startswith("/"):
         return None
     pid, upper = int(fields[0]), Path(fields[1])
+    files = tuple(Path(field) for field in fields[2:] if field.startswith("/"))
     try:
         if not os.path.isdir(upper) or not os.access(upper, os.R_OK | os.X_OK):
             return None
         mounts = kernel_files.read(f"/proc/{pid}/mountinfo")
     except (OSError, ValueError):
         return None
-    return (pid, upper) if root_upper_dir(mounts) == os.fsencode(upper) else None
+    return (pid, upper, files) if root_upper_dir(mounts) == os.fsencode(upper) else None
 
 
 def root_upper_dir(mountinfo: bytes) -> bytes | None:
@@ -85,7 +91,7 @@ def root_upper_dir(mountinfo: bytes) -> bytes | None:
 class LayerWatch:
     """The watch over one container's writable layer, and the handle on its first process."""
 
-    def __init__(self, directory: Path, first_pid: int, limits: ResourceLimits) -> None:
+    def __init__(self, directory: Path, first_pid: int, limits: ResourceLimits, files: tuple[Path, ...] = ()) -> None:
         self._first = -1
         self._namespace = ""
         #: Set when the watch killed the container's processes: it must be started again before use.
@@ -93,6 +99,7 @@ class LayerWatch:
         self._giving_back: asyncio.Future[None] | None = None
         self.watch: WorkspaceWatch = guard_for(limits.disk_reserve_mb * MIB).watch(
             directory, limits.workspace_mb * MIB, self._kill, self.holders)
+        self.watch.files = files
         try:
             self.restarted(first_pid)
         except OSError:
@@ -140,6 +147,8 @@ class LayerWatch:
                 return
             time.sleep(0.01)
         free_past_ends(self.watch.directory)
+        for path in self.watch.files:
+            free_past_end(path)
 
     def holders(self) -> list[int]:
         """Every process of the container's PID namespace: ``exec`` starts programs in it from outside,
@@ -175,6 +184,21 @@ def free_past_ends(root: Path) -> None:
                     _truncate_to_length(cursor.fd, name, info)
         except Moved:
             return          # no process lives to move directories: nothing is left to do safely
+
+
+def free_past_end(path: Path) -> None:
+    """Give back the space one file of the engine's holds past its end, as free_past_ends does. The engine
+    made it and its directory, which the container reaches only through the file's contents."""
+    try:
+        info = os.lstat(path)
+        directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        if stat.S_ISREG(info.st_mode) and _holds_past_end(info):
+            _truncate_to_length(directory, path.name, info)
+    finally:
+        os.close(directory)
 
 
 def _holds_past_end(info: os.stat_result) -> bool:

@@ -73,6 +73,8 @@ class WorkspaceWatch:
         self.stop = stop
         self.holders = holders
         self.device = os.stat(directory).st_dev     # where the holders' unnamed files count (see unnamed_usage)
+        #: Files outside the directory that its processes write, counted with it.
+        self.files: tuple[Path, ...] = ()
         self.least_per_file = free_space(directory).file_share
         self.unnamed = 0        # what the holders' files with no name took when last counted
         self.used = 0
@@ -146,7 +148,8 @@ class WorkspaceWatch:
         # The files with no name are as they were last counted (see the module): a command that ended
         # closed its own, and looking through /proc on the event loop after every command costs a tenth
         # of a command.
-        self.counted(FULL if given_up else min(FULL, walk.used + self.unnamed), time.monotonic() - started, started)
+        used = walk.used + self.unnamed + files_usage(self.files)
+        self.counted(FULL if given_up else min(FULL, used), time.monotonic() - started, started)
 
     def refuses(self, size: int) -> str | None:
         """Why a file tool may not add ``size`` bytes to the workspace now, if it may not."""
@@ -254,8 +257,20 @@ def _count(watches: list[WorkspaceWatch], with_unnamed: bool) -> list[tuple[int,
         if with_unnamed:
             unnamed = unnamed_usage(watch.holders(), watch.device)
             unnamed = FULL if unnamed is None else unnamed
-        counts.append((disk_usage(watch.directory, watch.least_per_file), unnamed, time.monotonic() - started, started))
+        named = disk_usage(watch.directory, watch.least_per_file) + files_usage(watch.files)
+        counts.append((named, unnamed, time.monotonic() - started, started))
     return counts
+
+
+def files_usage(files: tuple[Path, ...]) -> int:
+    """The bytes of disk the files take, the space they hold past their ends included; one gone takes none."""
+    used = 0
+    for path in files:
+        try:
+            used += os.lstat(path).st_blocks * 512
+        except OSError:
+            continue
+    return used
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,7 @@ class DockerEnvironment(CliContainerEnvironment):
             if found is not None and self._layer is not None:
                 self._layer.restarted(found[0])
             elif found is not None:
-                self._layer = LayerWatch(found[1], found[0], self.settings.limits)
+                self._layer = LayerWatch(found[1], found[0], self.settings.limits, found[2])
         except OSError:         # the first process ended between the answer and now
             pass
 
