@@ -263,6 +263,23 @@ def test_worker_processes_starting_together_pull_their_image_once(stand_in, tmp_
     assert len(creations(stand_in)) == 6
 
 
+def test_prompts_waiting_for_a_pull_that_fails_fail_with_it_rather_than_pull_again(stand_in, tmp_path, monkeypatch):
+    """Each waiter pulled again once it got the image's lock, one after another: a run of many prompts
+    naming an image that cannot be pulled spent a pull's time per prompt, its other prompts waiting."""
+    monkeypatch.setenv("FAKE_PULL_SECONDS", "0.3")
+    stand_in.fail_pulls_of(STAND_IN_IMAGE, monkeypatch)
+    settings = make_settings(tmp_path)
+
+    async def scenario():
+        envs = [environment(stand_in, settings, prompt_index=i) for i in range(6)]
+        outcomes = await asyncio.gather(*(env.start() for env in envs), return_exceptions=True)
+        await asyncio.gather(*(env.close() for env in envs))
+        return outcomes
+    outcomes = asyncio.run(scenario())
+    assert len(stand_in.calls(stand_in.kind, "pull")) == 1
+    assert all(isinstance(outcome, EnvironmentSetupError) and "denied" in str(outcome) for outcome in outcomes)
+
+
 def test_cancelling_a_start_during_the_pull_leaves_nothing_and_frees_the_image(stand_in, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_PULL_SECONDS", "1")
     settings = make_settings(tmp_path)

@@ -301,13 +301,20 @@ class CliContainerEnvironment(ContainerEnvironment):
 
     async def _ensure_image(self) -> None:
         """Pull the image unless present. Only the holder of the image's lock pulls; the others
-        wait for it and then find the image there."""
+        wait for it and then find the image there, or fail as its pull did."""
         if await self._image_present():
             return
         try:
-            async with ImageLock(self._lock_directory(), self.image):
+            async with ImageLock(self._lock_directory(), self.image) as lock:
+                if (failure := lock.failure_while_waiting()) is not None:
+                    raise EnvironmentSetupError(failure)
                 if not await self._image_present():
-                    await self._pull()
+                    try:
+                        await self._pull()
+                    except EnvironmentSetupError as exc:
+                        lock.record_failure(str(exc))
+                        raise
+                    lock.record_failure(None)
         except OSError as exc:      # the lock's directory or the image cache cannot be written
             raise setup_error(f"cannot prepare image {self.image!r}", str(exc)) from exc
 

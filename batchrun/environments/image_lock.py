@@ -1,7 +1,10 @@
 """A lock per container image, shared by every worker process of a run.
 
 Many prompts usually name the same image, and they start at once in several processes. Whoever holds
-an image's lock pulls it; the others wait, then find it present — one pull, not one per prompt.
+an image's lock pulls it; the others wait, then find it present — one pull, not one per prompt. A pull
+that fails leaves its message in the lock's file, and those that waited for it fail with it: pulled
+again, one waiter after another, an image that cannot be pulled would hold each prompt for a pull's time.
+A prompt that comes later pulls again, so that a registry that recovers is noticed.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import fcntl
 import hashlib
 import os
 import re
+import time
 from pathlib import Path
 
 # Pulls take seconds to minutes, so a waiter checking ten times a second loses nothing, and polling
@@ -31,8 +35,10 @@ class ImageLock:
     def __init__(self, directory: Path, image: str) -> None:
         self._path = directory / f"{image_file_stem(image)}.lock"
         self._fd: int | None = None
+        self._waiting_since = 0       # when this holder began to wait (time.time_ns: across processes)
 
     async def __aenter__(self) -> ImageLock:
+        self._waiting_since = time.time_ns()
         self._path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
@@ -47,6 +53,20 @@ class ImageLock:
             raise
         self._fd = fd
         return self
+
+    def failure_while_waiting(self) -> str | None:
+        """The message of a pull that failed while this holder waited for the lock, if one did."""
+        assert self._fd is not None
+        recorded = os.pread(self._fd, 65536, 0).decode("utf-8", "replace")
+        when, _, message = recorded.partition("\n")
+        return message if when.isdigit() and int(when) >= self._waiting_since and message else None
+
+    def record_failure(self, message: str | None) -> None:
+        """Leave the message of the pull that failed for those waiting; None: the pull succeeded."""
+        assert self._fd is not None
+        os.ftruncate(self._fd, 0)
+        if message is not None:
+            os.pwrite(self._fd, f"{time.time_ns()}\n{message}".encode(), 0)
 
     async def __aexit__(self, *exc_info: object) -> None:
         if self._fd is not None:
