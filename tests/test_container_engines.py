@@ -321,6 +321,17 @@ def test_the_files_the_engine_mounts_into_the_container_count_towards_the_worksp
     assert "went over its limit of 40 MB" in result.error
 
 
+def test_podmans_containerenv_counts_towards_the_workspace_limit(engine, small_disk):
+    """Podman mounts /run/.containerenv, a file of its own beside the hosts file, into every container;
+    its inspect does not name it. (Under Docker the file is the layer's.)"""
+    async def steps(env):
+        return await env.run("head -c 30m /dev/zero > /run/.containerenv; head -c 30m /dev/zero > /f; sleep 5; "
+                             "echo slept")
+    result = in_container(engine, small_disk, steps)
+    assert "slept" not in result.output
+    assert "went over its limit of 40 MB" in result.error
+
+
 def test_a_stop_gives_back_the_space_reserved_past_the_end_of_a_file_the_engine_mounts(engine, tmp_path):
     engine.require_overlay()
     storage = engine.storage()

@@ -6,8 +6,9 @@ container's writable layer as a directory of this machine (Docker's and Podman's
 the runner's user), everything the container writes outside its /tmp (a tmpfs, capped on its own) lands
 in that directory, so the worker's disk guard watches it as it watches a sandbox's workspace: walked
 while commands run, its holders' unnamed files counted, the disk reserve kept. The files the engine makes
-for the container and mounts into it (``/etc/hosts``, ``/etc/hostname``, ``/etc/resolv.conf``) lie outside
-the layer, on this machine's disk too, and root in the container may write them: they count with it.
+for the container and mounts into it (``/etc/hosts``, ``/etc/hostname``, ``/etc/resolv.conf``, Podman's
+``/run/.containerenv``) lie outside the layer, on this machine's disk too, and root in the container may
+write them: they count with it.
 
 Over the limit, the container's first process is killed: the kernel kills every other process of its
 PID namespace with it, whatever those processes were changed to do. The container is started again

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+from pathlib import Path
 
 from batchrun.env_vars import variable
 from batchrun.environments.base import CommandResult, EnvironmentSettings, ToolError
@@ -160,9 +161,16 @@ class DockerEnvironment(CliContainerEnvironment):
             if found is not None and self._layer is not None:
                 self._layer.restarted(found[0])
             elif found is not None:
-                self._layer = LayerWatch(found[1], found[0], self.settings.limits, found[2])
+                self._layer = LayerWatch(found[1], found[0], self.settings.limits, self._engine_files(found[2]))
         except OSError:         # the first process ended between the answer and now
             pass
+
+    def _engine_files(self, named: tuple[Path, ...]) -> tuple[Path, ...]:
+        """The engine's files mounted into the container: those its inspect names and, under Podman, the
+        /run/.containerenv it writes beside them in the container's run directory."""
+        if self.executable not in _podman_engines or not named:
+            return named
+        return (*named, named[0].parent / ".containerenv")
 
     async def _ready(self) -> None:
         """Start the container again where the disk watch killed its processes, once the space its
