@@ -10,6 +10,7 @@ files / checkpoint -> merge -> trajectories.jsonl + statistics.json. See README.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import sys
@@ -259,7 +260,16 @@ def export_cli(given: dict[str, Any], console: RunConsole) -> int:
     return EXIT_OK
 
 
+def escape_what_the_output_cannot_encode() -> None:
+    """A character stdout's encoding lacks (PYTHONIOENCODING=ascii, a Latin-1 locale; "✅", "·", a
+    prompt's "…") is printed as its escape, \\u2705, as stderr does by default: strict, the first
+    one ended the run with a traceback."""
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(errors="backslashreplace")
+
+
 def cli() -> None:
+    escape_what_the_output_cannot_encode()
     arguments = sys.argv[1:]
     asked = arguments[:arguments.index("--")] if "--" in arguments else arguments
     if not arguments or "--help" in asked or "-h" in asked:

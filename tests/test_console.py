@@ -8,7 +8,7 @@ import io
 import re
 from collections import Counter
 
-from conftest import endpoint_args, run_cli, write_dataset
+from conftest import endpoint_args, read_jsonl, run_cli, write_dataset
 from rich.cells import cell_len
 from rich.console import Console
 
@@ -322,3 +322,16 @@ def test_control_characters_of_an_endpoint_error_are_shown_escaped(tmp_path, end
     assert result.returncode == 2, result.stderr
     assert "refused" in result.stdout
     assert_escaped(result.stdout + result.stderr, CLEAR_SCREEN, CLIPBOARD_WRITE[:-1])  # its BEL is dropped on the way
+
+
+
+def test_output_in_an_encoding_without_the_consoles_characters_shows_them_escaped_and_the_run_completes(
+        tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["[[final done]] wait… 3×4 ✓", "plain"])
+    result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=5", "--run_name=run",
+                     "--distribution=terminal_only", "--verbose", *endpoint_args(endpoint),
+                     env={"PYTHONIOENCODING": "ascii"})
+    assert result.returncode == 0, result.stderr
+    assert "wait\\u2026 3\\xd74 \\u2713" in result.stdout
+    assert "BATCH PROCESSING COMPLETE" in result.stdout
+    assert len(read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")) == 2
