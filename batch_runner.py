@@ -268,7 +268,21 @@ def escape_what_the_output_cannot_encode() -> None:
         sys.stdout.reconfigure(errors="backslashreplace")
 
 
+def open_closed_standard_streams() -> None:
+    """stdin, stdout or stderr closed (`>&-`) is /dev/null here: left closed, its descriptor went to
+    the first file the run opened, its directory's lock, which every worker then inherited as that
+    stream, and the end of a complete run flushed a stdout of None (a traceback, exit 1)."""
+    for descriptor, name in enumerate(("stdin", "stdout", "stderr")):
+        try:
+            os.fstat(descriptor)
+        except OSError:     # closed: the lowest free descriptor, which os.open takes, is this one
+            os.open(os.devnull, os.O_RDWR)
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(descriptor, "r" if name == "stdin" else "w", closefd=False))
+
+
 def cli() -> None:
+    open_closed_standard_streams()
     escape_what_the_output_cannot_encode()
     arguments = sys.argv[1:]
     asked = arguments[:arguments.index("--")] if "--" in arguments else arguments

@@ -938,3 +938,30 @@ def test_help_lists_every_terminal_env_kind(tmp_path):
     [line] = [line for line in result.stdout.splitlines() if "TERMINAL_ENV=" in line]
     assert line.split("TERMINAL_ENV=")[1].split()[0] == "|".join(ENVIRONMENT_KINDS)
     assert {"bubblewrap", "modal", "apptainer"} <= set(ENVIRONMENT_KINDS)
+
+
+# -- closed standard streams ----------------------------------------------------------------
+
+def closed(descriptor: int) -> tuple[str, ...]:
+    """A command prefix that runs the CLI with ``descriptor`` closed, as ``>&-`` in a shell does."""
+    return ("sh", "-c", f'exec "$@" {descriptor}>&-', "sh")
+
+
+def test_a_run_with_its_stdout_closed_completes_with_exit_0(tmp_path, endpoint):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint), prefix=closed(1))
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")) == 1
+
+
+@pytest.mark.parametrize("descriptor", [0, 1, 2])
+def test_a_closed_standard_stream_is_no_run_file_for_the_workers(tmp_path, endpoint, descriptor):
+    """Closed, its descriptor went to the first file the run opened (its directory's lock), and every
+    worker inherited that as its stdin, stdout or stderr."""
+    prompt = f'[[call terminal {{"command": "readlink /proc/$PPID/fd/{descriptor}"}}]] where'
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, prompts=(prompt,)), prefix=closed(descriptor),
+                     env={"TERMINAL_ENV": "local"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    [row] = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
+    [response] = [turn["value"] for turn in row["conversations"] if turn["from"] == "tool"]
+    assert "/dev/null" in response and str(tmp_path / "data") not in response, response
