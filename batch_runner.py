@@ -34,6 +34,7 @@ import toolset_distributions
 from batchrun import flags, report
 from batchrun.config import build_config
 from batchrun.console import RunConsole
+from batchrun.console.streams import OutputStream
 from batchrun.dataset import DatasetError, require_valid_prompt
 from batchrun.environments import ENVIRONMENT_KINDS
 from batchrun.export import BEST_OF_RULES, EXPORT_FORMATS, REASONING_MODES, ExportError, export_options, export_run
@@ -284,15 +285,13 @@ def open_closed_standard_streams() -> None:
 def cli() -> None:
     open_closed_standard_streams()
     escape_what_the_output_cannot_encode()
+    sys.stdout, sys.stderr = OutputStream(sys.stdout, "stdout"), OutputStream(sys.stderr, "stderr")
     arguments = sys.argv[1:]
     asked = arguments[:arguments.index("--")] if "--" in arguments else arguments
     if not arguments or "--help" in asked or "-h" in asked:
-        try:
-            choices = {"formats": "|".join(EXPORT_FORMATS), "kinds": "|".join(ENVIRONMENT_KINDS),
-                       "reasoning_modes": "|".join(REASONING_MODES), "best_of_rules": "|".join(BEST_OF_RULES)}
-            print(flags.help_page(program=program(), choices=choices))
-        except BrokenPipeError:     # piped into head or less and closed: nothing more to say
-            pass
+        choices = {"formats": "|".join(EXPORT_FORMATS), "kinds": "|".join(ENVIRONMENT_KINDS),
+                   "reasoning_modes": "|".join(REASONING_MODES), "best_of_rules": "|".join(BEST_OF_RULES)}
+        print(flags.help_page(program=program(), choices=choices))
         exit_without_teardown(EXIT_OK)
     fire.Fire(main)
 

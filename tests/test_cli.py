@@ -965,3 +965,29 @@ def test_a_closed_standard_stream_is_no_run_file_for_the_workers(tmp_path, endpo
     [row] = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
     [response] = [turn["value"] for turn in row["conversations"] if turn["from"] == "tool"]
     assert "/dev/null" in response and str(tmp_path / "data") not in response, response
+
+
+# -- output that cannot be written --------------------------------------------------------
+
+def test_a_run_whose_stdout_is_a_full_disk_completes_and_says_so_once_on_stderr(tmp_path, endpoint):
+    args = good_args(tmp_path, endpoint, prompts=("q1", "q2", "q3"))
+    result = run_cli(tmp_path, *args, prefix=("sh", "-c", 'exec "$@" >/dev/full', "sh"))
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert [line for line in result.stderr.splitlines() if "stdout" in line] == [
+        "warning: stdout cannot be written (No space left on device): nothing more is printed there"]
+    assert len(read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")) == 3
+
+
+def test_a_run_whose_stdout_reader_goes_away_completes(tmp_path, endpoint):
+    """As `batch_runner ... | head -1`: the pipe's reader takes one line and closes it."""
+    args = good_args(tmp_path, endpoint, prompts=("q1", "q2", "q3"))
+    process = subprocess.Popen(batch_runner_command(*args), cwd=tmp_path, env=cli_environment(tmp_path),
+                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout is not None and process.stderr is not None
+    assert process.stdout.readline().startswith(b"batch_runner")
+    process.stdout.close()
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 0, stderr
+    assert "Traceback" not in stderr and "stdout" not in stderr
+    assert len(read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")) == 3
