@@ -26,7 +26,7 @@ from collections.abc import MutableSequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from batchrun import report
+from batchrun import report, stop_signals
 from batchrun.report import plots
 from batchrun.run_dir import BATCH_FILE
 
@@ -152,9 +152,10 @@ class BatchFollower:
 
 
 def _follow(conn: Connection, run_dir: Path, parent_pid: int, window: MutableSequence[int]) -> None:
-    # Ctrl-C reaches the group, a scheduler's SIGTERM maybe too; the parent decides (see stop_signals).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Ctrl-C and a closed terminal's SIGHUP reach the group, a scheduler's SIGTERM maybe too; the parent
+    # decides (see stop_signals).
+    for signum in stop_signals.HANDLED:
+        signal.signal(signum, signal.SIG_IGN)
     try:
         plots.preload()
         scan = report.RunScan(run_dir)

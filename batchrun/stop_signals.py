@@ -1,4 +1,4 @@
-"""Ctrl-C (SIGINT) and SIGTERM in the parent process: the first one stops the run in order, later ones
+"""Ctrl-C (SIGINT), SIGTERM and SIGHUP in the parent process: the first one stops the run in order, later ones
 only say that it is stopping.
 
 The parent is the run directory's one writer, and its stop is what keeps the rows the workers finished
@@ -10,8 +10,10 @@ when the code is interruptible again. The stop is bounded (workers get workers.S
 are killed); the merge takes as long as the rows written since the last one. A signal after the first
 never raises: it prints one line saying the run is already stopping.
 
-SIGTERM (a job scheduler's or a service manager's stop) is taken as Ctrl-C is, so such a stop keeps the
-merge too; the exit code is the shell's for the signal, 128 + its number: 130 for SIGINT, 143 for SIGTERM.
+SIGTERM (a job scheduler's or a service manager's stop) and SIGHUP (the terminal closed, an ssh session
+lost) are taken as Ctrl-C is, so such a stop keeps the merge too (SIGHUP's default ended the run and its
+workers at once); the exit code is the shell's for the signal, 128 + its number: 130 for SIGINT, 143 for
+SIGTERM, 129 for SIGHUP.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import signal
 from collections.abc import Iterator
 from types import FrameType
 
-HANDLED = (signal.SIGINT, signal.SIGTERM)
+HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 STOPPING_NOTE = b"Already stopping: keeping the rows finished so far and merging them; this ends by itself.\n"
 
 
@@ -62,7 +64,7 @@ def _end_while_loading(signum: int, frame: FrameType | None) -> None:
 
 
 class StopSignals:
-    """The parent's handler of SIGINT and SIGTERM, and the stretches of code it may interrupt."""
+    """The parent's handler of the stop signals, and the stretches of code it may interrupt."""
 
     def __init__(self) -> None:
         self.received: int | None = None    # the first stop signal

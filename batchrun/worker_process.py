@@ -21,7 +21,7 @@ from datetime import datetime
 from multiprocessing.connection import Connection
 from typing import Any
 
-from batchrun import rows
+from batchrun import rows, stop_signals
 from batchrun.config import RunConfig
 from batchrun.endpoint import OpenAIEndpoint
 from batchrun.environments.base import EnvironmentSettings
@@ -67,13 +67,13 @@ def _failed(task: Task, error: str, error_type: str, *, api_calls: int = 0,
 
 
 def _outlive_stop_signals() -> None:
-    """Ctrl-C reaches the whole process group, and a job scheduler's SIGTERM often every process of the
-    job; the parent decides how to stop, workers follow it (see stop_signals). The signals are caught
-    and dropped rather than ignored: an ignored signal stays ignored in every program the commands
-    start (a sleep, a test runner, ``timeout -s INT``), which then cannot be interrupted; a caught one
-    is back to its default in them."""
-    signal.signal(signal.SIGINT, _drop_signal)
-    signal.signal(signal.SIGTERM, _drop_signal)
+    """Ctrl-C reaches the whole process group, as does the SIGHUP of a terminal closed, and a job
+    scheduler's SIGTERM often every process of the job; the parent decides how to stop, workers follow
+    it (see stop_signals). The signals are caught and dropped rather than ignored: an ignored signal
+    stays ignored in every program the commands start (a sleep, a test runner, ``timeout -s INT``),
+    which then cannot be interrupted; a caught one is back to its default in them."""
+    for signum in stop_signals.HANDLED:
+        signal.signal(signum, _drop_signal)
 
 
 def _drop_signal(signum: int, frame: object) -> None:

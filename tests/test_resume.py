@@ -200,8 +200,12 @@ def test_ctrl_c_again_while_the_run_stops_only_says_so_and_every_row_is_kept_and
     assert not {last_user_message(request) for request in endpoint.requests} & set(kept)
 
 
-def test_sigterm_to_the_process_group_stops_the_run_as_ctrl_c_does_and_exits_143(tmp_path, endpoint):
-    """A job scheduler's stop: SIGTERM to every process of the job, workers included."""
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGHUP, 129)],
+                         ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_or_sighup_to_the_process_group_stops_the_run_as_ctrl_c_does_and_exits_128_plus_it(
+        tmp_path, endpoint, signum, code):
+    """A job scheduler's stop, SIGTERM, or the terminal closed, SIGHUP: to every process of the job or
+    of the terminal, workers included."""
     prompts = [f"[[sleep 0.3]] prompt {i}" for i in range(10)]
     dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
     run_dir = tmp_path / "data" / "run"
@@ -209,11 +213,11 @@ def test_sigterm_to_the_process_group_stops_the_run_as_ctrl_c_does_and_exits_143
                                cwd=tmp_path, env=cli_environment(tmp_path), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     wait_for(lambda: finished_row_count(run_dir) >= 2)
-    os.killpg(process.pid, signal.SIGTERM)
+    os.killpg(process.pid, signum)
     said, _ = process.communicate(timeout=60)
-    assert process.returncode == 143, said
+    assert process.returncode == code, said
     assert "Traceback" not in said and "--resume" in said
-    assert said.index("Stopped by SIGTERM.") < said.index("BATCH PROCESSING INTERRUPTED")
+    assert said.index(f"Stopped by {signum.name}.") < said.index("BATCH PROCESSING INTERRUPTED")
     written = batch_rows(run_dir)
     assert not [row for row in written if row.get("failed")]    # the workers stopped when told, not at the signal
     assert merged_prompts(tmp_path) == Counter(human_prompt(row) for row in written)
