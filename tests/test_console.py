@@ -302,6 +302,14 @@ def test_control_characters_of_a_model_reply_are_shown_escaped_in_verbose_lines(
     assert_escaped(result.stdout + result.stderr, CLEAR_SCREEN)
 
 
+def test_bidi_controls_of_a_dataset_prompt_are_shown_escaped(tmp_path, endpoint):
+    """Right-to-left override and isolates: raw, the rest of the line would be shown reordered."""
+    result = run_with_console(tmp_path, endpoint, ["abc \u202edef\u2067 ghi"])
+    assert result.returncode == 0, result.stderr
+    assert "abc \\u202edef\\u2067 ghi" in result.stdout
+    assert "\u202e" not in result.stdout and "\u2067" not in result.stdout
+
+
 def test_a_lone_surrogate_in_a_dataset_prompt_is_shown_escaped_and_the_run_goes_on(tmp_path, endpoint):
     result = run_with_console(tmp_path, endpoint, ["lone \ud800 surrogate", "low \udc00 x", "plain"])
     assert result.returncode == 0, result.stderr

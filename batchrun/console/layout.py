@@ -16,17 +16,19 @@ PLAIN_WIDTH = 80              # a log file has no width of its own; lay it out f
 MIN_PREVIEW = 12              # with less room a preview stub says nothing; leave it out instead
 SEPARATOR = " · "
 INDENT = "    "               # continuation lines, and the detail lines under a prompt's line
-# C0 controls but newline and tab, DEL and C1 controls: what a terminal may take as a command; and
-# lone surrogates, which no output encoding takes.
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
+# C0 controls but newline and tab, DEL and C1 controls: what a terminal may take as a command; the
+# bidirectional embeddings, overrides and isolates, which reorder how the rest of a line reads (an
+# endpoint's error shown backwards up to the runner's advice after it); and lone surrogates, which no
+# output encoding takes.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 
 
 def shown(text: str) -> str:
-    r"""``text`` with its control characters written as escapes (``\x1b``), and lone surrogates too
-    (``\udc80``). Prompts come from downloaded datasets and replies from the model: printed raw, ESC[2J
-    would clear the screen and OSC 52 write the user's clipboard, and a lone surrogate, which JSON
-    allows and UTF-8 cannot encode, would end the run at the print. Rich's markup escaping leaves them
-    be."""
+    r"""``text`` with its control characters written as escapes (``\x1b``, ``\u202e``), and lone
+    surrogates too (``\udc80``). Prompts come from downloaded datasets and replies from the model:
+    printed raw, ESC[2J would clear the screen and OSC 52 write the user's clipboard, and a lone
+    surrogate, which JSON allows and UTF-8 cannot encode, would end the run at the print. Rich's markup
+    escaping leaves them be."""
     return _CONTROL.sub(_escape, text)
 
 
