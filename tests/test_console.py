@@ -8,6 +8,7 @@ import io
 import re
 from collections import Counter
 
+import pytest
 from conftest import endpoint_args, read_jsonl, run_cli, write_dataset
 from rich.cells import cell_len
 from rich.console import Console
@@ -277,10 +278,10 @@ CLEAR_SCREEN = "\x1b[2J"
 CLIPBOARD_WRITE = "\x1b]52;c;cm0gLXJmIH4=\x07"     # OSC 52: set the terminal's clipboard
 
 
-def run_with_console(tmp_path, endpoint, prompts, *extra):
+def run_with_console(tmp_path, endpoint, prompts, *extra, env=None):
     dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
     return run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=5", "--run_name=run",
-                   "--distribution=terminal_only", *endpoint_args(endpoint), *extra)
+                   "--distribution=terminal_only", *endpoint_args(endpoint), *extra, env=env)
 
 
 def assert_escaped(output: str, *sequences: str) -> None:
@@ -343,3 +344,13 @@ def test_output_in_an_encoding_without_the_consoles_characters_shows_them_escape
     assert "wait\\u2026 3\\xd74 \\u2713" in result.stdout
     assert "BATCH PROCESSING COMPLETE" in result.stdout
     assert len(read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")) == 2
+
+
+@pytest.mark.parametrize("variable", ["FORCE_COLOR", "TTY_COMPATIBLE"])
+def test_a_log_file_gets_plain_lines_though_the_environment_forces_colour(tmp_path, endpoint, variable):
+    """CI systems set FORCE_COLOR for colour; rich took it for a terminal and drew the live progress
+    display into the log, redrawn four times a second."""
+    result = run_with_console(tmp_path, endpoint, ["q1", "q2"], env={variable: "1"})
+    assert result.returncode == 0, result.stderr
+    assert "\x1b" not in result.stdout + result.stderr
+    assert "[2/2]" in result.stdout and "BATCH PROCESSING COMPLETE" in result.stdout
