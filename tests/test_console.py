@@ -346,11 +346,21 @@ def test_output_in_an_encoding_without_the_consoles_characters_shows_them_escape
     assert len(read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")) == 2
 
 
+# What rich's live display writes to redraw itself in place: hide the cursor, go up a line, clear it.
+LIVE_DISPLAY_CODES = ("\x1b[?25l", "\x1b[1A", "\x1b[2K")
+
+
 @pytest.mark.parametrize("variable", ["FORCE_COLOR", "TTY_COMPATIBLE"])
 def test_a_log_file_gets_plain_lines_though_the_environment_forces_colour(tmp_path, endpoint, variable):
     """CI systems set FORCE_COLOR for colour; rich took it for a terminal and drew the live progress
     display into the log, redrawn four times a second."""
     result = run_with_console(tmp_path, endpoint, ["q1", "q2"], env={variable: "1"})
     assert result.returncode == 0, result.stderr
-    assert "\x1b" not in result.stdout + result.stderr
+    assert not any(code in result.stdout + result.stderr for code in LIVE_DISPLAY_CODES)
     assert "[2/2]" in result.stdout and "BATCH PROCESSING COMPLETE" in result.stdout
+
+
+def test_a_log_file_keeps_the_colour_the_environment_asks_for(tmp_path, endpoint):
+    result = run_with_console(tmp_path, endpoint, ["q1"], env={"FORCE_COLOR": "1"})
+    assert result.returncode == 0, result.stderr
+    assert "\x1b[1;32m" in result.stdout       # the summary's bold green

@@ -7,7 +7,6 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
-from typing import TextIO
 
 from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, RenderResult
@@ -57,13 +56,6 @@ class _Fitted:
         yield Text("\n").join(self._layout(options.max_width))
 
 
-def _console(stream: TextIO) -> Console:
-    """A rich console on ``stream``, a terminal only where the stream is one: rich also takes FORCE_COLOR
-    (which CI systems set for colour) and TTY_COMPATIBLE for one, and drew the live progress display
-    into the log, redrawn four times a second."""
-    return Console(file=stream, soft_wrap=True, highlight=False, force_terminal=None if stream.isatty() else False)
-
-
 class RunConsole:
     """The run's output. ``out`` and ``err`` default to stdout and stderr; a caller (a test) may pass
     its own rich consoles, whose width and terminal-ness then decide the layout."""
@@ -72,9 +64,12 @@ class RunConsole:
                  err: Console | None = None) -> None:
         self.redact = redact
         self.verbose = verbose
-        self.out = out or _console(sys.stdout)
-        self.err = err or _console(sys.stderr)
-        self.interactive = self.out.is_terminal
+        self.out = out or Console(file=sys.stdout, soft_wrap=True, highlight=False)
+        self.err = err or Console(file=sys.stderr, soft_wrap=True, highlight=False)
+        # Rich takes FORCE_COLOR (which CI systems set for colour in their logs) and TTY_COMPATIBLE for a
+        # terminal: colour then, but the live display, redrawn in place, only on a real one (else it went
+        # into the log four times a second). A console the caller gives decides for itself.
+        self.interactive = self.out.is_terminal and (out is not None or self.out.file.isatty())
         self._live: Live | None = None
         self._total = 0
         self._done = 0
