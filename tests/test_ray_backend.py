@@ -314,6 +314,42 @@ def test_kill_9_of_the_driver_then_resume_on_ray_runs_every_prompt_exactly_once(
 
 
 @needs_ray
+@pytest.mark.parametrize(("signum", "code", "said"), [(signal.SIGINT, 130, "Interrupted."),
+                                                     (signal.SIGHUP, 129, "Stopped by SIGHUP.")], ids=["ctrl-c", "hangup"])
+def test_a_stop_signal_to_the_whole_process_group_stops_a_ray_run_in_order(tmp_path, endpoint, signum, code, said):
+    """Ctrl-C and a closed terminal's SIGHUP reach every process of the terminal's group, Ray's too:
+    the runner stops the run, keeping what finished, and then Ray."""
+    prompts = [f"[[sleep 0.4]] slow prompt {i}" for i in range(16)]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    run_dir = tmp_path / "data" / "run"
+    tag = uuid.uuid4().hex
+    process = subprocess.Popen(batch_runner_command(*args(dataset, endpoint, "--num_workers=4", "--backend=ray")),
+                               cwd=tmp_path, env=cli_environment(tmp_path, ray_environment(tag)),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: finished_row_count(run_dir) >= 5, timeout=90, what="five finished rows")
+        known = descendants(process.pid)
+        os.killpg(process.pid, signum)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == code, stderr
+    assert said in stdout and "Traceback" not in stderr
+    kept = Counter(human_prompt(row) for row in read_jsonl(run_dir / "trajectories.jsonl"))
+    assert len(kept) >= 5 and set(kept.values()) == {1}
+    wait_until_gone(tag, known)
+    endpoint.reset()
+
+    result = run_cli(tmp_path, *args(dataset, endpoint, "--num_workers=4", "--backend=ray", "--resume"),
+                     env=ray_environment(tag))
+    assert result.returncode == 0, result.stderr
+    assert Counter(human_prompt(row) for row in read_jsonl(run_dir / "trajectories.jsonl")) == Counter(prompts)
+    assert not {last_user_message(request) for request in endpoint.requests} & set(kept)
+    wait_until_gone(tag)
+
+
+@needs_ray
 def test_what_a_session_cut_off_by_kill_9_of_the_driver_spent_on_ray_is_counted_after_resume(tmp_path, endpoint):
     held = HeldReplies(endpoint, {"cut off": 1})       # its first reply comes back, its second waits
     dataset = write_dataset(tmp_path / "dataset.jsonl",
