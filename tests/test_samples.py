@@ -294,6 +294,17 @@ def test_best_of_fewest_calls_keeps_the_shortest_completed_sample_whose_last_cal
     assert exported_samples(tmp_path, "--best_of=fewest_calls")[0] == {0: 3, 2: 1}
 
 
+def test_best_of_fewest_calls_ranks_a_sample_whose_call_count_was_edited_into_text_last(tmp_path):
+    # Before, such a row (edited by hand) ended the export in a traceback (int('few')).
+    write_samples(tmp_path, BEST_OF_RUN)
+    batch = tmp_path / "data" / "run" / "batch_0.jsonl"
+    edited = [json.loads(line) for line in batch.read_text().splitlines()]
+    [shortest] = [row for row in edited if (row["prompt_index"], row["sample_index"]) == (0, 3)]
+    shortest["api_calls"] = "few"
+    batch.write_bytes(b"".join(rows.encode_row(row) for row in edited))
+    assert exported_samples(tmp_path, "--best_of=fewest_calls")[0] == {0: 1, 2: 1}
+
+
 def test_best_of_longest_reasoning_keeps_the_completed_sample_that_reasoned_most(tmp_path):
     write_samples(tmp_path, BEST_OF_RUN)
     assert exported_samples(tmp_path, "--best_of=longest_reasoning")[0] == {0: 1, 2: 1}

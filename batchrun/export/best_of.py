@@ -36,7 +36,10 @@ def sample_rank(candidate: Candidate, rule: str) -> tuple[int, ...] | None:
             return None
         if calls and (calls[-1].result is None or rows.tool_result_failed(calls[-1].result)):
             return None
-        return (int(candidate.row.get("api_calls") or 0), stored.sample_index)
+        # A count edited by hand into something else ranks after every sample that has one.
+        made = candidate.row.get("api_calls", 0)
+        counted = isinstance(made, int) and not isinstance(made, bool)
+        return (0, made, stored.sample_index) if counted else (1, 0, stored.sample_index)
     return (-sum(reasoning for reasoning, _calls in layouts_of(candidate.row)), stored.sample_index)
 
 
