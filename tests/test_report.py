@@ -680,6 +680,21 @@ def test_a_row_whose_turn_is_not_utf8_counts_as_unreadable(run_dir: Path, tmp_pa
     assert "<b>unreadable lines</b> 1" in (copy / report.REPORT_FILE).read_text(encoding="utf-8")
 
 
+@pytest.mark.parametrize("timestamp", ["0001-01-01T00:00:00", "9999-12-31T23:59:59"])
+def test_a_row_whose_time_was_edited_to_the_calendars_end_still_gives_the_page(run_dir: Path, tmp_path: Path,
+                                                                             timestamp: str) -> None:
+    # Before, the timeline's axis ran past datetime's range: OverflowError, no page.
+    copy = tmp_path / "data" / "run"
+    copy.mkdir(parents=True)
+    for path in run_dir.glob("batch_*.jsonl"):
+        edited = [json.loads(line) for line in path.read_bytes().splitlines()]
+        edited[0]["metadata"]["timestamp"] = timestamp
+        (copy / path.name).write_bytes(b"".join(rows.encode_row(row) for row in edited))
+    result = run_cli(tmp_path, "--report", "--run_name=run")
+    assert result.returncode == 0, result.stderr
+    assert page_data((copy / report.REPORT_FILE).read_text(encoding="utf-8"))["total"] == len(PROMPTS)
+
+
 @pytest.mark.parametrize("this_run", ["text", 5, ["a list"]], ids=["text", "number", "list"])
 def test_a_statistics_file_whose_this_run_is_not_an_object_still_gives_the_page(run_dir: Path, tmp_path: Path,
                                                                                  this_run: object) -> None:

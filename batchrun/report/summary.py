@@ -110,13 +110,22 @@ class Timeline:
                 for key, (completed, partial) in sorted(self.counts.items())]
 
 
+# The times a row can hold but from an edit by hand: the timeline's axis, padded either side, must stay
+# within datetime's range (year 1 or 9999 ran past it, and no page was written).
+_EARLIEST, _LATEST = datetime(1970, 1, 1), datetime(9000, 1, 1)
+
+
 @functools.lru_cache(maxsize=1024)       # many rows share each second
 def _epoch(timestamp: str) -> int | None:
-    """Seconds of a row's naive ISO timestamp, read as UTC only to get a stable number."""
+    """Seconds of a row's naive ISO timestamp, read as UTC only to get a stable number; None for a time
+    no run wrote."""
     try:
-        return int(datetime.fromisoformat(timestamp).replace(tzinfo=UTC).timestamp())
+        written = datetime.fromisoformat(timestamp)
     except ValueError:
         return None
+    if not _EARLIEST <= written.replace(tzinfo=None) < _LATEST:
+        return None
+    return int(written.replace(tzinfo=UTC).timestamp())
 
 
 @dataclass
