@@ -466,6 +466,29 @@ def test_a_ray_address_where_nothing_listens_fails_at_once_with_one_clear_line(t
     assert endpoint.requests == [] and batch_rows(tmp_path / "data" / "run") == []
 
 
+@needs_ray
+def test_ray_address_local_starts_the_private_loopback_ray_and_leaves_no_process(tmp_path, endpoint):
+    # Ray reads RAY_ADDRESS=local as "start a new Ray here": that is the private Ray, on 127.0.0.1 only.
+    tag = uuid.uuid4().hex
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["[[sleep 2]] hello"])
+    process = subprocess.Popen(batch_runner_command(*args(dataset, endpoint, "--num_workers=1", "--backend=ray")),
+                               cwd=tmp_path, env=cli_environment(tmp_path, ray_environment(tag, RAY_ADDRESS="local")),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: endpoint.requests or process.poll() is not None, timeout=90,
+                 what="the first request of a session actor")
+        known = descendants(process.pid)
+        sockets = sockets_of(tagged_processes(tag, known))
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, stderr
+    assert "backend ray · local Ray on 127.0.0.1 · 1 node" in stdout
+    assert sockets and non_loopback(sockets) == []
+    wait_until_gone(tag, known)
+
+
 KILLER = '[[call terminal {"command": "kill -9 $PPID"}]] kills whichever actor runs it'
 
 

@@ -30,6 +30,14 @@ PROBE_TIMEOUT = 5.0             # seconds for a TCP connection to RAY_ADDRESS's 
 JOIN_ENVIRONMENT = {"RAY_NUM_REDIS_GET_RETRIES": "1", "RAY_py_gcs_connect_timeout_s": "10"}
 
 
+def cluster_address() -> str | None:
+    """The cluster RAY_ADDRESS names, or None for the private Ray. Ray reads ``local`` as "start a new
+    Ray on this machine": that is the private Ray, which alone stays on 127.0.0.1 and is stopped even
+    after a ``kill -9`` of the runner."""
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    return None if address in ("", "local") else address
+
+
 def import_ray() -> Any:
     try:
         import ray

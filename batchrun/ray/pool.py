@@ -10,7 +10,6 @@ references on their way, the lost indexes), which a further split would have to 
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections import Counter, deque
@@ -43,7 +42,7 @@ class RayWorkerPool:
     """A :class:`~batchrun.workers.WorkerPool` over Ray actors."""
 
     def __init__(self, config: RunConfig, env_settings: EnvironmentSettings, available_tools: frozenset[str]) -> None:
-        self._address = os.environ.get("RAY_ADDRESS", "").strip() or None
+        self._address = cluster.cluster_address()
         self._config = config
         self._actors: list[Any] = []              # by actor index; a lost actor keeps its index
         self._capacity: list[int] = []
