@@ -489,6 +489,21 @@ def test_ray_address_local_starts_the_private_loopback_ray_and_leaves_no_process
     wait_until_gone(tag, known)
 
 
+@needs_ray
+def test_a_ray_client_address_where_nothing_listens_names_the_client_server_port(tmp_path, endpoint):
+    # The port of a ray:// address is the head's Ray Client server, not its GCS port (--port).
+    port = free_port()
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["hello"])
+    result = run_cli(tmp_path, *args(dataset, endpoint, "--backend=ray"), env={"RAY_ADDRESS": f"ray://127.0.0.1:{port}"},
+                     timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"error: nothing answers at RAY_ADDRESS=ray://127.0.0.1:{port} (Connection refused): start the cluster's "
+        f"head node there (ray start --head --ray-client-server-port={port}) or unset RAY_ADDRESS to run on a "
+        "private local Ray"]
+    assert endpoint.requests == []
+
+
 KILLER = '[[call terminal {"command": "kill -9 $PPID"}]] kills whichever actor runs it'
 
 

@@ -83,8 +83,10 @@ def check_head_answers(address: str) -> None:
     """A plain TCP connection first: where nothing listens, Ray would retry for 13 minutes."""
     endpoint = head_endpoint(address)
     if endpoint is not None and (why := unreachable(*endpoint)) is not None:
+        # A ray:// address names the head's Ray Client server, which has a port of its own.
+        option = "--ray-client-server-port" if address.startswith("ray://") else "--port"
         raise PoolStartError(f"nothing answers at RAY_ADDRESS={address} ({why}): start the cluster's head node "
-                             f"there (ray start --head --port={endpoint[1]}) or unset RAY_ADDRESS to run on a "
+                             f"there (ray start --head {option}={endpoint[1]}) or unset RAY_ADDRESS to run on a "
                              "private local Ray")
 
 
