@@ -350,6 +350,32 @@ def test_a_stop_signal_to_the_whole_process_group_stops_a_ray_run_in_order(tmp_p
 
 
 @needs_ray
+def test_sigterm_to_the_runner_stops_a_ray_run_in_order(tmp_path, endpoint):
+    """`kill PID` (or `timeout`, or a service manager) stops the runner alone with SIGTERM: it stops the
+    run as Ctrl-C does, keeping what finished, though ray.init puts a SIGTERM handler of Ray's own in it."""
+    prompts = [f"[[sleep 0.4]] slow prompt {i}" for i in range(16)]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    run_dir = tmp_path / "data" / "run"
+    tag = uuid.uuid4().hex
+    process = subprocess.Popen(batch_runner_command(*args(dataset, endpoint, "--num_workers=4", "--backend=ray")),
+                               cwd=tmp_path, env=cli_environment(tmp_path, ray_environment(tag)),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: finished_row_count(run_dir) >= 5, timeout=90, what="five finished rows")
+        known = descendants(process.pid)
+        process.send_signal(signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 143, stderr
+    assert "Stopped by SIGTERM." in stdout and "Traceback" not in stderr
+    kept = Counter(human_prompt(row) for row in read_jsonl(run_dir / "trajectories.jsonl"))
+    assert len(kept) >= 5 and set(kept.values()) == {1}
+    wait_until_gone(tag, known)
+
+
+@needs_ray
 def test_what_a_session_cut_off_by_kill_9_of_the_driver_spent_on_ray_is_counted_after_resume(tmp_path, endpoint):
     held = HeldReplies(endpoint, {"cut off": 1})       # its first reply comes back, its second waits
     dataset = write_dataset(tmp_path / "dataset.jsonl",

@@ -14,6 +14,7 @@ import socket
 from typing import Any
 
 from batchrun.install_hint import install_hint
+from batchrun.stop_signals import HANDLED
 from batchrun.workers import PoolStartError
 
 INSTALL_HINT = install_hint("ray")
@@ -93,9 +94,12 @@ def check_head_answers(address: str) -> None:
 def init(ray: Any, address: str | None) -> None:
     """Start the private Ray (``address`` None) or join the cluster at ``address``."""
     logging.getLogger("ray").setLevel(logging.ERROR)   # "started a local instance", token notices
+    # ray.init puts its own SIGTERM handler in this process (a stack dump, then abort), in place of the
+    # run's stop in order: the run's handlers are put back after it.
+    handlers = {signum: signal.getsignal(signum) for signum in HANDLED}
     # Ray's processes must outlive a Ctrl-C, which reaches the whole process group: the parent
     # stops the run and then Ray. They inherit an ignored SIGINT from here.
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         if address is None:
             ray.init(address="local", num_cpus=os.cpu_count() or 1, num_gpus=0, include_dashboard=False,
@@ -112,4 +116,6 @@ def init(ray: Any, address: str | None) -> None:
         where = f"the Ray cluster at RAY_ADDRESS={address}" if address else "a local Ray"
         raise PoolStartError(f"could not start {where}: {type(exc).__name__}: {exc}") from None
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in handlers.items():
+            if handler is not None:
+                signal.signal(signum, handler)
