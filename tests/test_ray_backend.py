@@ -37,6 +37,7 @@ from conftest import (
     batch_rows,
     batch_runner_command,
     cli_environment,
+    default_sigint,
     endpoint_args,
     finished_row_count,
     human_prompt,
@@ -372,6 +373,30 @@ def test_sigterm_to_the_runner_stops_a_ray_run_in_order(tmp_path, endpoint):
     assert "Stopped by SIGTERM." in stdout and "Traceback" not in stderr
     kept = Counter(human_prompt(row) for row in read_jsonl(run_dir / "trajectories.jsonl"))
     assert len(kept) >= 5 and set(kept.values()) == {1}
+    wait_until_gone(tag, known)
+
+
+@needs_ray
+def test_ctrl_c_while_the_runner_waits_on_ray_stops_the_run_in_order(tmp_path, endpoint):
+    """Ray's wait turns what the stop signal's handler raises into a plain KeyboardInterrupt; the run
+    still stops in order. The only prompt waits for its reply, so the runner is in that wait."""
+    held = HeldReplies(endpoint, {"held": 0})
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["held until the stop"])
+    tag = uuid.uuid4().hex
+    process = subprocess.Popen(batch_runner_command(*args(dataset, endpoint, "--num_workers=1", "--backend=ray")),
+                               cwd=tmp_path, env=cli_environment(tmp_path, ray_environment(tag)),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+    try:
+        assert held.arrived["held"].wait(90)
+        known = descendants(process.pid)
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        held.open_all()
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, stderr
+    assert "Interrupted." in stdout and "Traceback" not in stderr
     wait_until_gone(tag, known)
 
 

@@ -25,6 +25,7 @@ from batchrun.ray.actor import SessionActor
 from batchrun.ray.gate import GateKeeper, RayRateGate
 from batchrun.ray.node_loss import Attempt, Replacement, share_out
 from batchrun.ray.watcher import Watcher
+from batchrun.stop_signals import STOP_SIGNALS, Interrupted
 from batchrun.workers import STOP_GRACE_SECONDS, PoolStartError, process_count, split_slots
 
 ACTOR_START_TIMEOUT = 180.0     # seconds for every actor to be placed, import the worker code and check its node
@@ -197,6 +198,16 @@ class RayWorkerPool:
         """Every finished result, waiting at most ``timeout`` for the first one. A lost actor's prompts
         are sent again (or get failure rows); only losing every actor ends the run (a Fatal, after the
         rows that arrived with it)."""
+        try:
+            return self._receive(timeout)
+        except KeyboardInterrupt as exc:
+            # Ray's waits turn what the stop signal's handler raised (Interrupted) into a plain
+            # KeyboardInterrupt, which the runner would not take for the stop it is.
+            if isinstance(exc, Interrupted) or STOP_SIGNALS.received is None:
+                raise
+            raise Interrupted(STOP_SIGNALS.received) from None
+
+    def _receive(self, timeout: float) -> list[Finished | Fatal | Spent]:
         ray = self.ray
         watched = [*self._pending, *self._starting]
         if not watched:
