@@ -316,9 +316,12 @@ def test_kill_9_of_the_driver_then_resume_on_ray_runs_every_prompt_exactly_once(
 
 @needs_ray
 @pytest.mark.parametrize(("signum", "code", "said"), [(signal.SIGINT, 130, "Interrupted."),
-                                                     (signal.SIGHUP, 129, "Stopped by SIGHUP.")], ids=["ctrl-c", "hangup"])
+                                                     (signal.SIGHUP, 129, "Stopped by SIGHUP."),
+                                                     (signal.SIGTERM, 143, "Stopped by SIGTERM.")],
+                         ids=["ctrl-c", "hangup", "terminate"])
 def test_a_stop_signal_to_the_whole_process_group_stops_a_ray_run_in_order(tmp_path, endpoint, signum, code, said):
-    """Ctrl-C and a closed terminal's SIGHUP reach every process of the terminal's group, Ray's too:
+    """Ctrl-C and a closed terminal's SIGHUP reach every process of the terminal's group, as a job scheduler's
+    SIGTERM reaches every process of the job, Ray's too:
     the runner stops the run, keeping what finished, and then Ray."""
     prompts = [f"[[sleep 0.4]] slow prompt {i}" for i in range(16)]
     dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
