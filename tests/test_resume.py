@@ -953,3 +953,33 @@ def test_spending_of_an_invocation_killed_before_its_first_row_counts_for_the_ne
     ledger.close()
     assert ledger_dir.existing_results() == []              # so the next invocation may start without --resume
     assert reopened(ledger_dir).unfinished()["cost"] == 0.5
+
+
+@pytest.mark.parametrize("name", ["checkpoint.json", "statistics.json", "trajectories.jsonl", "spent.jsonl",
+                                  ".merge.json", "relocations.json", ".lock"])
+def test_a_directory_in_place_of_a_file_of_the_run_stops_the_resume_before_any_prompt_runs(tmp_path, endpoint, name):
+    # Found only where the run first wrote the file, it was a traceback: after the prompts ran (statistics,
+    # the merge), or before (the ledger, the lock).
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["a", "b", "c"])
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--max_samples=2")).returncode == 0
+    run_dir = tmp_path / "data" / "run"
+    (run_dir / name).unlink(missing_ok=True)
+    (run_dir / name).mkdir()
+    endpoint.reset()
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"error: data/run/{name} is not a regular file: the run writes it. Move it out of data/run/."]
+    assert endpoint.requests == []
+
+
+def test_a_fifo_in_place_of_the_checkpoint_stops_the_resume_rather_than_wait_on_it(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["a", "b"])
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--max_samples=1")).returncode == 0
+    run_dir = tmp_path / "data" / "run"
+    (run_dir / "checkpoint.json").unlink()
+    os.mkfifo(run_dir / "checkpoint.json")
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"), timeout=60)
+    assert result.returncode == 1
+    assert "data/run/checkpoint.json is not a regular file" in result.stderr
+

@@ -7,6 +7,7 @@ Only the parent process writes these files.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -20,10 +21,10 @@ from batchrun.paths import lookup_error
 from batchrun.run_dir.checkpoint import CHECKPOINT, Checkpoint
 from batchrun.run_dir.durable import append_whole, atomic_write_json, cut_torn_tail, fsync_dir
 from batchrun.run_dir.errors import RunDirectoryError, full_disk_named, is_disk_full, write_refusal_remedy
-from batchrun.run_dir.merge import TRAJECTORIES, OnCorrupted, forget_merge_over_damage, merge_batch_files
-from batchrun.run_dir.relocations import read_relocations, write_relocations
+from batchrun.run_dir.merge import MERGE_RECORD, TRAJECTORIES, OnCorrupted, forget_merge_over_damage, merge_batch_files
+from batchrun.run_dir.relocations import RELOCATIONS, read_relocations, write_relocations
 from batchrun.run_dir.scan import ScanResult, scan_files
-from batchrun.run_dir.spent import RowPlace
+from batchrun.run_dir.spent import SPENT, RowPlace
 from batchrun.stats import MergeStatistics
 
 # The names the runner writes: one per number. A copy named for the same number another way (batch_00,
@@ -32,6 +33,15 @@ BATCH_FILE = re.compile(r"^batch_(0|[1-9][0-9]*)\.jsonl$")
 STATISTICS = "statistics.json"
 ESTIMATE = "estimate.json"
 LOCK = ".lock"
+# The files a run reads, rewrites whole or appends to beside the batch files. One that is not a regular
+# file is refused with the lock taken, before any prompt runs: met where the run first used it, it was a
+# traceback after the prompts ran (the statistics, the merge), or a read that waits for ever (a FIFO).
+RUN_FILES = (CHECKPOINT, STATISTICS, ESTIMATE, TRAJECTORIES, MERGE_RECORD, RELOCATIONS, SPENT)
+
+
+def not_a_regular_file(path: Path, what_it_holds: str) -> RunDirectoryError:
+    """The one message for a file of the run directory that is not a regular file (a directory, a FIFO, a device)."""
+    return RunDirectoryError(f"{path} is not a regular file: {what_it_holds}. Move it out of {path.parent}/.")
 
 
 def require_readable(path: Path, command: str) -> None:
@@ -77,6 +87,8 @@ class RunDirectory:
             raise RunDirectoryError(f"{self.path} is not a directory: {exc.filename} is a file in the way. Move it, "
                                     "or choose another --run_name.") from None
         except OSError as exc:
+            if exc.errno == errno.EISDIR:
+                raise not_a_regular_file(lock, "the run writes it") from None
             if (remedy := write_refusal_remedy(exc)) is None:
                 raise
             raise RunDirectoryError(f"cannot write in {self.path}: {exc.strerror} ({exc.filename}). Run {remedy}, "
@@ -98,6 +110,12 @@ class RunDirectory:
         except OSError as exc:      # the pid only names the holder to a second run; the lock holds without it
             if not is_disk_full(exc):
                 raise
+        for name in RUN_FILES:
+            # By stat, never by opening (see batch_files); a file not there yet is made when first written.
+            path = self.path / name
+            if path.exists() and not path.is_file():
+                self.release()
+                raise not_a_regular_file(path, "the run writes it")
 
     def release(self) -> None:
         if self._lock_fd is not None:
@@ -110,8 +128,7 @@ class RunDirectory:
             # By stat, never by opening: reading a FIFO would wait for ever, a link to /dev/zero would fill
             # memory with one endless line, and a directory or a broken link cannot be read.
             if not path.is_file():
-                raise RunDirectoryError(f"{path} is not a regular file: a batch file holds rows. Move it out of "
-                                        f"{path.parent}/.")
+                raise not_a_regular_file(path, "a batch file holds rows")
         return [path for _, path in sorted(found)]
 
     def existing_results(self) -> list[str]:
