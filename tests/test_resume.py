@@ -983,3 +983,20 @@ def test_a_fifo_in_place_of_the_checkpoint_stops_the_resume_rather_than_wait_on_
     assert result.returncode == 1
     assert "data/run/checkpoint.json is not a regular file" in result.stderr
 
+
+def test_a_lock_that_is_a_symbolic_link_is_refused_and_the_file_it_names_left_as_it_was(tmp_path, endpoint):
+    # The lock was opened through the link and emptied to take the runner's pid: the file it named was lost.
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["a", "b"])
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--max_samples=1")).returncode == 0
+    run_dir = tmp_path / "data" / "run"
+    precious = tmp_path / "notes.txt"
+    precious.write_text("kept\n")
+    (run_dir / ".lock").unlink()
+    (run_dir / ".lock").symlink_to(precious)
+    endpoint.reset()
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "error: data/run/.lock is not a regular file: the run writes it. Move it out of data/run/."]
+    assert precious.read_text() == "kept\n"
+    assert endpoint.requests == []

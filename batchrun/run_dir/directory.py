@@ -74,7 +74,8 @@ class RunDirectory:
         try:
             with full_disk_named(lock):
                 self.path.mkdir(parents=True, exist_ok=True)
-                fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+                # Never through a symbolic link: taking the lock empties the file to write the pid in it.
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
         except (FileExistsError, NotADirectoryError) as exc:
             if reason := lookup_error(self.path):   # a loop of symbolic links exists but is not "a file"
                 raise RunDirectoryError(f"cannot use the run directory {self.path}: {reason}. Move it, or choose "
@@ -87,7 +88,7 @@ class RunDirectory:
             raise RunDirectoryError(f"{self.path} is not a directory: {exc.filename} is a file in the way. Move it, "
                                     "or choose another --run_name.") from None
         except OSError as exc:
-            if exc.errno == errno.EISDIR:
+            if exc.errno == errno.EISDIR or (exc.errno == errno.ELOOP and lock.is_symlink()):
                 raise not_a_regular_file(lock, "the run writes it") from None
             if (remedy := write_refusal_remedy(exc)) is None:
                 raise
