@@ -1000,3 +1000,24 @@ def test_a_lock_that_is_a_symbolic_link_is_refused_and_the_file_it_names_left_as
         "error: data/run/.lock is not a regular file: the run writes it. Move it out of data/run/."]
     assert precious.read_text() == "kept\n"
     assert endpoint.requests == []
+
+
+def test_a_batch_file_linked_from_another_run_is_refused_and_that_run_left_as_it_was(tmp_path, endpoint):
+    # A run made by linking an earlier run's batch files appended its rows, and cut torn tails, through the
+    # links: into the earlier run's files.
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["a", "b"])
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--max_samples=1")).returncode == 0
+    earlier = tmp_path / "data" / "run"
+    earlier.rename(tmp_path / "data" / "earlier")
+    earlier = tmp_path / "data" / "earlier"
+    before = (earlier / "batch_0.jsonl").read_bytes()
+    (tmp_path / "data" / "run").mkdir()
+    (tmp_path / "data" / "run" / "batch_0.jsonl").symlink_to(earlier / "batch_0.jsonl")
+    endpoint.reset()
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"error: data/run/batch_0.jsonl is a symbolic link to {earlier / 'batch_0.jsonl'}: the run writes its "
+        "files in place, so it would write there. Copy that file in its place."]
+    assert (earlier / "batch_0.jsonl").read_bytes() == before
+    assert endpoint.requests == []

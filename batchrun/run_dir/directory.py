@@ -111,11 +111,21 @@ class RunDirectory:
         except OSError as exc:      # the pid only names the holder to a second run; the lock holds without it
             if not is_disk_full(exc):
                 raise
-        for name in RUN_FILES:
-            # By stat, never by opening (see batch_files); a file not there yet is made when first written.
-            path = self.path / name
+        try:
+            self._require_own_files()
+        except RunDirectoryError:
+            self.release()
+            raise
+
+    def _require_own_files(self) -> None:
+        """Each file of the run there is a regular file of its own. By stat, never by opening (see
+        batch_files); a file not there yet is made when first written."""
+        for path in [*(self.path / name for name in RUN_FILES), *self.batch_files()]:
+            if path.is_symlink():
+                # Appends and torn tails cut go through a link, into the file it names (another run's, say).
+                raise RunDirectoryError(f"{path} is a symbolic link to {os.readlink(path)}: the run writes its "
+                                        "files in place, so it would write there. Copy that file in its place.")
             if path.exists() and not path.is_file():
-                self.release()
                 raise not_a_regular_file(path, "the run writes it")
 
     def release(self) -> None:
