@@ -1021,3 +1021,17 @@ def test_a_batch_file_linked_from_another_run_is_refused_and_that_run_left_as_it
         "files in place, so it would write there. Copy that file in its place."]
     assert (earlier / "batch_0.jsonl").read_bytes() == before
     assert endpoint.requests == []
+
+
+def test_a_fifo_in_place_of_the_lock_is_refused_in_one_line(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["a", "b"])
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--max_samples=1")).returncode == 0
+    run_dir = tmp_path / "data" / "run"
+    (run_dir / ".lock").unlink()
+    os.mkfifo(run_dir / ".lock")
+    endpoint.reset()
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"), timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "error: data/run/.lock is not a regular file: the run writes it. Move it out of data/run/."]
+    assert endpoint.requests == []

@@ -12,6 +12,7 @@ import fcntl
 import json
 import os
 import re
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,9 @@ class RunDirectory:
                 raise
             raise RunDirectoryError(f"cannot write in {self.path}: {exc.strerror} ({exc.filename}). Run {remedy}, "
                                     "or choose another --run_name.") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):     # a FIFO takes no record lock, and holds no pid
+            os.close(fd)
+            raise not_a_regular_file(lock, "the run writes it")
         try:
             # A POSIX record lock belongs to this process alone: forked workers do not inherit it,
             # so a killed runner frees the directory at once even while its workers wind down.
