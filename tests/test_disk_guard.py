@@ -17,7 +17,7 @@ LIMIT = 10 * MIB
 
 def watch_over(directory: Path) -> tuple[WorkspaceWatch, list[str]]:
     stops: list[str] = []
-    watch = WorkspaceWatch(DiskGuard(reserve_bytes=0), directory, LIMIT, lambda: stops.append("stop"), lambda: [])
+    watch = WorkspaceWatch(DiskGuard(reserve_bytes=0), directory, LIMIT, lambda: stops.append("stop"), lambda: [], ())
     return watch, stops
 
 

@@ -99,8 +99,7 @@ class LayerWatch:
         self.killed = False
         self._giving_back: asyncio.Future[None] | None = None
         self.watch: WorkspaceWatch = guard_for(limits.disk_reserve_mb * MIB).watch(
-            directory, limits.workspace_mb * MIB, self._kill, self.holders)
-        self.watch.files = files
+            directory, limits.workspace_mb * MIB, self._kill, self.holders, files)
         try:
             self.restarted(first_pid)
         except OSError:

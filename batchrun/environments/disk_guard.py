@@ -66,15 +66,14 @@ class WorkspaceWatch:
     its processes were last stopped (until the environment reports it)."""
 
     def __init__(self, guard: DiskGuard, directory: Path, limit_bytes: int, stop: Callable[[], None],
-                 holders: Callable[[], list[int]]) -> None:
+                 holders: Callable[[], list[int]], files: tuple[Path, ...]) -> None:
         self._guard = guard
         self.directory = directory
         self.limit_bytes = limit_bytes
         self.stop = stop
         self.holders = holders
         self.device = os.stat(directory).st_dev     # where the holders' unnamed files count (see unnamed_usage)
-        #: Files outside the directory that its processes write, counted with it.
-        self.files: tuple[Path, ...] = ()
+        self.files = files          # outside the directory, written by its processes: counted with it
         self.least_per_file = free_space(directory).file_share
         self.unnamed = 0        # what the holders' files with no name took when last counted
         self.used = 0
@@ -195,10 +194,11 @@ class DiskGuard:
         self._most_free = 0         # the most free space seen since the last walk of every workspace
 
     def watch(self, directory: Path, limit_bytes: int, stop: Callable[[], None],
-              holders: Callable[[], list[int]]) -> WorkspaceWatch:
-        """Keep ``directory`` under ``limit_bytes`` until the watch is closed; ``stop`` kills every process
-        writing it, ``holders`` names them (for the files they hold with no name left)."""
-        watch = WorkspaceWatch(self, directory, limit_bytes, stop, holders)
+              holders: Callable[[], list[int]], files: tuple[Path, ...] = ()) -> WorkspaceWatch:
+        """Keep ``directory``, with ``files`` outside it, under ``limit_bytes`` until the watch is closed;
+        ``stop`` kills every process writing it, ``holders`` names them (for the files they hold with no
+        name left)."""
+        watch = WorkspaceWatch(self, directory, limit_bytes, stop, holders, files)
         if not self._watches:
             self._most_free = free_space(directory).bytes
         self._watches.append(watch)
