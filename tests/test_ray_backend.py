@@ -315,14 +315,16 @@ def test_kill_9_of_the_driver_then_resume_on_ray_runs_every_prompt_exactly_once(
 
 
 @needs_ray
-@pytest.mark.parametrize(("signum", "code", "said"), [(signal.SIGINT, 130, "Interrupted."),
-                                                     (signal.SIGHUP, 129, "Stopped by SIGHUP."),
-                                                     (signal.SIGTERM, 143, "Stopped by SIGTERM.")],
-                         ids=["ctrl-c", "hangup", "terminate"])
-def test_a_stop_signal_to_the_whole_process_group_stops_a_ray_run_in_order(tmp_path, endpoint, signum, code, said):
+@pytest.mark.parametrize(("signum", "code", "said", "to_group"),
+                         [(signal.SIGINT, 130, "Interrupted.", True), (signal.SIGHUP, 129, "Stopped by SIGHUP.", True),
+                          (signal.SIGTERM, 143, "Stopped by SIGTERM.", True),
+                          (signal.SIGTERM, 143, "Stopped by SIGTERM.", False)],
+                         ids=["ctrl-c", "hangup", "terminate", "terminate the runner alone"])
+def test_a_stop_signal_stops_a_ray_run_in_order(tmp_path, endpoint, signum, code, said, to_group):
     """Ctrl-C and a closed terminal's SIGHUP reach every process of the terminal's group, as a job scheduler's
-    SIGTERM reaches every process of the job, Ray's too:
-    the runner stops the run, keeping what finished, and then Ray."""
+    SIGTERM reaches every process of the job, Ray's too; `kill PID` (or `timeout`, or a service manager)
+    signals the runner alone, though ray.init puts a SIGTERM handler of Ray's own in it. Each time the
+    runner stops the run, keeping what finished, and then Ray."""
     prompts = [f"[[sleep 0.4]] slow prompt {i}" for i in range(16)]
     dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
     run_dir = tmp_path / "data" / "run"
@@ -333,7 +335,10 @@ def test_a_stop_signal_to_the_whole_process_group_stops_a_ray_run_in_order(tmp_p
     try:
         wait_for(lambda: finished_row_count(run_dir) >= 5, timeout=90, what="five finished rows")
         known = descendants(process.pid)
-        os.killpg(process.pid, signum)
+        if to_group:
+            os.killpg(process.pid, signum)
+        else:
+            process.send_signal(signum)
         stdout, stderr = process.communicate(timeout=60)
     finally:
         if process.poll() is None:
@@ -351,32 +356,6 @@ def test_a_stop_signal_to_the_whole_process_group_stops_a_ray_run_in_order(tmp_p
     assert Counter(human_prompt(row) for row in read_jsonl(run_dir / "trajectories.jsonl")) == Counter(prompts)
     assert not {last_user_message(request) for request in endpoint.requests} & set(kept)
     wait_until_gone(tag)
-
-
-@needs_ray
-def test_sigterm_to_the_runner_stops_a_ray_run_in_order(tmp_path, endpoint):
-    """`kill PID` (or `timeout`, or a service manager) stops the runner alone with SIGTERM: it stops the
-    run as Ctrl-C does, keeping what finished, though ray.init puts a SIGTERM handler of Ray's own in it."""
-    prompts = [f"[[sleep 0.4]] slow prompt {i}" for i in range(16)]
-    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
-    run_dir = tmp_path / "data" / "run"
-    tag = uuid.uuid4().hex
-    process = subprocess.Popen(batch_runner_command(*args(dataset, endpoint, "--num_workers=4", "--backend=ray")),
-                               cwd=tmp_path, env=cli_environment(tmp_path, ray_environment(tag)),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for(lambda: finished_row_count(run_dir) >= 5, timeout=90, what="five finished rows")
-        known = descendants(process.pid)
-        process.send_signal(signal.SIGTERM)
-        stdout, stderr = process.communicate(timeout=60)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == 143, stderr
-    assert "Stopped by SIGTERM." in stdout and "Traceback" not in stderr
-    kept = Counter(human_prompt(row) for row in read_jsonl(run_dir / "trajectories.jsonl"))
-    assert len(kept) >= 5 and set(kept.values()) == {1}
-    wait_until_gone(tag, known)
 
 
 @needs_ray
