@@ -686,10 +686,16 @@ def test_a_row_whose_time_was_edited_to_the_calendars_end_still_gives_the_page(r
     # Before, the timeline's axis ran past datetime's range: OverflowError, no page.
     copy = tmp_path / "data" / "run"
     copy.mkdir(parents=True)
+    edited_rows = 0
     for path in run_dir.glob("batch_*.jsonl"):
         edited = [json.loads(line) for line in path.read_bytes().splitlines()]
-        edited[0]["metadata"]["timestamp"] = timestamp
+        # A failure row has no metadata, and which row comes first in a batch file is the order they ended.
+        first_trajectory = next((row for row in edited if "metadata" in row), None)
+        if first_trajectory is not None:
+            first_trajectory["metadata"]["timestamp"] = timestamp
+            edited_rows += 1
         (copy / path.name).write_bytes(b"".join(rows.encode_row(row) for row in edited))
+    assert edited_rows
     result = run_cli(tmp_path, "--report", "--run_name=run")
     assert result.returncode == 0, result.stderr
     assert page_data((copy / report.REPORT_FILE).read_text(encoding="utf-8"))["total"] == len(PROMPTS)
