@@ -78,7 +78,8 @@ def pull(args: list[str]) -> int:
 
 def run(args: list[str]) -> int:
     found, rest = options(args, {"--label", "--name", "--network", "-w", "--entrypoint", "--memory",
-                                 "--memory-swap", "--pids-limit", "--tmpfs", "--stop-timeout", "--ulimit", "--log-driver"})
+                                 "--memory-swap", "--pids-limit", "--tmpfs", "--stop-timeout", "--ulimit", "--log-driver",
+                                 "--env"})
     if "-d" not in found:
         fail("fake docker: only detached runs are supported")
     time.sleep(float(os.environ.get("FAKE_RUN_SECONDS", "0")))

@@ -68,15 +68,23 @@ def test_the_container_is_labelled_with_the_run_and_prompt_and_has_no_network(en
 
 
 def test_the_users_proxy_settings_and_their_credentials_stay_out_of_the_container(engine, tmp_path, monkeypatch):
-    """Podman copies the proxy variables of the environment it runs in into each container it starts."""
+    """Podman copies the proxy variables of the environment it runs in into each container it starts;
+    Docker's CLI, the proxies of its configuration file."""
     for name in ("HTTPS_PROXY", "http_proxy", "NO_PROXY"):
         monkeypatch.setenv(name, "http://user:proxy-secret@proxy.example:3128")
+    docker_config = tmp_path / "docker-config"
+    docker_config.mkdir()
+    proxy = "http://user:config-secret@proxy.example:3128"
+    (docker_config / "config.json").write_text(json.dumps({"proxies": {"default": {
+        "httpProxy": proxy, "httpsProxy": proxy, "ftpProxy": proxy, "allProxy": proxy, "noProxy": proxy}}}))
+    monkeypatch.setenv("DOCKER_CONFIG", str(docker_config))
     env = started(engine, make_settings(tmp_path, allow_network=True))
     try:
-        seen = asyncio.run(env.run("env")).output
+        seen = asyncio.run(env.run("env; tr '\\0' '\\n' < /proc/1/environ")).output
     finally:
         asyncio.run(env.close())
-    assert "proxy-secret" not in seen
+    assert "PATH=" in seen
+    assert "secret" not in seen
 
 
 def test_what_a_command_writes_to_the_containers_first_process_is_kept_nowhere(engine, tmp_path):

@@ -9,6 +9,7 @@ crashed run can be found and removed before the next run under the same name sta
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 from pathlib import Path
 
@@ -38,6 +39,10 @@ _reachable_engines: set[str] = set()
 _podman_engines: set[str] = set()          # of those, the ones that are Podman
 _present_images: set[tuple[str, str]] = set()
 _questions = SingleFlight()
+
+# What Docker's CLI sets in a new container from the proxies of its configuration file.
+_PROXY_VARIABLES = frozenset(name for variable in ("HTTP_PROXY", "HTTPS_PROXY", "FTP_PROXY", "NO_PROXY", "ALL_PROXY")
+                             for name in (variable, variable.lower()))
 # The container's first process: it must reap the orphans the kernel hands it (`sleep infinity` never
 # did, and each zombie held a place in the process limit until the prompt ended), and outlive whatever a
 # command kills. The kernel keeps every signal from inside the container off it but those it handles, and
@@ -147,10 +152,17 @@ class DockerEnvironment(CliContainerEnvironment):
         return ["--ulimit", f"fsize={self.settings.limits.workspace_mb * MIB}"]
 
     def _no_proxy_variables(self) -> list[str]:
-        """Podman copies the proxy variables of the environment it runs in (the user's, whose proxy URLs
-        may carry a password) into every container it starts, unless told not to; Docker copies none.
-        A command sees no variable of the user's."""
-        return ["--http-proxy=false"] if self.executable in _podman_engines else []
+        """The engines copy the user's proxy settings, whose URLs may carry a password, into every
+        container they start: Podman those of the environment it runs in, unless told not to; Docker's
+        CLI those of its configuration file (``proxies`` in ~/.docker/config.json) for each variable not
+        given. A variable given without a value is removed from the container, but the CLI fills such a
+        variable from its own environment where it is set there, so that one is given empty (the CLI
+        keeps its environment: a daemon reached through a proxy needs it). A command sees no setting of
+        the user's."""
+        if self.executable in _podman_engines:
+            return ["--http-proxy=false"]
+        return [option for name in sorted(_PROXY_VARIABLES)
+                for option in ("--env", f"{name}=" if name in os.environ else name)]
 
     async def _watch_layer(self) -> None:
         """Watch the container's writable layer where this machine holds it (see container_layer), or
