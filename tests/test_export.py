@@ -566,6 +566,18 @@ def test_an_out_path_through_a_symlink_loop_is_one_error_line(run_home, tmp_path
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+# Before, a file on the way was "cannot write notes.txt: File exists".
+@pytest.mark.parametrize("export", ["openai", "hf"])
+@pytest.mark.parametrize("out", ["notes.txt/rows.jsonl", "notes.txt/new/rows.jsonl"])
+def test_an_out_path_through_a_file_names_that_file_as_not_a_directory(run_home, tmp_path, export, out):
+    (tmp_path / "notes.txt").write_text("kept")
+    result = run_cli(run_home, f"--run_name={RUN}", f"--export={export}", f"--out={tmp_path / out}")
+    assert result.returncode == 1
+    assert result.stderr == (f"error: --out={tmp_path / out} goes through {tmp_path / 'notes.txt'}, which is a file, "
+                             "not a directory; choose another --out\n")
+    assert (tmp_path / "notes.txt").read_text() == "kept"
+
+
 def test_a_line_that_is_json_but_not_a_row_stops_the_export_and_keeps_the_earlier_file(run_home, tmp_path):
     home = tmp_path / "home"
     (home / "data" / RUN).mkdir(parents=True)

@@ -49,11 +49,15 @@ def export_options(*, export: Any, run_name: Any, out: Any, reasoning: Any, disc
 def _checked_out(out: Path, run_dir: Path) -> Path:
     """--out, where the export may write: the rename that puts its file there would replace whatever is
     there, so never a file of the run directory outside its export folder (the run's own rows), never a
-    FIFO or a device (as root, the device node itself), and never a path without a file name."""
+    FIFO or a device (as root, the device node itself), and never a path without a file name. Its folders
+    that are not there yet are made."""
     if not out.name:
         raise UsageError(f"--out={out} names no file; give a file path, e.g. --out=rows.jsonl")
     if problem := lookup_error(out):
         raise UsageError(f"--out={out} cannot be reached: {problem}; choose another --out")
+    if blocking := next((folder for folder in out.parents if folder.exists() and not folder.is_dir()), None):
+        kind = "a file" if blocking.is_file() else file_kind(blocking)
+        raise UsageError(f"--out={out} goes through {blocking}, which is {kind}, not a directory; choose another --out")
     exports, resolved = run_dir / EXPORT_FOLDER, out.resolve()
     if resolved.is_relative_to(run_dir.resolve()) and not resolved.is_relative_to(exports.resolve()):
         raise UsageError(f"--out={out} is inside the run directory {run_dir}/, whose files the export must not "
