@@ -3,7 +3,10 @@ kept). The wrapper sets ``FAKE_PROGRAM`` to the name it was called by.
 
 Understands what batchrun's singularity backend calls: pull, instance start/list/stop, exec into
 ``instance://NAME``. Like the real program, exec passes the host environment into the container
-unless exec is given ``--cleanenv``. ``FAKE_PULL_FAIL=img[,img]`` makes
+unless exec is given ``--cleanenv``, and even then the host's proxy variables and each variable that
+``APPTAINERENV_``/``SINGULARITYENV_`` name; instance start binds what the bind variables name besides
+its ``--bind`` (as Apptainer's internal/pkg/util/env/clean.go and its documented
+APPTAINER_BIND/SINGULARITY_BIND do). ``FAKE_PULL_FAIL=img[,img]`` makes
 pulling ``docker://img`` fail; ``FAKE_PULL_SECONDS`` slows pulls down.
 """
 
@@ -19,6 +22,11 @@ from fake_container import Container, container_env, fail, log_call, pull_delay,
 PROGRAM = os.environ.get("FAKE_PROGRAM", "singularity")
 # Options of the commands below that take a value; every other option is a flag.
 VALUE_OPTIONS = {"--network", "--bind", "-B", "--pwd"}
+# What --cleanenv passes all the same.
+ALWAYS_PASSED = {name for variable in ("http_proxy", "https_proxy", "no_proxy", "all_proxy", "ftp_proxy")
+                 for name in (variable, variable.upper())}
+ENV_PREFIXES = ("APPTAINERENV_", "SINGULARITYENV_")
+BIND_VARIABLES = ("APPTAINER_BIND", "APPTAINER_BINDPATH", "SINGULARITY_BIND", "SINGULARITY_BINDPATH")
 
 
 def options(args: list[str]) -> tuple[dict[str, str], list[str]]:
@@ -48,6 +56,16 @@ def pull(args: list[str]) -> int:
     return 0
 
 
+def bind_pairs(specs: list[str]) -> list[list[str]]:
+    """Each SRC[:DEST[:OPTIONS]] of the comma-separated ``specs`` -> [SRC, DEST] (DEST is SRC if not given)."""
+    pairs = []
+    for spec in ",".join(specs).split(","):
+        if spec:
+            parts = spec.split(":")
+            pairs.append([parts[0], parts[1] if len(parts) > 1 else parts[0]])
+    return pairs
+
+
 def instance_start(args: list[str]) -> int:
     found, (sif, name) = options(args)
     if not Path(sif).is_file():
@@ -56,7 +74,7 @@ def instance_start(args: list[str]) -> int:
     container = Container(name)
     if container.exists():
         fail(f"FATAL:   instance {name} already exists", 255)
-    binds = [spec.split(":")[:2] for spec in found.get("--bind", "").split(",") if spec]
+    binds = bind_pairs([found.get("--bind", ""), *(os.environ.get(name, "") for name in BIND_VARIABLES)])
     container.create({"sif": sif, "binds": binds, "options": sorted(found),
                       "network": found.get("--network")})
     print("INFO:    instance started successfully")
@@ -95,8 +113,15 @@ def exec_(args: list[str]) -> int:
     if not container.exists():
         fail(f"FATAL:   instance {target} does not exist", 255)
     # Each exec builds its own environment; what instance start was told does not carry over.
-    env = container_env(container.host_path("/root")) if "--cleanenv" in found else dict(os.environ)
+    env = cleaned_environment(container.host_path("/root")) if "--cleanenv" in found else dict(os.environ)
     return container.execute(argv, workdir=found.get("--pwd", "/"), env=env, stdin=True)
+
+
+def cleaned_environment(home: str) -> dict[str, str]:
+    passed = {name: value for name, value in os.environ.items() if name in ALWAYS_PASSED}
+    named = {name[len(prefix):]: value for name, value in os.environ.items() for prefix in ENV_PREFIXES
+             if name.startswith(prefix) and len(name) > len(prefix)}
+    return container_env(home, {**passed, **named})
 
 
 COMMANDS = {"pull": pull, "instance start": instance_start, "instance list": instance_list,

@@ -223,6 +223,34 @@ def test_commands_do_not_see_the_users_secrets(subject, tmp_path, monkeypatch):
         assert secret not in result.output
 
 
+def test_commands_see_none_of_the_users_proxy_settings_nor_variables_meant_for_containers(subject, tmp_path,
+                                                                                          monkeypatch):
+    """Proxy URLs may carry a password; Singularity and Apptainer pass the proxy variables and what
+    SINGULARITYENV_/APPTAINERENV_ name into their containers even when told to clean the environment."""
+    for name in ("HTTPS_PROXY", "http_proxy", "all_proxy"):
+        monkeypatch.setenv(name, "http://user:proxy-secret@proxy.example:3128")
+    monkeypatch.setenv("APPTAINERENV_SHARED", "apptainer-secret")
+    monkeypatch.setenv("SINGULARITYENV_SHARED_TOO", "singularity-secret")
+    result = in_environment(subject, make_settings(tmp_path), lambda env: env.run("env"))
+    assert "PATH=" in result.output
+    assert "secret" not in result.output and "SHARED" not in result.output
+
+
+def test_no_host_directory_the_users_container_settings_bind_is_in_the_sandbox(subject, tmp_path, monkeypatch):
+    """Singularity and Apptainer bind what SINGULARITY_BIND/APPTAINER_BIND name (often set for every
+    container on a cluster) into each container they start, beside the backend's own binds."""
+    host = tmp_path / "host-only"
+    host.mkdir()
+    (host / "secret.txt").write_text("host-secret")
+    for name in ("APPTAINER_BIND", "APPTAINER_BINDPATH", "SINGULARITY_BIND", "SINGULARITY_BINDPATH"):
+        monkeypatch.setenv(name, f"{host}:/bound")
+
+    async def scenario(env: Environment) -> None:
+        with pytest.raises(ToolError):      # not there, or out of the file tools' reach
+            await env.read_file("/bound/secret.txt")
+    in_environment(subject, make_settings(tmp_path), scenario)
+
+
 def test_a_command_past_its_time_limit_is_killed_and_the_next_one_runs(subject, tmp_path):
     async def scenario(env: Environment) -> tuple:
         began = time.monotonic()

@@ -49,6 +49,11 @@ PULL_TIMEOUT = 1800.0
 # characters: the message fits in them whole. An engine's reason that is too long loses its start,
 # whole words of it: engines chain their errors outermost first, so the cause is at the end.
 SETUP_MESSAGE_CHARS = 200
+# The variables a runtime fills from a proxy setting of the user's (a URL that may hold a password):
+# Docker's CLI from its configuration file, Singularity and Apptainer from their own environment even
+# under --cleanenv.
+PROXY_VARIABLES = frozenset(name for variable in ("HTTP_PROXY", "HTTPS_PROXY", "FTP_PROXY", "NO_PROXY", "ALL_PROXY")
+                            for name in (variable, variable.lower()))
 # The in-container `timeout` is the real limit; ours, this much later, only catches a hung CLI.
 _CLI_GRACE_SECONDS = 5.0
 # `timeout -s KILL` exits 128 + SIGKILL when it had to kill the command.
@@ -350,24 +355,30 @@ class CliContainerEnvironment(ContainerEnvironment):
         return await start(None)
 
     async def _call(self, argv: list[str], *, stdin: bytes | None = None, timeout: float = HOUSEKEEPING_TIMEOUT,
-                    max_stdout: int = STDOUT_BYTES) -> CliResult:
+                    max_stdout: int = STDOUT_BYTES, env: dict[str, str] | None = None) -> CliResult:
         try:
             return await self._started_in_cli_directory(
-                lambda cwd: call_cli(argv, timeout=timeout, stdin=stdin, max_stdout=max_stdout, cwd=cwd))
+                lambda cwd: call_cli(argv, timeout=timeout, stdin=stdin, max_stdout=max_stdout, cwd=cwd, env=env))
         except OSError as exc:
             return CliResult(returncode=127, stdout=b"", stderr=f"cannot run {argv[0]}: {exc}")
+
+    def _entering_environment(self) -> dict[str, str] | None:
+        """The CLI's environment where it starts the container or runs a program in it, for a runtime
+        that copies some of it in (None: this process's, as for every other call)."""
+        return None
 
     async def _exec(self, argv: list[str], *, workdir: str, stdin: bytes | None = None) -> CliResult:
         """What a program in the container writes is kept up to one byte past the largest file the tools
         read: a program the prompt replaced may write without end."""
         return await self._call(self.exec_argv(argv, workdir=workdir, stdin=stdin is not None), stdin=stdin,
-                                max_stdout=self.settings.max_file_bytes)
+                                max_stdout=self.settings.max_file_bytes, env=self._entering_environment())
 
     async def _exec_merged(self, argv: list[str], *, timeout: float) -> CommandResult:
         try:
             return await self._started_in_cli_directory(
                 lambda cwd: run_merged(self.exec_argv(argv, workdir="/"), timeout=timeout,
-                                       max_output_chars=self.settings.max_output_chars, cwd=cwd))
+                                       max_output_chars=self.settings.max_output_chars, cwd=cwd,
+                                       env=self._entering_environment()))
         except OSError as exc:
             return CommandResult(output="", exit_code=None, error=f"could not start {self.executable}: {exc}")
 

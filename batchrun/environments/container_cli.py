@@ -53,16 +53,18 @@ class CliResult:
 
 
 async def call_cli(argv: list[str], *, timeout: float, stdin: bytes | None = None,
-                   max_stdout: int = STDOUT_BYTES, cwd: Path | None = None) -> CliResult:
+                   max_stdout: int = STDOUT_BYTES, cwd: Path | None = None,
+                   env: dict[str, str] | None = None) -> CliResult:
     """Run ``argv`` to completion (killed after ``timeout`` seconds, on cancellation, or once it has
-    written more than ``max_stdout`` bytes to stdout or 64 KB to stderr), in ``cwd`` where given.
+    written more than ``max_stdout`` bytes to stdout or 64 KB to stderr), in ``cwd`` and with the
+    environment ``env`` where given (else this process's).
 
     It gets its own process group, so killing it on our side also ends the helpers a CLI starts.
     Raises OSError when the program cannot be started.
     """
     process = await asyncio.create_subprocess_exec(
         *argv, stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True, cwd=cwd)
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True, cwd=cwd, env=env)
     overflowed = False
 
     async def collect(stream: asyncio.StreamReader, limit: int) -> bytes:

@@ -17,6 +17,7 @@ from batchrun.env_vars import variable
 from batchrun.environments.base import CommandResult, EnvironmentSettings, ToolError
 from batchrun.environments.container import (
     HOUSEKEEPING_TIMEOUT,
+    PROXY_VARIABLES,
     PULL_TIMEOUT,
     CliContainerEnvironment,
     run_prefix,
@@ -39,10 +40,6 @@ _reachable_engines: set[str] = set()
 _podman_engines: set[str] = set()          # of those, the ones that are Podman
 _present_images: set[tuple[str, str]] = set()
 _questions = SingleFlight()
-
-# What Docker's CLI sets in a new container from the proxies of its configuration file.
-_PROXY_VARIABLES = frozenset(name for variable in ("HTTP_PROXY", "HTTPS_PROXY", "FTP_PROXY", "NO_PROXY", "ALL_PROXY")
-                             for name in (variable, variable.lower()))
 # The container's first process: it must reap the orphans the kernel hands it (`sleep infinity` never
 # did, and each zombie held a place in the process limit until the prompt ended), and outlive whatever a
 # command kills. The kernel keeps every signal from inside the container off it but those it handles, and
@@ -161,7 +158,7 @@ class DockerEnvironment(CliContainerEnvironment):
         the user's."""
         if self.executable in _podman_engines:
             return ["--http-proxy=false"]
-        return [option for name in sorted(_PROXY_VARIABLES)
+        return [option for name in sorted(PROXY_VARIABLES)
                 for option in ("--env", f"{name}=" if name in os.environ else name)]
 
     async def _watch_layer(self) -> None:

@@ -6,7 +6,10 @@ converted once into a SIF file in the user's cache (``$XDG_CACHE_HOME/batch_runn
 contained (``--containall``: own PID/IPC namespaces, no host files, environment cleaned) with a
 fresh host directory bound at /workspace and a writable tmpfs elsewhere, so state never reaches
 another prompt. Singularity passes the host environment into containers unless told not to, so
-``--cleanenv`` goes on every start and exec: the user's API keys must not reach the commands.
+``--cleanenv`` goes on every start and exec: the user's API keys must not reach the commands. Even
+then it passes the proxy variables, sets what ``SINGULARITYENV_``/``APPTAINERENV_`` variables name, and
+binds what ``SINGULARITY_BIND``/``APPTAINER_BIND`` name (a cluster often sets these for every
+container): the CLI starts instances and runs commands without any of them in its environment.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.environments.container import (
     HOUSEKEEPING_TIMEOUT,
+    PROXY_VARIABLES,
     PULL_TIMEOUT,
     WORKSPACE,
     CliContainerEnvironment,
@@ -32,6 +36,12 @@ from batchrun.environments.container import (
 from batchrun.environments.container_cli import call_cli_blocking
 from batchrun.environments.image_lock import image_file_stem
 from batchrun.environments.tree_removal import remove_tree
+
+# The prefixes of the variables whose values the runtimes put into their containers: a variable to set
+# there (SINGULARITYENV_NAME), the host paths to bind (SINGULARITY_BIND, SINGULARITY_BINDPATH); Apptainer
+# reads both spellings.
+_PUT_INTO_CONTAINERS = tuple(f"{runtime}{kind}" for runtime in ("SINGULARITY", "APPTAINER")
+                             for kind in ("ENV_", "_BIND"))
 
 
 class SingularityEnvironment(CliContainerEnvironment):
@@ -83,7 +93,8 @@ class SingularityEnvironment(CliContainerEnvironment):
         network = [] if self.settings.allow_network else ["--net", "--network", "none"]
         started = await self._call([
             self.executable, "instance", "start", "--containall", "--cleanenv", "--no-home", "--writable-tmpfs",
-            *network, "--bind", f"{self.prompt_dir}:{WORKSPACE}", str(self.sif), self.name])
+            *network, "--bind", f"{self.prompt_dir}:{WORKSPACE}", str(self.sif), self.name],
+            env=self._entering_environment())
         if not started.ok:
             raise setup_error(f"cannot start an instance of {self.image}", started.message())
 
@@ -91,6 +102,10 @@ class SingularityEnvironment(CliContainerEnvironment):
         await self._call([self.executable, "instance", "stop", "--force", self.name])
         if self.prompt_dir is not None and not self.settings.keep_workdirs:
             await asyncio.to_thread(remove_tree, self.prompt_dir)
+
+    def _entering_environment(self) -> dict[str, str]:
+        return {name: value for name, value in os.environ.items()
+                if name not in PROXY_VARIABLES and not name.startswith(_PUT_INTO_CONTAINERS)}
 
     def exec_argv(self, argv: list[str], *, workdir: str, stdin: bool = False) -> list[str]:
         # singularity exec always passes its stdin through, so ``stdin`` needs no flag here.
