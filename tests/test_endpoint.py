@@ -479,6 +479,38 @@ def test_closed_port_stops_the_run_at_once_with_one_clear_line(tmp_path):
     assert batch_rows(tmp_path / "data" / "run") == []          # no prompt is marked failed for it
 
 
+def through_proxy(proxy: str) -> dict[str, str]:
+    """The proxy variables as a user behind a proxy has them, the loopback endpoint not exempted."""
+    return {"http_proxy": proxy, "HTTP_PROXY": proxy, "no_proxy": "", "NO_PROXY": ""}
+
+
+@pytest.mark.parametrize("proxy_host", ["127.0.0.1", "no-such-proxy.invalid"], ids=["refused", "unresolvable"])
+def test_a_proxy_that_cannot_be_reached_is_named_not_the_endpoint_that_listens(tmp_path, ep, proxy_host):
+    # Before, the run said the endpoint refused the connection (nothing listening there), though it listened.
+    proxy = f"http://user:proxy-pass@{proxy_host}:{closed_port()}"
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["q0", "q1"])
+    result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=5", "--run_name=run",
+                     "--distribution=terminal_only", f"--base_url={ep.base_url}", f"--model={MODEL}",
+                     env=through_proxy(proxy), timeout=60)
+    assert result.returncode == 1
+    [error] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    proxy_named = proxy.removeprefix("http://user:proxy-pass@")
+    assert error.startswith(f"error: the proxy {proxy_named} that requests to {ep.base_url} go through (set by "
+                            "the environment's HTTP_PROXY, HTTPS_PROXY or ALL_PROXY) ")
+    assert "add 127.0.0.1 to NO_PROXY" in error
+    assert "proxy-pass" not in result.stdout + result.stderr and ep.requests == []
+
+
+def test_a_refused_endpoint_exempted_from_the_proxy_is_named_itself(tmp_path):
+    base_url = f"http://127.0.0.1:{closed_port()}/v1"
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["q0"])
+    result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=5", "--run_name=run",
+                     "--distribution=terminal_only", f"--base_url={base_url}", f"--model={MODEL}",
+                     env={**through_proxy(f"http://127.0.0.1:{closed_port()}"), "no_proxy": "127.0.0.1"}, timeout=60)
+    assert result.returncode == 1
+    assert f"error: the endpoint {base_url} refused the connection" in result.stderr
+
+
 def test_message_null_reply_is_a_failure_row_and_the_prompt_runs_again_on_resume(tmp_path, ep):
     prompts = ["[[malformed message_null 2]] lost"]
     first = run_prompts(tmp_path, ep.base_url, prompts, "--max_retries=1")

@@ -8,6 +8,7 @@ import math
 import random
 import socket
 import time
+import urllib.request
 from collections.abc import Iterator, Mapping
 from datetime import UTC
 from typing import Any
@@ -106,14 +107,46 @@ def _causes(exc: BaseException) -> Iterator[BaseException]:
 
 
 def _stop_if_unreachable(exc: openai.APIConnectionError, base_url: str) -> None:
-    """RunFatalError when nothing can ever answer at ``base_url`` (refused, or no such host)."""
+    """RunFatalError when nothing can ever answer at ``base_url`` (refused, or no such host), naming the
+    proxy where requests go through one: it is the proxy that did not answer."""
+    proxy = proxy_for(base_url)
     for cause in _causes(exc):
+        if isinstance(cause, ConnectionRefusedError) and proxy is not None:
+            raise RunFatalError(f"{_through(proxy, base_url)} refused the connection: nothing is listening there. "
+                                f"Start the proxy, or {_exempt(base_url)}.")
         if isinstance(cause, ConnectionRefusedError):
             raise RunFatalError(f"the endpoint {base_url} refused the connection: nothing is listening there. "
                                 "Start the server, or check --base_url.")
+        if isinstance(cause, socket.gaierror) and proxy is not None:
+            raise RunFatalError(f"{_through(proxy, base_url)} cannot be reached: its host name "
+                                f"{urlparse(proxy).hostname!r} cannot be resolved. Check that variable, or "
+                                f"{_exempt(base_url)}.")
         if isinstance(cause, socket.gaierror):
             raise RunFatalError(f"the endpoint {base_url} cannot be reached: its host name "
                                 f"{urlparse(base_url).hostname!r} cannot be resolved. Check --base_url.")
+
+
+def proxy_for(base_url: str) -> str | None:
+    """The proxy URL the HTTP client sends requests to ``base_url`` through (from the environment's
+    proxy variables, read as httpx reads them: urllib's rules), else None."""
+    proxies = urllib.request.getproxies_environment()
+    scheme, host = urlparse(base_url).scheme, urlparse(base_url).hostname or ""
+    proxy = proxies.get(scheme) or proxies.get("all")
+    if not proxy or urllib.request.proxy_bypass(host):
+        return None
+    return proxy if "://" in proxy else f"http://{proxy}"
+
+
+def _through(proxy: str, base_url: str) -> str:
+    """The proxy by its address alone: its URL may hold a user name and password."""
+    where = urlparse(proxy)
+    address = f"{where.hostname}:{where.port}" if where.port else where.hostname
+    return (f"the proxy {address} that requests to {base_url} go through (set by the environment's HTTP_PROXY, "
+            "HTTPS_PROXY or ALL_PROXY)")
+
+
+def _exempt(base_url: str) -> str:
+    return f"add {urlparse(base_url).hostname} to NO_PROXY if the endpoint needs none"
 
 
 # How providers say a conversation no longer fits the model's context: OpenAI and vLLM ("maximum
