@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from batchrun import distributions, flags, registry
-from batchrun.env_vars import enabled, names_host, switch_problem, variable
+from batchrun.env_vars import enabled, names_host, proxy_problem, switch_problem, variable
 from batchrun.environments import ENVIRONMENT_KINDS, default_environment_kind, environment_class
 from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError
 from batchrun.environments.limits import MOST_MB, MOST_PROCESSES, ResourceLimits
@@ -265,8 +265,8 @@ def resource_limits() -> ResourceLimits:
 def build_config(**given: Any) -> RunConfig:
     """The run's config from the flags given (the rest at their defaults). Checked in this order, the first
     problem the one reported: each flag's value by its table entry; then the environment (TERMINAL_ENV and
-    the sandbox, the limit variables) and the price of a reply; the endpoint's key last, so that its
-    guidance never hides another mistake."""
+    the sandbox, the limit variables, the proxy variables) and the price of a reply; the endpoint's key
+    last, so that its guidance never hides another mistake."""
     values = flags.run_values(given)
     base_url = values["base_url"] or DEFAULT_BASE_URL
     kind, reason = terminal_environment(values["distribution"], values["backend"])
@@ -274,6 +274,8 @@ def build_config(**given: Any) -> RunConfig:
     for name in SWITCH_VARIABLES:
         if problem := switch_problem(name):
             raise UsageError(problem)
+    if problem := proxy_problem():
+        raise UsageError(problem)
     default_image = os.environ.get("TERMINAL_DEFAULT_IMAGE", "").strip() or DEFAULT_IMAGE
     if default_image.startswith("-"):     # a container engine would read it as an option, as a dataset's image
         raise UsageError(f"TERMINAL_DEFAULT_IMAGE must name an image; got {default_image!r}, which a container "

@@ -1,11 +1,12 @@
 """The user's environment variables as the runner reads them: a value (blank counts as unset), a
-yes/no switch, or a URL to check. Read by the configuration of tools and sandboxes alike (and the URL check
-by --base_url's), so it sits below them."""
+yes/no switch, a URL to check, or the proxy the endpoint's requests go through. Read by the configuration
+of tools and sandboxes alike (and the URL check by --base_url's), so it sits below them."""
 
 from __future__ import annotations
 
 import os
-from urllib.parse import urlparse
+import urllib.request
+from urllib.parse import urlparse, urlsplit
 
 
 def variable(name: str) -> str | None:
@@ -51,3 +52,60 @@ def names_host(url: str, domain: str) -> bool:
     letters (notopenrouter.ai) is another party, and must get neither its key nor its treatment."""
     host = (urlparse(url).hostname or "").lower()
     return host == domain or host.endswith(f".{domain}")
+
+
+# The schemes whose proxy variables the endpoint's HTTP client (httpx) reads: http_proxy, https_proxy,
+# all_proxy; the ones it can speak to.
+_PROXIED_SCHEMES = ("http", "https", "all")
+_PROXY_SCHEMES = ("http", "https", "socks5", "socks5h")
+
+
+def _proxy_variables() -> dict[str, tuple[str, str]]:
+    """scheme -> (variable, URL) of each proxy the HTTP client takes from the environment, read as
+    urllib reads them (httpx asks it): the lower-case variable over the upper-case one, and a blank
+    lower-case one unsets the scheme's proxy. A URL without a scheme is an http:// one."""
+    found = {}
+    for scheme in _PROXIED_SCHEMES:
+        lower, upper = f"{scheme}_proxy", f"{scheme.upper()}_PROXY"
+        name = lower if lower in os.environ else upper
+        if value := os.environ.get(name, ""):
+            found[scheme] = (name, value if "://" in value else f"http://{value}")
+    return found
+
+
+def proxy_problem() -> str | None:
+    """Why a proxy variable the HTTP client reads cannot be used, else None. The client builds every
+    one of them with its first request, and would fail each request (or the pool's start) on it.
+    Never shows the URL: it may hold a password."""
+    for name, url in _proxy_variables().values():
+        if (problem := _proxy_url_problem(url)) is not None:
+            return (f"the proxy variable {name} is not a proxy URL the HTTP client can use: {problem}. Give it as "
+                    "http://HOST:PORT (or https://, socks5://), or unset it")
+    return None
+
+
+def _proxy_url_problem(url: str) -> str | None:
+    try:
+        parsed = urlsplit(url)
+    except ValueError as exc:
+        return f"it is not a URL ({exc})"
+    if parsed.scheme not in _PROXY_SCHEMES:
+        return f"its scheme {parsed.scheme!r} is none of {', '.join(_PROXY_SCHEMES)}"
+    try:
+        port = parsed.port
+    except ValueError:      # out of range, or not a number
+        port = 0
+    if port == 0:
+        return "its port is not a number from 1 to 65535"
+    return None if parsed.hostname else "it names no host"
+
+
+def proxy_for(url: str) -> str | None:
+    """The proxy URL the HTTP client sends requests to ``url`` through, else None (none is set for its
+    scheme, or NO_PROXY names its host)."""
+    parsed = urlparse(url)
+    proxies = _proxy_variables()
+    found = proxies.get(parsed.scheme) or proxies.get("all")
+    if found is None or urllib.request.proxy_bypass(parsed.hostname or ""):
+        return None
+    return found[1]

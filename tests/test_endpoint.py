@@ -501,6 +501,24 @@ def test_a_proxy_that_cannot_be_reached_is_named_not_the_endpoint_that_listens(t
     assert "proxy-pass" not in result.stdout + result.stderr and ep.requests == []
 
 
+@pytest.mark.parametrize(("name", "proxy", "problem"), [
+    ("HTTP_PROXY", "http://user:proxy-pass@127.0.0.1:99999", "its port is not a number from 1 to 65535"),
+    ("https_proxy", "http://user:proxy-pass@[bad", "it is not a URL (Invalid IPv6 URL)"),
+    ("ALL_PROXY", "ftp://user:proxy-pass@127.0.0.1:21", "its scheme 'ftp' is none of http, https, socks5, socks5h"),
+    ("http_proxy", "http://user:proxy-pass@:3128", "it names no host"),
+], ids=["port", "ipv6", "scheme", "no_host"])
+def test_a_proxy_variable_the_http_client_cannot_use_is_refused_before_the_run(tmp_path, ep, name, proxy, problem):
+    # Before: every prompt a failure row ("Port out of range", a traceback), or a traceback at the start.
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["q0", "q1"])
+    result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=5", "--run_name=run",
+                     "--distribution=terminal_only", f"--base_url={ep.base_url}", f"--model={MODEL}",
+                     env={name: proxy, "no_proxy": "", "NO_PROXY": ""}, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr == (f"error: the proxy variable {name} is not a proxy URL the HTTP client can use: "
+                             f"{problem}. Give it as http://HOST:PORT (or https://, socks5://), or unset it\n")
+    assert "proxy-pass" not in result.stdout and ep.requests == [] and not (tmp_path / "data").exists()
+
+
 def test_a_refused_endpoint_exempted_from_the_proxy_is_named_itself(tmp_path):
     base_url = f"http://127.0.0.1:{closed_port()}/v1"
     dataset = write_dataset(tmp_path / "dataset.jsonl", ["q0"])

@@ -164,6 +164,30 @@ def test_a_switch_variable_takes_the_usual_words_for_yes_and_no(monkeypatch: pyt
     assert build_config(**BASE).environment.allow_network is (value.strip().lower() in ("1", "true", "yes", "on"))
 
 
+# Read as the HTTP client reads them: a lower-case variable over its upper-case one, a blank one unsetting it.
+@pytest.mark.parametrize(("variables", "refused"), [
+    ({"HTTP_PROXY": "ftp://proxy.example"}, "HTTP_PROXY"),
+    ({"HTTP_PROXY": "ftp://proxy.example", "http_proxy": "http://proxy.example:3128"}, None),
+    ({"HTTP_PROXY": "ftp://proxy.example", "http_proxy": ""}, None),
+    ({"HTTP_PROXY": "http://proxy.example:3128", "http_proxy": "ftp://proxy.example"}, "http_proxy"),
+    ({"ALL_PROXY": "proxy.example:3128"}, None),                 # no scheme: an http:// proxy
+    ({"ALL_PROXY": "socks5://proxy.example:1080"}, None),
+    ({"FTP_PROXY": "ftp://proxy.example"}, None),                # not read by the client
+], ids=["upper", "lower-over-upper", "blank-lower-unsets", "lower-bad", "no-scheme", "socks5", "not-read"])
+def test_only_a_proxy_variable_the_client_reads_is_checked(monkeypatch: pytest.MonkeyPatch,
+                                                             variables: dict[str, str], refused: str | None) -> None:
+    monkeypatch.setenv("TERMINAL_ENV", "local")
+    for name in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    if refused is None:
+        build_config(**BASE)
+    else:
+        with pytest.raises(UsageError, match=f"the proxy variable {refused} is not a proxy URL"):
+            build_config(**BASE)
+
+
 # A container engine read it as one of its options: every prompt's container failed to start, each a
 # failure row that every --resume ran again.
 def test_a_default_image_that_starts_with_a_dash_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

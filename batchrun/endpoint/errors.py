@@ -8,7 +8,6 @@ import math
 import random
 import socket
 import time
-import urllib.request
 from collections.abc import Iterator, Mapping
 from datetime import UTC
 from typing import Any
@@ -16,6 +15,7 @@ from urllib.parse import urlparse
 
 import openai
 
+from batchrun.env_vars import proxy_for
 from batchrun.model import CONTEXT_LENGTH, PromptFailedError, RunFatalError
 
 # The server says it has more than it can take: adaptive concurrency lowers the limit (batchrun.concurrency).
@@ -124,17 +124,6 @@ def _stop_if_unreachable(exc: openai.APIConnectionError, base_url: str) -> None:
         if isinstance(cause, socket.gaierror):
             raise RunFatalError(f"the endpoint {base_url} cannot be reached: its host name "
                                 f"{urlparse(base_url).hostname!r} cannot be resolved. Check --base_url.")
-
-
-def proxy_for(base_url: str) -> str | None:
-    """The proxy URL the HTTP client sends requests to ``base_url`` through (from the environment's
-    proxy variables, read as httpx reads them: urllib's rules), else None."""
-    proxies = urllib.request.getproxies_environment()
-    scheme, host = urlparse(base_url).scheme, urlparse(base_url).hostname or ""
-    proxy = proxies.get(scheme) or proxies.get("all")
-    if not proxy or urllib.request.proxy_bypass(host):
-        return None
-    return proxy if "://" in proxy else f"http://{proxy}"
 
 
 def _through(proxy: str, base_url: str) -> str:
