@@ -383,6 +383,39 @@ def test_ctrl_c_while_the_runner_waits_on_ray_stops_the_run_in_order(tmp_path, e
 
 
 @needs_ray
+def test_ctrl_c_while_ray_starts_the_session_actors_stops_the_run_in_order(tmp_path, endpoint):
+    """The pool's start waits on Ray too: each actor checks its node first, and here the container CLI it
+    asks holds that check until the stop. Before, the KeyboardInterrupt Ray made of the stop ended the
+    run in a traceback."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    asked = tmp_path / "asked"
+    # The runner's own calls (which engine, any containers left) find nothing; the engine's version, which
+    # only an actor's check asks, gets no answer for as long as the actor lives.
+    (bin_dir / "docker").write_text(f'#!/bin/sh\n[ "$1" = version ] || exit 0\ntouch {asked}\n'
+                                    'while kill -0 $PPID; do sleep 0.1; done\n')
+    (bin_dir / "docker").chmod(0o755)
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["never started"])
+    tag = uuid.uuid4().hex
+    environment = ray_environment(tag, TERMINAL_ENV="docker", PATH=f"{bin_dir}:{os.environ['PATH']}")
+    process = subprocess.Popen(batch_runner_command(*args(dataset, endpoint, "--num_workers=1", "--backend=ray")),
+                               cwd=tmp_path, env=cli_environment(tmp_path, environment),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+    try:
+        wait_for(asked.exists, timeout=90, what="an actor's check of its node")
+        known = descendants(process.pid)
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, stderr
+    assert "Interrupted." in stdout and "Traceback" not in stderr
+    assert endpoint.requests == []
+    wait_until_gone(tag, known)
+
+
+@needs_ray
 def test_what_a_session_cut_off_by_kill_9_of_the_driver_spent_on_ray_is_counted_after_resume(tmp_path, endpoint):
     held = HeldReplies(endpoint, {"cut off": 1})       # its first reply comes back, its second waits
     dataset = write_dataset(tmp_path / "dataset.jsonl",

@@ -10,10 +10,11 @@ references on their way, the lost indexes), which a further split would have to 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from batchrun.concurrency import ConcurrencyFigures
@@ -32,6 +33,18 @@ ACTOR_START_TIMEOUT = 180.0     # seconds for every actor to be placed, import t
 SPARE_CONCURRENCY = 4           # actor calls beyond the session slots: probe, stop
 FIGURES_INTERVAL = 0.5          # seconds between questions to the gate actor for the live display
 SPENT_INTERVAL = 1.0            # seconds between collections of each actor's replies' usage (drain_spent)
+
+
+@contextlib.contextmanager
+def _stop_signal_raised_as_interrupted() -> Iterator[None]:
+    """Ray's waits turn what the stop signal's handler raised (Interrupted) into a plain
+    KeyboardInterrupt, which the runner would not take for the stop it is."""
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        if isinstance(exc, Interrupted) or STOP_SIGNALS.received is None:
+            raise
+        raise Interrupted(STOP_SIGNALS.received) from None
 
 
 def warn(text: str) -> None:
@@ -64,8 +77,9 @@ class RayWorkerPool:
         self._stopped = False
         self.ray: Any = None
         try:
-            self._connect()
-            self._start_actors(config, env_settings, available_tools)
+            with _stop_signal_raised_as_interrupted():
+                self._connect()
+                self._start_actors(config, env_settings, available_tools)
         except BaseException:
             self.stop()
             raise
@@ -198,14 +212,8 @@ class RayWorkerPool:
         """Every finished result, waiting at most ``timeout`` for the first one. A lost actor's prompts
         are sent again (or get failure rows); only losing every actor ends the run (a Fatal, after the
         rows that arrived with it)."""
-        try:
+        with _stop_signal_raised_as_interrupted():
             return self._receive(timeout)
-        except KeyboardInterrupt as exc:
-            # Ray's waits turn what the stop signal's handler raised (Interrupted) into a plain
-            # KeyboardInterrupt, which the runner would not take for the stop it is.
-            if isinstance(exc, Interrupted) or STOP_SIGNALS.received is None:
-                raise
-            raise Interrupted(STOP_SIGNALS.received) from None
 
     def _receive(self, timeout: float) -> list[Finished | Fatal | Spent]:
         ray = self.ray
