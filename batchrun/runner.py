@@ -175,14 +175,15 @@ class BatchRunner:
         return self._execute(plan)
 
     def _execute(self, plan: DatasetPlan) -> int:
-        # Shielded from here to the end: a stop signal interrupts only the pool's start and the scheduling
-        # loop; the stop, the merge and the report always run to their end (see stop_signals).
+        # Shielded from here to the end: a stop signal interrupts only the start (an earlier run's leftovers
+        # removed, the pool started) and the scheduling loop; the stop, the merge and the report always run
+        # to their end (see stop_signals).
         with STOP_SIGNALS.shielded():
-            env_settings = self._environment_settings()
             available = frozenset(registry.TOOL_NAMES) - set(registry.unavailable_tools())
             self._report = follower = ReportFollower(self.run_dir.path)
             try:
                 with STOP_SIGNALS.interruptible():
+                    env_settings = self._environment_settings()
                     pool = self._start_pool(env_settings, available)
             except PoolStartError as exc:
                 follower.cancel()

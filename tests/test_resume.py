@@ -128,6 +128,8 @@ def stopped_output(process: subprocess.Popen, output: OutputLines) -> str:
 @pytest.mark.parametrize(("module", "name"), [
     ("batch_runner", "build_config"),                # before the run directory exists
     ("batchrun.runner", "plan_dataset"),             # the run directory locked, the dataset being read
+    # An earlier run's leftovers being removed: a container engine that does not answer takes minutes.
+    ("batchrun.runner", "BatchRunner._environment_settings"),
     ("batchrun.runner", "BatchRunner._start_pool"),  # the report's helper started, the workers starting
 ])
 def test_ctrl_c_while_the_run_starts_says_so_in_one_line_and_resume_runs_every_prompt(tmp_path, endpoint,
