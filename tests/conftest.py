@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import queue
@@ -14,6 +15,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Generator
 from pathlib import Path
 
 import pytest
@@ -39,6 +41,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if (problem := bubblewrap_problem()) is not None:
         for item in marked:
             item.add_marker(pytest.mark.skip(reason=f"no bubblewrap sandbox here: {problem}"))
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item,
+                              call: pytest.CallInfo[None]) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Garbage is collected before pytest writes up a failure. A failed test can leave objects whose
+    finalizers raise (an asyncio subprocess transport of a loop already closed); collected while pytest
+    parses the test's source for the report, they break CPython 3.11's count of the AST constructor's
+    depth, and pytest ends with "SystemError: AST constructor recursion depth mismatch", naming no test."""
+    if call.excinfo is not None:
+        gc.collect()
+    return (yield)
 
 
 # Where the product makes its control groups: one directory per run below these (cgroup v2, or the
