@@ -137,7 +137,8 @@ def test_a_bad_request_that_is_not_about_the_context_stays_an_http_400(ep, messa
 
 
 @pytest.mark.parametrize("status, advice", [(401, "rejected the API key"), (402, "refused payment"),
-                                            (404, "does not know model")])
+                                            (404, "does not know model"),
+                                            (407, "a proxy in front of the endpoint .* asks for credentials")])
 def test_account_and_model_errors_stop_the_run(ep, status, advice):
     exc = error_from(ep.base_url, f"[[fail {status}]] fatal")
     with pytest.raises(RunFatalError, match=advice):
@@ -517,6 +518,44 @@ def test_a_proxy_variable_the_http_client_cannot_use_is_refused_before_the_run(t
     assert result.stderr == (f"error: the proxy variable {name} is not a proxy URL the HTTP client can use: "
                              f"{problem}. Give it as http://HOST:PORT (or https://, socks5://), or unset it\n")
     assert "proxy-pass" not in result.stdout and ep.requests == [] and not (tmp_path / "data").exists()
+
+
+class ProxyAskingForCredentials(http.server.BaseHTTPRequestHandler):
+    """A proxy on 127.0.0.1 that takes no request without other credentials: HTTP 407 to each."""
+
+    def answer(self) -> None:
+        self.send_response(407)
+        self.send_header("Proxy-Authenticate", 'Basic realm="proxy"')
+        self.send_header("Content-Length", "14")
+        self.end_headers()
+        self.wfile.write(b"wrong password")
+
+    do_GET = do_POST = do_CONNECT = answer
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_proxy_that_refuses_the_credentials_stops_the_run_naming_it(tmp_path, ep):
+    # Before, each prompt became a failure row (http_407) that every --resume sent through the proxy again.
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), ProxyAskingForCredentials)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        dataset = write_dataset(tmp_path / "dataset.jsonl", ["q0", "q1"])
+        result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=5", "--run_name=run",
+                         "--distribution=terminal_only", f"--base_url={ep.base_url}", f"--model={MODEL}",
+                         env=through_proxy(f"http://user:proxy-pass@127.0.0.1:{server.server_address[1]}"),
+                         timeout=60)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result.returncode == 1
+    [error] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert error.startswith(f"error: the proxy 127.0.0.1:{server.server_address[1]} that requests to {ep.base_url} "
+                            "go through (set by the environment's HTTP_PROXY, HTTPS_PROXY or ALL_PROXY) refused the "
+                            "credentials (HTTP 407: wrong password).")
+    assert "proxy-pass" not in result.stdout + result.stderr
+    assert batch_rows(tmp_path / "data" / "run") == [] and ep.requests == []
 
 
 def test_a_refused_endpoint_exempted_from_the_proxy_is_named_itself(tmp_path):

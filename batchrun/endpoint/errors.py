@@ -126,6 +126,15 @@ def _stop_if_unreachable(exc: openai.APIConnectionError, base_url: str) -> None:
                                 f"{urlparse(base_url).hostname!r} cannot be resolved. Check --base_url.")
 
 
+def _stop_at_proxy_authentication(base_url: str, detail: str) -> None:
+    """HTTP 407: every request will get it until the credentials change, so the run stops."""
+    if (proxy := proxy_for(base_url)) is not None:
+        raise RunFatalError(f"{_through(proxy, base_url)} refused the credentials (HTTP 407: {detail}). Check the user "
+                            f"name and password that variable gives the proxy, or {_exempt(base_url)}.")
+    raise RunFatalError(f"a proxy in front of the endpoint {base_url} asks for credentials (HTTP 407: {detail}), and "
+                        "none is set for it here: give them in HTTPS_PROXY or HTTP_PROXY (http://USER:PASSWORD@HOST:PORT).")
+
+
 def _through(proxy: str, base_url: str) -> str:
     """The proxy by its address alone: its URL may hold a user name and password."""
     where = urlparse(proxy)
@@ -176,6 +185,8 @@ def classify(exc: Exception, *, model: str, base_url: str, endpoint_answered: bo
     if status == 401:
         raise RunFatalError(f"the endpoint {base_url} rejected the API key (HTTP 401: {detail}). "
                             "Check --api_key, OPENROUTER_API_KEY or OPENAI_API_KEY.")
+    if status == 407:
+        _stop_at_proxy_authentication(base_url, detail)
     if status == 402:
         raise RunFatalError(f"the endpoint {base_url} refused payment (HTTP 402: {detail}). "
                             "Add credit to the account, or lower the cost with --max_samples.")
