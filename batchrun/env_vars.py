@@ -34,17 +34,27 @@ def switch_problem(name: str) -> str | None:
 
 
 def usable_http_url(url: str) -> bool:
-    """An http(s) URL with a host the HTTP client can use: no control character or byte that is not UTF-8
-    (which the client refuses in every request), a whole IPv6 bracket and a port that exists (which
-    urlparse raises on, or the client fails every request with)."""
+    """An http(s) URL with a host the HTTP client can use (see url_problem)."""
+    return url_problem(url, ("http", "https")) is None
+
+
+def url_problem(url: str, schemes: tuple[str, ...]) -> str | None:
+    """Why the HTTP client cannot use ``url`` with one of ``schemes``, else None: it refuses a control
+    character or a byte that is not UTF-8 in every request, and a broken IPv6 bracket, a port out of
+    range or no host fail every request (urlsplit raises on the first two)."""
     if not url.isprintable():
-        return False
+        return "it holds a character that is not printable"
     try:
-        parsed = urlparse(url)
-        _ = parsed.port     # raises on a port out of range
-    except ValueError:
-        return False
-    return parsed.scheme in ("http", "https") and bool(parsed.hostname)
+        parsed = urlsplit(url)
+    except ValueError as exc:
+        return f"it is not a URL ({exc})"
+    if parsed.scheme not in schemes:
+        return f"its scheme {parsed.scheme!r} is none of {', '.join(schemes)}"
+    try:
+        _ = parsed.port
+    except ValueError:      # out of range, or not a number
+        return "its port is not a number from 1 to 65535"
+    return None if parsed.hostname else "it names no host"
 
 
 def names_host(url: str, domain: str) -> bool:
@@ -78,26 +88,13 @@ def proxy_problem() -> str | None:
     one of them with its first request, and would fail each request (or the pool's start) on it.
     Never shows the URL: it may hold a password."""
     for name, url in _proxy_variables().values():
-        if (problem := _proxy_url_problem(url)) is not None:
+        problem = url_problem(url, _PROXY_SCHEMES)
+        if problem is None and urlsplit(url).port == 0:
+            problem = "its port is not a number from 1 to 65535"
+        if problem is not None:
             return (f"the proxy variable {name} is not a proxy URL the HTTP client can use: {problem}. Give it as "
                     "http://HOST:PORT (or https://, socks5://), or unset it")
     return None
-
-
-def _proxy_url_problem(url: str) -> str | None:
-    try:
-        parsed = urlsplit(url)
-    except ValueError as exc:
-        return f"it is not a URL ({exc})"
-    if parsed.scheme not in _PROXY_SCHEMES:
-        return f"its scheme {parsed.scheme!r} is none of {', '.join(_PROXY_SCHEMES)}"
-    try:
-        port = parsed.port
-    except ValueError:      # out of range, or not a number
-        port = 0
-    if port == 0:
-        return "its port is not a number from 1 to 65535"
-    return None if parsed.hostname else "it names no host"
 
 
 def proxy_for(url: str) -> str | None:

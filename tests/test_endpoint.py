@@ -507,7 +507,8 @@ def test_a_proxy_that_cannot_be_reached_is_named_not_the_endpoint_that_listens(t
     ("https_proxy", "http://user:proxy-pass@[bad", "it is not a URL (Invalid IPv6 URL)"),
     ("ALL_PROXY", "ftp://user:proxy-pass@127.0.0.1:21", "its scheme 'ftp' is none of http, https, socks5, socks5h"),
     ("http_proxy", "http://user:proxy-pass@:3128", "it names no host"),
-], ids=["port", "ipv6", "scheme", "no_host"])
+    ("HTTPS_PROXY", "http://user:proxy-pass@pro\x01xy:3128", "it holds a character that is not printable"),
+], ids=["port", "ipv6", "scheme", "no_host", "control_character"])
 def test_a_proxy_variable_the_http_client_cannot_use_is_refused_before_the_run(tmp_path, ep, name, proxy, problem):
     # Before: every prompt a failure row ("Port out of range", a traceback), or a traceback at the start.
     dataset = write_dataset(tmp_path / "dataset.jsonl", ["q0", "q1"])
