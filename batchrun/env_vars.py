@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import urllib.request
+from typing import NamedTuple
 from urllib.parse import urlparse, urlsplit
 
 
@@ -97,12 +98,19 @@ def proxy_problem() -> str | None:
     return None
 
 
-def proxy_for(url: str) -> str | None:
-    """The proxy URL the HTTP client sends requests to ``url`` through, else None (none is set for its
+class Proxy(NamedTuple):
+    """A proxy the HTTP client uses, and the variable that set it (what the user has to change)."""
+
+    variable: str
+    url: str
+
+
+def proxy_for(url: str) -> Proxy | None:
+    """The proxy the HTTP client sends requests to ``url`` through, else None (none is set for its
     scheme, or NO_PROXY names its host)."""
     parsed = urlparse(url)
     proxies = _proxy_variables()
     found = proxies.get(parsed.scheme) or proxies.get("all")
     if found is None or urllib.request.proxy_bypass(parsed.hostname or ""):
         return None
-    return found[1]
+    return Proxy(*found)

@@ -32,6 +32,7 @@ from batchrun.endpoint import (
     parse_reply,
     retry_after_seconds,
 )
+from batchrun.env_vars import Proxy, proxy_for
 from batchrun.model import PromptFailedError, RunFatalError
 from batchrun.rate_limit import RateGate
 from batchrun.rows import Usage, split_reasoning
@@ -497,9 +498,29 @@ def test_a_proxy_that_cannot_be_reached_is_named_not_the_endpoint_that_listens(t
     [error] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     proxy_named = proxy.removeprefix("http://user:proxy-pass@")
     assert error.startswith(f"error: the proxy {proxy_named} that requests to {ep.base_url} go through (set by "
-                            "the environment's HTTP_PROXY, HTTPS_PROXY or ALL_PROXY) ")
+                            "the environment's http_proxy) ")
     assert "add 127.0.0.1 to NO_PROXY" in error
     assert "proxy-pass" not in result.stdout + result.stderr and ep.requests == []
+
+
+# The messages about a proxy name the variable to change, the one the HTTP client took the proxy from.
+@pytest.mark.parametrize(("variables", "url", "used"), [
+    ({"HTTPS_PROXY": "http://p:1"}, "https://api.example/v1", Proxy("HTTPS_PROXY", "http://p:1")),
+    ({"HTTPS_PROXY": "http://p:1", "https_proxy": "http://q:2"}, "https://api.example/v1",
+     Proxy("https_proxy", "http://q:2")),
+    ({"HTTPS_PROXY": "http://p:1"}, "http://api.example/v1", None),
+    ({"ALL_PROXY": "p:3"}, "http://api.example/v1", Proxy("ALL_PROXY", "http://p:3")),
+    ({"all_proxy": "http://p:3", "NO_PROXY": "api.example"}, "http://api.example/v1", None),
+], ids=["upper", "lower-over-upper", "other-scheme", "all", "exempted"])
+def test_the_proxy_of_a_url_comes_with_the_variable_that_set_it(monkeypatch: pytest.MonkeyPatch,
+                                                                 variables: dict[str, str], url: str,
+                                                                 used: Proxy | None) -> None:
+    for scheme in ("http", "https", "all", "no"):
+        monkeypatch.delenv(f"{scheme}_proxy", raising=False)
+        monkeypatch.delenv(f"{scheme.upper()}_PROXY", raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    assert proxy_for(url) == used
 
 
 @pytest.mark.parametrize(("name", "proxy", "problem"), [
@@ -553,7 +574,7 @@ def test_a_proxy_that_refuses_the_credentials_stops_the_run_naming_it(tmp_path, 
     assert result.returncode == 1
     [error] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert error.startswith(f"error: the proxy 127.0.0.1:{server.server_address[1]} that requests to {ep.base_url} "
-                            "go through (set by the environment's HTTP_PROXY, HTTPS_PROXY or ALL_PROXY) refused the "
+                            "go through (set by the environment's http_proxy) refused the "
                             "credentials (HTTP 407: wrong password).")
     assert "proxy-pass" not in result.stdout + result.stderr
     assert batch_rows(tmp_path / "data" / "run") == [] and ep.requests == []

@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 
 import openai
 
-from batchrun.env_vars import proxy_for
+from batchrun.env_vars import Proxy, proxy_for
 from batchrun.model import CONTEXT_LENGTH, PromptFailedError, RunFatalError
 
 # The server says it has more than it can take: adaptive concurrency lowers the limit (batchrun.concurrency).
@@ -119,7 +119,7 @@ def _stop_if_unreachable(exc: openai.APIConnectionError, base_url: str) -> None:
                                 "Start the server, or check --base_url.")
         if isinstance(cause, socket.gaierror) and proxy is not None:
             raise RunFatalError(f"{_through(proxy, base_url)} cannot be reached: its host name "
-                                f"{urlparse(proxy).hostname!r} cannot be resolved. Check that variable, or "
+                                f"{urlparse(proxy.url).hostname!r} cannot be resolved. Check that variable, or "
                                 f"{_exempt(base_url)}.")
         if isinstance(cause, socket.gaierror):
             raise RunFatalError(f"the endpoint {base_url} cannot be reached: its host name "
@@ -135,12 +135,12 @@ def _stop_at_proxy_authentication(base_url: str, detail: str) -> None:
                         "none is set for it here: give them in HTTPS_PROXY or HTTP_PROXY (http://USER:PASSWORD@HOST:PORT).")
 
 
-def _through(proxy: str, base_url: str) -> str:
-    """The proxy by its address alone: its URL may hold a user name and password."""
-    where = urlparse(proxy)
+def _through(proxy: Proxy, base_url: str) -> str:
+    """The proxy by its address alone (its URL may hold a user name and password) and the variable to
+    change."""
+    where = urlparse(proxy.url)
     address = f"{where.hostname}:{where.port}" if where.port else where.hostname
-    return (f"the proxy {address} that requests to {base_url} go through (set by the environment's HTTP_PROXY, "
-            "HTTPS_PROXY or ALL_PROXY)")
+    return f"the proxy {address} that requests to {base_url} go through (set by the environment's {proxy.variable})"
 
 
 def _exempt(base_url: str) -> str:
