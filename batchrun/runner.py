@@ -172,6 +172,9 @@ class BatchRunner:
                 self._write_checkpoint()
                 self._finish(plan)
             return EXIT_OK
+        if self._budget_spent():     # earlier invocations reached a cap: no prompt may start, no pool to start
+            with STOP_SIGNALS.shielded():
+                return self._conclude(plan)
         return self._execute(plan)
 
     def _execute(self, plan: DatasetPlan) -> int:

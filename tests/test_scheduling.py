@@ -93,6 +93,21 @@ def test_spending_cap_stops_admitting_prompts_and_resume_continues(tmp_path, end
     assert len(read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")) == 6
 
 
+def test_a_resume_past_a_reached_cap_starts_no_worker_nor_sandbox(tmp_path, endpoint, monkeypatch):
+    # Before, it started the pool (workers, the container engine's leftovers check) to admit nothing.
+    prompts = [f"costly {i}" for i in range(3)]
+    assert run(tmp_path, endpoint, prompts, "--num_workers=1", "--max_cost=0.001", *REPORTED_COST).returncode == 0
+    backend = install_stand_in_clis(tmp_path, monkeypatch, "docker")
+    endpoint.reset()
+    resumed = run(tmp_path, endpoint, prompts, "--num_workers=1", "--max_cost=0.001", *REPORTED_COST, "--resume",
+                  env={"TERMINAL_ENV": "docker"})
+    assert resumed.returncode == 0, resumed.stderr
+    assert "Stopped admitting prompts: spending cap reached" in " ".join(resumed.stdout.split())
+    # Only the check of the flags, before the run directory is read, asks the engine whether it answers.
+    assert backend.calls("docker") == [["version", "--format", "{{.Server.Version}}"]] and endpoint.requests == []
+    assert (tmp_path / "data" / "run" / "statistics.json").exists()
+
+
 def test_token_cap_stops_admitting_prompts(tmp_path, endpoint):
     result = run(tmp_path, endpoint, [f"wordy {i}" for i in range(5)], "--num_workers=1", "--max_total_tokens=200")
     assert result.returncode == 0, result.stderr
