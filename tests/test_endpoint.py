@@ -76,7 +76,7 @@ def call_once(base_url: str, prompt: str, *, max_retries: int = 0, timeout: floa
 
 
 def classify_here(exc: Exception, *, answered: bool, base_url: str = "http://127.0.0.1:1/v1") -> float | None:
-    return classify(exc, model=MODEL, base_url=base_url, endpoint_answered=answered)
+    return classify(exc, model=MODEL, base_url=base_url, endpoint_answered=answered, request=request_body("q"))
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +150,24 @@ def test_400_naming_an_unknown_model_stops_the_run(ep):
     ep.script = lambda body: (400, {"error": {"message": "scripted-model is not a valid model ID"}}, {})
     with pytest.raises(RunFatalError, match="does not accept model"):
         classify_here(error_from(ep.base_url), answered=True)
+
+
+def quoting_the_request_back(body: dict) -> tuple[int, dict, dict]:
+    """A validation error that quotes the user's words back, as pydantic-based servers' errors do."""
+    said = body["messages"][-1]["content"]
+    return 400, {"error": {"message": f"1 validation error for ChatCompletionRequest\nmessages.0.content\n  Input "
+                                      f"should be a valid list [type=list_type, input_value={said!r}]"}}, {}
+
+
+@pytest.mark.parametrize("prompt", ["Why would a model that does not exist be listed?",
+                                    "How large is the context window of GPT-4?"], ids=["unknown_model", "overflow"])
+def test_an_error_is_read_for_the_endpoints_words_not_the_prompts_it_quotes_back(ep, prompt):
+    # Before, the first stopped the whole run (and each --resume at the same prompt), and the second ended
+    # its prompt as a context overflow, kept as a partial trajectory that no --resume runs again.
+    ep.script = quoting_the_request_back
+    with pytest.raises(PromptFailedError) as failure:
+        call_once(ep.base_url, prompt)
+    assert failure.value.error_type == "http_400"
 
 
 def test_429_returns_the_servers_retry_after(ep):

@@ -51,7 +51,8 @@ async def call_model(client: openai.AsyncOpenAI, gate: Gate, *, body: bytes, mod
                     _ANSWERED.add(base_url)
                     if overloaded := exc.status_code in OVERLOAD_STATUSES:
                         request.overloaded()
-                retry_after = classify(exc, model=model, base_url=base_url, endpoint_answered=base_url in _ANSWERED)
+                retry_after = classify(exc, model=model, base_url=base_url, endpoint_answered=base_url in _ANSWERED,
+                                       request=body)
                 failure: Exception = exc
             except MalformedReplyError as exc:   # perhaps a passing fault: worth another attempt
                 if exc.usage is not None:       # the endpoint billed it all the same

@@ -156,21 +156,36 @@ _CONTEXT_OVERFLOW_PHRASES = ("context_length_exceeded", "exceed_context_size", "
                              "reduce the length of the messages", "too many tokens in the prompt")
 
 
-def _context_overflow(exc: openai.APIStatusError, detail: str) -> bool:
+# How endpoints say a 400 is about the model named: the run cannot go on with it.
+_UNKNOWN_MODEL_PHRASES = ("not a valid model", "does not exist", "invalid model", "unknown model")
+
+
+def _context_overflow(exc: openai.APIStatusError, said: str, request: bytes) -> bool:
     if exc.status_code not in (400, 413, 422):
         return False
     body = exc.body if isinstance(exc.body, dict) else {}
     error = body.get("error")
     inner = error if isinstance(error, dict) else body
-    said = " ".join(str(part) for part in (detail, inner.get("code"), inner.get("type")) if part).lower()
-    return any(phrase in said for phrase in _CONTEXT_OVERFLOW_PHRASES)
+    codes = " ".join(str(part) for part in (inner.get("code"), inner.get("type")) if part).lower()
+    return (any(phrase in codes for phrase in _CONTEXT_OVERFLOW_PHRASES)
+            or _endpoint_says(said, _CONTEXT_OVERFLOW_PHRASES, request))
 
 
-def classify(exc: Exception, *, model: str, base_url: str, endpoint_answered: bool) -> float | None:
+def _endpoint_says(said: str, phrases: tuple[str, ...], request: bytes) -> bool:
+    """Whether the error's text holds one of ``phrases`` in the endpoint's own words. Servers quote the
+    request back in their errors (a validation error's input_value), so a phrase the request itself
+    holds may be the prompt's: read as the endpoint's, one prompt's words would stop the whole run, or
+    keep a failed prompt as a context overflow that no --resume runs again."""
+    lowered, sent = said.lower(), request.lower()
+    return any(phrase in lowered and phrase.encode() not in sent for phrase in phrases)
+
+
+def classify(exc: Exception, *, model: str, base_url: str, endpoint_answered: bool, request: bytes) -> float | None:
     """Returns for a transient error (with the server's Retry-After, if any); raises RunFatalError
     when the whole run cannot work and PromptFailedError when only this prompt cannot.
     ``endpoint_answered``: the endpoint has sent a response in this process, so a connection it
-    refuses now is an outage to wait out, not a wrong --base_url."""
+    refuses now is an outage to wait out, not a wrong --base_url. ``request``: the body sent, whose
+    words an error may quote back."""
     if isinstance(exc, openai.APIConnectionError):     # time-outs and dropped connections included
         if not endpoint_answered:
             _stop_if_unreachable(exc, base_url)
@@ -193,12 +208,10 @@ def classify(exc: Exception, *, model: str, base_url: str, endpoint_answered: bo
     if status == 404:
         raise RunFatalError(f"the endpoint {base_url} does not know model {model!r} or this API path "
                             f"(HTTP 404: {detail}). Check --model and --base_url (it usually ends in /v1).")
-    if _context_overflow(exc, said):
+    if _context_overflow(exc, said, request):
         raise PromptFailedError(f"the conversation no longer fits the model's context (HTTP {status}: {detail})",
                                 CONTEXT_LENGTH)
-    lowered = said.lower()
-    if status == 400 and "model" in lowered and any(
-            phrase in lowered for phrase in ("not a valid model", "does not exist", "invalid model", "unknown model")):
+    if status == 400 and "model" in said.lower() and _endpoint_says(said, _UNKNOWN_MODEL_PHRASES, request):
         raise RunFatalError(f"the endpoint {base_url} does not accept model {model!r} (HTTP 400: {detail}).")
     raise PromptFailedError(f"HTTP {status}: {detail}", f"http_{status}")
 
