@@ -170,6 +170,52 @@ def test_an_error_is_read_for_the_endpoints_words_not_the_prompts_it_quotes_back
     assert failure.value.error_type == "http_400"
 
 
+class Redirecting(http.server.BaseHTTPRequestHandler):
+    """An endpoint that sends the chat request elsewhere (``status`` to /v2/...) and answers a GET there
+    with a completion, as an http:// address behind a redirect to https:// would be followed."""
+
+    status = 301
+    seen: list[tuple[str, str]] = []
+
+    def do_POST(self) -> None:
+        self.seen.append(("POST", self.path))
+        self.send_response(self.status)
+        self.send_header("Location", f"http://127.0.0.1:{self.server.server_address[1]}/v2/chat/completions")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_GET(self) -> None:
+        self.seen.append(("GET", self.path))
+        body = json.dumps({"choices": [{"message": {"role": "assistant", "content": "Hello!"},
+                                        "finish_reason": "stop"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("status", [301, 302, 307, 308])
+def test_a_redirect_of_the_chat_request_stops_the_run_naming_where_it_points(status):
+    # Before, the client followed it: a 301 or 302 as a GET without the conversation, whose answer became
+    # a completed row; a 307 to a closed port was reported as the endpoint refusing the connection.
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirecting)
+    Redirecting.status, Redirecting.seen = status, []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base_url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    try:
+        with pytest.raises(RunFatalError) as fatal:
+            call_once(base_url, "q")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert str(fatal.value).startswith(f"the endpoint {base_url} redirects requests (HTTP {status}) to "
+                                       f"http://127.0.0.1:{server.server_address[1]}/v2/chat/completions")
+    assert Redirecting.seen == [("POST", "/v1/chat/completions")]
+
+
 def test_429_returns_the_servers_retry_after(ep):
     exc = error_from(ep.base_url, "[[fail 429 1 retry_after=7]] limited")
     assert classify_here(exc, answered=True) == 7

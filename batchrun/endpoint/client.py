@@ -29,9 +29,12 @@ def make_client(base_url: str, api_key: str, *, timeout: float) -> openai.AsyncO
     """The client on its aiohttp transport: with hundreds of sessions per process, the default
     transport's pure-Python HTTP handling cost more CPU than everything else a session does. Each
     reply's size is bounded (:mod:`batchrun.endpoint.transport`); ``timeout`` (--request_timeout)
-    bounds each wait for the server, and :func:`call_model` the whole reply."""
+    bounds each wait for the server, and :func:`call_model` the whole reply. A redirect is not
+    followed: a 301 or 302 turns the chat request into a GET without the conversation, whose answer
+    would be taken for the model's; it stops the run instead, naming where it points."""
     return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout,
-                              http_client=BoundedAioHttpClient(timeout=timeout, verify=TLS_CONTEXT))
+                              http_client=BoundedAioHttpClient(timeout=timeout, verify=TLS_CONTEXT,
+                                                               follow_redirects=False))
 
 
 def preload_http_stack() -> None:

@@ -197,6 +197,10 @@ def classify(exc: Exception, *, model: str, base_url: str, endpoint_answered: bo
     detail = _shown(said)
     if status == 429 or status in (408, 409) or status >= 500:
         return retry_after_seconds(exc.response.headers)
+    if 300 <= status < 400:
+        where = _shown(exc.response.headers.get("location", "nowhere (no Location)"))
+        raise RunFatalError(f"the endpoint {base_url} redirects requests (HTTP {status}) to {where}, which the "
+                            "run does not follow: give the address it points to as --base_url (up to its /v1).")
     if status == 401:
         raise RunFatalError(f"the endpoint {base_url} rejected the API key (HTTP 401: {detail}). "
                             "Check --api_key, OPENROUTER_API_KEY or OPENAI_API_KEY.")
