@@ -352,6 +352,8 @@ class Session:
         empty_retries = continuations = invented_streak = cut_calls = 0
         while self.api_calls < self.config.max_turns:
             reply = await self._call(messages)
+            if reply.finish_reason == "content_filter":     # withheld or cut by the provider: not the model's answer
+                return EndReason.CONTENT_FILTER
             reasoning, visible, calls = await _read_reply(reply.message, self.api_calls - 1, redact)
             cut_off = reply.finish_reason == "length"
             if calls and cut_off:        # its last call's arguments may be cut mid-way: ask once more
@@ -401,7 +403,7 @@ class Session:
         except PromptFailedError:
             return
         reasoning, visible, _ = await _read_reply(reply.message, self.api_calls - 1, self.services.redact)
-        if visible:
+        if visible and reply.finish_reason != "content_filter":
             self._ask(messages, SUMMARY_REQUEST)
             self._record(messages, reply, AssistantTurn(reasoning=reasoning, content=visible))
 

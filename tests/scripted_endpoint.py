@@ -37,6 +37,9 @@ Directive grammar (tokens may appear anywhere; everything else is prompt text):
 ``[[length [N|always]]]``     the final answer comes cut off (``finish_reason:
                               "length"``, text "Part K of the answer.") N times
                               (default always), then whole.
+``[[filtered]]``              the final answer is stopped by a content filter
+                              (``finish_reason: "content_filter"``, text
+                              ``FILTERED_TEXT``).
 ``[[empty [N|always] [think]]]``
                               the first N (default 1) requests for the final
                               answer get a reply with no text and no tool call
@@ -99,6 +102,7 @@ __all__ = [
     "DEFAULT_MODEL",
     "REASONING_FORMS",
     "MALFORMED_KINDS",
+    "FILTERED_TEXT",
 ]
 
 DEFAULT_MODEL = "scripted-model"
@@ -106,6 +110,7 @@ DEFAULT_FINAL = "Final answer."
 REASONING_FORMS = ("reasoning", "reasoning_content", "reasoning_details", "think", "scratchpad", "none")
 MALFORMED_KINDS = ("message_null", "message_not_object", "no_choices", "choices_not_list", "tool_calls_not_list",
                    "not_json")
+FILTERED_TEXT = "Here is how to"     # an answer a content filter stopped
 BAD_JSON_ARGS = '{"command": "echo hi"'
 USAGE = {
     "prompt_tokens": 100,
@@ -147,6 +152,7 @@ class Script:
     invent: bool = False
     bad_json: bool = False
     length_count: float = 0
+    filtered: bool = False
     empty_count: float = 0
     empty_think: bool = False
     overflow_turn: int | None = None
@@ -243,7 +249,7 @@ def parse_directives(text: str) -> Script:
             calls, end = _parse_calls(text, after)
             script.turns.append(calls)
         elif kw in ("final", "reasoning", "fail", "drop", "malformed", "sleep", "invent", "bad_json", "length",
-                    "empty", "overflow", "reasoning_back"):
+                    "filtered", "empty", "overflow", "reasoning_back"):
             close = text.find("]]", after)
             if close < 0:
                 raise DirectiveError(f"{kw}: missing closing ]]")
@@ -287,6 +293,8 @@ def parse_directives(text: str) -> Script:
                 script.bad_json = True
             elif kw == "length":
                 script.length_count = _count(arg or "always", "length")
+            elif kw == "filtered":
+                script.filtered = True
             elif kw == "empty":
                 parts = arg.split()
                 script.empty_think = "think" in parts
@@ -393,6 +401,8 @@ def build_turn(script: Script, t: int) -> tuple[dict, str]:
     piece = t - len(plan)
     if piece < script.length_count:
         return _assistant_message(script, t, f"Part {piece + 1} of the answer.", []), "length"
+    if script.filtered:
+        return _assistant_message(script, t, FILTERED_TEXT, []), "content_filter"
     return _assistant_message(script, t, script.final, []), "stop"
 
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 from conftest import batch_rows, endpoint_args, read_jsonl, run_cli, write_dataset
-from scripted_endpoint import OVERFLOW_ERRORS
+from scripted_endpoint import FILTERED_TEXT, OVERFLOW_ERRORS
 
 from batchrun.session import CONTINUE_REQUEST, MAX_CONTINUATIONS, MAX_EMPTY_RETRIES, SUMMARY_REQUEST
 from model_tools import TOOLSETS
@@ -89,6 +89,24 @@ def test_the_request_to_continue_reaches_the_model_as_a_user_message_after_the_c
     second = endpoint.requests[1]["messages"]
     assert [m["role"] for m in second[-2:]] == ["assistant", "user"]
     assert second[-2]["content"] == "Part 1 of the answer." and second[-1]["content"] == CONTINUE_REQUEST
+
+
+# --- a content filter ------------------------------------------------------------------------------
+
+def test_an_answer_a_content_filter_stopped_ends_the_row_partial_without_it(tmp_path, endpoint):
+    # Before, the filter's cut-off text was kept as the model's final answer, in a completed row.
+    assert run(tmp_path, endpoint, [f"{TERMINAL_CALL} [[filtered]] answer me"]).returncode == 0
+    row = only_row(tmp_path)
+    assert (row["completed"], row["partial"], row["end_reason"], row["api_calls"]) == (False, True, "content_filter", 2)
+    assert [speaker for speaker, _ in dialogue(row)] == ["gpt", "tool"]
+    assert FILTERED_TEXT not in json.dumps(row)
+
+
+def test_a_first_reply_a_content_filter_stopped_fails_the_prompt_for_resume(tmp_path, endpoint):
+    assert run(tmp_path, endpoint, ["[[filtered]] answer me"]).returncode == 2
+    row = only_row(tmp_path)
+    assert (row["failed"], row["error_type"]) == (True, "content_filter")
+    assert "content filter" in row["error"]
 
 
 def test_an_answer_still_cut_off_after_three_requests_to_continue_ends_truncated(tmp_path, endpoint):

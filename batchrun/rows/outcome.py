@@ -19,6 +19,7 @@ class EndReason(StrEnum):
     EMPTY_ANSWER = "empty_answer"
     CONTEXT_LENGTH = "context_length"
     PROMPT_TIMEOUT = "prompt_timeout"
+    CONTENT_FILTER = "content_filter"
     ERROR = "error"
 
 
@@ -35,6 +36,7 @@ END_REASONS: dict[EndReason, str] = {
     EndReason.EMPTY_ANSWER: "the model's answer had no text after 3 more requests",
     EndReason.CONTEXT_LENGTH: "the conversation outgrew the model's context",
     EndReason.PROMPT_TIMEOUT: "the prompt's --prompt_timeout passed",
+    EndReason.CONTENT_FILTER: "the endpoint's content filter stopped a reply (not kept)",
     EndReason.ERROR: "the prompt failed; resume runs it again",
 }
 COMPLETED_END_REASONS = frozenset({EndReason.FINAL_ANSWER})
