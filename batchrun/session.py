@@ -139,7 +139,12 @@ def _tool_calls_of(message: Message, turn_number: int, redact: Redactor) -> list
         arguments = function.get("arguments")
         if not isinstance(arguments, str):   # a few servers send an object; the row wants text
             arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
-        calls.append(ToolCallRecord(id=redact(str(call.get("id") or f"call_{turn_number}_{position}")),
+        # An id that is not text (an object, a number) is the runner's own, as a missing one: its repr
+        # would go into the row and back to the endpoint.
+        call_id = call.get("id")
+        if not isinstance(call_id, str) or not call_id:
+            call_id = f"call_{turn_number}_{position}"
+        calls.append(ToolCallRecord(id=redact(call_id),
                                     name=redact(str(function.get("name") or "")),
                                     arguments=redact.json_text(arguments)))
     return calls

@@ -184,6 +184,24 @@ def test_a_tool_call_goes_back_with_every_field_the_endpoint_gave_it(tmp_path, e
                       "function": {"name": "terminal", "arguments": '{"command": "echo hi"}'}}
 
 
+def test_a_tool_call_id_that_is_not_text_is_replaced_by_one_of_the_runners(tmp_path, endpoint):
+    # Before, {"x": [1, 2]} went into the row and back to the endpoint as the text "{'x': [1, 2]}".
+    def odd_id(body: dict) -> tuple[int, dict, dict]:
+        if body["messages"][-1]["role"] == "tool":
+            message = {"role": "assistant", "content": "Done."}
+        else:
+            message = {"role": "assistant", "content": "", "tool_calls": [
+                {"id": {"x": [1, 2]}, "type": "function",
+                 "function": {"name": "terminal", "arguments": '{"command": "echo hi"}'}}]}
+        return 200, {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}, {}
+
+    endpoint.script = odd_id
+    assert run(tmp_path, endpoint, ["call once"]).returncode == 0
+    [echoed] = endpoint.requests[1]["messages"][-2]["tool_calls"]
+    assert echoed["id"] == "call_0_0" and endpoint.requests[1]["messages"][-1]["tool_call_id"] == "call_0_0"
+    assert "{'x'" not in json.dumps(only_row(tmp_path))
+
+
 # --- invented tools: one rule ----------------------------------------------------------------------------------
 
 def test_a_registry_tool_the_prompt_was_not_offered_is_an_invented_call(tmp_path, endpoint):
