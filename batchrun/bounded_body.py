@@ -51,18 +51,40 @@ def gzipped_within(content_encoding: Iterable[str], content_length: str | None, 
 
 async def bounded_chunks(raw: AsyncIterable[bytes], *, gzip: bool, limit: int) -> AsyncIterator[bytes]:
     """The body's bytes (inflated when ``gzip``), BodyTooLarge as soon as they pass ``limit``."""
-    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS) if gzip else None
+    inflater = _GzipMembers() if gzip else None
     size = 0
     async for chunk in raw:
         if inflater is not None:
-            try:
-                # At most one byte past the room left: a few kilobytes of gzip can stand for gigabytes.
-                chunk = inflater.decompress(chunk, limit - size + 1)
-            except zlib.error as exc:
-                raise BodyError(f"is not valid gzip ({exc})") from None
+            # At most one byte past the room left: a few kilobytes of gzip can stand for gigabytes.
+            chunk = inflater.inflate(chunk, limit - size + 1)
         size += len(chunk)
         if size > limit:
             raise BodyTooLarge(limit)
         yield chunk
-    if inflater is not None and not inflater.eof:
+    if inflater is not None and not inflater.complete:
         raise BodyError("ends early: its gzip stream is cut short")
+
+
+class _GzipMembers:
+    """A gzip body inflated member after member: RFC 1952 lets a body hold several, and gzip readers
+    read them all. Bytes after a member that start no other are refused, not dropped unread."""
+
+    def __init__(self) -> None:
+        self._member = zlib.decompressobj(16 + zlib.MAX_WBITS)
+
+    @property
+    def complete(self) -> bool:
+        return self._member.eof
+
+    def inflate(self, data: bytes, most: int) -> bytes:
+        """What ``data`` inflates to, at most ``most`` bytes (more means the body is too large anyway)."""
+        out = b""
+        while data and len(out) < most:
+            if self._member.eof:
+                self._member = zlib.decompressobj(16 + zlib.MAX_WBITS)
+            try:
+                out += self._member.decompress(data, most - len(out))
+            except zlib.error as exc:
+                raise BodyError(f"is not valid gzip ({exc})") from None
+            data = self._member.unused_data
+        return out

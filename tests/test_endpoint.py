@@ -804,6 +804,24 @@ class RawReplies:
         self._head(handler, Content_Encoding="gzip", Content_Length=str(len(body)))
         handler.wfile.write(body)
 
+    def gzip_members(self, handler) -> None:
+        """The answer in two gzip members, as RFC 1952 allows and gzip readers read."""
+        whole = completion({"role": "assistant", "content": "Answer in two members."})
+        body = gzip.compress(whole[:20]) + gzip.compress(whole[20:])
+        self._head(handler, Content_Encoding="gzip", Content_Length=str(len(body)))
+        handler.wfile.write(body)
+
+    def gzip_then_junk(self, handler) -> None:
+        body = gzip.compress(completion({"role": "assistant", "content": "Then junk."})) + b"not gzip at all"
+        self._head(handler, Content_Encoding="gzip", Content_Length=str(len(body)))
+        handler.wfile.write(body)
+
+    def gzip_bomb_in_members(self, handler) -> None:
+        member = gzip.compress(b"a" * 2**20, 1)
+        body = gzip.compress(b'{"choices":[{"message":{"content":"', 1) + member * (MAX_REPLY_BYTES // 2**20 + 1)
+        self._head(handler, Content_Encoding="gzip", Content_Length=str(len(body)))
+        handler.wfile.write(body)
+
     def brotli(self, handler) -> None:
         body = completion({"role": "assistant", "content": "Said to be brotli."})
         self._head(handler, Content_Encoding="br", Content_Length=str(len(body)))
@@ -898,6 +916,23 @@ def test_a_gzipped_reply_is_read():
         reply = call_once(raw.base_url, "gzipped")
         assert split_reasoning(reply.message)[1] == "Compressed answer."
         assert raw.accept_encoding == ["gzip"]      # the one coding the client decodes within its limit
+
+
+def test_a_gzipped_reply_of_several_members_is_read_whole(raw_replies):
+    # Before, the first member alone was read: a bad_response, "reply is not JSON".
+    reply = call_once(raw_replies.base_url, "gzip_members")
+    assert split_reasoning(reply.message)[1] == "Answer in two members."
+
+
+def test_bytes_after_a_gzipped_reply_that_start_no_member_make_it_a_bad_response(raw_replies):
+    # Before, they were dropped without a word.
+    failure = failure_of(raw_replies.base_url, "gzip_then_junk")
+    assert failure.error_type == "bad_response" and "gzip" in str(failure)
+
+
+def test_a_reply_inflating_past_the_limit_over_many_gzip_members_is_refused(raw_replies):
+    failure = failure_of(raw_replies.base_url, "gzip_bomb_in_members")
+    assert failure.error_type == "bad_response" and f"larger than {MAX_REPLY_BYTES // 2**20} MiB" in str(failure)
 
 
 def test_a_gzipped_reply_cut_short_is_a_bad_response(raw_replies):
