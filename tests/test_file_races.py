@@ -343,3 +343,45 @@ def test_a_read_stops_at_the_size_limit_however_much_the_file_grows_while_it_is_
         os.close(reader)
         feeder.join(timeout=5)
         os.close(writer)
+
+
+# --- deep and long paths --------------------------------------------------------------------------
+
+def test_a_path_longer_than_any_path_may_be_is_refused_before_a_directory_is_made(local):
+    # Before, a write to "a/" * 30000 + "x.txt" made about 20,000 directories, holding a descriptor for each,
+    # until the worker (every prompt in it) ran out of descriptors.
+    with pytest.raises(ToolError, match="longer than 4,096 bytes"):
+        asyncio.run(local.write_file("a/" * 30_000 + "x.txt", b"x"))
+    assert not (local.prompt_dir / "a").exists()
+
+
+def test_a_write_makes_a_bounded_number_of_missing_directories(local):
+    # Before, 2,000 directories under the length limit took a 20 MB workspace past its limit with a
+    # one-byte write: only the content's bytes were counted.
+    limit = confined_files.MOST_DIRECTORIES_MADE
+    with pytest.raises(ToolError, match=f"would make more than {limit} missing directories"):
+        asyncio.run(local.write_file("d/" * (limit + 1) + "x.txt", b"x"))
+    made = [path for path in local.prompt_dir.rglob("*") if path.is_dir()]
+    assert len(made) <= limit
+    assert asyncio.run(local.write_file("e/" * limit + "x.txt", b"x")) == "e/" * limit + "x.txt"
+
+
+def test_the_walk_holds_a_bounded_number_of_directories_open(local, resolver):
+    if resolver == "openat2":
+        pytest.skip("openat2 looks a path up in one call, holding no descriptor per directory")
+    depth = confined_files.MOST_DIRECTORIES_DEEP
+    deep = local.prompt_dir.joinpath(*["d"] * (depth + 1))
+    deep.mkdir(parents=True)
+    (deep / "f").write_bytes(INSIDE)
+    (deep.parent / "g").write_bytes(INSIDE)
+    with pytest.raises(ToolError, match=f"more than {depth} directories deep"):
+        asyncio.run(local.read_file("d/" * (depth + 1) + "f"))
+    assert asyncio.run(local.read_file("d/" * depth + "g")) == INSIDE
+
+
+@pytest.mark.parametrize("tool", ["read", "write"])
+def test_a_path_holding_a_lone_surrogate_is_refused_as_not_text(local, tool):
+    # Before: "read_file failed: UnicodeEncodeError: ... surrogates not allowed", from the session's catch-all.
+    call = local.read_file("a\ud800") if tool == "read" else local.write_file("a\ud800", b"x")
+    with pytest.raises(ToolError, match="lone surrogate"):
+        asyncio.run(call)

@@ -13,8 +13,8 @@ symlinks whose target is an absolute path under the name the commands know the d
 in the sandbox writes ``ln -s /workspace/src/x.py x.py``), which the kernel cannot know, and creates
 missing parent directories.
 
-Both lookups, and the reads and writes on their descriptors, stay in this one module (a little over 400
-lines) on purpose: the race-freedom argument is read in one place, not pieced together across files.
+Both lookups, and the reads and writes on their descriptors, stay in this one module on
+purpose: the race-freedom argument is read in one place, not pieced together across files.
 """
 
 from __future__ import annotations
@@ -37,6 +37,14 @@ from batchrun.environments.base import ToolError
 
 # As the kernel: a loop of links ends in an error, not a hang.
 _MAX_SYMLINKS = 40
+# The kernel's PATH_MAX: no command can name a longer path either. A longer one would have the walk make
+# and hold open a directory per component (the worker, whose prompts share it, out of descriptors).
+PATH_MOST_BYTES = 4096
+# The walk holds a descriptor per directory it stands in: far deeper than any real tree, and bounded
+# however symlinks chain.
+MOST_DIRECTORIES_DEEP = 256
+# Directories a write may make (each takes a block the workspace's limit counts only after the write).
+MOST_DIRECTORIES_MADE = 64
 # O_NONBLOCK: opening a FIFO must not wait for a writer (the type is checked after opening).
 # O_NOCTTY: a terminal device must not become the worker's controlling terminal.
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
@@ -130,6 +138,12 @@ def _components_of(target: ConfinedPath) -> list[str]:
     """The names to walk from the root; refuses an absolute path not under the root's name."""
     if "\0" in target.path:
         raise _Refused("is not a valid path: it contains a NUL byte")
+    try:    # as the path is given to the kernel: a byte that is not UTF-8 stands as \udc80-\udcff
+        size = len(target.path.encode("utf-8", "surrogateescape"))
+    except UnicodeEncodeError:
+        raise _Refused("is not a valid path: it holds a lone surrogate (\\ud800-\\udfff), which is not text") from None
+    if size > PATH_MOST_BYTES:
+        raise _Refused(f"is longer than {PATH_MOST_BYTES:,} bytes, the most a path may have")
     if target.path.startswith("/"):
         rest = _beneath_root(target.path, target.root_name)
         if rest is None:
@@ -181,6 +195,7 @@ class _Walk:
         self._root_name = root_name
         self._below_root: list[int] = []
         self._links_followed = 0
+        self._directories_made = 0
 
     @property
     def here(self) -> int:
@@ -197,11 +212,17 @@ class _Walk:
 
     def down(self, name: str, create: bool) -> str | None:
         """Enter the directory ``name``; if ``name`` is a symlink, its target instead (nothing entered)."""
+        if len(self._below_root) >= MOST_DIRECTORIES_DEEP:
+            raise _Refused(f"lies more than {MOST_DIRECTORIES_DEEP} directories deep; the file tools go no deeper")
         try:
             fd = os.open(name, _DIRECTORY_FLAGS | os.O_NOFOLLOW, dir_fd=self.here)
         except FileNotFoundError:
             if not create:
                 raise
+            self._directories_made += 1
+            if self._directories_made > MOST_DIRECTORIES_MADE:
+                raise _Refused(f"would make more than {MOST_DIRECTORIES_MADE} missing directories; a write makes "
+                               f"at most {MOST_DIRECTORIES_MADE}") from None
             try:
                 os.mkdir(name, dir_fd=self.here)
                 _take_owner(os.fstat(self.here), name, self.here)
