@@ -35,6 +35,7 @@ from batchrun.rows import (
 from batchrun.security import Redactor
 from batchrun.time_limit import within
 from batchrun.tools import ModelAccess, ToolContext, ToolError
+from batchrun.tools.arguments import holding_a_lone_surrogate
 
 AGENT_PROMPT = (
     "You are an autonomous agent completing the user's task with the tools you are given. "
@@ -440,6 +441,9 @@ class Session:
                           f"{call.name} schema"), False
         if not isinstance(args, dict):
             return _error(f"arguments must be a JSON object, got {type(args).__name__}"), False
+        if (name := holding_a_lone_surrogate(args)) is not None:
+            return _error(f"argument {name!r} holds a lone surrogate (an unpaired \\ud800-\\udfff), which is "
+                          "not text; send it as UTF-8 text"), False
         if self._environment_start is not None and registry.REGISTRY[call.name].needs_environment:
             await self._environment_ready()
         try:

@@ -202,6 +202,37 @@ def test_a_tool_call_id_that_is_not_text_is_replaced_by_one_of_the_runners(tmp_p
     assert "{'x'" not in json.dumps(only_row(tmp_path))
 
 
+def tool_results(row: dict) -> list[dict]:
+    """The content of each tool response of the row."""
+    return [json.loads(value.removeprefix("<tool_response>\n").removesuffix("\n</tool_response>"))["content"]
+            for speaker, value in dialogue(row) if speaker == "tool"]
+
+
+@pytest.mark.parametrize("call", ['[[call terminal {"command": "echo \\ud800"}]]',
+                                  '[[call search_files {"pattern": "\\udfff"}]]'], ids=["terminal", "search_files"])
+def test_an_argument_holding_a_lone_surrogate_is_refused_as_not_text(tmp_path, endpoint, call):
+    # Before: "terminal failed: UnicodeEncodeError: ... surrogates not allowed", from the catch-all for tool bugs.
+    assert run(tmp_path, endpoint, [f"{call} odd text"], distribution="default").returncode == 0
+    [result] = tool_results(only_row(tmp_path))
+    assert "lone surrogate" in result["error"] and "UnicodeEncodeError" not in result["error"]
+
+
+@pytest.mark.parametrize("environment", ["local", "bubblewrap"])
+@pytest.mark.parametrize(("call", "argument"), [('[[call terminal {"command": "echo a\\u0000b"}]]', "command"),
+                                                ('[[call search_files {"pattern": "a\\u0000b"}]]', "pattern")],
+                         ids=["terminal", "search_files"])
+def test_a_nul_byte_bound_for_the_shell_is_refused_alike_in_every_environment(tmp_path, endpoint, environment,
+                                                                              call, argument):
+    # Before, local said "terminal failed: ValueError: embedded null byte", and a search under bubblewrap
+    # "grep failed: exit status None".
+    dataset = write_dataset(tmp_path / "run.jsonl", [f"{call} nul"])
+    result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=5", "--run_name=run",
+                     "--distribution=default", *endpoint_args(endpoint), env={"TERMINAL_ENV": environment})
+    assert result.returncode == 0, result.stderr
+    [outcome] = tool_results(only_row(tmp_path))
+    assert outcome["error"] == f"'{argument}' cannot contain a NUL byte"
+
+
 # --- invented tools: one rule ----------------------------------------------------------------------------------
 
 def test_a_registry_tool_the_prompt_was_not_offered_is_an_invented_call(tmp_path, endpoint):

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 from batchrun.tools import ToolError
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def positive_int(args: dict, name: str, default: int) -> int:
@@ -23,3 +27,27 @@ def non_empty_text(args: dict, name: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ToolError(f"'{name}' must be a non-empty string")
     return value.strip()
+
+
+def holding_a_lone_surrogate(args: dict) -> str | None:
+    """The name of an argument whose text (at any depth) holds a lone surrogate, else None. JSON's
+    ``\\ud800`` escape decodes to one, which is not text: no command, pattern, path or file can be made
+    of it, and each tool would fail on it its own way."""
+    for name, value in args.items():
+        pending = [value]
+        while pending:
+            item = pending.pop()
+            if isinstance(item, str) and _LONE_SURROGATE.search(item):
+                return str(name)
+            if isinstance(item, dict):
+                pending.extend(item.values())
+            elif isinstance(item, list):
+                pending.extend(item)
+    return None
+
+
+def shell_word(name: str, value: str) -> str:
+    """``value``, refused if it holds a NUL byte: it goes into a command, and no program can be given one."""
+    if "\0" in value:
+        raise ToolError(f"'{name}' cannot contain a NUL byte")
+    return value

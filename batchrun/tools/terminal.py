@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 from batchrun.tools import ToolContext, ToolError
+from batchrun.tools.arguments import shell_word
 
 
 async def terminal(args: dict, ctx: ToolContext) -> dict:
@@ -17,6 +18,7 @@ async def terminal(args: dict, ctx: ToolContext) -> dict:
     command = args.get("command")
     if not isinstance(command, str) or not command.strip():
         raise ToolError("'command' must be a non-empty string")
+    shell_word("command", command)
     timeout = _timeout(args.get("timeout"), ctx.settings.command_timeout)
     result = await ctx.environment().run(command, timeout=timeout)
     if result.timed_out:     # a limit it ran into first is still named

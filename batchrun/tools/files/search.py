@@ -9,7 +9,7 @@ from pathlib import PurePosixPath
 
 from batchrun.environments.base import CommandResult
 from batchrun.tools import ToolContext, ToolError
-from batchrun.tools.arguments import positive_int
+from batchrun.tools.arguments import positive_int, shell_word
 from batchrun.tools.files.arguments import optional_string, required_string
 
 DEFAULT_MAX_RESULTS = 50
@@ -23,11 +23,11 @@ _SEARCH_PATH_NOT_SEARCHABLE = 5
 
 async def search_files(args: dict, ctx: ToolContext) -> dict:
     """A regex over file contents (grep) or a glob over file names (find), through the shell."""
-    pattern = required_string(args, "pattern")
+    pattern = shell_word("pattern", required_string(args, "pattern"))
     target = optional_string(args, "target") or "content"
     if target not in ("content", "files"):
         raise ToolError(f"'target' must be 'content' or 'files', not {target!r}")
-    root = _search_root(optional_string(args, "path") or ".")
+    root = _search_root(shell_word("path", optional_string(args, "path") or "."))
     max_results = positive_int(args, "max_results", DEFAULT_MAX_RESULTS)
     if target == "content":
         return await _search_content(pattern, root, max_results, ctx)
