@@ -8,6 +8,7 @@ client. The parent calls only ``lost_task``, for the failure row of a task whose
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import math
 import os
@@ -41,6 +42,9 @@ _CANNOT_REPORT = 70         # the exit status of a worker whose messages can no 
 
 def _finished(task: Task, result: rows.SessionResult, config: RunConfig) -> Finished:
     batch_num = task.unit // config.output.batch_size
+    # The model is sent the prompt as the dataset has it; the row, the report and the console get it
+    # redacted, as everything else (a dataset made from logs or tickets may hold a pasted key).
+    result = dataclasses.replace(result, prompt=Redactor.of_run(config.endpoint.api_key)(result.prompt))
     line = rows.encode_finished(result, batch_num=batch_num, model=config.endpoint.model,
                                 timestamp=datetime.now().isoformat(timespec="seconds"),
                                 discard_no_reasoning=config.output.discard_no_reasoning)
@@ -96,7 +100,7 @@ def make_services(slots: int, config: RunConfig, gate: Gate, env_settings: Envir
     models = OpenAIEndpoint(config.endpoint, gate, clients=max(1, math.ceil(slots / SESSIONS_PER_CLIENT)))
     return SessionServices(config=config.session, endpoint=config.endpoint, environment_kind=config.environment.kind,
                            models=models, env_settings=env_settings, available_tools=available_tools,
-                           redact=Redactor.from_environment(config.endpoint.api_key))
+                           redact=Redactor.of_run(config.endpoint.api_key))
 
 
 async def outcome(task: Task, services: SessionServices, config: RunConfig) -> Finished | Fatal:

@@ -135,3 +135,19 @@ def test_a_key_the_endpoint_echoes_reaches_no_row_report_or_export(tmp_path, end
     everything = b"".join(path.read_bytes() for path in written) + (result.stdout + result.stderr).encode()
     assert not any(piece.encode() in everything for piece in pieces_of(key, 8))
     assert b"[REDACTED]" in everything
+
+
+@pytest.mark.parametrize("prompt", ["Use the key {key} to call the API.", "[[fail 400 always]] Use {key}."],
+                         ids=["trajectory", "failure_row"])
+def test_a_key_in_a_dataset_prompt_reaches_no_row_or_report(tmp_path, endpoint, prompt):
+    # Before, the human turn (and a failure row's prompt) kept it: datasets are often made from logs and
+    # tickets where a key was pasted, and the rows are training data that travels further than the dataset.
+    key = "sk-test-IN-PROMPT-0123456789abcdef0123"
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [prompt.format(key=key)])
+    result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=2", "--run_name=run",
+                     "--distribution=terminal_only", *endpoint_args(endpoint), env={"OPENAI_API_KEY": key})
+    assert result.returncode in (0, 2), result.stderr
+    written = [path for path in (tmp_path / "data").rglob("*") if path.is_file()]
+    everything = b"".join(path.read_bytes() for path in written) + (result.stdout + result.stderr).encode()
+    assert not any(piece.encode() in everything for piece in pieces_of(key, 8))
+    assert b"[REDACTED]" in everything
