@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
+import random
 import stat
 import tracemalloc
 from collections.abc import Awaitable, Callable
@@ -15,6 +17,7 @@ from batchrun.environments.base import EnvironmentSettings
 from batchrun.environments.local import LocalEnvironment
 from batchrun.tools import ToolContext, ToolError
 from batchrun.tools.files import patch, read_file, search_files, write_file
+from batchrun.tools.files.diff import Hunk, Lines, apply_hunks
 
 Handler = Callable[[dict, ToolContext], Awaitable[dict]]
 
@@ -301,6 +304,128 @@ def test_diff_with_a_line_outside_any_hunk_form_is_refused(workspace):
 def test_diff_cannot_escape_the_working_directory(workspace):
     with pytest.raises(ToolError, match="outside the working directory"):
         call(workspace, patch, diff="--- /dev/null\n+++ b/../../evil.txt\n@@ -0,0 +1 @@\n+x\n")
+
+
+@pytest.mark.parametrize("alias", ["./f", "{root}/f"])
+def test_diff_naming_one_file_under_two_spellings_applies_both_sections_in_turn(workspace, alias):
+    target = put(workspace, "f", "one\ntwo\n")
+    alias = alias.format(root=workspace.prompt_dir)
+    diff = (f"--- a/f\n+++ b/f\n@@ -1 +1 @@\n-one\n+ONE\n"
+            f"--- {alias}\n+++ {alias}\n@@ -2 +2 @@\n-two\n+TWO\n")
+    assert call(workspace, patch, diff=diff) == {"files": [{"path": "f", "created": False}]}
+    assert target.read_text() == "ONE\nTWO\n"
+
+
+def test_diff_whose_later_file_would_exceed_the_size_limit_writes_none(workspace):
+    small, big = put(workspace, "small", "s\n"), put(workspace, "big", "b\n")
+    diff = ("--- a/small\n+++ b/small\n@@ -1 +1 @@\n-s\n+S\n"
+            "--- a/big\n+++ b/big\n@@ -1 +1 @@\n-b\n+" + "X" * 20_000 + "\n")
+    with pytest.raises(ToolError, match="'big' would be 20001 bytes, more than the file tools' limit of 10000 bytes. Nothing was written"):
+        call(workspace, patch, diff=diff)
+    assert (small.read_text(), big.read_text()) == ("s\n", "b\n")
+
+
+def test_diff_whose_later_file_cannot_be_written_leaves_the_others_as_they_were(workspace):
+    target = put(workspace, "data.txt", ORIGINAL)
+    diff = ("--- /dev/null\n+++ b/new.txt\n@@ -0,0 +1 @@\n+new\n"
+            "--- a/data.txt\n+++ b/data.txt\n@@ -1 +1 @@\n-line 1\n+first\n"
+            "--- /dev/null\n+++ b/../../evil.txt\n@@ -0,0 +1 @@\n+x\n")
+    with pytest.raises(ToolError, match="outside the working directory.*the files written before it were put back"):
+        call(workspace, patch, diff=diff)
+    assert target.read_text() == ORIGINAL
+    assert not (workspace.prompt_dir / "new.txt").exists()
+
+
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def test_diff_parsing_and_hunk_search_run_off_the_event_loop(workspace, monkeypatch):
+    """On a large file they are seconds of CPU, which on the worker's event loop would stop every other
+    session it runs (and the call's own time limit) for as long."""
+    patch_module = importlib.import_module("batchrun.tools.files.patch")
+    ran_on_loop: list[bool] = []
+
+    def watched(function: Callable) -> Callable:
+        def watching(*args: object) -> object:
+            ran_on_loop.append(_on_event_loop())
+            return function(*args)
+        return watching
+
+    monkeypatch.setattr(patch_module, "parse_diff", watched(patch_module.parse_diff))
+    monkeypatch.setattr(patch_module, "apply_hunks", watched(patch_module.apply_hunks))
+    put(workspace, "data.txt", ORIGINAL)
+    call(workspace, patch, diff="--- a/data.txt\n+++ b/data.txt\n@@ -1 +1 @@\n-line 1\n+first\n")
+    assert ran_on_loop == [False, False]
+
+
+def test_diff_whose_hunks_are_all_far_from_their_headers_is_refused(workspace, monkeypatch):
+    """Headers that send each search to the far end of the file would cost a pass over it per hunk (a
+    million-line file, minutes): the search reads a few passes' worth of lines at most."""
+    monkeypatch.setattr(workspace.settings, "max_file_bytes", 1_000_000)
+    lines = 20_000
+    target = put(workspace, "data.txt", "".join(f"line {n}\n" for n in range(lines)))
+    hunks = "".join(f"@@ -{lines if n % 2 == 0 else n + 1} @@\n-line {n}\n+LINE {n}\n" for n in range(200))
+    with pytest.raises(ToolError, match="too far from the lines their '@@' headers give"):
+        call(workspace, patch, diff="--- a/data.txt\n+++ b/data.txt\n" + hunks)
+    assert target.read_text().startswith("line 0\n")
+
+
+def test_diff_with_more_distinct_lines_to_match_than_the_search_can_tell_apart_is_refused(workspace, monkeypatch):
+    monkeypatch.setattr(importlib.import_module("batchrun.tools.files.diff"), "_DISTINCT_LINES", 2)
+    put(workspace, "data.txt", ORIGINAL)
+    with pytest.raises(ToolError, match="more than 2 different lines"):
+        call(workspace, patch, diff="--- a/data.txt\n+++ b/data.txt\n@@ -1,3 +1,3 @@\n line 1\n-line 2\n+two\n line 3\n")
+
+
+def _first_search(lines: list[str], hunks: list[Hunk]) -> list[str] | int:
+    """The hunks applied as the first version did (a list comparison at every position, nearest to
+    the expected line, the earlier on a tie; a list insertion per hunk): the file's new lines, or the
+    number of the hunk that did not apply."""
+    lines, shift, floor = list(lines), 0, 0
+    for number, hunk in enumerate(hunks, 1):
+        last = len(lines) - len(hunk.old)
+        expected = min(max(floor if hunk.start is None else hunk.start + shift, floor), last)
+        places = sorted(range(floor, last + 1), key=lambda at: (abs(at - expected), at))
+        at = next((at for at in places if lines[at:at + len(hunk.old)] == hunk.old), None)
+        if at is None:
+            return number
+        lines[at:at + len(hunk.old)] = hunk.new
+        if hunk.start is not None:
+            shift = at - hunk.start + len(hunk.new) - len(hunk.old)
+        floor = at + len(hunk.new)
+    return lines
+
+
+def _random_hunks(rng: random.Random, lines: list[str]) -> list[Hunk]:
+    """Hunks in file order, some with lines the file lacks, all numbered (off by a little) or none."""
+    numbered, hunks, at = rng.random() < 0.7, [], 0
+    for _ in range(rng.randint(1, 4)):
+        at = rng.randint(min(at, len(lines)), len(lines))
+        old = lines[at:at + rng.randint(0, 3)] + (["absent"] if rng.random() < 0.1 else [])
+        new = [rng.choice(["a", "b", "", "new"]) for _ in range(rng.randint(0, 3))]
+        hunks.append(Hunk(max(at + rng.randint(-4, 4), 0) if numbered else None, old, new))
+        at += len(old)
+    return hunks
+
+
+def test_diff_hunks_are_found_where_the_first_search_found_them():
+    """The faster search keeps the rules: nearest to the header's line after the previous hunk, the
+    earlier of two equally near, line numbers corrected by how far the previous hunk was found."""
+    rng = random.Random(7)
+    for _ in range(2_000):
+        lines = [rng.choice(["a", "b", ""]) for _ in range(rng.randint(0, 30))]
+        hunks = _random_hunks(rng, lines)
+        expected = _first_search(lines, hunks)
+        if isinstance(expected, int):
+            with pytest.raises(ToolError, match=f"hunk {expected} of the diff"):
+                apply_hunks(Lines(lines, True), hunks, "f")
+        else:
+            assert apply_hunks(Lines(lines, True), hunks, "f").lines == expected, (lines, hunks)
 
 
 # --- search_files -------------------------------------------------------------------------------

@@ -4,11 +4,24 @@ it says (the model's line numbers are often off), never where it does not match.
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from batchrun.tools import ToolError
 
 _HUNK_HEADER = re.compile(r"@@ -(\d+)(?:,(\d+))?")
+# The hunk search reads at most this many times the file's lines, plus the allowance (which keeps
+# diffs of many hunks on small files clear of the bound): a fraction of a second on the largest file.
+_SEARCH_PASSES = 8
+_SEARCH_ALLOWANCE = 1_000_000
+# How far either side of the expected line the first search looks.
+_FIRST_REACH = 64
+# Lines a hunk may expect are told apart by one character each, from chr(1) up ('\0' is the others').
+_DISTINCT_LINES = sys.maxunicode
+# Lines coded per join: one join over ten million lines holds the GIL for a quarter of a second, in which
+# the worker's event loop cannot run; between two joins it can.
+_LINES_PER_JOIN = 65_536
 
 
 @dataclass
@@ -127,37 +140,98 @@ def parse_diff(diff: str, default_path: str | None) -> list[FilePatch]:
     return patches
 
 
-def _locate(lines: list[str], old: list[str], expected: int, floor: int) -> int | None:
-    """Where ``old`` occurs at or after ``floor``, nearest to ``expected`` (offset drift); None if nowhere."""
-    last = len(lines) - len(old)
-    if last < floor:
-        return None
-    expected = min(max(expected, floor), last)
-    for distance in range(max(expected - floor, last - expected) + 1):
-        for at in (expected - distance, expected + distance):
-            if floor <= at <= last and lines[at:at + len(old)] == old:
-                return at
-    return None
+class _LineIndex:
+    """A file's lines as one character each, so that a hunk is found by ``str.find`` (C, linear in what
+    it reads) rather than by a list comparison at every position: a hunk of 20,000 context lines that
+    matches nowhere in a million lines was half a minute that way. Each line a hunk expects gets a
+    character of its own; every other line of the file is '\\0', which no hunk holds.
+
+    What the searches of one file may read is bounded: hunks near where their headers say, or in order
+    without line numbers, take about one pass over the file in all, while headers sending each search
+    to the far end of a large file would take a pass per hunk. Past the bound the diff is refused.
+    """
+
+    def __init__(self, lines: list[str], hunks: list[Hunk], path: str) -> None:
+        wanted = dict.fromkeys(line for hunk in hunks for line in hunk.old)
+        if len(wanted) > _DISTINCT_LINES:
+            raise ToolError(f"the diff for {path!r} has more than {_DISTINCT_LINES} different lines to match; "
+                            "apply it in parts, or write the file whole")
+        self._codes = {line: chr(code) for code, line in enumerate(wanted, 1)}
+        self._text = "".join("".join(map(self._codes.get, lines[at:at + _LINES_PER_JOIN], repeat("\0")))
+                             for at in range(0, len(lines), _LINES_PER_JOIN))
+        self._budget = _SEARCH_PASSES * len(lines) + _SEARCH_ALLOWANCE
+        self._path = path
+
+    def locate(self, old: list[str], expected: int, floor: int) -> int | None:
+        """Where ``old`` occurs at or after ``floor``, nearest to ``expected`` (offset drift), the earlier
+        of two equally near; None if nowhere. The window around ``expected`` widens fourfold until it
+        holds an occurrence or the whole range: a match inside it at distance d is the nearest, as
+        everything outside is farther than d."""
+        pattern = "".join(map(self._codes.__getitem__, old))
+        last = len(self._text) - len(pattern)
+        if last < floor:
+            return None
+        expected = min(max(expected, floor), last)
+        reach = _FIRST_REACH
+        while True:
+            low, high = max(expected - reach, floor), min(expected + reach, last)
+            self._spend(high - low + len(pattern))
+            before = self._text.rfind(pattern, low, expected + len(pattern))     # starts in [low, expected]
+            after = self._text.find(pattern, expected + 1, high + len(pattern))  # starts in (expected, high]
+            if before >= 0 and (after < 0 or expected - before <= after - expected):
+                return before
+            if after >= 0:
+                return after
+            if (low, high) == (floor, last):
+                return None
+            reach *= 4
+
+    def _spend(self, positions: int) -> None:
+        self._budget -= positions
+        if self._budget < 0:
+            raise ToolError(
+                f"the hunks of the diff for {self._path!r} are too far from the lines their '@@' headers give: "
+                f"finding them would search the file more than {_SEARCH_PASSES} times over. Nothing was "
+                "written; correct the line numbers in the headers, or leave them out ('@@ @@') to find "
+                "each hunk after the one before")
 
 
 def apply_hunks(current: Lines, hunks: list[Hunk], path: str) -> Lines:
-    """The file after every hunk, applied in order; raises ToolError at the first that does not fit."""
-    lines, ends_with_newline = list(current.lines), current.ends_with_newline
-    shift = 0       # how far the previous hunk moved things from the positions the headers assume
-    floor = 0       # hunks apply in order and never overlap
+    """The file after every hunk, applied in order; raises ToolError at the first that does not fit.
+
+    Hunks apply in order and never overlap, so what follows a hunk is still the file as it was: each
+    is found in the original lines, and the result is built once at the end (a list insertion per
+    hunk would move the rest of the file each time).
+    """
+    index = _LineIndex(current.lines, hunks, path)
+    placed: list[tuple[int, Hunk]] = []
+    ends_with_newline = current.ends_with_newline
+    offset = 0      # how far from its header's line the last numbered hunk was found
+    floor = 0
     for number, hunk in enumerate(hunks, 1):
-        expected = floor if hunk.start is None else hunk.start + shift
-        at = _locate(lines, hunk.old, expected, floor)
+        expected = floor if hunk.start is None else hunk.start + offset
+        at = index.locate(hunk.old, expected, floor)
         if at is None:
             raise ToolError(
                 f"hunk {number} of the diff for {path!r} does not apply: its context and removed lines "
                 f"were not found (expected near line {expected + 1}). Nothing was written; read the "
                 "file again and make those lines match it exactly")
-        reaches_end = at + len(hunk.old) == len(lines)
-        lines[at:at + len(hunk.old)] = hunk.new
-        if reaches_end and (hunk.old_missing_newline or hunk.new_missing_newline):
+        floor = at + len(hunk.old)
+        if floor == len(current.lines) and (hunk.old_missing_newline or hunk.new_missing_newline):
             ends_with_newline = not hunk.new_missing_newline
         if hunk.start is not None:
-            shift = at - hunk.start + len(hunk.new) - len(hunk.old)
-        floor = at + len(hunk.new)
-    return Lines(lines, ends_with_newline)
+            offset = at - hunk.start
+        placed.append((at, hunk))
+    return Lines(_spliced(current.lines, placed), ends_with_newline)
+
+
+def _spliced(lines: list[str], placed: list[tuple[int, Hunk]]) -> list[str]:
+    """``lines`` with each placed hunk's old lines replaced by its new ones, in one pass."""
+    result: list[str] = []
+    kept = 0
+    for at, hunk in placed:
+        result += lines[kept:at]
+        result += hunk.new
+        kept = at + len(hunk.old)
+    result += lines[kept:]
+    return result
