@@ -26,6 +26,9 @@ from batchrun.rows import content_key, content_key_of_sample, sample_key, split_
 # A longer line is passed over unread, a chunk at a time.
 LONGEST_LINE = MOST_TEXT_BYTES
 _SKIP_CHUNK = 1024 * 1024
+# The first read of a line re-read by its offset (see _line_at): a whole prompt, most of the time, in one
+# system call; a longer line is read on in chunks twice the last.
+_FIRST_READ = 8192
 
 # Bad lines named one by one; past these a count stands for the rest, so a file of 500 bad lines
 # cannot bury the console (the total goes to the summary and statistics.json).
@@ -436,19 +439,44 @@ def iter_pending(plan: DatasetPlan, *, only: Container[int] | None = None) -> It
     with as many samples as the next, give or take one. ``only``: the units to read (all when None).
 
     Raises DatasetChanged at the first line that is not the one planned: a file rewritten during the run
-    moves its lines, and a buffered read can join old bytes to new ones, so no line re-read is trusted
-    unless its content key is the planned one."""
-    with plan.path.open("rb") as handle:
+    moves its lines, and a read can join old bytes to new ones, so no line re-read is trusted unless its
+    content key is the planned one. Each line is read from the file when its prompt is handed out, never
+    from bytes read for an earlier one (see _line_at)."""
+    # Unbuffered: a buffered reader serves a seek into the chunk it last read from memory, so every line
+    # of a dataset under its 8 KiB buffer (and the lines near one read before) would be the bytes read
+    # before a rewrite, and a stale prompt would run unnoticed.
+    with plan.path.open("rb", buffering=0) as handle:
+        descriptor = handle.fileno()
         for sample_index, pending in enumerate(plan.rounds):
             for offset, occurrence, index, fingerprint in zip(pending.offsets, pending.occurrences, pending.indexes,
                                                               pending.fingerprints, strict=True):
                 if only is not None and plan.unit(index, sample_index) not in only:
                     continue
-                handle.seek(offset)
-                fields, _warning = parse_line(handle.readline(LONGEST_LINE + 1), 0)
+                fields, _warning = parse_line(_line_at(descriptor, offset), 0)
                 if fields is None or content_fingerprint(
                         key := content_key(fields["prompt"], fields["image"], fields["cwd"])) != fingerprint:
                     raise DatasetChanged(f"{plan.path} changed while the run read it: the line of prompt {index} "
                                          f"(at byte {offset:,}) is no longer the prompt planned")
                 yield DatasetRecord(index, fields["prompt"], fields["image"], fields["cwd"], key, occurrence,
                                     sample_index)
+
+
+def _line_at(descriptor: int, offset: int) -> bytes | None:
+    """The line that starts at ``offset`` as the file holds it now (with its newline, if it has one), read
+    with os.pread: one system call for most lines, nothing kept between calls, and no file position shared
+    with another reader. None for a line longer than LONGEST_LINE, as _lines says of one: no planned line
+    is, so the file changed."""
+    chunks: list[bytes] = []
+    size = 0
+    want = _FIRST_READ
+    while size <= LONGEST_LINE:
+        chunk = os.pread(descriptor, min(want, LONGEST_LINE + 1 - size), offset + size)
+        if not chunk:                           # the end of the file: its last line has no newline
+            break
+        if (end := chunk.find(b"\n")) >= 0:
+            chunks.append(chunk[:end + 1])
+            return b"".join(chunks)
+        chunks.append(chunk)
+        size += len(chunk)
+        want *= 2                               # a long line in a few reads, not thousands
+    return b"".join(chunks) if size <= LONGEST_LINE else None

@@ -357,3 +357,28 @@ def test_a_dataset_rewritten_during_the_run_stops_it_and_no_row_holds_a_prompt_n
     assert result.returncode == 0, result.stderr
     merged = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
     assert Counter(human_prompt(row) for row in merged) == Counter(["a new first task", *prompts])
+
+
+def test_a_small_dataset_with_a_line_rewritten_in_place_during_the_run_stops_it(tmp_path, endpoint):
+    # The whole file (~150 bytes) fits in one read of a buffered reader: a line must still be read from the
+    # file when its prompt starts, not from bytes read for an earlier prompt before the rewrite.
+    prompts = [f"task {number}" for number in range(10)]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    edited = [*prompts[:6], "task 6 edited", *prompts[7:]]
+    second_version = write_dataset(tmp_path / "v2.jsonl", edited)
+
+    def rewrite_at_the_first_prompt(body: dict) -> None:
+        if last_user_message(body) == prompts[0] and not rewritten:
+            rewritten.append(True)
+            shutil.copyfile(second_version, dataset)      # the same file, truncated and rewritten; lines 0-5 stay
+        return None
+
+    rewritten: list[bool] = []
+    endpoint.script = rewrite_at_the_first_prompt
+    result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=2", "--num_workers=1", "--run_name=run",
+                     "--distribution=terminal_only", *endpoint_args(endpoint))
+    assert rewritten and result.returncode == 1, result.stdout[-2000:] + result.stderr
+    said = " ".join(result.stderr.split())
+    assert f"{dataset} changed while the run read it: the line of prompt 6" in said, said
+    written = batch_rows(tmp_path / "data" / "run")
+    assert sorted(human_prompt(row) for row in written) == prompts[:6]
