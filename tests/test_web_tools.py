@@ -11,9 +11,12 @@ import base64
 import datetime
 import gzip
 import json
+import os
+import resource
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,6 +25,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import openai
 import pytest
+import trafilatura
 from conftest import batch_rows, endpoint_args, run_cli, write_dataset
 from scripted_endpoint import ScriptedEndpoint
 
@@ -30,7 +34,7 @@ from batchrun.endpoint import MAX_REPLY_BYTES
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.environments.local import LocalEnvironment
 from batchrun.install_hint import install_hint
-from batchrun.tools import ModelAccess, ToolContext, ToolError, clients, configuration
+from batchrun.tools import ModelAccess, ToolContext, ToolError, clients, configuration, extract
 from batchrun.tools.address_policy import address_refusal
 from batchrun.tools.clients import MAX_SERVICE_BYTES
 from batchrun.tools.extract import MAX_CHARS, MAX_PAGE_BYTES, web_extract
@@ -546,6 +550,35 @@ def test_a_redirect_hop_is_checked_like_the_first_url(site, allow_private):
     assert "only http and https" in results[2]["error"]
 
 
+def test_a_port_out_of_range_fails_its_own_url_only(site, allow_private):
+    # Before, httpx took the port and the connection raised OverflowError inside a task group: the whole
+    # call failed with "ExceptionGroup: unhandled errors in a TaskGroup", the other URLs' results lost.
+    site.routes["/cats"] = Reply(body=ARTICLE)
+    site.routes["/to-bad-port"] = Reply(302, headers={"Location": "http://127.0.0.1:99999/cats"})
+    urls = [site.url("/cats"), "http://1.1.1.1:99999/", site.url("/to-bad-port")]
+    cats, bad_port, redirected = call(web_extract, {"urls": urls})["results"]
+    assert "All about cats" in cats["content"]
+    reason = "is not a valid URL: its port is not a number from 1 to 65535"
+    assert bad_port["error"] == f"'http://1.1.1.1:99999/' {reason}"
+    assert redirected["error"] == f"'http://127.0.0.1:99999/cats' {reason}"
+
+
+def test_an_unexpected_failure_of_one_url_costs_that_url_only(site, allow_private, monkeypatch):
+    # One URL's surprise (a library raising what no one expected of it) is that URL's result, not the call's.
+    site.routes["/cats"] = Reply(body=ARTICLE)
+    real_fetch = extract.fetch
+
+    async def fetch(client, url, **kwargs):
+        if url.endswith("/odd"):
+            raise OverflowError("connect(): port must be 0-65535.")
+        return await real_fetch(client, url, **kwargs)
+
+    monkeypatch.setattr(extract, "fetch", fetch)
+    results = call(web_extract, {"urls": [site.url("/cats"), site.url("/odd")]})["results"]
+    assert "All about cats" in results[0]["content"]
+    assert results[1] == {"url": site.url("/odd"), "error": "OverflowError: connect(): port must be 0-65535."}
+
+
 def test_redirects_are_limited(site, allow_private):
     for hop in range(10):
         site.routes[f"/hop{hop}"] = Reply(302, headers={"Location": f"/hop{hop + 1}"})
@@ -593,6 +626,63 @@ def test_long_pages_are_cut_with_a_note(site, allow_private):
     content = call(web_extract, {"urls": [site.url("/long")]})["results"][0]["content"]
     assert len(content) < MAX_CHARS + 200
     assert content.endswith(f"web_extract returns the first {MAX_CHARS}]")
+
+
+def test_a_page_too_costly_to_parse_fails_alone_and_costs_the_worker_nothing(site, allow_private):
+    # The report's page: 4.8 MB (under the page limit) of 600,000 <p> elements. Parsed in a thread of the
+    # worker it took about 1 GB and 37 s of CPU (five of them took the worker to 3.8 GB), and went on
+    # after the call had given up. Now a child process parses it, held to PARSE_MEMORY_MB.
+    site.routes["/cats"] = Reply(body=ARTICLE)
+    site.routes["/heavy"] = Reply(body=b"<html><body>" + b"<p>word " * 600_000 + b"</body></html>")
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    results = call(web_extract, {"urls": [site.url("/heavy"), site.url("/cats")]})["results"]
+    assert "error" in results[0]
+    assert results[0]["error"].startswith(f"parsing the page needs more than {extract.PARSE_MEMORY_MB} MB")
+    assert "All about cats" in results[1]["content"]
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before) / 1024
+    assert grown_mb < 100      # the page and its copies in the HTTP client; the parse's memory was the child's
+
+
+def test_a_parse_that_does_not_end_is_stopped_and_its_process_ended(site, allow_private, monkeypatch, tmp_path):
+    # A parse that never ends (trafilatura made to hang here) fails its page once PARSE_SECONDS have passed,
+    # and nothing of it goes on: before, the parse thread ran on after the call had given up on it.
+    site.routes["/cats"] = Reply(body=ARTICLE)
+    site.routes["/endless"] = Reply(body=ARTICLE)
+    real_extract = trafilatura.extract
+    pid_file = tmp_path / "parser.pid"
+
+    def extract_forever(body, url=None, **kwargs):
+        if url and url.endswith("/endless"):
+            pid_file.write_text(str(os.getpid()))
+            time.sleep(3600)
+        return real_extract(body, url=url, **kwargs)
+
+    monkeypatch.setattr(trafilatura, "extract", extract_forever)
+    monkeypatch.setattr(extract, "PARSE_SECONDS", 1.0)
+    results = call(web_extract, {"urls": [site.url("/endless"), site.url("/cats")]})["results"]
+    assert results[0]["error"] == "parsing the page took longer than 1s, the most web_extract gives one page"
+    assert "All about cats" in results[1]["content"]
+    parser = int(pid_file.read_text())
+    assert parser != os.getpid()
+    with pytest.raises(ProcessLookupError):     # killed, and reaped
+        os.kill(parser, 0)
+
+
+def test_a_worker_parses_one_page_at_a_time(site, allow_private, monkeypatch, tmp_path):
+    # Each parse may take PARSE_MEMORY_MB: a worker holds one such process, not one per URL of each call.
+    busy = tmp_path / "parsing"
+    real_extract = trafilatura.extract
+
+    def extract_alone(body, **kwargs):
+        busy.touch(exist_ok=False)      # FileExistsError, the page's failure, while another parse is on
+        time.sleep(0.2)                 # long enough for an overlap to show
+        busy.unlink()
+        return real_extract(body, **kwargs)
+
+    site.routes["/cats"] = Reply(body=ARTICLE)
+    monkeypatch.setattr(trafilatura, "extract", extract_alone)
+    results = call(web_extract, {"urls": [site.url(f"/cats?{i}") for i in range(5)]})["results"]
+    assert all("All about cats" in result.get("content", result) for result in results), results
 
 
 def test_extract_refuses_bad_arguments():

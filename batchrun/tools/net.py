@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import httpx
 
 from batchrun.bounded_body import BodyError, bounded_chunks, gzipped_within
-from batchrun.env_vars import enabled
+from batchrun.env_vars import enabled, url_problem
 from batchrun.tools import ToolError
 from batchrun.tools.address_policy import ALLOW_PRIVATE, allowed_addresses, host_refusal
 
@@ -58,6 +58,11 @@ def http_url(text: str) -> httpx.URL:
     host = url.raw_host.decode("ascii")
     if ":" not in host and not _HOST_NAME.fullmatch(host):     # IPv6 literals httpx checks itself
         raise ToolError(f"{text!r} has no valid host name: {host!r} holds characters no host name holds")
+    # httpx takes a port above 65535, which only the connection then refuses (OverflowError, not an
+    # httpx error); the URL as httpx will send it gets the check every other URL the runner uses gets.
+    problem = url_problem(str(url), ("http", "https"))
+    if problem:
+        raise ToolError(f"{text!r} is not a valid URL: {problem}")
     return url
 
 
