@@ -745,6 +745,128 @@ def test_an_export_to_a_place_the_runner_may_not_write_is_one_clear_line(tmp_pat
     assert list(closed.iterdir()) == []
 
 
+def files_of(run_dir: Path) -> dict[str, bytes]:
+    """What a run directory holds, but its lock (which takes each runner's pid)."""
+    return {path.name: path.read_bytes() for path in run_dir.iterdir() if path.is_file() and path.name != ".lock"}
+
+
+def half_done_run(tmp_path, endpoint, *, all_done: bool = False) -> Path:
+    """A run of four prompts in two batch files; all done, or two left for --resume."""
+    done = [] if all_done else ["--max_samples=2"]
+    assert run_cli(tmp_path, *good_args(tmp_path, endpoint, *done, prompts=("a", "b", "c", "d"))).returncode == 0
+    endpoint.reset()
+    return tmp_path / "data" / "run"
+
+
+def resumed_obeying_file_modes(tmp_path, endpoint, *extra: str) -> subprocess.CompletedProcess:
+    return run_cli(tmp_path, *good_args(tmp_path, endpoint, "--resume", *extra, prompts=("a", "b", "c", "d")),
+                   prefix=tuple(without_root_file_access()))
+
+
+# The resume cut torn tails off every batch file, and the merge appended to trajectories.jsonl, through
+# a write that ended in a PermissionError traceback: with every prompt done, or after the prompts ran.
+@pytest.mark.parametrize("name", ["batch_0.jsonl", "trajectories.jsonl"])
+@pytest.mark.parametrize("all_done", [False, True], ids=["prompts-left", "all-done"])
+def test_a_resume_that_may_not_write_a_file_it_writes_in_place_is_one_clear_error(tmp_path, endpoint, name,
+                                                                                   all_done):
+    run_dir = half_done_run(tmp_path, endpoint, all_done=all_done)
+    before = files_of(run_dir)
+    (run_dir / name).chmod(0o444)
+    result = resumed_obeying_file_modes(tmp_path, endpoint)
+    assert error_line(result) == (f"error: cannot write in data/run: Permission denied (data/run/{name}). Run as a "
+                                  "user who may write there, or choose another --run_name.")
+    assert files_of(run_dir) == before and endpoint.requests == []
+
+
+# The lock opened, the ledger of what was spent could not be written beside it: a traceback.
+def test_a_resume_in_a_run_directory_it_may_not_add_files_to_is_one_clear_error(tmp_path, endpoint):
+    run_dir = half_done_run(tmp_path, endpoint)
+    before = files_of(run_dir)
+    run_dir.chmod(0o555)
+    try:
+        result = resumed_obeying_file_modes(tmp_path, endpoint)
+    finally:
+        run_dir.chmod(0o755)
+    assert error_line(result) == ("error: cannot write in data/run: Permission denied (data/run). Run as a user who "
+                                  "may write there, or choose another --run_name.")
+    assert files_of(run_dir) == before and endpoint.requests == []
+
+
+# --export blamed --out ("cannot write data/run/batch_1.jsonl"), --report said it could not write the
+# report, and --resume ended in a traceback.
+@pytest.mark.parametrize("command", [["--export=sharegpt", "--run_name=run"], ["--report", "--run_name=run"],
+                                     ["--resume"]], ids=["export", "report", "resume"])
+def test_a_batch_file_this_user_may_not_read_is_named_as_one_it_cannot_read(tmp_path, endpoint, command):
+    run_dir = half_done_run(tmp_path, endpoint, all_done=True)
+    before = files_of(run_dir)
+    (run_dir / "batch_1.jsonl").chmod(0)
+    if command == ["--resume"]:
+        result = resumed_obeying_file_modes(tmp_path, endpoint)
+    else:
+        result = run_cli(tmp_path, *command, prefix=tuple(without_root_file_access()))
+    (run_dir / "batch_1.jsonl").chmod(0o644)
+    assert error_line(result) == ("error: cannot read data/run/batch_1.jsonl: Permission denied. Run as a user who "
+                                  "may read it.")
+    assert result.stderr.strip() == error_line(result)
+    assert files_of(run_dir) == before and endpoint.requests == []
+
+
+# --report ended in a traceback (IsADirectoryError from the rename), which the run's warning had just
+# said would write the report.
+def test_a_directory_where_the_report_goes_is_named_by_the_run_and_by_report(tmp_path, endpoint):
+    (tmp_path / "data" / "run" / "report.html").mkdir(parents=True)
+    message = "data/run/report.html is not a regular file: the run writes it. Move it out of data/run/."
+    run = run_cli(tmp_path, *good_args(tmp_path, endpoint))
+    assert run.returncode == 0 and message in said(run), run.stderr
+    result = run_cli(tmp_path, "--report", "--run_name=run")
+    assert error_line(result) == f"error: {message}"
+    assert (tmp_path / "data" / "run" / "report.html").is_dir()
+
+
+def linked_copy(source: Path, target: Path) -> None:
+    """What `cp -al` makes: every file of ``source`` a second name of the same file, in ``target``."""
+    shutil.copytree(source, target, copy_function=os.link)
+
+
+# A copy made with hard links (cp -al, to branch a run cheaply) was resumed into the original: its batch
+# files and trajectories.jsonl grew with the copy's rows, and the two runs shared one lock.
+@pytest.mark.parametrize("linked", ["whole-directory", ".lock", "batch_0.jsonl", "trajectories.jsonl"])
+def test_a_file_the_run_writes_in_place_that_has_another_name_is_refused_and_that_name_left_as_it_was(
+        tmp_path, endpoint, linked):
+    orig = half_done_run(tmp_path, endpoint)
+    if linked == "whole-directory":
+        linked_copy(orig, tmp_path / "data" / "branch")
+        run_name, named = "branch", ".lock"
+    else:
+        os.link(orig / linked, tmp_path / "elsewhere")
+        run_name, named = "run", linked
+    before = files_of(orig)
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, "--resume", f"--run_name={run_name}",
+                                          prompts=("a", "b", "c", "d")))
+    assert error_line(result) == (f"error: data/{run_name}/{named} is one file with 2 names (hard links, as cp -al "
+                                  "makes): the run writes it in place, so it would write under the other name too. "
+                                  "Copy the run directory without links (cp -a, without -l).")
+    assert files_of(orig) == before and endpoint.requests == []
+
+
+# The files the run replaces whole (written beside, renamed over) are left to their other names as they
+# were, and a run and its resume make no second name for any file.
+def test_files_the_run_replaces_whole_may_have_other_names_which_keep_what_they_held(tmp_path, endpoint):
+    run_dir = half_done_run(tmp_path, endpoint)
+    assert all(path.stat().st_nlink == 1 for path in run_dir.iterdir() if path.is_file())
+    backup = tmp_path / "backup"
+    backup.mkdir()
+    replaced = ["checkpoint.json", "statistics.json", "spent.jsonl", ".merge.json", "report.html"]
+    for name in replaced:
+        os.link(run_dir / name, backup / name)
+    kept = {name: (backup / name).read_bytes() for name in replaced}
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, "--resume", prompts=("a", "b", "c", "d")))
+    assert result.returncode == 0, result.stderr
+    assert len(endpoint.requests) == 2
+    assert {name: (backup / name).read_bytes() for name in replaced} == kept
+    assert all(path.stat().st_nlink == 1 for path in run_dir.iterdir() if path.is_file())
+
+
 # The export wrote over the run's own rows, or replaced a device node with its file (as root).
 @pytest.mark.parametrize("out", ["data/run/batch_0.jsonl", "data/run/trajectories.jsonl", "data/run/checkpoint.json",
                                  "FIFO"])

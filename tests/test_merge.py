@@ -12,6 +12,7 @@ import pytest
 from conftest import endpoint_args, run_cli, write_dataset
 
 from batchrun.run_dir import MERGE_RECORD, TRAJECTORIES, RunDirectory, RunDirectoryError, reading
+from batchrun.stats import MergeStatistics
 
 PROMPTS = ([f"prompt {i}" for i in range(6)] + [f'[[call terminal {{"command": "echo {i}"}}]] command {i}' for i in range(4)]
            + ["[[invent]] inventive", "[[fail 400]] refused", "prompt 3"])
@@ -194,3 +195,44 @@ def test_a_row_of_a_newer_format_stops_the_merge_naming_file_and_line(tmp_path, 
     with pytest.raises(RunDirectoryError, match=r"batch_1\.jsonl line 5: row format 5 is newer"):
         RunDirectory(run_dir).merge(lambda *_: None)
     assert (run_dir / TRAJECTORIES).read_bytes() == trajectories
+
+
+def scanned_then_merged(run_dir: Path) -> MergeStatistics:
+    """The merge a resumed run makes: after its scan of the batch files."""
+    directory = RunDirectory(run_dir)
+    directory.scan()
+    return directory.merge(lambda *_: None)
+
+
+def units(run_dir: Path) -> Counter:
+    return Counter((row["prompt_index"], row["sample_index"])
+                   for row in map(json.loads, (run_dir / TRAJECTORIES).read_bytes().splitlines()))
+
+
+# Resume counted the prompt done once, but the merge copied both lines: trajectories.jsonl and the
+# statistics held that sample twice.
+def test_a_row_appended_twice_by_hand_is_merged_once_and_stays_so(tmp_path, endpoint):
+    run_dir = run(tmp_path, endpoint)
+    batch = run_dir / "batch_0.jsonl"
+    with batch.open("ab") as handle:
+        handle.write(batch.read_bytes().splitlines(keepends=True)[0])
+    run(tmp_path, endpoint, "--resume", exit_code=0)         # the refused prompt is answered this time
+    merged = merged_lines(run_dir)
+    assert max(units(run_dir).values()) == 1 and sum(merged.values()) == 12
+    assert json.loads((run_dir / "statistics.json").read_text())["trajectories_in_merged_file"] == 12
+    inode = (run_dir / TRAJECTORIES).stat().st_ino
+    run(tmp_path, endpoint, "--resume", exit_code=0)
+    assert (run_dir / TRAJECTORIES).stat().st_ino == inode      # appended to again, with nothing to add
+    assert merged_lines(run_dir) == merged
+
+
+def test_a_row_repeated_in_another_batch_file_is_merged_once_by_a_rewrite_shared_out_over_processes(
+        tmp_path, endpoint, monkeypatch):
+    run_dir = run(tmp_path, endpoint)
+    expected, reference = rewritten(run_dir)
+    with (run_dir / "batch_3.jsonl").open("ab") as handle:
+        handle.write((run_dir / "batch_0.jsonl").read_bytes().splitlines(keepends=True)[0])
+    monkeypatch.setattr(reading, "PARALLEL_READ_MIN_BYTES", 0)
+    (run_dir / MERGE_RECORD).unlink()
+    statistics = scanned_then_merged(run_dir)
+    assert merged_lines(run_dir) == expected and statistics.to_state() == reference

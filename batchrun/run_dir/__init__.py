@@ -3,12 +3,14 @@
 Only the parent process writes these files, and a write that fails (a full disk above all) leaves
 every file as it was. The package's faces are re-exported here; each module does one job:
 
-- ``directory.py``   RunDirectory: the lock, batch file names, appends, the files rewritten whole
+- ``directory.py``   RunDirectory: the lock, the start's checks of its files, batch file names, appends, the
+                     files rewritten whole
 - ``durable.py``     writes that leave files whole: appends of whole lines, torn tails cut, atomic rewrites
 - ``reading.py``     streaming the JSONL files in byte ranges shared out over processes; a bad line named
-- ``errors.py``      RunDirectoryError and DiskFull, whose message names the filesystem and what is free
+- ``errors.py``      RunDirectoryError and DiskFull, whose message names the filesystem and what is free;
+                     the one line for a file that may not be read or written, or is no regular file
 - ``checkpoint.py``  checkpoint.json (Checkpoint) and what resume reads back from it
-- ``scan.py``        the resume scan (ScanResult): what is done, failed, corrupted
+- ``scan.py``        the resume scan (ScanResult): what is done, failed, corrupted, repeated
 - ``merge.py``       trajectories.jsonl and its statistics input, appended to from where the last merge stopped
 - ``relocations.py`` relocations.json: where the prompts of earlier rows are now, after the dataset changed
 - ``spent.py``       spent.jsonl (SpentLedger, RowPlace): what sessions cut off before their rows spent

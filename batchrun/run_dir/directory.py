@@ -13,6 +13,7 @@ import json
 import os
 import re
 import stat
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,14 @@ from batchrun.messages import Finished
 from batchrun.paths import lookup_error
 from batchrun.run_dir.checkpoint import CHECKPOINT, Checkpoint
 from batchrun.run_dir.durable import append_whole, atomic_write_json, cut_torn_tail, fsync_dir
-from batchrun.run_dir.errors import RunDirectoryError, full_disk_named, is_disk_full, write_refusal_remedy
+from batchrun.run_dir.errors import (
+    RunDirectoryError,
+    cannot_read,
+    full_disk_named,
+    is_disk_full,
+    not_a_regular_file,
+    write_refused,
+)
 from batchrun.run_dir.merge import MERGE_RECORD, TRAJECTORIES, OnCorrupted, forget_merge_over_damage, merge_batch_files
 from batchrun.run_dir.relocations import RELOCATIONS, read_relocations, write_relocations
 from batchrun.run_dir.scan import ScanResult, scan_files
@@ -37,12 +45,13 @@ LOCK = ".lock"
 # The files a run reads, rewrites whole or appends to beside the batch files. One that is not a regular
 # file is refused with the lock taken, before any prompt runs: met where the run first used it, it was a
 # traceback after the prompts ran (the statistics, the merge), or a read that waits for ever (a FIFO).
+# report.html is not among them: a report that cannot be written does not fail the run (its end says why).
 RUN_FILES = (CHECKPOINT, STATISTICS, ESTIMATE, TRAJECTORIES, MERGE_RECORD, RELOCATIONS, SPENT)
-
-
-def not_a_regular_file(path: Path, what_it_holds: str) -> RunDirectoryError:
-    """The one message for a file of the run directory that is not a regular file (a directory, a FIFO, a device)."""
-    return RunDirectoryError(f"{path} is not a regular file: {what_it_holds}. Move it out of {path.parent}/.")
+# Of those, the ones written in place (appended to, cut, emptied) rather than replaced by a rename, as
+# every batch file is too: such a file with a second name (a hard link: cp -al) is another directory's
+# file as well, and the run would write its rows there too. A file replaced whole leaves its other names
+# to what they held.
+WRITTEN_IN_PLACE = (TRAJECTORIES,)
 
 
 def require_readable(path: Path, command: str) -> None:
@@ -53,11 +62,15 @@ def require_readable(path: Path, command: str) -> None:
     except (FileNotFoundError, NotADirectoryError):
         raise RunDirectoryError(f"no run directory {path}/ here — {command} reads data/<run_name>/ under the "
                                 "current directory; check --run_name or cd to where the run was started") from None
-    except PermissionError as exc:
-        raise RunDirectoryError(f"cannot read the run directory {path}/: {exc.strerror}. Run {command} as a user "
-                                "who may read it.") from None
-    except OSError as exc:      # a loop of symbolic links, a failing disk
-        raise RunDirectoryError(f"cannot read the run directory {path}/: {exc.strerror}.") from None
+    except OSError as exc:      # this user may not list it, a loop of symbolic links, a failing disk
+        raise cannot_read(f"the run directory {path}/", exc, command) from None
+
+
+def hard_linked(path: Path, names: int) -> RunDirectoryError:
+    """The one message for a file the run writes in place that has other names (see WRITTEN_IN_PLACE)."""
+    return RunDirectoryError(f"{path} is one file with {names} names (hard links, as cp -al makes): the run writes "
+                             "it in place, so it would write under the other name too. Copy the run directory "
+                             "without links (cp -a, without -l).")
 
 
 class RunDirectory:
@@ -67,6 +80,7 @@ class RunDirectory:
         self.path = path
         self._lock_fd: int | None = None
         self._created = False       # a batch file was created since the last sync_names()
+        self._repeats: Counter[str] | None = None   # what the resume scan found (ScanResult.repeats); None: no scan
 
     # -- ownership ------------------------------------------------------------------------------
 
@@ -91,13 +105,16 @@ class RunDirectory:
         except OSError as exc:
             if exc.errno == errno.EISDIR or (exc.errno == errno.ELOOP and lock.is_symlink()):
                 raise not_a_regular_file(lock, "the run writes it") from None
-            if (remedy := write_refusal_remedy(exc)) is None:
+            if (refused := write_refused(self.path, exc)) is None:
                 raise
-            raise RunDirectoryError(f"cannot write in {self.path}: {exc.strerror} ({exc.filename}). Run {remedy}, "
-                                    "or choose another --run_name.") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):     # a FIFO takes no record lock, and holds no pid
+            raise refused from None
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):     # a FIFO takes no record lock, and holds no pid
             os.close(fd)
             raise not_a_regular_file(lock, "the run writes it")
+        if status.st_nlink > 1:     # before it is emptied for the pid: the other name is another run's lock
+            os.close(fd)
+            raise hard_linked(lock, status.st_nlink)
         try:
             # A POSIX record lock belongs to this process alone: forked workers do not inherit it,
             # so a killed runner frees the directory at once even while its workers wind down.
@@ -117,20 +134,57 @@ class RunDirectory:
                 raise
         try:
             self._require_own_files()
-        except RunDirectoryError:
+            self._require_writable_directory()
+        except BaseException:
             self.release()
             raise
 
     def _require_own_files(self) -> None:
-        """Each file of the run there is a regular file of its own. By stat, never by opening (see
-        batch_files); a file not there yet is made when first written."""
-        for path in [*(self.path / name for name in RUN_FILES), *self.batch_files()]:
-            if path.is_symlink():
+        """Each file of the run there is a regular file of its own, and one the run writes in place, a file
+        this user may read and write. Checked here, with the lock taken and before any prompt runs: met where
+        the run first wrote it, a refusal was a traceback, after the prompts for trajectories.jsonl. By stat
+        first, never opening what is no regular file (see batch_files); a file not there yet is made when
+        first written."""
+        batch_files = self.batch_files()
+        in_place = {self.path / name for name in WRITTEN_IN_PLACE} | set(batch_files)
+        for path in [*(self.path / name for name in RUN_FILES), *batch_files]:
+            try:
+                status = path.lstat()
+            except FileNotFoundError:
+                continue
+            if stat.S_ISLNK(status.st_mode):
                 # Appends and torn tails cut go through a link, into the file it names (another run's, say).
                 raise RunDirectoryError(f"{path} is a symbolic link to {os.readlink(path)}: the run writes its "
                                         "files in place, so it would write there. Copy that file in its place.")
-            if path.exists() and not path.is_file():
+            if not stat.S_ISREG(status.st_mode):
                 raise not_a_regular_file(path, "the run writes it")
+            if path in in_place:
+                if status.st_nlink > 1:
+                    raise hard_linked(path, status.st_nlink)
+                self._require_read_write(path)
+
+    def _require_read_write(self, path: Path) -> None:
+        """This user may read and write ``path``; if not, which of the two it may not do."""
+        try:
+            os.close(os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW))
+        except OSError as exc:
+            try:
+                os.close(os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW))
+            except PermissionError as unreadable:
+                raise cannot_read(str(path), unreadable) from None
+            if (refused := write_refused(self.path, exc)) is None:
+                raise
+            raise refused from None
+
+    def _require_writable_directory(self) -> None:
+        """New files may be made here: the files the run replaces whole are written beside themselves, and
+        a new batch file is made for each new batch. A file with no name, gone when closed, tells without
+        leaving anything behind; where the filesystem cannot make one, the run's first write tells."""
+        try:
+            os.close(os.open(self.path, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600))
+        except OSError as exc:
+            if (refused := write_refused(self.path, exc)) is not None:
+                raise refused from None
 
     def release(self) -> None:
         if self._lock_fd is not None:
@@ -159,6 +213,7 @@ class RunDirectory:
         self.cut_torn_tails()
         result = scan_files(self.batch_files())
         forget_merge_over_damage(self.path, result.unreadable)
+        self._repeats = result.repeats
         return result
 
     def cut_torn_tails(self) -> None:
@@ -230,7 +285,7 @@ class RunDirectory:
         """Bring trajectories.jsonl up to date with every batch file, and count what it holds
         (see merge.merge_batch_files)."""
         return merge_batch_files(self.path, self.batch_files(), on_corrupted, per_prompt=per_prompt,
-                                 relocated=self.relocations())
+                                 relocated=self.relocations(), repeats=self._repeats)
 
     def write_relocations(self, places: Mapping[str, int | None]) -> None:
         """Record where the rows written for lines that hold other content now belong (see relocations.py)."""

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-from batchrun.run_dir.errors import full_disk_named
+from batchrun.run_dir.errors import full_disk_named, not_a_regular_file
 from batchrun.run_dir.reading import READ_BUFFER_BYTES
 
 
@@ -86,13 +86,20 @@ def replacing(path: Path, *, needed: int = 0, durable: bool = True) -> Iterator[
                 handle.flush()
                 if durable:
                     os.fsync(handle.fileno())
-            os.replace(temp, path)
+            _rename_over(temp, path)
         except BaseException:
             with contextlib.suppress(OSError):      # the failure to report is the one that got here
                 temp.unlink(missing_ok=True)
             raise
     if durable:
         fsync_dir(path.parent)
+
+
+def _rename_over(temp: Path, path: Path) -> None:
+    try:
+        os.replace(temp, path)
+    except IsADirectoryError:      # a rename puts no file in a directory's place, however often it is tried
+        raise not_a_regular_file(path, "the run writes it") from None
 
 
 def atomic_write_json(path: Path, data: dict[str, Any], *, indent: int | None = None) -> None:

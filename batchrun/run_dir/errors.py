@@ -2,7 +2,9 @@
 
 RunDirectoryError is what every part of the package raises when the directory cannot be used as
 asked; DiskFull, the one kind met mid-run, names the file, the filesystem that holds it and what is
-free there. Kept apart because the runner catches and words these too, without reading any file.
+free there. Kept apart because the runner catches and words these too, without reading any file. The
+one-line messages for a file that may not be written or read, or is no regular file, are made here
+once, for every part that meets one (the lock, the start's checks, the reads, the atomic rewrites).
 """
 
 from __future__ import annotations
@@ -61,6 +63,29 @@ def write_refusal_remedy(exc: OSError) -> str | None:
     if exc.errno == errno.EROFS:
         return "once its filesystem is mounted writable"
     return None
+
+
+def write_refused(directory: Path, exc: OSError) -> RunDirectoryError | None:
+    """The one message for a write in the run directory that the system refuses (``exc.filename``: the file
+    or the directory itself); None for any other failure (see write_refusal_remedy)."""
+    if (remedy := write_refusal_remedy(exc)) is None:
+        return None
+    return RunDirectoryError(f"cannot write in {directory}: {exc.strerror} ({exc.filename}). Run {remedy}, or "
+                             "choose another --run_name.")
+
+
+def cannot_read(what: str, exc: OSError, command: str = "") -> RunDirectoryError:
+    """The one message for a part of the run directory that cannot be read (``what`` names it); where
+    permissions refuse it, who may (``command``: the command to run as that user, where it matters)."""
+    if exc.errno not in (errno.EACCES, errno.EPERM):
+        return RunDirectoryError(f"cannot read {what}: {exc.strerror}.")
+    return RunDirectoryError(f"cannot read {what}: {exc.strerror}. Run {command + ' ' if command else ''}as a user "
+                             "who may read it.")
+
+
+def not_a_regular_file(path: Path, what_it_holds: str) -> RunDirectoryError:
+    """The one message for a file of the run directory that is not a regular file (a directory, a FIFO, a device)."""
+    return RunDirectoryError(f"{path} is not a regular file: {what_it_holds}. Move it out of {path.parent}/.")
 
 
 @contextmanager

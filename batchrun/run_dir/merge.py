@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +23,7 @@ from batchrun.run_dir.durable import atomic_write_json, replacing
 from batchrun.run_dir.errors import full_disk_named
 from batchrun.run_dir.reading import FileRange, lines_at, read_processes, reading_pool, refused_line, split_ranges
 from batchrun.run_dir.relocations import relocations_digest
+from batchrun.run_dir.scan import counts_done
 from batchrun.stats import MergeStatistics
 
 TRAJECTORIES = "trajectories.jsonl"
@@ -42,7 +43,8 @@ Merged = tuple[MergeStatistics, dict[str, int], list[LinePlace]]
 
 
 def merge_batch_files(directory: Path, files: list[Path], on_corrupted: OnCorrupted, *,
-                      per_prompt: bool = False, relocated: Mapping[str, int | None] | None = None) -> MergeStatistics:
+                      per_prompt: bool = False, relocated: Mapping[str, int | None] | None = None,
+                      repeats: Counter[str] | None = None) -> MergeStatistics:
     """Bring trajectories.jsonl up to date with these batch files, and count what it holds.
 
     Trajectory rows that call no invented tool are kept; tombstones, failures, corrupted rows
@@ -54,18 +56,29 @@ def merge_batch_files(directory: Path, files: list[Path], on_corrupted: OnCorrup
     (MergeStatistics.prompt_samples); once counted, a run goes on counting them. ``relocated``: where
     prompts are now whose rows name another place (see relocations.py); a merge done under other places
     is done again.
+
+    Of a unit's rows, the one kept is the one resume counted done: failures and corrupted rows are left
+    out, and so are the finished rows after a unit's first (a row appended twice), which the resume scan
+    found (``repeats``: see ScanResult.repeats; None where no scan ran, and the record is trusted). A
+    record made under other repeats is not appended to, since a row repeated since would be copied as a
+    new one: the merge is done again, keeping each unit's first finished row.
     """
     relocated = relocated or {}
     digest = relocations_digest(relocated)
     previous = _read_merge_record(directory, files, digest)
     if previous is not None and per_prompt and previous.statistics.prompt_samples is None:
         previous = None     # the figures so far lack them: count everything again
+    repeated_rows = None if repeats is None else sum(repeats.values())
+    if previous is not None and repeated_rows is not None and previous.repeated_rows != repeated_rows:
+        previous = None
     if previous is None:
-        statistics, ends, unreadable = _rewrite_trajectories(directory, files, on_corrupted, per_prompt, relocated)
+        statistics, ends, unreadable = _rewrite_trajectories(directory, files, on_corrupted, per_prompt, relocated,
+                                                             frozenset(repeats or ()))
     else:
         statistics, ends, unreadable = _append_to_trajectories(directory, files, previous, on_corrupted, relocated)
     statistics.batch_files = len(files)
-    _write_merge_record(directory, statistics, ends, digest, unreadable)
+    _write_merge_record(directory, statistics, ends, digest, unreadable,
+                        previous.repeated_rows if previous is not None else repeated_rows or 0)
     return statistics
 
 
@@ -94,6 +107,7 @@ class MergeRecord:
     offsets: dict[str, int]
     statistics: MergeStatistics
     unreadable: list[LinePlace]     # the lines it read that were no rows (see forget_merge_over_damage)
+    repeated_rows: int              # what the scan found when it was made (see merge_batch_files)
 
 
 @dataclass
@@ -119,11 +133,13 @@ class MergePart:
 
 
 def _rewrite_trajectories(directory: Path, files: list[Path], on_corrupted: OnCorrupted, per_prompt: bool,
-                          relocated: Mapping[str, int | None]) -> Merged:
-    groups = split_ranges(files, read_processes(files))
+                          relocated: Mapping[str, int | None], repeated: frozenset[str]) -> Merged:
+    # Which of a unit's finished rows comes first takes reading them in order: one process where any
+    # repeats (rare: an edit by hand), so no part of the rows needs what another found.
+    groups = split_ranges(files, 1 if repeated else read_processes(files))
     target = directory / TRAJECTORIES
     if len(groups) == 1:
-        parts = [read_merge_part(groups[0], per_prompt, relocated)]
+        parts = [read_merge_part(groups[0], per_prompt, relocated, repeated)]
         with replacing(target, needed=parts[0].kept_bytes) as out:
             copy_kept_rows(out.fileno(), 0, parts[0].kept)
     else:
@@ -176,13 +192,15 @@ def _read_merge_record(directory: Path, files: list[Path], relocations: str) -> 
                 return None
             offsets[name] = offset
         unreadable = [(str(name), int(offset)) for name, offset in data.get("unreadable", [])]
-        return MergeRecord(trajectories_bytes, offsets, MergeStatistics.from_state(data["statistics"]), unreadable)
+        repeated_rows = int(data.get("repeated_rows", 0))     # a record from before repeats were left out
+        return MergeRecord(trajectories_bytes, offsets, MergeStatistics.from_state(data["statistics"]), unreadable,
+                           repeated_rows)
     except (OSError, ValueError, KeyError, TypeError, IndexError):    # damaged: only a shortcut is lost
         return None
 
 
 def _write_merge_record(directory: Path, statistics: MergeStatistics, ends: dict[str, int],
-                        relocations: str, unreadable: list[LinePlace]) -> None:
+                        relocations: str, unreadable: list[LinePlace], repeated_rows: int) -> None:
     size = (directory / TRAJECTORIES).stat().st_size
     atomic_write_json(directory / MERGE_RECORD, {
         "format": MERGE_RECORD_FORMAT,
@@ -191,15 +209,19 @@ def _write_merge_record(directory: Path, statistics: MergeStatistics, ends: dict
         "files": {name: [end, _tail_digest(directory / name, end)] for name, end in ends.items()},
         "statistics": statistics.to_state(),
         "unreadable": unreadable,
+        "repeated_rows": repeated_rows,
     })
 
 
 def read_merge_part(ranges: list[FileRange], per_prompt: bool = False,
-                    relocated: Mapping[str, int | None] | None = None) -> MergePart:
+                    relocated: Mapping[str, int | None] | None = None,
+                    repeated: Collection[str] = frozenset()) -> MergePart:
     """Classify and count the rows that begin in these byte ranges, each at its prompt's place now
-    (see merge_batch_files)."""
+    (see merge_batch_files); of the units ``repeated``, the rows after each one's first finished row
+    are not rows at all."""
     part = MergePart(MergeStatistics(prompt_samples=Counter() if per_prompt else None))
     statistics = part.statistics
+    finished: set[str] = set()      # the units of ``repeated`` whose first finished row has been read
     for path, start, end in ranges:
         for offset, line in lines_at(path, start, end):
             part.ends[path.name] = offset + len(line)
@@ -209,6 +231,8 @@ def read_merge_part(ranges: list[FileRange], per_prompt: bool = False,
                 raise refused_line(path, offset, exc) from None
             if row is None:
                 part.unreadable.append((path.name, offset))
+                continue
+            if repeated and _is_repeat(row, repeated, finished):
                 continue
             if relocated:
                 row.relocate(relocated)
@@ -225,6 +249,18 @@ def read_merge_part(ranges: list[FileRange], per_prompt: bool = False,
             statistics.on_row(row)
             part.keep(path, offset, line, row)
     return part
+
+
+def _is_repeat(row: rows.StoredRow, repeated: Collection[str], finished: set[str]) -> bool:
+    """Whether ``row`` finishes a unit of ``repeated`` that a row read before finished: by the unit as
+    written, as resume counted it (relocation gives no two units one place)."""
+    unit = row.unit_key
+    if unit not in repeated or not counts_done(row):
+        return False
+    if unit in finished:
+        return True
+    finished.add(unit)
+    return False
 
 
 def _combined(parts: list[MergePart], offsets: dict[str, int], unreadable: list[LinePlace],

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from batchrun import rows
-from batchrun.run_dir.errors import RunDirectoryError
+from batchrun.run_dir.errors import RunDirectoryError, cannot_read
 
 READ_BUFFER_BYTES = 1 << 20
 # Below this much data a resume scan or a merge is over before helper processes would have started.
@@ -31,9 +31,14 @@ def lines_at(path: Path, start: int = 0, end: int | None = None) -> Iterator[tup
     short by a crash (it has no newline).
 
     With ``start``/``end``, only the lines that begin in that byte range: ranges that tile a file
-    yield each of its lines exactly once, so separate processes can share one file.
+    yield each of its lines exactly once, so separate processes can share one file. A file this user may
+    not read is a RunDirectoryError that says so: every reader (resume, merge, report, export) words it alike.
     """
-    with path.open("rb", buffering=READ_BUFFER_BYTES) as handle:
+    try:
+        opened = path.open("rb", buffering=READ_BUFFER_BYTES)
+    except PermissionError as exc:
+        raise cannot_read(str(path), exc) from None
+    with opened as handle:
         # A line without a newline may be any size (damage, or a row cut short): never read into it.
         complete = _end_of_last_newline(handle, start)
         end = complete if end is None else min(end, complete)

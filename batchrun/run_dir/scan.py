@@ -44,6 +44,12 @@ class ScanResult:
         """Corrupted rows, ever, per sample key."""
         return Counter(map(rows.sample_key_of_unit, self.corrupted_units))
 
+    @property
+    def repeats(self) -> Counter:
+        """Per unit, its finished rows beyond the first: a row appended twice (a batch file restored by
+        appending a copy, say). Resume counts the unit done once, and the merge keeps the first."""
+        return Counter({unit: count - 1 for unit, count in self.done_units.items() if count > 1})
+
     def live_corrupted(self, superseded: Counter) -> Counter:
         """Corrupted rows per key that no later attempt replaced (``superseded``: see Checkpoint)."""
         return +Counter({key: count - superseded[key] for key, count in self.corrupted_by_key.items()})
@@ -87,12 +93,16 @@ def scan_ranges(ranges: list[FileRange]) -> ScanResult:
             result.rows_by_status[row.status] += 1
             add_usage(result.usage, row.usage())
             result.most_samples = max(result.most_samples, row.sample_index + 1)
-            if row.status == rows.FAILED:
-                result.other_units.add(row.unit_key)
+            if counts_done(row):
+                result.done_units[row.unit_key] += 1
                 continue
-            if row.status != rows.DISCARDED and row.invented_tools():
+            result.other_units.add(row.unit_key)
+            if row.status != rows.FAILED:
                 result.corrupted_units.append(row.unit_key)
-                result.other_units.add(row.unit_key)
-                continue
-            result.done_units[row.unit_key] += 1
     return result
+
+
+def counts_done(row: rows.StoredRow) -> bool:
+    """Whether a row finishes its unit: neither a failure nor corrupted (a row that calls a tool it was not
+    offered; a tombstone called none)."""
+    return row.status != rows.FAILED and (row.status == rows.DISCARDED or not row.invented_tools())
