@@ -102,7 +102,9 @@ async def _parsed(page: Page) -> tuple[str | None, str]:
 
     Forked, not started afresh: the child has trafilatura loaded already (a new interpreter would take
     0.3 s of CPU to load it for each page), and multiprocessing refuses to start children of a daemonic
-    worker process.
+    worker process. The worker has threads (the file tools', the disk guard's), and a fork copies their
+    locks as they are, which the report's plots avoid by not forking then (report/plots.py); here the
+    child is bounded instead: one stuck on such a lock is killed at PARSE_SECONDS, and only its page fails.
     """
     async with _parse_turns.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(1)):
         ours, theirs = socket.socketpair()
