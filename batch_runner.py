@@ -34,6 +34,7 @@ import toolset_distributions
 from batchrun import flags, report
 from batchrun.config import build_config
 from batchrun.console import RunConsole
+from batchrun.console.layout import shown_block
 from batchrun.console.streams import OutputStream
 from batchrun.dataset import DatasetError, require_valid_prompt
 from batchrun.environments import ENVIRONMENT_KINDS
@@ -113,8 +114,10 @@ def main(*args: Any, **kwargs: Any) -> None:
     except Exception:
         # A bug: its traceback, then the exit every command takes. Interpreter teardown would SIGTERM
         # the helper processes still running and wait for them, but they outlive SIGTERM (the parent
-        # stops them, see stop_signals); they end by themselves once this process is gone.
-        traceback.print_exc()
+        # stops them, see stop_signals); they end by themselves once this process is gone. The
+        # traceback's text may hold what a model or an endpoint wrote, and a secret: shown as every line.
+        redact = Redactor.from_environment(str(given.get("api_key") or ""))
+        print(shown_block(redact(traceback.format_exc())), end="", file=sys.stderr)
         code = EXIT_ERROR
     exit_without_teardown(code)
 

@@ -22,7 +22,7 @@ import multiprocessing
 import os
 import signal
 from array import array
-from collections.abc import MutableSequence
+from collections.abc import Collection, MutableSequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -41,11 +41,15 @@ class ReportFailed(Exception):
 class ReportFollower:
     """The helper process of one run; :meth:`finish` (or :meth:`cancel`) ends it."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, repeated: Collection[str]) -> None:
+        """``repeated``: the units whose finished rows the resume scan found more than once (none in a new
+        run directory): the only ones the helper tells a first row from its repeats for, so that it holds
+        nothing per prompt (see FirstFinished)."""
         parent_end, child_end = _FORK.Pipe(duplex=True)
         # [lowest batch with a prompt still open, highest batch handed a prompt]: nothing handed out yet.
         self._window = _FORK.RawArray("q", [0, -1])
-        self._process = _FORK.Process(target=_follow, args=(child_end, run_dir, os.getpid(), self._window),
+        self._process = _FORK.Process(target=_follow,
+                                      args=(child_end, run_dir, frozenset(repeated), os.getpid(), self._window),
                                       daemon=True, name="report")
         self._process.start()
         child_end.close()
@@ -151,14 +155,15 @@ class BatchFollower:
         self._ends[index] = end
 
 
-def _follow(conn: Connection, run_dir: Path, parent_pid: int, window: MutableSequence[int]) -> None:
+def _follow(conn: Connection, run_dir: Path, repeated: frozenset[str], parent_pid: int,
+            window: MutableSequence[int]) -> None:
     # Ctrl-C and a closed terminal's SIGHUP reach the group, a scheduler's SIGTERM maybe too; the parent
     # decides (see stop_signals).
     for signum in stop_signals.HANDLED:
         signal.signal(signum, signal.SIG_IGN)
     try:
         plots.preload()
-        scan = report.RunScan(run_dir)
+        scan = report.RunScan(run_dir, repeated=repeated)
         follower = BatchFollower(scan, window)
         follower.read_existing()
         drawn = None

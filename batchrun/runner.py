@@ -168,14 +168,22 @@ class BatchRunner:
             self._write_checkpoint()
         if plan.pending == 0:
             self.console.print("All prompts have already been processed!", style="bold green")
+            self._remove_leftovers()
             with STOP_SIGNALS.shielded():     # the merge is not cut short; a stop signal is raised after it
                 self._write_checkpoint()
                 self._finish(plan)
             return EXIT_OK
         if self._budget_spent():     # earlier invocations reached a cap: no prompt may start, no pool to start
+            self._remove_leftovers()
             with STOP_SIGNALS.shielded():
                 return self._conclude(plan)
         return self._execute(plan)
+
+    def _remove_leftovers(self) -> None:
+        """What a crashed earlier run under this run's label left (its sandboxes' directories, containers,
+        control groups) goes even when no prompt runs now: a pool's start is where it goes otherwise."""
+        with STOP_SIGNALS.interruptible():
+            self._environment_settings()
 
     def _execute(self, plan: DatasetPlan) -> int:
         # Shielded from here to the end: a stop signal interrupts only the start (an earlier run's leftovers
@@ -183,7 +191,7 @@ class BatchRunner:
         # to their end (see stop_signals).
         with STOP_SIGNALS.shielded():
             available = frozenset(registry.TOOL_NAMES) - set(registry.unavailable_tools())
-            self._report = follower = ReportFollower(self.run_dir.path)
+            self._report = follower = ReportFollower(self.run_dir.path, self.run_dir.repeats)
             try:
                 with STOP_SIGNALS.interruptible():
                     env_settings = self._environment_settings()
@@ -463,6 +471,8 @@ class BatchRunner:
                        sample_index=record.sample_index, unit=unit)
 
     def _environment_settings(self) -> EnvironmentSettings:
+        """The settings of this run's environments, once what a crashed earlier run under the same label
+        left has been removed."""
         environment = self.config.environment
         identity = run_identity(self.config.output.run_dir)
         settings = EnvironmentSettings(work_root=Path(tempfile.gettempdir()) / "batch_runner" / identity,

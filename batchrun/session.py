@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from batchrun import registry
 from batchrun.config import EndpointConfig, SessionConfig
 from batchrun.environments import create_environment, environment_class
-from batchrun.environments.base import Environment, EnvironmentSettings, EnvironmentSetupError
+from batchrun.environments.base import Environment, EnvironmentLostError, EnvironmentSettings, EnvironmentSetupError
 from batchrun.messages import Task
 from batchrun.model import CONTEXT_LENGTH, Message, ModelReply, ModelSource, PromptFailedError
 from batchrun.rows import (
@@ -208,7 +208,7 @@ class Session:
                 end_reason = EndReason.CONTEXT_LENGTH     # keep the paid-for turns; rerunning would overflow again
             else:
                 error, error_type = str(exc), exc.error_type
-        except EnvironmentSetupError as exc:
+        except (EnvironmentSetupError, EnvironmentLostError) as exc:
             error, error_type = str(exc), "environment"
         except TimeoutError:
             if self._answered():    # keep what the paid-for turns produced, as a partial row
@@ -454,6 +454,8 @@ class Session:
             text = _error(str(exc))
         except TimeoutError:
             text = _error(f"{call.name} did not finish within {self.config.tool_timeout:g}s")
+        except EnvironmentLostError:
+            raise
         except Exception as exc:  # a tool bug must cost one tool call, not the whole prompt
             text = _error(f"{call.name} failed: {type(exc).__name__}: {exc}")
         return self.services.redact(text), False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import json
@@ -284,6 +285,15 @@ def assert_the_429_paused_every_other_session(arrivals: list[tuple[float, str]])
     second_calls = [t for t, prompt in arrivals if prompt != RATE_LIMITED_PROMPT][3:]
     assert len(second_calls) == 3
     assert all(t >= rejected_at + 1.4 for t in second_calls)
+
+
+def on_event_loop() -> bool:
+    """Whether the caller runs on an event loop (rather than in a thread of its own)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def wait_for(condition, timeout: float = 60.0, what: str = "condition") -> None:

@@ -31,6 +31,7 @@ Directive grammar (tokens may appear anywhere; everything else is prompt text):
                               not_json).
 ``[[sleep S]]``               extra latency (seconds) per request for this prompt.
 ``[[invent]]``                every turn calls ``made_up_tool`` with ``{}``.
+``[[invent N L]]``            every turn calls N made-up tools, each name L characters.
 ``[[bad_json]]``              an extra first turn calling ``terminal`` with the
                               invalid arguments string ``{"command": "echo hi"``;
                               later turns follow the script.
@@ -150,6 +151,8 @@ class Script:
     malformed_count: float = 0
     sleep: float = 0.0
     invent: bool = False
+    invent_count: int = 1
+    invent_name_chars: int = 0      # 0: the name made_up_tool
     bad_json: bool = False
     length_count: float = 0
     filtered: bool = False
@@ -289,6 +292,11 @@ def parse_directives(text: str) -> Script:
                     raise DirectiveError(f"sleep: expected seconds, got {arg!r}") from None
             elif kw == "invent":
                 script.invent = True
+                if arg:
+                    try:
+                        script.invent_count, script.invent_name_chars = map(int, arg.split())
+                    except ValueError:
+                        raise DirectiveError(f"invent: expected [[invent]] or [[invent N L]], got {arg!r}") from None
             elif kw == "bad_json":
                 script.bad_json = True
             elif kw == "length":
@@ -391,10 +399,16 @@ def _assistant_message(script: Script, t: int, content: str, calls: list[ToolCal
     return msg
 
 
+def _invented_calls(script: Script) -> list[ToolCall]:
+    if not script.invent_name_chars:
+        return [ToolCall("made_up_tool", "{}")]
+    return [ToolCall(f"made_up_{i}_".ljust(script.invent_name_chars, "x"), "{}") for i in range(script.invent_count)]
+
+
 def build_turn(script: Script, t: int) -> tuple[dict, str]:
     """The assistant message and finish_reason for turn ``t`` of ``script``."""
     if script.invent:
-        return _assistant_message(script, t, "", [ToolCall("made_up_tool", "{}")]), "tool_calls"
+        return _assistant_message(script, t, "", _invented_calls(script)), "tool_calls"
     plan = script.plan()
     if t < len(plan):
         return _assistant_message(script, t, "", plan[t]), "tool_calls"

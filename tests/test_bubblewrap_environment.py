@@ -142,7 +142,7 @@ ROOT_RUN_UID = 0x40000000 + 7
 def descriptors_in(directory: Path, uid: int | None) -> Descriptors:
     """The descriptors a sandbox around a new workspace in ``directory`` would be started with."""
     (directory / "workspace").mkdir()
-    return Descriptors(root_descriptor(directory / "work", False), directory / "workspace", uid)
+    return Descriptors(asyncio.run(root_descriptor(directory / "work", False)), directory / "workspace", uid)
 
 
 @pytest.mark.parametrize("uid", [None, ROOT_RUN_UID], ids=["own-user-namespace", "root-run"])

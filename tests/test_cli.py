@@ -811,6 +811,29 @@ def test_a_batch_file_this_user_may_not_read_is_named_as_one_it_cannot_read(tmp_
     assert files_of(run_dir) == before and endpoint.requests == []
 
 
+# A checkpoint this user may not read was taken for none and replaced: the corrupted rows a
+# --rerun_corrupted resume had replaced counted as done again, and no warning said the arguments changed.
+@pytest.mark.parametrize("name", ["checkpoint.json", "spent.jsonl"])
+def test_a_file_the_resume_reads_that_this_user_may_not_read_is_one_clear_error(tmp_path, endpoint, name):
+    run_dir = half_done_run(tmp_path, endpoint)
+    before = files_of(run_dir)
+    (run_dir / name).chmod(0)
+    result = resumed_obeying_file_modes(tmp_path, endpoint)
+    (run_dir / name).chmod(0o644)
+    assert error_line(result) == f"error: cannot read data/run/{name}: Permission denied. Run as a user who may read it."
+    assert files_of(run_dir) == before and endpoint.requests == []
+
+
+# The export's filters read which corrupted rows were replaced from the checkpoint alone.
+def test_an_export_from_a_run_whose_checkpoint_this_user_may_not_read_is_one_clear_error(tmp_path, endpoint):
+    run_dir = half_done_run(tmp_path, endpoint, all_done=True)
+    (run_dir / "checkpoint.json").chmod(0)
+    result = run_cli(tmp_path, "--export=sharegpt", "--run_name=run", prefix=tuple(without_root_file_access()))
+    (run_dir / "checkpoint.json").chmod(0o644)
+    assert error_line(result) == ("error: cannot read data/run/checkpoint.json: Permission denied. Run as a user who "
+                                  "may read it.")
+
+
 # --report ended in a traceback (IsADirectoryError from the rename), which the run's warning had just
 # said would write the report.
 def test_a_directory_where_the_report_goes_is_named_by_the_run_and_by_report(tmp_path, endpoint):

@@ -34,7 +34,7 @@ from container_backends import ENGINES, UNPULLABLE_IMAGE, EngineBackend, environ
 
 from batchrun.environments import docker as docker_module
 from batchrun.environments import environment_class
-from batchrun.environments.base import EnvironmentSetupError, ToolError, run_identity
+from batchrun.environments.base import EnvironmentLostError, EnvironmentSetupError, ToolError, run_identity
 from batchrun.environments.limits import ResourceLimits
 
 
@@ -426,6 +426,34 @@ def test_a_time_out_that_left_nothing_running_keeps_tmp(engine, tmp_path):
     finally:
         asyncio.run(env.close())
     assert after.output == "kept\n"
+
+
+# -- the engine lost mid-prompt ----------------------------------------------------------------------
+
+def test_a_command_whose_container_was_removed_behind_the_runners_back_loses_the_environment(engine, tmp_path):
+    """The CLI says why it could not run the command with an exit status a command may also have (1, 125):
+    read as the command's own, its complaint would pass into the row as what the command printed."""
+    env = started(engine, make_settings(tmp_path))
+    try:
+        engine.run("rm", "-f", env.name)
+        with pytest.raises(EnvironmentLostError, match="^the command could not run to its end in the container: "):
+            asyncio.run(env.run("echo ran"))
+    finally:
+        asyncio.run(env.close())
+
+
+def test_a_command_the_unreachable_docker_engine_could_not_run_loses_the_environment(tmp_path, monkeypatch):
+    engine = make_backend("docker", tmp_path, monkeypatch)
+    env = started(engine, make_settings(tmp_path))
+    engine_host = os.environ["DOCKER_HOST"]
+    try:
+        monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-engine.sock")     # as if the engine had died
+        with pytest.raises(EnvironmentLostError, match="^the command could not run to its end in the container: "
+                                                       ".*Is the docker daemon running\\?$"):   # the client's own words
+            asyncio.run(env.run("echo ran"))
+    finally:
+        monkeypatch.setenv("DOCKER_HOST", engine_host)
+        asyncio.run(env.close())
 
 
 # -- what is read from the container ----------------------------------------------------------------

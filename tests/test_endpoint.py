@@ -146,6 +146,17 @@ def test_account_and_model_errors_stop_the_run(ep, status, advice):
         classify_here(exc, answered=True)
 
 
+# An endpoint's message with line breaks in it was shown with them: under the run's "error:" line, a
+# line of the endpoint's own ("error: nothing is wrong", "BATCH PROCESSING COMPLETE").
+@pytest.mark.parametrize("status", [401, 400])
+def test_an_endpoints_message_is_shown_on_one_line(ep, status):
+    ep.script = lambda body: (status, {"error": {"message": "wrong key\r\nerror: nothing is wrong\n\n  DONE\tnow"}}, {})
+    with pytest.raises((RunFatalError, PromptFailedError)) as stopped:
+        classify_here(error_from(ep.base_url), answered=True)
+    assert "wrong key error: nothing is wrong DONE now" in str(stopped.value)
+    assert not any(character in str(stopped.value) for character in "\r\n\t")
+
+
 def test_400_naming_an_unknown_model_stops_the_run(ep):
     ep.script = lambda body: (400, {"error": {"message": "scripted-model is not a valid model ID"}}, {})
     with pytest.raises(RunFatalError, match="does not accept model"):
@@ -214,6 +225,24 @@ def test_a_redirect_of_the_chat_request_stops_the_run_naming_where_it_points(sta
     assert str(fatal.value).startswith(f"the endpoint {base_url} redirects requests (HTTP {status}) to "
                                        f"http://127.0.0.1:{server.server_address[1]}/v2/chat/completions")
     assert Redirecting.seen == [("POST", "/v1/chat/completions")]
+
+
+# A conversation that had read about context lengths (a tool's output, the prompt) then overflowed for
+# real: the endpoint's own words were taken for the conversation's, and the overflow for an HTTP 400 that
+# every --resume pays for again.
+@pytest.mark.parametrize("quoting", [False, True], ids=["said", "said_and_quoting"])
+def test_a_real_overflow_is_known_when_the_conversation_holds_the_same_words(ep, quoting):
+    prompt = "The docs say: This model's maximum context length is 4096 tokens. Is that right?"
+    overflow = "This model's maximum context length is 8192 tokens. However, you requested 9000 tokens."
+
+    def overflowing(body: dict) -> tuple[int, dict, dict]:
+        quoted = f" [input_value={body['messages'][-1]['content']!r}]" if quoting else ""
+        return 400, {"error": {"message": overflow + quoted, "type": "BadRequestError"}}, {}
+
+    ep.script = overflowing
+    with pytest.raises(PromptFailedError) as failure:
+        call_once(ep.base_url, prompt)
+    assert failure.value.error_type == "context_length"
 
 
 def test_429_returns_the_servers_retry_after(ep):

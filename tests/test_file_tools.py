@@ -12,9 +12,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from conftest import on_event_loop
 
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.environments.local import LocalEnvironment
+from batchrun.time_limit import within
 from batchrun.tools import ToolContext, ToolError
 from batchrun.tools.files import patch, read_file, search_files, write_file
 from batchrun.tools.files.diff import Hunk, Lines, apply_hunks
@@ -119,6 +121,44 @@ def test_read_of_the_last_lines_is_not_truncated(workspace):
     put(workspace, "lines.txt", "a\nb\nc")
     result = call(workspace, read_file, path="lines.txt", offset=2)
     assert (result["content"], result["truncated"], result["total_lines"]) == ("b\nc", False, 3)
+
+
+def test_read_splits_lines_at_newlines_only(workspace):
+    put(workspace, "odd.txt", "a\r\nb\x0cc\u2028d\n\nlast")
+    result = call(workspace, read_file, path="odd.txt", offset=2, limit=2)
+    assert (result["content"], result["total_lines"], result["lines_returned"], result["truncated"]) == (
+        "b\x0cc\u2028d\n\n", 4, 2, True)
+
+
+def test_read_of_an_empty_file_has_no_lines(workspace):
+    put(workspace, "empty.txt", "")
+    assert call(workspace, read_file, path="empty.txt") == {
+        "path": "empty.txt", "content": "", "total_lines": 0, "offset": 1, "lines_returned": 0, "truncated": False}
+
+
+def test_read_of_invalid_utf8_replaces_only_the_bad_bytes(workspace):
+    put(workspace, "bad.txt", b"ok\n\xe2\x82\nend\xff")
+    assert call(workspace, read_file, path="bad.txt", offset=2)["content"] == "\ufffd\nend\ufffd"
+
+
+# A window of a file of a million short lines split all of it into a million strings (tens of MB, and
+# a second on the event loop that every session of the worker shares).
+def test_a_window_of_a_file_of_many_lines_costs_memory_of_the_file_not_of_its_lines(tmp_path):
+    settings = EnvironmentSettings(work_root=tmp_path / "work", run_label="test", max_file_bytes=10_000_000)
+    env = LocalEnvironment(settings, prompt_index=0)
+    asyncio.run(env.start())
+    try:
+        put(env, "many.txt", "ab\n" * 999_999 + "last")
+        tracemalloc.start()
+        try:
+            result = call(env, read_file, path="many.txt", offset=999_998, limit=5)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    finally:
+        asyncio.run(env.close())
+    assert (result["content"], result["total_lines"], result["lines_returned"]) == ("ab\nab\nlast", 1_000_000, 3)
+    assert peak < 8_000_000       # the file is 3 MB
 
 
 def test_read_offset_past_the_end_is_refused(workspace):
@@ -336,12 +376,29 @@ def test_diff_whose_later_file_cannot_be_written_leaves_the_others_as_they_were(
     assert not (workspace.prompt_dir / "new.txt").exists()
 
 
-def _on_event_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
+# The call's time limit struck between two of a diff's writes: the first file kept the diff's change,
+# though the model was told the call did not finish.
+def test_diff_stopped_by_its_time_limit_between_writes_leaves_the_files_as_they_were(workspace, monkeypatch):
+    first, second = put(workspace, "first.txt", "a\n"), put(workspace, "second.txt", "b\n")
+    write_file = workspace.write_file
+
+    async def second_write_hangs(path: str, data: bytes) -> str:
+        if path == "second.txt" and data == b"B\n":
+            await asyncio.Event().wait()
+        return await write_file(path, data)
+
+    monkeypatch.setattr(workspace, "write_file", second_write_hangs)
+    diff = ("--- a/first.txt\n+++ b/first.txt\n@@ -1 +1 @@\n-a\n+A\n"
+            "--- /dev/null\n+++ b/created.txt\n@@ -0,0 +1 @@\n+new\n"
+            "--- a/second.txt\n+++ b/second.txt\n@@ -1 +1 @@\n-b\n+B\n")
+
+    async def limited() -> None:
+        await within(0.5, patch({"diff": diff}, ToolContext(env=workspace, settings=workspace.settings)))
+
+    with pytest.raises(TimeoutError):
+        asyncio.run(limited())
+    assert (first.read_text(), second.read_text()) == ("a\n", "b\n")
+    assert not (workspace.prompt_dir / "created.txt").exists()
 
 
 def test_diff_parsing_and_hunk_search_run_off_the_event_loop(workspace, monkeypatch):
@@ -352,7 +409,7 @@ def test_diff_parsing_and_hunk_search_run_off_the_event_loop(workspace, monkeypa
 
     def watched(function: Callable) -> Callable:
         def watching(*args: object) -> object:
-            ran_on_loop.append(_on_event_loop())
+            ran_on_loop.append(on_event_loop())
             return function(*args)
         return watching
 

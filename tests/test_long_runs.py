@@ -149,7 +149,7 @@ def test_the_report_helper_holds_nothing_per_batch_file_the_run_is_done_with(tmp
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     window = [0, -1]
-    follower = BatchFollower(report.RunScan(run_dir), window)
+    follower = BatchFollower(report.RunScan(run_dir, repeated=frozenset()), window)   # as in a run
 
     def run_through(first: int, last: int) -> None:
         """Batch files first..last each get their one row, as a run with --batch_size=1 writes them."""
@@ -174,7 +174,7 @@ def test_the_report_helper_reads_every_row_once_however_the_window_moves(tmp_pat
     for number in range(5):                             # an earlier invocation's files
         (run_dir / f"batch_{number}.jsonl").write_bytes(stored_lines["plain"] * 2)
     window = [0, -1]
-    follower = BatchFollower(report.RunScan(run_dir), window)
+    follower = BatchFollower(report.RunScan(run_dir, repeated=frozenset()), window)   # as in a run
     follower.read_existing()
     for number in (1, 3, 7, 9):                         # this one's rows: retries, then new files
         window[:] = [1, number]

@@ -242,6 +242,17 @@ def test_a_node_missing_a_tool_the_run_offers_is_a_problem(monkeypatch):
     assert node_tools_problem("terminal_web", everything - {"web_search"}) is None  # unavailable everywhere anyway
 
 
+@needs_ray
+def test_a_pool_warning_shows_what_ray_quoted_escaped_and_bounded(capsys):
+    # The pool's warnings quote Ray's exceptions, which quote a node's or a task's words: printed raw.
+    from batchrun.ray.pool import warn
+
+    warn("lost an actor: \x1b]0;owned\x07 " + "x" * 10_000)
+    said = capsys.readouterr().err
+    assert said.startswith("warning: lost an actor: \\x1b]0;owned\\x07 ") and "\x1b" not in said
+    assert len(said) < 4_100 and "characters left out" in said
+
+
 # -- with Ray -------------------------------------------------------------------------------------------
 
 

@@ -151,3 +151,22 @@ def test_a_key_in_a_dataset_prompt_reaches_no_row_or_report(tmp_path, endpoint, 
     everything = b"".join(path.read_bytes() for path in written) + (result.stdout + result.stderr).encode()
     assert not any(piece.encode() in everything for piece in pieces_of(key, 8))
     assert b"[REDACTED]" in everything
+
+
+# A bug's traceback went to stderr as Python prints it: a key in the exception's text whole, and the
+# control characters a model or an endpoint wrote into it raw.
+def test_the_traceback_of_a_bug_shows_no_secret_and_no_control_character(monkeypatch, capsys):
+    import batch_runner
+
+    def failing(given, unknown):
+        raise RuntimeError(f"a bug while holding {given['api_key']} and \x1b]52;c;aGk=\x07")
+
+    exits: list[int] = []
+    monkeypatch.setattr(batch_runner, "run_cli", failing)
+    monkeypatch.setattr(batch_runner, "exit_without_teardown", exits.append)
+    monkeypatch.setattr("sys.argv", ["batch_runner.py"])
+    batch_runner.main("d.jsonl", 3, api_key=SECRET)
+    said = capsys.readouterr().err
+    assert exits == [1]
+    assert "Traceback" in said and "RuntimeError: a bug while holding [REDACTED] and \\x1b]52;c;aGk=\\x07" in said
+    assert SECRET not in said and "\x1b" not in said

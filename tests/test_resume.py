@@ -38,6 +38,7 @@ from conftest import (
 
 from batchrun import rows
 from batchrun.dataset import plan_dataset
+from batchrun.environments.base import run_identity
 from batchrun.messages import Finished, Spent
 from batchrun.report import summary
 from batchrun.report.scan import RunScan
@@ -492,6 +493,23 @@ def test_changed_batch_size_loses_and_duplicates_nothing(tmp_path, endpoint):
     assert result.returncode == 0
     assert merged_prompts(tmp_path) == Counter(prompts)
     assert len(batch_rows(tmp_path / "data" / "run")) == 7
+
+
+# A resume with nothing left to run started no pool, and the pool's start is where an earlier run's
+# leftovers (its sandboxes' directories, its containers, its control groups) were removed: they stayed.
+@pytest.mark.parametrize("left", ["all-done", "budget-spent"])
+def test_a_resume_that_runs_no_prompt_still_removes_what_a_crashed_run_left(tmp_path, endpoint, left):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["a", "b"])
+    limit = ["--max_total_tokens=1", "--num_workers=1"] if left == "budget-spent" else []
+    run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, *limit))
+    leftover = tmp_path / "tmp" / "batch_runner" / run_identity(str(tmp_path / "data" / "run")) / "prompt-7"
+    leftover.mkdir(parents=True)
+    (leftover / "made.txt").write_text("left by a run killed with -9")
+    endpoint.reset()
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume", *limit))
+    assert result.returncode in (0, 2), result.stderr
+    assert endpoint.requests == []
+    assert not leftover.parent.exists()
 
 
 def test_all_done_makes_no_model_call_and_still_writes_outputs(tmp_path, endpoint):

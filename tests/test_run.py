@@ -152,6 +152,21 @@ def test_session_inventing_tools_three_turns_in_a_row_stops_partial(tmp_path, en
     assert "unknown tool" in tool_turn and "terminal" in tool_turn     # names the real tools
 
 
+# A model that invents 200 tools of 5,000 characters a turn: statistics.json and .merge.json held every
+# name in full (megabytes for one row), as did the run's "left out" line.
+def test_what_the_run_notes_of_invented_tools_is_a_few_names_cut_short(tmp_path, endpoint):
+    assert run_prompts(tmp_path, endpoint, ["[[invent 200 5000]] inventing wildly"]).returncode == 0
+    run_dir = tmp_path / "data" / "run"
+    [entry] = json.loads((run_dir / "statistics.json").read_text())["corrupted_entries"]
+    noted = entry["invented_tools"]
+    assert noted[0].startswith("made_up_0_xxx") and noted[-1] == "and 195 more"
+    assert len(noted) == 6 and all(len(name) < 150 for name in noted)
+    assert (run_dir / "statistics.json").stat().st_size < 20_000
+    assert (run_dir / ".merge.json").stat().st_size < 20_000
+    [row] = batch_rows(run_dir)
+    assert len(json.dumps(row)) > 3 * 200 * 5000       # the row keeps what the model wrote
+
+
 def test_malformed_arguments_get_an_error_result_and_the_model_continues(tmp_path, endpoint):
     assert run_prompts(tmp_path, endpoint, ["[[bad_json]] broken arguments"]).returncode == 0
     [row] = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")

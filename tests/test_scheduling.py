@@ -103,8 +103,11 @@ def test_a_resume_past_a_reached_cap_starts_no_worker_nor_sandbox(tmp_path, endp
                   env={"TERMINAL_ENV": "docker"})
     assert resumed.returncode == 0, resumed.stderr
     assert "Stopped admitting prompts: spending cap reached" in " ".join(resumed.stdout.split())
-    # Only the check of the flags, before the run directory is read, asks the engine whether it answers.
-    assert backend.calls("docker") == [["version", "--format", "{{.Server.Version}}"]] and endpoint.requests == []
+    # The engine is asked whether it answers (the check of the flags) and what a crashed run under this run
+    # directory left (removed even when no prompt runs); no container starts.
+    calls = backend.calls("docker")
+    assert calls[0] == ["version", "--format", "{{.Server.Version}}"] and endpoint.requests == []
+    assert not any(call[0] in ("run", "create", "exec", "start") for call in calls), calls
     assert (tmp_path / "data" / "run" / "statistics.json").exists()
 
 

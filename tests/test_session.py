@@ -18,7 +18,7 @@ import model_tools
 from batchrun import rows
 from batchrun import session as session_module
 from batchrun.config import EndpointConfig, SessionConfig
-from batchrun.environments.base import EnvironmentSettings, EnvironmentSetupError
+from batchrun.environments.base import EnvironmentLostError, EnvironmentSettings, EnvironmentSetupError
 from batchrun.environments.local import LocalEnvironment
 from batchrun.messages import Task
 from batchrun.model import CONTEXT_LENGTH, Message, ModelReply, PromptFailedError
@@ -525,6 +525,19 @@ def test_an_environment_that_cannot_start_fails_the_prompt_at_its_first_tool_cal
     result = run_watched(tmp_path, watch, [call("terminal", ECHO), say("Done.")])
     assert (result.error_type, result.error, result.api_calls) == (
         "environment", "the sandbox did not start: no message", 1)
+
+
+# An environment lost mid-prompt (its container engine died, its container removed behind the runner's
+# back) answered every later command with an error, and the model went on to a row that passed for
+# completed: never run again, though nothing it did after the loss ran.
+def test_an_environment_lost_mid_prompt_fails_the_prompt_for_resume(tmp_path, monkeypatch):
+    async def lost(env: LocalEnvironment, command: str, timeout: float | None = None) -> None:
+        raise EnvironmentLostError("the command could not run to its end in the container: no such container")
+
+    monkeypatch.setattr(LocalEnvironment, "run", lost)
+    result, _ = run_session(tmp_path, [call("terminal", ECHO), say("Done anyway.")])
+    assert (result.error_type, result.error, result.api_calls) == (
+        "environment", "the command could not run to its end in the container: no such container", 1)
 
 
 def test_a_prompt_that_ends_before_its_environment_started_cuts_the_start_short(tmp_path, monkeypatch):

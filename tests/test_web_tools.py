@@ -35,7 +35,7 @@ from batchrun.environments.base import EnvironmentSettings
 from batchrun.environments.local import LocalEnvironment
 from batchrun.install_hint import install_hint
 from batchrun.tools import ModelAccess, ToolContext, ToolError, clients, configuration, extract
-from batchrun.tools.address_policy import address_refusal
+from batchrun.tools.address_policy import address_refusal, allowed_addresses
 from batchrun.tools.clients import MAX_SERVICE_BYTES
 from batchrun.tools.extract import MAX_CHARS, MAX_PAGE_BYTES, web_extract
 from batchrun.tools.image_gen import image_generate
@@ -561,6 +561,15 @@ def test_a_port_out_of_range_fails_its_own_url_only(site, allow_private):
     reason = "is not a valid URL: its port is not a number from 1 to 65535"
     assert bad_port["error"] == f"'http://1.1.1.1:99999/' {reason}"
     assert redirected["error"] == f"'http://127.0.0.1:99999/cats' {reason}"
+
+
+# Python's resolver call raised UnicodeError for a name with an empty label or one over 63 characters:
+# the URL's error was "UnicodeError: encoding with 'idna' codec failed", and the browser's gate logged a
+# traceback per request.
+@pytest.mark.parametrize("host", ["a..example", "a" * 64 + ".example"], ids=["empty-label", "long-label"])
+def test_a_host_name_no_resolver_takes_is_one_that_cannot_be_resolved(host, allow_private):
+    with pytest.raises(ToolError, match=f"^cannot resolve {host}: not a valid host name"):
+        asyncio.run(allowed_addresses(host, 80))
 
 
 def test_an_unexpected_failure_of_one_url_costs_that_url_only(site, allow_private, monkeypatch):

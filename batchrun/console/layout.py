@@ -1,7 +1,8 @@
 """Lines laid out for the width they will be read at (the terminal's, or 80 columns in a log file): figures
 kept whole and moved to a continuation line when they do not fit, only free text (a prompt preview)
 shortened, with an ellipsis. Widths are measured in cells, as rich draws them: an emoji takes two.
-And :func:`shown`, which every line passes before it is written: no terminal control characters."""
+And :func:`shown`, which every line passes before it is written: no terminal control characters, and no
+line break but those the runner writes."""
 
 from __future__ import annotations
 
@@ -16,20 +17,40 @@ PLAIN_WIDTH = 80              # a log file has no width of its own; lay it out f
 MIN_PREVIEW = 12              # with less room a preview stub says nothing; leave it out instead
 SEPARATOR = " · "
 INDENT = "    "               # continuation lines, and the detail lines under a prompt's line
-# C0 controls but newline and tab, DEL and C1 controls: what a terminal may take as a command; the
+MAX_MESSAGE_CHARS = 4_000     # 50 lines of 80 columns: more of what an endpoint or a model wrote tells nothing
+# C0 controls but tab, DEL and C1 controls: what a terminal may take as a command, and the newline,
+# with which a tool name or an error would start a line of its own ("BATCH PROCESSING COMPLETE"); the
 # bidirectional embeddings, overrides and isolates, which reorder how the rest of a line reads (an
 # endpoint's error shown backwards up to the runner's advice after it); and lone surrogates, which no
 # output encoding takes.
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 
 
 def shown(text: str) -> str:
-    r"""``text`` with its control characters written as escapes (``\x1b``, ``\u202e``), and lone
-    surrogates too (``\udc80``). Prompts come from downloaded datasets and replies from the model:
-    printed raw, ESC[2J would clear the screen and OSC 52 write the user's clipboard, and a lone
-    surrogate, which JSON allows and UTF-8 cannot encode, would end the run at the print. Rich's markup
-    escaping leaves them be."""
+    r"""``text`` as one line, with its control characters written as escapes (``\x1b``, ``\x0a``,
+    ``\u202e``), and lone surrogates too (``\udc80``). Prompts come from downloaded datasets and replies
+    from the model: printed raw, ESC[2J would clear the screen and OSC 52 write the user's clipboard, and
+    a lone surrogate, which JSON allows and UTF-8 cannot encode, would end the run at the print. Rich's
+    markup escaping leaves them be. Escapes are longer than what they stand for: text is shown before it
+    is measured for a line."""
     return _CONTROL.sub(_escape, text)
+
+
+def shown_block(text: str) -> str:
+    """``text`` as lines (an error's message and the advice under it, a traceback): its newlines kept,
+    every line :func:`shown`."""
+    return "\n".join(shown(line) for line in text.split("\n"))
+
+
+def bounded(text: str) -> str:
+    """``text``, or where it is longer than MAX_MESSAGE_CHARS its start and its end, saying how much was
+    left out between them (the end of a message is often its advice). A model's 100 KB tool name quoted
+    in a message would otherwise fill the screen and the log, and rich took minutes to lay out a line of
+    a million characters."""
+    if len(text) <= MAX_MESSAGE_CHARS:
+        return text
+    half = MAX_MESSAGE_CHARS // 2
+    return f"{text[:half]} … ({len(text) - 2 * half:,} characters left out) … {text[-half:]}"
 
 
 def _escape(match: re.Match[str]) -> str:

@@ -1,5 +1,6 @@
 """What the user sees: live progress over prompts on a terminal, plain lines elsewhere, and the end-of-run
-summary. Every line passes through the redactor first, then :func:`batchrun.console.layout.shown`."""
+summary. Every line passes through the redactor first, then :func:`batchrun.console.layout.shown`; free text
+(a message, a prompt preview, an error) is shown before it is laid out, and each message is bounded."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from batchrun.console.layout import (
     PLAIN_WIDTH,
     SEPARATOR,
     append_tail,
+    bounded,
     clock,
     cost_text,
     label_column,
@@ -28,6 +30,7 @@ from batchrun.console.layout import (
     pack,
     shortened,
     shown,
+    shown_block,
     usage_segments,
     wrapped,
 )
@@ -88,7 +91,7 @@ class RunConsole:
     def print(self, text: str = "", style: str | None = None) -> None:
         """Prose: word-wrapped (never inside a word, so never inside a number), by the terminal or,
         in a log file, here at PLAIN_WIDTH."""
-        text = self.redact(text)
+        text = self._message(text)
         for line in ([text] if self.interactive else wrapped(text)):
             self._emit(line, style)
 
@@ -102,15 +105,22 @@ class RunConsole:
         for line in lines:
             self._emit(self.redact(line), style)
 
+    def _message(self, text: str) -> str:
+        """A message's text as it will be shown: redacted first (a cut could leave a secret's prefix
+        unrecognised), on one line, bounded. Laid out only then, as escapes are longer than what they
+        stand for."""
+        return bounded(shown(self.redact(text)))
+
     def warn(self, text: str) -> None:
-        text = shown(self.redact(f"warning: {text}"))
+        text = self._message(f"warning: {text}")
         for line in ([text] if self.err.is_terminal else wrapped(text)):
-            self.err.print(line, style="yellow", markup=False, soft_wrap=not self.err.is_terminal)
+            self.err.print(Text(line, style="yellow"), soft_wrap=not self.err.is_terminal)
 
     def error(self, text: str) -> None:
-        """One clear ``error:`` line (or block) on stderr; the caller then exits 1."""
+        """One clear ``error:`` line (or block: the lines the caller wrote) on stderr; the caller then
+        exits 1. A Text, as every line: neither markup nor emoji codes (":skull:") in an endpoint's words."""
         text = text if text.startswith("error:") else f"error: {text}"
-        self.err.print(shown(self.redact(text)), style="bold red", markup=False)
+        self.err.print(Text(bounded(shown_block(self.redact(text))), style="bold red"))
 
     # -- progress -------------------------------------------------------------------------------
 
@@ -191,7 +201,7 @@ class RunConsole:
         elif finished.status == rows.PARTIAL:
             figures.append(f"partial: {finished.end_reason}")
         # Redacted before it is shortened: a cut could otherwise leave a secret's prefix unrecognised.
-        preview = one_line(self.redact(finished.prompt_preview))
+        preview = shown(one_line(self.redact(finished.prompt_preview)))
         self._emit_lines(append_tail(pack(figures, width), preview, width))
         if finished.status == rows.FAILED:
             self._print_error(finished, width)
@@ -202,10 +212,10 @@ class RunConsole:
             self.status_line()
 
     def _print_error(self, finished: Finished, width: int) -> None:
-        """The failure's message under its line, word-wrapped: all of it with --verbose, else its
-        first MAX_ERROR_CHARS characters on one line."""
+        """The failure's message under its line, word-wrapped: with --verbose all of it (bounded as any
+        message is), else its first MAX_ERROR_CHARS characters on one line."""
         error = self.redact(finished.error or "")
-        error = error if self.verbose else shortened(one_line(error), MAX_ERROR_CHARS)
+        error = bounded(shown_block(error)) if self.verbose else shortened(shown(one_line(error)), MAX_ERROR_CHARS)
         wrapped = Text(f"{finished.error_type}: {error}").wrap(self.out, width - len(INDENT))
         self._emit_lines(INDENT + line.plain.rstrip() for line in wrapped)
 

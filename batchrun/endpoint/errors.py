@@ -4,11 +4,13 @@ to wait before trying again (back-off, the server's Retry-After)."""
 from __future__ import annotations
 
 import email.utils
+import itertools
 import math
 import random
+import re
 import socket
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC
 from typing import Any
 from urllib.parse import urlparse
@@ -86,12 +88,14 @@ MOST_ERROR_CHARS = 1_000
 
 
 def _shown(detail: str) -> str:
-    """The error message as shown: its start and its length when longer than MOST_ERROR_CHARS. An
-    endpoint quoting a large request back, or a proxy's error page, would otherwise put megabytes
-    into each prompt's failure row."""
+    """The error message as shown: on one line, and its start and its length when longer than
+    MOST_ERROR_CHARS. An endpoint quoting a large request back, or a proxy's error page, would otherwise
+    put megabytes into each prompt's failure row; and its line breaks would put lines of the endpoint's
+    own under the run's "error:" line. The start alone is taken apart (the message may be megabytes)."""
+    start = " ".join(detail[:2 * MOST_ERROR_CHARS].split())
     if len(detail) <= MOST_ERROR_CHARS:
-        return detail
-    return f"{detail[:MOST_ERROR_CHARS]}... ({len(detail):,} characters)"
+        return start
+    return f"{start[:MOST_ERROR_CHARS]}... ({len(detail):,} characters)"
 
 
 def _causes(exc: BaseException) -> Iterator[BaseException]:
@@ -168,16 +172,68 @@ def _context_overflow(exc: openai.APIStatusError, said: str, request: bytes) -> 
     inner = error if isinstance(error, dict) else body
     codes = " ".join(str(part) for part in (inner.get("code"), inner.get("type")) if part).lower()
     return (any(phrase in codes for phrase in _CONTEXT_OVERFLOW_PHRASES)
-            or _endpoint_says(said, _CONTEXT_OVERFLOW_PHRASES, request))
+            or _endpoint_says_beside_quotes(said, _CONTEXT_OVERFLOW_PHRASES, request))
 
 
 def _endpoint_says(said: str, phrases: tuple[str, ...], request: bytes) -> bool:
-    """Whether the error's text holds one of ``phrases`` in the endpoint's own words. Servers quote the
+    """Whether the error's text holds one of ``phrases`` that the request does not. Servers quote the
     request back in their errors (a validation error's input_value), so a phrase the request itself
-    holds may be the prompt's: read as the endpoint's, one prompt's words would stop the whole run, or
-    keep a failed prompt as a context overflow that no --resume runs again."""
+    holds may be the prompt's: read as the endpoint's, one prompt's words would stop the whole run.
+    Where a wrong reading stops the run, only a phrase the request lacks counts."""
     lowered, sent = said.lower(), request.lower()
     return any(phrase in lowered and phrase.encode() not in sent for phrase in phrases)
+
+
+# A mention of a phrase is a quote of the request when it sits in a stretch of the request's words at
+# least this much longer than itself: a validation error's input_value quotes a prompt's sentence; an
+# endpoint's own "This model's maximum context length is 8192 tokens. However, ..." shares a few words
+# with a prompt that pasted such a message, never its numbers.
+_QUOTE_CONTEXT_CHARACTERS = 24
+# Mentions of one phrase looked at: each is a few searches of the request, and an error may be megabytes.
+_MENTIONS_LOOKED_AT = 16
+
+
+def _endpoint_says_beside_quotes(said: str, phrases: tuple[str, ...], request: bytes) -> bool:
+    """Whether the error's text holds one of ``phrases`` in the endpoint's own words, though the request
+    may hold it too (a conversation that read about context lengths, then overflowed): a mention counts
+    unless it is a quote (see _QUOTE_CONTEXT_CHARACTERS). Compared as words alone, so that a quote's
+    escaping (JSON's, Python's repr) does not matter. A quote of a few words beside the phrase passes for
+    the endpoint's words: where that misreading would stop the run, _endpoint_says."""
+    said_words, sent_words = _words(said), _words(request.decode("utf-8", "replace"))
+    for phrase in phrases:
+        mentions = re.finditer(re.escape(_words(phrase).strip()), said_words)
+        for mention in itertools.islice(mentions, _MENTIONS_LOOKED_AT):
+            if _quoted_length(said_words, mention.start(), mention.end(), sent_words) < (
+                    mention.end() - mention.start() + _QUOTE_CONTEXT_CHARACTERS):
+                return True
+    return False
+
+
+def _quoted_length(said: str, start: int, end: int, sent: str) -> int:
+    """The length of a stretch of ``said`` around said[start:end] found in ``sent`` (widened to the left as
+    far as it goes, then to the right): 0 if said[start:end] itself is not there."""
+    if said[start:end] not in sent:
+        return 0
+    start = start - _widest(lambda more: said[start - more:end] in sent, start)
+    end = end + _widest(lambda more: said[start:end + more] in sent, len(said) - end)
+    return end - start
+
+
+def _widest(fits: Callable[[int], bool], most: int) -> int:
+    """The largest n in 0..most with fits(n), for a fits that holds up to some n and not beyond."""
+    low, high = 0, most
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def _words(text: str) -> str:
+    """``text`` lower-cased, every run of characters other than letters and digits one space."""
+    return re.sub(r"[^a-z0-9]+", " ", text.lower())
 
 
 def classify(exc: Exception, *, model: str, base_url: str, endpoint_answered: bool, request: bytes) -> float | None:

@@ -52,6 +52,15 @@ class ToolError(Exception):
     shown to the model as ``{"error": message}``."""
 
 
+class EnvironmentLostError(RuntimeError):
+    """The prompt's environment is gone mid-prompt, through no command of its own (its container engine
+    died, its container was removed behind the runner's back): nothing the model asks for can run now.
+
+    The session fails the prompt with this message, so that --resume runs it again, instead of handing
+    the model an error for every later call and keeping what it makes of them as a finished row.
+    """
+
+
 class EnvironmentSetupError(RuntimeError):
     """The prompt's environment could not be created (missing image, no engine, ...).
 

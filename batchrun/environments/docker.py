@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from batchrun.env_vars import variable
-from batchrun.environments.base import CommandResult, EnvironmentSettings, ToolError
+from batchrun.environments.base import CommandResult, EnvironmentLostError, EnvironmentSettings, ToolError
 from batchrun.environments.container import (
     HOUSEKEEPING_TIMEOUT,
     PROXY_VARIABLES,
@@ -48,6 +48,10 @@ _questions = SingleFlight()
 _FIRST_PROCESS = 'trap "" TERM INT HUP; while :; do sleep infinity & wait; done'
 # What runs in a container while no command does: that shell and its `sleep`.
 _IDLE_PROCESSES = 2
+# The exit statuses with which the CLIs say they could not run a command in the container (no engine, no
+# such container, one not running, the connection lost mid-command). A command may exit with them too: only
+# where the engine then does not show the container running is the command taken as not run.
+_CLI_FAILURE_STATUSES = frozenset({1, 125, 255})
 # A running engine answers `version` at once; a node check must not hold up the actor for long.
 _NODE_CHECK_TIMEOUT = 30.0
 # What root in the container keeps of the engine's default capabilities: what ordinary work as root in a
@@ -200,12 +204,26 @@ class DockerEnvironment(CliContainerEnvironment):
         if layer is not None:
             await layer.watch.settle()
         result = await super().run(command, timeout)
+        if layer is None or not layer.killed:       # a container the disk watch stopped is not lost: it says why
+            await self._require_not_lost(result)
         if layer is None:
             return result
         await layer.given_back()
         if (note := await layer.watch.note_after_command()) is None:
             return result
         return dataclasses.replace(result, error="; ".join([*([result.error] if result.error else []), note]))
+
+    async def _require_not_lost(self, result: CommandResult) -> None:
+        """EnvironmentLostError where ``result``'s status may be the CLI's own and the engine does not show
+        the container running: the CLI's complaint is no output of the command's, and nothing the prompt
+        asks for later can run either."""
+        if result.exit_code not in _CLI_FAILURE_STATUSES:
+            return
+        answer = await self._call([self.executable, "inspect", "--format", "{{.State.Running}}", self.name])
+        if answer.ok and answer.stdout.strip() == b"true":
+            return
+        reason = answer.message() if not answer.ok else "the container is no longer running"
+        raise EnvironmentLostError(f"the command could not run to its end in the container: {reason}")
 
     async def read_file(self, path: str) -> bytes:
         await self._ready()

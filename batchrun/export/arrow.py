@@ -14,15 +14,14 @@ from typing import Any
 
 from batchrun.export.conversations import Candidate
 from batchrun.export.files import write_file
-from batchrun.export.options import ExportError, ExportOptions
-from batchrun.run_dir import line_number
+from batchrun.export.options import ExportError, ExportOptions, refused_line
 
 ROW_GROUP_ROWS = 1000
 ROW_GROUP_BYTES = 64 << 20      # a row group is held in memory while it fills: bound it for big rows too
 
 
 def write_parquet(options: ExportOptions, candidates: Iterable[Candidate]) -> None:
-    write_file(options.out, lambda temp: _parquet_file(temp, candidates, options.run_dir))
+    write_file(options.out, lambda temp: _parquet_file(temp, candidates))
 
 
 def arrow_schema() -> Any:
@@ -77,7 +76,7 @@ def _row_groups(candidates: Iterable[Candidate]) -> Iterator[list[Candidate]]:
         yield group
 
 
-def _row_group(group: list[Candidate], schema: Any, run_dir: Path) -> Any:
+def _row_group(group: list[Candidate], schema: Any) -> Any:
     """The rows as one Arrow table. The row reader checks only the fields every reader needs, so a row
     edited by hand may hold a value its column cannot (a count as text, or beyond int64): that stops
     the export naming the row's file, line and field, as a line that is not a row does."""
@@ -92,16 +91,13 @@ def _row_group(group: list[Candidate], schema: Any, run_dir: Path) -> Any:
                 try:
                     pa.array([record[column.name]], type=column.type)
                 except (pa.ArrowException, OverflowError):
-                    name, offset = candidate.place
-                    path = run_dir / name
-                    raise ExportError(f"{path} line {line_number(path, offset)}: not a batch_runner row (its "
-                                      f"{column.name!r} does not fit the column's type, {column.type}); fix or "
-                                      "remove this line. The export stopped here rather than leave the row out "
-                                      "without a word.") from None
+                    raise refused_line(candidate.path, candidate.offset,
+                                       f"not a batch_runner row (its {column.name!r} does not fit the column's "
+                                       f"type, {column.type}); fix or remove this line") from None
         raise
 
 
-def _parquet_file(path: Path, candidates: Iterable[Candidate], run_dir: Path) -> int:
+def _parquet_file(path: Path, candidates: Iterable[Candidate]) -> int:
     """The rows as one Parquet file, a row group at a time; how many were written."""
     import pyarrow.parquet as pq
 
@@ -109,7 +105,7 @@ def _parquet_file(path: Path, candidates: Iterable[Candidate], run_dir: Path) ->
     written = 0
     with pq.ParquetWriter(path, schema) as writer:      # an export with no rows is still a valid file
         for group in _row_groups(candidates):
-            writer.write_table(_row_group(group, schema, run_dir))
+            writer.write_table(_row_group(group, schema))
             written += len(group)
     return written
 
@@ -130,7 +126,7 @@ def write_hf(options: ExportOptions, candidates: Iterable[Candidate]) -> None:
         with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as work:
             schema = arrow_schema()
             features = datasets.Features.from_arrow_schema(schema)
-            if _parquet_file(Path(work) / "rows.parquet", candidates, options.run_dir):
+            if _parquet_file(Path(work) / "rows.parquet", candidates):
                 dataset = datasets.Dataset.from_parquet(f"{work}/rows.parquet", features=features,
                                                         cache_dir=f"{work}/cache")
                 dataset.save_to_disk(f"{work}/saved")

@@ -12,8 +12,10 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 
 from batchrun import rows
+from batchrun.export.options import refused_line
 from batchrun.rows import AssistantTurn, HumanTurn, ToolCallRecord, Turn
 
 
@@ -142,15 +144,25 @@ def _answer(record: Sequence[Turn], value: str) -> None:
 class Candidate:
     """A row the filters are looking at; its JSON is decoded once, and only when something needs it."""
 
-    def __init__(self, stored: rows.StoredRow, place: tuple[str, int] = ("", 0)) -> None:
+    def __init__(self, stored: rows.StoredRow, path: Path, offset: int) -> None:
         self.stored = stored
-        self.place = place          # batch file name and offset: which line of the run it is
+        self.path, self.offset = path, offset       # the batch file and where in it the row's line starts
+
+    @property
+    def place(self) -> tuple[str, int]:
+        """Which line of the run it is: batch file name and offset."""
+        return self.path.name, self.offset
 
     @cached_property
     def row(self) -> dict:
         """The trajectory row in the current format; a tombstone without its tombstone keys, so every
         exported row has the keys of a merged one."""
-        row = json.loads(self.stored.upgraded())
+        try:
+            row = json.loads(self.stored.upgraded())
+        except RecursionError:
+            # JSON is read as deep as the stack leaves room for: the row reader, higher up, read this row
+            raise refused_line(self.path, self.offset, "not a batch_runner row (JSON nested deeper than any row); "
+                               "fix or remove this line") from None
         row.pop("discarded", None)
         row.pop("prompt", None)
         return row

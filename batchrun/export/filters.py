@@ -16,13 +16,15 @@ from collections.abc import Callable, Iterator
 from batchrun import rows
 from batchrun.export.conversations import Candidate, ConversionError
 from batchrun.export.formats import EXPORT_FORMATS
-from batchrun.export.options import ExportError, ExportOptions
-from batchrun.run_dir import RunDirectory, line_number, lines_at, superseded_corrupted
+from batchrun.export.options import ExportOptions, refused_line
+from batchrun.run_dir import RunDirectory, lines_at, superseded_corrupted
+from batchrun.run_dir.scan import FirstFinished
 
 # Why a row was left out, in the order the reasons are tried: each row is counted under the first.
 DROP_REASONS = {
     "failed": "failure rows: no trajectory (--resume retries them)",
     "unreadable": "lines that are not JSON (cut short by a crash)",
+    "repeated": "finished rows appended twice (resume and the merge count each once)",
     "prompt_gone": "prompts no longer in the dataset (--resume with their lines back brings them back)",
     "superseded": "corrupted attempts a --rerun_corrupted resume redid",
     "no_trajectory": "older tombstones, which kept no trajectory",
@@ -44,15 +46,18 @@ def selected_rows(options: ExportOptions, dropped: Counter,
     directory = RunDirectory(options.run_dir)
     superseded = superseded_corrupted(directory.read_checkpoint() or {})
     relocated = directory.relocations()
+    first_finished = FirstFinished()
     for path in directory.batch_files():
         for offset, line in lines_at(path):
             try:
                 stored = rows.read_stored_row(line)
             except rows.RowError as exc:
-                raise ExportError(f"{path} line {line_number(path, offset)}: {exc}. The export stopped here "
-                                  "rather than leave the row out without a word.") from None
+                raise refused_line(path, offset, str(exc)) from None
             if stored is None:
                 dropped["unreadable"] += 1
+                continue
+            if first_finished.is_repeat(stored):
+                dropped["repeated"] += 1
                 continue
             if relocated:
                 stored.relocate(relocated)
@@ -61,7 +66,7 @@ def selected_rows(options: ExportOptions, dropped: Counter,
                     continue
             if on_row is not None:
                 on_row(stored)
-            candidate = Candidate(stored, (path.name, offset))
+            candidate = Candidate(stored, path, offset)
             try:
                 reason = drop_reason(candidate, options, superseded)
             except ConversionError:

@@ -19,6 +19,7 @@ from typing import Any
 
 from batchrun.concurrency import ConcurrencyFigures
 from batchrun.config import RunConfig
+from batchrun.console.layout import bounded, shown
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.messages import Fatal, Finished, Spent, Task
 from batchrun.ray import cluster
@@ -48,8 +49,9 @@ def _stop_signal_raised_as_interrupted() -> Iterator[None]:
 
 
 def warn(text: str) -> None:
-    """A warning line on stderr, as the console writes one (the pool has no console of its own)."""
-    print(f"warning: {text}", file=sys.stderr, flush=True)
+    """A warning line on stderr, as the console writes one (the pool has no console of its own): what
+    Ray's exceptions say may quote a node's or a task's words, shown escaped and bounded."""
+    print(bounded(shown(f"warning: {text}")), file=sys.stderr, flush=True)
 
 
 class RayWorkerPool:

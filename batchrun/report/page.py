@@ -26,6 +26,7 @@ from batchrun.report.tables import (
     toolset_table,
     usage_table,
 )
+from batchrun.report.trajectory import clip_name
 from batchrun.run_dir import CHECKPOINT, STATISTICS
 
 # Said (as HTML) in place of each plot where matplotlib is missing, and where a plot has no rows to draw.
@@ -69,7 +70,9 @@ def _header(run_dir: Path, summary: RunSummary, info: dict) -> str:
              ("report generated", datetime.now().isoformat(timespec="seconds"))]
     if summary.unreadable_lines:
         facts.append(("unreadable lines", number(summary.unreadable_lines)))
-    items = "".join(f"<span><b>{html.escape(k)}</b> {html.escape(str(v))}</span>" for k, v in facts)
+    if summary.repeated_rows:
+        facts.append(("repeated rows", number(summary.repeated_rows)))
+    items = "".join(f"<span><b>{html.escape(k)}</b> {html.escape(clip_name(str(v)))}</span>" for k, v in facts)
     return f'<header><h1>Run report · {html.escape(run_dir.name)}</h1><div class="facts">{items}</div></header>'
 
 
@@ -79,6 +82,10 @@ def _notices(summary: RunSummary) -> str:
         texts.append(f"{summary.refused_lines:,} line(s) of the batch files are JSON but not rows this version of "
                      f"batch_runner reads: no figure below counts them, and --resume stops on them. The first: "
                      f"{summary.first_refused}")
+    if summary.repeated_rows:
+        texts.append(f"{summary.repeated_rows:,} finished row(s) repeat a row read before them (appended twice, by "
+                     "hand or by a restored copy): no figure below counts them, as --resume and trajectories.jsonl "
+                     "count each prompt's finished row once.")
     return "".join(f'<p class="notice">{html.escape(text)}</p>' for text in texts)
 
 
@@ -101,7 +108,7 @@ def render(run_dir: Path, summary: RunSummary, sample: TrajectorySample, drawn: 
     """The whole page as text; ``drawn`` plots are used if they show these rows and distribution."""
     info = {**read_json(run_dir / CHECKPOINT), **read_json(run_dir / STATISTICS)}
     named = info.get("distribution")
-    distribution = named if isinstance(named, str) else ""
+    distribution = clip_name(named) if isinstance(named, str) else ""     # the files may be edited by hand
     expected = expected_toolset_shares(distribution) if distribution else None
     if drawn is None or (drawn.distribution, drawn.rows) != (distribution, summary.row_count):
         drawn = draw_plots(summary, distribution)

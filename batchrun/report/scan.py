@@ -4,13 +4,24 @@ RunSummary and offered to the trajectory sample, in as many steps as the run nee
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 
 from batchrun import rows
 from batchrun.report.sample import SAMPLE_LIMIT, TrajectorySample, categories
 from batchrun.report.summary import RunSummary
 from batchrun.report.trajectory import sampled_row
-from batchrun.run_dir import CHECKPOINT, RunDirectory, line_number, lines_at, superseded_corrupted
+from batchrun.run_dir import (
+    CHECKPOINT,
+    STATISTICS,
+    RunDirectory,
+    line_number,
+    lines_at,
+    require_regular_files,
+    superseded_corrupted,
+)
+from batchrun.run_dir.relocations import RELOCATIONS
+from batchrun.run_dir.scan import FirstFinished
 
 
 class RunScan:
@@ -19,12 +30,15 @@ class RunScan:
     figures current while it writes rows (batchrun.report_follower) and draw the page at the end
     without reading everything again."""
 
-    def __init__(self, run_dir: Path, sample_limit: int = SAMPLE_LIMIT) -> None:
+    def __init__(self, run_dir: Path, sample_limit: int = SAMPLE_LIMIT,
+                 repeated: Collection[str] | None = None) -> None:
+        require_regular_files(run_dir, (CHECKPOINT, STATISTICS, RELOCATIONS))
         self.run_dir = RunDirectory(run_dir)
         self.summary, self.sample = RunSummary(), TrajectorySample(sample_limit)
         self.summary.superseded = superseded_corrupted(read_json(run_dir / CHECKPOINT))
         self._relocated = self.run_dir.relocations()   # the rows shown name their prompts' places now
         self._read_up_to: dict[Path, int] = {}     # per batch file: the end of its last complete row read
+        self._first_finished = FirstFinished(among=repeated)     # ``repeated``: see FirstFinished
         self._row_id = 0
 
     def read_new_rows(self) -> None:
@@ -54,6 +68,9 @@ class RunScan:
         if row is None:
             self.summary.unreadable_lines += 1
             return
+        if self._first_finished.is_repeat(row):     # counted once, as resume and trajectories.jsonl count it
+            self.summary.repeated_rows += 1
+            return
         if self._relocated:
             row.relocate(self._relocated)
         status, facts = self.summary.add(row)
@@ -63,8 +80,11 @@ class RunScan:
 
 
 def read_json(path: Path) -> dict:
-    """A JSON object of the run directory (checkpoint, statistics); {} where there is none (yet)."""
+    """A JSON object of the run directory (checkpoint, statistics); {} where there is none (yet), or where
+    it is no regular file, which is never opened (see require_regular_files)."""
     try:
+        if not path.is_file():
+            return {}
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}

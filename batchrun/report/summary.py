@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 
 from batchrun import rows
 from batchrun.registry import TOOL_NAMES
+from batchrun.report.trajectory import clip_name
 
 MAX_TRACKED_FAILURES = 100_000  # failed prompts followed to see whether a retry succeeded
 MAX_INVENTED_NAMES = 200        # invented tool names counted one by one; the page lists the commonest
@@ -130,7 +131,9 @@ def _epoch(timestamp: str) -> int | None:
 
 @dataclass
 class RunSummary:
-    """Everything the page shows about the rows, fed one stored row at a time."""
+    """Everything the page shows about the rows, fed one stored row at a time. Each name a row gives (end
+    reason, cause, tool, toolset, model) is counted by its head and tail (clip_name): a row edited by hand can
+    make one any length, and the tables and the plots show every name."""
 
     statuses: Counter = field(default_factory=Counter)           # completed/partial/failed/discarded/corrupted/...
     end_reasons: Counter = field(default_factory=Counter)        # kept trajectory rows
@@ -153,6 +156,7 @@ class RunSummary:
     models: Counter = field(default_factory=Counter)
     timeline: Timeline = field(default_factory=Timeline)
     unreadable_lines: int = 0
+    repeated_rows: int = 0                                       # finished rows after their unit's first
     refused_lines: int = 0                                       # JSON, but not rows this version understands
     first_refused: str = ""                                      # which line, and why
     batch_files: int = 0
@@ -181,7 +185,7 @@ class RunSummary:
             return self._add_failure(row)
         self.open_failures.pop(row.sample_key, None)    # a retry that succeeded (or was discarded)
         if row.status == rows.DISCARDED:
-            reason = row.discard_reason() or "unknown"
+            reason = clip_name(row.discard_reason() or "unknown")
             self.statuses[rows.DISCARDED] += 1
             self.discard_reasons[reason] += 1
             self.trajectory_reasoning["none (discarded)"] += 1
@@ -194,7 +198,7 @@ class RunSummary:
                 self.statuses[SUPERSEDED] += 1
                 return SUPERSEDED, {}
             self.statuses[CORRUPTED] += 1
-            for name in invented:       # a model can make up a new name in every row
+            for name in map(clip_name, invented):       # a model can make up a new name in every row
                 known = name in self.invented_tools or len(self.invented_tools) < MAX_INVENTED_NAMES
                 self.invented_tools[name if known else OTHER_INVENTED_NAMES] += 1
             return CORRUPTED, {}
@@ -207,7 +211,7 @@ class RunSummary:
         return with_reasoning, without
 
     def _add_failure(self, row: rows.StoredRow) -> tuple[str, dict]:
-        cause = row.error_type() or "unknown"
+        cause = clip_name(row.error_type() or "unknown")
         self.statuses[rows.FAILED] += 1
         self.failure_causes[cause] += 1
         if row.sample_key in self.open_failures or len(self.open_failures) < MAX_TRACKED_FAILURES:
@@ -218,10 +222,11 @@ class RunSummary:
 
     def _add_trajectory(self, row: rows.StoredRow, usage: dict) -> dict:
         self.statuses[row.status] += 1
-        end_reason = row.end_reason()
+        end_reason = clip_name(row.end_reason())
         self.end_reasons[end_reason] += 1
         used, failed = [], []
-        for name, count, success, failure in row.tool_counts():
+        for full_name, count, success, failure in row.tool_counts():
+            name = clip_name(full_name)
             entry = self.tools.setdefault(name, [0, 0, 0, 0])
             entry[0] += count
             entry[1] += success
@@ -234,15 +239,15 @@ class RunSummary:
         self.trajectory_reasoning["all turns" if not without else "no turn" if not with_reasoning
                                   else "some turns"] += 1
         self.turns[with_reasoning + without] += 1
-        self.toolsets.update(row.toolsets_sampled())
-        self.toolsets_offered.update(row.toolsets_used())
+        self.toolsets.update(map(clip_name, row.toolsets_sampled()))
+        self.toolsets_offered.update(map(clip_name, row.toolsets_used()))
         self.toolset_rows += 1
         self.tokens.add((usage.get("prompt_tokens") or 0) + (usage.get("completion_tokens") or 0))
         self.cost.add(usage.get("cost") or 0.0)
         found = row.metadata()
         if found:
             timestamp, model = found
-            self.models[model] += 1
+            self.models[clip_name(model)] += 1
             if (epoch := _epoch(timestamp)) is not None:
                 self.timeline.add(epoch, row.status == rows.COMPLETED, row.wall_time())
         self.wall_time.add(row.wall_time())

@@ -8,7 +8,6 @@ import math
 from batchrun import distributions
 from batchrun.report.markup import money, number, percent, table
 from batchrun.report.summary import RunSummary
-from batchrun.report.trajectory import clip_name
 
 
 def tool_table(summary: RunSummary) -> str:
@@ -49,7 +48,7 @@ def outcome_tables(summary: RunSummary) -> str:
                          [(r, number(n), percent(n, summary.kept)) for r, n in summary.end_reasons.most_common()])
     discarded = table(("reason", "rows"), [(r, number(n)) for r, n in summary.discard_reasons.most_common()])
     invented = table(("tool name", "rows"),
-                     [(clip_name(r), number(n)) for r, n in summary.invented_tools.most_common(20)])
+                     [(r, number(n)) for r, n in summary.invented_tools.most_common(20)])
     return (f"<h3>End reasons of kept trajectories</h3>{end_reasons}<h3>Failures by cause</h3>{failures}"
             f"<h3>Discarded</h3>{discarded}<h3>Invented tool names (corrupted rows)</h3>{invented}")
 

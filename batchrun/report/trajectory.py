@@ -29,6 +29,14 @@ def clip_name(name: str) -> str:
     return clip(name, NAME_LIMIT)
 
 
+def _text(value: Any) -> str:
+    """A field the page shows as text, whatever a row edited by hand holds there (the row reader checks only
+    the fields every reader needs): the browser searches and slices it."""
+    if value is None:
+        return ""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
 def _clip_value(value: Any) -> Any:
     """A JSON value kept as structure when small (the page pretty-prints it), else trimmed text."""
     if isinstance(value, str):
@@ -97,17 +105,34 @@ def _within_budget(turns: list[dict]) -> list[dict]:
     return turns[:keep] + [{"r": "gap", "n": len(turns) - 2 - keep}] + turns[-2:]
 
 
+def _decoded(row: rows.StoredRow) -> dict:
+    """The row's JSON. JSON is read as deep as the stack leaves room for, and the row reader, higher up, read
+    this one: a row nested that deep (by hand) is shown by the facts that reader found, its turns not."""
+    try:
+        return json.loads(row.line)
+    except RecursionError:
+        return {"end_reason": row.end_reason(), "prompt": "(not shown: this row holds JSON nested deeper than any "
+                                                          "row; fix or remove its line)"}
+
+
+def _metadata(row: rows.StoredRow) -> dict[str, str]:
+    found = row.metadata()
+    return {} if found is None else {"time": clip_name(found[0]), "model": clip_name(found[1])}
+
+
 def sampled_row(row: rows.StoredRow, status: str, batch_file: str) -> dict:
     """A row as the browser needs it: its facts, and its turns parsed and trimmed."""
-    data = json.loads(row.line)
-    item: dict[str, Any] = {"id": row.prompt_index, "si": row.sample_index, "s": status, "e": data.get("end_reason"),
-                            "f": batch_file, "u": data.get("usage") or {}, "calls": data.get("api_calls"),
+    data = _decoded(row)
+    calls = data.get("api_calls")
+    item: dict[str, Any] = {"id": row.prompt_index, "si": row.sample_index, "s": status,
+                            "e": clip_name(row.end_reason()), "f": batch_file, "u": data.get("usage") or {},
+                            "calls": calls if isinstance(calls, int) else clip_name(_text(calls)),
                             "wall": data.get("wall_time_seconds")}
     if "conversations" not in data:               # failure rows and tombstones keep only the prompt
-        error = data.get("error")       # an endpoint's own message: as long as it chose to make it
-        item.update(p=clip(data.get("prompt") or ""), err=clip(error) if isinstance(error, str) else error,
-                    et=data.get("error_type"),
-                    dr=data.get("discarded"), turns=[], tools=[], tf=[], inv=[])
+        # An endpoint's own message is as long as it chose to make it.
+        item.update(p=clip(_text(data.get("prompt"))), err=clip(_text(data.get("error"))),
+                    et=clip_name(_text(data.get("error_type"))), dr=clip_name(_text(data.get("discarded"))),
+                    turns=[], tools=[], tf=[], inv=[])
         return item
     conversations = [turn for turn in data["conversations"] if isinstance(turn, dict)]
     system = next((turn.get("value") or "" for turn in conversations if turn.get("from") == "system"), "")
@@ -116,8 +141,8 @@ def sampled_row(row: rows.StoredRow, status: str, batch_file: str) -> dict:
     turns = [_turn(turn, rows.offered_tool_names(system), layouts) for turn in conversations]
     stats = data.get("tool_stats") or {}
     item.update(p=next((t["t"] for t in turns if t["r"] == "human"), ""), turns=_within_budget(turns),
-                tools=[n for n, e in stats.items() if isinstance(e, dict) and e.get("count")],
-                tf=[n for n, e in stats.items() if isinstance(e, dict) and e.get("failure")],
-                inv=[clip_name(name) for name in row.invented_tools()], ts=data.get("toolsets_used") or [],
-                time=(data.get("metadata") or {}).get("timestamp"), model=(data.get("metadata") or {}).get("model"))
+                tools=[clip_name(n) for n, e in stats.items() if isinstance(e, dict) and e.get("count")],
+                tf=[clip_name(n) for n, e in stats.items() if isinstance(e, dict) and e.get("failure")],
+                inv=[clip_name(name) for name in row.invented_tools()], ts=list(map(clip_name, row.toolsets_used())),
+                **_metadata(row))
     return item

@@ -65,13 +65,14 @@ from batchrun.rows.render import (
     render_tool_turn,
 )
 from batchrun.rows.stored import RowError, StoredRow, read_stored_row
-from batchrun.rows.tool_outcomes import is_invented, tool_result_failed
+from batchrun.rows.tool_outcomes import is_invented, noted_invented_tools, tool_result_failed
 
 __all__ = [
     "COMPLETED", "DISCARDED", "END_REASONS", "FAILED", "MAX_TURNS_REACHED", "NO_REASONING", "PARTIAL",
     "ROW_FORMAT", "AssistantTurn", "EndReason", "GptLayout", "HumanTurn", "LayoutError", "ReadGptTurn",
     "RowError", "RowStatus", "SessionResult", "StoredRow", "ToolCallRecord", "Turn", "Usage", "arguments_text",
     "calls_of", "content_key", "content_key_of_sample", "encode_finished", "encode_row", "failure_row", "is_invented",
+    "noted_invented_tools",
     "offered_tool_names", "offered_tool_signatures", "parsed_or_raw", "read_gpt_turn", "read_stored_row",
     "render_conversations", "render_gpt_turn", "render_system_turn", "render_tool_turn",
     "rendered_tool_responses", "sample_key", "sample_key_of_unit", "split_reasoning", "split_rendered_calls",

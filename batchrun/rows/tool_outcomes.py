@@ -36,6 +36,24 @@ def is_invented(tool: str, offered_tools: Iterable[str]) -> bool:
     return tool not in offered_tools
 
 
+# What the run's own files and messages note of one row's invented tools. A model may invent a thousand
+# per reply, each named at any length: the row keeps them all, statistics.json, the merge's record and the
+# run's "left out" line a few, cut short.
+MOST_INVENTED_NAMES_NOTED = 5
+MOST_INVENTED_NAME_CHARS = 100
+
+
+def noted_invented_tools(names: list[str]) -> list[str]:
+    """The first MOST_INVENTED_NAMES_NOTED of a row's invented ``names``, each cut to MOST_INVENTED_NAME_CHARS,
+    and how many more there are."""
+    noted = [name if len(name) <= MOST_INVENTED_NAME_CHARS else
+             f"{name[:MOST_INVENTED_NAME_CHARS]}… ({len(name):,} characters)"
+             for name in names[:MOST_INVENTED_NAMES_NOTED]]
+    if len(names) > MOST_INVENTED_NAMES_NOTED:
+        noted.append(f"and {len(names) - MOST_INVENTED_NAMES_NOTED:,} more")
+    return noted
+
+
 def tool_stats(turns: list[Turn], offered_tools: list[str]) -> tuple[dict, dict]:
     """(tool_stats, tool_error_counts) over the fixed registry: the same keys in every row."""
     stats = {name: {"count": 0, "success": 0, "failure": 0} for name in TOOL_NAMES}

@@ -17,7 +17,7 @@ every file as it was. The package's faces are re-exported here; each module does
 """
 
 from batchrun.run_dir.checkpoint import CHECKPOINT, Checkpoint, superseded_corrupted
-from batchrun.run_dir.directory import BATCH_FILE, STATISTICS, RunDirectory, require_readable
+from batchrun.run_dir.directory import BATCH_FILE, STATISTICS, RunDirectory, require_readable, require_regular_files
 from batchrun.run_dir.durable import atomic_write_json, replacing, temp_beside
 from batchrun.run_dir.errors import DiskFull, RunDirectoryError, full_disk_named, size_text, write_refusal_remedy
 from batchrun.run_dir.merge import MERGE_RECORD, TRAJECTORIES
@@ -29,6 +29,7 @@ __all__ = [
     "BATCH_FILE", "CHECKPOINT", "MERGE_RECORD", "SPENT", "STATISTICS", "TRAJECTORIES",
     "Checkpoint", "DiskFull", "RunDirectory", "RunDirectoryError", "ScanResult", "SpentLedger",
     "atomic_write_json", "full_disk_named", "line_number", "lines_at", "replacing", "require_readable",
+    "require_regular_files",
     "scan_ranges",
     "size_text", "split_ranges", "superseded_corrupted", "temp_beside", "write_refusal_remedy",
 ]

@@ -66,6 +66,17 @@ def require_readable(path: Path, command: str) -> None:
         raise cannot_read(f"the run directory {path}/", exc, command) from None
 
 
+def require_regular_files(run_dir: Path, names: tuple[str, ...]) -> None:
+    """The files of these ``names`` the run directory holds, which --report or --export reads beside the batch
+    files, are regular files: one that is not is named in one error, as a run refuses it at its start
+    (_require_own_files). By stat, never by opening: a FIFO would hold the read for ever, a link to
+    /dev/zero fill memory."""
+    for name in names:
+        path = run_dir / name
+        if path.exists() and not path.is_file():
+            raise not_a_regular_file(path, "the run writes it")
+
+
 def hard_linked(path: Path, names: int) -> RunDirectoryError:
     """The one message for a file the run writes in place that has other names (see WRITTEN_IN_PLACE)."""
     return RunDirectoryError(f"{path} is one file with {names} names (hard links, as cp -al makes): the run writes "
@@ -216,6 +227,12 @@ class RunDirectory:
         self._repeats = result.repeats
         return result
 
+    @property
+    def repeats(self) -> Counter[str]:
+        """The units whose finished rows the resume scan found more than once (see ScanResult.repeats);
+        none where no scan was made: a run writes no repeats itself."""
+        return self._repeats or Counter()
+
     def cut_torn_tails(self) -> None:
         """Cut off what a crash left after the last newline of each batch file (see durable.cut_torn_tail)."""
         for path in self.batch_files():
@@ -266,10 +283,17 @@ class RunDirectory:
 
     def read_checkpoint(self) -> dict[str, Any] | None:
         """The checkpoint; None where there is none, or what is there is not one (cut short, edited),
-        and the batch files, which it only summarises, count instead."""
+        and the batch files, which it only summarises, count instead. One this user may not read is an
+        error: taken for none, it would be replaced, and what only it holds (the corrupted rows a
+        --rerun_corrupted resume replaced) lost."""
+        path = self.path / CHECKPOINT
         try:
-            checkpoint = json.loads((self.path / CHECKPOINT).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            checkpoint = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise cannot_read(str(path), exc) from None
+        except ValueError:
             return None
         return checkpoint if isinstance(checkpoint, dict) else None
 

@@ -23,7 +23,7 @@ from batchrun.run_dir.durable import atomic_write_json, replacing
 from batchrun.run_dir.errors import full_disk_named
 from batchrun.run_dir.reading import FileRange, lines_at, read_processes, reading_pool, refused_line, split_ranges
 from batchrun.run_dir.relocations import relocations_digest
-from batchrun.run_dir.scan import counts_done
+from batchrun.run_dir.scan import FirstFinished
 from batchrun.stats import MergeStatistics
 
 TRAJECTORIES = "trajectories.jsonl"
@@ -221,7 +221,7 @@ def read_merge_part(ranges: list[FileRange], per_prompt: bool = False,
     are not rows at all."""
     part = MergePart(MergeStatistics(prompt_samples=Counter() if per_prompt else None))
     statistics = part.statistics
-    finished: set[str] = set()      # the units of ``repeated`` whose first finished row has been read
+    first_finished = FirstFinished(among=repeated)
     for path, start, end in ranges:
         for offset, line in lines_at(path, start, end):
             part.ends[path.name] = offset + len(line)
@@ -232,7 +232,7 @@ def read_merge_part(ranges: list[FileRange], per_prompt: bool = False,
             if row is None:
                 part.unreadable.append((path.name, offset))
                 continue
-            if repeated and _is_repeat(row, repeated, finished):
+            if repeated and first_finished.is_repeat(row):
                 continue
             if relocated:
                 row.relocate(relocated)
@@ -244,23 +244,11 @@ def read_merge_part(ranges: list[FileRange], per_prompt: bool = False,
                 continue
             invented = row.invented_tools()
             if invented:
-                statistics.on_corrupted(path.name, row, invented)
+                statistics.on_corrupted(path.name, row, rows.noted_invented_tools(invented))
                 continue
             statistics.on_row(row)
             part.keep(path, offset, line, row)
     return part
-
-
-def _is_repeat(row: rows.StoredRow, repeated: Collection[str], finished: set[str]) -> bool:
-    """Whether ``row`` finishes a unit of ``repeated`` that a row read before finished: by the unit as
-    written, as resume counted it (relocation gives no two units one place)."""
-    unit = row.unit_key
-    if unit not in repeated or not counts_done(row):
-        return False
-    if unit in finished:
-        return True
-    finished.add(unit)
-    return False
 
 
 def _combined(parts: list[MergePart], offsets: dict[str, int], unreadable: list[LinePlace],

@@ -3,11 +3,16 @@
 Only a resumed run scans, with the lock held and before it appends. Every row is read by
 rows.read_stored_row; a line that is JSON but not a row this version understands stops the scan
 with a RunDirectoryError naming its file and line.
+
+Which rows finish their unit (counts_done), and that of a unit's finished rows only the first counts
+(FirstFinished, ScanResult.repeats), is decided here for every reader: resume, the merge, the report
+and the export.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +29,7 @@ class ScanResult:
     rows_by_status: Counter = field(default_factory=Counter)
     corrupted_units: list[str] = field(default_factory=list)     # corrupted rows' units, in batch-file order
     unreadable: list[tuple[str, int]] = field(default_factory=list)     # lines that are no rows: (file, offset)
-    usage: UsageTotals = field(default_factory=empty_usage)      # of every row
+    usage: UsageTotals = field(default_factory=empty_usage)      # of every row but repeats (see repeats)
     most_samples: int = 1                                        # the highest sample index of a row, plus one
     # The units of rows that count nothing done, failures and corrupted rows: the planner finds where
     # they are now when the dataset changed, as it does for the rows counted done.
@@ -74,12 +79,17 @@ def scan_files(files: list[Path]) -> ScanResult:
     with reading_pool(len(groups)) as pool:
         for part in pool.map(scan_ranges, groups):
             result.add(part)
+    if result.repeats:
+        # A part that read only a repeat counted it as a row of its own. Telling it from its first takes
+        # reading in order: one process (rare, an edit by hand), as the merge does.
+        return scan_ranges([file_range for group in groups for file_range in group])
     return result
 
 
 def scan_ranges(ranges: list[FileRange]) -> ScanResult:
     """Count finished samples by unit in these byte ranges. Failed rows are not done; corrupted rows
-    are counted apart (see ScanResult.done)."""
+    are counted apart (see ScanResult.done); a finished row after its unit's first is a repeat, counted
+    in done_units alone (see ScanResult.repeats)."""
     result = ScanResult()
     for path, start, end in ranges:
         for offset, line in lines_at(path, start, end):
@@ -90,10 +100,14 @@ def scan_ranges(ranges: list[FileRange]) -> ScanResult:
             if row is None:
                 result.unreadable.append((path.name, offset))
                 continue
+            done = counts_done(row)
+            if done and result.done_units[row.unit_key]:    # a copy of a row: nothing was spent or written twice
+                result.done_units[row.unit_key] += 1
+                continue
             result.rows_by_status[row.status] += 1
             add_usage(result.usage, row.usage())
             result.most_samples = max(result.most_samples, row.sample_index + 1)
-            if counts_done(row):
+            if done:
                 result.done_units[row.unit_key] += 1
                 continue
             result.other_units.add(row.unit_key)
@@ -106,3 +120,26 @@ def counts_done(row: rows.StoredRow) -> bool:
     """Whether a row finishes its unit: neither a failure nor corrupted (a row that calls a tool it was not
     offered; a tombstone called none)."""
     return row.status != rows.FAILED and (row.status == rows.DISCARDED or not row.invented_tools())
+
+
+class FirstFinished:
+    """Tells each unit's first finished row from the finished rows after it (a row appended twice by hand,
+    say), which resume counts done once: the merge, the report and the export leave those repeats out.
+    ``among``: the only units that may have repeats (ScanResult.repeats, where a resume scan found them;
+    a run writes none itself), so that a reader following a run holds nothing per prompt; None where no
+    scan was made (--report, --export), at the cost of one key per finished unit read."""
+
+    def __init__(self, among: Collection[str] | None = None) -> None:
+        self._among = among
+        self._finished: set[str] = set()
+
+    def is_repeat(self, row: rows.StoredRow) -> bool:
+        """Whether ``row`` finishes a unit that a row read before finished. By the unit as written, as
+        resume counts it: ask before StoredRow.relocate."""
+        unit = row.unit_key
+        if (self._among is not None and unit not in self._among) or not counts_done(row):
+            return False
+        if unit in self._finished:
+            return True
+        self._finished.add(unit)
+        return False

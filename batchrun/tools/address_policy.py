@@ -109,6 +109,8 @@ async def allowed_addresses(host: str, port: int) -> list[str]:
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
         raise ToolError(f"cannot resolve {host}: {exc.strerror}") from None
+    except UnicodeError:    # Python's IDNA encoding of the name: an empty label, one over 63 characters
+        raise ToolError(f"cannot resolve {host}: not a valid host name") from None
     addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
     for address in addresses:
         reason = address_refusal(address)

@@ -15,6 +15,7 @@ in which the commands are ``sandbox`` (SANDBOX_UID) with no capabilities.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import functools
@@ -211,11 +212,17 @@ def _is_open(fd: int) -> bool:
 _root_descriptors: dict[tuple[Path, bool], int] = {}
 
 
-def root_descriptor(work_root: Path, allow_network: bool) -> int:
-    """This process's descriptor of the run's root for sandboxes (made the first time it is asked for)."""
+async def root_descriptor(work_root: Path, allow_network: bool) -> int:
+    """This process's descriptor of the run's root for sandboxes, made the first time it is asked for off
+    the event loop: building the root, or waiting for another worker's build, takes far longer than the
+    loop may be held by one session."""
     key = (work_root, allow_network)
     if key not in _root_descriptors:
-        _root_descriptors[key] = open_root(system_root(work_root, allow_network=allow_network))
+        opened = await asyncio.to_thread(lambda: open_root(system_root(work_root, allow_network=allow_network)))
+        if key in _root_descriptors:    # another sandbox of this process asked meanwhile
+            os.close(opened)
+        else:
+            _root_descriptors[key] = opened
     return _root_descriptors[key]
 
 

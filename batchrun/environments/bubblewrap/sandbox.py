@@ -91,7 +91,7 @@ async def start_shell(settings: EnvironmentSettings, directory: Path, cgroup: Pr
         raise EnvironmentSetupError(bwrap)
     ready = secrets.token_hex(16)
     limits = settings.limits
-    descriptors = Descriptors(root_descriptor(settings.work_root, settings.allow_network), directory, uid)
+    descriptors = Descriptors(await root_descriptor(settings.work_root, settings.allow_network), directory, uid)
     try:
         argv = sandbox_command(bwrap.path, settings.allow_network, limits, descriptors, uid,
                                ["bash", "--noprofile", "--norc", "-c", SHELL, "batchrun-shell", ready,

@@ -18,7 +18,15 @@ from urllib.parse import urlsplit
 
 from batchrun.tools import ToolContext, ToolError
 from batchrun.tools.address_policy import allowed_addresses
-from batchrun.tools.browser.caps import ALT_CHARS, MAX_IMAGES, TEXT_CHARS, URL_CHARS, cap_result, cut_text
+from batchrun.tools.browser.caps import (
+    ALT_CHARS,
+    MAX_IMAGES,
+    TEXT_CHARS,
+    URL_CHARS,
+    cap_result,
+    cut_text,
+    first_line,
+)
 from batchrun.tools.browser.tab import (
     ACTION_TIMEOUT_S,
     NAVIGATION_TIMEOUT_S,
@@ -33,7 +41,7 @@ from batchrun.tools.browser.tab import (
 )
 
 if TYPE_CHECKING:
-    from playwright.async_api import Locator
+    from playwright.async_api import Locator, Page
 
 _REF = re.compile(r"(?:f\d+)?e\d+")
 _SCHEME = re.compile(r"[a-z][a-z0-9+.-]*:(?!\d)", re.IGNORECASE)    # "localhost:8000" has none
@@ -68,16 +76,7 @@ async def navigate(args: dict, ctx: ToolContext) -> dict:
     url = _string(args, "url").strip()
     if not _SCHEME.match(url):
         url = "https://" + url
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https"):
-        raise ToolError(f"only http and https URLs can be opened, not {cut_text(parts.scheme, TEXT_CHARS)}:")
-    try:
-        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
-    except ValueError:
-        raise ToolError(f"invalid port in {cut_text(url, URL_CHARS)!r}") from None
-    if not host:
-        raise ToolError(f"no host in {cut_text(url, URL_CHARS)!r}")
-    await allowed_addresses(host, port)      # refuse before the browser is even started
+    await allowed_addresses(*_host_and_port(url))      # refuse before the browser is even started
     tab = await session_tab(ctx)
     note = {}
     if tab.page.url != "about:blank" and not await responds(tab.page):
@@ -123,16 +122,33 @@ async def click(args: dict, ctx: ToolContext) -> dict:
     element, ref = _element(tab, args)
     async with tab.acting(f"click on {ref}"):
         await _require(element, ref)
+        opener = tab.page
         if await answer(element.evaluate(_OPENS_WINDOW_SCRIPT)):
             await _click_into_new_window(tab, element)
         else:
             await element.click()
-        return {"result": f"clicked {ref}", **await page_view(tab)}
+        return {"result": f"clicked {ref}", **await _view_after_click(tab, opener)}
+
+
+async def _view_after_click(tab: Tab, opener: Page) -> dict:
+    """The view of the window the click left the session in, or of ``opener``, the page clicked on, when
+    that window closed itself (a page may close a window it opened, before or while it is shown)."""
+    from playwright.async_api import Error
+
+    if not tab.page.is_closed():
+        try:
+            return await page_view(tab)
+        except Error:
+            if not tab.page.is_closed():
+                raise
+    tab.page = opener
+    return await page_view(tab)
 
 
 async def _click_into_new_window(tab: Tab, element: Locator) -> None:
     """Click, and make the window that opens the session's page once its document is there. A page may
     keep the click to itself (a script's handler): after ACTION_TIMEOUT_S with no window, it stays."""
+    from playwright.async_api import Error
     from playwright.async_api import TimeoutError as PlaywrightTimeout
 
     clicked = False
@@ -145,7 +161,8 @@ async def _click_into_new_window(tab: Tab, element: Locator) -> None:
             return
         raise
     tab.page = await opened.value       # as tab.follow does, whichever comes first
-    with contextlib.suppress(PlaywrightTimeout):    # a slow page is shown as far as it got
+    # A slow page is shown as far as it got; one that closed itself (an Error) is not shown at all.
+    with contextlib.suppress(PlaywrightTimeout, Error):
         await tab.page.wait_for_load_state("domcontentloaded", timeout=NAVIGATION_TIMEOUT_S * 1000)
 
 
@@ -235,6 +252,21 @@ async def get_images(args: dict, ctx: ToolContext) -> dict:
 
 
 # --- helpers ------------------------------------------------------------------------------------
+
+def _host_and_port(url: str) -> tuple[str, int]:
+    """The host and port an http(s) ``url`` names; a ToolError for any other URL, or one whose host or
+    port cannot be read (the parser raises ValueError for an unclosed '[' or a port out of range)."""
+    try:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https"):
+            raise ToolError(f"only http and https URLs can be opened, not {cut_text(parts.scheme, TEXT_CHARS)}:")
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as exc:
+        raise ToolError(f"{cut_text(url, URL_CHARS)!r} cannot be opened: {first_line(exc)}") from None
+    if not host:
+        raise ToolError(f"no host in {cut_text(url, URL_CHARS)!r}")
+    return host, port
+
 
 def _garbled(what: str) -> ToolError:
     """A script's answer without the shape the script gives it: it runs among the page's own scripts,

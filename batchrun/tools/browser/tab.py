@@ -13,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from batchrun.time_limit import within
 from batchrun.tools import ToolContext, ToolError
-from batchrun.tools.browser.caps import first_line
+from batchrun.tools.browser.caps import TEXT_CHARS, TITLE_CHARS, cut_text, first_line
 from batchrun.tools.browser.gate import Gate, Gates
 from batchrun.tools.browser.launch import TabLimits, current_host
 
@@ -38,6 +39,12 @@ MAX_WINDOWS = 4
 # gzip inflate to gigabytes, which the renderer takes in for as long as the navigation may last (3 GB of
 # memory in 15 s), and stops answering meanwhile.
 MAX_DOCUMENT_BYTES = 10 * 2**20
+# The most a page's AI snapshot may come to, as the tools reckon it before taking one (_MEASURE_SCRIPT): a
+# page's scripts can make it any size (a 100-million-character link), and all of it would cross
+# Playwright's driver into the worker, which every prompt of the worker shares, before it is cut. Twice
+# MAX_DOCUMENT_BYTES, so that a page of plain text whose loading was stopped there is still shown: more
+# arrives before the stop takes effect (a mebibyte or more).
+MAX_PAGE_CHARS = 2 * MAX_DOCUMENT_BYTES
 _STATE_KEY = "browser"
 
 
@@ -62,6 +69,8 @@ class Tab:
     gates: Gates
     limits: TabLimits
     crashed: dict[Page, str] = field(default_factory=dict)      # the pages whose renderer died, and why
+    # Each page's CDP session and main frame, for reading the page in a world of the tools' own.
+    _frames: dict[Page, tuple[CDPSession, str]] = field(default_factory=dict)
     oversized: set[Page] = field(default_factory=set)       # those whose loading was stopped, until shown
     _stopping: set[asyncio.Task] = field(default_factory=set)
 
@@ -100,6 +109,25 @@ class Tab:
             cdp.on("Network.loadingFailed", ended)
             # Without buffers, or it would keep its own copy of every body a script fetched.
             await cdp.send("Network.enable", {"maxTotalBufferSize": 0, "maxResourceBufferSize": 0})
+
+    async def evaluate_isolated(self, expression: str) -> Any:
+        """The value of ``expression`` evaluated in the page's main frame, in a world of the tools' own:
+        the page's scripts cannot reach it, so they can neither change the builtins it calls nor see it
+        run. Chromium keeps one world per name and frame, and gives a new document a new one."""
+        if self.page not in self._frames:
+            cdp = await answer(self.context.new_cdp_session(self.page))
+            # A page's main frame has the id of its target, whatever documents it holds.
+            target = await answer(cdp.send("Target.getTargetInfo"))
+            self._frames[self.page] = cdp, target["targetInfo"]["targetId"]
+        cdp, frame = self._frames[self.page]
+        world = await answer(cdp.send("Page.createIsolatedWorld", {"frameId": frame, "worldName": "batchrun",
+                                                                   "grantUniveralAccess": True}))
+        evaluated = await answer(cdp.send("Runtime.evaluate", {"expression": expression, "returnByValue": True,
+                                                               "contextId": world["executionContextId"]}))
+        if "exceptionDetails" in evaluated:
+            thrown = str(evaluated["exceptionDetails"].get("text"))
+            raise ToolError(f"reading the page failed: {cut_text(thrown, TEXT_CHARS)}")
+        return evaluated["result"].get("value")
 
     def _crashed(self, page: Page) -> None:
         self.crashed[page] = self.limits.struck() or "the page crashed (too big or too deep for the browser?)"
@@ -178,6 +206,7 @@ async def session_tab(ctx: ToolContext) -> Tab:
     browser, gates, limits = await current_host().browser(ctx.settings.limits, ctx.settings.run_label)
     gate = Gate()
     limits.tab_opening()
+    context: BrowserContext | None = None
     try:
         context = await browser.new_context(proxy={"server": await gates.add(gate)}, service_workers="block",
                                             accept_downloads=False)
@@ -187,11 +216,14 @@ async def session_tab(ctx: ToolContext) -> Tab:
                   limits=limits)
         await tab.watch(tab.page)
     except BaseException as exc:
+        if context is not None:         # else it stays open in the browser for the worker's life
+            with contextlib.suppress(Exception):
+                await within(ACTION_TIMEOUT_S, context.close())
         limits.tab_closed()
         gates.remove(gate)
         gate.close()
-        if isinstance(exc, Error) and (why := limits.struck()) is not None:
-            raise ToolError(f"could not open a tab: {why}") from None
+        if isinstance(exc, Error):
+            raise ToolError(f"could not open a tab: {limits.struck() or first_line(exc)}") from None
         raise
     context.on("page", tab.follow)
     ctx.state[_STATE_KEY] = tab
@@ -246,8 +278,9 @@ async def page_view(tab: Tab, since: float | None = None) -> dict:
 
     async def read() -> tuple[str, str, bool, bool]:
         parsed = await _parsed(tab, deadline)
-        tree, whole = await _tree(page)
-        return tree, await answer(page.title()), parsed, whole
+        title, has_body = await _measured(tab)
+        tree, whole = await _tree(page, has_body)
+        return tree, title, parsed, whole
 
     try:
         tree, title, parsed, whole = await read()
@@ -296,6 +329,73 @@ async def _parsed(tab: Tab, deadline: float) -> bool:
     return True
 
 
+# The page's title, one character over the limit (so the cut is seen and noted), whether it has a body,
+# and what its AI snapshot may come to, counted up to just past the limit: its text, except where display
+# is none (a <head>, whose <title> may be huge); every attribute (a link's URL, an accessible name, what
+# CSS's attr() may show) and form value; CSS's ::before and ::after content; each element's line and
+# indentation; and its accessible name, which Playwright shows up to 900 characters long, so that 100,000
+# buttons named by one long text (aria-labelledby) count as much as they show. It reaches into shadow roots
+# and the frames of the page's process; Playwright's snapshot shows no closed shadow root either.
+_MEASURE_SCRIPT = """(([limit, titleChars]) => {
+  const NAME_CHARS = 900, LINE_CHARS = 40;
+  const contentChars = (style, attributeChars) => {
+    const content = style ? style.content : 'none';
+    if (!content || content === 'none' || content === 'normal') return 0;
+    return content.length + (content.split('attr(').length - 1) * attributeChars;
+  };
+  const ownChars = (element, view) => {
+    let attributeChars = 0;
+    for (const attribute of element.attributes) attributeChars += attribute.value.length;
+    const value = typeof element.value === 'string' ? element.value.length : 0;
+    return attributeChars + value + contentChars(view.getComputedStyle(element, '::before'), attributeChars)
+      + contentChars(view.getComputedStyle(element, '::after'), attributeChars);
+  };
+  const parents = [], texts = [], named = [];
+  let size = 0;
+  const stack = [[document, -1, 0]];
+  while (stack.length && size <= limit) {
+    const [node, parent, depth] = stack.pop();
+    if (node.nodeType === Node.TEXT_NODE) {
+      size += node.data.length;
+      if (parent >= 0) texts[parent] += node.data.length;
+      continue;
+    }
+    let index = parent;
+    if (node.nodeType === Node.ELEMENT_NODE) {
+      const view = node.ownerDocument.defaultView;
+      if (!view || view.getComputedStyle(node).display === 'none') continue;
+      index = parents.length;
+      parents.push(parent);
+      texts.push(0);
+      named.push(node.hasAttribute('aria-labelledby') || (node.labels && node.labels.length > 0));
+      size += LINE_CHARS + 2 * depth + ownChars(node, view);
+      if (node.shadowRoot) stack.push([node.shadowRoot, index, depth + 1]);
+      if (node.contentDocument) stack.push([node.contentDocument, index, depth + 1]);
+    }
+    for (let child = node.lastChild; child; child = child.previousSibling) stack.push([child, index, depth + 1]);
+  }
+  for (let index = parents.length - 1; index >= 0 && size <= limit; index--) {
+    size += named[index] ? NAME_CHARS : Math.min(NAME_CHARS, texts[index]);
+    if (parents[index] >= 0) texts[parents[index]] += texts[index];
+  }
+  return [String(document.title).slice(0, titleChars + 1), !!document.body, size];
+})"""
+
+
+async def _measured(tab: Tab) -> tuple[str, bool]:
+    """The page's title (one character over TITLE_CHARS at most) and whether it has a body, read in the
+    tools' own world; a ToolError if its snapshot could come to more than MAX_PAGE_CHARS. Playwright's
+    title and snapshot have no size limit: all of a page's 100 million characters would cross its driver
+    into the worker before the result was cut."""
+    title, has_body, size = await tab.evaluate_isolated(
+        f"{_MEASURE_SCRIPT}({json.dumps([MAX_PAGE_CHARS, TITLE_CHARS])})")
+    if size > MAX_PAGE_CHARS:
+        raise ToolError(f"the page is too large to show: its text, attributes and elements come to more than "
+                        f"{MAX_PAGE_CHARS:,} characters (its scripts may have made it so); open a smaller page "
+                        f"instead, such as one section of the site or a search within it")
+    return title, has_body
+
+
 # Hides every frame element, in shadow roots too, from the snapshot (which lists what is visible, even
 # when aria-hidden), keeping the layout; returns them with the style attribute each had, for
 # _SHOW_FRAMES to put back.
@@ -314,7 +414,7 @@ _SHOW_FRAMES = """hidden => { for (const [element, style] of hidden)
   style === null ? element.removeAttribute('style') : element.setAttribute('style', style); }"""
 
 
-async def _tree(page: Page) -> tuple[str, bool]:
+async def _tree(page: Page, has_body: bool) -> tuple[str, bool]:
     """The page's AI snapshot, and whether its frames are in it.
 
     Playwright's snapshot waits for every frame's document, and one may never come (a frame the browser
@@ -323,7 +423,7 @@ async def _tree(page: Page) -> tuple[str, bool]:
     Playwright's snapshot of a page is one of its body, which it waits for: a document without one (SVG,
     XML) is snapshotted from its root element instead.
     """
-    root = page if await answer(page.evaluate("!!document.body")) else page.locator(":root")
+    root = page if has_body else page.locator(":root")
     try:
         return await answer(root.aria_snapshot(mode="ai", timeout=0)), True
     except TimeoutError:

@@ -54,12 +54,3 @@ def encode_text(text: str) -> bytes:
         return text.encode("utf-8")
     except UnicodeEncodeError:
         raise ToolError("the content contains characters that are not valid Unicode text") from None
-
-
-def split_lines(text: str) -> list[str]:
-    """Lines with their '\\n' kept; unlike str.splitlines, form feeds and the like split nothing."""
-    parts = text.split("\n")
-    lines = [part + "\n" for part in parts[:-1]]
-    if parts[-1]:
-        lines.append(parts[-1])
-    return lines

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import posixpath
 import shlex
 from dataclasses import dataclass, field
 
+from batchrun.time_limit import within
 from batchrun.tools import ToolContext, ToolError
 from batchrun.tools.files.arguments import editable_text, encode_text, optional_string, required_string, switch
 from batchrun.tools.files.diff import FilePatch, Hunk, Lines, apply_hunks, parse_diff
+
+# How long the files a diff already wrote may take to be put back once its call was stopped: as long as
+# writing them took, in any sandbox that is not itself stuck.
+_PUT_BACK_SECONDS = 10.0
 
 
 async def patch(args: dict, ctx: ToolContext) -> dict:
@@ -145,13 +151,19 @@ def _encoded(lines: Lines) -> bytes:
 
 async def _write_all(edits: list[_FileEdit], ctx: ToolContext) -> list[dict]:
     """Write every file. The environment may still refuse one after others were written (a path it will
-    not create, the workspace's disk limit): those are then put back as they were."""
+    not create, the workspace's disk limit), or the call's time limit strike between two writes: those
+    written are then put back as they were, as the model is told nothing was changed."""
     files = []
     for done, edit in enumerate(edits):
         try:
             written = await ctx.environment().write_file(edit.path, edit.result)
         except ToolError as exc:
             raise ToolError(f"{exc}. {await _undo(edits[:done], ctx)}") from None
+        except asyncio.CancelledError:
+            # The cancelled task may still await: the put-back is bounded, as the time limit was.
+            with contextlib.suppress(TimeoutError):
+                await within(_PUT_BACK_SECONDS, _undo(edits[:done], ctx))
+            raise
         files.append({"path": written, "created": edit.original is None})
     return files
 
