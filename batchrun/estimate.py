@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from batchrun.concurrency import ConcurrencyFigures
@@ -21,6 +21,9 @@ from batchrun.concurrency import ConcurrencyFigures
 DEFAULT_SAMPLE = 20
 BOOTSTRAP_ROUNDS = 2000
 INTERVAL = (0.1, 0.9)            # the projection's 80% interval
+
+# A projection: "estimate", and "low" and "high", its interval (None from a single sample).
+Projection = dict[str, float | None]
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ def regression_total(xs: Sequence[float], ys: Sequence[float], count: int, x_tot
 
 
 def projected(xs: Sequence[float], ys: Sequence[float], count: int, x_total: float,
-              rng: random.Random) -> dict[str, float]:
+              rng: random.Random) -> Projection:
     """The regression total with its bootstrap interval."""
     estimate = regression_total(xs, ys, count, x_total)
     pairs = list(zip(xs, ys, strict=True))
@@ -83,13 +86,22 @@ def projected(xs: Sequence[float], ys: Sequence[float], count: int, x_total: flo
     for _ in range(BOOTSTRAP_ROUNDS):
         drawn = [pairs[rng.randrange(len(pairs))] for _ in pairs]
         totals.append(regression_total([x for x, _ in drawn], [y for _, y in drawn], count, x_total))
-    totals.sort()
-    return {"estimate": round(estimate, 6), "low": round(_quantile(totals, INTERVAL[0]), 6),
-            "high": round(_quantile(totals, INTERVAL[1]), 6)}
+    return _with_interval(estimate, totals, len(pairs), digits=6)
 
 
-def _plus(figures: dict[str, float], amount: float) -> dict[str, float]:
-    return {key: round(value + amount, 6) for key, value in figures.items()}
+def _with_interval(estimate: float, resampled: list[float], sampled: int, *, digits: int) -> Projection:
+    """The estimate, and the 10th to 90th percentile of its resampled values as its interval; none from a
+    single sample, whose every resample is that sample: a range as wide as nothing would claim a
+    certainty one sample cannot give."""
+    resampled.sort()
+    if sampled < 2:
+        return {"estimate": round(estimate, digits), "low": None, "high": None}
+    return {"estimate": round(estimate, digits), "low": round(_quantile(resampled, INTERVAL[0]), digits),
+            "high": round(_quantile(resampled, INTERVAL[1]), digits)}
+
+
+def _plus(figures: Projection, amount: float) -> Projection:
+    return {key: None if value is None else round(value + amount, 6) for key, value in figures.items()}
 
 
 def report_lines(report: dict) -> list[str]:
@@ -100,25 +112,39 @@ def report_lines(report: dict) -> list[str]:
         values = per[name]
         return f"{unit}{values['median']:,.4g} (80% between {unit}{values['p10']:,.4g} and {unit}{values['p90']:,.4g})"
 
-    def total(figures: dict, unit: str = "", digits: int = 0) -> str:
-        return (f"{unit}{figures['estimate']:,.{digits}f} ({unit}{figures['low']:,.{digits}f} to "
-                f"{unit}{figures['high']:,.{digits}f})")
+    def shown(figures: Projection | None, text: Callable[[float], str]) -> str:
+        if figures is None:
+            return "unknown"
+        if figures["low"] is None or figures["high"] is None:
+            return f"{text(figures['estimate'] or 0)} (no range from one sample)"
+        return f"{text(figures['estimate'] or 0)} ({text(figures['low'])} to {text(figures['high'])})"
 
-    lines = [f"Estimate from {report['sampled']} samples drawn across the dataset (their rows are kept):",
+    def tokens(figures: Projection | None) -> str:
+        return shown(figures, lambda value: f"{value:,.0f}")
+
+    def cost(figures: Projection | None) -> str:
+        # Four decimals, as the live line shows cost: a small projection is not rounded to $0.00.
+        return shown(figures, lambda value: f"${value:,.4f}")
+
+    sampled = report["sampled"]
+    lines = [f"Estimate from {sampled} sample{'s' if sampled != 1 else ''} drawn across the dataset "
+             "(their rows are kept):",
              *([f"  {report['sampled_failed']} of them failed: --resume runs them again, among the other samples"]
                if report["sampled_failed"] else []),
-             f"  per sample: tokens {figure('tokens')}, model calls {figure('model_calls')}, "
+             "  per sample: " + (f"tokens {figure('tokens')}, " if per["tokens"] is not None else "")
+             + f"model calls {figure('model_calls')}, "
              f"tool calls {figure('tool_calls')}, wall time {figure('wall_time_seconds')} s"
              + (f", cost {figure('cost', '$')}" if per["cost"] is not None else "")]
     if rest["samples"]:
         duration = rest["duration_seconds"]
-        lines += [f"  the other {rest['samples']:,} samples: tokens {total(rest['tokens'])}"
-                  + (f", cost {total(rest['cost'], '$', 2)}" if rest["cost"] is not None else ", cost unknown"),
-                  f"  whole run: tokens {total(whole['tokens'])}"
-                  + (f", cost {total(whole['cost'], '$', 2)}" if whole["cost"] is not None else ""),
-                  f"  duration: {_clock(duration['estimate'])} ({_clock(duration['low'])} to "
-                  f"{_clock(duration['high'])}) at {rest['samples_per_second']:.2f} samples/s, bounded by "
+        lines += [f"  the other {rest['samples']:,} samples: tokens {tokens(rest['tokens'])}, "
+                  f"cost {cost(rest['cost'])}",
+                  f"  whole run: tokens {tokens(whole['tokens'])}, cost {cost(whole['cost'])}",
+                  f"  duration: {shown(duration, _clock)} at {rest['samples_per_second']:.2f} samples/s, bounded by "
                   f"{rest['bounds'][rest['bounded_by']]['why']}"]
+    if report["tokens_unknown_replies"]:
+        lines.append(f"  tokens unknown: {report['tokens_unknown_replies']} replies reported no usage "
+                     "(nor can a price cost them)")
     if report["cost_unknown_replies"]:
         lines.append(f"  cost unknown: {report['cost_unknown_replies']} replies had no price (--price_per_mtok)")
     lines.append(f"  ranges: {report['interval']}")
@@ -151,10 +177,13 @@ def throughput_bounds(runs: Sequence[SampledRun], *, sessions: int, requests_per
 
 def estimate_report(runs: Sequence[SampledRun], *, remaining: int, remaining_chars: int, sessions: int,
                     requests_per_minute: int | None, concurrency: ConcurrencyFigures | None,
-                    unpriced_replies: int, spent_tokens: int, spent_cost: float, rng: random.Random) -> dict:
+                    tokenless_replies: int, unpriced_replies: int, spent_tokens: int, spent_cost: float,
+                    rng: random.Random) -> dict:
     """estimate.json: the sample's figures per sample, and the projection for the ``remaining`` samples
-    (those not run yet and the sample's failed ones, which --resume runs again). ``spent_tokens`` and
-    ``spent_cost``: what the run has used so far, earlier invocations and the sample included."""
+    (those not run yet and the sample's failed ones, which --resume runs again). ``tokenless_replies`` and
+    ``unpriced_replies``: the sample's replies that reported no usage, and those without a cost.
+    ``spent_tokens`` and ``spent_cost``: what the run has used so far, earlier invocations and the sample
+    included."""
     xs = [float(run.prompt_chars) for run in runs]
     sessions = max(1, min(sessions, remaining))
     bounds = throughput_bounds(runs, sessions=sessions, requests_per_minute=requests_per_minute,
@@ -167,14 +196,17 @@ def estimate_report(runs: Sequence[SampledRun], *, remaining: int, remaining_cha
                                   concurrency=concurrency)
         return remaining / min(bound["per_second"] for bound in found.values())
 
-    durations = sorted(duration([runs[rng.randrange(len(runs))] for _ in runs]) for _ in range(BOOTSTRAP_ROUNDS))
-    cost_known = unpriced_replies == 0
-    tokens = projected(xs, [float(run.tokens) for run in runs], remaining, remaining_chars, rng)
+    durations = [duration([runs[rng.randrange(len(runs))] for _ in runs]) for _ in range(BOOTSTRAP_ROUNDS)]
+    # A reply that reported no usage counted 0 tokens, and one without a price $0: a projection of either
+    # would be too low by an amount nothing tells.
+    tokens_known, cost_known = tokenless_replies == 0, unpriced_replies == 0
+    tokens = (projected(xs, [float(run.tokens) for run in runs], remaining, remaining_chars, rng) if tokens_known
+              else None)
     cost = projected(xs, [run.cost for run in runs], remaining, remaining_chars, rng) if cost_known else None
     return {
         "sampled": len(runs),
         "sampled_failed": sum(run.failed for run in runs),
-        "per_sample": {"tokens": spread([run.tokens for run in runs]),
+        "per_sample": {"tokens": spread([run.tokens for run in runs]) if tokens_known else None,
                        "model_calls": spread([run.model_calls for run in runs]),
                        "tool_calls": spread([run.tool_calls for run in runs]),
                        "wall_time_seconds": spread([run.wall_time for run in runs]),
@@ -185,9 +217,7 @@ def estimate_report(runs: Sequence[SampledRun], *, remaining: int, remaining_cha
             "cost": cost,
             "model_calls": projected(xs, [float(run.model_calls) for run in runs], remaining, remaining_chars, rng),
             # At the rate the tightest limit allows.
-            "duration_seconds": {"estimate": round(remaining / rate, 1),
-                                 "low": round(_quantile(durations, INTERVAL[0]), 1),
-                                 "high": round(_quantile(durations, INTERVAL[1]), 1)},
+            "duration_seconds": _with_interval(remaining / rate, durations, len(runs), digits=1),
             "samples_per_second": round(rate, 3),
             "bounded_by": limit,
             "bounds": {name: {"samples_per_second": round(bound["per_second"], 3), "why": bound["why"]}
@@ -195,8 +225,9 @@ def estimate_report(runs: Sequence[SampledRun], *, remaining: int, remaining_cha
         },
         # What the run has used so far (the sample, and earlier invocations on a resumed run) and the rest
         # together: what the whole run will have used.
-        "whole_run": {"tokens": _plus(tokens, spent_tokens),
+        "whole_run": {"tokens": _plus(tokens, spent_tokens) if tokens is not None else None,
                       "cost": _plus(cost, spent_cost) if cost is not None else None},
+        "tokens_unknown_replies": tokenless_replies,
         "cost_unknown_replies": unpriced_replies,
         "interval": f"{int(INTERVAL[0] * 100)}th to {int(INTERVAL[1] * 100)}th percentile of "
                     f"{BOOTSTRAP_ROUNDS} bootstrap resamples of the sample",

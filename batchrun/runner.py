@@ -157,6 +157,7 @@ class BatchRunner:
         self._pending_samples = plan.pending
         self._sessions_asked = config.pool.num_workers
         if config.estimate is not None:     # only a sample of what is pending runs
+            self.run_dir.forget_estimate()
             chosen = estimate.chosen_units(plan.pending_units_in_dataset_order(), config.estimate,
                                             random.Random(config.seed))
             self._estimate_units, self._pending_samples = chosen, len(chosen)
@@ -168,6 +169,8 @@ class BatchRunner:
             self._write_checkpoint()
         if plan.pending == 0:
             self.console.print("All prompts have already been processed!", style="bold green")
+            if config.estimate is not None:
+                self.console.print("--estimate: nothing left to estimate; every sample of the run has its row.")
             self._remove_leftovers()
             with STOP_SIGNALS.shielded():     # the merge is not cut short; a stop signal is raised after it
                 self._write_checkpoint()
@@ -564,15 +567,19 @@ class BatchRunner:
         projection = estimate.estimate_report(
             runs, remaining=plan.pending - len(done), remaining_chars=max(plan.pending_chars - done_chars, 0),
             sessions=self._sessions_asked, requests_per_minute=self.config.pool.requests_per_minute,
-            concurrency=self.this_run.concurrency, unpriced_replies=self.this_run.unpriced_replies,
+            concurrency=self.this_run.concurrency, tokenless_replies=self.this_run.tokenless_replies,
+            unpriced_replies=self.this_run.unpriced_replies,
             spent_tokens=spent["prompt_tokens"] + spent["completion_tokens"], spent_cost=spent["cost"],
             rng=random.Random(self.config.seed))
         self.run_dir.write_estimate(projection)
         for line in estimate.report_lines(projection):
             self.console.print(line)
-        self.console.print(f"Written to {self.run_dir.path}/estimate.json. The whole run: the same command with "
-                           "--resume and without --estimate (the samples above that did not fail are not run again).",
-                           style="bold")
+        if projection["remaining"]["samples"]:
+            advice = ("The whole run: the same command with --resume and without --estimate (the samples above "
+                      "that did not fail are not run again).")
+        else:
+            advice = "The sample was the whole run: every sample of it has its row."
+        self.console.print(f"Written to {self.run_dir.path}/estimate.json. {advice}", style="bold")
 
     def _print_pricing(self) -> None:
         """How replies will be priced, said once: by the endpoint, by a price, or not at all."""

@@ -300,6 +300,11 @@ class RunDirectory:
     def write_estimate(self, data: dict[str, Any]) -> None:
         atomic_write_json(self.path / ESTIMATE, data, indent=2)
 
+    def forget_estimate(self) -> None:
+        """Remove an earlier estimate.json: it projected a rest that has changed since, and one that outlived
+        an estimate that writes none (nothing left, a cap, a stop) would be read as that one's."""
+        (self.path / ESTIMATE).unlink(missing_ok=True)
+
     def write_statistics(self, data: dict[str, Any]) -> None:
         atomic_write_json(self.path / STATISTICS, data, indent=2)
 
