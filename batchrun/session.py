@@ -135,20 +135,31 @@ def _tool_calls_of(message: Message, turn_number: int, redact: Redactor) -> list
     """The reply's calls, redacted: an endpoint that echoes a secret into a call must not hand it to
     the tool (and through it to a command or a web request), nor to the row."""
     calls = []
+    taken: set[str] = set()      # the ids of the reply's calls so far
     for position, call in enumerate(message.get("tool_calls") or ()):
         function = call.get("function") or {}
         arguments = function.get("arguments")
         if not isinstance(arguments, str):   # a few servers send an object; the row wants text
             arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
-        # An id that is not text (an object, a number) is the runner's own, as a missing one: its repr
-        # would go into the row and back to the endpoint.
-        call_id = call.get("id")
-        if not isinstance(call_id, str) or not call_id:
-            call_id = f"call_{turn_number}_{position}"
-        calls.append(ToolCallRecord(id=redact(call_id),
-                                    name=redact(str(function.get("name") or "")),
+        call_id = _call_id(call.get("id"), turn_number, position, taken, redact)
+        taken.add(call_id)
+        calls.append(ToolCallRecord(id=call_id, name=redact(str(function.get("name") or "")),
                                     arguments=redact.json_text(arguments)))
     return calls
+
+
+def _call_id(given: object, turn_number: int, position: int, taken: set[str], redact: Redactor) -> str:
+    """The call's id, redacted, unless the reply's calls before it have ``taken`` it: each result
+    answers its call by id, in the row and back at the endpoint, so two calls of one reply never
+    share one. An id that is not text (an object, a number) is the runner's own, as a missing one:
+    its repr would go into the row and back to the endpoint."""
+    call_id = redact(given) if isinstance(given, str) else ""
+    if call_id and call_id not in taken:
+        return call_id
+    own = f"call_{turn_number}_{position}"
+    while own in taken:      # a name the model gave an earlier call of this reply
+        own += "_"
+    return own
 
 
 def _kept_arguments(call: ToolCallRecord, limit: int) -> str:
