@@ -11,6 +11,7 @@ files / checkpoint -> merge -> trajectories.jsonl + statistics.json. See README.
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import re
 import sys
@@ -43,7 +44,7 @@ from batchrun.flag_values import UsageError, boolean, validate_run_name
 from batchrun.install_hint import program
 from batchrun.run_dir import DiskFull, RunDirectoryError, full_disk_named, require_readable, write_refusal_remedy
 from batchrun.runner import EXIT_ERROR, EXIT_OK, BatchRunner
-from batchrun.security import Redactor
+from batchrun.security import MIN_SECRET_LENGTH, Redactor
 from batchrun.stop_signals import STOP_SIGNALS, Interrupted, stopped_line
 
 
@@ -95,6 +96,22 @@ def _misplaced_word(argv: list[str]) -> tuple[str, str] | None:
         if place != in_order:
             return word, place
     return None
+
+
+def _stray_word_refusal(argv: list[str], word: str, place: str) -> str:
+    """The one line refusing a word without a flag. A word that may be the API key (one in the key's place,
+    or one after an empty "--api_key=", a space typed after the "=") is shown only by its start: the
+    redactor knows the key the run was given, not one pasted by mistake."""
+    after_empty_key = any(before in ("--api_key=", "--api-key=") and after == word
+                          for before, after in itertools.pairwise(argv))
+    shown = repr(word)
+    if (after_empty_key or place == "api_key") and len(word) >= MIN_SECRET_LENGTH:
+        shown = f"{word[:4]!r}… (the rest not shown: it may be the API key)"
+    if after_empty_key:
+        return f"--api_key= is empty and the word after it, {shown}, comes without a flag: write --api_key=KEY " \
+               "with no space after the \"=\""
+    return (f"{shown} comes without a flag, and would be taken as --{place}: write --{place}=VALUE if that is what "
+            "it is, or quote a value that holds spaces (--name=\"two words\")")
 
 
 def main(*args: Any, **kwargs: Any) -> None:
@@ -156,9 +173,7 @@ def _run_command(given: dict[str, Any], unknown_flags: dict[str, Any], console: 
         console.error(f"unknown flag --{name}{hint}")
         return EXIT_ERROR
     if stray := _misplaced_word(sys.argv[1:]):
-        word, place = stray
-        console.error(f"{word!r} comes without a flag, and would be taken as --{place}: write --{place}=VALUE if "
-                      "that is what it is, or quote a value that holds spaces (--name=\"two words\")")
+        console.error(_stray_word_refusal(sys.argv[1:], *stray))
         return EXIT_ERROR
     try:     # modes: a value that is neither True nor False is no reason to start a run instead
         listing, reporting = (boolean(name, given[name]) for name in ("list_distributions", "report"))

@@ -243,8 +243,10 @@ def validate_base_url(flag: str, value: Any) -> str:
 
 
 def _has_credentials(url: str) -> bool:
+    """Read as the URL it would be with a scheme too: user:password@host/v1 has no scheme to urlsplit,
+    and would be shown whole by the next check."""
     try:
-        parsed = urlsplit(url)
+        parsed = urlsplit(url if "://" in url else f"//{url}")
         return parsed.username is not None or parsed.password is not None
     except ValueError:     # no host to read them from (a broken IPv6 bracket): an "@" is reason enough
         return "@" in url

@@ -2,26 +2,29 @@
 
 Tool environments never receive secrets (see environments.base.scrubbed_environment); this is the
 second line: any text bound for a row, a log line or the console passes through ``redact``, which
-replaces the literal values of the API key and of every secret-looking environment variable.
+replaces the literal values of the API key, of every secret-looking environment variable, and of the
+credentials any variable's URL holds.
 """
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import os
 import re
+from urllib.parse import unquote, urlsplit
 
-_SECRET_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH)", re.IGNORECASE)
+_SECRET_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASS|CREDENTIAL|AUTH(?!OR)|COOKIE)", re.IGNORECASE)
 # Shorter values ("1", "true") would redact ordinary words. The same length bounds what a cut may
 # leave: a cap (a tool's output limit, a preview) can cut a secret anywhere, so any run of at least
 # this many of its first or last characters is replaced too.
-_MIN_SECRET_LENGTH = 8
+MIN_SECRET_LENGTH = 8
 REDACTED = "[REDACTED]"
 
 
 class _Starts:
-    """Where a text holds a run of at least _MIN_SECRET_LENGTH characters that starts one of the secrets.
+    """Where a text holds a run of at least MIN_SECRET_LENGTH characters that starts one of the secrets.
 
     A regex finds where one of the secrets' first characters start (at every position: runs of two
     secrets may overlap), and each is then followed in plain Python as far as it matches: a pattern
@@ -31,7 +34,7 @@ class _Starts:
     def __init__(self, secrets: list[str]) -> None:
         self._by_start: dict[str, list[str]] = {}
         for secret in secrets:
-            self._by_start.setdefault(secret[:_MIN_SECRET_LENGTH], []).append(secret)
+            self._by_start.setdefault(secret[:MIN_SECRET_LENGTH], []).append(secret)
         self._starts = re.compile("(?=(" + "|".join(map(re.escape, self._by_start)) + "))")
 
     def spans(self, text: str) -> list[tuple[int, int]]:
@@ -50,9 +53,32 @@ def _written_forms(secret: str) -> set[str]:
     return {secret, *(json.dumps(secret, ensure_ascii=ascii_only)[1:-1] for ascii_only in (False, True))}
 
 
+def _url_credentials(value: str) -> list[str]:
+    """The credentials of each URL in an environment variable's value, whatever the variable's name (a
+    proxy's, a database's, a search service's): the password as the URL writes it and decoded, and the
+    Basic credentials an HTTP client sends for it, which a proxy or service may quote back in an error.
+    A user name alone is a token (https://TOKEN@github.com, a Sentry DSN) where a scheme says it is a
+    URL; without one, only a password makes one (user:password@proxy:3128, as proxy variables allow),
+    so an e-mail address is not."""
+    found = []
+    for word in value.split():
+        schemed = "://" in word
+        try:
+            parts = urlsplit(word if schemed else f"//{word}")
+            user, password = parts.username, parts.password
+        except ValueError:      # a broken IPv6 bracket: no URL the clients could use either
+            continue
+        if user is None or (password is None and not schemed):
+            continue
+        written = user if password is None else password
+        basic = f"{unquote(user)}:{unquote(password or '')}"
+        found += [written, unquote(written), base64.b64encode(basic.encode()).decode()]
+    return found
+
+
 class Redactor:
     def __init__(self, secrets: list[str]) -> None:
-        values = sorted({form for s in secrets if s and len(s) >= _MIN_SECRET_LENGTH for form in _written_forms(s)},
+        values = sorted({form for s in secrets if s and len(s) >= MIN_SECRET_LENGTH for form in _written_forms(s)},
                         key=len, reverse=True)
         self._prefixes = _Starts(values) if values else None
         # A suffix of a secret is a prefix of the reversed secret in the reversed text.
@@ -61,7 +87,7 @@ class Redactor:
     @classmethod
     def from_environment(cls, api_key: str) -> Redactor:
         secrets = [api_key] + [value for name, value in os.environ.items() if _SECRET_NAME.search(name)]
-        return cls(secrets)
+        return cls(secrets + [credential for value in os.environ.values() for credential in _url_credentials(value)])
 
     @staticmethod
     @functools.lru_cache(maxsize=4)

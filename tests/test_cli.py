@@ -463,6 +463,15 @@ def test_a_word_without_a_flag_after_named_flags_is_refused_saying_where_it_woul
     assert_rejected_before_anything(result, tmp_path, endpoint, "'stray'", "--api_key")
 
 
+@pytest.mark.parametrize("before", [(), ("--api_key=",)], ids=["in-the-keys-place", "after-an-empty-api-key"])
+def test_a_word_without_a_flag_that_may_be_the_key_is_refused_without_showing_it(tmp_path, endpoint, before):
+    # A key pasted as a word of its own, or after "--api_key=" with a space, was quoted whole in the refusal.
+    key = "sk-pasted-0123456789abcdef"
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint), *before, key)
+    assert_rejected_before_anything(result, tmp_path, endpoint, "--api_key", "'sk-p'… (the rest not shown")
+    assert key[3:11] not in result.stdout + result.stderr
+
+
 def test_an_unquoted_value_with_a_space_is_refused_not_split(tmp_path, endpoint):
     result = run_cli(tmp_path, *good_args(tmp_path, endpoint, "--ephemeral_system_prompt", "Be", "brief"))
     assert_rejected_before_anything(result, tmp_path, endpoint, "'brief'", "quote")

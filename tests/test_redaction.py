@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import http.server
 import json
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from conftest import endpoint_args, run_cli, write_dataset
@@ -170,3 +177,136 @@ def test_the_traceback_of_a_bug_shows_no_secret_and_no_control_character(monkeyp
     assert exits == [1]
     assert "Traceback" in said and "RuntimeError: a bug while holding [REDACTED] and \\x1b]52;c;aGk=\\x07" in said
     assert SECRET not in said and "\x1b" not in said
+
+
+# --- credentials in URLs and in variables named for passwords ------------------------------------------
+
+@contextlib.contextmanager
+def credential_echo(status: int) -> Iterator[int]:
+    """A server on 127.0.0.1 (its port) that answers every request ``status`` with the credentials it was
+    sent, decoded, then every header, as a proxy or service reporting what it refused may: the Basic
+    credentials of a proxy's or a service's URL come back in the body."""
+    class Echo(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            basic = [value.split()[-1] for value in self.headers.values() if value.startswith("Basic ")]
+            decoded = [base64.b64decode(value).decode() for value in basic]
+            body = json.dumps({"error": f"refused {decoded} {dict(self.headers.items())}"}).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Echo)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def written_and_said(tmp_path: Path, result: subprocess.CompletedProcess) -> bytes:
+    """Every file of the run directory and everything the run printed."""
+    written = [path for path in (tmp_path / "data").rglob("*") if path.is_file()]
+    return b"".join(path.read_bytes() for path in written) + (result.stdout + result.stderr).encode()
+
+
+PASSWORD = "pr0xy-PASSWORD-0123456789"
+BASIC = base64.b64encode(f"user:{PASSWORD}".encode()).decode()
+
+
+# Before, the password of a proxy variable (HTTP_PROXY=http://user:PASSWORD@host) was no secret to the
+# redactor, whose name patterns it does not match: a proxy that quoted the credentials it refused put
+# them, and their Basic form, into the failure rows and the report (HTTP 502), or the run's error line (407).
+@pytest.mark.parametrize("status", [502, 407])
+def test_what_a_proxy_echoes_of_its_credentials_reaches_no_row_report_or_console(tmp_path, endpoint, status):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["hello"])
+    with credential_echo(status) as port:
+        result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=1", "--run_name=run",
+                         "--distribution=terminal_only", "--max_retries=0", *endpoint_args(endpoint),
+                         env={"HTTP_PROXY": f"http://user:{PASSWORD}@127.0.0.1:{port}", "NO_PROXY": "", "no_proxy": ""})
+    assert result.returncode == (2 if status == 502 else 1), result.stderr[-2000:]
+    said = written_and_said(tmp_path, result)
+    assert b"Proxy-Authorization" in said
+    assert not any(piece.encode() in said for secret in (PASSWORD, BASIC) for piece in pieces_of(secret, 8))
+
+
+# Before, a SearXNG behind a password (SEARXNG_URL=http://user:PASSWORD@host) that answered 401 quoting
+# the Authorization header it got put the start of the Basic credentials (its first 300 bytes cut them)
+# into the tool's result, the trajectory and the report: most of the password, once decoded.
+def test_a_password_in_a_services_url_that_the_service_echoes_reaches_no_row(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ['[[call web_search {"query": "x"}]] search'])
+    with credential_echo(401) as port:
+        result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=1", "--run_name=run",
+                         "--distribution=terminal_web", *endpoint_args(endpoint),
+                         env={"SEARXNG_URL": f"http://user:{PASSWORD}@127.0.0.1:{port}"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    said = written_and_said(tmp_path, result)
+    assert b"searxng search failed: HTTP 401" in said
+    assert not any(piece.encode() in said for secret in (PASSWORD, BASIC) for piece in pieces_of(secret, 8))
+
+
+# Before, under TERMINAL_ENV=local a command reading the runner's environment got the values of
+# SMTP_PASS and SESSION_COOKIE, and a password in DATABASE_URL, into the trajectory as they were: no
+# name pattern matched them.
+def test_a_command_reading_the_runners_environment_under_local_gets_no_password(tmp_path, endpoint):
+    secrets = {"SMTP_PASS": "smtp-pass-0123456789", "SESSION_COOKIE": "cookie-0123456789abcdef",
+               "DATABASE_URL": "postgres://app:db-PASSWORD-0123456789@db.internal/app"}
+    command = json.dumps({"command": "cat /proc/$PPID/environ"})
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [f"[[call terminal {command}]] read"])
+    result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=1", "--run_name=run",
+                     "--distribution=terminal_only", *endpoint_args(endpoint), env={"TERMINAL_ENV": "local", **secrets})
+    assert result.returncode == 0, result.stderr[-2000:]
+    said = written_and_said(tmp_path, result)
+    assert b"SMTP_PASS=[REDACTED]" in said and b"DATABASE_URL=postgres://app:[REDACTED]@db.internal" in said
+    assert not any(piece.encode() in said for secret in ("smtp-pass-0123456789", "cookie-0123456789abcdef",
+                                                          "db-PASSWORD-0123456789") for piece in pieces_of(secret, 8))
+
+
+def test_a_url_password_is_a_secret_as_written_and_decoded(monkeypatch):
+    # The URL holds it percent-encoded; the HTTP client sends (and a server echoes) it decoded.
+    monkeypatch.setenv("SERVICE_URL", "https://user:p%40ss-word-0123@service.example/api")
+    redact = Redactor.from_environment("")
+    assert redact("as written p%40ss-word-0123, decoded p@ss-word-0123") == f"as written {REDACTED}, decoded {REDACTED}"
+
+
+def test_a_proxy_password_given_without_a_scheme_is_a_secret(monkeypatch):
+    monkeypatch.setenv("https_proxy", f"user:{PASSWORD}@proxy.internal:3128")
+    assert Redactor.from_environment("")(f"got {PASSWORD}") == f"got {REDACTED}"
+
+
+def test_a_token_given_as_a_urls_user_name_is_a_secret(monkeypatch):
+    # GitHub takes https://TOKEN@github.com/..., Sentry's DSNs hold their key the same way.
+    monkeypatch.setenv("REPO_REMOTE", "https://ghp_0123456789abcdefghij@github.com/org/repo.git")
+    assert Redactor.from_environment("")("ghp_0123456789abcdefghij") == REDACTED
+
+
+def test_an_e_mail_address_in_the_environment_is_no_secret(monkeypatch):
+    monkeypatch.setenv("MAINTAINER_EMAIL", "maintainer.name@example.com")
+    assert Redactor.from_environment("")("by maintainer.name@example.com") == "by maintainer.name@example.com"
+
+
+# Before, a --base_url without a scheme was refused as "not an http(s) URL" and shown whole: the password
+# in it went to the console, though a URL with a scheme is refused for its credentials without being shown.
+def test_a_password_in_a_base_url_without_a_scheme_is_not_shown(tmp_path):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["hello"])
+    result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=1", "--run_name=run",
+                     f"--base_url=user:{PASSWORD}@127.0.0.1:8000/v1")
+    assert result.returncode == 1 and "must not hold a user name or password" in result.stderr, result.stderr
+    assert PASSWORD not in result.stdout + result.stderr
+
+
+def test_a_git_author_is_no_secret(monkeypatch):
+    # "AUTH" in a name marks a secret (GH_AUTH, AUTH_TOKEN); the author of a commit is none, and `git log`
+    # output in a row lost its names.
+    monkeypatch.setenv("GIT_AUTHOR_NAME", "Ada Lovelace-Byron")
+    assert Redactor.from_environment("")("Author: Ada Lovelace-Byron") == "Author: Ada Lovelace-Byron"
