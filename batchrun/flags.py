@@ -47,7 +47,7 @@ from batchrun.flag_values import (
 Parse = Callable[[str, Any], Any]
 
 # The --help page: its groups, and the flags each shows in the order it shows them (every flag with a usage
-# line, once; tests/test_flags.py checks). The table's own order is main's positional order, the Hermes one.
+# line, once; tests/test_flags.py checks).
 HELP_PAGE: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("endpoint", ("model", "base_url", "api_key", "max_tokens", "reasoning_effort", "request_timeout", "max_retries")),
     ("run", ("num_workers", "resume", "max_samples", "seed", "verbose", "estimate", "samples_per_prompt", "backend",
@@ -76,6 +76,9 @@ class Flag:
     export_only: bool = False
 
 
+# The table's order is main's positional order. Its first 23 flags are the Hermes runner's `main(...)`
+# parameters in that runner's order (api_key before base_url), so that words given without a flag land
+# where they land there; a key in the sixth place taken as --base_url was refused and shown in the error.
 FLAGS: tuple[Flag, ...] = (
     Flag("dataset_file", None, None, required_text, text=True),
     Flag("batch_size", None, None, required_batch_size),
@@ -83,26 +86,26 @@ FLAGS: tuple[Flag, ...] = (
     Flag("distribution", "default", "--distribution=NAME (--list_distributions shows them all)",
          distribution_name, text=True),
     Flag("model", DEFAULT_MODEL, "--model=ID", required_text, text=True),
-    Flag("base_url", None, "--base_url=URL", validate_base_url_given, text=True),
     Flag("api_key", None, "--api_key=KEY (else OPENROUTER_API_KEY / OPENAI_API_KEY)", text,
          text=True),
+    Flag("base_url", None, "--base_url=URL", validate_base_url_given, text=True),
     Flag("max_turns", 10, "--max_turns=N", positive_int),
     Flag("num_workers", 4, "--num_workers=N (sessions at once)", positive_int),
     Flag("resume", False, "--resume", boolean),
     Flag("verbose", False, "--verbose", boolean),
     Flag("list_distributions", False, None),
-    Flag("max_samples", None, "--max_samples=N", optional_positive_int),
-    Flag("max_tokens", None, "--max_tokens=N", optional_positive_int),
+    Flag("ephemeral_system_prompt", None, None, text, text=True),
+    Flag("log_prefix_chars", 100, None, non_negative_int),
     Flag("providers_allowed", None, None, name_list),
     Flag("providers_ignored", None, None, name_list),
     Flag("providers_order", None, None, name_list),
     Flag("provider_sort", None, None, lambda flag, value: choice(flag, value, PROVIDER_SORTS)),
+    Flag("max_tokens", None, "--max_tokens=N", optional_positive_int),
     Flag("reasoning_effort", None, "--reasoning_effort=LEVEL",
          lambda flag, value: choice(flag, value, REASONING_EFFORTS)),
     Flag("reasoning_disabled", False, None, boolean),
-    Flag("ephemeral_system_prompt", None, None, text, text=True),
-    Flag("log_prefix_chars", 100, None, non_negative_int),
     Flag("prefill_messages_file", None, None, load_prefill, text=True),
+    Flag("max_samples", None, "--max_samples=N", optional_positive_int),
     Flag("seed", None, "--seed=N", optional_non_negative_int),
     Flag("discard_no_reasoning", None, "--discard_no_reasoning=False", run_switch_on),
     Flag("rerun_corrupted", False, None, boolean),
