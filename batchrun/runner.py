@@ -290,6 +290,10 @@ class BatchRunner:
         """The scheduling loop: one task per free slot, every finished row persisted at once."""
         exhausted = False
         left = self._pending_samples
+        if self.config.max_cost is not None or self.config.max_total_tokens is not None:
+            # Under a cap a task goes only to a free session: one handed to a worker to wait behind a running
+            # session would start there once that ends, when the cap may have been reached meanwhile.
+            pool.last_round()
         while True:
             while not exhausted and pool.free_slots:
                 task = None if self._budget_spent() else self._next_task(tasks)
@@ -430,12 +434,13 @@ class BatchRunner:
         if config.max_cost is not None and (unknown := self.this_run.unpriced_replies):
             # What those replies cost is not in the sum: going on could spend any amount past the cap.
             return (f"--max_cost cannot be held: the cost of {counted(unknown, 'reply', 'replies')} is unknown "
-                    "(the endpoint reported no usage or cost for it, and no price applies)")
+                    "(the endpoint reported no usage or cost for it, or none that could be read, and no price "
+                    "applies)")
         if config.max_cost is not None and usage["cost"] >= config.max_cost:
             return f"spending cap reached: ${usage['cost']:.4f} of --max_cost=${config.max_cost:g}{higher}"
         if config.max_total_tokens is not None and (tokenless := self.this_run.tokenless_replies):
             return (f"--max_total_tokens cannot be held: {counted(tokenless, 'reply', 'replies')} counted no tokens "
-                    "(the endpoint reported no usage for it)")
+                    "(the endpoint reported no usage for it, or none that could be read)")
         tokens = usage["prompt_tokens"] + usage["completion_tokens"]
         if config.max_total_tokens is not None and tokens >= config.max_total_tokens:
             return f"token cap reached: {tokens:,} of --max_total_tokens={config.max_total_tokens:,}{higher}"

@@ -548,12 +548,13 @@ def test_a_refused_reply_still_counts_the_usage_it_was_billed_for(ep):
     assert (usage.prompt_tokens, usage.completion_tokens, usage.cost, source) == (100, 20, 0.001, "endpoint")
 
 
-def test_a_refused_reply_whose_usage_cannot_be_read_counts_nothing(ep):
+def test_a_refused_reply_whose_usage_cannot_be_read_counts_no_tokens_at_a_cost_unknown(ep):
+    # Nothing of the hostile figures is added, and the caps learn that a reply was billed unseen.
     ep.script = lambda _body: (200, {"choices": [], "usage": {"prompt_tokens": 10**400, "cost": 5}}, {})
     billed: list[tuple[Usage, str]] = []
     with pytest.raises(PromptFailedError):
         call_once(ep.base_url, "q", on_refused=lambda usage, source: billed.append((usage, source)))
-    assert billed == []
+    assert [(u.prompt_tokens, u.completion_tokens, u.cost, source) for u, source in billed] == [(0, 0, 0, "unknown")]
 
 
 # -- through the real command line ------------------------------------------------------------

@@ -143,8 +143,14 @@ def parse_reply(raw: bytes) -> ModelReply:
         raise MalformedReplyError(f"reply is nested too deeply to read: {_preview(raw)!r}") from None
     if not isinstance(data, dict):
         raise MalformedReplyError(f"reply is not a JSON object: {_preview(raw)}")
-    section = _object(data, "usage", "reply")
-    usage = _usage_from(section)
+    try:
+        section = _object(data, "usage", "reply")
+        usage = _usage_from(section)
+    except MalformedReplyError as exc:
+        # The reply was billed at figures that cannot be read: no tokens counted and a cost unknown, so that
+        # --max_cost and --max_total_tokens say they cannot be held, instead of counting nothing.
+        exc.usage = Usage()
+        raise
     cost_source = "endpoint" if section.get("cost") is not None else "unknown"
     try:
         message, finish_reason = _first_choice(data)
