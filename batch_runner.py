@@ -44,7 +44,7 @@ from batchrun.flag_values import UsageError, boolean, validate_run_name
 from batchrun.install_hint import program
 from batchrun.run_dir import DiskFull, RunDirectoryError, full_disk_named, require_readable, write_refusal_remedy
 from batchrun.runner import EXIT_ERROR, EXIT_OK, BatchRunner
-from batchrun.security import MIN_SECRET_LENGTH, Redactor
+from batchrun.security import Redactor, shown_unless_a_key
 from batchrun.stop_signals import STOP_SIGNALS, Interrupted, stopped_line
 
 
@@ -104,9 +104,7 @@ def _stray_word_refusal(argv: list[str], word: str, place: str) -> str:
     redactor knows the key the run was given, not one pasted by mistake."""
     after_empty_key = any(before in ("--api_key=", "--api-key=") and after == word
                           for before, after in itertools.pairwise(argv))
-    shown = repr(word)
-    if (after_empty_key or place == "api_key") and len(word) >= MIN_SECRET_LENGTH:
-        shown = f"{word[:4]!r}… (the rest not shown: it may be the API key)"
+    shown = shown_unless_a_key(word) if after_empty_key or place == "api_key" else repr(word)
     if after_empty_key:
         return f"--api_key= is empty and the word after it, {shown}, comes without a flag: write --api_key=KEY " \
                "with no space after the \"=\""

@@ -20,6 +20,7 @@ from batchrun.env_vars import usable_http_url
 from batchrun.estimate import DEFAULT_SAMPLE
 from batchrun.install_hint import install_hint
 from batchrun.paths import file_kind, lookup_error, unexpanded_home
+from batchrun.security import shown_unless_a_key
 
 DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
 DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
@@ -238,7 +239,9 @@ def validate_base_url(flag: str, value: Any) -> str:
         raise UsageError("--base_url must end at its path, such as http://localhost:8000/v1, with no ?query or "
                          "#fragment; an API key goes in --api_key or OPENAI_API_KEY")
     if not usable_http_url(url):
-        raise UsageError(f"--base_url must be an http(s) URL such as http://localhost:8000/v1, got {url!r}")
+        # A key given where the URL goes (by place, in the order of another runner) is not shown whole.
+        raise UsageError("--base_url must be an http(s) URL such as http://localhost:8000/v1, got "
+                         f"{shown_unless_a_key(url)}")
     return url.rstrip("/")
 
 

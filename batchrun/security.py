@@ -23,6 +23,16 @@ MIN_SECRET_LENGTH = 8
 REDACTED = "[REDACTED]"
 
 
+def shown_unless_a_key(word: str) -> str:
+    """A word of the command line as a refusal may quote it, where it may be a key typed in the wrong place:
+    whole if it is too short to be one or reads as a URL, a path or words (a "/", ".", ":" or space, which
+    API keys do not hold), else its first four characters; the redactor knows only the key the run was
+    given, not one pasted by mistake."""
+    if len(word) < MIN_SECRET_LENGTH or re.search(r"[/.:\s]", word):
+        return repr(word)
+    return f"{word[:4]!r}… (the rest not shown: it may be an API key)"
+
+
 class _Starts:
     """Where a text holds a run of at least MIN_SECRET_LENGTH characters that starts one of the secrets.
 

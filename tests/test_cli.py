@@ -184,6 +184,13 @@ def test_a_password_in_a_base_url_that_is_not_http_is_not_shown(tmp_path, endpoi
     assert URL_SECRET not in result.stdout + result.stderr
 
 
+def test_a_key_given_as_the_base_url_is_not_shown(tmp_path, endpoint):
+    # A key in --base_url's place (another runner's order of flags given by place) was quoted whole.
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, "--base_url=sk-pasted-0123456789abcdef"))
+    assert_rejected_before_anything(result, tmp_path, endpoint, "--base_url", "'sk-p'… (the rest not shown")
+    assert "pasted-0" not in result.stdout + result.stderr
+
+
 @pytest.mark.parametrize("value", ["a/b", "../escape", "/abs"])
 def test_run_name_must_be_a_plain_name(tmp_path, endpoint, value):
     result = run_cli(tmp_path, *good_args(tmp_path, endpoint, f"--run_name={value}"))
