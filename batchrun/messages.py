@@ -42,6 +42,7 @@ class Finished:
     prompt_preview: str
     toolsets: tuple[str, ...]                  # toolsets whose tools the model was offered (for --verbose)
     tool_calls: tuple[tuple[str, int, int], ...]    # (tool, calls, failed calls) of the tools it used
+    call_previews: tuple[str, ...] = ()        # each tool call and its result, cut (--verbose only)
     sample_index: int = 0
 
 

@@ -38,6 +38,7 @@ SESSIONS_PER_CLIENT = 16
 # A parent that stopped reading is stopping too; the last rows wait this long to be taken.
 _OUTBOX_CLOSE_SECONDS = 10.0
 _CANNOT_REPORT = 70         # the exit status of a worker whose messages can no longer reach the parent
+MAX_CALL_PREVIEWS = 20      # a prompt's tool calls --verbose shows; a session may make hundreds
 
 
 def _finished(task: Task, result: rows.SessionResult, config: RunConfig) -> Finished:
@@ -56,7 +57,26 @@ def _finished(task: Task, result: rows.SessionResult, config: RunConfig) -> Fini
                     wall_time=result.wall_time, end_reason=result.end_reason, error=result.error,
                     error_type=result.error_type, prompt_preview=result.prompt[:config.console.log_prefix_chars],
                     toolsets=tuple(toolsets_offering(result.toolsets, result.offered_tools)),
-                    tool_calls=tuple((name, count, failure) for name, count, _, failure in stored.tool_counts()))
+                    tool_calls=tuple((name, count, failure) for name, count, _, failure in stored.tool_counts()),
+                    call_previews=(call_previews(result.turns, config.console.log_prefix_chars)
+                                   if config.console.verbose else ()))
+
+
+def call_previews(turns: list[rows.Turn], chars: int) -> tuple[str, ...]:
+    """Each tool call of a session as --verbose shows it, as the reference runner logs it: the tool, the
+    start of its arguments and of its result, ``chars`` (--log_prefix_chars) of each; at most
+    MAX_CALL_PREVIEWS of them, then how many more. Cut here, so that a worker never sends the parent a
+    session's tool output twice."""
+    calls = list(rows.calls_of(turns))
+    previews = [f"{call.name} {_start(call.arguments, chars)} → {_start(call.result or '', chars)}"
+                for call in calls[:MAX_CALL_PREVIEWS]]
+    if len(calls) > MAX_CALL_PREVIEWS:
+        previews.append(f"… and {len(calls) - MAX_CALL_PREVIEWS:,} more tool calls")
+    return tuple(previews)
+
+
+def _start(text: str, chars: int) -> str:
+    return text if len(text) <= chars else text[:chars] + "…"
 
 
 def _failed(task: Task, error: str, error_type: str, *, api_calls: int = 0,

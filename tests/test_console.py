@@ -18,6 +18,7 @@ from batchrun.console import RunConsole
 from batchrun.messages import Finished
 from batchrun.security import Redactor
 from batchrun.stats import MergeStatistics, ThisRun, build_statistics, empty_usage
+from batchrun.worker_process import MAX_CALL_PREVIEWS, call_previews
 
 LONG_PROMPT = ("Write a detailed essay about the history of the Roman empire, its institutions, its wars "
                "and its fall, with citations for every claim")
@@ -35,12 +36,13 @@ def run_console(out: Console, *, verbose: bool = False, redact=lambda text: text
 
 def finished(prompt_index: int, status: str = rows.COMPLETED, *, preview: str = LONG_PROMPT,
              error: str | None = None, usage: dict | None = None,
-             tool_calls: tuple[tuple[str, int, int], ...] = (("terminal", 1, 0),)) -> Finished:
+             tool_calls: tuple[tuple[str, int, int], ...] = (("terminal", 1, 0),),
+             call_previews: tuple[str, ...] = ()) -> Finished:
     return Finished(prompt_index=prompt_index, unit=prompt_index, batch_num=0, status=status, row=b"", api_calls=3,
                     usage=usage or {"prompt_tokens": 1234, "completion_tokens": 567, "cost": 0.0123},
                     wall_time=0.4, end_reason="max_turns", error=error,
                     error_type="http_400" if status == rows.FAILED else None, prompt_preview=preview,
-                    toolsets=("terminal", "file"), tool_calls=tool_calls)
+                    toolsets=("terminal", "file"), tool_calls=tool_calls, call_previews=call_previews)
 
 
 def record(console: RunConsole, this_run: ThisRun, outcome: Finished) -> None:
@@ -364,3 +366,20 @@ def test_a_log_file_keeps_the_colour_the_environment_asks_for(tmp_path, endpoint
     result = run_with_console(tmp_path, endpoint, ["q1"], env={"FORCE_COLOR": "1"})
     assert result.returncode == 0, result.stderr
     assert "\x1b[1;32m" in result.stdout       # the summary's bold green
+
+
+def test_verbose_shows_at_most_twenty_calls_of_a_prompt_then_how_many_more():
+    calls = [rows.ToolCallRecord(id=f"c{i}", name="terminal", arguments="{}", result="{}") for i in range(25)]
+    previews = call_previews([rows.AssistantTurn(reasoning="", content="", tool_calls=calls)], chars=100)
+    assert len(previews) == MAX_CALL_PREVIEWS + 1 and previews[-1] == "… and 5 more tool calls"
+
+
+def test_a_verbose_call_preview_is_escaped_and_redacted():
+    key = "sk-live-0123456789abcdef"
+    out = recording_console(terminal=True, width=160)
+    console, this_run = RunConsole(Redactor([key]), verbose=True, out=out), ThisRun()
+    console.start_progress(10, 0, this_run)
+    record(console, this_run, finished(0, call_previews=(f"terminal {{}} → \x1b[2J {key}",)))
+    console.stop_progress()
+    printed = "\n".join(lines_of(out))
+    assert "terminal {} → \\x1b[2J [REDACTED]" in printed and key not in printed

@@ -301,6 +301,31 @@ def test_verbose_shows_toolsets_tools_and_tokens_per_prompt(tmp_path, endpoint):
     assert "tokens 300+60" in result.stdout
 
 
+# The command's text differs from its output: the prompt preview shows the one, only a call's line the other.
+SPELLING_PROMPT = '[[call terminal {"command": "printf %s%s hidden- result"}]] spell it'
+
+
+def test_verbose_shows_each_tool_call_and_the_start_of_its_result(tmp_path, endpoint):
+    # As the reference runner logs them: the call and what it returned, --log_prefix_chars of each.
+    result = run_prompts(tmp_path, endpoint, [SPELLING_PROMPT], "--verbose", "--log_prefix_chars=200")
+    assert result.returncode == 0, result.stderr
+    said = " ".join(result.stdout.split())
+    assert 'terminal {"command": "printf %s%s hidden- result"} → {"output": "hidden-result"' in said
+
+
+def test_verbose_cuts_a_tool_call_and_its_result_at_log_prefix_chars(tmp_path, endpoint):
+    result = run_prompts(tmp_path, endpoint, [SPELLING_PROMPT], "--verbose", "--log_prefix_chars=8")
+    assert result.returncode == 0, result.stderr
+    said = " ".join(result.stdout.split())
+    assert 'terminal {"comman… → {"output…' in said and "hidden-result" not in said
+
+
+def test_without_verbose_no_tool_call_is_shown(tmp_path, endpoint):
+    result = run_prompts(tmp_path, endpoint, [SPELLING_PROMPT])
+    assert result.returncode == 0, result.stderr
+    assert "hidden-result" not in result.stdout
+
+
 def test_each_call_sends_the_whole_conversation_so_far_with_the_offered_tools(tmp_path, endpoint):
     prompt = '[[call terminal {"command": "echo one"}]] [[call terminal {"command": "echo two"}]] go'
     assert run_prompts(tmp_path, endpoint, [prompt]).returncode == 0

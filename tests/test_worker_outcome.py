@@ -17,7 +17,7 @@ TASK = Task(prompt_index=7, prompt="a prompt", image=None, cwd=None, content_key
             unit=7)
 # What making a row reads of the run's config (batchrun.config.RunConfig's parts).
 CONFIG = SimpleNamespace(output=SimpleNamespace(batch_size=5, discard_no_reasoning=False),
-                         endpoint=SimpleNamespace(model="m", api_key="sk-test"), console=SimpleNamespace(log_prefix_chars=100))
+                         endpoint=SimpleNamespace(model="m", api_key="sk-test"), console=SimpleNamespace(log_prefix_chars=100, verbose=False))
 
 
 class FinishedSession:

@@ -208,6 +208,10 @@ class RunConsole:
         if self.verbose:
             details = pack(self._detail_segments(finished), width - len(INDENT), indent="")
             self._emit_lines(INDENT + line for line in details)
+            for preview in finished.call_previews:
+                # Redacted before it is shown, as the prompt's preview; a model's text is escaped.
+                wrapped = Text(shown(self.redact(preview))).wrap(self.out, width - len(INDENT))
+                self._emit_lines(INDENT + line.plain.rstrip() for line in wrapped)
         if not self.interactive and time.monotonic() - self._last_status_line >= PLAIN_STATUS_EVERY:
             self.status_line()
 
