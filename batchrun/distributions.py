@@ -100,7 +100,7 @@ def entry_members(entry: str) -> tuple[str, ...]:
     return tuple(entry.split(COMBO_SEPARATOR))
 
 
-def get_distribution(name: str) -> dict:
+def distribution(name: str) -> dict:
     """The distribution called ``name``; non-str input (e.g. a tuple from fire) is unknown too."""
     if not isinstance(name, str) or name not in DISTRIBUTIONS:
         raise UnknownDistributionError(name)
@@ -109,7 +109,7 @@ def get_distribution(name: str) -> dict:
 
 def possible_toolsets(name: str) -> set[str]:
     """Every toolset a prompt of this distribution may be offered."""
-    return {member for entry, percent in get_distribution(name)["toolsets"].items() if percent > 0
+    return {member for entry, percent in distribution(name)["toolsets"].items() if percent > 0
             for member in entry_members(entry)}
 
 
@@ -123,7 +123,7 @@ def sample_toolsets(name: str, rng: random.Random) -> list[str]:
 
     Returns toolset names de-duplicated, in table order of their entries, so equal draws give equal rows.
     """
-    toolsets = get_distribution(name)["toolsets"]
+    toolsets = distribution(name)["toolsets"]
     chosen = [entry for entry, percent in toolsets.items() if rng.random() * 100 < percent]
     if not chosen:
         chosen = [_fallback_entry(toolsets)]
@@ -143,13 +143,42 @@ def rng_for_prompt(seed: int | None, prompt_key: str) -> random.Random:
 def format_distributions(note: Callable[[str], str | None] = lambda entry: None) -> str:
     """Plain-text listing for ``--list_distributions``: each distribution, likeliest toolsets first, an
     entry followed by ``note(entry)`` in parentheses where that says something."""
-    lines: list[str] = []
-    for name, distribution in DISTRIBUTIONS.items():
-        toolsets = distribution["toolsets"]
-        lines.append(f"{name}: {distribution['description']}")
-        # sorted() is stable, so entries with equal probability keep table order.
-        for entry in sorted(toolsets, key=lambda e: -toolsets[e]):
-            said = note(entry)
-            lines.append(f"    {toolsets[entry]:>3}%  {entry}" + (f"  ({said})" if said else ""))
-        lines.append("")
-    return "\n".join(lines).rstrip("\n") + "\n"
+    return "\n".join(_described(name, note) for name in DISTRIBUTIONS)
+
+
+def _described(name: str, note: Callable[[str], str | None]) -> str:
+    toolsets = DISTRIBUTIONS[name]["toolsets"]
+    lines = [f"{name}: {DISTRIBUTIONS[name]['description']}"]
+    # sorted() is stable, so entries with equal probability keep table order.
+    for entry in sorted(toolsets, key=lambda e: -toolsets[e]):
+        said = note(entry)
+        lines.append(f"    {toolsets[entry]:>3}%  {entry}" + (f"  ({said})" if said else ""))
+    return "\n".join(lines) + "\n"
+
+
+# The Hermes runner's own functions, for scripts written against its toolset_distributions module.
+
+def get_distribution(name: str) -> dict | None:
+    """The distribution called ``name``, or None: the reference's lookup (``distribution`` raises instead)."""
+    return DISTRIBUTIONS.get(name) if isinstance(name, str) else None
+
+
+def list_distributions() -> dict[str, dict]:
+    return DISTRIBUTIONS.copy()
+
+
+def validate_distribution(name: str) -> bool:
+    return get_distribution(name) is not None
+
+
+def sample_toolsets_from_distribution(name: str) -> list[str]:
+    """One draw, as sample_toolsets makes it, from a generator seeded by the ``random`` module's, so that
+    ``random.seed(N)`` repeats a script's draws as it did with the reference; UnknownDistributionError (a
+    ValueError, as the reference raises) for a name that is not built in."""
+    return sample_toolsets(name, random.Random(random.random()))
+
+
+def print_distribution_info(name: str) -> None:
+    """One distribution as --list_distributions shows it, or the one line saying it is unknown."""
+    known = validate_distribution(name)
+    print(_described(name, lambda entry: None) if known else f"{UnknownDistributionError(name)}\n", end="")

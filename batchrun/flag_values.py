@@ -310,7 +310,7 @@ def run_switch_on(flag: str, value: Any) -> bool:
 def distribution_name(flag: str, value: Any) -> str:
     name = text(flag, value, required=True)
     try:
-        distributions.get_distribution(name)
+        distributions.distribution(name)
     except distributions.UnknownDistributionError as exc:
         raise UsageError(f"--{flag}: {exc}") from None
     return name

@@ -173,7 +173,7 @@ def test_unseeded_rng_for_prompt_is_fresh_each_time() -> None:
 @pytest.mark.parametrize("bad", ["nope", ("balanced",), None, 3])
 def test_unknown_distribution_raises_listing_every_name(bad: object) -> None:
     with pytest.raises(td.UnknownDistributionError) as caught:
-        td.get_distribution(bad)  # type: ignore[arg-type]
+        td.distribution(bad)  # type: ignore[arg-type]
     message = str(caught.value)
     assert repr(bad) in message
     assert ", ".join(EXPECTED) in message
@@ -199,3 +199,37 @@ def test_format_distributions_lists_every_distribution_with_toolsets_highest_fir
 
 def test_format_distributions_is_plain_text() -> None:
     assert "\x1b" not in td.format_distributions()
+
+
+# -- the reference runner's functions, for scripts written against its toolset_distributions ----------------
+
+def test_get_distribution_returns_none_for_an_unknown_name_as_the_reference_does() -> None:
+    assert td.get_distribution("nope") is None
+    assert td.get_distribution("balanced") == td.DISTRIBUTIONS["balanced"]
+
+
+def test_list_and_validate_distributions_as_the_reference_does() -> None:
+    listed = td.list_distributions()
+    assert listed == td.DISTRIBUTIONS and listed is not td.DISTRIBUTIONS
+    assert td.validate_distribution("balanced") and not td.validate_distribution("nope")
+
+
+def test_sample_toolsets_from_distribution_follows_the_global_random_seed() -> None:
+    random.seed(7)
+    first = [td.sample_toolsets_from_distribution("balanced") for _ in range(20)]
+    random.seed(7)
+    assert [td.sample_toolsets_from_distribution("balanced") for _ in range(20)] == first
+    assert all(set(sample) <= td.possible_toolsets("balanced") and sample for sample in first)
+
+
+def test_sample_toolsets_from_an_unknown_distribution_raises_a_value_error() -> None:
+    with pytest.raises(ValueError, match="nope"):
+        td.sample_toolsets_from_distribution("nope")
+
+
+def test_print_distribution_info_prints_one_distribution_likeliest_first(capsys: pytest.CaptureFixture[str]) -> None:
+    td.print_distribution_info("image_gen")
+    printed = capsys.readouterr().out
+    assert printed == td.format_distributions().split("\n\n")[list(td.DISTRIBUTIONS).index("image_gen")] + "\n"
+    td.print_distribution_info("nope")
+    assert "unknown distribution 'nope'" in capsys.readouterr().out

@@ -20,7 +20,7 @@ def node_tools_problem(distribution: str, available_tools: frozenset[str]) -> st
     this node too; tools read their configuration from the node's own environment."""
     from batchrun import distributions, registry
 
-    entries = distributions.get_distribution(distribution)["toolsets"]
+    entries = distributions.distribution(distribution)["toolsets"]
     toolsets = sorted({member for entry in entries for member in distributions.entry_members(entry)})
     offered = set(registry.tools_for_toolsets(toolsets)) & available_tools
     missing = {name: reason for name, reason in registry.unavailable_tools().items() if name in offered}
