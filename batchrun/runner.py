@@ -92,6 +92,12 @@ class BatchRunner:
     # -- the run --------------------------------------------------------------------------------
 
     def run(self) -> int:
+        try:
+            return self._run()
+        finally:
+            STOP_SIGNALS.ended()
+
+    def _run(self) -> int:
         raise_open_file_limit()
         try:
             self.run_dir.acquire()

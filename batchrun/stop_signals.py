@@ -8,7 +8,8 @@ of those steps would lose them. So a stop signal raises :class:`Interrupted` onl
 *shielded* one (a group of rows being written, the stop, the merge, the report) it is noted, and raised
 when the code is interruptible again. The stop is bounded (workers get workers.STOP_GRACE_SECONDS, then
 are killed); the merge takes as long as the rows written since the last one. A signal after the first
-never raises: it prints one line saying the run is already stopping.
+never raises: it prints one line saying the run is already stopping. Once the run is over (see
+StopSignals.ended), a signal does nothing.
 
 SIGTERM (a job scheduler's or a service manager's stop) and SIGHUP (the terminal closed, an ssh session
 lost) are taken as Ctrl-C is, so such a stop keeps the merge too (SIGHUP's default ended the run and its
@@ -72,6 +73,7 @@ class StopSignals:
         self._interruptible = [True]        # per stretch entered, innermost last
         self._pid: int | None = None
         self._said_stopping = False
+        self._ended = False                 # see ended
 
     def install(self) -> None:
         self._pid = os.getpid()
@@ -81,7 +83,7 @@ class StopSignals:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # A process forked from this one (a reading pool, a plot being drawn) keeps the handler: the
         # signal reached the whole process group, and the parent decides how its helpers end.
-        if os.getpid() != self._pid:
+        if os.getpid() != self._pid or self._ended:
             return
         if self.received is not None:
             self._say_stopping()
@@ -100,6 +102,12 @@ class StopSignals:
         if self._interruptible[-1] and self.received is not None and not self._raised:
             self._raised = True
             raise Interrupted(self.received)
+
+    def ended(self) -> None:
+        """The run is over: its rows are written, its last line said, its exit code decided, and the process
+        exits at once. A stop signal from now on changes none of these; raised, it was a traceback after that
+        last line, and exit code 1."""
+        self._ended = True
 
     def take(self) -> int | None:
         """The stop signal received so far, if any, now dealt with by the caller: no stretch raises it."""

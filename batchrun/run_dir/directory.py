@@ -18,10 +18,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from batchrun import kernel_files
 from batchrun.messages import Finished
 from batchrun.paths import lookup_error
 from batchrun.run_dir.checkpoint import CHECKPOINT, Checkpoint
-from batchrun.run_dir.durable import append_whole, atomic_write_json, cut_torn_tail, fsync_dir
+from batchrun.run_dir.durable import append_whole, atomic_write_json, cut_torn_tail, fsync_dir, temps_in
 from batchrun.run_dir.errors import (
     RunDirectoryError,
     cannot_read,
@@ -82,6 +83,20 @@ def hard_linked(path: Path, names: int) -> RunDirectoryError:
     return RunDirectoryError(f"{path} is one file with {names} names (hard links, as cp -al makes): the run writes "
                              "it in place, so it would write under the other name too. Copy the run directory "
                              "without links (cp -a, without -l).")
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs, other than this one, which has rewritten nothing yet when it asks. A
+    zombie has ended: a killed run's processes stay so where no init reaps them (some containers)."""
+    if pid == os.getpid():
+        return False
+    try:
+        stat_line = kernel_files.read(f"/proc/{pid}/stat")
+    except FileNotFoundError:
+        return False
+    except OSError:     # /proc not there to tell: taken as running, so its file stays
+        return True
+    return stat_line.rpartition(b")")[2].split()[:1] not in ([b"Z"], [b"X"])
 
 
 class RunDirectory:
@@ -219,9 +234,11 @@ class RunDirectory:
     # -- resume ---------------------------------------------------------------------------------
 
     def scan(self) -> ScanResult:
-        """What the batch files hold (see scan.scan_files), once torn tails are cut off. Only a
-        resumed run scans, with the lock held and before it appends."""
+        """What the batch files hold (see scan.scan_files), once torn tails are cut off and the temporary
+        files of rewrites cut short removed. Only a resumed run scans, with the lock held and before it
+        appends."""
         self.cut_torn_tails()
+        self.remove_unfinished_rewrites()
         result = scan_files(self.batch_files())
         forget_merge_over_damage(self.path, result.unreadable)
         self._repeats = result.repeats
@@ -237,6 +254,15 @@ class RunDirectory:
         """Cut off what a crash left after the last newline of each batch file (see durable.cut_torn_tail)."""
         for path in self.batch_files():
             cut_torn_tail(path)
+
+    def remove_unfinished_rewrites(self) -> None:
+        """Remove the new versions of files that a writer killed before its rename left beside them (see
+        durable.replacing): each kill during a merge left a whole copy of trajectories.jsonl. The run's own
+        files are rewritten by the lock's holder alone, so every such file of theirs is left over; another
+        (report.html, which --report rewrites without the lock) only where its writer is gone."""
+        for temp, name, pid in temps_in(self.path):
+            if name in RUN_FILES or not _running(pid):
+                temp.unlink(missing_ok=True)
 
     # -- writing --------------------------------------------------------------------------------
 

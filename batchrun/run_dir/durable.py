@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -70,6 +71,20 @@ def temp_beside(path: Path) -> Path:
     """A temporary name beside ``path`` that no other writer uses: two processes may rewrite one file
     at once (the run's report process and ``--report``), and each must rename its own whole file."""
     return path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+# temp_beside's names: the file's own name, the pid of the process writing it, a random part.
+_TEMP_NAME = re.compile(r"^(?P<name>.+)\.(?P<pid>[0-9]+)\.[0-9a-f]{8}\.tmp$")
+
+
+def temps_in(directory: Path) -> Iterator[tuple[Path, str, int]]:
+    """The temporary files of rewrites in ``directory`` (temp_beside's names), each with the name of the
+    file it is to replace and the pid of the process that wrote it. A writer killed before its rename
+    (kill -9, a power cut) leaves its file there: nothing else ever removes it."""
+    with os.scandir(directory) as entries:
+        found = [(Path(entry.path), match["name"], int(match["pid"])) for entry in entries
+                 if (match := _TEMP_NAME.match(entry.name)) and entry.is_file(follow_symlinks=False)]
+    yield from found
 
 
 @contextmanager
