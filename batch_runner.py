@@ -134,6 +134,9 @@ def main(*args: Any, **kwargs: Any) -> None:
         redact = Redactor.from_environment(str(given.get("api_key") or ""))
         print(shown_block(redact(traceback.format_exc())), end="", file=sys.stderr)
         code = EXIT_ERROR
+    # Everything is said and the exit code decided: a stop signal while the process exits changes neither
+    # (a run marks this itself, at its last line; a listing, a report or an export here).
+    STOP_SIGNALS.ended()
     exit_without_teardown(code)
 
 

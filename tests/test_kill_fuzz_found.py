@@ -128,3 +128,24 @@ def test_a_stop_signal_after_the_run_has_ended_changes_neither_its_exit_code_nor
     assert "Traceback" not in said
     last, paused = said.rstrip().splitlines()[-2:]
     assert last.startswith("Report: ") and paused == "paused at exit_without_teardown"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_after_a_listing_has_ended_changes_nothing(tmp_path, signum):
+    # As after a run: a listing, a report or an export that has said everything exits with its own code.
+    process = subprocess.Popen(paused_cli_command("batch_runner", "exit_without_teardown", tmp_path / "go",
+                                                  "--list_distributions"),
+                               cwd=tmp_path, env=cli_environment(tmp_path), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=default_sigint)
+    output = OutputLines(process)
+    try:
+        output.wait_for("paused at exit_without_teardown")
+        os.killpg(process.pid, signum)
+        time.sleep(0.5)
+        (tmp_path / "go").touch()
+        process.wait(60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    said = output.text()
+    assert process.returncode == 0 and "Traceback" not in said, said
