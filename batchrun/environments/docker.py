@@ -49,9 +49,11 @@ _FIRST_PROCESS = 'trap "" TERM INT HUP; while :; do sleep infinity & wait; done'
 # What runs in a container while no command does: that shell and its `sleep`.
 _IDLE_PROCESSES = 2
 # The exit statuses with which the CLIs say they could not run a command in the container (no engine, no
-# such container, one not running, the connection lost mid-command). A command may exit with them too: only
-# where the engine then does not show the container running is the command taken as not run.
-_CLI_FAILURE_STATUSES = frozenset({1, 125, 255})
+# such container, one not running, the connection lost mid-command), and 137, the SIGKILL with which the
+# kernel ends the command when its container is killed, stopped or removed meanwhile. A command may exit
+# with them too (137 also where the memory limit killed it): only where the engine then does not show the
+# container running is the command taken as not run.
+_LOST_CONTAINER_STATUSES = frozenset({1, 125, 137, 255})
 # A running engine answers `version` at once; a node check must not hold up the actor for long.
 _NODE_CHECK_TIMEOUT = 30.0
 # What root in the container keeps of the engine's default capabilities: what ordinary work as root in a
@@ -214,10 +216,10 @@ class DockerEnvironment(CliContainerEnvironment):
         return dataclasses.replace(result, error="; ".join([*([result.error] if result.error else []), note]))
 
     async def _require_not_lost(self, result: CommandResult) -> None:
-        """EnvironmentLostError where ``result``'s status may be the CLI's own and the engine does not show
-        the container running: the CLI's complaint is no output of the command's, and nothing the prompt
-        asks for later can run either."""
-        if result.exit_code not in _CLI_FAILURE_STATUSES:
+        """EnvironmentLostError where ``result``'s status may be the CLI's own or the container's end and the
+        engine does not show the container running: the CLI's complaint, or a kill from outside, is no result
+        of the command's, and nothing the prompt asks for later can run either."""
+        if result.exit_code not in _LOST_CONTAINER_STATUSES:
             return
         answer = await self._call([self.executable, "inspect", "--format", "{{.State.Running}}", self.name])
         if answer.ok and answer.stdout.strip() == b"true":

@@ -1,0 +1,69 @@
+"""The docker backend (Docker and Podman) against what goes wrong while a command runs: its container
+ended from outside (an operator, the engine) in the middle of the command.
+
+The engines and the image come from `.ci/container_engine.sh` (see tests/container_backends.py);
+without them these tests are skipped, saying how to set them up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from container_backends import ENGINES, EngineBackend, environment, make_backend, make_settings
+
+from batchrun.environments.base import CommandResult, EnvironmentLostError
+from batchrun.environments.container import ContainerEnvironment
+from batchrun.environments.limits import ResourceLimits
+
+# What a command sleeps while its container is ended from outside; the outside waits this long first.
+SLEEPING_COMMAND = "echo started; sleep 30"
+OUTSIDE_DELAY_SECONDS = 1.5
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request, tmp_path, monkeypatch) -> EngineBackend:
+    backend = make_backend(request.param, tmp_path, monkeypatch)
+    assert isinstance(backend, EngineBackend)
+    return backend
+
+
+async def run_while_outside(env: ContainerEnvironment, engine: EngineBackend, *action: str) -> CommandResult:
+    """SLEEPING_COMMAND in ``env``, with ``engine``'s ``action`` done to its container meanwhile."""
+    async def act() -> None:
+        await asyncio.sleep(OUTSIDE_DELAY_SECONDS)
+        await asyncio.to_thread(engine.run, *action, env.name)
+
+    acting = asyncio.ensure_future(act())
+    try:
+        return await env.run(SLEEPING_COMMAND)
+    finally:
+        await acting
+
+
+@pytest.mark.parametrize("action", [("rm", "-f"), ("kill",), ("stop", "--time", "0")], ids=["rm", "kill", "stop"])
+def test_a_command_whose_container_is_ended_from_outside_while_it_runs_loses_the_environment(
+        engine, tmp_path, action):
+    """The engine kills the command with its container (exit status 137, as the memory limit's kill): taken
+    for the command's own, the model would be told it was killed and the row could be kept as finished."""
+    env = environment(engine, make_settings(tmp_path))
+    try:
+        asyncio.run(env.start())
+        with pytest.raises(EnvironmentLostError, match="^the command could not run to its end in the container: "):
+            asyncio.run(run_while_outside(env, engine, *action))
+    finally:
+        asyncio.run(env.close())
+
+
+def test_a_command_killed_for_its_memory_keeps_the_environment(engine, tmp_path):
+    """Its exit status is the one a container ended from outside gives: only the container's state tells
+    them apart."""
+    env = environment(engine, make_settings(tmp_path, limits=ResourceLimits(memory_mb=64)))
+    try:
+        asyncio.run(env.start())
+        killed = asyncio.run(env.run("head -c 300m /dev/zero | tail"))
+        after = asyncio.run(env.run("echo still here"))
+    finally:
+        asyncio.run(env.close())
+    assert killed.exit_code == 137
+    assert after.output == "still here\n"
