@@ -102,40 +102,12 @@ def test_a_resume_keeps_the_temporary_report_of_a_report_command_still_writing_i
     assert writing.read_text() == "<html>"
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_stop_signal_after_the_run_has_ended_changes_neither_its_exit_code_nor_its_last_line(tmp_path, endpoint,
-                                                                                               signum):
-    """The run has written everything and said its last line; a stop signal while the process exits was
-    a traceback after that line, and exit code 1."""
-    dataset = write_dataset(tmp_path / "dataset.jsonl", PROMPTS)
-    process = subprocess.Popen(paused_cli_command("batch_runner", "exit_without_teardown", tmp_path / "go",
-                                                  *run_args(endpoint, dataset)),
-                               cwd=tmp_path, env=cli_environment(tmp_path, {"TERMINAL_ENV": "local"}),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True, preexec_fn=default_sigint)
-    output = OutputLines(process)
-    try:
-        output.wait_for("paused at exit_without_teardown")
-        os.killpg(process.pid, signum)
-        time.sleep(0.5)
-        (tmp_path / "go").touch()
-        process.wait(60)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    said = output.text()
-    assert process.returncode == 0, said
-    assert "Traceback" not in said
-    last, paused = said.rstrip().splitlines()[-2:]
-    assert last.startswith("Report: ") and paused == "paused at exit_without_teardown"
-
-
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_stop_signal_after_a_listing_has_ended_changes_nothing(tmp_path, signum):
-    # As after a run: a listing, a report or an export that has said everything exits with its own code.
-    process = subprocess.Popen(paused_cli_command("batch_runner", "exit_without_teardown", tmp_path / "go",
-                                                  "--list_distributions"),
-                               cwd=tmp_path, env=cli_environment(tmp_path), stdout=subprocess.PIPE,
+def signalled_while_exiting(tmp_path: Path, signum: int, *args: str, env: dict[str, str] | None = None
+                            ) -> tuple[int, str]:
+    """The CLI given ``args``, sent ``signum`` (its whole process group) once it has done everything and is
+    about to exit; its exit code and what it printed."""
+    process = subprocess.Popen(paused_cli_command("batch_runner", "exit_without_teardown", tmp_path / "go", *args),
+                               cwd=tmp_path, env=cli_environment(tmp_path, env), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=default_sigint)
     output = OutputLines(process)
     try:
@@ -147,5 +119,23 @@ def test_a_stop_signal_after_a_listing_has_ended_changes_nothing(tmp_path, signu
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-    said = output.text()
-    assert process.returncode == 0 and "Traceback" not in said, said
+    return process.returncode, output.text()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_after_the_run_has_ended_changes_neither_its_exit_code_nor_its_last_line(tmp_path, endpoint,
+                                                                                               signum):
+    """The run has written everything and said its last line; a stop signal while the process exits was
+    a traceback after that line, and exit code 1."""
+    dataset = write_dataset(tmp_path / "dataset.jsonl", PROMPTS)
+    code, said = signalled_while_exiting(tmp_path, signum, *run_args(endpoint, dataset), env={"TERMINAL_ENV": "local"})
+    assert code == 0 and "Traceback" not in said, said
+    last, paused = said.rstrip().splitlines()[-2:]
+    assert last.startswith("Report: ") and paused == "paused at exit_without_teardown"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_after_a_listing_has_ended_changes_nothing(tmp_path, signum):
+    # As after a run: a listing, a report or an export that has said everything exits with its own code.
+    code, said = signalled_while_exiting(tmp_path, signum, "--list_distributions")
+    assert code == 0 and "Traceback" not in said, said
