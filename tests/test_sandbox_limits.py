@@ -10,6 +10,7 @@ import resource
 import secrets
 import shutil
 import subprocess
+import textwrap
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -229,6 +230,26 @@ def test_io_uring_cannot_reserve_space_in_the_sandbox_either(tmp_path: Path) -> 
              "print('ring', fd, errno.errorcode.get(ctypes.get_errno()))")
     [result] = run("bubblewrap", settings(tmp_path), f'python3 -c "{setup}"')
     assert result.output.split() == ["ring", "-1", "ENOSYS"], result.output
+
+
+@pytest.mark.bubblewrap
+@pytest.mark.parametrize("number", [40, 42, 57], ids=["RESVSP", "RESVSP64", "ZERO_RANGE"])
+def test_the_preallocating_ioctls_cannot_reserve_space_in_the_sandbox_either(tmp_path: Path, number: int) -> None:
+    # FS_IOC_RESVSP, FS_IOC_RESVSP64 and FS_IOC_ZERO_RANGE reserve space as fallocate does, on any
+    # filesystem that has it, without that system call.
+    request = (1 << 30) | (48 << 16) | (ord("X") << 8) | number       # _IOW('X', number, struct space_resv)
+    [result] = run("bubblewrap", settings(tmp_path, workspace_mb=100), textwrap.dedent(f"""\
+        python3 - <<'EOF'
+        import fcntl, os, struct
+        fd = os.open("big", os.O_CREAT | os.O_RDWR)
+        space = struct.pack("=hhxxxxqqiI16x", 0, 0, 0, 1 << 30, 0, 0)
+        try:
+            fcntl.ioctl(fd, {request}, space)
+        except OSError as exc:
+            print(exc.strerror)
+        print("blocks", os.fstat(fd).st_blocks)
+        EOF"""))
+    assert result.output.splitlines() == ["Operation not supported", "blocks 0"], result.output
 
 
 @pytest.mark.parametrize("kind", BACKENDS)

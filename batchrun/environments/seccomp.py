@@ -10,7 +10,9 @@ session keyring it inherited from the runner; and disk space. So the filter refu
   can stop it. C libraries fall back to writing (``posix_fallocate``), which the workspace limit keeps up
   with;
 * ``io_uring_setup`` (ENOSYS, as on a kernel without io_uring, which programs fall back from): a ring's
-  IORING_OP_FALLOCATE reserves space as ``fallocate`` does, without that system call.
+  IORING_OP_FALLOCATE reserves space as ``fallocate`` does, without that system call;
+* ``ioctl`` with FS_IOC_RESVSP, FS_IOC_RESVSP64 or FS_IOC_ZERO_RANGE (EOPNOTSUPP), in the layout of
+  either word size: the kernel serves them with ``fallocate`` on any filesystem that has it.
 
 Everything else is allowed: ``ptrace`` and friends reach only the prompt's own processes, in a PID
 namespace of their own. The program is classic BPF, as the kernel takes it, checking the architecture
@@ -29,22 +31,33 @@ import struct
 # The kernel's names (linux/audit.h, linux/seccomp.h, linux/filter.h).
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "i386": 0x40000003, "aarch64": 0xC00000B7, "arm": 0x40000028}
 _X32_SYSCALL_BIT = 0x40000000
+_X32_NUMBERS = {"ioctl": 514}      # where x32's number is not x86_64's
 _RET_ALLOW = 0x7FFF0000
 _RET_ERRNO = 0x00050000
 _RET_KILL_PROCESS = 0x80000000
 _LD_W_ABS, _JEQ_K, _RET_K = 0x20, 0x15, 0x06
-_ARCH_OFFSET, _NR_OFFSET = 4, 0      # in struct seccomp_data
+# In struct seccomp_data; an ioctl's request is its second argument, an int (the low word on the
+# little-endian architectures below).
+_ARCH_OFFSET, _NR_OFFSET, _REQUEST_OFFSET = 4, 0, 24
 
 # The refused calls' numbers per architecture (asm/unistd*.h), with the error each gets.
 _REFUSED = {
     "add_key": errno.EPERM, "request_key": errno.EPERM, "keyctl": errno.EPERM, "fallocate": errno.EOPNOTSUPP,
     "io_uring_setup": errno.ENOSYS,
 }
+# The ioctl requests that preallocate (linux/fs.h: _IOW('X', 40, 42 or 57, struct space_resv), which is 48
+# bytes, or 44 where a 64-bit value is 4-aligned, as in 32-bit x86 programs) and the error each gets.
+_REFUSED_REQUESTS = [((1 << 30) | (size << 16) | (ord("X") << 8) | number, errno.EOPNOTSUPP)
+                     for number in (40, 42, 57) for size in (48, 44)]
 _NUMBERS = {
-    "x86_64": {"add_key": 248, "request_key": 249, "keyctl": 250, "fallocate": 285, "io_uring_setup": 425},
-    "i386": {"add_key": 286, "request_key": 287, "keyctl": 288, "fallocate": 324, "io_uring_setup": 425},
-    "aarch64": {"add_key": 217, "request_key": 218, "keyctl": 219, "fallocate": 47, "io_uring_setup": 425},
-    "arm": {"add_key": 309, "request_key": 310, "keyctl": 311, "fallocate": 352, "io_uring_setup": 425},
+    "x86_64": {"add_key": 248, "request_key": 249, "keyctl": 250, "fallocate": 285, "io_uring_setup": 425,
+               "ioctl": 16},
+    "i386": {"add_key": 286, "request_key": 287, "keyctl": 288, "fallocate": 324, "io_uring_setup": 425,
+             "ioctl": 54},
+    "aarch64": {"add_key": 217, "request_key": 218, "keyctl": 219, "fallocate": 47, "io_uring_setup": 425,
+                "ioctl": 29},
+    "arm": {"add_key": 309, "request_key": 310, "keyctl": 311, "fallocate": 352, "io_uring_setup": 425,
+            "ioctl": 54},
 }
 # The architectures a process on this machine can make system calls as (64-bit hosts run 32-bit programs).
 _ABIS = {"x86_64": ("x86_64", "i386"), "aarch64": ("aarch64", "arm")}
@@ -54,13 +67,26 @@ def _instruction(code: int, jump_true: int, jump_false: int, k: int) -> bytes:
     return struct.pack("=HBBI", code, jump_true, jump_false, k)
 
 
+def _numbers(abi: str, name: str) -> list[int]:
+    """A system call's numbers for one architecture; x32 calls on x86_64 carry a bit of their own (and
+    ioctl a number of its own)."""
+    number = _NUMBERS[abi][name]
+    if abi != "x86_64":
+        return [number]
+    return [number, _X32_NUMBERS.get(name, number) | _X32_SYSCALL_BIT]
+
+
 def _refusals(abi: str) -> list[tuple[int, int]]:
-    """(system call number, errno) pairs for one architecture; x32 calls on x86_64 carry a bit of their own."""
-    numbers = _NUMBERS[abi]
-    pairs = [(numbers[name], error) for name, error in _REFUSED.items()]
-    if abi == "x86_64":
-        pairs += [(number | _X32_SYSCALL_BIT, error) for number, error in list(pairs)]
-    return pairs
+    """(system call number, errno) pairs for one architecture."""
+    return [(number, error) for name, error in _REFUSED.items() for number in _numbers(abi, name)]
+
+
+def _matches(offset: int, refused: list[tuple[int, int]]) -> list[bytes]:
+    """Load the word at ``offset`` of the call's data, and fail the call with its errno if it is refused."""
+    block = [_instruction(_LD_W_ABS, 0, 0, offset)]
+    for value, error in refused:
+        block += [_instruction(_JEQ_K, 0, 1, value), _instruction(_RET_K, 0, 0, _RET_ERRNO | error)]
+    return block
 
 
 @functools.cache
@@ -73,10 +99,12 @@ def filter_program(machine: str | None = None) -> bytes | None:
     # Built back to front, so each jump's distance is known when it is written.
     program: list[bytes] = [_instruction(_RET_K, 0, 0, _RET_KILL_PROCESS)]   # an architecture not listed
     for abi in reversed(abis):
-        block = [_instruction(_LD_W_ABS, 0, 0, _NR_OFFSET)]
-        for number, error in _refusals(abi):
-            block += [_instruction(_JEQ_K, 0, 1, number), _instruction(_RET_K, 0, 0, _RET_ERRNO | error)]
-        block.append(_instruction(_RET_K, 0, 0, _RET_ALLOW))
+        ioctls = _numbers(abi, "ioctl")
+        block = _matches(_NR_OFFSET, _refusals(abi))
+        # An ioctl jumps past the allow that ends the other calls, to the check of its request.
+        block += [_instruction(_JEQ_K, len(ioctls) - index, 0, number) for index, number in enumerate(ioctls)]
+        block += [_instruction(_RET_K, 0, 0, _RET_ALLOW), *_matches(_REQUEST_OFFSET, _REFUSED_REQUESTS),
+                  _instruction(_RET_K, 0, 0, _RET_ALLOW)]
         # Load the architecture; on a match fall into this block, else jump over it to the next check.
         program = [_instruction(_LD_W_ABS, 0, 0, _ARCH_OFFSET), _instruction(_JEQ_K, 0, len(block), _AUDIT_ARCH[abi]),
                    *block, *program]
