@@ -85,6 +85,8 @@ docker_alive() { [ -s "$DOCKER_PID" ] && kill -0 "$(cat "$DOCKER_PID")" 2>/dev/n
 # Start dockerd with one storage driver; true once it answers.
 start_dockerd() {
     local driver=$1
+    # A dockerd killed with -9 left its pidfile, which the next one refuses to start over.
+    docker_alive || rm -f "$DOCKER_PID"
     dockerd --data-root "$SCRATCH/docker-data" --exec-root "$SCRATCH/docker-exec" --pidfile "$DOCKER_PID" \
         -H "unix://$DOCKER_SOCK" --storage-driver="$driver" --iptables=false --ip6tables=false --bridge=none \
         --ip-forward=false \
