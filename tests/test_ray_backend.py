@@ -620,11 +620,18 @@ class TwoNodeCluster:
                             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_ADDRESS": ""}
 
     def start(self) -> None:
-        common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats",
-                  f"--dashboard-agent-listen-port={free_port()}"]   # not Ray's fixed default 52365
+        self.start_head()
+        self._ray_start("second", f"--address={self.address}", *self._common())
+
+    def start_head(self) -> None:
+        """The head node alone: a cluster of one node."""
         self._ray_start("head", "--head", f"--port={self.port}", f"--temp-dir={self._temp_dir}",
-                        "--include-dashboard=false", *common)
-        self._ray_start("second", f"--address={self.address}", *common)
+                        "--include-dashboard=false", *self._common())
+
+    @staticmethod
+    def _common() -> list[str]:
+        return ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats",
+                f"--dashboard-agent-listen-port={free_port()}"]   # not Ray's fixed default 52365
 
     def _ray_start(self, node: str, *flags: str) -> None:
         environment = cli_environment(self._tmp_path, {**self.environment, TAG: self.tags[node],
@@ -700,3 +707,39 @@ def test_losing_a_ray_node_mid_run_moves_its_prompts_to_the_actor_that_remains(t
     assert Counter(map(row_prompt, batch_rows(run_dir))) == Counter(prompts)
     assert Counter(human_prompt(row) for row in read_jsonl(run_dir / "trajectories.jsonl")) == Counter(prompts)
     assert max(Counter(map(last_user_message, endpoint.requests)).values()) <= 2
+
+
+@needs_ray
+def test_losing_the_ray_head_mid_run_stops_the_run_in_order_with_one_clear_line(tmp_path, ray_tmpdir, endpoint):
+    """Without its head (GCS) a driver cannot go on: Ray itself ends the runner's process after 60 s with a
+    line of its own and no report. The runner notices the head is gone when it loses the actors, and stops
+    in order at once, keeping what finished."""
+    cluster = TwoNodeCluster(ray_tmpdir, tmp_path)
+    prompts = [f"[[sleep 0.5]] question {i}" for i in range(30)]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    run_dir = tmp_path / "data" / "run"
+    try:
+        cluster.start_head()
+        process = subprocess.Popen(
+            batch_runner_command(*args(dataset, endpoint, "--num_workers=2", "--backend=ray")),
+            cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=cli_environment(tmp_path, {**cluster.environment, "RAY_ADDRESS": cluster.address}))
+        try:
+            wait_for(lambda: finished_row_count(run_dir) >= 3 or process.poll() is not None, timeout=120,
+                     what="three finished rows")
+            cluster.kill("head")
+            lost_at = time.monotonic()
+            stdout, stderr = process.communicate(timeout=120)
+            stopped_after = time.monotonic() - lost_at
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    finally:
+        cluster.kill("head")
+    assert process.returncode == 1, stderr
+    assert stopped_after < 30, stderr          # Ray alone ends the process after 60 s
+    assert f"error: the Ray cluster's head at {cluster.address} no longer answers" in stderr
+    assert "The run stopped; finished prompts are saved." in stderr and "Traceback" not in stderr
+    written = Counter(map(row_prompt, batch_rows(run_dir)))
+    assert len(written) >= 3 and set(written.values()) == {1}

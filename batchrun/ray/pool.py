@@ -76,6 +76,8 @@ class RayWorkerPool:
         self._draining: dict[int, Any] = {}       # actor index -> ObjectRef of its drain_spent() on its way
         self._drained_at = 0.0
         self._watcher: Watcher | None = None
+        self._head: tuple[str, int] | None = None      # the GCS's (host, port), once connected
+        self._head_lost = False
         self._stopped = False
         self.ray: Any = None
         try:
@@ -98,6 +100,7 @@ class RayWorkerPool:
             self.ray = cluster.import_ray()
             cluster.check_head_answers(self._address)
         cluster.init(self.ray, self._address)
+        self._head = cluster.head_endpoint(self.ray.get_runtime_context().gcs_address)
 
     def _start_actors(self, config: RunConfig, env_settings: EnvironmentSettings,
                       available_tools: frozenset[str]) -> None:
@@ -227,6 +230,7 @@ class RayWorkerPool:
         if ready and len(watched) > 1:
             ready, _ = ray.wait(watched, num_returns=len(watched), timeout=0)
         rows_from = {self._pending[ref][0] for ref in ready if ref in self._pending}
+        lost_before = len(self._lost)
         messages: list[Finished | Fatal | Spent] = [*self._spending_answers(rows_from)]
         self._ask_for_spending()
         for ref in ready:
@@ -234,6 +238,9 @@ class RayWorkerPool:
                 self._replacement_started(ref, self._starting.pop(ref))
             elif ref in self._pending:       # an actor lost earlier in this loop may have taken it already
                 messages.extend(self._outcome(ref))
+        if len(self._lost) > lost_before and (head_gone := self._head_gone()) is not None:
+            messages.append(head_gone)
+            return messages
         self._give_up_late_replacements()
         if not self._live_actors() and not self._starting:
             messages.append(Fatal("every Ray session actor was lost and none could be replaced; the prompts "
@@ -315,6 +322,17 @@ class RayWorkerPool:
              f"actor(s) with {sessions} sessions remain; a replacement is starting")
         return failed
 
+    def _head_gone(self) -> Fatal | None:
+        """The run's end when the cluster's head (its GCS) no longer answers, asked after actors are lost:
+        no actor can be replaced then, and Ray itself ends this process about 60 s later with a line of
+        its own. Stopping at once keeps the run's own stop (rows saved, report, one clear line)."""
+        if self._head is None or (why := cluster.unreachable(*self._head)) is None:
+            return None
+        self._head_lost = True
+        host, port = self._head
+        return Fatal(f"the Ray cluster's head at {host}:{port} no longer answers ({why}); the prompts that "
+                     "were running have no row yet (--resume runs them once the cluster is back)")
+
     def _start_replacement(self, slots: int) -> None:
         """A new actor where the cluster has a free CPU (after a crash, the lost actor's own); a lost
         node's CPUs are gone with it, and then the replacement waits for room until its deadline."""
@@ -371,7 +389,7 @@ class RayWorkerPool:
         ray = self.ray
         finished: list[Finished | Spent] = []
         try:
-            if ray is not None and ray.is_initialized():
+            if ray is not None and ray.is_initialized() and not self._head_lost:
                 if self._pending:
                     live = [actor for index, actor in enumerate(self._actors) if index not in self._lost]
                     try:
