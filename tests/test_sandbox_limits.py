@@ -252,6 +252,40 @@ def test_the_preallocating_ioctls_cannot_reserve_space_in_the_sandbox_either(tmp
     assert result.output.splitlines() == ["Operation not supported", "blocks 0"], result.output
 
 
+# --- the kernel's shared state: the host's clock and the CPU are no prompt's to take ------------------------------
+
+@pytest.mark.bubblewrap
+def test_a_command_cannot_set_the_hosts_clock(tmp_path: Path) -> None:
+    # settimeofday with neither time nor zone changes nothing, but is refused as any setting of the clock
+    # is (clock_settime, adjtimex) without CAP_SYS_TIME; with it, it succeeds.
+    number = {"x86_64": 164, "aarch64": 170}[os.uname().machine]
+    [result] = run("bubblewrap", settings(tmp_path), textwrap.dedent(f"""\
+        python3 - <<'EOF'
+        import ctypes, errno
+        libc = ctypes.CDLL(None, use_errno=True)
+        print(libc.syscall({number}, None, None), errno.errorcode.get(ctypes.get_errno()))
+        EOF"""))
+    assert result.output.split() == ["-1", "EPERM"], result.output
+
+
+@pytest.mark.bubblewrap
+@pytest.mark.parametrize("policy", ["SCHED_FIFO", "SCHED_RR"])
+def test_a_command_cannot_make_itself_real_time(tmp_path: Path, policy: str) -> None:
+    # A real-time busy loop would starve every other prompt, and the host; a success is undone at once.
+    [result] = run("bubblewrap", settings(tmp_path), textwrap.dedent(f"""\
+        python3 - <<'EOF'
+        import os
+        try:
+            os.sched_setscheduler(0, os.{policy}, os.sched_param(1))
+        except PermissionError:
+            print("refused")
+        else:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            print("real-time")
+        EOF"""))
+    assert result.output.strip() == "refused", result.output
+
+
 @pytest.mark.parametrize("kind", BACKENDS)
 def test_a_command_writing_past_the_workspace_limit_is_stopped_while_it_runs(tmp_path: Path, kind: str) -> None:
     async def scenario() -> tuple:
