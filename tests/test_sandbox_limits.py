@@ -580,3 +580,13 @@ def test_a_unified_hierarchy_with_memory_and_pids_gives_prompts_their_controller
 def test_a_unified_hierarchy_without_the_memory_controller_is_not_used(unified_hierarchy: Path):
     (unified_hierarchy / "cgroup.controllers").write_text("cpuset cpu io pids\n")
     assert limits._hierarchy() is None
+
+
+@pytest.mark.bubblewrap
+def test_a_command_holds_no_capability_in_any_set(tmp_path: Path) -> None:
+    # The bounding and inheritable sets too: a root run's shell drops to its uid from a bwrap that kept
+    # CAP_SETUID and CAP_SETGID, and no_new_privs alone stood between a command and what those sets allow.
+    [result] = run("bubblewrap", settings(tmp_path), "grep -E '^Cap(Inh|Prm|Eff|Bnd|Amb):' /proc/self/status")
+    sets = dict(line.split(":") for line in result.output.splitlines())
+    assert {name: int(value, 16) for name, value in sets.items()} == dict.fromkeys(
+        ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"), 0), result.output

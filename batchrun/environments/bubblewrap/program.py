@@ -252,7 +252,7 @@ def sandbox_command(bwrap: str, allow_network: bool, limits: ResourceLimits, des
         argv += ["--unshare-user", "--disable-userns", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
                  "--cap-drop", "ALL"]
     else:
-        argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        argv += list(KEPT_FOR_THE_DROP)
     argv += ["--ro-bind-fd", str(descriptors.root), "/", "--ro-bind", "/usr", "/usr"]
     for host in host_directories():
         argv += ["--ro-bind", host, host]
@@ -305,12 +305,20 @@ def release_sandbox_uid(uid: int | None) -> None:
         claim.close()
 
 
+# What bwrap keeps, with no user namespace, for as_user's drop to the sandbox's uid: changing the uid and
+# the gid, and emptying the bounding set; as_user then drops every one of them.
+KEPT_FOR_THE_DROP = ("--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
+                     "--cap-add", "CAP_SETPCAP")
+
+
 def as_user(uid: int | None) -> list[str]:
-    """The command prefix that drops a root run's sandbox shell to ``uid``: no groups, no capabilities,
-    and no way back (no_new_privs: setuid programs do not raise it)."""
+    """The command prefix that drops a root run's sandbox shell to ``uid``: no groups, no capabilities in
+    any set (the bounding and inheritable ones too, which bwrap leaves as it found them and with the caps it
+    kept), and no way back (no_new_privs: setuid programs do not raise it)."""
     if uid is None:
         return []
-    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--"]
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
+            "--bounding-set=-all", "--no-new-privs", "--"]
 
 
 def user_files(uid: int) -> tuple[int, int]:

@@ -52,15 +52,14 @@ def sandbox_argv(bwrap: str, uid: int | None, installation: str | None) -> list[
     In a root run (``uid`` given) it has no user namespace, as the terminal sandbox: it runs as ``uid``,
     a user of its own, on nosuid mounts; otherwise in a user namespace without capabilities.
     """
-    from batchrun.environments.bubblewrap.program import as_user
+    from batchrun.environments.bubblewrap.program import KEPT_FOR_THE_DROP, as_user
     from batchrun.environments.bubblewrap.root import ETC_ENTRIES, SYSTEM_LINKS
 
     argv = [bwrap, "--die-with-parent", "--new-session"]
     if uid is None:
         argv += ["--unshare-all", "--share-net", "--cap-drop", "ALL"]
     else:
-        argv += ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
-                 "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        argv += ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try", *KEPT_FOR_THE_DROP]
     argv += ["--ro-bind", "/usr", "/usr"]
     for name in SYSTEM_LINKS:
         host = f"/{name}"
