@@ -93,9 +93,9 @@ def _with_interval(estimate: float, resampled: list[float], sampled: int, *, dig
     """The estimate, and the 10th to 90th percentile of its resampled values as its interval; none from a
     single sample, whose every resample is that sample: a range as wide as nothing would claim a
     certainty one sample cannot give."""
-    resampled.sort()
     if sampled < 2:
         return {"estimate": round(estimate, digits), "low": None, "high": None}
+    resampled.sort()
     return {"estimate": round(estimate, digits), "low": round(_quantile(resampled, INTERVAL[0]), digits),
             "high": round(_quantile(resampled, INTERVAL[1]), digits)}
 

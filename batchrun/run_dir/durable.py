@@ -77,14 +77,13 @@ def temp_beside(path: Path) -> Path:
 _TEMP_NAME = re.compile(r"^(?P<name>.+)\.(?P<pid>[0-9]+)\.[0-9a-f]{8}\.tmp$")
 
 
-def temps_in(directory: Path) -> Iterator[tuple[Path, str, int]]:
+def temps_in(directory: Path) -> list[tuple[Path, str, int]]:
     """The temporary files of rewrites in ``directory`` (temp_beside's names), each with the name of the
     file it is to replace and the pid of the process that wrote it. A writer killed before its rename
     (kill -9, a power cut) leaves its file there: nothing else ever removes it."""
     with os.scandir(directory) as entries:
-        found = [(Path(entry.path), match["name"], int(match["pid"])) for entry in entries
-                 if (match := _TEMP_NAME.match(entry.name)) and entry.is_file(follow_symlinks=False)]
-    yield from found
+        return [(Path(entry.path), match["name"], int(match["pid"])) for entry in entries
+                if (match := _TEMP_NAME.match(entry.name)) and entry.is_file(follow_symlinks=False)]
 
 
 @contextmanager
