@@ -8,12 +8,15 @@ without them these tests are skipped, saying how to set them up.
 from __future__ import annotations
 
 import asyncio
+import shutil
+from pathlib import Path
 
 import pytest
 from container_backends import ENGINES, EngineBackend, environment, make_backend, make_settings
 
 from batchrun.environments.base import CommandResult, EnvironmentLostError
 from batchrun.environments.container import ContainerEnvironment
+from batchrun.environments.docker import CLI_VARIABLE
 from batchrun.environments.limits import ResourceLimits
 
 # What a command sleeps while its container is ended from outside; the outside waits this long first.
@@ -28,10 +31,11 @@ def engine(request, tmp_path, monkeypatch) -> EngineBackend:
     return backend
 
 
-async def run_while_outside(env: ContainerEnvironment, engine: EngineBackend, *action: str) -> CommandResult:
-    """SLEEPING_COMMAND in ``env``, with ``engine``'s ``action`` done to its container meanwhile."""
+async def run_while_outside(env: ContainerEnvironment, engine: EngineBackend, *action: str,
+                            delay: float = OUTSIDE_DELAY_SECONDS) -> CommandResult:
+    """SLEEPING_COMMAND in ``env``, with ``engine``'s ``action`` done to its container ``delay`` seconds in."""
     async def act() -> None:
-        await asyncio.sleep(OUTSIDE_DELAY_SECONDS)
+        await asyncio.sleep(delay)
         await asyncio.to_thread(engine.run, *action, env.name)
 
     acting = asyncio.ensure_future(act())
@@ -53,6 +57,57 @@ def test_a_command_whose_container_is_ended_from_outside_while_it_runs_loses_the
             asyncio.run(run_while_outside(env, engine, *action))
     finally:
         asyncio.run(env.close())
+
+
+@pytest.mark.parametrize("action", [("rm", "-f"), ("kill",), ("stop", "--time", "0")], ids=["rm", "kill", "stop"])
+def test_a_command_whose_container_is_ended_from_outside_as_it_starts_loses_the_environment(
+        engine, tmp_path, action):
+    """The engine then fails to start the command in the container (exit status 126, as a command's own
+    "cannot execute"): a slow engine's command is still starting when a moment has passed."""
+    env = environment(engine, make_settings(tmp_path))
+    try:
+        asyncio.run(env.start())
+        with pytest.raises(EnvironmentLostError, match="^the command could not run to its end in the container: "):
+            asyncio.run(run_while_outside(env, engine, *action, delay=0))
+    finally:
+        asyncio.run(env.close())
+
+
+def lagging_engine(engine: EngineBackend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drive ``engine`` through a CLI that shows every container running: the state an engine shows for a
+    moment after it told of a command killed with its container (it learns of the command's end first)."""
+    cli = tmp_path / "lagging-cli"
+    cli.write_text(f'#!/bin/sh\nif [ "$1" = inspect ] && [ "$3" = "{{{{.State.Running}}}}" ]; then echo true; exit 0; fi\n'
+                   f'exec {shutil.which(engine.name)} "$@"\n')
+    cli.chmod(0o755)
+    monkeypatch.setenv(CLI_VARIABLE, str(cli))
+
+
+def test_a_command_killed_with_its_container_loses_the_environment_while_the_engine_still_shows_it_running(
+        engine, tmp_path, monkeypatch):
+    """Only a command run in it tells: one of its own is killed as the memory limit's kill would."""
+    lagging_engine(engine, tmp_path, monkeypatch)
+    env = environment(engine, make_settings(tmp_path))
+    try:
+        asyncio.run(env.start())
+        with pytest.raises(EnvironmentLostError, match="^the command could not run to its end in the container: "):
+            asyncio.run(run_while_outside(env, engine, "kill"))
+    finally:
+        asyncio.run(env.close())
+
+
+def test_a_command_killed_for_its_memory_keeps_the_environment_while_the_engine_is_asked_again(
+        engine, tmp_path, monkeypatch):
+    lagging_engine(engine, tmp_path, monkeypatch)
+    env = environment(engine, make_settings(tmp_path, limits=ResourceLimits(memory_mb=64)))
+    try:
+        asyncio.run(env.start())
+        killed = asyncio.run(env.run("head -c 300m /dev/zero | tail"))
+        after = asyncio.run(env.run("echo still here"))
+    finally:
+        asyncio.run(env.close())
+    assert killed.exit_code == 137
+    assert after.output == "still here\n"
 
 
 def test_a_command_killed_for_its_memory_keeps_the_environment(engine, tmp_path):

@@ -231,6 +231,18 @@ async def wait_for_exit(process: asyncio.subprocess.Process | ChildProcess, time
     return True
 
 
+async def drain_and_reap(process: asyncio.subprocess.Process, timeout: float) -> None:
+    """Read a killed process's pipes to their end, dropping what they held, and reap it, for up to
+    ``timeout`` seconds. asyncio's wait() waits for the pipes' ends too, and a pipe's reader whose buffer
+    is full stops watching the pipe: unread, the end never comes, and the process is left behind."""
+    async def drained(stream: asyncio.StreamReader | None) -> None:
+        while stream is not None and await stream.read(_READ_CHUNK_BYTES):
+            pass
+
+    with contextlib.suppress(TimeoutError):
+        await within(timeout, asyncio.gather(drained(process.stdout), drained(process.stderr), process.wait()))
+
+
 def kill_group(pgid: int) -> None:
     """SIGKILL a process group; a group that is already gone is fine."""
     with contextlib.suppress(OSError):

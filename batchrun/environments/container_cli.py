@@ -13,7 +13,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchrun.environments.command_output import kill_group_of, wait_for_exit
+from batchrun.environments.command_output import drain_and_reap, kill_group_of
 from batchrun.time_limit import within
 
 # An engine's messages can be long (a pull's whole progress log); the end says what went wrong.
@@ -68,15 +68,16 @@ async def call_cli(argv: list[str], *, timeout: float, stdin: bytes | None = Non
     overflowed = False
 
     async def collect(stream: asyncio.StreamReader, limit: int) -> bytes:
+        """Up to one byte past ``limit``, the rest read and dropped to the pipe's end (see drain_and_reap)."""
         nonlocal overflowed
         data = bytearray()
         while chunk := await stream.read(_READ_CHUNK_BYTES):
-            data += chunk
-            if len(data) > limit:
-                overflowed = True
-                kill_group_of(process)
-                return bytes(data[:limit + 1])
-        return bytes(data)
+            if len(data) <= limit:
+                data += chunk
+                if len(data) > limit:
+                    overflowed = True
+                    kill_group_of(process)
+        return bytes(data[:limit + 1])
 
     async def talk() -> tuple[bytes, bytes]:
         assert process.stdout is not None and process.stderr is not None
@@ -89,7 +90,7 @@ async def call_cli(argv: list[str], *, timeout: float, stdin: bytes | None = Non
         stdout, stderr = await within(timeout, talk())
     except TimeoutError:
         kill_group_of(process)
-        await wait_for_exit(process, timeout=5.0)
+        await drain_and_reap(process, timeout=5.0)
         return CliResult(returncode=None, stdout=b"", stderr="")
     except BaseException:       # cancelled: the CLI must not outlive the prompt it works for
         kill_group_of(process)

@@ -49,11 +49,14 @@ _FIRST_PROCESS = 'trap "" TERM INT HUP; while :; do sleep infinity & wait; done'
 # What runs in a container while no command does: that shell and its `sleep`.
 _IDLE_PROCESSES = 2
 # The exit statuses with which the CLIs say they could not run a command in the container (no engine, no
-# such container, one not running, the connection lost mid-command), and 137, the SIGKILL with which the
-# kernel ends the command when its container is killed, stopped or removed meanwhile. A command may exit
-# with them too (137 also where the memory limit killed it): only where the engine then does not show the
-# container running is the command taken as not run.
-_LOST_CONTAINER_STATUSES = frozenset({1, 125, 137, 255})
+# such container, one not running, the connection lost mid-command; 126 where the container ended while the
+# command was being started in it), and 137, the SIGKILL with which the kernel ends the command when its
+# container is killed, stopped or removed meanwhile. A command may exit with them too (137 also where the
+# memory limit killed it): only where the engine then does not show the container running is the command
+# taken as not run.
+_LOST_CONTAINER_STATUSES = frozenset({1, 125, 126, 137, 255})
+# Of those, the ones a container's end gives the command itself: the engine may not show that end yet.
+_ENDED_WITH_THE_CONTAINER = frozenset({126, 137})
 # A running engine answers `version` at once; a node check must not hold up the actor for long.
 _NODE_CHECK_TIMEOUT = 30.0
 # What root in the container keeps of the engine's default capabilities: what ordinary work as root in a
@@ -222,10 +225,18 @@ class DockerEnvironment(CliContainerEnvironment):
         if result.exit_code not in _LOST_CONTAINER_STATUSES:
             return
         answer = await self._call([self.executable, "inspect", "--format", "{{.State.Running}}", self.name])
-        if answer.ok and answer.stdout.strip() == b"true":
+        running = answer.ok and answer.stdout.strip() == b"true"
+        if running and (result.exit_code not in _ENDED_WITH_THE_CONTAINER or await self._runs_commands()):
             return
         reason = answer.message() if not answer.ok else "the container is no longer running"
         raise EnvironmentLostError(f"the command could not run to its end in the container: {reason}")
+
+    async def _runs_commands(self) -> bool:
+        """Whether a command still runs in the container. The engines learn that a command was killed with
+        its container before they learn of the container's end, and may show it running a moment longer;
+        a container whose first process is gone takes no command. (A prompt that replaced the container's
+        `true` loses its own environment here, nothing more.)"""
+        return (await self._call(self.exec_argv(["true"], workdir="/"))).ok
 
     async def read_file(self, path: str) -> bytes:
         await self._ready()

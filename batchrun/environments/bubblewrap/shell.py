@@ -9,7 +9,6 @@ the same user), and such a shell may say anything, forever.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import secrets
 import signal
@@ -18,7 +17,7 @@ from collections.abc import Callable
 from importlib import resources
 
 from batchrun import kernel_files
-from batchrun.environments.command_output import kill_group_of, wait_for_exit
+from batchrun.environments.command_output import drain_and_reap, kill_group_of
 from batchrun.time_limit import within
 
 #: The program of the shell, as bash -c runs it.
@@ -77,13 +76,9 @@ class Shell:
         """Kill the sandbox: its bwrap dies, and with it (--die-with-parent) everything inside; then read
         its output to the end it now has, so that the pipes close while the loop runs."""
         kill_group_of(self.process)
-        await wait_for_exit(self.process, _KILL_WAIT_SECONDS)
         self._stdin.close()
         self._buffer.clear()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(_KILL_WAIT_SECONDS):
-                while await self._stdout.read(_READ_CHUNK_BYTES):
-                    pass
+        await drain_and_reap(self.process, _KILL_WAIT_SECONDS)
 
     destroy = kill
 
