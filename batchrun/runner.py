@@ -364,9 +364,7 @@ class BatchRunner:
 
     def _persist_group(self, finished: list[Finished], spent: list[Spent]) -> None:
         for event in spent:
-            self.this_run.cost_sources[event.cost_source] += 1
-            if not (event.usage.get("prompt_tokens") or event.usage.get("completion_tokens")):
-                self.this_run.tokenless_replies += 1
+            self.this_run.replies.count(event.usage, event.cost_source)
         by_batch: dict[int, list[Finished]] = {}
         for message in finished:
             by_batch.setdefault(message.batch_num, []).append(message)
@@ -437,14 +435,15 @@ class BatchRunner:
         usage, config = self._run_spend(), self.config
         higher = (" (the cap counts the whole run, earlier invocations included: --resume with a higher cap "
                   "continues them)")
-        if config.max_cost is not None and (unknown := self.this_run.unpriced_replies):
+        replies = self.spent.replies        # every invocation's: what earlier ones could not count still is not
+        if config.max_cost is not None and (unknown := replies.unpriced):
             # What those replies cost is not in the sum: going on could spend any amount past the cap.
             return (f"--max_cost cannot be held: the cost of {counted(unknown, 'reply', 'replies')} is unknown "
                     "(the endpoint reported no usage or cost for it, or none that could be read, and no price "
                     "applies)")
         if config.max_cost is not None and usage["cost"] >= config.max_cost:
             return f"spending cap reached: ${usage['cost']:.4f} of --max_cost=${config.max_cost:g}{higher}"
-        if config.max_total_tokens is not None and (tokenless := self.this_run.tokenless_replies):
+        if config.max_total_tokens is not None and (tokenless := replies.tokenless):
             return (f"--max_total_tokens cannot be held: {counted(tokenless, 'reply', 'replies')} counted no tokens "
                     "(the endpoint reported no usage for it, or none that could be read)")
         tokens = usage["prompt_tokens"] + usage["completion_tokens"]
@@ -545,7 +544,7 @@ class BatchRunner:
                                       total_prompts=plan.total, skipped_dataset_lines=plan.skipped_lines,
                                       duration=time.monotonic() - self.started, merge=merge, this_run=self.this_run,
                                       superseded_corrupted=self.superseded_corrupted,
-                                      unfinished=self.spent.unfinished(),
+                                      unfinished=self.spent.unfinished(), replies=self.spent.replies,
                                       samples_per_prompt=self.config.samples_per_prompt,
                                       pricing=self.config.endpoint.pricing.as_dict())
         self.run_dir.write_statistics(statistics)
@@ -578,8 +577,8 @@ class BatchRunner:
         projection = estimate.estimate_report(
             runs, remaining=plan.pending - len(done), remaining_chars=max(plan.pending_chars - done_chars, 0),
             sessions=self._sessions_asked, requests_per_minute=self.config.pool.requests_per_minute,
-            concurrency=self.this_run.concurrency, tokenless_replies=self.this_run.tokenless_replies,
-            unpriced_replies=self.this_run.unpriced_replies,
+            concurrency=self.this_run.concurrency, tokenless_replies=self.this_run.replies.tokenless,
+            unpriced_replies=self.this_run.replies.unpriced,
             spent_tokens=spent["prompt_tokens"] + spent["completion_tokens"], spent_cost=spent["cost"],
             rng=random.Random(self.config.seed))
         self.run_dir.write_estimate(projection)

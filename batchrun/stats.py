@@ -93,6 +93,25 @@ class ThisRunStatistics(TypedDict):
 
 
 @dataclass
+class ReplyCounts:
+    """Replies by where their cost came from, and those that counted no tokens: what --max_cost and
+    --max_total_tokens cannot see, which stops them from being held."""
+
+    cost_sources: Counter = field(default_factory=Counter)
+    tokenless: int = 0
+
+    def count(self, usage: Mapping[str, Any], cost_source: str) -> None:
+        self.cost_sources[cost_source] += 1
+        if not (usage.get("prompt_tokens") or usage.get("completion_tokens")):      # no usage, or none readable
+            self.tokenless += 1
+
+    @property
+    def unpriced(self) -> int:
+        """Replies whose cost is unknown (the endpoint said none, and no price was known)."""
+        return self.cost_sources["unknown"]
+
+
+@dataclass
 class ThisRun:
     """Counters of the current invocation, fed as rows arrive."""
 
@@ -101,13 +120,7 @@ class ThisRun:
     usage: UsageTotals = field(default_factory=empty_usage)
     api_calls: int = 0
     concurrency: ConcurrencyFigures | None = None     # as the pool last reported it
-    cost_sources: Counter = field(default_factory=Counter)   # replies by where their cost came from
-    tokenless_replies: int = 0      # replies that counted no tokens (no usage): --max_total_tokens cannot see them
-
-    @property
-    def unpriced_replies(self) -> int:
-        """Replies whose cost is unknown (the endpoint said none, and no price was known)."""
-        return self.cost_sources["unknown"]
+    replies: ReplyCounts = field(default_factory=ReplyCounts)
 
     def record(self, status: str, usage: Mapping[str, Any], api_calls: int, error_type: str | None) -> None:
         self.statuses[status] += 1
@@ -264,10 +277,10 @@ def placeless_line(count: int) -> str:
 
 def build_statistics(*, run_name: str, distribution: str, model: str, batch_size: int, total_prompts: int,
                      skipped_dataset_lines: int, duration: float, merge: MergeStatistics, this_run: ThisRun,
-                     superseded_corrupted: Counter, unfinished: UsageTotals, samples_per_prompt: int = 1,
-                     pricing: dict[str, Any] | None = None) -> dict[str, Any]:
+                     superseded_corrupted: Counter, unfinished: UsageTotals, replies: ReplyCounts,
+                     samples_per_prompt: int = 1, pricing: dict[str, Any] | None = None) -> dict[str, Any]:
     """``unfinished``: spent by sessions that left no row (cut off by a kill or a stop), which the
-    run's usage includes beside its rows'."""
+    run's usage includes beside its rows'. ``replies``: every invocation's, by cost source."""
     corrupted = merge.live_corrupted(superseded_corrupted)
     usage = merge.usage.copy()
     add_usage(usage, unfinished)
@@ -299,6 +312,8 @@ def build_statistics(*, run_name: str, distribution: str, model: str, batch_size
         **({"filtered_prompt_gone_why": placeless_line(merge.placeless)} if merge.placeless else {}),
         "usage": rounded_usage(usage),
         "spent_by_unfinished_sessions": rounded_usage(unfinished),
+        # Every invocation's replies by where their cost came from ("unknown": "cost" above leaves them out).
+        "replies_by_cost_source": dict(replies.cost_sources),
         # How replies without a cost of their own were priced, and how many had none (their cost is not in
         # "cost" above, which then says less than was spent).
         **({"pricing": pricing} if pricing is not None else {}),
@@ -315,7 +330,7 @@ def _this_run_statistics(this_run: ThisRun, duration: float) -> ThisRunStatistic
         "discarded_no_reasoning": this_run.statuses[rows.DISCARDED],
         "api_calls": this_run.api_calls,
         "usage": rounded_usage(this_run.usage),
-        "replies_by_cost_source": dict(this_run.cost_sources),
+        "replies_by_cost_source": dict(this_run.replies.cost_sources),
         "duration_seconds": round(duration, 3),
     }
     if this_run.concurrency:

@@ -164,3 +164,46 @@ def test_max_cost_admits_no_prompt_once_a_replys_cost_is_unknown(tmp_path):
     assert len(batch_rows(tmp_path / "data" / "run")) == 1
     said = " ".join(result.stdout.split())
     assert "Stopped admitting prompts: --max_cost cannot be held: the cost of 1 reply is unknown" in said
+
+
+def test_a_resume_under_max_cost_admits_no_prompt_once_an_earlier_replys_cost_was_unknown(tmp_path):
+    # Before: each --resume forgot the unknown cost and started --num_workers more prompts before stopping.
+    dataset = write_dataset(tmp_path / "dataset.jsonl", PROMPTS)
+    flags = (f"--dataset_file={dataset}", "--batch_size=2", "--run_name=run", "--distribution=minimal",
+             "--model=scripted-model", "--price_per_mtok=1,1", "--max_cost=0.000001", "--num_workers=1")
+    with ScriptedEndpoint(reports_cost=False, reports_usage=False) as server:
+        run_cli(tmp_path, *flags, f"--base_url={server.base_url}")
+        resumed = run_cli(tmp_path, *flags, f"--base_url={server.base_url}", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert len(batch_rows(tmp_path / "data" / "run")) == 1
+    said = " ".join(resumed.stdout.split())
+    assert "Stopped admitting prompts: --max_cost cannot be held: the cost of 1 reply is unknown" in said
+
+
+def resumed_after_an_unpriced_reply(tmp_path: Path):
+    """A run whose first invocation had one reply without usage or price, resumed against an endpoint that
+    reports usage (priced by --price_per_mtok)."""
+    dataset = write_dataset(tmp_path / "dataset.jsonl", PROMPTS)
+    flags = (f"--dataset_file={dataset}", "--batch_size=2", "--run_name=run", "--distribution=minimal",
+             "--model=scripted-model", "--price_per_mtok=1,1")
+    with ScriptedEndpoint(reports_cost=False, reports_usage=False) as server:
+        run_cli(tmp_path, *flags, f"--base_url={server.base_url}", "--max_samples=1")
+    with ScriptedEndpoint(reports_cost=False) as server:
+        resumed = run_cli(tmp_path, *flags, f"--base_url={server.base_url}", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    return resumed
+
+
+def test_a_resumed_runs_cost_says_it_is_unknown_where_an_earlier_invocations_reply_had_no_price(tmp_path):
+    # Before: statistics and the console counted such replies of this invocation only: the whole run's
+    # cost read as known after a --resume whose replies were priced.
+    resumed = resumed_after_an_unpriced_reply(tmp_path)
+    assert statistics(tmp_path)["replies_by_cost_source"] == {"unknown": 1, "user": REPLIES - 1}
+    assert statistics(tmp_path)["this_run"]["replies_by_cost_source"] == {"user": REPLIES - 1}
+    assert "1 reply without a price" in " ".join(resumed.stdout.split())
+
+
+def test_a_resumed_runs_report_says_its_cost_leaves_out_an_earlier_invocations_reply_without_a_price(tmp_path):
+    resumed_after_an_unpriced_reply(tmp_path)
+    page = (tmp_path / "data" / "run" / "report.html").read_text(encoding="utf-8")
+    assert "1 reply without a price" in page

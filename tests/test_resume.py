@@ -964,7 +964,7 @@ def test_a_full_disk_cuts_no_line_of_the_ledger_short(ledger_dir, monkeypatch):
     ledger.record([one_reply(1, 0.25)], [])
     ledger.close()
     assert [json.loads(line) for line in (ledger_dir.path / "spent.jsonl").read_bytes().splitlines()][1:] == [
-        {"prompt": 1, "spent": one_reply(1, 0.25).usage}]
+        {"prompt": 1, "spent": one_reply(1, 0.25).usage, "source": "endpoint"}]
 
 
 def test_spending_of_an_invocation_killed_before_its_first_row_counts_for_the_next_one(ledger_dir):
@@ -1046,3 +1046,24 @@ def test_a_batch_file_linked_from_another_run_is_refused_and_that_run_left_as_it
         "files in place, so it would write there. Copy that file in its place."]
     assert (earlier / "batch_0.jsonl").read_bytes() == before
     assert endpoint.requests == []
+
+
+def test_the_ledger_counts_every_invocations_replies_without_a_cost_or_tokens(ledger_dir):
+    ledger = reopened(ledger_dir)
+    ledger.record([Spent(0, rows.Usage().as_dict(), "unknown"), one_reply(1, 0.5)], [])
+    ledger.close()
+    reopened(ledger_dir).close()                # folded into the carried line, and read back from it
+    ledger = reopened(ledger_dir)
+    ledger.record([Spent(2, rows.Usage().as_dict(), "unknown")], [])
+    ledger.close()
+    assert (ledger.replies.cost_sources, ledger.replies.tokenless) == ({"unknown": 2, "endpoint": 1}, 2)
+
+
+def test_a_ledger_written_before_replies_were_counted_still_counts_what_was_spent(ledger_dir):
+    usage = rows.Usage(prompt_tokens=10, completion_tokens=5, cost=0.5).as_dict()
+    (ledger_dir.path / "spent.jsonl").write_text(
+        json.dumps({"carried": usage}) + "\n" + json.dumps({"prompt": 3, "spent": usage}) + "\n")
+    ledger = reopened(ledger_dir)
+    ledger.close()
+    assert ledger.unfinished()["cost"] == 1.0
+    assert (ledger.replies.cost_sources, ledger.replies.tokenless) == ({}, 0)

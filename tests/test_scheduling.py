@@ -212,3 +212,15 @@ def test_a_pace_slot_left_by_a_prompt_that_timed_out_waiting_goes_to_the_next_re
     rows = batch_rows(tmp_path / "data" / "run")
     assert sum(not row.get("failed") for row in rows) == 3
     assert len(endpoint.requests) == 3
+
+
+def test_a_resume_under_the_token_cap_admits_no_prompt_once_an_earlier_reply_counted_no_tokens(tmp_path):
+    # Before: each --resume forgot such replies and started --num_workers more prompts before stopping.
+    prompts = [f"wordy {i}" for i in range(3)]
+    with ScriptedEndpoint(reports_usage=False) as server:
+        run(tmp_path, server, prompts, "--num_workers=1", "--max_total_tokens=1")
+        resumed = run(tmp_path, server, prompts, "--num_workers=1", "--max_total_tokens=1", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert len(batch_rows(tmp_path / "data" / "run")) == 1
+    said = " ".join(resumed.stdout.split())
+    assert "Stopped admitting prompts: --max_total_tokens cannot be held: 1 reply counted no tokens" in said

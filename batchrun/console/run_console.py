@@ -154,7 +154,7 @@ class RunConsole:
             return []
         counts = " ".join(f"{STATUS_MARK[status].strip()} {run.statuses[status]:,}" for status in STATUS_MARK)
         tokens = run.usage["prompt_tokens"] + run.usage["completion_tokens"]
-        cost = cost_text(run.usage["cost"], run.unpriced_replies) + self._cost_to_come()
+        cost = cost_text(run.usage["cost"], run.replies.unpriced) + self._cost_to_come()
         segments = [counts, f"{tokens:,} tok", cost]
         if run.concurrency is not None and run.concurrency.adaptive:
             # Model requests the run lets be in flight now, of the most it would (--num_workers).
@@ -165,7 +165,7 @@ class RunConsole:
         """What this invocation will have spent at the end, at what each finished sample cost so far."""
         run = self._this_run
         remaining = max(self._total - self._done, 0)
-        if run is None or not run.processed or not remaining or run.unpriced_replies:
+        if run is None or not run.processed or not remaining or run.replies.unpriced:
             return ""
         return f" → ~${run.usage['cost'] * (1 + remaining / run.processed):.4f}"
 
@@ -306,9 +306,9 @@ class RunConsole:
     @staticmethod
     def _token_rows(statistics: dict) -> list[tuple[str, list[str]]]:
         """After a resume the merged file also holds earlier runs' usage: both figures, each labelled."""
-        unpriced = statistics["this_run"]["replies_by_cost_source"].get("unknown", 0)
-        this_run = usage_segments(statistics["this_run"]["usage"], unpriced)
-        all_runs = usage_segments(statistics["usage"], unpriced)
+        this_run = usage_segments(statistics["this_run"]["usage"],
+                                  statistics["this_run"]["replies_by_cost_source"].get("unknown", 0))
+        all_runs = usage_segments(statistics["usage"], statistics["replies_by_cost_source"].get("unknown", 0))
         if this_run == all_runs:
             return [("Tokens", this_run)]
         return [("Tokens, this run", this_run), ("Tokens, all runs", all_runs)]

@@ -48,13 +48,16 @@ def cards_html(summary: RunSummary, info: dict) -> str:
 
 
 def _cost_card(cost: float, kept: int, info: dict) -> str:
-    """What the rows cost; when replies of the last invocation had no price, that it says less than was spent."""
+    """What the rows cost; when replies had no price, that it says less than was spent. Statistics of a
+    version before they counted every invocation's replies count the last invocation's."""
     this_run = info.get("this_run")       # statistics.json may have been edited by hand: read what fits
-    sources = (this_run.get("replies_by_cost_source") if isinstance(this_run, dict) else None) or {}
+    sources = info.get("replies_by_cost_source",
+                       this_run.get("replies_by_cost_source") if isinstance(this_run, dict) else None) or {}
     unpriced = sources.get("unknown", 0) if isinstance(sources, dict) else 0
     if isinstance(unpriced, int) and unpriced > 0:
+        replies = "reply" if unpriced == 1 else "replies"
         return card("cost", f"≥ {money(cost)}" if cost else "unknown",
-                     f"{number(unpriced)} replies without a price: give --price_per_mtok", "warn")
+                     f"{number(unpriced)} {replies} without a price: give --price_per_mtok", "warn")
     return card("cost", money(cost), f"{money(cost / kept)} per kept trajectory" if kept else "")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from batchrun.messages import Spent
 from batchrun.run_dir.durable import append_whole, replacing
 from batchrun.run_dir.errors import DiskFull, full_disk_named
 from batchrun.run_dir.reading import lines_at
-from batchrun.stats import USAGE_KEYS, UsageTotals, add_usage, empty_usage, rounded_usage
+from batchrun.stats import USAGE_KEYS, ReplyCounts, UsageTotals, add_usage, empty_usage, rounded_usage
 
 SPENT = "spent.jsonl"
 
@@ -42,7 +43,8 @@ class SpentLedger:
 
     A row holds its session's whole usage, but a session cut off (kill -9, a stop, a worker that
     died) leaves none, and its replies were paid for all the same. The parent appends a line per
-    reply (``{"prompt": unit, "spent": usage}``, the task's unit: see messages.Task); what a task spent
+    reply (``{"prompt": unit, "spent": usage, "source": cost source}``, the task's unit: see
+    messages.Task); what a task spent
     beyond its row, or without one, was spent by a session cut off. A group of rows is announced before it
     is appended, each with where it will be (``{"prompt": unit, "row": usage, "at": [batch file, offset,
     length, prompt index, sample index]}``), and made durable
@@ -51,8 +53,10 @@ class SpentLedger:
     announced with no such line after them (the last group before a kill) count as written only if
     the batch file holds them where announced. Replies alone are not synced (a killed runner's writes
     stay in the kernel's cache). Each invocation starts by folding the file into one line,
-    ``{"carried": usage}``, so it stays small however long the run; spending cut off before any row
-    was written counts too, with or without --resume.
+    ``{"carried": usage, "replies": {"by_cost_source": {...}, "tokenless": n}}``, so it stays small
+    however long the run; spending cut off before any row was written counts too, with or without
+    --resume. The replies' counts are every reply's, row or not: a reply whose cost or tokens were
+    unknown keeps --max_cost or --max_total_tokens from being held in every later invocation.
     """
 
     def __init__(self, path: Path) -> None:
@@ -62,6 +66,7 @@ class SpentLedger:
         self._open: dict[int, UsageTotals] = {}  # task unit -> spent so far, no row yet
         self._open_total = empty_usage()
         self._fd: int | None = None
+        self.replies = ReplyCounts()             # every invocation's
 
     def start(self) -> None:
         """Take in what earlier invocations left, as one line."""
@@ -87,8 +92,9 @@ class SpentLedger:
                     self._take_row(place)
             self._carried = self.unfinished()
             self._cut_off, self._open, self._open_total = empty_usage(), {}, empty_usage()
+        replies = {"by_cost_source": dict(self.replies.cost_sources), "tokenless": self.replies.tokenless}
         with replacing(self.path) as handle:
-            handle.write(json.dumps({"carried": self._carried}).encode() + b"\n")
+            handle.write(json.dumps({"carried": self._carried, "replies": replies}).encode() + b"\n")
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
 
     def unfinished(self) -> UsageTotals:
@@ -101,12 +107,13 @@ class SpentLedger:
     def record(self, spent: list[Spent], rows_to_write: list[RowPlace]) -> None:
         """Replies' usage as it arrives, and the rows about to be appended, announced where they will be;
         durable before those rows are written (see the class)."""
-        for event in spent:        # spent all the same if the disk cannot take the line
-            self._take({"prompt": event.unit, "spent": event.usage})
-        self._append([{"prompt": event.unit, "spent": event.usage} for event in spent]
-                     + [{"prompt": row.unit, "row": row.usage,
-                         "at": [row.batch_file, row.offset, row.length, row.prompt_index, row.sample_index]}
-                        for row in rows_to_write], sync=bool(rows_to_write))
+        lines = [{"prompt": event.unit, "spent": event.usage, "source": event.cost_source} for event in spent]
+        for line in lines:        # spent all the same if the disk cannot take the line
+            self._take(line)
+        announced = [{"prompt": row.unit, "row": row.usage,
+                      "at": [row.batch_file, row.offset, row.length, row.prompt_index, row.sample_index]}
+                     for row in rows_to_write]
+        self._append(lines + announced, sync=bool(rows_to_write))
 
     def landed(self, rows_written: list[RowPlace]) -> None:
         """The announced rows that were appended. Not synced: without this line the rows are found
@@ -146,10 +153,17 @@ class SpentLedger:
 
     def _take(self, record: dict[str, Any]) -> None:
         if "carried" in record:
+            replies = record.get("replies", {"by_cost_source": {}, "tokenless": 0})    # none before versions said
+            sources = Counter({str(source): int(n) for source, n in replies["by_cost_source"].items()})
+            tokenless = int(replies["tokenless"])
             add_usage(self._carried, record["carried"])
+            self.replies.cost_sources.update(sources)
+            self.replies.tokenless += tokenless
         elif "spent" in record:
             add_usage(self._open.setdefault(record["prompt"], empty_usage()), record["spent"])
             add_usage(self._open_total, record["spent"])
+            if "source" in record:                      # else written by a version before it said
+                self.replies.count(record["spent"], str(record["source"]))
 
     def _take_row(self, row: RowPlace) -> None:
         if (spent := self._open.pop(row.unit, None)) is not None:
