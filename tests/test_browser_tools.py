@@ -439,8 +439,8 @@ def test_a_page_that_garbles_the_tools_scripts_gets_a_tool_error(session: Sessio
 @pytest.fixture
 def quick_timeouts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Shorter limits, so that waiting one out costs the test little (a new tab reads them)."""
-    monkeypatch.setattr(tab, "ACTION_TIMEOUT_S", 1.0)
-    monkeypatch.setattr(tab, "NAVIGATION_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(tab, "ACTION_TIMEOUT_S", 2.5)      # what a loaded machine's Chromium takes to open a tab
+    monkeypatch.setattr(tab, "NAVIGATION_TIMEOUT_S", 5.0)
 
 
 def open_hung_page(session: Session, site: str) -> BrowserContext:

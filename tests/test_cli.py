@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import (
     REPO,
+    HeldReplies,
     batch_rows,
     batch_runner_command,
     cli_environment,
@@ -942,7 +943,8 @@ def test_an_export_to_a_place_no_file_can_be_made_is_one_clear_line(tmp_path, en
 
 
 def test_second_run_on_a_busy_run_directory_is_refused_and_the_first_finishes(tmp_path, endpoint):
-    args = good_args(tmp_path, endpoint, prompts=("[[sleep 3]] take your time",))
+    held = HeldReplies(endpoint, {"take your time": 0})     # the first run holds the directory until then
+    args = good_args(tmp_path, endpoint, prompts=("take your time",))
     first = subprocess.Popen(batch_runner_command(*args), cwd=tmp_path, env=cli_environment(tmp_path),
                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -953,10 +955,12 @@ def test_second_run_on_a_busy_run_directory_is_refused_and_the_first_finishes(tm
             assert first.poll() is None and time.monotonic() < deadline, "first run never took the lock"
             time.sleep(0.05)
         second = run_cli(tmp_path, *args)
+        held.open_all()
         line = error_line(second)
         assert "in use" in line and "--run_name" in line
         out, err = first.communicate(timeout=60)
     finally:
+        held.open_all()
         if first.poll() is None:
             first.kill()
             first.communicate()

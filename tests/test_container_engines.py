@@ -485,7 +485,7 @@ def test_closing_is_quick_though_the_containers_first_process_ignores_sigterm(en
     env = started(engine, settings)
     began = time.monotonic()
     asyncio.run(env.close())
-    assert time.monotonic() - began < 3
+    assert time.monotonic() - began < 8      # well short of Podman's 10 s wait, whatever the machine's load
     assert engine.live(settings.run_label) == []
 
 
@@ -559,7 +559,8 @@ def test_cli_fails_a_prompt_whose_image_cannot_be_pulled_without_a_model_call_an
     assert not list(tmp_path.glob("proof.txt"))
 
 
-LONG_COMMAND = '[[call terminal {"command": "sleep 30", "timeout": 4}]] long'
+# Its time limit keeps each container up long enough for all three to be up at once on a slow machine.
+LONG_COMMAND = '[[call terminal {"command": "sleep 30", "timeout": 12}]] long'
 
 
 @contextlib.contextmanager

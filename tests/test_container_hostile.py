@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -19,9 +20,10 @@ from batchrun.environments.container import ContainerEnvironment
 from batchrun.environments.docker import CLI_VARIABLE
 from batchrun.environments.limits import ResourceLimits
 
-# What a command sleeps while its container is ended from outside; the outside waits this long first.
+# What a command sleeps while its container is ended from outside.
 SLEEPING_COMMAND = "echo started; sleep 30"
-OUTSIDE_DELAY_SECONDS = 1.5
+# How long the outside waits for it to be running in the container.
+RUNNING_DEADLINE_SECONDS = 60.0
 
 
 @pytest.fixture(params=ENGINES)
@@ -32,10 +34,15 @@ def engine(request, tmp_path, monkeypatch) -> EngineBackend:
 
 
 async def run_while_outside(env: ContainerEnvironment, engine: EngineBackend, *action: str,
-                            delay: float = OUTSIDE_DELAY_SECONDS) -> CommandResult:
-    """SLEEPING_COMMAND in ``env``, with ``engine``'s ``action`` done to its container ``delay`` seconds in."""
+                            at_once: bool = False) -> CommandResult:
+    """SLEEPING_COMMAND in ``env``, with ``engine``'s ``action`` done to its container once the engine lists
+    the command's `sleep` (a slow engine's command may still be starting seconds after it was asked for),
+    or ``at_once``, while the command is being started."""
     async def act() -> None:
-        await asyncio.sleep(delay)
+        deadline = time.monotonic() + RUNNING_DEADLINE_SECONDS
+        while not at_once and "sleep 30" not in await asyncio.to_thread(engine.run, "top", env.name):
+            assert time.monotonic() < deadline, "the command never ran in the container"
+            await asyncio.sleep(0.1)
         await asyncio.to_thread(engine.run, *action, env.name)
 
     acting = asyncio.ensure_future(act())
@@ -68,7 +75,7 @@ def test_a_command_whose_container_is_ended_from_outside_as_it_starts_loses_the_
     try:
         asyncio.run(env.start())
         with pytest.raises(EnvironmentLostError, match="^the command could not run to its end in the container: "):
-            asyncio.run(run_while_outside(env, engine, *action, delay=0))
+            asyncio.run(run_while_outside(env, engine, *action, at_once=True))
     finally:
         asyncio.run(env.close())
 

@@ -201,13 +201,14 @@ def test_a_prompt_that_timed_out_waiting_for_its_pace_slot_counts_no_model_call(
 
 
 def test_a_pace_slot_left_by_a_prompt_that_timed_out_waiting_goes_to_the_next_request(tmp_path, endpoint):
-    # One request every 3 s, six prompts, three at once, each with 4.5 s. The first three take the slots at
-    # 0, 3 and 6 s; the fourth starts as the first ends and takes 9 s, the fifth as the second ends (3 s) and
-    # takes 12 s: those of 6, 9 and 12 s time out waiting. The sixth starts as the one of 6 s times out and
+    # One request every 6 s, six prompts, three at once, each with 9 s. The first three take the slots at
+    # 0, 6 and 12 s; the fourth starts as the first ends and takes 18 s, the fifth as the second ends (6 s) and
+    # takes 24 s: those of 12, 18 and 24 s time out waiting. The sixth starts as the one of 12 s times out and
     # takes the slot it left, well within its own limit. Before, a slot whose prompt was cut off while it
-    # waited stayed taken: the sixth got 15 s and timed out without a request, as every later prompt would.
+    # waited stayed taken: the sixth got 30 s and timed out without a request, as every later prompt would.
+    # (Each request has 3 s to be answered within its prompt's limit, a loaded machine's lag included.)
     prompts = [f"prompt {index}" for index in range(6)]
-    result = run(tmp_path, endpoint, prompts, "--num_workers=3", "--requests_per_minute=20", "--prompt_timeout=4.5")
+    result = run(tmp_path, endpoint, prompts, "--num_workers=3", "--requests_per_minute=10", "--prompt_timeout=9")
     assert result.returncode == 2, result.stderr
     rows = batch_rows(tmp_path / "data" / "run")
     assert sum(not row.get("failed") for row in rows) == 3
