@@ -12,6 +12,7 @@ import itertools
 import json
 import os
 import shlex
+import stat
 from array import array
 from collections import Counter
 from collections.abc import Callable, Container, Iterable, Iterator
@@ -59,7 +60,8 @@ class DatasetError(Exception):
 
 
 class DatasetChanged(Exception):
-    """A line re-read during the run is not the line planned: the file changed under the run."""
+    """A line re-read during the run is not the line planned, or cannot be read at all: the file changed
+    under the run (rewritten, removed, replaced by something else)."""
 
 
 @dataclass(frozen=True)
@@ -233,20 +235,22 @@ def require_valid_prompt(path: Path, *, warn: Callable[[str], None]) -> None:
     to the first valid line; the skipped-line warnings are shown here only when there is none
     (otherwise :func:`plan_dataset` shows them during its pass)."""
     check_dataset_file(path)
-    warnings: list[str] = []
+    # Held back until the file proves to have no valid line; SkippedLines keeps only the lines it would
+    # name, so millions of bad lines before the first valid one cost no memory.
+    held: list[str] = []
+    skipped = SkippedLines(held.append)
     for number, _offset, raw in _lines(path):
         fields, warning = parse_line(raw, number)
         if fields is not None:
             return
         if warning:
-            warnings.append(warning)
+            skipped.add(warning)
     if (what := _what_else(path)) is not None:   # its lines' warnings would say only that it is not JSONL
         raise DatasetError(what)
-    skipped = SkippedLines(warn)
-    for warning in warnings:
-        skipped.add(warning)
     skipped.finish()
-    raise _no_valid_prompt(path, bool(warnings))
+    for warning in held:
+        warn(warning)
+    raise _no_valid_prompt(path, skipped.count > 0)
 
 
 # What a dataset that is not JSONL text often is instead, told by its first bytes: (they, what it is, how
@@ -266,7 +270,8 @@ _OTHER_FORMATS = (
 
 def _what_else(path: Path) -> str | None:
     """For a file without a valid line: what it is instead, and how to make JSONL of it, where its first
-    bytes tell (a compressed file, UTF-16 text, one JSON array); else None."""
+    bytes tell (a compressed file, UTF-16 text, one JSON array, lines ended by a carriage return alone,
+    pretty-printed objects); else None."""
     try:
         with path.open("rb") as handle:
             start = handle.read(4096)
@@ -276,9 +281,16 @@ def _what_else(path: Path) -> str | None:
     for magic, kind, remedy in _OTHER_FORMATS:
         if start.startswith(magic):
             return f"{path} is {kind}, not JSONL text (UTF-8, one JSON object per line); {remedy.format(path=quoted)}"
-    if start.removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"["):
+    text = start.removeprefix(b"\xef\xbb\xbf").lstrip()
+    if text.startswith(b"["):
         return (f"{path} holds one JSON array, not JSONL (one JSON object per line); convert it: "
                 f"jq -c '.[]' {quoted} > out.jsonl")
+    if b"\r" in text and b"\n" not in text:     # the whole file one line, as the reader splits it
+        return (f"{path} ends its lines with a carriage return alone (as old Mac programs wrote them), not a "
+                f"newline; convert it: tr '\\r' '\\n' < {quoted} > out.jsonl")
+    if text.split(b"\n", 1)[0].strip() == b"{":    # how json.dumps(indent=...) and jq begin an object
+        return (f"{path} holds JSON objects spread over several lines (pretty-printed), not one per line; "
+                f"convert it: jq -c . {quoted} > out.jsonl")
     return None
 
 
@@ -438,27 +450,47 @@ def iter_pending(plan: DatasetPlan, *, only: Container[int] | None = None) -> It
     dataset order, then every second sample, and so on, so that a run stopped early leaves each prompt
     with as many samples as the next, give or take one. ``only``: the units to read (all when None).
 
-    Raises DatasetChanged at the first line that is not the one planned: a file rewritten during the run
-    moves its lines, and a read can join old bytes to new ones, so no line re-read is trusted unless its
-    content key is the planned one. Each line is read from the file when its prompt is handed out, never
+    Raises DatasetChanged at the first line that is not the one planned, or that cannot be read (the file
+    removed, or replaced by what is not a regular file, since it was planned): a file rewritten during the
+    run moves its lines, and a read can join old bytes to new ones, so no line re-read is trusted unless
+    its content key is the planned one. Each line is read from the file when its prompt is handed out, never
     from bytes read for an earlier one (see _line_at)."""
     # Unbuffered: a buffered reader serves a seek into the chunk it last read from memory, so every line
     # of a dataset under its 8 KiB buffer (and the lines near one read before) would be the bytes read
     # before a rewrite, and a stale prompt would run unnoticed.
-    with plan.path.open("rb", buffering=0) as handle:
+    with open(_open_planned(plan.path), "rb", buffering=0) as handle:
         descriptor = handle.fileno()
         for sample_index, pending in enumerate(plan.rounds):
             for offset, occurrence, index, fingerprint in zip(pending.offsets, pending.occurrences, pending.indexes,
                                                               pending.fingerprints, strict=True):
                 if only is not None and plan.unit(index, sample_index) not in only:
                     continue
-                fields, _warning = parse_line(_line_at(descriptor, offset), 0)
+                try:
+                    raw = _line_at(descriptor, offset)
+                except OSError as exc:      # EIO: a failing disk, a network file system gone
+                    raise DatasetChanged(f"{plan.path} could no longer be read: {exc.strerror}") from None
+                fields, _warning = parse_line(raw, 0)
                 if fields is None or content_fingerprint(
                         key := content_key(fields["prompt"], fields["image"], fields["cwd"])) != fingerprint:
                     raise DatasetChanged(f"{plan.path} changed while the run read it: the line of prompt {index} "
                                          f"(at byte {offset:,}) is no longer the prompt planned")
                 yield DatasetRecord(index, fields["prompt"], fields["image"], fields["cwd"], key, occurrence,
                                     sample_index)
+
+
+def _open_planned(path: Path) -> int:
+    """A descriptor of the dataset, to read its planned lines again. The file may have been removed or
+    replaced since it was planned (the pool's start takes seconds): that is said as a DatasetChanged,
+    and the open never waits, as it would for a writer to a FIFO put in its place."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise DatasetChanged(f"{path} could no longer be read: {exc.strerror}") from None
+    if not stat.S_ISREG(mode := os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        kind = "a directory" if stat.S_ISDIR(mode) else file_kind(path)
+        raise DatasetChanged(f"{path} could no longer be read: it is {kind} now, not the file planned")
+    return descriptor
 
 
 def _line_at(descriptor: int, offset: int) -> bytes | None:

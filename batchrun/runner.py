@@ -9,6 +9,7 @@ across modules, that order would have to be re-assembled by a reader from severa
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import tempfile
 import time
@@ -53,6 +54,15 @@ SPARE_SANDBOXES = 2
 # error, the lock, a full disk, the dataset changed under it) / the run finished but some prompts failed
 # (--resume retries them); a stop signal's are stop_signals.exit_code.
 EXIT_OK, EXIT_ERROR, EXIT_SOME_FAILED = 0, 1, 2
+
+
+def _same_file(before: str, now: Path) -> bool:
+    """Whether the checkpoint's --dataset_file is the file given now under another spelling (absolute or
+    relative, through a link): only another file is worth a warning."""
+    try:
+        return os.path.samefile(before, now)
+    except OSError:     # the earlier one is gone: it is not the file given now
+        return False
 
 
 class BatchRunner:
@@ -521,7 +531,8 @@ class BatchRunner:
         for key, value in (("model", config.endpoint.model), ("distribution", config.distribution),
                            ("dataset_file", config.dataset_file)):
             before, now = previous.get(key), str(value)
-            if before is not None and str(before) != now:
+            if before is not None and str(before) != now and not (key == "dataset_file" and
+                                                                  _same_file(str(before), config.dataset_file)):
                 self.console.warn(f"resuming with --{key}={now}, but this run started with {before}")
 
     def _finish(self, plan: DatasetPlan, *, interrupted: bool = False) -> None:
