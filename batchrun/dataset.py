@@ -48,11 +48,10 @@ class SkippedLines:
         if self.count <= NAMED_BAD_LINES:
             self._warn(warning)
 
-    def finish(self) -> None:
-        """One line for those not named."""
+    def finish(self, *, remedy: str = "fix them and run again with --resume to include them") -> None:
+        """One line for those not named, saying ``remedy``."""
         if self.count > NAMED_BAD_LINES:
-            self._warn(f"{self.count - NAMED_BAD_LINES} more bad lines skipped ({self.count} in all); "
-                       "fix them and run again with --resume to include them")
+            self._warn(f"{self.count - NAMED_BAD_LINES} more bad lines skipped ({self.count} in all); {remedy}")
 
 
 class DatasetError(Exception):
@@ -247,7 +246,7 @@ def require_valid_prompt(path: Path, *, warn: Callable[[str], None]) -> None:
             skipped.add(warning)
     if (what := _what_else(path)) is not None:   # its lines' warnings would say only that it is not JSONL
         raise DatasetError(what)
-    skipped.finish()
+    skipped.finish(remedy="fix them and run the same command again")     # nothing ran: there is no run to resume
     for warning in held:
         warn(warning)
     raise _no_valid_prompt(path, skipped.count > 0)

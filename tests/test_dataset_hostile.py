@@ -51,7 +51,7 @@ def test_a_dataset_without_a_valid_line_still_names_its_first_bad_lines_and_coun
     with pytest.raises(DatasetError, match="no valid prompt"):
         require_valid_prompt(dataset, warn=warned.append)
     assert [line.split(":")[0] for line in warned[:5]] == [f"line {number}" for number in range(1, 6)]
-    assert warned[5:] == ["3 more bad lines skipped (8 in all); fix them and run again with --resume to include them"]
+    assert warned[5:] == ["3 more bad lines skipped (8 in all); fix them and run the same command again"]
 
 
 def paused_before_the_first_prompt(tmp_path: Path, endpoint, dataset: Path) -> tuple[subprocess.Popen, Path]:
