@@ -448,6 +448,11 @@ class BatchRunner:
         replies = self.spent.replies        # every invocation's: what earlier ones could not count still is not
         if config.max_cost is not None and (unknown := replies.unpriced):
             # What those replies cost is not in the sum: going on could spend any amount past the cap.
+            if earlier := unknown - self.this_run.replies.unpriced:
+                return (f"--max_cost cannot be held: the cost of {counted(unknown, 'reply', 'replies')} is unknown "
+                        f"({counted(earlier, 'reply', 'replies')} of earlier invocations, which no price priced then: "
+                        "a price given now prices only the replies to come); run on without --max_cost, or under "
+                        "a new --run_name")
             return (f"--max_cost cannot be held: the cost of {counted(unknown, 'reply', 'replies')} is unknown "
                     "(the endpoint reported no usage or cost for it, or none that could be read, and no price "
                     "applies)")

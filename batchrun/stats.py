@@ -314,8 +314,7 @@ def build_statistics(*, run_name: str, distribution: str, model: str, batch_size
         "spent_by_unfinished_sessions": rounded_usage(unfinished),
         # Every invocation's replies by where their cost came from ("unknown": "cost" above leaves them out).
         "replies_by_cost_source": dict(replies.cost_sources),
-        # How replies without a cost of their own were priced, and how many had none (their cost is not in
-        # "cost" above, which then says less than was spent).
+        # How replies without a cost of their own were priced.
         **({"pricing": pricing} if pricing is not None else {}),
         "this_run": _this_run_statistics(this_run, duration),
     }

@@ -33,7 +33,6 @@ def test_a_call_stopped_for_writing_too_much_is_answered_without_waiting_for_its
     assert took < 10
 
 
-
 # The same, a moment after it starts: what it writes arrives while the runner's loop is held up.
 LATE_WIDE_WRITER = "import time\ntime.sleep(0.5)\n" + WIDE_WRITER
 

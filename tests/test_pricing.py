@@ -207,3 +207,20 @@ def test_a_resumed_runs_report_says_its_cost_leaves_out_an_earlier_invocations_r
     resumed_after_an_unpriced_reply(tmp_path)
     page = (tmp_path / "data" / "run" / "report.html").read_text(encoding="utf-8")
     assert "1 reply without a price" in page
+
+
+def test_a_resume_under_max_cost_says_an_earlier_invocations_unpriced_reply_is_not_repriced_and_how_to_go_on(
+        tmp_path):
+    # Before: it said no price applies (the resume gave one) and that the endpoint reported no usage (it had).
+    dataset = write_dataset(tmp_path / "dataset.jsonl", PROMPTS)
+    flags = (f"--dataset_file={dataset}", "--batch_size=2", "--run_name=run", "--distribution=minimal",
+             "--model=scripted-model")
+    with ScriptedEndpoint(reports_cost=False) as server:
+        run_cli(tmp_path, *flags, f"--base_url={server.base_url}", "--max_samples=1")
+        resumed = run_cli(tmp_path, *flags, f"--base_url={server.base_url}", "--resume", "--price_per_mtok=1,1",
+                          "--max_cost=100")
+    assert resumed.returncode == 0, resumed.stderr
+    said = " ".join(resumed.stdout.split())
+    assert ("--max_cost cannot be held: the cost of 1 reply is unknown (1 reply of earlier invocations, which no "
+            "price priced then: a price given now prices only the replies to come); run on without --max_cost, or "
+            "under a new --run_name") in said

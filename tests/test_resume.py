@@ -1067,3 +1067,24 @@ def test_a_ledger_written_before_replies_were_counted_still_counts_what_was_spen
     ledger.close()
     assert ledger.unfinished()["cost"] == 1.0
     assert (ledger.replies.cost_sources, ledger.replies.tokenless) == ({}, 0)
+
+
+@pytest.mark.parametrize("replies", [None, [], {"by_cost_source": []}, {"by_cost_source": {"unknown": "x"}},
+                                     {"by_cost_source": {}}, {"by_cost_source": {}, "tokenless": 1e400}])
+def test_a_carried_line_whose_reply_counts_were_edited_out_of_shape_keeps_its_usage(ledger_dir, replies):
+    # Before: the line counted nothing (the earlier invocations' spending was lost for good at the next
+    # fold), and an infinite count ended the start with a traceback.
+    usage = rows.Usage(prompt_tokens=10, completion_tokens=5, cost=1.5).as_dict()
+    (ledger_dir.path / "spent.jsonl").write_text(json.dumps({"carried": usage, "replies": replies}) + "\n")
+    ledger = reopened(ledger_dir)
+    ledger.close()
+    assert ledger.unfinished()["cost"] == 1.5
+    assert (ledger.replies.cost_sources, ledger.replies.tokenless) == ({}, 0)
+
+
+def test_a_carried_line_with_negative_reply_counts_counts_none(ledger_dir):
+    (ledger_dir.path / "spent.jsonl").write_text(
+        json.dumps({"carried": {}, "replies": {"by_cost_source": {"unknown": -2}, "tokenless": -1}}) + "\n")
+    ledger = reopened(ledger_dir)
+    ledger.close()
+    assert (ledger.replies.unpriced, ledger.replies.tokenless) == (0, 0)

@@ -91,7 +91,7 @@ async def call_cli(argv: list[str], *, timeout: float, stdin: bytes | None = Non
     except TimeoutError:
         kill_group_of(process)
         await drain_and_reap(process, timeout=5.0)
-        return CliResult(returncode=None, stdout=b"", stderr="")
+        return CliResult(returncode=None, stdout=b"", stderr="", overflowed=overflowed)
     except BaseException:       # cancelled: the CLI must not outlive the prompt it works for
         kill_group_of(process)
         raise

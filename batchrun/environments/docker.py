@@ -234,9 +234,10 @@ class DockerEnvironment(CliContainerEnvironment):
     async def _runs_commands(self) -> bool:
         """Whether a command still runs in the container. The engines learn that a command was killed with
         its container before they learn of the container's end, and may show it running a moment longer;
-        a container whose first process is gone takes no command. (A prompt that replaced the container's
-        `true` loses its own environment here, nothing more.)"""
-        return (await self._call(self.exec_argv(["true"], workdir="/"))).ok
+        a container whose first process is gone takes no command. `sh`, which every command runs in, so any
+        image that runs commands has it. (A prompt that replaced the container's `sh` loses its own
+        environment here, nothing more.)"""
+        return (await self._call(self.exec_argv(["sh", "-c", ":"], workdir="/"))).ok
 
     async def read_file(self, path: str) -> bytes:
         await self._ready()

@@ -44,10 +44,9 @@ class SpentLedger:
     A row holds its session's whole usage, but a session cut off (kill -9, a stop, a worker that
     died) leaves none, and its replies were paid for all the same. The parent appends a line per
     reply (``{"prompt": unit, "spent": usage, "source": cost source}``, the task's unit: see
-    messages.Task); what a task spent
-    beyond its row, or without one, was spent by a session cut off. A group of rows is announced before it
-    is appended, each with where it will be (``{"prompt": unit, "row": usage, "at": [batch file, offset,
-    length, prompt index, sample index]}``), and made durable
+    messages.Task); what a task spent beyond its row, or without one, was spent by a session cut off. A
+    group of rows is announced before it is appended, each with where it will be (``{"prompt": unit,
+    "row": usage, "at": [batch file, offset, length, prompt index, sample index]}``), and made durable
     with the replies so far; once the rows are appended one line lists those that were
     (``{"landed": [i, ...]}``). So a kill at any point leaves no row whose spending counts twice: rows
     announced with no such line after them (the last group before a kill) count as written only if
@@ -153,16 +152,14 @@ class SpentLedger:
 
     def _take(self, record: dict[str, Any]) -> None:
         if "carried" in record:
-            replies = record.get("replies", {"by_cost_source": {}, "tokenless": 0})    # none before versions said
-            sources = Counter({str(source): int(n) for source, n in replies["by_cost_source"].items()})
-            tokenless = int(replies["tokenless"])
             add_usage(self._carried, record["carried"])
-            self.replies.cost_sources.update(sources)
-            self.replies.tokenless += tokenless
+            carried = _carried_replies(record.get("replies"))
+            self.replies.cost_sources.update(carried.cost_sources)
+            self.replies.tokenless += carried.tokenless
         elif "spent" in record:
             add_usage(self._open.setdefault(record["prompt"], empty_usage()), record["spent"])
             add_usage(self._open_total, record["spent"])
-            if "source" in record:                      # else written by a version before it said
+            if "source" in record:                      # else written by a version that did not say
                 self.replies.count(record["spent"], str(record["source"]))
 
     def _take_row(self, row: RowPlace) -> None:
@@ -170,6 +167,16 @@ class SpentLedger:
             add_usage(self._open_total, {key: -spent[key] for key in USAGE_KEYS})
             add_usage(self._cut_off, {key: max(0, round(spent[key] - (row.usage.get(key) or 0), 8))
                                       for key in USAGE_KEYS})
+
+
+def _carried_replies(value: Any) -> ReplyCounts:
+    """The reply counts of a carried line; none from a line of a version before they were kept, or from one
+    edited out of shape: the usage beside them is what must not be lost."""
+    try:
+        sources = Counter({str(source): max(0, int(n)) for source, n in value["by_cost_source"].items()})
+        return ReplyCounts(sources, max(0, int(value["tokenless"])))
+    except (TypeError, KeyError, ValueError, AttributeError, OverflowError):
+        return ReplyCounts()
 
 
 def _announced(record: dict[str, Any]) -> RowPlace:
