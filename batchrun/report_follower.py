@@ -21,7 +21,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-from array import array
 from collections.abc import Collection, MutableSequence
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -106,8 +105,11 @@ class BatchFollower:
     def __init__(self, scan: report.RunScan, window: MutableSequence[int]) -> None:
         self.scan = scan
         self._window = window
-        self._base = 0                      # the batch number of _ends[0]
-        self._ends = array("q")             # per batch from _base: where the rows read end; -1: no file yet
+        self._base = 0                      # below it, every file was read for the last time
+        # Per batch number from _base with a file: where the rows read end. By number, not a slot for each
+        # number up to the highest: a stray file named like a batch file (batch_999999999999.jsonl, copied
+        # in by hand) would take memory for every number below it.
+        self._ends: dict[int, int] = {}
         self._files = 0
 
     def read_existing(self) -> None:
@@ -125,7 +127,7 @@ class BatchFollower:
         if lowest > self._base:             # done in this run: read one last time, then forgotten
             for number in range(self._base, lowest):
                 self._read(number)
-            del self._ends[:lowest - self._base]
+                self._ends.pop(number, None)
             self._base = lowest
         for number in range(self._base, highest + 1):
             self._read(number)
@@ -133,26 +135,22 @@ class BatchFollower:
 
     def read_all(self) -> None:
         """Every row written so far: the run's work is over, so the window no longer matters."""
-        for number in range(self._base, max(self._window[1] + 1, self._base + len(self._ends))):
+        for number in sorted({*range(self._base, self._window[1] + 1), *self._ends}):
             self._read(number)
         self.scan.summary.batch_files = self._files
 
     def _read(self, number: int) -> None:
-        index = number - self._base
-        if index >= len(self._ends):
-            self._ends.extend([-1] * (index + 1 - len(self._ends)))
         path = self.scan.run_dir.path / f"batch_{number}.jsonl"
         try:
             size = os.stat(path).st_size
         except FileNotFoundError:
             return
-        end = self._ends[index]
-        if end < 0:
+        if number not in self._ends:
             self._files += 1
-            end = 0
+        end = self._ends.get(number, 0)
         if size > end:
             end = self.scan.read_rows(path, end)
-        self._ends[index] = end
+        self._ends[number] = end
 
 
 def _follow(conn: Connection, run_dir: Path, repeated: frozenset[str], parent_pid: int,

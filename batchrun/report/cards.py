@@ -8,13 +8,25 @@ from batchrun import rows
 from batchrun.report.markup import card, money, number, percent
 from batchrun.report.summary import CORRUPTED, PROMPT_GONE, SUPERSEDED, RunSummary, Timeline
 
+# The largest count read from statistics.json: a file edited by hand may hold any number, and a larger one is
+# neither a count a run could reach nor one the page's arithmetic (in floats) can hold.
+_LARGEST_COUNT = 2**53
+
+
+def _count(value: object) -> int | None:
+    """A count as statistics.json holds it; None for anything else (a file edited by hand), which its card
+    then leaves out."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _LARGEST_COUNT:
+        return value
+    return None
+
 
 def cards_html(summary: RunSummary, info: dict) -> str:
     calls = sum(entry[0] for entry in summary.tools.values())
     failures = sum(entry[2] for entry in summary.tools.values())
     turns = summary.turns_with_reasoning + summary.turns_without_reasoning
     open_failures = sum(summary.open_failure_causes().values())
-    total_prompts = info.get("total_prompts")
+    total_prompts = _count(info.get("total_prompts"))
     kept = summary.kept
     tokens = summary.usage["prompt_tokens"] + summary.usage["completion_tokens"]
     cost = summary.usage["cost"]
@@ -23,7 +35,7 @@ def cards_html(summary: RunSummary, info: dict) -> str:
     return "".join([
         *_samples_cards(info),
         card("rows in batch files", number(summary.row_count),
-              f"dataset: {number(total_prompts)} prompts" if isinstance(total_prompts, int) else ""),
+              f"dataset: {number(total_prompts)} prompts" if total_prompts is not None else ""),
         card("kept trajectories", number(kept),
               f"{number(statuses[rows.COMPLETED])} completed · {number(statuses[rows.PARTIAL])} partial"
               + (f" · {number(statuses[PROMPT_GONE])} more rows left out: their prompts are no longer in the dataset"
@@ -53,8 +65,8 @@ def _cost_card(cost: float, kept: int, info: dict) -> str:
     this_run = info.get("this_run")       # statistics.json may have been edited by hand: read what fits
     sources = info.get("replies_by_cost_source",
                        this_run.get("replies_by_cost_source") if isinstance(this_run, dict) else None) or {}
-    unpriced = sources.get("unknown", 0) if isinstance(sources, dict) else 0
-    if isinstance(unpriced, int) and unpriced > 0:
+    unpriced = _count(sources.get("unknown", 0)) if isinstance(sources, dict) else None
+    if unpriced:
         replies = "reply" if unpriced == 1 else "replies"
         return card("cost", f"≥ {money(cost)}" if cost else "unknown",
                      f"{number(unpriced)} {replies} without a price: give --price_per_mtok", "warn")
@@ -66,12 +78,14 @@ def _samples_cards(info: dict) -> list[str]:
     samples = info.get("samples")
     if not isinstance(samples, dict):
         return []
-    try:
-        solved, prompts = int(samples["prompts_with_a_completed_sample"]), int(samples["prompts_with_rows"])
-        spread = ", ".join(f"{number(int(count))} with {k}"
-                           for k, count in samples["prompts_by_completed_samples"].items())
-    except (KeyError, TypeError, ValueError, AttributeError):
+    solved, prompts = _count(samples.get("prompts_with_a_completed_sample")), _count(samples.get("prompts_with_rows"))
+    by_completed = samples.get("prompts_by_completed_samples")
+    if solved is None or prompts is None or not isinstance(by_completed, dict):
         return []
+    counts = {key: _count(count) for key, count in by_completed.items()}
+    if None in counts.values():
+        return []
+    spread = ", ".join(f"{number(count)} with {key}" for key, count in counts.items() if count is not None)
     return [card("prompts with a completed sample", percent(solved, prompts),
                   f"{number(solved)} of {number(prompts)} prompts ({info.get('samples_per_prompt', '?')} samples "
                   f"asked each); by completed samples: {spread}", "good" if solved else "bad")]

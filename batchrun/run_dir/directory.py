@@ -85,6 +85,13 @@ def hard_linked(path: Path, names: int) -> RunDirectoryError:
                              "without links (cp -a, without -l).")
 
 
+def linked_elsewhere(path: Path) -> RunDirectoryError:
+    """The one message for a file the run writes in place that is a symbolic link: appends and torn tails
+    cut would go through it, into the file it names (another run's, say)."""
+    return RunDirectoryError(f"{path} is a symbolic link to {os.readlink(path)}: the run writes its files in "
+                             "place, so it would write there. Copy that file in its place.")
+
+
 def _running(pid: int) -> bool:
     """Whether process ``pid`` runs, other than this one, which has rewritten nothing yet when it asks. A
     zombie has ended: a killed run's processes stay so where no init reaps them (some containers)."""
@@ -179,9 +186,7 @@ class RunDirectory:
             except FileNotFoundError:
                 continue
             if stat.S_ISLNK(status.st_mode):
-                # Appends and torn tails cut go through a link, into the file it names (another run's, say).
-                raise RunDirectoryError(f"{path} is a symbolic link to {os.readlink(path)}: the run writes its "
-                                        "files in place, so it would write there. Copy that file in its place.")
+                raise linked_elsewhere(path)
             if not stat.S_ISREG(status.st_mode):
                 raise not_a_regular_file(path, "the run writes it")
             if path in in_place:
@@ -277,12 +282,32 @@ class RunDirectory:
         """
         path = self.path / f"batch_{batch_num}.jsonl"
         with full_disk_named(path, len(rows_data)):
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            fd = self._open_batch_file(path)
             try:
                 start = append_whole(fd, rows_data, sync=True)
             finally:
                 os.close(fd)
         self._created |= start == 0
+
+    @staticmethod
+    def _open_batch_file(path: Path) -> int:
+        """``path`` opened to append to, made if missing. The start's checks (_require_own_files) cannot see
+        what another program puts there while the run goes on: a symbolic link is not followed, so rows never
+        land outside the run directory, and a FIFO not waited on for a reader (O_NONBLOCK), both refused in
+        one line as at the start."""
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
+                         0o666)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise linked_elsewhere(path) from None
+            if exc.errno in (errno.EISDIR, errno.ENXIO):     # ENXIO: a FIFO no process reads
+                raise not_a_regular_file(path, "a batch file holds rows") from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise not_a_regular_file(path, "a batch file holds rows")
+        return fd
 
     def row_places(self, batch_num: int, finished: list[Finished]) -> list[RowPlace]:
         """Where these rows will be once appended to their batch file, in this order."""

@@ -21,7 +21,15 @@ from batchrun import rows
 from batchrun.registry import REGISTRY
 from batchrun.run_dir.durable import atomic_write_json, replacing
 from batchrun.run_dir.errors import full_disk_named
-from batchrun.run_dir.reading import FileRange, lines_at, read_processes, reading_pool, refused_line, split_ranges
+from batchrun.run_dir.reading import (
+    FileRange,
+    lines_at,
+    read_processes,
+    read_whole,
+    reading_pool,
+    refused_line,
+    split_ranges,
+)
 from batchrun.run_dir.relocations import relocations_digest
 from batchrun.run_dir.scan import FirstFinished
 from batchrun.stats import MergeStatistics
@@ -90,7 +98,7 @@ def forget_merge_over_damage(directory: Path, unreadable: list[LinePlace]) -> No
     if not unreadable:
         return
     try:
-        data = json.loads((directory / MERGE_RECORD).read_text(encoding="utf-8"))
+        data = json.loads(read_whole(directory / MERGE_RECORD))
         merged_to = {name: int(end) for name, (end, _) in data["files"].items()}
         known = {(name, int(offset)) for name, offset in data.get("unreadable", [])}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -175,7 +183,7 @@ def _read_merge_record(directory: Path, files: list[Path], relocations: str) -> 
     what it left (same tail bytes at the recorded sizes) and it placed rows as ``relocations`` (a
     relocations_digest) does; None means: rewrite everything."""
     try:
-        data = json.loads((directory / MERGE_RECORD).read_text(encoding="utf-8"))
+        data = json.loads(read_whole(directory / MERGE_RECORD))
         if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
             return None
         if data.get("format") != MERGE_RECORD_FORMAT or data.get("relocations", "") != relocations:

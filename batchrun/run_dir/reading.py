@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import stat
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
 from batchrun import rows
-from batchrun.run_dir.errors import RunDirectoryError, cannot_read
+from batchrun.run_dir.errors import RunDirectoryError, cannot_read, not_a_regular_file
 
 READ_BUFFER_BYTES = 1 << 20
 # Below this much data a resume scan or a merge is over before helper processes would have started.
@@ -74,6 +75,18 @@ def _end_of_last_newline(handle: BinaryIO, start: int) -> int:
         position, step = chunk_start, READ_BUFFER_BYTES
     handle.seek(0)
     return max(position, start)
+
+
+def read_whole(path: Path) -> bytes:
+    """The whole of a small file of the run directory (a record, the checkpoint). The start's checks cannot
+    see what another program puts in its place while the run goes on: a FIFO is opened without waiting for a
+    writer (O_NONBLOCK), and it or a device is refused in one line rather than waited on or read for ever.
+    OSError as open() raises it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with open(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise not_a_regular_file(path, "the run writes it")
+        return handle.read()
 
 
 def refused_line(path: Path, offset: int, error: rows.RowError) -> RunDirectoryError:
