@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from pathlib import Path
 
 import pytest
@@ -346,6 +346,18 @@ def live_processes_mentioning(text: str) -> list[int]:
 
 def finished_row_count(run_dir: Path) -> int:
     return sum(path.read_bytes().count(b"\n") for path in run_dir.glob("batch_*.jsonl"))
+
+
+def holding_until_rows(run_dir: Path, prompt: str, rows: int) -> Callable[[dict], None]:
+    """An endpoint script that holds the reply to ``prompt`` until ``rows`` rows are written in ``run_dir``
+    (a minute at most), then lets the prompt's own directives answer: those rows come only from sessions
+    that do not wait for it."""
+    def hold(body: dict) -> None:
+        if last_user_message(body) == prompt:
+            deadline = time.monotonic() + 60
+            while finished_row_count(run_dir) < rows and time.monotonic() < deadline:
+                time.sleep(0.05)
+    return hold
 
 
 @pytest.fixture(params=["as-this-run", "user-namespace"])

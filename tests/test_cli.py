@@ -361,7 +361,9 @@ def test_dataset_without_a_valid_line_is_a_clear_error(tmp_path, endpoint):
     (gzip.compress(b'{"prompt": "q"}\n'), "gzip-compressed", "gunzip -c"),
     (b"\x28\xb5\x2f\xfd" + b"\x00\x01\x02" * 20, "zstd-compressed", "zstd -dc"),
     ('{"prompt": "q"}\n'.encode("utf-16"), "UTF-16", "iconv"),
-], ids=["gzip", "zstd", "utf-16"])
+    (b'{"prompt": "a"}\r{"prompt": "b"}\r', "carriage return", "tr '\\r' '\\n'"),
+    (b'{\n  "prompt": "a"\n}\n{\n  "prompt": "b"\n}\n', "over several lines", "jq -c ."),
+], ids=["gzip", "zstd", "utf-16", "carriage-returns", "pretty-printed"])
 def test_a_dataset_that_is_not_jsonl_text_is_named_as_what_it_is_with_how_to_convert_it(tmp_path, endpoint, content,
                                                                                        kind, remedy):
     args = good_args(tmp_path, endpoint)

@@ -114,28 +114,6 @@ def test_a_dataset_that_fails_to_read_during_the_run_stops_admitting_prompts_as_
         next(iter_pending(plan))
 
 
-def test_a_dataset_whose_lines_end_in_carriage_returns_alone_is_named_so_with_how_to_convert_it(tmp_path, endpoint):
-    # One warning, "line 1: not valid JSON (Extra data at column 16)", then "no valid prompt".
-    dataset = tmp_path / "dataset.jsonl"
-    dataset.write_bytes(b'{"prompt": "a"}\r{"prompt": "b"}\r')
-    result = run_cli(tmp_path, *run_args(dataset, endpoint))
-    said = " ".join(result.stderr.split())
-    assert result.returncode == 1
-    assert "carriage return" in said and "tr '\\r' '\\n'" in said, said
-    assert endpoint.requests == [] and not (tmp_path / "data").exists()
-
-
-def test_a_dataset_of_pretty_printed_json_objects_is_named_so_with_how_to_convert_it(tmp_path, endpoint):
-    # Five warnings about lines such as "{" and '"prompt": "a"', then "no valid prompt".
-    dataset = tmp_path / "dataset.jsonl"
-    dataset.write_text('{\n  "prompt": "a"\n}\n{\n  "prompt": "b"\n}\n')
-    result = run_cli(tmp_path, *run_args(dataset, endpoint))
-    said = " ".join(result.stderr.split())
-    assert result.returncode == 1
-    assert "over several lines" in said and "jq -c ." in said, said
-    assert endpoint.requests == [] and not (tmp_path / "data").exists()
-
-
 def test_a_resume_that_names_the_same_dataset_another_way_warns_about_nothing(tmp_path, endpoint):
     # "warning: resuming with --dataset_file=/abs/dataset.jsonl, but this run started with dataset.jsonl".
     write_dataset(tmp_path / "dataset.jsonl", ["a", "b"])

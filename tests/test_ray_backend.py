@@ -39,6 +39,7 @@ from conftest import (
     default_sigint,
     endpoint_args,
     finished_row_count,
+    holding_until_rows,
     human_prompt,
     last_user_message,
     process_state,
@@ -498,15 +499,7 @@ def test_a_slow_prompt_holds_one_slot_while_the_others_finish(tmp_path, endpoint
     # The straggler's reply waits until the nine other rows are written (a minute at most), which
     # they are only if they do not wait for it.
     run_dir = tmp_path / "data" / "run"
-
-    def hold_the_straggler(body: dict) -> None:
-        if last_user_message(body) == "straggler":
-            deadline = time.monotonic() + 60
-            while finished_row_count(run_dir) < 9 and time.monotonic() < deadline:
-                time.sleep(0.05)
-        return None     # then answer as the prompt says
-
-    endpoint.script = hold_the_straggler
+    endpoint.script = holding_until_rows(run_dir, "straggler", 9)
     prompts = ["straggler", *[f"quick {i}" for i in range(9)]]
     dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
     result = run_cli(tmp_path, *args(dataset, endpoint, "--num_workers=2", "--backend=ray", batch_size=100,

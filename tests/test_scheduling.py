@@ -12,7 +12,7 @@ from conftest import (
     assert_the_429_paused_every_other_session,
     batch_rows,
     endpoint_args,
-    finished_row_count,
+    holding_until_rows,
     human_prompt,
     last_user_message,
     read_jsonl,
@@ -122,15 +122,7 @@ def test_a_slow_prompt_holds_one_slot_while_the_others_finish(tmp_path, endpoint
     # The straggler's reply waits until the nine other rows are written (a minute at most), which
     # they are only if they do not wait for it.
     run_dir = tmp_path / "data" / "run"
-
-    def hold_the_straggler(body: dict) -> None:
-        if last_user_message(body) == "straggler":
-            deadline = time.monotonic() + 60
-            while finished_row_count(run_dir) < 9 and time.monotonic() < deadline:
-                time.sleep(0.05)
-        return None     # then answer as the prompt says
-
-    endpoint.script = hold_the_straggler
+    endpoint.script = holding_until_rows(run_dir, "straggler", 9)
     prompts = ["straggler", *[f"quick {i}" for i in range(9)]]
     result = run(tmp_path, endpoint, prompts, "--num_workers=2")
     assert result.returncode == 0, result.stderr
