@@ -12,7 +12,6 @@ import itertools
 import json
 import os
 import shlex
-import stat
 from array import array
 from collections import Counter
 from collections.abc import Callable, Container, Iterable, Iterator
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from batchrun.flag_values import MOST_TEXT_BYTES, is_utf8
-from batchrun.paths import file_kind, lookup_error, unexpanded_home
+from batchrun.paths import NotRegularFile, file_kind, lookup_error, open_regular, unexpanded_home
 from batchrun.rows import content_key, content_key_of_sample, sample_key, split_unit, unit_key
 
 # A longer line is passed over unread, a chunk at a time.
@@ -482,14 +481,11 @@ def _open_planned(path: Path) -> int:
     replaced since it was planned (the pool's start takes seconds): that is said as a DatasetChanged,
     and the open never waits, as it would for a writer to a FIFO put in its place."""
     try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        return open_regular(path)
+    except NotRegularFile as exc:
+        raise DatasetChanged(f"{path} could no longer be read: it is {exc.kind} now, not the file planned") from None
     except OSError as exc:
         raise DatasetChanged(f"{path} could no longer be read: {exc.strerror}") from None
-    if not stat.S_ISREG(mode := os.fstat(descriptor).st_mode):
-        os.close(descriptor)
-        kind = "a directory" if stat.S_ISDIR(mode) else file_kind(path)
-        raise DatasetChanged(f"{path} could no longer be read: it is {kind} now, not the file planned")
-    return descriptor
 
 
 def _line_at(descriptor: int, offset: int) -> bytes | None:

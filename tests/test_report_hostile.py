@@ -21,6 +21,7 @@ import pytest
 from conftest import read_jsonl
 
 from batchrun import export, report, rows
+from batchrun.report import scan as report_scan
 from batchrun.rows import AssistantTurn, SessionResult, ToolCallRecord, Usage
 from batchrun.run_dir import RunDirectoryError
 from batchrun.run_dir import scan as scan_module
@@ -218,6 +219,29 @@ def test_an_export_refuses_a_file_beside_the_rows_that_is_a_fifo_naming_it(tmp_p
     with at_most(5), pytest.raises(RunDirectoryError, match=rf"{name} is not a regular file.*Move it out of"):
         exported(run_dir, out)
     assert out.read_text() == "an earlier export\n"
+
+
+# The page reads the checkpoint and the statistics once the checks above are done; one made a FIFO after
+# it was looked at (another program at work in the directory) was opened, and waited on for a writer for ever.
+@pytest.mark.parametrize("name", ("checkpoint.json", "statistics.json"))
+def test_the_report_never_waits_on_a_record_made_a_fifo_after_it_was_looked_at(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    run_dir = write_run(tmp_path / "data" / "run", [[finished_line(0)]])
+    record = run_dir / name
+    record.write_text(json.dumps({"distribution": "default"}))
+    looked_at = Path.is_file
+
+    def made_a_fifo_once_looked_at(path: Path) -> bool:
+        answer = looked_at(path)
+        if path == record and answer:
+            path.unlink()
+            os.mkfifo(path)
+        return answer
+
+    monkeypatch.setattr(Path, "is_file", made_a_fifo_once_looked_at)
+    with at_most(5):
+        read = report_scan.read_json(record)
+    assert read in ({}, {"distribution": "default"})      # what it held, or nothing: never a wait
 
 
 def test_export_flags_never_open_a_checkpoint_that_is_a_fifo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,6 +20,8 @@ from batchrun.run_dir import (
     require_regular_files,
     superseded_corrupted,
 )
+from batchrun.run_dir.errors import RunDirectoryError
+from batchrun.run_dir.reading import read_whole
 from batchrun.run_dir.relocations import RELOCATIONS
 from batchrun.run_dir.scan import FirstFinished
 
@@ -81,11 +83,9 @@ class RunScan:
 
 def read_json(path: Path) -> dict:
     """A JSON object of the run directory (checkpoint, statistics); {} where there is none (yet), or where
-    it is no regular file, which is never opened (see require_regular_files)."""
+    it is no regular file (not waited on, however late another program put it there: see read_whole)."""
     try:
-        if not path.is_file():
-            return {}
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = json.loads(read_whole(path))
+    except (OSError, ValueError, RunDirectoryError):
         return {}
     return data if isinstance(data, dict) else {}

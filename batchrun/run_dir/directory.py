@@ -20,7 +20,7 @@ from typing import Any
 
 from batchrun import kernel_files
 from batchrun.messages import Finished
-from batchrun.paths import lookup_error
+from batchrun.paths import NotRegularFile, lookup_error, open_regular
 from batchrun.run_dir.checkpoint import CHECKPOINT, Checkpoint
 from batchrun.run_dir.durable import append_whole, atomic_write_json, cut_torn_tail, fsync_dir, temps_in
 from batchrun.run_dir.errors import (
@@ -296,18 +296,13 @@ class RunDirectory:
         land outside the run directory, and a FIFO not waited on for a reader (O_NONBLOCK), both refused in
         one line as at the start."""
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
-                         0o666)
+            return open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW)
+        except NotRegularFile:
+            raise not_a_regular_file(path, "a batch file holds rows") from None
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise linked_elsewhere(path) from None
-            if exc.errno in (errno.EISDIR, errno.ENXIO):     # ENXIO: a FIFO no process reads
-                raise not_a_regular_file(path, "a batch file holds rows") from None
             raise
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise not_a_regular_file(path, "a batch file holds rows")
-        return fd
 
     def row_places(self, batch_num: int, finished: list[Finished]) -> list[RowPlace]:
         """Where these rows will be once appended to their batch file, in this order."""

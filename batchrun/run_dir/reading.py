@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import stat
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
 from batchrun import rows
+from batchrun.paths import NotRegularFile, open_regular
 from batchrun.run_dir.errors import RunDirectoryError, cannot_read, not_a_regular_file
 
 READ_BUFFER_BYTES = 1 << 20
@@ -82,10 +82,11 @@ def read_whole(path: Path) -> bytes:
     see what another program puts in its place while the run goes on: a FIFO is opened without waiting for a
     writer (O_NONBLOCK), and it or a device is refused in one line rather than waited on or read for ever.
     OSError as open() raises it."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with open(fd, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise not_a_regular_file(path, "the run writes it")
+    try:
+        descriptor = open_regular(path)
+    except NotRegularFile:
+        raise not_a_regular_file(path, "the run writes it") from None
+    with open(descriptor, "rb") as handle:
         return handle.read()
 
 
