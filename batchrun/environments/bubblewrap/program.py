@@ -30,7 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchrun.environments.base import DEFAULT_PATH, EnvironmentSetupError, scrubbed_environment
-from batchrun.environments.bubblewrap.root import MOUNT_POINT, SANDBOX_UID, host_directories, system_root, user_entries
+from batchrun.environments.bubblewrap.root import (
+    MOUNT_POINT,
+    SANDBOX_UID,
+    host_directories,
+    probe_root,
+    system_root,
+    user_entries,
+)
 from batchrun.environments.limits import MIB, ResourceLimits
 from batchrun.environments.seccomp import filter_descriptor, filter_program
 
@@ -112,7 +119,7 @@ def candidate_problem(bwrap: str) -> str | None:
         if uid is not None:
             os.chown(workspace, uid, uid)
         try:
-            root = open_root(system_root(scratch, allow_network=False))
+            root = open_root(probe_root(scratch))
         except OSError as exc:
             return f"cannot prepare a sandbox: {exc}"
         descriptors = Descriptors(root, workspace, uid)
