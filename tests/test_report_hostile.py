@@ -244,6 +244,13 @@ def test_the_report_never_waits_on_a_record_made_a_fifo_after_it_was_looked_at(
     assert read in ({}, {"distribution": "default"})      # what it held, or nothing: never a wait
 
 
+# Any other reader of these records reads through the report's: it must not wait on a FIFO either.
+def test_the_reports_reader_of_a_record_says_nothing_of_a_fifo_at_once(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "statistics.json")
+    with at_most(5):
+        assert report_scan.read_json(tmp_path / "statistics.json") == {}
+
+
 def test_export_flags_never_open_a_checkpoint_that_is_a_fifo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with_a_fifo(tmp_path, "checkpoint.json")
     monkeypatch.chdir(tmp_path)

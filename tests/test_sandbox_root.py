@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import on_event_loop
 
+from batchrun.environments.base import EnvironmentSetupError
 from batchrun.environments.bubblewrap import program
 from batchrun.environments.bubblewrap import root as root_module
 from batchrun.environments.bubblewrap.root import sandbox_name_service, system_root
@@ -98,3 +99,36 @@ def test_the_root_is_built_off_the_event_loop_and_opened_once_per_process(tmp_pa
     finally:
         program.close_root_descriptors()
     assert built_on_loop and not any(built_on_loop)
+
+
+# The probe at the start builds a root without the /etc directories of hundreds of files; where the run's
+# own root cannot be built (an unreadable TLS root, a full disk), each prompt's first sandbox said so as an
+# internal error with a traceback's words, not as the environment's failure that --resume retries.
+def test_a_root_that_cannot_be_built_fails_the_sandbox_start_saying_why(tmp_path, monkeypatch):
+    copy = root_module._copy_etc_entry
+
+    def unreadable_certs(source: Path, target: Path) -> None:
+        if source.name == "certs":
+            raise PermissionError(13, "Permission denied", str(source))
+        copy(source, target)
+
+    monkeypatch.setattr(root_module, "_copy_etc_entry", unreadable_certs)
+    try:
+        with pytest.raises(EnvironmentSetupError, match=r"cannot prepare the sandboxes' root.*Permission denied.*certs"):
+            asyncio.run(program.root_descriptor(tmp_path, False))
+    finally:
+        program.close_root_descriptors()
+    assert not [path for path in tmp_path.iterdir() if path.name.startswith(".root-building")]
+
+
+# A probe whose sandbox's descriptors could not be made (no memory for a memfd, no seccomp filter) let the
+# error out of the start-up check and kept the root's descriptor open.
+def test_a_probe_that_cannot_make_its_descriptors_says_so_and_keeps_none_open(monkeypatch):
+    def no_memory(*args: object) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(program, "Descriptors", no_memory)
+    before = sorted(os.listdir("/proc/self/fd"))
+    said = program.candidate_problem(program.bwrap_candidates()[0].path)
+    assert said == "cannot prepare a sandbox: [Errno 12] Cannot allocate memory"
+    assert sorted(os.listdir("/proc/self/fd")) == before

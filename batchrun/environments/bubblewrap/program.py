@@ -122,7 +122,11 @@ def candidate_problem(bwrap: str) -> str | None:
             root = open_root(probe_root(scratch))
         except OSError as exc:
             return f"cannot prepare a sandbox: {exc}"
-        descriptors = Descriptors(root, workspace, uid)
+        try:
+            descriptors = Descriptors(root, workspace, uid)
+        except OSError as exc:
+            os.close(root)
+            return f"cannot prepare a sandbox: {exc}"
         try:
             with descriptors.guarded() as passed:
                 probe = subprocess.run(sandbox_command(bwrap, False, ResourceLimits(), descriptors, uid, ["true"]),
@@ -225,7 +229,10 @@ async def root_descriptor(work_root: Path, allow_network: bool) -> int:
     loop may be held by one session."""
     key = (work_root, allow_network)
     if key not in _root_descriptors:
-        opened = await asyncio.to_thread(lambda: open_root(system_root(work_root, allow_network=allow_network)))
+        try:
+            opened = await asyncio.to_thread(lambda: open_root(system_root(work_root, allow_network=allow_network)))
+        except OSError as exc:      # the probe at the start built a smaller root (see probe_root)
+            raise EnvironmentSetupError(f"cannot prepare the sandboxes' root directory in {work_root}: {exc}") from None
         if key in _root_descriptors:    # another sandbox of this process asked meanwhile
             os.close(opened)
         else:

@@ -28,7 +28,7 @@ MOUNT_POINT = "/workspace"
 SYSTEM_LINKS = ("bin", "lib", "lib64", "sbin")
 # What of /etc programs need: the loader cache, alternatives, TLS roots, the time zone, localhost.
 ETC_ENTRIES = ("ld.so.cache", "alternatives", "ssl/certs", "ssl/openssl.cnf", "localtime", "hosts")
-# Those of them that are hundreds of files each, which no program needs to start.
+# Those of them that are hundreds of files each, which starting a sandbox does not read (see probe_root).
 _ETC_DIRECTORIES = ("alternatives", "ssl/certs")
 _NETWORK_ETC_ENTRIES = ("resolv.conf", "host.conf", "gai.conf")
 _MOUNT_POINTS = ("usr", "dev", "proc", "tmp", MOUNT_POINT.lstrip("/"))
