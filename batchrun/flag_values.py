@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal, overload
@@ -19,7 +20,7 @@ from batchrun import distributions
 from batchrun.env_vars import usable_http_url
 from batchrun.estimate import DEFAULT_SAMPLE
 from batchrun.install_hint import install_hint
-from batchrun.paths import file_kind, lookup_error, unexpanded_home
+from batchrun.paths import NotRegularFile, lookup_error, open_regular, unexpanded_home
 from batchrun.security import shown_unless_a_key
 
 DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
@@ -206,14 +207,17 @@ def load_prefill(flag: str, path_value: Any) -> tuple[dict, ...]:
         raise UsageError(f"--prefill_messages_file: {path} is a directory; give a JSON file")
     if not path.exists():
         raise UsageError(f"--prefill_messages_file: file not found: {path}{unexpanded_home(path, '--' + flag)}")
-    if not path.is_file():     # read whole: a FIFO blocks for ever, /dev/zero fills memory
-        raise UsageError(f"--prefill_messages_file must be a regular file, but {path} is {file_kind(path)}. "
-                         "Save it to a file first.")
     try:
-        if (size := path.stat().st_size) > MOST_TEXT_BYTES:
-            raise UsageError(f"--prefill_messages_file: {path} is {size / 1024**2:,.0f} MiB; it is sent with every "
-                             f"request, and no model's context holds more than {MOST_TEXT_BYTES // 1024**2} MiB")
-        messages = json.loads(path.read_text(encoding="utf-8-sig"))     # past a byte order mark, as a dataset
+        # Read whole: a FIFO would block for ever, /dev/zero fill memory; the open is the check.
+        with open(open_regular(path), "rb") as handle:
+            if (size := os.fstat(handle.fileno()).st_size) > MOST_TEXT_BYTES:
+                raise UsageError(f"--prefill_messages_file: {path} is {size / 1024**2:,.0f} MiB; it is sent with "
+                                 f"every request, and no model's context holds more than "
+                                 f"{MOST_TEXT_BYTES // 1024**2} MiB")
+            messages = json.loads(handle.read().decode("utf-8-sig"))     # past a byte order mark, as a dataset
+    except NotRegularFile as exc:
+        raise UsageError(f"--prefill_messages_file must be a regular file, but {path} is {exc.kind}. "
+                         "Save it to a file first.") from None
     except OSError as exc:
         raise UsageError(f"--prefill_messages_file: cannot read {path}: {exc.strerror}") from None
     except (ValueError, UnicodeDecodeError) as exc:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import inspect
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from conftest import REPO
 import batch_runner
 from batchrun import flags
 from batchrun.config import build_config
-from batchrun.flag_values import UsageError
+from batchrun.flag_values import UsageError, load_prefill
 
 # A valid value other than the default for every flag a run reads. A new flag without one here fails
 # test_every_flag_a_run_reads_is_declared_with_a_value_to_try.
@@ -232,3 +233,27 @@ def test_a_limit_variable_at_the_most_the_kernel_can_hold_is_taken(monkeypatch: 
     monkeypatch.setenv("TERMINAL_MAX_PROCESSES", "4194304")
     limits = build_config(**BASE).environment.limits
     assert (limits.memory_mb, limits.processes) == (8796093022207, 4194304)
+
+
+# The prefill file is read whole once it is known to be a regular file; one made a FIFO after it was looked at
+# was opened, and waited on for a writer for ever.
+@pytest.mark.timeout(10)
+def test_a_prefill_file_made_a_fifo_after_it_was_looked_at_is_never_waited_on(tmp_path, monkeypatch):
+    prefill = tmp_path / "prefill.json"
+    prefill.write_text('[{"role": "user", "content": "hi"}]', encoding="utf-8")
+    looked_at = Path.is_file
+
+    def made_a_fifo_once_looked_at(path: Path) -> bool:
+        answer = looked_at(path)
+        if path == prefill and answer:
+            path.unlink()
+            os.mkfifo(path)
+        return answer
+
+    monkeypatch.setattr(Path, "is_file", made_a_fifo_once_looked_at)
+    try:
+        messages = load_prefill("prefill_messages_file", str(prefill))
+    except UsageError as exc:       # what it held, or the refusal of a FIFO: never a wait
+        assert "must be a regular file" in str(exc)
+    else:
+        assert messages == ({"role": "user", "content": "hi"},)

@@ -25,6 +25,7 @@ from batchrun.report import scan as report_scan
 from batchrun.rows import AssistantTurn, SessionResult, ToolCallRecord, Usage
 from batchrun.run_dir import RunDirectoryError
 from batchrun.run_dir import scan as scan_module
+from batchrun.run_dir.reading import lines_at
 from batchrun.run_dir.scan import scan_files
 
 COST = 0.25
@@ -242,6 +243,15 @@ def test_the_report_never_waits_on_a_record_made_a_fifo_after_it_was_looked_at(
     with at_most(5):
         read = report_scan.read_json(record)
     assert read in ({}, {"distribution": "default"})      # what it held, or nothing: never a wait
+
+
+# Every reader of the run's JSONL files (the resume scan, the merge, the export, the spent ledger, the report
+# and its helper following a run) reads through lines_at, after the file was listed by stat: one made a FIFO in
+# between was opened and waited on for a writer for ever (the helper held the run's end with it).
+def test_a_jsonl_file_made_a_fifo_after_it_was_listed_is_refused_at_once(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "batch_0.jsonl")
+    with at_most(5), pytest.raises(RunDirectoryError, match=r"batch_0.jsonl is not a regular file.*Move it out of"):
+        list(lines_at(tmp_path / "batch_0.jsonl"))
 
 
 # Any other reader of these records reads through the report's: it must not wait on a FIFO either.

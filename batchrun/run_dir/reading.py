@@ -33,13 +33,10 @@ def lines_at(path: Path, start: int = 0, end: int | None = None) -> Iterator[tup
 
     With ``start``/``end``, only the lines that begin in that byte range: ranges that tile a file
     yield each of its lines exactly once, so separate processes can share one file. A file this user may
-    not read is a RunDirectoryError that says so: every reader (resume, merge, report, export) words it alike.
+    not read, or one no longer a regular file, is a RunDirectoryError that says so: every reader (resume,
+    merge, report, export) words it alike.
     """
-    try:
-        opened = path.open("rb", buffering=READ_BUFFER_BYTES)
-    except PermissionError as exc:
-        raise cannot_read(str(path), exc) from None
-    with opened as handle:
+    with _opened(path) as handle:
         # A line without a newline may be any size (damage, or a row cut short): never read into it.
         complete = _end_of_last_newline(handle, start)
         end = complete if end is None else min(end, complete)
@@ -77,6 +74,19 @@ def _end_of_last_newline(handle: BinaryIO, start: int) -> int:
     return max(position, start)
 
 
+def _opened(path: Path) -> BinaryIO:
+    """A JSONL file of the run directory opened to read. It was listed by stat, and another program may have
+    put something else in its place since: a FIFO is refused rather than waited on for a writer (see
+    open_regular); a file this user may not read is a RunDirectoryError that says so."""
+    try:
+        descriptor = open_regular(path)
+    except NotRegularFile:
+        raise not_a_regular_file(path, "the run writes it") from None
+    except PermissionError as exc:
+        raise cannot_read(str(path), exc) from None
+    return open(descriptor, "rb", buffering=READ_BUFFER_BYTES)
+
+
 def read_whole(path: Path) -> bytes:
     """The whole of a small file of the run directory (a record, the checkpoint). The start's checks cannot
     see what another program puts in its place while the run goes on: a FIFO is opened without waiting for a
@@ -98,7 +108,7 @@ def refused_line(path: Path, offset: int, error: rows.RowError) -> RunDirectoryE
 def line_number(path: Path, offset: int) -> int:
     """The 1-based number of the line that starts at byte ``offset`` (read only to name a bad line)."""
     newlines = 0
-    with path.open("rb") as handle:
+    with _opened(path) as handle:
         while offset > 0:
             chunk = handle.read(min(offset, READ_BUFFER_BYTES))
             if not chunk:
