@@ -139,3 +139,23 @@ def test_a_statistics_file_edited_to_numbers_no_count_can_be_still_gives_the_pag
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     assert (run_dir / report.REPORT_FILE).is_file()
+
+
+NESTED_TOO_DEEPLY = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("name", ["checkpoint.json", ".merge.json", "relocations.json", "spent.jsonl",
+                                  "statistics.json"])
+def test_a_record_nested_too_deeply_to_read_is_damage_the_report_passes_over_and_the_resume_writes_anew(
+        tmp_path, endpoint, name):
+    # Before: json's RecursionError escaped every reader of the run's records, and --report and --resume
+    # ended in a traceback.
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["a"])
+    assert run_cli(tmp_path, *base_args(endpoint, dataset)).returncode == 0
+    run_dir = tmp_path / "data" / "run"
+    (run_dir / name).write_text(f'{{"places": {NESTED_TOO_DEEPLY}}}\n', encoding="utf-8")
+    reported = run_cli(tmp_path, "--report", "--run_name=run")
+    assert "Traceback" not in reported.stderr
+    resumed = run_cli(tmp_path, *base_args(endpoint, dataset, "--resume"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert len(read_jsonl(run_dir / "trajectories.jsonl")) == 1

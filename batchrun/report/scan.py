@@ -3,7 +3,6 @@ RunSummary and offered to the trajectory sample, in as many steps as the run nee
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from batchrun.run_dir import (
     superseded_corrupted,
 )
 from batchrun.run_dir.errors import RunDirectoryError
-from batchrun.run_dir.reading import read_whole
+from batchrun.run_dir.reading import read_whole, record_json
 from batchrun.run_dir.relocations import RELOCATIONS
 from batchrun.run_dir.scan import FirstFinished
 
@@ -85,7 +84,7 @@ def read_json(path: Path) -> dict:
     """A JSON object of the run directory (checkpoint, statistics); {} where there is none (yet), or where
     it is no regular file (not waited on, however late another program put it there: see read_whole)."""
     try:
-        data = json.loads(read_whole(path))
+        data = record_json(read_whole(path))
     except (OSError, ValueError, RunDirectoryError):
         return {}
     return data if isinstance(data, dict) else {}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import os
 import re
 import stat
@@ -32,6 +31,7 @@ from batchrun.run_dir.errors import (
     write_refused,
 )
 from batchrun.run_dir.merge import MERGE_RECORD, TRAJECTORIES, OnCorrupted, forget_merge_over_damage, merge_batch_files
+from batchrun.run_dir.reading import record_json
 from batchrun.run_dir.relocations import RELOCATIONS, read_relocations, write_relocations
 from batchrun.run_dir.scan import ScanResult, scan_files
 from batchrun.run_dir.spent import SPENT, RowPlace
@@ -334,7 +334,7 @@ class RunDirectory:
         --rerun_corrupted resume replaced) lost."""
         path = self.path / CHECKPOINT
         try:
-            checkpoint = json.loads(path.read_text(encoding="utf-8"))
+            checkpoint = record_json(path.read_bytes())
         except FileNotFoundError:
             return None
         except OSError as exc:

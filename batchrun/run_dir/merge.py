@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import os
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping
@@ -27,6 +26,7 @@ from batchrun.run_dir.reading import (
     read_processes,
     read_whole,
     reading_pool,
+    record_json,
     refused_line,
     split_ranges,
 )
@@ -98,7 +98,7 @@ def forget_merge_over_damage(directory: Path, unreadable: list[LinePlace]) -> No
     if not unreadable:
         return
     try:
-        data = json.loads(read_whole(directory / MERGE_RECORD))
+        data = record_json(read_whole(directory / MERGE_RECORD))
         merged_to = {name: int(end) for name, (end, _) in data["files"].items()}
         known = {(name, int(offset)) for name, offset in data.get("unreadable", [])}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -183,7 +183,7 @@ def _read_merge_record(directory: Path, files: list[Path], relocations: str) -> 
     what it left (same tail bytes at the recorded sizes) and it placed rows as ``relocations`` (a
     relocations_digest) does; None means: rewrite everything."""
     try:
-        data = json.loads(read_whole(directory / MERGE_RECORD))
+        data = record_json(read_whole(directory / MERGE_RECORD))
         if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
             return None
         if data.get("format") != MERGE_RECORD_FORMAT or data.get("relocations", "") != relocations:

@@ -8,12 +8,13 @@ one forked process per core.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from batchrun import rows
 from batchrun.paths import NotRegularFile, open_regular
@@ -98,6 +99,16 @@ def read_whole(path: Path) -> bytes:
         raise not_a_regular_file(path, "the run writes it") from None
     with open(descriptor, "rb") as handle:
         return handle.read()
+
+
+def record_json(data: bytes | str) -> Any:
+    """The JSON of a record of the run directory, or a line of one. JSON nested deeper than Python reads is
+    a ValueError like any other damage, so that each reader does with it what it does with damage (writes
+    the record anew, counts nothing for the line, says what to do) instead of ending in a RecursionError."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to read") from None
 
 
 def refused_line(path: Path, offset: int, error: rows.RowError) -> RunDirectoryError:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from batchrun.run_dir.durable import atomic_write_json, fsync_dir
 from batchrun.run_dir.errors import RunDirectoryError
-from batchrun.run_dir.reading import read_whole
+from batchrun.run_dir.reading import read_whole, record_json
 
 RELOCATIONS = "relocations.json"
 _REMEDY = ("run again with --resume, which writes it anew from the rows and the dataset, or remove it (each row "
@@ -40,7 +40,7 @@ def read_relocations(directory: Path) -> dict[str, int | None]:
     """What the last resumed run recorded (see write_relocations); empty where it recorded nothing."""
     path = directory / RELOCATIONS
     try:
-        places = json.loads(read_whole(path))["places"]
+        places = record_json(read_whole(path))["places"]
     except FileNotFoundError:
         return {}
     except (OSError, ValueError, KeyError, TypeError) as exc:

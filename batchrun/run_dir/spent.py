@@ -17,7 +17,7 @@ from batchrun import rows
 from batchrun.messages import Spent
 from batchrun.run_dir.durable import append_whole, replacing
 from batchrun.run_dir.errors import DiskFull, full_disk_named
-from batchrun.run_dir.reading import lines_at
+from batchrun.run_dir.reading import lines_at, record_json
 from batchrun.stats import USAGE_KEYS, ReplyCounts, UsageTotals, add_usage, empty_usage, rounded_usage
 
 SPENT = "spent.jsonl"
@@ -73,7 +73,7 @@ class SpentLedger:
             announced: list[RowPlace] = []     # rows announced since the last "landed" line
             for _, line in lines_at(self.path):
                 try:
-                    record = json.loads(line)
+                    record = record_json(line)
                     if "row" in record:
                         announced.append(_announced(record))
                     elif "landed" in record:
