@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import sys
 import time
 
@@ -50,3 +51,24 @@ def test_a_call_past_its_time_limit_is_killed_and_reaped_though_its_output_was_n
     result = asyncio.run(held_up_call())
     gc.collect()
     assert result.returncode is None and not result.overflowed
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_a_cancelled_call_is_killed_and_its_pipes_closed_though_its_output_was_never_read():
+    """A call cancelled (its prompt's time limit) with output arrived but unread: the kill alone leaves
+    the pipe's reader stopped, the pipes' end is never seen, and two descriptors are held for the rest of
+    the run, every such call two more."""
+    async def cancelled_call() -> int:
+        before = len(os.listdir("/proc/self/fd"))
+        call = asyncio.create_task(call_cli([sys.executable, "-c", LATE_WIDE_WRITER], timeout=30,
+                                            max_stdout=2 << 20))
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.2, time.sleep, 1.5)       # the output arrives meanwhile ...
+        loop.call_later(0.21, call.cancel)          # ... and the cancellation with it
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        await asyncio.sleep(3)
+        return len(os.listdir("/proc/self/fd")) - before
+
+    assert asyncio.run(cancelled_call()) == 0
+    gc.collect()

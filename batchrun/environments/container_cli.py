@@ -94,6 +94,9 @@ async def call_cli(argv: list[str], *, timeout: float, stdin: bytes | None = Non
         return CliResult(returncode=None, stdout=b"", stderr="", overflowed=overflowed)
     except BaseException:       # cancelled: the CLI must not outlive the prompt it works for
         kill_group_of(process)
+        # Nor its pipes the call: a reader stopped on a full buffer never sees their end, and each call
+        # cancelled so would hold two descriptors for the rest of the run.
+        await drain_and_reap(process, timeout=5.0)
         raise
     return CliResult(returncode=None if overflowed else process.returncode, stdout=stdout,
                      stderr=stderr.decode("utf-8", "replace"), overflowed=overflowed)
