@@ -222,6 +222,9 @@ def load_prefill(flag: str, path_value: Any) -> tuple[dict, ...]:
         raise UsageError(f"--prefill_messages_file: cannot read {path}: {exc.strerror}") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise UsageError(f"--prefill_messages_file: {path} is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise UsageError(f"--prefill_messages_file: {path} is nested too deeply to read; it must hold a JSON array "
+                         "of {role, content} messages") from None
     if not isinstance(messages, list):
         raise UsageError(f"--prefill_messages_file: {path} must hold a JSON array of {{role, content}} messages")
     for number, message in enumerate(messages, start=1):

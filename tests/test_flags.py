@@ -257,3 +257,12 @@ def test_a_prefill_file_made_a_fifo_after_it_was_looked_at_is_never_waited_on(tm
         assert "must be a regular file" in str(exc)
     else:
         assert messages == ({"role": "user", "content": "hi"},)
+
+
+def test_a_prefill_file_nested_too_deeply_to_read_is_refused_in_one_line(tmp_path):
+    # Before: json's RecursionError ended the run's start in a traceback.
+    prefill = tmp_path / "prefill.json"
+    prefill.write_text("[" * 100_000 + "]" * 100_000, encoding="utf-8")
+    with pytest.raises(UsageError, match=r"^--prefill_messages_file: .*prefill\.json is nested too deeply to read; "
+                                         r"it must hold a JSON array of \{role, content\} messages$"):
+        load_prefill("prefill_messages_file", str(prefill))
