@@ -165,6 +165,23 @@ def run_cli(given: dict[str, Any], unknown_flags: dict[str, Any]) -> int:
         return exc.exit_code
 
 
+def _umask() -> int:
+    """This process's umask (set back at once: nothing else runs yet)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
+def _working_directory_gone() -> bool:
+    """Whether the directory this process started in no longer exists: every run, report and export reads
+    or writes data/RUN_NAME there."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        return True
+    return False
+
+
 def _run_command(given: dict[str, Any], unknown_flags: dict[str, Any], console: RunConsole) -> int:
     if unknown_flags:
         import difflib
@@ -184,6 +201,15 @@ def _run_command(given: dict[str, Any], unknown_flags: dict[str, Any], console: 
     if listing:
         list_distributions(console)
         return EXIT_OK
+    if (umask := _umask()) & 0o700:
+        console.error(f"the umask ({umask:04o}) takes from the owner the permissions it masks on everything the run "
+                      "makes (data/RUN_NAME, the sandboxes' directories), so the run could not use them: set one "
+                      "that leaves the owner's, such as umask 022 or umask 077, and run the command again")
+        return EXIT_ERROR
+    if _working_directory_gone():
+        console.error("the working directory was removed after this command's shell entered it, and data/ is made "
+                      "there: cd to a directory that exists and run the command again")
+        return EXIT_ERROR
     if reporting:
         return write_report_cli(given["run_name"], console)
     if given["export"] is not None:

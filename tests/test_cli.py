@@ -10,6 +10,7 @@ import contextlib
 import gzip
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -1158,3 +1159,30 @@ def test_a_run_whose_stdout_reader_goes_away_completes(tmp_path, endpoint):
     assert process.wait(timeout=120) == 0, stderr
     assert "Traceback" not in stderr and "stdout" not in stderr
     assert len(read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")) == 3
+
+
+def test_a_run_started_in_a_directory_since_removed_says_so_in_one_line(tmp_path, endpoint):
+    # Before: three chained tracebacks, the last of RunDirectory.acquire making data/ (FileNotFoundError).
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["a"])
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    command = shlex.join(batch_runner_command(f"--dataset_file={dataset}", "--batch_size=1", "--run_name=run",
+                                              *endpoint_args(endpoint)))
+    result = subprocess.run(["bash", "-c", f'rmdir "$PWD" && exec {command}'], cwd=gone,
+                            env=cli_environment(tmp_path), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "error: the working directory was removed after this command's shell entered it, and data/ is made there: "
+        "cd to a directory that exists and run the command again"]
+    assert not endpoint.requests
+
+
+def test_a_umask_that_denies_the_owner_everything_is_one_clear_error_and_leaves_nothing_in_tmp(tmp_path, endpoint):
+    # Before: the sandbox's start-up check made its scratch directory mode 000 and could not enter it: a
+    # traceback, and that directory left in $TMPDIR by every try.
+    prefix = ("bash", "-c", 'umask 0700 && exec "$@"', "bash", *obeying_file_modes())
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint), prefix=prefix)
+    assert error_line(result).startswith("error: the umask (0700) takes from the owner the permissions it masks")
+    assert not (tmp_path / "data").exists()
+    assert endpoint.requests == []
+    assert list((tmp_path / "tmp").iterdir()) == []

@@ -112,13 +112,17 @@ def candidate_problem(bwrap: str) -> str | None:
         return ("as root, sandboxed commands drop to a user of their own with setpriv, which is missing: "
                 "apt-get install util-linux, or run batch_runner as an ordinary user")
     uid = sandbox_uid() if RUNNING_AS_ROOT else None
-    scratch = Path(tempfile.mkdtemp(prefix="batchrun-probe-"))
     try:
-        workspace = scratch / "workspace"
-        workspace.mkdir()
-        if uid is not None:
-            os.chown(workspace, uid, uid)
+        scratch = Path(tempfile.mkdtemp(prefix="batchrun-probe-"))
+    except OSError as exc:
+        release_sandbox_uid(uid)
+        return f"cannot prepare a sandbox: {exc}"
+    try:
         try:
+            workspace = scratch / "workspace"
+            workspace.mkdir()
+            if uid is not None:
+                os.chown(workspace, uid, uid)
             root = open_root(probe_root(scratch))
         except OSError as exc:
             return f"cannot prepare a sandbox: {exc}"
