@@ -324,11 +324,14 @@ class BatchRunner:
                         pool.last_round()
             if pool.in_flight == 0:
                 return None
-            messages = pool.receive(timeout=1.0)
-            self.this_run.concurrency = pool.concurrency
-            # Every row that arrived is kept, also those that came with a run-wide failure.
-            self._persist([message for message in messages if isinstance(message, Finished)],
-                          [message for message in messages if isinstance(message, Spent)])
+            # A stop signal interrupts only the wait for rows: one that came after a row was received is
+            # raised once the row is written (a row dropped there was paid for again by the resume).
+            with STOP_SIGNALS.shielded():
+                messages = pool.receive(timeout=1.0)
+                self.this_run.concurrency = pool.concurrency
+                # Every row that arrived is kept, also those that came with a run-wide failure.
+                self._persist([message for message in messages if isinstance(message, Finished)],
+                              [message for message in messages if isinstance(message, Spent)])
             if fatal := next((message for message in messages if isinstance(message, Fatal)), None):
                 return fatal
             self._maybe_checkpoint()

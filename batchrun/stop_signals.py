@@ -14,7 +14,8 @@ StopSignals.ended), a signal does nothing.
 SIGTERM (a job scheduler's or a service manager's stop) and SIGHUP (the terminal closed, an ssh session
 lost) are taken as Ctrl-C is, so such a stop keeps the merge too (SIGHUP's default ended the run and its
 workers at once); the exit code is the shell's for the signal, 128 + its number: 130 for SIGINT, 143 for
-SIGTERM, 129 for SIGHUP.
+SIGTERM, 129 for SIGHUP. A stop signal the process was started with ignored stays ignored: whoever
+started it so (``nohup``, for a run that outlives its terminal; a shell's background job) asked for that.
 """
 
 from __future__ import annotations
@@ -53,9 +54,16 @@ def stopped_line(signum: int, *, resume: bool = True) -> str:
 
 
 def end_quietly_while_loading() -> None:
-    """Until :meth:`StopSignals.install`: Ctrl-C ends the program with the one line it ends with later,
-    instead of Python's traceback of whichever import it interrupted. Nothing is written yet to keep."""
-    signal.signal(signal.SIGINT, _end_while_loading)
+    """Until :meth:`StopSignals.install`: a stop signal ends the program with the one line it ends with later,
+    instead of Python's traceback of whichever import Ctrl-C interrupted, or no word at all for SIGTERM and
+    SIGHUP. Nothing is written yet to keep."""
+    for signum in _not_ignored():
+        signal.signal(signum, _end_while_loading)
+
+
+def _not_ignored() -> list[signal.Signals]:
+    """The stop signals this process was not started with ignored (see the module's docstring)."""
+    return [signum for signum in HANDLED if signal.getsignal(signum) is not signal.SIG_IGN]
 
 
 def _end_while_loading(signum: int, frame: FrameType | None) -> None:
@@ -77,7 +85,7 @@ class StopSignals:
 
     def install(self) -> None:
         self._pid = os.getpid()
-        for signum in HANDLED:
+        for signum in _not_ignored():
             signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:

@@ -28,6 +28,7 @@ from batchrun.config import RunConfig
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.messages import Fatal, Finished, Spent, Task
 from batchrun.rate_limit import RateGate
+from batchrun.stop_signals import STOP_SIGNALS
 
 _FORK = multiprocessing.get_context("fork")
 STOP_GRACE_SECONDS = 15.0
@@ -165,7 +166,9 @@ class WorkerPool(Protocol):
         ...
 
     def receive(self, timeout: float) -> list[Finished | Fatal | Spent]:
-        """What came back, waiting at most ``timeout`` seconds for the first message."""
+        """What came back, waiting at most ``timeout`` seconds for the first message. Called where a stop
+        signal is held back until what is received is written (see runner._feed): the wait for the first
+        message is the one stretch a stop signal interrupts, so nothing received is dropped."""
         ...
 
     def stop(self) -> list[Finished | Spent]:
@@ -244,7 +247,8 @@ class ProcessPool:
         """Everything the workers have sent, waiting at most ``timeout`` for the first message; a
         worker that died is replaced and its prompts come back as failure rows."""
         messages: list[Finished | Fatal | Spent] = []
-        ready = _ready(self._conns, timeout)
+        with STOP_SIGNALS.interruptible():
+            ready = _ready(self._conns, timeout)
         while ready:
             for conn in ready:
                 worker = self._conns.index(conn)

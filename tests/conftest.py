@@ -112,10 +112,11 @@ def cli_environment(tmp_path: Path, extra: dict[str, str] | None = None) -> dict
     return env
 
 
-def default_sigint() -> None:
-    """preexec_fn for a CLI that a test interrupts: a test run started with ``nohup`` or ``&`` passes
-    SIGINT on ignored, and a Python started that way never turns it into KeyboardInterrupt."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+def default_stop_signals() -> None:
+    """preexec_fn for a CLI that a test stops with a signal: a test run started with ``nohup`` or ``&``
+    passes SIGHUP or SIGINT on ignored, and the CLI leaves a stop signal it was started with ignored."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
 
 
 def batch_runner_command(*args: str) -> list[str]:

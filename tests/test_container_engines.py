@@ -23,7 +23,7 @@ from conftest import (
     batch_rows,
     batch_runner_command,
     cli_environment,
-    default_sigint,
+    default_stop_signals,
     endpoint_args,
     read_jsonl,
     run_cli,
@@ -574,7 +574,7 @@ def runner(engine: EngineBackend, tmp_path: Path, endpoint, run_name: str) -> It
                              "--distribution=terminal_only", *endpoint_args(endpoint)),
         cwd=tmp_path, env=cli_environment(tmp_path, {"TERMINAL_ENV": "docker", **engine.variables}),
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=default_sigint, start_new_session=True)
+        preexec_fn=default_stop_signals, start_new_session=True)
     try:
         yield process
     finally:

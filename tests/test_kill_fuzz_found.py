@@ -16,7 +16,7 @@ from conftest import (
     REPO,
     OutputLines,
     cli_environment,
-    default_sigint,
+    default_stop_signals,
     endpoint_args,
     human_prompt,
     paused_cli_command,
@@ -62,7 +62,7 @@ def killed_while_renaming(tmp_path: Path, endpoint, name: str) -> Path:
                                 *run_args(endpoint, dataset)],
                                cwd=tmp_path, env=cli_environment(tmp_path, {"TERMINAL_ENV": "local"}),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True, preexec_fn=default_sigint)
+                               start_new_session=True, preexec_fn=default_stop_signals)
     output = OutputLines(process)
     try:
         output.wait_for("paused renaming")
@@ -108,7 +108,7 @@ def signalled_while_exiting(tmp_path: Path, signum: int, *args: str, env: dict[s
     about to exit; its exit code and what it printed."""
     process = subprocess.Popen(paused_cli_command("batch_runner", "exit_without_teardown", tmp_path / "go", *args),
                                cwd=tmp_path, env=cli_environment(tmp_path, env), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=default_sigint)
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=default_stop_signals)
     output = OutputLines(process)
     try:
         output.wait_for("paused at exit_without_teardown")

@@ -36,7 +36,7 @@ from conftest import (
     batch_rows,
     batch_runner_command,
     cli_environment,
-    default_sigint,
+    default_stop_signals,
     endpoint_args,
     finished_row_count,
     holding_until_rows,
@@ -350,7 +350,8 @@ def test_a_stop_signal_stops_a_ray_run_in_order(tmp_path, endpoint, signum, code
     tag = uuid.uuid4().hex
     process = subprocess.Popen(batch_runner_command(*args(dataset, endpoint, "--num_workers=4", "--backend=ray")),
                                cwd=tmp_path, env=cli_environment(tmp_path, ray_environment(tag)),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                               preexec_fn=default_stop_signals)
     try:
         wait_for(lambda: finished_row_count(run_dir) >= 5, timeout=90, what="five finished rows")
         known = descendants(process.pid)
@@ -387,7 +388,7 @@ def test_ctrl_c_while_the_runner_waits_on_ray_stops_the_run_in_order(tmp_path, e
     tag = uuid.uuid4().hex
     process = subprocess.Popen(batch_runner_command(*args(dataset, endpoint, "--num_workers=1", "--backend=ray")),
                                cwd=tmp_path, env=cli_environment(tmp_path, ray_environment(tag)),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_stop_signals)
     try:
         assert held.arrived["held"].wait(90)
         known = descendants(process.pid)
@@ -420,7 +421,7 @@ def test_ctrl_c_while_ray_starts_the_session_actors_stops_the_run_in_order(tmp_p
     environment = ray_environment(tag, TERMINAL_ENV="docker", PATH=f"{bin_dir}:{os.environ['PATH']}")
     process = subprocess.Popen(batch_runner_command(*args(dataset, endpoint, "--num_workers=1", "--backend=ray")),
                                cwd=tmp_path, env=cli_environment(tmp_path, environment),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_stop_signals)
     try:
         wait_for(asked.exists, timeout=90, what="an actor's check of its node")
         known = descendants(process.pid)

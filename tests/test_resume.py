@@ -21,7 +21,7 @@ from conftest import (
     batch_rows,
     batch_runner_command,
     cli_environment,
-    default_sigint,
+    default_stop_signals,
     endpoint_args,
     finished_row_count,
     human_prompt,
@@ -95,7 +95,7 @@ def test_ctrl_c_saves_finished_work_and_resume_completes(tmp_path, endpoint):
     run_dir = tmp_path / "data" / "run"
     process = subprocess.Popen(batch_runner_command(*base_args(tmp_path, endpoint, dataset, "--num_workers=2")),
                                cwd=tmp_path, env=cli_environment(tmp_path), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=default_sigint)
+                               stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=default_stop_signals)
     wait_for(lambda: finished_row_count(run_dir) >= 2)
     os.killpg(process.pid, signal.SIGINT)
     stdout, stderr = process.communicate(timeout=60)
@@ -113,7 +113,7 @@ def start_paused(tmp_path: Path, module: str, name: str, *args: str) -> tuple[su
     at ``name`` until tmp_path/go exists."""
     process = subprocess.Popen(paused_cli_command(module, name, tmp_path / "go", *args), cwd=tmp_path,
                                env=cli_environment(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True, preexec_fn=default_sigint)
+                               text=True, start_new_session=True, preexec_fn=default_stop_signals)
     return process, OutputLines(process)
 
 
@@ -150,7 +150,12 @@ def test_ctrl_c_while_the_run_starts_says_so_in_one_line_and_resume_runs_every_p
     assert merged_prompts(tmp_path) == Counter(prompts)
 
 
-def test_ctrl_c_while_the_program_loads_ends_it_in_one_line(tmp_path, endpoint):
+@pytest.mark.parametrize(("signum", "code", "line"), [
+    (signal.SIGINT, 130, "Interrupted."),
+    (signal.SIGTERM, 143, "Stopped by SIGTERM."),     # before: killed by it, without a word
+    (signal.SIGHUP, 129, "Stopped by SIGHUP."),
+], ids=["SIGINT", "SIGTERM", "SIGHUP"])
+def test_a_stop_signal_while_the_program_loads_ends_it_in_one_line(tmp_path, endpoint, signum, code, line):
     """The modules take about half a second to load; Ctrl-C then printed Python's traceback of an import.
     ``-X importtime`` says when a module has loaded: the signal comes once fire has, with the project's
     own (most of the time) still to load."""
@@ -158,14 +163,14 @@ def test_ctrl_c_while_the_program_loads_ends_it_in_one_line(tmp_path, endpoint):
     process = subprocess.Popen([sys.executable, "-X", "importtime", *batch_runner_command(
         *base_args(tmp_path, endpoint, dataset))[1:]], cwd=tmp_path, env=cli_environment(tmp_path),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        preexec_fn=default_sigint)
+        preexec_fn=default_stop_signals)
     output = OutputLines(process)
     output.wait_for("| fire\n")
-    os.killpg(process.pid, signal.SIGINT)
-    said = "".join(line for line in stopped_output(process, output).splitlines(keepends=True)
-                   if not line.startswith("import time:"))
-    assert process.returncode == 130, said
-    assert said == "Interrupted.\n"
+    os.killpg(process.pid, signum)
+    said = "".join(said_line for said_line in stopped_output(process, output).splitlines(keepends=True)
+                   if not said_line.startswith("import time:"))
+    assert process.returncode == code, said
+    assert said == f"{line}\n"
     assert not (tmp_path / "data").exists() and not endpoint.requests
 
 
@@ -203,6 +208,47 @@ def test_ctrl_c_again_while_the_run_stops_only_says_so_and_every_row_is_kept_and
     assert not {last_user_message(request) for request in endpoint.requests} & set(kept)
 
 
+def test_ctrl_c_just_after_a_row_was_received_keeps_it(tmp_path, endpoint):
+    """The parent took a finished row from its worker and was stopped before writing it: the row was
+    lost, and paid for again by the resume. Received is kept: only the wait for rows is interrupted."""
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["prompt 0"])
+    process, output = start_paused(tmp_path, "batchrun.workers", "Places.give_back",     # right after recv()
+                                   *base_args(tmp_path, endpoint, dataset))
+    output.wait_for("paused at Places.give_back")
+    os.killpg(process.pid, signal.SIGINT)
+    (tmp_path / "go").touch()
+    said = stopped_output(process, output)
+    assert process.returncode == 130, said
+    assert [human_prompt(row) for row in batch_rows(tmp_path / "data" / "run")] == ["prompt 0"]
+    endpoint.reset()
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
+    assert result.returncode == 0, result.stderr
+    assert endpoint.requests == []
+
+
+def test_a_run_started_under_nohup_goes_on_when_its_terminal_closes(tmp_path, endpoint):
+    """nohup starts a command with SIGHUP ignored so that it outlives its terminal; the run took SIGHUP as a
+    stop all the same, and the days-long run a user left behind stopped when the ssh session ended."""
+    prompts = [f"[[sleep 0.3]] prompt {i}" for i in range(6)]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    run_dir = tmp_path / "data" / "run"
+
+    def as_nohup_starts_it() -> None:
+        default_stop_signals()
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    process = subprocess.Popen(batch_runner_command(*base_args(tmp_path, endpoint, dataset, "--num_workers=2")),
+                               cwd=tmp_path, env=cli_environment(tmp_path), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                               preexec_fn=as_nohup_starts_it)
+    wait_for(lambda: finished_row_count(run_dir) >= 2)
+    os.killpg(process.pid, signal.SIGHUP)
+    said, _ = process.communicate(timeout=60)
+    assert process.returncode == 0, said
+    assert "Stopped by" not in said
+    assert merged_prompts(tmp_path) == Counter(prompts)
+
+
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGHUP, 129)],
                          ids=["SIGTERM", "SIGHUP"])
 def test_sigterm_or_sighup_to_the_process_group_stops_the_run_as_ctrl_c_does_and_exits_128_plus_it(
@@ -214,7 +260,8 @@ def test_sigterm_or_sighup_to_the_process_group_stops_the_run_as_ctrl_c_does_and
     run_dir = tmp_path / "data" / "run"
     process = subprocess.Popen(batch_runner_command(*base_args(tmp_path, endpoint, dataset, "--num_workers=2")),
                                cwd=tmp_path, env=cli_environment(tmp_path), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                               preexec_fn=default_stop_signals)
     wait_for(lambda: finished_row_count(run_dir) >= 2)
     os.killpg(process.pid, signum)
     said, _ = process.communicate(timeout=60)

@@ -223,10 +223,11 @@ class RayWorkerPool:
     def _receive(self, timeout: float) -> list[Finished | Fatal | Spent]:
         ray = self.ray
         watched = [*self._pending, *self._starting]
-        if not watched:
-            time.sleep(timeout)
-            return []
-        ready, _ = ray.wait(watched, num_returns=1, timeout=timeout)
+        with STOP_SIGNALS.interruptible():    # see WorkerPool.receive
+            if not watched:
+                time.sleep(timeout)
+                return []
+            ready, _ = ray.wait(watched, num_returns=1, timeout=timeout)
         if ready and len(watched) > 1:
             ready, _ = ray.wait(watched, num_returns=len(watched), timeout=0)
         rows_from = {self._pending[ref][0] for ref in ready if ref in self._pending}
