@@ -14,6 +14,7 @@ import json
 import socket
 import threading
 import time
+import tracemalloc
 
 import openai
 import pytest
@@ -22,6 +23,7 @@ from scripted_endpoint import OVERFLOW_ERRORS, ScriptedEndpoint
 from test_session import ENDPOINT
 
 from batchrun.endpoint import (
+    MAX_ERROR_BYTES,
     MAX_REPLY_BYTES,
     MAX_RETRY_AFTER,
     MalformedReplyError,
@@ -225,6 +227,50 @@ def test_a_redirect_of_the_chat_request_stops_the_run_naming_where_it_points(sta
     assert str(fatal.value).startswith(f"the endpoint {base_url} redirects requests (HTTP {status}) to "
                                        f"http://127.0.0.1:{server.server_address[1]}/v2/chat/completions")
     assert Redirecting.seen == [("POST", "/v1/chat/completions")]
+
+
+class SettingCookies(http.server.BaseHTTPRequestHandler):
+    """An endpoint whose every answer sets a hundred new cookies of 4 KB: kept and sent back, each request
+    of the run carried all of them, 23 MB of them by the 60th."""
+
+    seen_cookies: list[str | None] = []
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.seen_cookies.append(self.headers.get("Cookie"))
+        body = json.dumps({"choices": [{"message": {"role": "assistant", "content": "Hello!"},
+                                        "finish_reason": "stop"}]}).encode()
+        self.send_response(200)
+        for number in range(100):
+            self.send_header("Set-Cookie", f"c{len(self.seen_cookies)}_{number}={'x' * 4000}; Path=/")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])     # the HTTP stack keeps a name's cookies only
+def test_cookies_an_endpoint_sets_are_never_sent_back(host):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SettingCookies)
+    SettingCookies.seen_cookies = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base_url = f"http://{host}:{server.server_address[1]}/v1"
+
+    async def calls() -> None:
+        async with make_client(base_url, "sk-test", timeout=10) as client:
+            for _ in range(3):
+                await call_model(client, RateGate(), body=request_body("q"), model=MODEL, max_retries=0,
+                                 base_url=base_url, on_refused=lambda usage, source: None)
+
+    try:
+        asyncio.run(calls())
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert SettingCookies.seen_cookies == [None, None, None]
 
 
 # A conversation that had read about context lengths (a tool's output, the prompt) then overflowed for
@@ -517,6 +563,26 @@ def test_a_reply_says_whether_its_endpoint_reported_its_cost(usage, source):
 def test_malformed_reply_is_named(raw, complaint):
     with pytest.raises(MalformedReplyError, match=complaint.replace("[", r"\[").replace("]", r"\]")):
         parse_reply(raw)
+
+
+def test_a_reply_of_more_objects_than_any_answer_holds_is_refused_before_it_is_read():
+    """60 MiB of "{}," in reasoning_details took 1.7 GB of the worker's memory once read (a Python object
+    per pair of braces), in the process every other session of the worker shares; the same reply gzipped
+    is 61 KB on the wire."""
+    raw = completion({"content": "a", "reasoning_details": [{}] * 1_100_000})
+    tracemalloc.start()
+    try:
+        with pytest.raises(MalformedReplyError, match=r"^reply holds more than 1,000,000 JSON objects and arrays"):
+            parse_reply(raw)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 10 * 2**20
+
+
+def test_code_full_of_braces_in_an_answer_is_read():
+    code = "int main() { if (a[0]) { return b[1]; } }\n" * 20_000     # 80,000 brackets, 840 KB
+    assert parse_reply(completion({"content": code})).message["content"] == code
 
 
 def test_an_answer_given_as_text_parts_is_read_as_their_text():
@@ -913,11 +979,12 @@ def failure_of(base_url: str, scenario: str, *, timeout: float = 10) -> PromptFa
     return failure.value
 
 
-@pytest.mark.parametrize("scenario", ["oversized", "oversized_error", "declared_oversized", "gzip_bomb"])
-def test_a_reply_larger_than_any_completion_fails_the_prompt_as_a_bad_response(raw_replies, scenario):
+@pytest.mark.parametrize(("scenario", "limit"), [("oversized", MAX_REPLY_BYTES), ("oversized_error", MAX_ERROR_BYTES),
+                                               ("declared_oversized", MAX_REPLY_BYTES), ("gzip_bomb", MAX_REPLY_BYTES)])
+def test_a_reply_larger_than_any_completion_fails_the_prompt_as_a_bad_response(raw_replies, scenario, limit):
     failure = failure_of(raw_replies.base_url, scenario)
     assert failure.error_type == "bad_response", failure
-    assert f"larger than {MAX_REPLY_BYTES // 2**20} MiB" in str(failure)
+    assert f"larger than {limit // 2**20} MiB" in str(failure)
 
 
 def test_an_error_message_of_a_megabyte_fails_the_prompt_with_its_start_and_its_length(raw_replies):

@@ -2,24 +2,31 @@
 
 A reply is read whole into the worker's memory, which every other session of the worker shares: an
 endpoint streaming without end or sending a gzip bomb would take the worker down with all its
-prompts. Here a reply, error bodies included, is refused as soon as its decoded size passes
-MAX_REPLY_BYTES (:mod:`batchrun.bounded_body` does the counting and the bounded inflating).
+prompts. Here a reply is refused as soon as its decoded size passes MAX_REPLY_BYTES, an error's body
+MAX_ERROR_BYTES (:mod:`batchrun.bounded_body` does the counting and the bounded inflating).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import httpx2
 import openai
+from openai._vendor.httpx_aiohttp.transport import AiohttpTransport
 
 from batchrun.bounded_body import ACCEPT_ENCODING, BodyError, bounded_chunks, gzipped_within
 from batchrun.endpoint.replies import MalformedReplyError
 
-# No chat completion comes near this: a million tokens of answer and reasoning are a few MiB of JSON.
-MAX_REPLY_BYTES = 64 * 2**20
+# No chat completion comes near this: the longest answers models give (128k tokens, reasoning included) are
+# a MiB or two of JSON. Each session of a worker may hold one reply this large at once, in the memory they
+# share: an endpoint that sends this much and then stalls holds it for the whole request time-out.
+MAX_REPLY_BYTES = 16 * 2**20
+# An error's body says why in a sentence; the client reads it whole into Python objects, several times its
+# size, before anything here looks at it.
+MAX_ERROR_BYTES = 2 * 2**20
 
 
 class BoundedAioHttpClient(openai.DefaultAioHttpClient):
@@ -27,10 +34,29 @@ class BoundedAioHttpClient(openai.DefaultAioHttpClient):
     any proxy's from the environment, bounded."""
 
     def _init_transport(self, *args: Any, **kwargs: Any) -> httpx2.AsyncBaseTransport:
-        return BoundedTransport(super()._init_transport(*args, **kwargs))
+        return BoundedTransport(_keeping_no_cookies(super()._init_transport(*args, **kwargs)))
 
     def _init_proxy_transport(self, *args: Any, **kwargs: Any) -> httpx2.AsyncBaseTransport:
-        return BoundedTransport(super()._init_proxy_transport(*args, **kwargs))
+        return BoundedTransport(_keeping_no_cookies(super()._init_proxy_transport(*args, **kwargs)))
+
+
+def _keeping_no_cookies(transport: httpx2.AsyncBaseTransport) -> httpx2.AsyncBaseTransport:
+    """The transport, its aiohttp session keeping no cookies. An API client needs none, and a session keeps
+    every cookie a named host sets and sends them all back: an endpoint setting new ones with each answer
+    made every request larger, until its front end refused them (HTTP 431) for the rest of the run."""
+    if (isinstance(transport, AiohttpTransport) and transport.client is None and transport.uds is None
+            and transport.local_address is None):
+        transport.client = functools.partial(_session_without_cookies, transport)
+    return transport
+
+
+def _session_without_cookies(transport: AiohttpTransport) -> aiohttp.ClientSession:
+    """The session the transport makes for itself (a connector with its limits and TLS context), with a
+    cookie jar that keeps nothing."""
+    limits = transport.limits
+    connector = aiohttp.TCPConnector(keepalive_timeout=limits.keepalive_expiry, ssl=transport.ssl_context,
+                                     limit=limits.max_connections or 0)     # None is no limit, aiohttp's 0
+    return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
 
 
 class BoundedTransport(httpx2.AsyncBaseTransport):
@@ -43,31 +69,34 @@ class BoundedTransport(httpx2.AsyncBaseTransport):
             response = await self._inner.handle_async_request(request)
         except aiohttp.ClientError as exc:
             raise _broken_http(exc) from exc
+        limit = MAX_REPLY_BYTES if response.status_code < 400 else MAX_ERROR_BYTES
         try:
             gzip = gzipped_within(response.headers.get_list("content-encoding"),
-                                  response.headers.get("content-length"), limit=MAX_REPLY_BYTES)
+                                  response.headers.get("content-length"), limit=limit)
         except BodyError as exc:
             await response.aclose()
             raise _reply_error(exc) from None
         # The body is handed on decoded, so the HTTP stack must neither decode it again nor hold it to
-        # the encoded length.
+        # the encoded length. Cookies are not handed on either: the client would keep every one and send
+        # them all back with each request (see make_client).
         headers = [(name, value) for name, value in response.headers.raw
-                   if name.lower() not in (b"content-encoding", b"content-length")]
+                   if name.lower() not in (b"content-encoding", b"content-length", b"set-cookie")]
         assert isinstance(response.stream, httpx2.AsyncByteStream)
         return httpx2.Response(response.status_code, headers=headers, request=request,
-                               stream=_BoundedReply(response.stream, gzip=gzip), extensions=response.extensions)
+                               stream=_BoundedReply(response.stream, gzip=gzip, limit=limit),
+                               extensions=response.extensions)
 
     async def aclose(self) -> None:
         await self._inner.aclose()
 
 
 class _BoundedReply(httpx2.AsyncByteStream):
-    def __init__(self, raw: httpx2.AsyncByteStream, *, gzip: bool) -> None:
-        self._raw, self._gzip = raw, gzip
+    def __init__(self, raw: httpx2.AsyncByteStream, *, gzip: bool, limit: int) -> None:
+        self._raw, self._gzip, self._limit = raw, gzip, limit
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         try:
-            async for chunk in bounded_chunks(self._raw, gzip=self._gzip, limit=MAX_REPLY_BYTES):
+            async for chunk in bounded_chunks(self._raw, gzip=self._gzip, limit=self._limit):
                 yield chunk
         except BodyError as exc:
             raise _reply_error(exc) from None
