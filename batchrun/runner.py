@@ -188,9 +188,10 @@ class BatchRunner:
             if config.estimate is not None:
                 self.console.print("--estimate: nothing left to estimate; every sample of the run has its row.")
             self._remove_leftovers()
-            with STOP_SIGNALS.shielded():     # the merge is not cut short; a stop signal is raised after it
+            with STOP_SIGNALS.shielded():     # the merge is not cut short
                 self._write_checkpoint()
                 self._finish(plan)
+                STOP_SIGNALS.take()     # one that came meanwhile had nothing left to stop (see _conclude)
             return EXIT_OK
         if self._budget_spent():     # earlier invocations reached a cap: no prompt may start, no pool to start
             self._remove_leftovers()
@@ -261,11 +262,14 @@ class BatchRunner:
 
     def _conclude(self, plan: DatasetPlan) -> int:
         """Merge, write the statistics and the report, say how the run ended; its exit code. A stop
-        signal that comes from here on is raised once this is over (see stop_signals)."""
+        signal that comes from here on stops nothing: the workers are done."""
         stopped_by = STOP_SIGNALS.take()
         if stopped_by is not None:
             self.console.print(stopped_line(stopped_by), style="yellow")
         self._finish(plan, interrupted=stopped_by is not None)
+        # One that came during the merge and the report had nothing left to stop: every row was in, and the
+        # run ends as it was going to (it said "Interrupted ... --resume to continue", with nothing to continue).
+        STOP_SIGNALS.take()
         if self._estimate_units is not None and stopped_by is None and self._estimate_runs:
             self._report_estimate(plan)
         # Of this invocation's own: under --estimate that is its sample, not every pending prompt.

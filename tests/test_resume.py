@@ -226,6 +226,25 @@ def test_ctrl_c_just_after_a_row_was_received_keeps_it(tmp_path, endpoint):
     assert endpoint.requests == []
 
 
+@pytest.mark.parametrize("extra", [(), ("--resume",)], ids=["last_prompt_done", "nothing_left"])
+def test_a_stop_signal_during_the_merge_of_a_run_with_nothing_left_to_stop_ends_it_as_complete(tmp_path, endpoint,
+                                                                                              extra):
+    """Every prompt had its row and the final merge was under way: the run said BATCH PROCESSING COMPLETE,
+    then "Interrupted ... --resume to continue", and exited 130, though there was nothing to continue."""
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["prompt 0"])
+    if extra:
+        assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset)).returncode == 0
+    process, output = start_paused(tmp_path, "batchrun.run_dir", "RunDirectory.merge",
+                                   *base_args(tmp_path, endpoint, dataset, *extra))
+    output.wait_for("paused at RunDirectory.merge")
+    os.killpg(process.pid, signal.SIGINT)
+    (tmp_path / "go").touch()
+    said = stopped_output(process, output)
+    assert process.returncode == 0, said
+    assert "Interrupted" not in said and "--resume" not in said
+    assert merged_prompts(tmp_path) == Counter(["prompt 0"])
+
+
 def test_a_run_started_under_nohup_goes_on_when_its_terminal_closes(tmp_path, endpoint):
     """nohup starts a command with SIGHUP ignored so that it outlives its terminal; the run took SIGHUP as a
     stop all the same, and the days-long run a user left behind stopped when the ssh session ended."""
