@@ -211,6 +211,21 @@ def test_summary_at_80_columns_keeps_every_figure_on_one_line():
         assert figure in text
 
 
+@pytest.mark.parametrize("terminal", [False, True], ids=["log_file", "terminal"])
+def test_the_tool_table_keeps_every_name_and_figure_whatever_the_width(terminal):
+    # Before: at COLUMNS=40 (a log file takes rich's width from it) the table lost its tools' names and cut
+    # its figures to "cou…"; at 5, empty boxes.
+    out = recording_console(terminal=terminal, width=40)
+    this_run, merge = big_run()
+    run_console(out).summary(statistics(this_run, merge), 1_234)
+    printed = lines_of(out)
+    assert widest(printed) <= (40 if terminal else 80)
+    text = "\n".join(printed)
+    for figure in ["browser_get_images", "1,234,567", "1,234,000", "567", "terminal", "6", "4", "2"]:
+        assert figure in text
+    assert "…" not in text
+
+
 def test_summary_counts_one_of_a_thing_in_the_singular():
     out = recording_console(terminal=True)
     this_run = ThisRun()

@@ -12,6 +12,7 @@ from datetime import datetime, timedelta
 from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.live import Live
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -73,6 +74,9 @@ class RunConsole:
         # terminal: colour then, but the live display, redrawn in place, only on a real one (else it went
         # into the log four times a second). A console the caller gives decides for itself.
         self.interactive = self.out.is_terminal and (out is not None or self.out.file.isatty())
+        if not self.interactive:
+            # Rich takes COLUMNS for a file's width, and cuts what it draws (the tool table) to it.
+            self.out.width = PLAIN_WIDTH
         self._live: Live | None = None
         self._total = 0
         self._done = 0
@@ -318,13 +322,22 @@ class RunConsole:
         if not used:
             self._emit_lines(["Tool usage: no tool calls in the merged file"])
             return
+        used.sort(key=lambda item: -item[1]["count"])
         table = Table()
         table.add_column("tool", overflow="fold")
         for column in ("count", "success", "failure", "success rate"):
             table.add_column(column, justify="right", no_wrap=True)    # a figure is never wrapped
-        for name, entry in sorted(used, key=lambda item: -item[1]["count"]):
+        for name, entry in used:
             table.add_row(*(Text(shown(self.redact(cell))) for cell in (
                 name, f"{entry['count']:,}", f"{entry['success']:,}", f"{entry['failure']:,}",
                 f"{entry['success_rate']:.1f}%")))
         self._emit_lines(["Tool usage (merged file, all runs):"])
+        unbounded = self.out.options.update_width(1 << 16)     # measured against the console's width, all fits
+        if Measurement.get(self.out, unbounded, table).maximum > width:
+            # Too narrow for the table whole, which would cut its figures and drop the tools' names.
+            entries = [(shown(name), [f"{entry['count']:,} calls", f"{entry['success']:,} ok",
+                                      f"{entry['failure']:,} failed", f"{entry['success_rate']:.1f}%"])
+                       for name, entry in used]
+            self._emit_lines(labelled(entries, width, label_column(entries)))
+            return
         self.out.print(table, width=width, soft_wrap=False)
