@@ -567,7 +567,9 @@ class BatchRunner:
                                       total_prompts=plan.total, skipped_dataset_lines=plan.skipped_lines,
                                       duration=time.monotonic() - self.started, merge=merge, this_run=self.this_run,
                                       superseded_corrupted=self.superseded_corrupted,
-                                      unfinished=self.spent.unfinished(), replies=self.spent.replies,
+                                      unfinished=self.spent.unfinished(),
+                                      unfinished_this_run=self.spent.unfinished_this_invocation(),
+                                      replies=self.spent.replies,
                                       samples_per_prompt=self.config.samples_per_prompt,
                                       pricing=self.config.endpoint.pricing.as_dict())
         self.run_dir.write_statistics(statistics)

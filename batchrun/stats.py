@@ -87,6 +87,7 @@ class ThisRunStatistics(TypedDict):
     discarded_no_reasoning: int
     api_calls: int
     usage: UsageTotals
+    spent_by_unfinished_sessions: UsageTotals
     replies_by_cost_source: dict[str, int]
     duration_seconds: float
     concurrency: NotRequired[dict[str, Any]]
@@ -277,10 +278,12 @@ def placeless_line(count: int) -> str:
 
 def build_statistics(*, run_name: str, distribution: str, model: str, batch_size: int, total_prompts: int,
                      skipped_dataset_lines: int, duration: float, merge: MergeStatistics, this_run: ThisRun,
-                     superseded_corrupted: Counter, unfinished: UsageTotals, replies: ReplyCounts,
-                     samples_per_prompt: int = 1, pricing: dict[str, Any] | None = None) -> dict[str, Any]:
+                     superseded_corrupted: Counter, unfinished: UsageTotals, unfinished_this_run: UsageTotals,
+                     replies: ReplyCounts, samples_per_prompt: int = 1,
+                     pricing: dict[str, Any] | None = None) -> dict[str, Any]:
     """``unfinished``: spent by sessions that left no row (cut off by a kill or a stop), which the
-    run's usage includes beside its rows'. ``replies``: every invocation's, by cost source."""
+    run's usage includes beside its rows'; ``unfinished_this_run`` the part of it this invocation's
+    sessions spent, which its own usage includes. ``replies``: every invocation's, by cost source."""
     corrupted = merge.live_corrupted(superseded_corrupted)
     usage = merge.usage.copy()
     add_usage(usage, unfinished)
@@ -316,11 +319,13 @@ def build_statistics(*, run_name: str, distribution: str, model: str, batch_size
         "replies_by_cost_source": dict(replies.cost_sources),
         # How replies without a cost of their own were priced.
         **({"pricing": pricing} if pricing is not None else {}),
-        "this_run": _this_run_statistics(this_run, duration),
+        "this_run": _this_run_statistics(this_run, duration, unfinished_this_run),
     }
 
 
-def _this_run_statistics(this_run: ThisRun, duration: float) -> ThisRunStatistics:
+def _this_run_statistics(this_run: ThisRun, duration: float, unfinished: UsageTotals) -> ThisRunStatistics:
+    usage = this_run.usage.copy()
+    add_usage(usage, unfinished)
     section: ThisRunStatistics = {
         "prompts_processed": this_run.processed,
         "completed": this_run.statuses[rows.COMPLETED],
@@ -328,7 +333,8 @@ def _this_run_statistics(this_run: ThisRun, duration: float) -> ThisRunStatistic
         "failed": this_run.statuses[rows.FAILED],
         "discarded_no_reasoning": this_run.statuses[rows.DISCARDED],
         "api_calls": this_run.api_calls,
-        "usage": rounded_usage(this_run.usage),
+        "usage": rounded_usage(usage),
+        "spent_by_unfinished_sessions": unfinished,
         "replies_by_cost_source": dict(this_run.replies.cost_sources),
         "duration_seconds": round(duration, 3),
     }

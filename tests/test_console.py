@@ -54,7 +54,8 @@ def record(console: RunConsole, this_run: ThisRun, outcome: Finished) -> None:
 def statistics(this_run: ThisRun, merge: MergeStatistics) -> dict:
     return build_statistics(run_name="run", distribution="default", model="m", batch_size=10, total_prompts=100,
                             skipped_dataset_lines=0, duration=12.3, merge=merge, this_run=this_run,
-                            superseded_corrupted=Counter(), unfinished=empty_usage(), replies=this_run.replies)
+                            superseded_corrupted=Counter(), unfinished=empty_usage(), unfinished_this_run=empty_usage(),
+                            replies=this_run.replies)
 
 
 def usage(prompt: int, completion: int, reasoning: int = 0, cached: int = 0, cost: float = 0.0) -> dict:

@@ -108,6 +108,24 @@ def test_ctrl_c_saves_finished_work_and_resume_completes(tmp_path, endpoint):
     assert merged_prompts(tmp_path) == Counter(prompts)
 
 
+def test_what_sessions_cut_off_by_ctrl_c_spent_counts_in_this_runs_usage(tmp_path, endpoint):
+    """The first invocation's sessions were cut off after their first reply: statistics.json and the summary
+    said "this run" spent nothing, beside a whole run that had spent it."""
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ['[[call terminal {"command": "sleep 60"}]] p0'])
+    run_dir = tmp_path / "data" / "run"
+    process = subprocess.Popen(batch_runner_command(*base_args(tmp_path, endpoint, dataset)), cwd=tmp_path,
+                               env=cli_environment(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True, preexec_fn=default_stop_signals)
+    wait_for(lambda: b'"spent"' in (run_dir / "spent.jsonl").read_bytes() if (run_dir / "spent.jsonl").exists()
+             else False)
+    os.killpg(process.pid, signal.SIGINT)
+    said, _ = process.communicate(timeout=60)
+    assert process.returncode == 130, said
+    statistics = json.loads((run_dir / "statistics.json").read_text(encoding="utf-8"))
+    assert statistics["this_run"]["usage"]["prompt_tokens"] > 0
+    assert statistics["this_run"]["usage"] == statistics["usage"] == statistics["spent_by_unfinished_sessions"]
+
+
 def start_paused(tmp_path: Path, module: str, name: str, *args: str) -> tuple[subprocess.Popen, OutputLines]:
     """The CLI in a session of its own (a terminal's Ctrl-C reaches its whole process group), pausing
     at ``name`` until tmp_path/go exists."""

@@ -103,6 +103,12 @@ class SpentLedger:
         add_usage(total, self._open_total)
         return rounded_usage(total)
 
+    def unfinished_this_invocation(self) -> UsageTotals:
+        """Spent by this invocation's sessions that left no row (or spent beyond it)."""
+        total = self._cut_off.copy()
+        add_usage(total, self._open_total)
+        return rounded_usage(total)
+
     def record(self, spent: list[Spent], rows_to_write: list[RowPlace]) -> None:
         """Replies' usage as it arrives, and the rows about to be appended, announced where they will be;
         durable before those rows are written (see the class)."""
