@@ -340,6 +340,7 @@ class BatchRunner:
                 return fatal
             self._maybe_checkpoint()
             self._publish_progress()
+            self.console.tick()
 
     def _next_task(self, tasks: Iterator[Task]) -> Task | None:
         """The next task, or None: none is left, or the dataset changed under the run. Then no further

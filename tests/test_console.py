@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import re
+import time
 from collections import Counter
 
 import pytest
@@ -15,6 +16,8 @@ from rich.console import Console
 
 from batchrun import rows
 from batchrun.console import RunConsole
+from batchrun.console import run_console as run_console_module
+from batchrun.console.run_console import PLAIN_STATUS_EVERY
 from batchrun.messages import Finished
 from batchrun.security import Redactor
 from batchrun.stats import MergeStatistics, ThisRun, build_statistics, empty_usage
@@ -161,6 +164,23 @@ def test_log_file_lines_are_laid_out_for_80_columns_whatever_width_rich_assumes(
     assert widest(printed) <= 80
     assert printed[0].startswith("✅ [1/10] prompt 0 · 3 model calls · 0.4s · Write") and printed[0].endswith("…")
     assert printed[1].startswith("progress: 1/10 prompts · ") and "ETA" in " ".join(printed[1:])
+
+
+def test_a_log_file_gets_the_status_line_while_nothing_finishes(monkeypatch):
+    # Before: only a finished prompt brought it, and an endpoint answering slowly (or a trickle of bytes,
+    # retried for the request time-out each time) left a log without a line for an hour.
+    out = recording_console(terminal=False)
+    console = run_console(out)
+    console.start_progress(10, 0, ThisRun())
+    started = time.monotonic()
+    console.tick()
+    assert out.file.getvalue() == ""
+    monkeypatch.setattr(run_console_module.time, "monotonic", lambda: started + PLAIN_STATUS_EVERY + 1)
+    console.tick()
+    console.tick()
+    printed = lines_of(out)
+    assert printed[0].startswith("progress: 0/10 prompts · ")
+    assert sum(line.startswith("progress:") for line in printed) == 1
 
 
 def test_log_file_output_has_no_escape_codes():

@@ -236,6 +236,13 @@ class RunConsole:
                 f"tokens {usage['prompt_tokens']:,}+{usage['completion_tokens']:,}", f"${usage['cost']:.4f}",
                 f"batch {finished.batch_num}", f"end {finished.end_reason}"]
 
+    def tick(self) -> None:
+        """Called by the scheduling loop about once a second. In a log file, the status line comes every
+        PLAIN_STATUS_EVERY though no prompt finishes: a slow endpoint (or one retried for the whole request
+        time-out, attempt after attempt) left a log without a line for an hour."""
+        if not self.interactive and self._total and time.monotonic() - self._last_status_line >= PLAIN_STATUS_EVERY:
+            self.status_line()
+
     def status_line(self) -> None:
         """Progress in a log file, where there is no live display: the same figures as plain lines."""
         self._last_status_line = time.monotonic()
