@@ -98,6 +98,8 @@ class BatchRunner:
         self._open_units: OrderedDict[int, None] = OrderedDict()
         self._highest_unit = -1                   # of the tasks handed out
         self._dataset_changed: DatasetChanged | None = None    # why no further prompt was admitted, if so
+        # Every prompt this invocation was going to run has run: a stop signal from then on stops nothing.
+        self._ran_to_the_end = False
 
     # -- the run --------------------------------------------------------------------------------
 
@@ -191,13 +193,19 @@ class BatchRunner:
             with STOP_SIGNALS.shielded():     # the merge is not cut short
                 self._write_checkpoint()
                 self._finish(plan)
-                STOP_SIGNALS.take()     # one that came meanwhile had nothing left to stop (see _conclude)
+                if STOP_SIGNALS.take() is not None:
+                    self._say_nothing_was_left_to_stop()
             return EXIT_OK
         if self._budget_spent():     # earlier invocations reached a cap: no prompt may start, no pool to start
             self._remove_leftovers()
+            self._ran_to_the_end = True
             with STOP_SIGNALS.shielded():
                 return self._conclude(plan)
         return self._execute(plan)
+
+    def _say_nothing_was_left_to_stop(self) -> None:
+        self.console.print("A stop signal came once every prompt had run: it had nothing left to stop, and the "
+                           "merge and the report were finished.", style="yellow")
 
     def _remove_leftovers(self) -> None:
         """What a crashed earlier run under this run's label left (its sandboxes' directories, containers,
@@ -236,6 +244,7 @@ class BatchRunner:
         try:
             with STOP_SIGNALS.interruptible():
                 fatal = self._feed(pool, self._planned_tasks(plan))
+            self._ran_to_the_end = fatal is None and self._dataset_changed is None
             if fatal is None:       # every row is written: the report's plots are drawn while the run ends
                 follower.rows_written(self.config.distribution)
         except Interrupted:
@@ -263,13 +272,15 @@ class BatchRunner:
     def _conclude(self, plan: DatasetPlan) -> int:
         """Merge, write the statistics and the report, say how the run ended; its exit code. A stop
         signal that comes from here on stops nothing: the workers are done."""
-        stopped_by = STOP_SIGNALS.take()
+        received = STOP_SIGNALS.take()
+        # One that came once every prompt had run (while the workers stopped) stopped nothing either: the run
+        # said "Interrupted ... --resume to continue", with nothing to continue.
+        stopped_by = None if self._ran_to_the_end else received
         if stopped_by is not None:
             self.console.print(stopped_line(stopped_by), style="yellow")
         self._finish(plan, interrupted=stopped_by is not None)
-        # One that came during the merge and the report had nothing left to stop: every row was in, and the
-        # run ends as it was going to (it said "Interrupted ... --resume to continue", with nothing to continue).
-        STOP_SIGNALS.take()
+        if stopped_by is None and STOP_SIGNALS.take() is not None:
+            self._say_nothing_was_left_to_stop()
         if self._estimate_units is not None and stopped_by is None and self._estimate_runs:
             self._report_estimate(plan)
         # Of this invocation's own: under --estimate that is its sample, not every pending prompt.
@@ -328,8 +339,9 @@ class BatchRunner:
                         pool.last_round()
             if pool.in_flight == 0:
                 return None
-            # A stop signal interrupts only the wait for rows: one that came after a row was received is
-            # raised once the row is written (a row dropped there was paid for again by the resume).
+            # A stop signal may interrupt the wait for rows (and the handing out of tasks above), never what
+            # follows it: one that comes once rows are received is raised after they are written (a row
+            # dropped there was paid for again by the resume).
             with STOP_SIGNALS.shielded():
                 messages = pool.receive(timeout=1.0)
                 self.this_run.concurrency = pool.concurrency

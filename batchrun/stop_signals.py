@@ -4,12 +4,12 @@ only say that it is stopping.
 The parent is the run directory's one writer, and its stop is what keeps the rows the workers finished
 meanwhile and merges them into trajectories.jsonl and statistics.json: an exception raised in the middle
 of those steps would lose them. So a stop signal raises :class:`Interrupted` only inside an
-*interruptible* stretch of code (the start, the scheduling loop: nothing to lose there); inside a
-*shielded* one (a group of rows being written, the stop, the merge, the report) it is noted, and raised
-when the code is interruptible again. The stop is bounded (workers get workers.STOP_GRACE_SECONDS, then
-are killed); the merge takes as long as the rows written since the last one. A signal after the first
-never raises: it prints one line saying the run is already stopping. Once the run is over (see
-StopSignals.ended), a signal does nothing.
+*interruptible* stretch of code (the start; the scheduling loop, but for the rows it receives and writes);
+inside a *shielded* one (rows received and written, the stop, the merge, the report) it is noted, and
+raised when the code is interruptible again; once every prompt has run, it stops nothing. The stop is
+bounded (workers get workers.STOP_GRACE_SECONDS, then are killed); the merge takes as long as the rows
+written since the last one. A signal after the first never raises: it prints one line saying the run is
+already stopping. Once the run is over (see StopSignals.ended), a signal does nothing.
 
 SIGTERM (a job scheduler's or a service manager's stop) and SIGHUP (the terminal closed, an ssh session
 lost) are taken as Ctrl-C is, so such a stop keeps the merge too (SIGHUP's default ended the run and its

@@ -167,8 +167,8 @@ class WorkerPool(Protocol):
 
     def receive(self, timeout: float) -> list[Finished | Fatal | Spent]:
         """What came back, waiting at most ``timeout`` seconds for the first message. Called where a stop
-        signal is held back until what is received is written (see runner._feed): the wait for the first
-        message is the one stretch a stop signal interrupts, so nothing received is dropped."""
+        signal is held back until what is received is written (see runner._feed): a stop signal may interrupt
+        the wait for the first message, never what follows it, so nothing received is dropped."""
         ...
 
     def stop(self) -> list[Finished | Spent]:

@@ -244,22 +244,26 @@ def test_ctrl_c_just_after_a_row_was_received_keeps_it(tmp_path, endpoint):
     assert endpoint.requests == []
 
 
-@pytest.mark.parametrize("extra", [(), ("--resume",)], ids=["last_prompt_done", "nothing_left"])
-def test_a_stop_signal_during_the_merge_of_a_run_with_nothing_left_to_stop_ends_it_as_complete(tmp_path, endpoint,
-                                                                                              extra):
-    """Every prompt had its row and the final merge was under way: the run said BATCH PROCESSING COMPLETE,
-    then "Interrupted ... --resume to continue", and exited 130, though there was nothing to continue."""
+@pytest.mark.parametrize(("module", "name", "extra"), [
+    ("batchrun.workers", "ProcessPool.stop", ()),           # the workers stopping after the last row
+    ("batchrun.run_dir", "RunDirectory.merge", ()),
+    ("batchrun.run_dir", "RunDirectory.merge", ("--resume",)),     # a resume with nothing left to run
+], ids=["workers_stopping", "merge", "merge_nothing_left"])
+def test_a_stop_signal_once_every_prompt_has_run_stops_nothing_and_the_run_ends_complete(tmp_path, endpoint, module,
+                                                                                           name, extra):
+    """Every prompt had its row: the run said "Interrupted ... --resume to continue" (and BATCH PROCESSING
+    INTERRUPTED, or COMPLETE before it) and exited 130, though there was nothing to continue."""
     dataset = write_dataset(tmp_path / "dataset.jsonl", ["prompt 0"])
     if extra:
         assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset)).returncode == 0
-    process, output = start_paused(tmp_path, "batchrun.run_dir", "RunDirectory.merge",
-                                   *base_args(tmp_path, endpoint, dataset, *extra))
-    output.wait_for("paused at RunDirectory.merge")
+    process, output = start_paused(tmp_path, module, name, *base_args(tmp_path, endpoint, dataset, *extra))
+    output.wait_for(f"paused at {name}")
     os.killpg(process.pid, signal.SIGINT)
     (tmp_path / "go").touch()
     said = stopped_output(process, output)
     assert process.returncode == 0, said
-    assert "Interrupted" not in said and "--resume" not in said
+    assert "Interrupted" not in said and "--resume" not in said and "BATCH PROCESSING COMPLETE" in said
+    assert "A stop signal came once every prompt had run: it had nothing left to stop" in said
     assert merged_prompts(tmp_path) == Counter(["prompt 0"])
 
 
