@@ -62,7 +62,8 @@ class _Fitted:
 
 class RunConsole:
     """The run's output. ``out`` and ``err`` default to stdout and stderr; a caller (a test) may pass
-    its own rich consoles, whose width and terminal-ness then decide the layout."""
+    its own rich consoles, whose terminal-ness then decides the layout, and a terminal's width its width
+    (``out`` not a terminal is a log file: it is set to PLAIN_WIDTH)."""
 
     def __init__(self, redact: Callable[[str], str], *, verbose: bool, out: Console | None = None,
                  err: Console | None = None) -> None:
