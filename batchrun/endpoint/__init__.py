@@ -11,8 +11,8 @@ from batchrun.endpoint.call import call_model
 from batchrun.endpoint.client import OpenAIEndpoint, OpenAIModel, make_client, preload_http_stack
 from batchrun.endpoint.errors import MAX_RETRY_AFTER, classify, retry_after_seconds
 from batchrun.endpoint.replies import MalformedReplyError, parse_reply
-from batchrun.endpoint.transport import MAX_ERROR_BYTES, MAX_REPLY_BYTES
+from batchrun.endpoint.transport import MAX_REPLY_BYTES
 
-__all__ = ["MAX_ERROR_BYTES", "MAX_REPLY_BYTES", "MAX_RETRY_AFTER", "MalformedReplyError", "OpenAIEndpoint",
+__all__ = ["MAX_REPLY_BYTES", "MAX_RETRY_AFTER", "MalformedReplyError", "OpenAIEndpoint",
            "OpenAIModel", "call_model", "classify", "make_client", "parse_reply", "preload_http_stack",
            "retry_after_seconds"]

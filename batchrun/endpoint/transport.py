@@ -2,8 +2,8 @@
 
 A reply is read whole into the worker's memory, which every other session of the worker shares: an
 endpoint streaming without end or sending a gzip bomb would take the worker down with all its
-prompts. Here a reply is refused as soon as its decoded size passes MAX_REPLY_BYTES, an error's body
-MAX_ERROR_BYTES (:mod:`batchrun.bounded_body` does the counting and the bounded inflating).
+prompts. Here a reply is refused as soon as its decoded size passes MAX_REPLY_BYTES, and an error's body
+cut at MAX_ERROR_BYTES (:mod:`batchrun.bounded_body` does the counting and the bounded inflating).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import httpx2
 import openai
 from openai._vendor.httpx_aiohttp.transport import AiohttpTransport
 
-from batchrun.bounded_body import ACCEPT_ENCODING, BodyError, bounded_chunks, gzipped_within
+from batchrun.bounded_body import ACCEPT_ENCODING, BodyError, BodyTooLarge, bounded_chunks, gzipped_within
 from batchrun.endpoint.replies import MalformedReplyError
 
 # No chat completion comes near this: the longest answers models give (128k tokens, reasoning included) are
@@ -25,7 +25,7 @@ from batchrun.endpoint.replies import MalformedReplyError
 # share: an endpoint that sends this much and then stalls holds it for the whole request time-out.
 MAX_REPLY_BYTES = 16 * 2**20
 # An error's body says why in a sentence; the client reads it whole into Python objects, several times its
-# size, before anything here looks at it.
+# size, before anything here looks at it. One longer is cut here (its start says why).
 MAX_ERROR_BYTES = 2 * 2**20
 
 
@@ -69,10 +69,13 @@ class BoundedTransport(httpx2.AsyncBaseTransport):
             response = await self._inner.handle_async_request(request)
         except aiohttp.ClientError as exc:
             raise _broken_http(exc) from exc
-        limit = MAX_REPLY_BYTES if response.status_code < 400 else MAX_ERROR_BYTES
+        # An error's body is cut at its limit, not refused: its status says what it is (the run's end, a
+        # pause, this prompt's failure), and its start why.
+        is_error = response.status_code >= 400
         try:
             gzip = gzipped_within(response.headers.get_list("content-encoding"),
-                                  response.headers.get("content-length"), limit=limit)
+                                  None if is_error else response.headers.get("content-length"),
+                                  limit=MAX_REPLY_BYTES)
         except BodyError as exc:
             await response.aclose()
             raise _reply_error(exc) from None
@@ -83,7 +86,7 @@ class BoundedTransport(httpx2.AsyncBaseTransport):
                    if name.lower() not in (b"content-encoding", b"content-length", b"set-cookie")]
         assert isinstance(response.stream, httpx2.AsyncByteStream)
         return httpx2.Response(response.status_code, headers=headers, request=request,
-                               stream=_BoundedReply(response.stream, gzip=gzip, limit=limit),
+                               stream=_BoundedReply(response.stream, gzip=gzip, is_error=is_error),
                                extensions=response.extensions)
 
     async def aclose(self) -> None:
@@ -91,13 +94,17 @@ class BoundedTransport(httpx2.AsyncBaseTransport):
 
 
 class _BoundedReply(httpx2.AsyncByteStream):
-    def __init__(self, raw: httpx2.AsyncByteStream, *, gzip: bool, limit: int) -> None:
-        self._raw, self._gzip, self._limit = raw, gzip, limit
+    def __init__(self, raw: httpx2.AsyncByteStream, *, gzip: bool, is_error: bool) -> None:
+        self._raw, self._gzip, self._is_error = raw, gzip, is_error
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         try:
-            async for chunk in bounded_chunks(self._raw, gzip=self._gzip, limit=self._limit):
+            async for chunk in bounded_chunks(self._raw, gzip=self._gzip,
+                                              limit=MAX_ERROR_BYTES if self._is_error else MAX_REPLY_BYTES):
                 yield chunk
+        except BodyTooLarge:
+            if not self._is_error:
+                raise _reply_error(BodyTooLarge(MAX_REPLY_BYTES)) from None
         except BodyError as exc:
             raise _reply_error(exc) from None
         except aiohttp.ClientError as exc:
