@@ -202,9 +202,10 @@ def _run_command(given: dict[str, Any], unknown_flags: dict[str, Any], console: 
         list_distributions(console)
         return EXIT_OK
     if (umask := _umask()) & 0o700:
-        console.error(f"the umask ({umask:04o}) takes from the owner the permissions it masks on everything the run "
-                      "makes (data/RUN_NAME, the sandboxes' directories), so the run could not use them: set one "
-                      "that leaves the owner's, such as umask 022 or umask 077, and run the command again")
+        console.error(f"the umask ({umask:04o}) takes from the owner the permissions it masks on everything this "
+                      "command makes (the run directory, the sandboxes' directories, a report, an export), so it "
+                      "could not use them: set one that leaves the owner's, such as umask 022 or umask 077, and "
+                      "run the command again")
         return EXIT_ERROR
     if _working_directory_gone():
         console.error("the working directory was removed after this command's shell entered it, and data/ is made "
