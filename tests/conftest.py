@@ -11,6 +11,7 @@ import queue
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -203,6 +204,21 @@ def obeying_file_modes() -> tuple[str, ...]:
     if shutil.which("setpriv") is None:
         pytest.skip("root without setpriv reads every file")
     return ("setpriv", "--bounding-set", "-dac_override,-dac_read_search")
+
+
+def made_a_fifo_once_checked(monkeypatch: pytest.MonkeyPatch, target: Path, check: str) -> None:
+    """``Path.<check>`` (exists, is_file) answers for ``target`` as the file it is, then a FIFO takes its place:
+    what another program may do between a look at a file and its opening."""
+    checked = getattr(Path, check)
+
+    def checked_then_replaced(path: Path) -> bool:
+        answer = checked(path)
+        if path == target and answer and not stat.S_ISFIFO(os.lstat(path).st_mode):
+            path.unlink()
+            os.mkfifo(path)
+        return answer
+
+    monkeypatch.setattr(Path, check, checked_then_replaced)
 
 
 def endpoint_args(server: ScriptedEndpoint, **extra: object) -> list[str]:

@@ -9,11 +9,12 @@ import importlib.util
 import inspect
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO
+from conftest import REPO, made_a_fifo_once_checked
 
 import batch_runner
 from batchrun import flags
@@ -236,27 +237,19 @@ def test_a_limit_variable_at_the_most_the_kernel_can_hold_is_taken(monkeypatch: 
 
 
 # The prefill file is read whole once it is known to be a regular file; one made a FIFO after it was looked at
-# was opened, and waited on for a writer for ever.
+# was opened, and waited on for a writer for ever. Its last look before the open is whether it exists.
 @pytest.mark.timeout(10)
 def test_a_prefill_file_made_a_fifo_after_it_was_looked_at_is_never_waited_on(tmp_path, monkeypatch):
     prefill = tmp_path / "prefill.json"
     prefill.write_text('[{"role": "user", "content": "hi"}]', encoding="utf-8")
-    looked_at = Path.is_file
-
-    def made_a_fifo_once_looked_at(path: Path) -> bool:
-        answer = looked_at(path)
-        if path == prefill and answer:
-            path.unlink()
-            os.mkfifo(path)
-        return answer
-
-    monkeypatch.setattr(Path, "is_file", made_a_fifo_once_looked_at)
+    made_a_fifo_once_checked(monkeypatch, prefill, "exists")
     try:
         messages = load_prefill("prefill_messages_file", str(prefill))
     except UsageError as exc:       # what it held, or the refusal of a FIFO: never a wait
         assert "must be a regular file" in str(exc)
     else:
         assert messages == ({"role": "user", "content": "hi"},)
+    assert stat.S_ISFIFO(os.lstat(prefill).st_mode)     # the look came before the open: the race was run
 
 
 def test_a_prefill_file_nested_too_deeply_to_read_is_refused_in_one_line(tmp_path):

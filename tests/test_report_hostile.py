@@ -12,19 +12,21 @@ import contextlib
 import json
 import os
 import signal
+import stat
 import sys
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import read_jsonl
+from conftest import made_a_fifo_once_checked, read_jsonl
 
 from batchrun import export, report, rows
 from batchrun.report import scan as report_scan
 from batchrun.rows import AssistantTurn, SessionResult, ToolCallRecord, Usage
 from batchrun.run_dir import RunDirectoryError
 from batchrun.run_dir import scan as scan_module
+from batchrun.run_dir.directory import require_regular_files
 from batchrun.run_dir.reading import lines_at
 from batchrun.run_dir.scan import scan_files
 
@@ -230,19 +232,12 @@ def test_the_report_never_waits_on_a_record_made_a_fifo_after_it_was_looked_at(
     run_dir = write_run(tmp_path / "data" / "run", [[finished_line(0)]])
     record = run_dir / name
     record.write_text(json.dumps({"distribution": "default"}))
-    looked_at = Path.is_file
-
-    def made_a_fifo_once_looked_at(path: Path) -> bool:
-        answer = looked_at(path)
-        if path == record and answer:
-            path.unlink()
-            os.mkfifo(path)
-        return answer
-
-    monkeypatch.setattr(Path, "is_file", made_a_fifo_once_looked_at)
+    made_a_fifo_once_checked(monkeypatch, record, "is_file")
+    require_regular_files(run_dir, (name,))     # the report's look at it, passed ...
     with at_most(5):
-        read = report_scan.read_json(record)
+        read = report_scan.read_json(record)    # ... and its read, after the FIFO took its place
     assert read in ({}, {"distribution": "default"})      # what it held, or nothing: never a wait
+    assert stat.S_ISFIFO(os.lstat(record).st_mode)
 
 
 # Every reader of the run's JSONL files (the resume scan, the merge, the export, the spent ledger, the report
