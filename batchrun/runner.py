@@ -193,8 +193,7 @@ class BatchRunner:
             with STOP_SIGNALS.shielded():     # the merge is not cut short
                 self._write_checkpoint()
                 self._finish(plan)
-                if STOP_SIGNALS.take() is not None:
-                    self._say_nothing_was_left_to_stop()
+                self._say_if_a_stop_signal_came()
             return EXIT_OK
         if self._budget_spent():     # earlier invocations reached a cap: no prompt may start, no pool to start
             self._remove_leftovers()
@@ -203,9 +202,12 @@ class BatchRunner:
                 return self._conclude(plan)
         return self._execute(plan)
 
-    def _say_nothing_was_left_to_stop(self) -> None:
-        self.console.print("A stop signal came once every prompt had run: it had nothing left to stop, and the "
-                           "merge and the report were finished.", style="yellow")
+    def _say_if_a_stop_signal_came(self) -> None:
+        """Every prompt has run, and the merge and the report are done: a stop signal received meanwhile had
+        nothing to stop, and is answered here rather than raised."""
+        if STOP_SIGNALS.take() is not None:
+            self.console.print("A stop signal came once every prompt had run: it had nothing left to stop, and the "
+                               "merge and the report were finished.", style="yellow")
 
     def _remove_leftovers(self) -> None:
         """What a crashed earlier run under this run's label left (its sandboxes' directories, containers,
@@ -279,8 +281,8 @@ class BatchRunner:
         if stopped_by is not None:
             self.console.print(stopped_line(stopped_by), style="yellow")
         self._finish(plan, interrupted=stopped_by is not None)
-        if stopped_by is None and STOP_SIGNALS.take() is not None:
-            self._say_nothing_was_left_to_stop()
+        if stopped_by is None:
+            self._say_if_a_stop_signal_came()
         if self._estimate_units is not None and stopped_by is None and self._estimate_runs:
             self._report_estimate(plan)
         # Of this invocation's own: under --estimate that is its sample, not every pending prompt.

@@ -102,9 +102,9 @@ class _BoundedReply(httpx2.AsyncByteStream):
             async for chunk in bounded_chunks(self._raw, gzip=self._gzip,
                                               limit=MAX_ERROR_BYTES if self._is_error else MAX_REPLY_BYTES):
                 yield chunk
-        except BodyTooLarge:
+        except BodyTooLarge as exc:
             if not self._is_error:
-                raise _reply_error(BodyTooLarge(MAX_REPLY_BYTES)) from None
+                raise _reply_error(exc) from None
         except BodyError as exc:
             raise _reply_error(exc) from None
         except aiohttp.ClientError as exc:

@@ -99,15 +99,17 @@ class SpentLedger:
     def unfinished(self) -> UsageTotals:
         """Spent by sessions that left no row (or spent beyond it), every invocation so far."""
         total = self._carried.copy()
-        add_usage(total, self._cut_off)
-        add_usage(total, self._open_total)
+        add_usage(total, self._unfinished_now())
         return rounded_usage(total)
 
     def unfinished_this_invocation(self) -> UsageTotals:
         """Spent by this invocation's sessions that left no row (or spent beyond it)."""
+        return rounded_usage(self._unfinished_now())
+
+    def _unfinished_now(self) -> UsageTotals:
         total = self._cut_off.copy()
         add_usage(total, self._open_total)
-        return rounded_usage(total)
+        return total
 
     def record(self, spent: list[Spent], rows_to_write: list[RowPlace]) -> None:
         """Replies' usage as it arrives, and the rows about to be appended, announced where they will be;
