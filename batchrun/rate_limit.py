@@ -80,6 +80,10 @@ class Gate(abc.ABC):
     def pause(self, seconds: float) -> None:
         self._pause_until(self._now() + seconds)
 
+    def pause_left(self) -> float:
+        """Seconds until the run's pause ends, as far as this process knows (0: none)."""
+        return max(0.0, self._resume_at() - self._now())
+
     async def wait(self) -> None:
         while (delay := self._resume_at() - self._now()) > 0:
             await asyncio.sleep(wake_delay(delay))     # not every session of the run at the same instant

@@ -18,7 +18,7 @@ import os
 import resource
 import signal
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any, Protocol, cast
@@ -227,8 +227,8 @@ class ProcessPool:
 
     @property
     def concurrency(self) -> ConcurrencyFigures:
-        """The model requests allowed at once now, and how it went so far."""
-        return self.gate.limit.figures()
+        """The model requests allowed at once now, how it went so far, and the run's pause."""
+        return replace(self.gate.limit.figures(), pause_left=self.gate.pause_left())
 
     def submit(self, task: Task) -> None:
         self._send(self._places.take(), task)

@@ -447,6 +447,40 @@ def test_requests_waiting_at_the_ray_gate_keeper_get_the_slots_the_start_adds_wi
     assert asyncio.run(admitted_without_answers()) == 64
 
 
+def test_the_requests_a_dead_worker_process_had_waiting_to_retry_are_no_longer_counted():
+    limit = SharedLimit(8, adaptive=True, holders=2)
+    limit.bind(1)
+    limit.retrying(1)
+    limit.retrying(1)
+    limit.bind(0)
+    limit.retrying(1)
+    limit.reclaim(1)
+    figures = limit.figures()
+    assert (figures.retrying, figures.retried) == (1, 3)
+
+
+def test_the_ray_gate_keeper_counts_requests_waiting_to_retry_and_forgets_a_lost_actors():
+    async def counted() -> tuple[int, int]:
+        keeper = GateKeeper(None, 64, adaptive=True)      # the actor's class, used without Ray
+        await keeper.retrying("a", 1)
+        await keeper.retrying("b", 1)
+        await keeper.retrying("b", -1)
+        await keeper.retrying("a", 1)
+        await keeper.forget("a")
+        await keeper.retrying("a", -1)      # late news from the lost actor changes nothing
+        figures = await keeper.figures()
+        return figures.retrying, figures.retried
+    assert asyncio.run(counted()) == (0, 3)
+
+
+def test_the_ray_gate_keepers_figures_say_how_long_the_run_is_paused():
+    async def paused_for() -> float:
+        keeper = GateKeeper(None, 64, adaptive=True)
+        await keeper.pause(time.time() + 30)
+        return (await keeper.figures()).pause_left
+    assert 29 < asyncio.run(paused_for()) <= 30
+
+
 def test_a_worker_process_takes_every_free_slot_its_line_wants_at_once_and_no_more():
     limit = SharedLimit(5, adaptive=False)
     for _ in range(6):
@@ -502,7 +536,7 @@ def test_the_live_display_shows_the_requests_allowed_at_once_within_80_columns()
     out = Console(file=io.StringIO(), width=80, record=True, force_terminal=True, force_interactive=False)
     console, this_run = RunConsole(lambda text: text, verbose=False, out=out), ThisRun()
     this_run.concurrency = ConcurrencyFigures(adaptive=True, ceiling=256, limit=32, lowest=16, highest=35,
-                                              requests=1_234, rate_limited=12)
+                                              requests=1_234, rate_limited=12, retrying=0, retried=0)
     console.start_progress(10_000, 9_990, this_run)
     console.stop_progress()
     lines = out.export_text().rstrip("\n").split("\n")

@@ -15,6 +15,7 @@ from rich.cells import cell_len
 from rich.console import Console
 
 from batchrun import rows
+from batchrun.concurrency import ConcurrencyFigures
 from batchrun.console import RunConsole
 from batchrun.console import run_console as run_console_module
 from batchrun.console.run_console import PLAIN_STATUS_EVERY
@@ -181,6 +182,67 @@ def test_a_log_file_gets_the_status_line_while_nothing_finishes(monkeypatch):
     printed = lines_of(out)
     assert printed[0].startswith("progress: 0/10 prompts · ")
     assert sum(line.startswith("progress:") for line in printed) == 1
+
+
+def figures_with(*, retrying: int = 0, pause_left: float = 0.0, adaptive: bool = False) -> ConcurrencyFigures:
+    return ConcurrencyFigures(adaptive=adaptive, ceiling=64, limit=64, lowest=64, highest=64, requests=10,
+                              rate_limited=1, retrying=retrying, retried=retrying, pause_left=pause_left)
+
+
+def test_progress_shows_a_pause_the_endpoint_asked_for_and_the_requests_waiting_to_retry():
+    # Before, a run paused for a minute by a 429, or retrying every request, showed figures that did not move.
+    out = recording_console(terminal=True)
+    console, this_run = run_console(out), ThisRun()
+    this_run.concurrency = figures_with(retrying=3, pause_left=41.2)
+    console.start_progress(10, 0, this_run)
+    console.stop_progress()
+    shown = " ".join(lines_of(out))
+    assert "paused by the endpoint, 42s left" in shown and "3 requests retrying" in shown
+    assert widest(lines_of(out)) <= 80
+
+
+def test_progress_says_nothing_of_retries_or_pauses_when_there_are_none():
+    out = recording_console(terminal=True)
+    console, this_run = run_console(out), ThisRun()
+    this_run.concurrency = figures_with()
+    console.start_progress(10, 0, this_run)
+    console.stop_progress()
+    assert "paused" not in out.export_text() and "retrying" not in out.export_text()
+
+
+def test_a_pause_the_endpoint_asked_for_gets_a_line_of_its_own_once():
+    out = recording_console(terminal=False)
+    console, this_run = run_console(out), ThisRun()
+    console.start_progress(10, 0, this_run)
+    this_run.concurrency = figures_with(pause_left=60)
+    console.tick()
+    this_run.concurrency = figures_with(pause_left=59)
+    console.tick()
+    printed = " ".join(line.strip() for line in lines_of(out))
+    assert printed.startswith("the endpoint answered 429 (too many requests): no model request goes out for 0:01:00")
+    assert printed.count("answered 429") == 1
+
+
+def test_a_later_pause_gets_a_line_of_its_own_too(monkeypatch):
+    out = recording_console(terminal=False)
+    console, this_run = run_console(out), ThisRun()
+    console.start_progress(10, 0, this_run)
+    this_run.concurrency = figures_with(pause_left=30)
+    console.tick()
+    started = time.monotonic()
+    monkeypatch.setattr(run_console_module.time, "monotonic", lambda: started + 20)
+    this_run.concurrency = figures_with(pause_left=30)    # a new 429 while the first pause had 10 s left
+    console.tick()
+    assert sum("answered 429" in line for line in lines_of(out)) == 2
+
+
+def test_a_short_pause_shows_in_the_progress_line_only():
+    out = recording_console(terminal=False)
+    console, this_run = run_console(out), ThisRun()
+    console.start_progress(10, 0, this_run)
+    this_run.concurrency = figures_with(pause_left=2)
+    console.tick()
+    assert out.file.getvalue() == ""
 
 
 def test_log_file_output_has_no_escape_codes():

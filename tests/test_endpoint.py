@@ -476,6 +476,61 @@ def test_a_request_is_announced_only_when_it_leaves_the_gate_and_once_per_attemp
     assert sent[1][1] >= first_answered - 0.01      # not while it waited for the slot
 
 
+
+def test_a_request_waiting_to_retry_is_counted_until_it_goes_again(ep):
+    # What the live display shows while nothing finishes: before, a run retrying every request said nothing.
+    seen: list[int] = []
+
+    async def call_and_watch() -> None:
+        async with make_client(ep.base_url, "sk-test", timeout=10) as client:
+            gate = RateGate()
+            call = asyncio.ensure_future(call_model(client, gate, body=request_body("[[fail 503 1 retry_after=1]] w"),
+                                                    model=MODEL, max_retries=1, base_url=ep.base_url))
+            while not call.done():
+                seen.append(gate.limit.figures().retrying)
+                await asyncio.sleep(0.05)
+            await call
+            figures = gate.limit.figures()
+            assert (figures.retrying, figures.retried) == (0, 1)
+    asyncio.run(call_and_watch())
+    assert 1 in seen and max(seen) == 1
+
+
+def test_a_request_cancelled_while_it_waits_to_retry_is_no_longer_counted(ep):
+    async def cancelled() -> tuple[int, int]:
+        async with make_client(ep.base_url, "sk-test", timeout=10) as client:
+            gate = RateGate()
+            call = asyncio.ensure_future(call_model(client, gate, body=request_body("[[fail 503 always retry_after=30]] c"),
+                                                    model=MODEL, max_retries=3, base_url=ep.base_url))
+            while gate.limit.figures().retrying == 0:
+                await asyncio.sleep(0.02)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            figures = gate.limit.figures()
+            return figures.retrying, figures.retried
+    assert asyncio.run(cancelled()) == (0, 1)
+
+
+def test_a_request_that_gives_up_is_not_counted_as_waiting_to_retry(ep):
+    async def gave_up() -> tuple[int, int]:
+        async with make_client(ep.base_url, "sk-test", timeout=10) as client:
+            gate = RateGate()
+            with pytest.raises(PromptFailedError):
+                await call_model(client, gate, body=request_body("[[fail 500 always]] g"), model=MODEL,
+                                 max_retries=0, base_url=ep.base_url)
+            figures = gate.limit.figures()
+            return figures.retrying, figures.retried
+    assert asyncio.run(gave_up()) == (0, 0)
+
+
+def test_a_pause_says_how_long_it_has_left():
+    gate = RateGate()
+    assert gate.pause_left() == 0.0
+    gate.pause(30)
+    assert 29 < gate.pause_left() <= 30
+
+
 # -- replies ----------------------------------------------------------------------------------
 
 def completion(message: object = None, **fields: object) -> bytes:

@@ -479,6 +479,15 @@ def test_a_429_in_one_actor_pauses_the_sessions_of_the_other(tmp_path, endpoint)
 
 
 @needs_ray
+def test_a_pause_the_endpoint_asks_for_is_said_in_a_ray_runs_log(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["[[fail 429 1 retry_after=6]] limited"])
+    result = run_cli(tmp_path, *args(dataset, endpoint, "--num_workers=2", "--backend=ray", distribution="minimal"),
+                     env=ray_environment(uuid.uuid4().hex))
+    assert result.returncode == 0, result.stderr
+    assert "the endpoint answered 429 (too many requests): no model request goes out for" in result.stdout
+
+
+@needs_ray
 def test_requests_per_minute_paces_every_actor_together(tmp_path, endpoint):
     arrivals: list[float] = []
     endpoint.script = lambda body: arrivals.append(time.monotonic())

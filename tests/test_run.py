@@ -182,6 +182,15 @@ def test_burst_of_429s_is_absorbed(tmp_path, endpoint):
     assert len(endpoint.requests) == 16
 
 
+def test_a_pause_the_endpoint_asks_for_is_said_in_the_log_and_retries_are_counted(tmp_path, endpoint):
+    # Before, a 429's pause left the log silent: the run looked hung until its requests went again.
+    result = run_prompts(tmp_path, endpoint, ["[[fail 429 1 retry_after=6]] limited"], distribution="minimal")
+    assert result.returncode == 0, result.stderr
+    assert "the endpoint answered 429 (too many requests): no model request goes out for" in result.stdout
+    statistics = json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())
+    assert statistics["this_run"]["concurrency"]["retried_requests"] == 1
+
+
 def test_non_retryable_error_fails_prompt_with_a_failure_row(tmp_path, endpoint):
     result = run_prompts(tmp_path, endpoint, ["[[fail 400 always]] rejected", "fine"])
     assert result.returncode == 2       # finished, with a failure that --resume retries

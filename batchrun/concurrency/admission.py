@@ -37,6 +37,9 @@ class Limit(Protocol):
 
     def finish(self, ticket: Ticket, outcome: Outcome, latency: float = 0.0) -> None: ...
 
+    def retrying(self, change: int) -> None:
+        """``change`` more of this holder's requests wait to go again after a failure (see note_retrying)."""
+
 
 @asynccontextmanager
 async def request_slot(limit: Limit, ready: Callable[[], Awaitable[None]]) -> AsyncIterator[Request]:

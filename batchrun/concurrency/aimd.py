@@ -81,7 +81,9 @@ class AimdState(ctypes.Structure):
                 ("round_answers", ctypes.c_long), ("round_latency", ctypes.c_double),   # so far, seconds summed
                 ("usual_latency", ctypes.c_double),     # the lowest mean of a round, raised by latency decreases
                 ("lowest", ctypes.c_double), ("highest", ctypes.c_double),
-                ("requests", ctypes.c_long), ("overloaded", ctypes.c_long)]
+                ("requests", ctypes.c_long), ("overloaded", ctypes.c_long),
+                ("retrying", ctypes.c_long),            # requests waiting to go again after a failure
+                ("retried", ctypes.c_long)]             # requests that went again, or will
 
 
 @dataclass(frozen=True)
@@ -102,11 +104,15 @@ class ConcurrencyFigures:
     highest: int
     requests: int
     rate_limited: int
+    retrying: int
+    retried: int
+    pause_left: float = 0.0     # seconds of the run's pause after a 429 left, where the gate says (Gate.pause_left)
 
     def as_dict(self) -> dict:
         """statistics.json's ``this_run.concurrency`` (docs/report.md)."""
         return {"adaptive": self.adaptive, "ceiling": self.ceiling, "final": self.limit, "min": self.lowest,
-                "max": self.highest, "requests": self.requests, "rate_limited_requests": self.rate_limited}
+                "max": self.highest, "requests": self.requests, "rate_limited_requests": self.rate_limited,
+                "retried_requests": self.retried}
 
 
 # -- the controller ---------------------------------------------------------------------------------
@@ -119,6 +125,7 @@ def reset(state: AimdState, ceiling: int, adaptive: bool) -> AimdState:
     state.ceiling, state.adaptive, state.starting = float(ceiling), adaptive, adaptive
     state.step = STEP_AFTER_DECREASE
     state.in_flight = state.waiting = state.epoch = state.requests = state.overloaded = 0
+    state.retrying = state.retried = 0
     state.next_doubling = state.usual_latency = 0.0
     _begin_round(state)
     return state
@@ -251,4 +258,11 @@ def hold_growth(state: AimdState, now: float) -> None:
 def figures(state: AimdState) -> ConcurrencyFigures:
     return ConcurrencyFigures(adaptive=state.adaptive, ceiling=int(state.ceiling), limit=slots(state),
                               lowest=int(state.lowest), highest=int(state.highest), requests=state.requests,
-                              rate_limited=state.overloaded)
+                              rate_limited=state.overloaded, retrying=state.retrying, retried=state.retried)
+
+
+def note_retrying(state: AimdState, change: int) -> None:
+    """``change`` more requests wait to go again after a failure (less: they went, or gave up). They
+    do not move the limit: what the live display shows while nothing finishes."""
+    state.retrying += change
+    state.retried += max(0, change)

@@ -21,6 +21,7 @@ from batchrun.concurrency.aimd import (
     finish,
     grow_with_time,
     hold_growth,
+    note_retrying,
     note_sent,
     reset,
     slots,
@@ -50,6 +51,7 @@ class SharedLimit:
         self._state = reset(_FORK.RawValue(AimdState), ceiling, adaptive)
         self._held = _FORK.RawArray(ctypes.c_long, holders)    # slots per worker process
         self._queued = _FORK.RawArray(ctypes.c_long, holders)  # requests waiting, per worker process
+        self._retrying = _FORK.RawArray(ctypes.c_long, holders)  # requests waiting to retry, per process
         self._debt = _FORK.RawValue(ctypes.c_long, 0)
         self._lock = _FORK.Lock()
         self._free = _FORK.Semaphore(slots(self._state))
@@ -112,6 +114,11 @@ class SharedLimit:
             self._return_slots(1)
             self._resize(before)
 
+    def retrying(self, change: int) -> None:
+        with self._lock:
+            self._retrying[self._holder] += change
+            note_retrying(self._state, change)
+
     def grow_with_time(self, *, hold: bool = False) -> float | None:
         """The start's growth with time (:func:`grow_with_time`), or with ``hold`` its next doubling
         postponed (:func:`hold_growth`); the seconds until it should be asked again."""
@@ -129,9 +136,10 @@ class SharedLimit:
         # below frees it.
         self._lock.acquire(timeout=LOCK_TIMEOUT)
         try:
-            lost, self._held[holder], self._queued[holder] = self._held[holder], 0, 0
+            lost, self._held[holder], self._queued[holder], self._retrying[holder] = self._held[holder], 0, 0, 0
             # Summed from what each process counts: one killed between two updates leaves them apart.
             self._state.in_flight, self._state.waiting = sum(self._held), sum(self._queued)
+            self._state.retrying = sum(self._retrying)
             self._return_slots(lost)
         finally:
             self._lock.release()

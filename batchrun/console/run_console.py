@@ -4,6 +4,7 @@ summary. Every line passes through the redactor first, then :func:`batchrun.cons
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -43,6 +44,11 @@ PLAIN_STATUS_EVERY = 30.0     # seconds between progress lines when output is a 
 MIN_BAR, MAX_BAR = 10, 40     # a shorter progress bar is noise; a longer one adds nothing
 RULE_WIDTH = 60
 MAX_ERROR_CHARS = 200         # without --verbose a failure's message is one line of at most this
+# A pause the endpoint asked for (a 429) this long or longer gets a line of its own; a shorter one shows in
+# the progress line only (with --adaptive_concurrency=False every 429 pauses the run, a second or two).
+PAUSE_NOTE_SECONDS = 5.0
+# Two pauses whose ends are this close are one, seen again: a Ray run's figures come up to 1.5 s late.
+SAME_PAUSE_SECONDS = 2.0
 
 
 def counted(number: int, noun: str, plural: str | None = None) -> str:
@@ -84,6 +90,7 @@ class RunConsole:
         self._samples = False
         self._started = 0.0
         self._last_status_line = 0.0
+        self._pause_noted_until = 0.0     # time.monotonic() when the last pause announced ends
         self._this_run: ThisRun | None = None
 
     @property
@@ -161,9 +168,16 @@ class RunConsole:
         tokens = run.usage["prompt_tokens"] + run.usage["completion_tokens"]
         cost = cost_text(run.usage["cost"], run.replies.unpriced) + self._cost_to_come()
         segments = [counts, f"{tokens:,} tok", cost]
-        if run.concurrency is not None and run.concurrency.adaptive:
+        if (figures := run.concurrency) is None:
+            return segments
+        if figures.adaptive:
             # Model requests the run lets be in flight now, of the most it would (--num_workers).
-            segments.append(f"requests {run.concurrency.limit:,}/{run.concurrency.ceiling:,} at once")
+            segments.append(f"requests {figures.limit:,}/{figures.ceiling:,} at once")
+        # Why figures stand still: without these a run paused or retrying looked hung.
+        if figures.pause_left > 0:
+            segments.append(f"paused by the endpoint, {math.ceil(figures.pause_left)}s left")
+        if figures.retrying:
+            segments.append(counted(figures.retrying, "request") + " retrying")
         return segments
 
     def _cost_to_come(self) -> str:
@@ -241,8 +255,23 @@ class RunConsole:
         """Called by the scheduling loop about once a second. In a log file, the status line comes every
         PLAIN_STATUS_EVERY though no prompt finishes: a slow endpoint (or one retried for the whole request
         time-out, attempt after attempt) left a log without a line for an hour."""
+        self._announce_a_new_pause()
         if not self.interactive and self._total and time.monotonic() - self._last_status_line >= PLAIN_STATUS_EVERY:
             self.status_line()
+
+    def _announce_a_new_pause(self) -> None:
+        """A line when the endpoint pauses the run (a 429, see batchrun.rate_limit.Gate): nothing moves
+        until it ends, and a log file would otherwise say why only in the next status line."""
+        figures = self._this_run.concurrency if self._this_run else None
+        if figures is None or figures.pause_left < PAUSE_NOTE_SECONDS:
+            return
+        ends = time.monotonic() + figures.pause_left
+        if ends - self._pause_noted_until <= SAME_PAUSE_SECONDS:
+            return
+        self._pause_noted_until = ends
+        until = datetime.now() + timedelta(seconds=figures.pause_left)
+        self.print(f"the endpoint answered 429 (too many requests): no model request goes out for "
+                   f"{clock(math.ceil(figures.pause_left))}, until {until:%H:%M:%S}")
 
     def status_line(self) -> None:
         """Progress in a log file, where there is no live display: the same figures as plain lines."""

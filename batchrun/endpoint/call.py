@@ -33,52 +33,64 @@ async def call_model(client: openai.AsyncOpenAI, gate: Gate, *, body: bytes, mod
     # The client's time-out bounds each wait for the next bytes; this bounds the whole reply, which a
     # server sending a byte now and then would otherwise hold open for ever.
     deadline = client.timeout if isinstance(client.timeout, (int, float)) else None
-    while True:
-        retry_after, overloaded = None, False
-        async with gate.slot() as request:
-            on_send()
-            try:
-                # The client's documented raw-post path: same HTTP, auth, errors and timeouts as
-                # chat.completions.create, without re-validating the whole conversation on every call
-                # (that walk cost more CPU than the rest of a session).
-                async with asyncio.timeout(deadline):
-                    raw = await client.post("/chat/completions", cast_to=bytes, content=body)
-                request.answered()
-                _ANSWERED.add(base_url)
-                return parse_reply(raw)
-            except openai.APIError as exc:
-                if isinstance(exc, openai.APIStatusError):
+    # Waiting to go again after a failure: counted at the gate for the live display, until it goes or
+    # this call ends (given up, or cancelled with its prompt).
+    retrying = False
+    try:
+        while True:
+            retry_after, overloaded = None, False
+            async with gate.slot() as request:
+                if retrying:
+                    gate.limit.retrying(-1)
+                    retrying = False
+                on_send()
+                try:
+                    # The client's documented raw-post path: same HTTP, auth, errors and timeouts as
+                    # chat.completions.create, without re-validating the whole conversation on every call
+                    # (that walk cost more CPU than the rest of a session).
+                    async with asyncio.timeout(deadline):
+                        raw = await client.post("/chat/completions", cast_to=bytes, content=body)
+                    request.answered()
                     _ANSWERED.add(base_url)
-                    if overloaded := exc.status_code in OVERLOAD_STATUSES:
-                        request.overloaded()
-                retry_after = classify(exc, model=model, base_url=base_url, endpoint_answered=base_url in _ANSWERED,
-                                       request=body)
-                failure: Exception = exc
-            except MalformedReplyError as exc:   # perhaps a passing fault: worth another attempt
-                if exc.usage is not None:       # the endpoint billed it all the same
-                    on_refused(exc.usage, exc.cost_source)
-                failure = exc
-            except TimeoutError as exc:
-                failure = exc
-        if attempt >= max_retries:
-            text, error_type = failure_summary(failure, client.timeout)
-            attempts = f"{attempt + 1} attempt{'s' if attempt else ''}"
-            raise PromptFailedError(f"gave up after {attempts}: {text}", error_type) from None
-        if retry_after is not None:
-            delay = retry_after
-        elif overloaded and gate.adaptive and attempt == 0:
-            # The limit was just lowered for this refusal: the retry waits for a slot under it, in line
-            # with every other request. Sleeping as well would only leave its prompt behind (at the end
-            # of a run, the whole run).
-            delay = 0.0
-        else:
-            delay = backoff_delay(attempt)
-        attempt += 1
-        # A 429 that says when to come back holds every session until then. One that does not, under
-        # adaptive concurrency, only lowers the limit: pausing the run for it would bring every session
-        # back at once, to meet the limit again.
-        if isinstance(failure, openai.RateLimitError) and (retry_after is not None or not gate.adaptive):
-            gate.pause(delay)      # every session waits it out, this one too, in its next gate.slot()
-        else:
-            # A Retry-After told to many sessions at once would bring them all back at once.
-            await asyncio.sleep(delay if retry_after is None else wake_delay(delay))
+                    return parse_reply(raw)
+                except openai.APIError as exc:
+                    if isinstance(exc, openai.APIStatusError):
+                        _ANSWERED.add(base_url)
+                        if overloaded := exc.status_code in OVERLOAD_STATUSES:
+                            request.overloaded()
+                    retry_after = classify(exc, model=model, base_url=base_url,
+                                           endpoint_answered=base_url in _ANSWERED, request=body)
+                    failure: Exception = exc
+                except MalformedReplyError as exc:   # perhaps a passing fault: worth another attempt
+                    if exc.usage is not None:       # the endpoint billed it all the same
+                        on_refused(exc.usage, exc.cost_source)
+                    failure = exc
+                except TimeoutError as exc:
+                    failure = exc
+            if attempt >= max_retries:
+                text, error_type = failure_summary(failure, client.timeout)
+                attempts = f"{attempt + 1} attempt{'s' if attempt else ''}"
+                raise PromptFailedError(f"gave up after {attempts}: {text}", error_type) from None
+            if retry_after is not None:
+                delay = retry_after
+            elif overloaded and gate.adaptive and attempt == 0:
+                # The limit was just lowered for this refusal: the retry waits for a slot under it, in line
+                # with every other request. Sleeping as well would only leave its prompt behind (at the end
+                # of a run, the whole run).
+                delay = 0.0
+            else:
+                delay = backoff_delay(attempt)
+            attempt += 1
+            gate.limit.retrying(1)
+            retrying = True
+            # A 429 that says when to come back holds every session until then. One that does not, under
+            # adaptive concurrency, only lowers the limit: pausing the run for it would bring every session
+            # back at once, to meet the limit again.
+            if isinstance(failure, openai.RateLimitError) and (retry_after is not None or not gate.adaptive):
+                gate.pause(delay)      # every session waits it out, this one too, in its next gate.slot()
+            else:
+                # A Retry-After told to many sessions at once would bring them all back at once.
+                await asyncio.sleep(delay if retry_after is None else wake_delay(delay))
+    finally:
+        if retrying:
+            gate.limit.retrying(-1)

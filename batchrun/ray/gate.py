@@ -9,6 +9,7 @@ pace, as batchrun.rate_limit keeps them in shared memory for worker processes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import time
 from collections import Counter, deque
@@ -33,6 +34,7 @@ class GateKeeper:
         self._changed = asyncio.Event()
         self._limit = concurrency.new_state(ceiling, adaptive)
         self._held: Counter[str] = Counter()
+        self._retrying: Counter[str] = Counter()
         self._lost: set[str] = set()
         self._waiting: deque[tuple[str, asyncio.Future[Ticket]]] = deque()
         self._growth: asyncio.TimerHandle | None = None
@@ -67,10 +69,17 @@ class GateKeeper:
         """A session actor was lost: the requests it had in flight are over, and it waits for none."""
         self._lost.add(holder)
         self._limit.in_flight -= self._held.pop(holder, 0)
+        self._limit.retrying -= self._retrying.pop(holder, 0)
         self._serve()
 
+    async def retrying(self, holder: str, change: int) -> None:
+        if holder not in self._lost:
+            self._retrying[holder] += change
+            concurrency.note_retrying(self._limit, change)
+
     async def figures(self) -> ConcurrencyFigures:
-        return concurrency.figures(self._limit)
+        return dataclasses.replace(concurrency.figures(self._limit),
+                                   pause_left=max(0.0, self._resume_at - time.time()))
 
     def _take(self, holder: str) -> Ticket:
         self._held[holder] += 1
@@ -128,6 +137,9 @@ class KeeperLimit:
 
     def finish(self, ticket: Ticket, outcome: Outcome, latency: float = 0.0) -> None:
         self._keeper.finish.remote(self.holder, ticket, outcome, latency)
+
+    def retrying(self, change: int) -> None:
+        self._keeper.retrying.remote(self.holder, change)
 
     async def _give_back(self, admitted: Any) -> None:
         try:
