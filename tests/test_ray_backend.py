@@ -484,7 +484,7 @@ def test_a_pause_the_endpoint_asks_for_is_said_in_a_ray_runs_log(tmp_path, endpo
     result = run_cli(tmp_path, *args(dataset, endpoint, "--num_workers=2", "--backend=ray", distribution="minimal"),
                      env=ray_environment(uuid.uuid4().hex))
     assert result.returncode == 0, result.stderr
-    assert "the endpoint answered 429 (too many requests): no model request goes out for" in result.stdout
+    assert "the endpoint answered 429 (too many requests): no model request goes out before" in result.stdout
 
 
 @needs_ray

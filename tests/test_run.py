@@ -184,9 +184,9 @@ def test_burst_of_429s_is_absorbed(tmp_path, endpoint):
 
 def test_a_pause_the_endpoint_asks_for_is_said_in_the_log_and_retries_are_counted(tmp_path, endpoint):
     # Before, a 429's pause left the log silent: the run looked hung until its requests went again.
-    result = run_prompts(tmp_path, endpoint, ["[[fail 429 1 retry_after=6]] limited"], distribution="minimal")
+    result = run_prompts(tmp_path, endpoint, ["[[fail 429 1 retry_after=5]] limited"], distribution="minimal")
     assert result.returncode == 0, result.stderr
-    assert "the endpoint answered 429 (too many requests): no model request goes out for" in result.stdout
+    assert "the endpoint answered 429 (too many requests): no model request goes out before" in result.stdout
     statistics = json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())
     assert statistics["this_run"]["concurrency"]["retried_requests"] == 1
 

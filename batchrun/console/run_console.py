@@ -47,7 +47,10 @@ MAX_ERROR_CHARS = 200         # without --verbose a failure's message is one lin
 # A pause the endpoint asked for (a 429) this long or longer gets a line of its own; a shorter one shows in
 # the progress line only (with --adaptive_concurrency=False every 429 pauses the run, a second or two).
 PAUSE_NOTE_SECONDS = 5.0
-# Two pauses whose ends are this close are one, seen again: a Ray run's figures come up to 1.5 s late.
+# How late the console may see a pause begin: the scheduling loop looks about once a second, and a Ray
+# run's figures are up to half a second older.
+PAUSE_SEEN_LATE = 1.5
+# A pause that begins this soon after the last one ended is the same stretch without requests.
 SAME_PAUSE_SECONDS = 2.0
 
 
@@ -90,7 +93,8 @@ class RunConsole:
         self._samples = False
         self._started = 0.0
         self._last_status_line = 0.0
-        self._pause_noted_until = 0.0     # time.monotonic() when the last pause announced ends
+        self._pause_ends = 0.0            # time.monotonic() when the pause known last ends, as last known
+        self._pause_announced = False     # that pause had its line
         self._this_run: ThisRun | None = None
 
     @property
@@ -261,17 +265,23 @@ class RunConsole:
 
     def _announce_a_new_pause(self) -> None:
         """A line when the endpoint pauses the run (a 429, see batchrun.rate_limit.Gate): nothing moves
-        until it ends, and a log file would otherwise say why only in the next status line."""
+        until it ends, and a log file would otherwise say why only in the next status line. One line for
+        one stretch without requests, however many 429s push its end back (many sessions' 429s come
+        back spread over the reply time)."""
         figures = self._this_run.concurrency if self._this_run else None
-        if figures is None or figures.pause_left < PAUSE_NOTE_SECONDS:
+        if figures is None or figures.pause_left <= 0:
             return
-        ends = time.monotonic() + figures.pause_left
-        if ends - self._pause_noted_until <= SAME_PAUSE_SECONDS:
+        now = time.monotonic()
+        if now > self._pause_ends + SAME_PAUSE_SECONDS:
+            self._pause_announced = False
+        self._pause_ends = max(self._pause_ends, now + figures.pause_left)
+        if self._pause_announced or figures.pause_left < PAUSE_NOTE_SECONDS - PAUSE_SEEN_LATE:
             return
-        self._pause_noted_until = ends
+        self._pause_announced = True
+        # "Before": paused requests go again spread over a few seconds after it (rate_limit.wake_delay).
         until = datetime.now() + timedelta(seconds=figures.pause_left)
-        self.print(f"the endpoint answered 429 (too many requests): no model request goes out for "
-                   f"{clock(math.ceil(figures.pause_left))}, until {until:%H:%M:%S}")
+        self.print(f"the endpoint answered 429 (too many requests): no model request goes out before "
+                   f"{until:%H:%M:%S} ({clock(math.ceil(figures.pause_left))} from now)")
 
     def status_line(self) -> None:
         """Progress in a log file, where there is no live display: the same figures as plain lines."""
