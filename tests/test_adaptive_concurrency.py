@@ -450,10 +450,10 @@ def test_requests_waiting_at_the_ray_gate_keeper_get_the_slots_the_start_adds_wi
 def test_the_requests_a_dead_worker_process_had_waiting_to_retry_are_no_longer_counted():
     limit = SharedLimit(8, adaptive=True, holders=2)
     limit.bind(1)
-    limit.retrying(1)
-    limit.retrying(1)
+    limit.retrying(1, "timeout")
+    limit.retrying(1, "timeout")
     limit.bind(0)
-    limit.retrying(1)
+    limit.retrying(1, "timeout")
     limit.reclaim(1)
     figures = limit.figures()
     assert (figures.retrying, figures.retried) == (1, 3)
@@ -462,15 +462,33 @@ def test_the_requests_a_dead_worker_process_had_waiting_to_retry_are_no_longer_c
 def test_the_ray_gate_keeper_counts_requests_waiting_to_retry_and_forgets_a_lost_actors():
     async def counted() -> tuple[int, int]:
         keeper = GateKeeper(None, 64, adaptive=True)      # the actor's class, used without Ray
-        await keeper.retrying("a", 1)
-        await keeper.retrying("b", 1)
+        await keeper.retrying("a", 1, "timeout")
+        await keeper.retrying("b", 1, "timeout")
         await keeper.retrying("b", -1)
-        await keeper.retrying("a", 1)
+        await keeper.retrying("a", 1, "timeout")
         await keeper.forget("a")
         await keeper.retrying("a", -1)      # late news from the lost actor changes nothing
         figures = await keeper.figures()
         return figures.retrying, figures.retried
     assert asyncio.run(counted()) == (0, 3)
+
+
+def test_the_cause_of_the_last_retry_is_shared_by_every_worker_process():
+    limit = SharedLimit(8, adaptive=True, holders=2)
+    limit.bind(1)
+    child = FORK.Process(target=limit.retrying, args=(1, "http_503"))
+    child.start()
+    child.join()
+    assert limit.figures().retry_cause == "http_503"
+
+
+def test_the_ray_gate_keeper_keeps_the_cause_of_the_last_retry():
+    async def cause() -> str:
+        keeper = GateKeeper(None, 64, adaptive=True)
+        await keeper.retrying("a", 1, "connection")
+        await keeper.retrying("a", -1)
+        return (await keeper.figures()).retry_cause
+    assert asyncio.run(cause()) == "connection"
 
 
 def test_the_ray_gate_keepers_figures_say_how_long_the_run_is_paused():
@@ -536,7 +554,7 @@ def test_the_live_display_shows_the_requests_allowed_at_once_within_80_columns()
     out = Console(file=io.StringIO(), width=80, record=True, force_terminal=True, force_interactive=False)
     console, this_run = RunConsole(lambda text: text, verbose=False, out=out), ThisRun()
     this_run.concurrency = ConcurrencyFigures(adaptive=True, ceiling=256, limit=32, lowest=16, highest=35,
-                                              requests=1_234, rate_limited=12, retrying=0, retried=0)
+                                              requests=1_234, rate_limited=12, retrying=0, retried=0, retry_cause="")
     console.start_progress(10_000, 9_990, this_run)
     console.stop_progress()
     lines = out.export_text().rstrip("\n").split("\n")

@@ -186,7 +186,8 @@ def test_a_log_file_gets_the_status_line_while_nothing_finishes(monkeypatch):
 
 def figures_with(*, retrying: int = 0, pause_left: float = 0.0, adaptive: bool = False) -> ConcurrencyFigures:
     return ConcurrencyFigures(adaptive=adaptive, ceiling=64, limit=64, lowest=64, highest=64, requests=10,
-                              rate_limited=1, retrying=retrying, retried=retrying, pause_left=pause_left)
+                              rate_limited=1, retrying=retrying, retried=retrying,
+                              retry_cause="http_503" if retrying else "", pause_left=pause_left)
 
 
 def test_progress_shows_a_pause_the_endpoint_asked_for_and_the_requests_waiting_to_retry():
@@ -197,7 +198,7 @@ def test_progress_shows_a_pause_the_endpoint_asked_for_and_the_requests_waiting_
     console.start_progress(10, 0, this_run)
     console.stop_progress()
     shown = " ".join(lines_of(out))
-    assert "paused by the endpoint, 42s left" in shown and "3 requests retrying" in shown
+    assert "paused by the endpoint, 42s left" in shown and "3 requests retrying (last: http_503)" in shown
     assert widest(lines_of(out)) <= 80
 
 

@@ -496,6 +496,16 @@ def test_a_request_waiting_to_retry_is_counted_until_it_goes_again(ep):
     assert 1 in seen and max(seen) == 1
 
 
+def test_the_cause_of_the_last_retry_is_kept_for_the_live_display(ep):
+    async def cause() -> str:
+        async with make_client(ep.base_url, "sk-test", timeout=10) as client:
+            gate = RateGate()
+            await call_model(client, gate, body=request_body("[[fail 502 1]] bad gateway"), model=MODEL,
+                             max_retries=1, base_url=ep.base_url)
+            return gate.limit.figures().retry_cause
+    assert asyncio.run(cause()) == "http_502"
+
+
 def test_a_request_cancelled_while_it_waits_to_retry_is_no_longer_counted(ep):
     async def cancelled() -> tuple[int, int]:
         async with make_client(ep.base_url, "sk-test", timeout=10) as client:

@@ -37,7 +37,7 @@ class Limit(Protocol):
 
     def finish(self, ticket: Ticket, outcome: Outcome, latency: float = 0.0) -> None: ...
 
-    def retrying(self, change: int) -> None:
+    def retrying(self, change: int, cause: str = "") -> None:
         """``change`` more of this holder's requests wait to go again after a failure (see note_retrying)."""
 
 

@@ -58,6 +58,8 @@ STEP_AFTER_DECREASE = 0.125
 # queueing.
 LATENCY_TOLERANCE = 3.0
 UNLIMITED = 1 << 20         # the ceiling of a gate built without one (tests calling the endpoint directly)
+# Room for an error type ("http_503", "bad_response", "rate_limited"), and the NUL ctypes keeps after it.
+_CAUSE_BYTES = 16
 
 
 class Outcome(enum.Enum):
@@ -83,7 +85,8 @@ class AimdState(ctypes.Structure):
                 ("lowest", ctypes.c_double), ("highest", ctypes.c_double),
                 ("requests", ctypes.c_long), ("overloaded", ctypes.c_long),
                 ("retrying", ctypes.c_long),            # requests waiting to go again after a failure
-                ("retried", ctypes.c_long)]             # requests that went again, or will
+                ("retried", ctypes.c_long),             # requests that went again, or will
+                ("retry_cause", ctypes.c_char * _CAUSE_BYTES)]   # the last retry's error type
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ class ConcurrencyFigures:
     rate_limited: int
     retrying: int
     retried: int
+    retry_cause: str            # the last retry's error type, as a failure row would name it ("" before any)
     pause_left: float = 0.0     # seconds of the run's pause after a 429 left, where the gate says (Gate.pause_left)
 
     def as_dict(self) -> dict:
@@ -126,6 +130,7 @@ def reset(state: AimdState, ceiling: int, adaptive: bool) -> AimdState:
     state.step = STEP_AFTER_DECREASE
     state.in_flight = state.waiting = state.epoch = state.requests = state.overloaded = 0
     state.retrying = state.retried = 0
+    state.retry_cause = b""
     state.next_doubling = state.usual_latency = 0.0
     _begin_round(state)
     return state
@@ -258,11 +263,14 @@ def hold_growth(state: AimdState, now: float) -> None:
 def figures(state: AimdState) -> ConcurrencyFigures:
     return ConcurrencyFigures(adaptive=state.adaptive, ceiling=int(state.ceiling), limit=slots(state),
                               lowest=int(state.lowest), highest=int(state.highest), requests=state.requests,
-                              rate_limited=state.overloaded, retrying=state.retrying, retried=state.retried)
+                              rate_limited=state.overloaded, retrying=state.retrying, retried=state.retried,
+                              retry_cause=state.retry_cause.decode("ascii", "replace"))
 
 
-def note_retrying(state: AimdState, change: int) -> None:
-    """``change`` more requests wait to go again after a failure (less: they went, or gave up). They
-    do not move the limit: what the live display shows while nothing finishes."""
+def note_retrying(state: AimdState, change: int, cause: str = "") -> None:
+    """``change`` more requests wait to go again after a failure of type ``cause`` (fewer: they went,
+    or gave up). They do not move the limit: what the live display shows while nothing finishes."""
     state.retrying += change
     state.retried += max(0, change)
+    if cause:
+        state.retry_cause = cause.encode("ascii", "replace")[:_CAUSE_BYTES - 1]

@@ -114,10 +114,10 @@ class SharedLimit:
             self._return_slots(1)
             self._resize(before)
 
-    def retrying(self, change: int) -> None:
+    def retrying(self, change: int, cause: str = "") -> None:
         with self._lock:
             self._retrying[self._holder] += change
-            note_retrying(self._state, change)
+            note_retrying(self._state, change, cause)
 
     def grow_with_time(self, *, hold: bool = False) -> float | None:
         """The start's growth with time (:func:`grow_with_time`), or with ``hold`` its next doubling

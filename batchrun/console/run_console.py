@@ -181,7 +181,7 @@ class RunConsole:
         if figures.pause_left > 0:
             segments.append(f"paused by the endpoint, {math.ceil(figures.pause_left)}s left")
         if figures.retrying:
-            segments.append(counted(figures.retrying, "request") + " retrying")
+            segments.append(f"{counted(figures.retrying, 'request')} retrying (last: {figures.retry_cause})")
         return segments
 
     def _cost_to_come(self) -> str:

@@ -81,7 +81,7 @@ async def call_model(client: openai.AsyncOpenAI, gate: Gate, *, body: bytes, mod
             else:
                 delay = backoff_delay(attempt)
             attempt += 1
-            gate.limit.retrying(1)
+            gate.limit.retrying(1, failure_summary(failure, client.timeout)[1])
             retrying = True
             # A 429 that says when to come back holds every session until then. One that does not, under
             # adaptive concurrency, only lowers the limit: pausing the run for it would bring every session

@@ -72,10 +72,10 @@ class GateKeeper:
         self._limit.retrying -= self._retrying.pop(holder, 0)
         self._serve()
 
-    async def retrying(self, holder: str, change: int) -> None:
+    async def retrying(self, holder: str, change: int, cause: str = "") -> None:
         if holder not in self._lost:
             self._retrying[holder] += change
-            concurrency.note_retrying(self._limit, change)
+            concurrency.note_retrying(self._limit, change, cause)
 
     async def figures(self) -> ConcurrencyFigures:
         return dataclasses.replace(concurrency.figures(self._limit),
@@ -138,8 +138,8 @@ class KeeperLimit:
     def finish(self, ticket: Ticket, outcome: Outcome, latency: float = 0.0) -> None:
         self._keeper.finish.remote(self.holder, ticket, outcome, latency)
 
-    def retrying(self, change: int) -> None:
-        self._keeper.retrying.remote(self.holder, change)
+    def retrying(self, change: int, cause: str = "") -> None:
+        self._keeper.retrying.remote(self.holder, change, cause)
 
     async def _give_back(self, admitted: Any) -> None:
         try:
