@@ -224,62 +224,43 @@ def test_a_pause_the_endpoint_asked_for_gets_a_line_of_its_own_once():
                     r"\d\d:\d\d:\d\d \(0:01:00 from now\)$", printed)
 
 
-def tick_at(console: RunConsole, monkeypatch, at: float, pause_left: float) -> None:
-    """One tick of the scheduling loop ``at`` seconds into the run, the gate saying ``pause_left``."""
-    console._this_run.concurrency = figures_with(pause_left=pause_left)
-    monkeypatch.setattr(run_console_module.time, "monotonic", lambda: at)
-    console.tick()
+def pause_lines(monkeypatch, *ticks: tuple[float, float]) -> int:
+    """The lines announcing a pause in a log file after the scheduling loop's ``ticks``: (seconds into the
+    run, the pause's seconds left as the gate says then)."""
+    out = recording_console(terminal=False)
+    console, this_run = run_console(out), ThisRun()
+    console.start_progress(10, 0, this_run)
+    for at, pause_left in ticks:
+        this_run.concurrency = figures_with(pause_left=pause_left)
+        monkeypatch.setattr(run_console_module.time, "monotonic", lambda at=at: 1000 + at)
+        console.tick()
+    return out.file.getvalue().count("answered 429")
 
 
 def test_a_pause_stretched_by_later_429s_gets_one_line(monkeypatch):
     # Many sessions' 429s come back spread over the reply time, each pushing the pause's end back: before,
     # a line for each, every two seconds, for one stretch without a request.
-    out = recording_console(terminal=False)
-    console = run_console(out)
-    console.start_progress(10, 0, ThisRun())
-    for at in (1000, 1003, 1006, 1009):
-        tick_at(console, monkeypatch, at, pause_left=20)
-    assert sum("answered 429" in line for line in lines_of(out)) == 1
+    assert pause_lines(monkeypatch, (0, 20), (3, 20), (6, 20), (9, 20)) == 1
 
 
 def test_a_pause_after_the_last_one_ended_gets_a_line_of_its_own_too(monkeypatch):
-    out = recording_console(terminal=False)
-    console = run_console(out)
-    console.start_progress(10, 0, ThisRun())
-    tick_at(console, monkeypatch, 1000, pause_left=20)
-    tick_at(console, monkeypatch, 1040, pause_left=20)
-    assert sum("answered 429" in line for line in lines_of(out)) == 2
+    assert pause_lines(monkeypatch, (0, 20), (40, 20)) == 2
 
 
 def test_a_short_pause_that_grows_long_gets_its_line(monkeypatch):
     # With --adaptive_concurrency=False any 429 pauses the run a second or two; a Retry-After of a minute
     # may follow while it lasts.
-    out = recording_console(terminal=False)
-    console = run_console(out)
-    console.start_progress(10, 0, ThisRun())
-    tick_at(console, monkeypatch, 1000, pause_left=1)
-    assert out.file.getvalue() == ""
-    tick_at(console, monkeypatch, 1000.5, pause_left=60)
-    assert sum("answered 429" in line for line in lines_of(out)) == 1
+    assert pause_lines(monkeypatch, (0, 1), (0.5, 60)) == 1
 
 
 def test_a_pause_of_five_seconds_seen_a_second_and_a_half_late_gets_its_line(monkeypatch):
     # The scheduling loop looks about once a second (a Ray run's figures are up to half a second older):
     # before, a pause of five seconds had less than five left when seen, and no line.
-    out = recording_console(terminal=False)
-    console = run_console(out)
-    console.start_progress(10, 0, ThisRun())
-    tick_at(console, monkeypatch, 1000, pause_left=PAUSE_NOTE_SECONDS - 1.5)
-    assert sum("answered 429" in line for line in lines_of(out)) == 1
+    assert pause_lines(monkeypatch, (0, PAUSE_NOTE_SECONDS - 1.5)) == 1
 
 
-def test_a_short_pause_shows_in_the_progress_line_only():
-    out = recording_console(terminal=False)
-    console, this_run = run_console(out), ThisRun()
-    console.start_progress(10, 0, this_run)
-    this_run.concurrency = figures_with(pause_left=2)
-    console.tick()
-    assert out.file.getvalue() == ""
+def test_a_short_pause_shows_in_the_progress_line_only(monkeypatch):
+    assert pause_lines(monkeypatch, (0, 2)) == 0
 
 
 def test_log_file_output_has_no_escape_codes():
