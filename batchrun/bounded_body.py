@@ -23,8 +23,12 @@ class BodyError(Exception):
 
 
 class BodyTooLarge(BodyError):
-    def __init__(self, limit: int, declared: int | None = None) -> None:
-        if declared is None:
+    """``together``: the limit is on the bodies being read at once, this one would take them past it."""
+
+    def __init__(self, limit: int, declared: int | None = None, *, together: bool = False) -> None:
+        if together:
+            super().__init__(f"would take the replies being read at once past {_limit_text(limit)} together")
+        elif declared is None:
             super().__init__(f"is larger than {_limit_text(limit)}")
         else:
             super().__init__(f"declares {declared:,} bytes, larger than {_limit_text(limit)}")

@@ -32,6 +32,7 @@ from batchrun.endpoint import (
     make_client,
     parse_reply,
     retry_after_seconds,
+    transport,
 )
 from batchrun.env_vars import Proxy, proxy_for
 from batchrun.model import PromptFailedError, RunFatalError
@@ -1016,6 +1017,22 @@ class RawReplies:
                             b"Content-Length: 2\r\n\r\n{}")
         handler.close_connection = True
 
+    def stalled(self, handler, status: int = 200) -> None:
+        """Two MiB of a reply declared at four, then nothing until the client hangs up (at most 30 s)."""
+        self._head(handler, status, Content_Length=str(4 * 2**20))
+        handler.wfile.write(b'{"choices":[{"message":{"content":"' + b"a" * 2 * 2**20)
+        handler.wfile.flush()
+        for _ in range(300):
+            time.sleep(0.1)
+            try:
+                if handler.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                    return
+            except BlockingIOError:
+                continue
+
+    def stalled_error(self, handler) -> None:
+        self.stalled(handler, status=500)
+
     def trickle(self, handler) -> None:
         """A byte of a reply every 0.1 s, for ever: no single wait is long, the reply never ends."""
         self._head(handler, Content_Length=str(2**20))
@@ -1120,6 +1137,56 @@ def test_a_reply_that_breaks_http_is_retried_then_fails_as_a_connection_failure(
         call_once(raw_replies.base_url, scenario, max_retries=1)
     assert failure.value.error_type == "connection" and "connection failed" in str(failure.value)
     assert raw_replies.scenarios.count(scenario) == 2
+
+
+def calls_beside_a_stalled_reply(base_url: str, *scenarios: str) -> list[object]:
+    """What each of ``scenarios`` comes to (a reply or its PromptFailedError) while another call of the
+    same process holds a stalled reply of two MiB, the replies being read together allowed three."""
+    async def calls() -> list[object]:
+        async with make_client(base_url, "sk-test", timeout=30) as client:
+            stalled = asyncio.ensure_future(call_model(client, RateGate(), body=request_body("stalled"), model=MODEL,
+                                                       max_retries=0, base_url=base_url))
+            while transport.READING.held < 2 * 2**20:
+                await asyncio.sleep(0.05)
+            outcomes: list[object] = []
+            for scenario in scenarios:
+                try:
+                    outcomes.append(await asyncio.wait_for(
+                        call_model(client, RateGate(), body=request_body(scenario), model=MODEL, max_retries=0,
+                                   base_url=base_url), 20))
+                except PromptFailedError as exc:
+                    outcomes.append(exc)
+            stalled.cancel()
+            await asyncio.gather(stalled, return_exceptions=True)
+            return outcomes
+    return asyncio.run(calls())
+
+
+def test_the_replies_a_worker_process_reads_at_once_are_bounded_together(raw_replies, monkeypatch):
+    # Bounded alone, replies that each stall just under their limit held sessions x 16 MiB: 64 sessions
+    # passed 1 GB, and thousands would take the machine.
+    monkeypatch.setattr(transport, "MAX_READING_BYTES", 3 * 2**20)
+    [refused] = calls_beside_a_stalled_reply(raw_replies.base_url, "stalled")
+    assert isinstance(refused, PromptFailedError) and refused.error_type == "bad_response"
+    assert "past 3 MiB together" in str(refused)
+
+
+def test_a_small_reply_is_read_beside_a_stalled_one(raw_replies, monkeypatch):
+    monkeypatch.setattr(transport, "MAX_READING_BYTES", 3 * 2**20)
+    [reply] = calls_beside_a_stalled_reply(raw_replies.base_url, "gzipped")
+    assert split_reasoning(reply.message)[1] == "Compressed answer."
+
+
+def test_an_error_past_what_the_process_may_read_is_cut_and_still_read_for_its_status(raw_replies, monkeypatch):
+    monkeypatch.setattr(transport, "MAX_READING_BYTES", 3 * 2**20)
+    [failure] = calls_beside_a_stalled_reply(raw_replies.base_url, "stalled_error")
+    assert isinstance(failure, PromptFailedError) and failure.error_type == "http_500", failure
+
+
+def test_replies_read_refused_or_cut_off_give_their_room_back(raw_replies, monkeypatch):
+    monkeypatch.setattr(transport, "MAX_READING_BYTES", 3 * 2**20)
+    calls_beside_a_stalled_reply(raw_replies.base_url, "stalled", "gzipped", "gzip_bomb", "oversized_error")
+    assert transport.READING.held == 0
 
 
 def test_a_reply_trickling_in_for_longer_than_the_request_timeout_fails_as_a_time_out(raw_replies):

@@ -3,7 +3,8 @@
 A reply is read whole into the worker's memory, which every other session of the worker shares: an
 endpoint streaming without end or sending a gzip bomb would take the worker down with all its
 prompts. Here a reply is refused as soon as its decoded size passes MAX_REPLY_BYTES, and an error's body
-cut at MAX_ERROR_BYTES (:mod:`batchrun.bounded_body` does the counting and the bounded inflating).
+cut at MAX_ERROR_BYTES (:mod:`batchrun.bounded_body` does the counting and the bounded inflating). The
+replies a worker process is reading at once are bounded together as well (MAX_READING_BYTES).
 """
 
 from __future__ import annotations
@@ -21,12 +22,25 @@ from batchrun.bounded_body import ACCEPT_ENCODING, BodyError, BodyTooLarge, boun
 from batchrun.endpoint.replies import MalformedReplyError
 
 # No chat completion comes near this: the longest answers models give (128k tokens, reasoning included) are
-# a MiB or two of JSON. Each session of a worker may hold one reply this large at once, in the memory they
-# share: an endpoint that sends this much and then stalls holds it for the whole request time-out.
+# a MiB or two of JSON.
 MAX_REPLY_BYTES = 16 * 2**20
 # An error's body says why in a sentence; the client reads it whole into Python objects, several times its
 # size, before anything here looks at it. One longer is cut here (its start says why).
 MAX_ERROR_BYTES = 2 * 2**20
+# Bounded alone, replies that each stall just under their limit would hold sessions x MAX_REPLY_BYTES (64
+# sessions passed 1 GB). Together they may hold this much per worker process; a reply that would take them
+# past it is refused (an error's body cut). Honest replies arrive in moments, a MiB or two at most.
+MAX_READING_BYTES = 256 * 2**20
+
+
+class ReadingBytes:
+    """The decoded bytes of the replies this process is reading now (one event loop reads them all)."""
+
+    def __init__(self) -> None:
+        self.held = 0
+
+
+READING = ReadingBytes()
 
 
 class BoundedAioHttpClient(openai.DefaultAioHttpClient):
@@ -96,11 +110,16 @@ class BoundedTransport(httpx2.AsyncBaseTransport):
 class _BoundedReply(httpx2.AsyncByteStream):
     def __init__(self, raw: httpx2.AsyncByteStream, *, gzip: bool, is_error: bool) -> None:
         self._raw, self._gzip, self._is_error = raw, gzip, is_error
+        self._held = 0          # of READING, given back once read, refused or closed
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         try:
             async for chunk in bounded_chunks(self._raw, gzip=self._gzip,
                                               limit=MAX_ERROR_BYTES if self._is_error else MAX_REPLY_BYTES):
+                if READING.held + len(chunk) > MAX_READING_BYTES:
+                    raise BodyTooLarge(MAX_READING_BYTES, together=True)
+                READING.held += len(chunk)
+                self._held += len(chunk)
                 yield chunk
         except BodyTooLarge as exc:
             if not self._is_error:
@@ -109,9 +128,16 @@ class _BoundedReply(httpx2.AsyncByteStream):
             raise _reply_error(exc) from None
         except aiohttp.ClientError as exc:
             raise _broken_http(exc) from exc
+        finally:
+            self._give_back()
 
     async def aclose(self) -> None:
+        self._give_back()       # also where the client stopped reading without closing the iteration
         await self._raw.aclose()
+
+    def _give_back(self) -> None:
+        READING.held -= self._held
+        self._held = 0
 
 
 def _broken_http(exc: aiohttp.ClientError) -> httpx2.RemoteProtocolError:
