@@ -56,6 +56,11 @@ def test_the_concurrency_limit_benchmark_prints_its_runs():
     assert lines[-1].split()[1] == "16/16"
 
 
+def test_the_stalled_replies_benchmark_prints_a_line_of_figures_per_point():
+    lines = run_benchmark("stalled_replies", "--sessions", "4", "--mib", "1", "--wait", "20")
+    assert figures(lines[-1])[:3] == [4, 1, 4]
+
+
 def test_the_soak_runs_to_the_end_under_its_descriptor_limit():
     lines = run_benchmark("soak", "--prompts", "200", "--batch-size", "10", "--sessions", "8", "--latency", "0.01",
                           "--tool-turns", "0", "--every", "100", "--from", "100")
