@@ -35,9 +35,12 @@ from batchrun.endpoint import (
     transport,
 )
 from batchrun.env_vars import Proxy, proxy_for
+from batchrun.environments.base import EnvironmentSettings
 from batchrun.model import PromptFailedError, RunFatalError
 from batchrun.rate_limit import RateGate
 from batchrun.rows import Usage, split_reasoning
+from batchrun.tools import ToolContext
+from batchrun.tools.clients import openai_client
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -1030,6 +1033,11 @@ class RawReplies:
             except BlockingIOError:
                 continue
 
+    def two_mib(self, handler) -> None:
+        body = completion({"role": "assistant", "content": "a" * 2 * 2**20})
+        self._head(handler, Content_Length=str(len(body)))
+        handler.wfile.write(body)
+
     def stalled_error(self, handler) -> None:
         self.stalled(handler, status=500)
 
@@ -1146,7 +1154,7 @@ def calls_beside_a_stalled_reply(base_url: str, *scenarios: str) -> list[object]
         async with make_client(base_url, "sk-test", timeout=30) as client:
             stalled = asyncio.ensure_future(call_model(client, RateGate(), body=request_body("stalled"), model=MODEL,
                                                        max_retries=0, base_url=base_url))
-            while transport.READING.held < 2 * 2**20:
+            while transport.MODEL_REPLIES.held < 2 * 2**20:
                 await asyncio.sleep(0.05)
             outcomes: list[object] = []
             for scenario in scenarios:
@@ -1183,10 +1191,41 @@ def test_an_error_past_what_the_process_may_read_is_cut_and_still_read_for_its_s
     assert isinstance(failure, PromptFailedError) and failure.error_type == "http_500", failure
 
 
+def test_an_error_keeps_its_start_though_the_replies_read_at_once_leave_it_no_room(raw_replies, monkeypatch):
+    # Cut where the room ended, a context overflow's 400 lost its message and was taken for a plain 400:
+    # its prompt failed instead of keeping the turns paid for.
+    monkeypatch.setattr(transport, "MAX_READING_BYTES", 2 * 2**20 + 200)
+    [failure] = calls_beside_a_stalled_reply(raw_replies.base_url, "huge_overflow")
+    assert isinstance(failure, PromptFailedError) and failure.error_type == "context_length", failure
+
+
+def test_the_replies_of_a_tools_model_service_leave_the_runs_endpoint_its_room(raw_replies, monkeypatch, tmp_path):
+    # Vision and image generation talk to services of their own: one stalling took the room of the run's
+    # replies, which were then refused.
+    monkeypatch.setattr(transport, "MAX_READING_BYTES", 3 * 2**20)
+    context = ToolContext(env=None, settings=EnvironmentSettings(work_root=tmp_path, run_label="test"))
+
+    async def beside_a_stalled_tool_reply() -> object:
+        tool = openai_client(context, "vision_client", base_url=raw_replies.base_url, api_key=None, timeout=30)
+        stalled = asyncio.ensure_future(tool.post("/chat/completions", cast_to=bytes, content=request_body("stalled")))
+        try:
+            while transport.TOOL_REPLIES.held < 2 * 2**20:
+                await asyncio.sleep(0.05)
+            async with make_client(raw_replies.base_url, "sk-test", timeout=30) as client:
+                return await call_model(client, RateGate(), body=request_body("two_mib"), model=MODEL, max_retries=0,
+                                        base_url=raw_replies.base_url)
+        finally:
+            stalled.cancel()
+            await asyncio.gather(stalled, return_exceptions=True)
+            await tool.close()
+    reply = asyncio.run(beside_a_stalled_tool_reply())
+    assert split_reasoning(reply.message)[1] == "a" * 2 * 2**20
+
+
 def test_replies_read_refused_or_cut_off_give_their_room_back(raw_replies, monkeypatch):
     monkeypatch.setattr(transport, "MAX_READING_BYTES", 3 * 2**20)
     calls_beside_a_stalled_reply(raw_replies.base_url, "stalled", "gzipped", "gzip_bomb", "oversized_error")
-    assert transport.READING.held == 0
+    assert transport.MODEL_REPLIES.held == 0
 
 
 def test_a_reply_trickling_in_for_longer_than_the_request_timeout_fails_as_a_time_out(raw_replies):

@@ -14,7 +14,7 @@ import openai
 
 from batchrun.config import EndpointConfig
 from batchrun.endpoint.call import call_model
-from batchrun.endpoint.transport import BoundedAioHttpClient
+from batchrun.endpoint.transport import MODEL_REPLIES, BoundedAioHttpClient
 from batchrun.model import Message, ModelReply
 from batchrun.rate_limit import Gate
 from batchrun.rows import Usage
@@ -34,14 +34,14 @@ def make_client(base_url: str, api_key: str, *, timeout: float) -> openai.AsyncO
     would be taken for the model's; it stops the run instead, naming where it points."""
     return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout,
                               http_client=BoundedAioHttpClient(timeout=timeout, verify=TLS_CONTEXT,
-                                                               follow_redirects=False))
+                                                               follow_redirects=False, reading=MODEL_REPLIES))
 
 
 def preload_http_stack() -> None:
     """Import what the HTTP stack loads only when its first client is built (about a hundred modules).
     The pool calls this before forking, so workers share them instead of each loading its own; the
     client built here opens nothing and is dropped."""
-    BoundedAioHttpClient(verify=TLS_CONTEXT)
+    BoundedAioHttpClient(verify=TLS_CONTEXT, reading=MODEL_REPLIES)
 
 
 class ConversationBody:

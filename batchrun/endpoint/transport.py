@@ -4,7 +4,8 @@ A reply is read whole into the worker's memory, which every other session of the
 endpoint streaming without end or sending a gzip bomb would take the worker down with all its
 prompts. Here a reply is refused as soon as its decoded size passes MAX_REPLY_BYTES, and an error's body
 cut at MAX_ERROR_BYTES (:mod:`batchrun.bounded_body` does the counting and the bounded inflating). The
-replies a worker process is reading at once are bounded together as well (MAX_READING_BYTES).
+replies a worker process is reading at once are bounded together as well (MAX_READING_BYTES): those of the
+run's endpoint, and apart from them those of the services the tools call (vision, image generation).
 """
 
 from __future__ import annotations
@@ -31,27 +32,37 @@ MAX_ERROR_BYTES = 2 * 2**20
 # sessions passed 1 GB). Together they may hold this much per worker process; a reply that would take them
 # past it is refused (an error's body cut). Honest replies arrive in moments, a MiB or two at most.
 MAX_READING_BYTES = 256 * 2**20
+# What an error's body keeps however little room is left: its start says why (a context overflow, an
+# unknown model), and cut to nothing it would be taken for a plain failure of its status.
+ERROR_START_BYTES = 64 * 2**10
 
 
 class ReadingBytes:
-    """The decoded bytes of the replies this process is reading now (one event loop reads them all)."""
+    """The decoded bytes of the replies this process is reading now from one kind of endpoint (one event
+    loop reads them all)."""
 
     def __init__(self) -> None:
         self.held = 0
 
 
-READING = ReadingBytes()
+# Apart, so that a service a tool calls cannot take the room of the run's own replies.
+MODEL_REPLIES = ReadingBytes()
+TOOL_REPLIES = ReadingBytes()
 
 
 class BoundedAioHttpClient(openai.DefaultAioHttpClient):
     """openai's aiohttp client (its defaults kept), with each of its transports, the direct one and
-    any proxy's from the environment, bounded."""
+    any proxy's from the environment, bounded; ``reading`` counts its replies being read."""
+
+    def __init__(self, *, reading: ReadingBytes, **kwargs: Any) -> None:
+        self._reading = reading         # before the base class makes the transports
+        super().__init__(**kwargs)
 
     def _init_transport(self, *args: Any, **kwargs: Any) -> httpx2.AsyncBaseTransport:
-        return BoundedTransport(_keeping_no_cookies(super()._init_transport(*args, **kwargs)))
+        return BoundedTransport(_keeping_no_cookies(super()._init_transport(*args, **kwargs)), self._reading)
 
     def _init_proxy_transport(self, *args: Any, **kwargs: Any) -> httpx2.AsyncBaseTransport:
-        return BoundedTransport(_keeping_no_cookies(super()._init_proxy_transport(*args, **kwargs)))
+        return BoundedTransport(_keeping_no_cookies(super()._init_proxy_transport(*args, **kwargs)), self._reading)
 
 
 def _keeping_no_cookies(transport: httpx2.AsyncBaseTransport) -> httpx2.AsyncBaseTransport:
@@ -74,8 +85,8 @@ def _session_without_cookies(transport: AiohttpTransport) -> aiohttp.ClientSessi
 
 
 class BoundedTransport(httpx2.AsyncBaseTransport):
-    def __init__(self, inner: httpx2.AsyncBaseTransport) -> None:
-        self._inner = inner
+    def __init__(self, inner: httpx2.AsyncBaseTransport, reading: ReadingBytes) -> None:
+        self._inner, self._reading = inner, reading
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         request.headers["Accept-Encoding"] = ACCEPT_ENCODING
@@ -100,7 +111,7 @@ class BoundedTransport(httpx2.AsyncBaseTransport):
                    if name.lower() not in (b"content-encoding", b"content-length", b"set-cookie")]
         assert isinstance(response.stream, httpx2.AsyncByteStream)
         return httpx2.Response(response.status_code, headers=headers, request=request,
-                               stream=_BoundedReply(response.stream, gzip=gzip, is_error=is_error),
+                               stream=_BoundedReply(response.stream, self._reading, gzip=gzip, is_error=is_error),
                                extensions=response.extensions)
 
     async def aclose(self) -> None:
@@ -108,18 +119,25 @@ class BoundedTransport(httpx2.AsyncBaseTransport):
 
 
 class _BoundedReply(httpx2.AsyncByteStream):
-    def __init__(self, raw: httpx2.AsyncByteStream, *, gzip: bool, is_error: bool) -> None:
-        self._raw, self._gzip, self._is_error = raw, gzip, is_error
-        self._held = 0          # of READING, given back once read, refused or closed
+    def __init__(self, raw: httpx2.AsyncByteStream, reading: ReadingBytes, *, gzip: bool, is_error: bool) -> None:
+        self._raw, self._reading, self._gzip, self._is_error = raw, reading, gzip, is_error
+        self._held = 0          # of reading's, given back once read, refused or closed
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         try:
             async for chunk in bounded_chunks(self._raw, gzip=self._gzip,
                                               limit=MAX_ERROR_BYTES if self._is_error else MAX_REPLY_BYTES):
-                if READING.held + len(chunk) > MAX_READING_BYTES:
-                    raise BodyTooLarge(MAX_READING_BYTES, together=True)
-                READING.held += len(chunk)
-                self._held += len(chunk)
+                room = MAX_READING_BYTES - self._reading.held
+                if self._is_error:
+                    room = max(room, ERROR_START_BYTES - self._held)
+                if len(chunk) > room:
+                    if not self._is_error:
+                        raise BodyTooLarge(MAX_READING_BYTES, together=True)
+                    if kept := chunk[:max(0, room)]:
+                        self._hold(kept)
+                        yield kept
+                    return          # an error's body is cut where the room ends
+                self._hold(chunk)
                 yield chunk
         except BodyTooLarge as exc:
             if not self._is_error:
@@ -135,8 +153,12 @@ class _BoundedReply(httpx2.AsyncByteStream):
         self._give_back()       # also where the client stopped reading without closing the iteration
         await self._raw.aclose()
 
+    def _hold(self, chunk: bytes) -> None:
+        self._reading.held += len(chunk)
+        self._held += len(chunk)
+
     def _give_back(self) -> None:
-        READING.held -= self._held
+        self._reading.held -= self._held
         self._held = 0
 
 

@@ -17,7 +17,7 @@ import openai
 
 from batchrun.bounded_body import ACCEPT_ENCODING
 from batchrun.endpoint.client import TLS_CONTEXT
-from batchrun.endpoint.transport import BoundedAioHttpClient
+from batchrun.endpoint.transport import TOOL_REPLIES, BoundedAioHttpClient
 from batchrun.tools import ToolContext, ToolError
 from batchrun.tools.net import read_capped
 
@@ -62,7 +62,8 @@ def openai_client(ctx: ToolContext, slot: str, *, base_url: str, api_key: str | 
     client = ctx.state.get(slot)
     if client is None:
         client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key or "unused", timeout=timeout, max_retries=2,
-                                    http_client=BoundedAioHttpClient(timeout=timeout, verify=TLS_CONTEXT))
+                                    http_client=BoundedAioHttpClient(timeout=timeout, verify=TLS_CONTEXT,
+                                                                     reading=TOOL_REPLIES))
         ctx.state[slot] = client
         ctx.cleanups.append(client.close)
     return client
