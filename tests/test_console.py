@@ -247,6 +247,12 @@ def test_a_pause_after_the_last_one_ended_gets_a_line_of_its_own_too(monkeypatch
     assert pause_lines(monkeypatch, (0, 20), (40, 20)) == 2
 
 
+def test_a_pause_that_begins_a_moment_after_the_last_one_ended_gets_a_line_of_its_own(monkeypatch):
+    # Requests go again spread over a quarter of a pause after it, and the next 429 may come within a second
+    # or two: before, back-to-back pauses of a whole run were one stretch, with one line.
+    assert pause_lines(monkeypatch, (0, 7), (8, 7), (16, 7)) == 3
+
+
 def test_a_short_pause_that_grows_long_gets_its_line(monkeypatch):
     # With --adaptive_concurrency=False any 429 pauses the run a second or two; a Retry-After of a minute
     # may follow while it lasts.

@@ -50,8 +50,6 @@ PAUSE_NOTE_SECONDS = 5.0
 # How late the console may see a pause begin: the scheduling loop looks about once a second, and a Ray
 # run's figures are up to half a second older.
 PAUSE_SEEN_LATE = 1.5
-# A pause that begins this soon after the last one ended is the same stretch without requests.
-SAME_PAUSE_SECONDS = 2.0
 
 
 def counted(number: int, noun: str, plural: str | None = None) -> str:
@@ -272,7 +270,7 @@ class RunConsole:
         if figures is None or figures.pause_left <= 0:
             return
         now = time.monotonic()
-        if now > self._pause_ends + SAME_PAUSE_SECONDS:
+        if now > self._pause_ends:      # the pause known had ended: requests went again since
             self._pause_announced = False
         self._pause_ends = max(self._pause_ends, now + figures.pause_left)
         if self._pause_announced or figures.pause_left < PAUSE_NOTE_SECONDS - PAUSE_SEEN_LATE:

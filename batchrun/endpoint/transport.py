@@ -30,8 +30,9 @@ MAX_REPLY_BYTES = 16 * 2**20
 MAX_ERROR_BYTES = 2 * 2**20
 # Bounded alone, replies that each stall just under their limit would hold sessions x MAX_REPLY_BYTES (64
 # sessions passed 1 GB). Together they may hold this much per worker process; a reply that would take them
-# past it is refused (an error's body cut). Honest replies arrive in moments, a MiB or two at most.
-MAX_READING_BYTES = 256 * 2**20
+# past it is refused (an error's body cut). High, as a refused reply is retried and billed again: 256 MiB
+# refused honest 12 MiB replies of 128 sessions (32 per process) read over seconds each.
+MAX_READING_BYTES = 512 * 2**20
 # What an error's body keeps however little room is left: its start says why (a context overflow, an
 # unknown model), and cut to nothing it would be taken for a plain failure of its status.
 ERROR_START_BYTES = 64 * 2**10
