@@ -263,9 +263,9 @@ class RunConsole:
 
     def _announce_a_new_pause(self) -> None:
         """A line when the endpoint pauses the run (a 429, see batchrun.rate_limit.Gate): nothing moves
-        until it ends, and a log file would otherwise say why only in the next status line. One line for
-        one stretch without requests, however many 429s push its end back (many sessions' 429s come
-        back spread over the reply time)."""
+        until it ends, and a log file would otherwise say why only in the next status line. One line per
+        pause, however many 429s push its end back while it lasts (many sessions' 429s come back spread
+        over the reply time); a pause begun after the last one ended gets its own."""
         figures = self._this_run.concurrency if self._this_run else None
         if figures is None or figures.pause_left <= 0:
             return

@@ -67,8 +67,8 @@ async def call_model(client: openai.AsyncOpenAI, gate: Gate, *, body: bytes, mod
                     failure = exc
                 except TimeoutError as exc:
                     failure = exc
+            text, error_type = failure_summary(failure, client.timeout)
             if attempt >= max_retries:
-                text, error_type = failure_summary(failure, client.timeout)
                 attempts = f"{attempt + 1} attempt{'s' if attempt else ''}"
                 raise PromptFailedError(f"gave up after {attempts}: {text}", error_type) from None
             if retry_after is not None:
@@ -81,7 +81,7 @@ async def call_model(client: openai.AsyncOpenAI, gate: Gate, *, body: bytes, mod
             else:
                 delay = backoff_delay(attempt)
             attempt += 1
-            gate.limit.retrying(1, failure_summary(failure, client.timeout)[1])
+            gate.limit.retrying(1, error_type)
             retrying = True
             # A 429 that says when to come back holds every session until then. One that does not, under
             # adaptive concurrency, only lowers the limit: pausing the run for it would bring every session

@@ -281,7 +281,8 @@ def backoff_delay(attempt: int) -> float:
 
 
 def failure_summary(exc: Exception, timeout: Any) -> tuple[str, str]:
-    """(what went wrong, error type) for the failure row of a call that used up its retries."""
+    """(what went wrong, error type) of a failed attempt: the failure row's once the retries are used up,
+    and the live display's cause of a retry before that."""
     if isinstance(exc, openai.APIStatusError):
         kind = "rate_limited" if isinstance(exc, openai.RateLimitError) else f"http_{exc.status_code}"
         return f"HTTP {exc.status_code}: {_shown(_error_text(exc))}", kind
