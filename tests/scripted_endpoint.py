@@ -69,6 +69,11 @@ served at once, as a per-key concurrency limit does: one beyond it is answered H
 Retry-After, and is counted in ``rejected`` (not recorded in ``requests``). It may be changed while the
 server runs; ``None`` (the default) means no cap.
 
+``outage`` (attribute) ``(STATUS, SECONDS)``: an outage of the whole endpoint once it has answered, begun by
+the first chat request that comes after a chat completion was sent: every chat request for SECONDS from then
+gets HTTP STATUS with an OpenAI-style error body and ``Retry-After: 1``, as a server down for maintenance
+says (recorded as any other); ``None`` (the default): none.
+
 ``reports_cost=False`` leaves ``cost`` out of each reply's usage (as OpenAI, vLLM and llama.cpp do);
 ``reports_usage=False`` leaves ``usage`` out of each reply altogether (as some servers and proxies do);
 ``tokens_by_length=True`` reports ``prompt_tokens`` as the characters of the request's messages // 4, so
@@ -624,6 +629,9 @@ class ScriptedEndpoint:
         self.models = set(models) if models else None
         self.latency = latency
         self.max_concurrent = max_concurrent
+        self.outage: tuple[int, float] | None = None     # (status, seconds) once a completion was sent
+        self._outage_ends: float | None = None
+        self._completed = False      # a chat completion was sent
         self.rejected = 0          # requests answered 429 for exceeding max_concurrent
         self._serving = 0          # chat requests being served now
         self.script: ScriptHook | None = None
@@ -707,6 +715,14 @@ class ScriptedEndpoint:
 
         if self.latency:
             time.sleep(self.latency)
+        if (outage := self.outage) is not None:
+            status, seconds = outage
+            with self._lock:
+                if self._outage_ends is None and self._completed:
+                    self._outage_ends = time.monotonic() + seconds
+                down = self._outage_ends is not None and time.monotonic() < self._outage_ends
+            if down:
+                return status, _error_body(status, "The service is down"), {"Retry-After": "1"}, "application/json"
         if self.api_key is not None and headers.get("Authorization", "") != f"Bearer {self.api_key}":
             return 401, _error_body(401, "Incorrect API key provided", "invalid_request_error", "invalid_api_key"), {}, "application/json"
         model = body.get("model")
@@ -760,6 +776,7 @@ class ScriptedEndpoint:
         }
         if not self.reports_usage:
             del completion["usage"]
+        self._completed = True
         if k < script.malformed_count:
             broken, content_type = malformed_reply(script.malformed, completion)
             return 200, broken, {}, content_type

@@ -491,6 +491,58 @@ def test_the_ray_gate_keeper_keeps_the_cause_of_the_last_retry():
     assert asyncio.run(cause()) == "connection"
 
 
+def test_before_the_runs_first_reply_the_endpoint_is_not_down_but_not_there():
+    # A gateway answering 502 to everything, from the start, is set up wrong: its prompts fail as before.
+    state = concurrency.new_state(8, adaptive=True)
+    assert concurrency.note_failure(state, 100.0) == 0
+    assert concurrency.figures(state, 130.0).down_for == 0.0
+
+
+def test_the_endpoint_is_down_from_a_failure_after_a_reply_until_the_next_reply():
+    state = concurrency.new_state(8, adaptive=True)
+    concurrency.note_reply(state)
+    assert concurrency.note_failure(state, 100.0) == 1
+    concurrency.note_failure(state, 110.0)
+    assert concurrency.figures(state, 130.0).down_for == 30.0
+    concurrency.admit(state)
+    concurrency.finish(state, Ticket(epoch=state.epoch), Outcome.ANSWERED, 0.2)
+    assert concurrency.figures(state, 131.0).down_for == 0.0 and concurrency.note_failure(state, 132.0) == 2
+
+
+def test_any_response_but_a_down_endpoints_ends_an_outage():
+    # A 429 or a 400 comes from an endpoint that is up: before, only a reply ended it, and the display said
+    # "down" for as long as the endpoint answered nothing but refusals.
+    state = concurrency.new_state(8, adaptive=True)
+    concurrency.note_reply(state)
+    concurrency.note_failure(state, 100.0)
+    concurrency.note_reply(state)
+    assert concurrency.figures(state, 130.0).down_for == 0.0
+
+
+def test_an_outage_is_known_to_every_worker_process():
+    limit = SharedLimit(8, adaptive=True, holders=2)
+    limit.replied()
+    limit.bind(1)
+    child = FORK.Process(target=lambda: asyncio.run(limit.failed()))
+    child.start()
+    child.join()
+    limit.bind(0)
+    assert limit.figures().down_for > 0 and asyncio.run(limit.failed()) == 1
+
+
+def test_the_ray_gate_keeper_knows_when_the_endpoint_is_down_and_up_again():
+    async def states() -> list:
+        keeper = GateKeeper(None, 64, adaptive=True)      # the actor's class, used without Ray
+        before = await keeper.failed()
+        await keeper.replied()
+        replies = await keeper.failed()
+        down = (await keeper.figures()).down_for
+        ticket = await keeper.admit("a")
+        await keeper.finish("a", ticket, Outcome.ANSWERED, 0.2)
+        return [before, replies, down > 0, (await keeper.figures()).down_for]
+    assert asyncio.run(states()) == [0, 1, True, 0.0]
+
+
 def test_the_ray_gate_keepers_figures_say_how_long_the_run_is_paused():
     async def paused_for() -> float:
         keeper = GateKeeper(None, 64, adaptive=True)

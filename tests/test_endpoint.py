@@ -34,6 +34,7 @@ from batchrun.endpoint import (
     retry_after_seconds,
     transport,
 )
+from batchrun.endpoint.errors import BACKOFF_CAP, backoff_delay
 from batchrun.env_vars import Proxy, proxy_for
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.model import PromptFailedError, RunFatalError
@@ -536,6 +537,185 @@ def test_a_request_that_gives_up_is_not_counted_as_waiting_to_retry(ep):
             figures = gate.limit.figures()
             return figures.retrying, figures.retried
     assert asyncio.run(gave_up()) == (0, 0)
+
+
+def quick_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("batchrun.endpoint.errors.BACKOFF_BASE", 0.01)
+
+
+async def answered_once(client: openai.AsyncOpenAI, gate: RateGate, base_url: str) -> None:
+    """A first reply in the run: only an endpoint that has answered can be down, not merely wrong."""
+    await call_model(client, gate, body=request_body("first"), model=MODEL, max_retries=0, base_url=base_url)
+
+
+def calls_through(ep: ScriptedEndpoint, prompts: list[str], *, max_retries: int, timeout: float = 10,
+                  first_answered: bool = True) -> list:
+    """Each prompt's call_model through one client and gate, at once: its reply or what it raised."""
+    async def calls() -> list:
+        async with make_client(ep.base_url, "sk-test", timeout=timeout) as client:
+            gate = RateGate()
+            if first_answered:
+                await answered_once(client, gate, ep.base_url)
+            return await asyncio.gather(*(call_model(client, gate, body=request_body(prompt), model=MODEL,
+                                                     max_retries=max_retries, base_url=ep.base_url)
+                                          for prompt in prompts), return_exceptions=True)
+    return asyncio.run(calls())
+
+
+@pytest.mark.parametrize("status", [502, 503])
+def test_while_the_endpoint_is_down_a_prompt_uses_up_none_of_its_retries(ep, monkeypatch, status):
+    # Before, each gave up after its retries: an outage longer than they last failed every prompt in flight.
+    quick_backoff(monkeypatch)
+    results = calls_through(ep, [f"[[fail {status} 5]] p{i}" for i in range(2)], max_retries=1)
+    assert not any(isinstance(result, BaseException) for result in results), results
+    assert [len(ep.chat_requests_for(f"p{i}")) for i in range(2)] == [6, 6]
+
+
+def test_the_endpoint_is_down_from_a_failure_after_a_reply_to_the_next_reply(ep, monkeypatch):
+    quick_backoff(monkeypatch)
+    ep.latency = 0.05
+
+    async def watch() -> tuple[list[float], float]:
+        async with make_client(ep.base_url, "sk-test", timeout=10) as client:
+            gate = RateGate()
+            await answered_once(client, gate, ep.base_url)
+            calls = asyncio.gather(*(call_model(client, gate, body=request_body(f"[[fail 503 2]] q{i}"), model=MODEL,
+                                                max_retries=0, base_url=ep.base_url) for i in range(3)))
+            seen = []
+            while not calls.done():
+                seen.append(gate.limit.figures().down_for)
+                await asyncio.sleep(0.01)
+            await calls
+            return seen, gate.limit.figures().down_for
+    seen, after = asyncio.run(watch())
+    assert max(seen) > 0 and after == 0.0
+
+
+def test_before_the_runs_first_reply_a_gateways_502_is_not_an_outage(ep, monkeypatch):
+    # A gateway that answers 502 to everything from the start is set up wrong: held, its prompts would never end.
+    quick_backoff(monkeypatch)
+    results = calls_through(ep, [f"[[fail 502 always]] p{i}" for i in range(2)], max_retries=1, first_answered=False)
+    assert all(isinstance(result, PromptFailedError) and result.error_type == "http_502" for result in results)
+    assert [len(ep.chat_requests_for(f"p{i}")) for i in range(2)] == [2, 2]
+
+
+@pytest.mark.parametrize("failure", ["[[malformed not_json always]]", "[[fail 429 always]]", "[[fail 500 always]]",
+                                     "[[fail 504 always]]", "[[drop 1000]]", "[[sleep 1]]"])
+def test_what_one_prompts_request_can_cause_uses_up_its_retries(ep, monkeypatch, failure):
+    # A broken reply, a 429 (the endpoint is there, and busy), a server error, a dropped connection or a time-out
+    # may be this prompt's own doing, and paid for: were it held as in an outage, a dataset of such prompts
+    # would be sent again and again for ever.
+    quick_backoff(monkeypatch)
+    results = calls_through(ep, [f"{failure} p{i}" for i in range(3)], max_retries=1, timeout=0.5)
+    assert all(isinstance(result, PromptFailedError) for result in results), results
+    assert [len(ep.chat_requests_for(f"p{i}")) for i in range(3)] == [2, 2, 2]
+
+
+def test_an_https_address_for_a_plain_server_is_not_taken_for_an_outage(ep, monkeypatch):
+    # A TLS failure is a wrong set-up: before, it counted as a connection that could not be made, held for ever.
+    quick_backoff(monkeypatch)
+    https_url = ep.base_url.replace("http://", "https://")
+
+    async def calls() -> list:
+        gate = RateGate()
+        async with make_client(ep.base_url, "sk-test", timeout=10) as client:
+            await answered_once(client, gate, ep.base_url)
+        async with make_client(https_url, "sk-test", timeout=10) as client:
+            return await asyncio.gather(*(call_model(client, gate, body=request_body(f"q{i}"), model=MODEL,
+                                                     max_retries=1, base_url=https_url) for i in range(2)),
+                                        return_exceptions=True)
+    results = asyncio.run(calls())
+    assert all(isinstance(result, PromptFailedError) and result.error_type == "connection" for result in results)
+
+
+def test_one_prompt_failing_alone_with_a_server_error_gives_up_after_its_retries(ep, monkeypatch):
+    quick_backoff(monkeypatch)
+    with pytest.raises(PromptFailedError, match="gave up after 3 attempts"):
+        call_once(ep.base_url, "[[fail 500 always]] alone", max_retries=2)
+
+
+def test_a_prompt_answered_502_while_others_get_replies_gives_up_after_its_retries(ep, monkeypatch):
+    # A gateway's 502 for a conversation that crashes the server behind it: the replies to others meanwhile
+    # say it is this prompt's own doing (only its first failure, before any such reply, is held).
+    quick_backoff(monkeypatch)
+
+    async def calls() -> BaseException | None:
+        async with make_client(ep.base_url, "sk-test", timeout=10) as client:
+            gate = RateGate()
+            await answered_once(client, gate, ep.base_url)
+            failing = asyncio.ensure_future(call_model(client, gate, body=request_body("[[fail 502 always]] bad"),
+                                                       model=MODEL, max_retries=3, base_url=ep.base_url))
+            others = 0
+            while not failing.done():       # other prompts' requests are answered meanwhile
+                await call_model(client, gate, body=request_body(f"other {others}"), model=MODEL,
+                                 max_retries=0, base_url=ep.base_url)
+                others += 1
+            return failing.exception()
+    failure = asyncio.run(calls())
+    assert isinstance(failure, PromptFailedError) and failure.error_type == "http_502"
+    assert 5 <= len(ep.chat_requests_for("bad")) <= 10
+
+
+def test_a_prompt_answered_502_with_nothing_else_in_flight_ends_after_the_longest_hold(ep, monkeypatch):
+    # Nothing shows the endpoint up: it may be down, and the prompt waits, but not for ever.
+    quick_backoff(monkeypatch)
+    monkeypatch.setattr("batchrun.endpoint.call.LONGEST_HOLD", 0.5)
+    started = time.monotonic()
+    [result] = calls_through(ep, ["[[fail 502 always]] alone"], max_retries=2)
+    assert isinstance(result, PromptFailedError) and result.error_type == "http_502"
+    assert time.monotonic() - started >= 0.5
+
+
+def test_an_endpoint_that_refuses_connections_after_answering_is_waited_for(monkeypatch):
+    quick_backoff(monkeypatch)
+    server = ScriptedEndpoint().start()
+    port, base_url = server.port, server.base_url
+
+    async def calls() -> list:
+        gate = RateGate()
+        async with make_client(base_url, "sk-test", timeout=10) as client:     # its connection closes with it
+            await answered_once(client, gate, base_url)
+        server.stop()
+        async with make_client(base_url, "sk-test", timeout=10) as client:
+            restarted: list[ScriptedEndpoint] = []
+            back = asyncio.get_running_loop().call_later(1.5, lambda: restarted.append(ScriptedEndpoint(port=port).start()))
+            try:
+                return await asyncio.gather(*(call_model(client, gate, body=request_body(f"q{i}"), model=MODEL,
+                                                         max_retries=0, base_url=base_url) for i in range(2)))
+            finally:
+                back.cancel()
+                for endpoint in restarted:
+                    endpoint.stop()
+    assert len(asyncio.run(calls())) == 2
+
+
+def test_a_refused_connection_in_a_process_not_yet_answered_is_an_outage_once_another_was(monkeypatch):
+    # The run's first reply came in another worker process: before, this one took the refusal for an endpoint
+    # that is not there at all, and stopped the run.
+    quick_backoff(monkeypatch)
+    port = closed_port()
+    base_url = f"http://127.0.0.1:{port}/v1"
+
+    async def call() -> object:
+        gate = RateGate()
+        gate.limit.replied()        # as a sibling worker process's reply is counted, in shared memory
+        async with make_client(base_url, "sk-test", timeout=10) as client:
+            restarted: list[ScriptedEndpoint] = []
+            back = asyncio.get_running_loop().call_later(1.0, lambda: restarted.append(ScriptedEndpoint(port=port).start()))
+            try:
+                return await call_model(client, gate, body=request_body("q"), model=MODEL, max_retries=0,
+                                        base_url=base_url)
+            finally:
+                back.cancel()
+                for endpoint in restarted:
+                    endpoint.stop()
+    assert asyncio.run(call()) is not None
+
+
+def test_the_back_off_of_a_call_held_for_hours_stays_within_its_cap():
+    # Before, 2 ** attempt overflowed a float past 1,023 attempts: eight hours into an outage every held
+    # prompt failed with an OverflowError.
+    assert 0 <= backoff_delay(5000) <= BACKOFF_CAP
 
 
 def test_a_pause_says_how_long_it_has_left():

@@ -488,6 +488,19 @@ def test_a_pause_the_endpoint_asks_for_is_said_in_a_ray_runs_log(tmp_path, endpo
 
 
 @needs_ray
+def test_an_outage_of_the_endpoint_holds_every_actors_prompts_and_is_said_in_the_log(tmp_path, endpoint):
+    endpoint.outage = (503, 7.0)
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [f"question {i}" for i in range(6)])
+    result = run_cli(tmp_path, *args(dataset, endpoint, "--num_workers=4", "--backend=ray", "--max_retries=1",
+                                     distribution="minimal"), env=ray_environment(uuid.uuid4().hex))
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
+    assert len(rows) == 6 and not any(row.get("failed") for row in rows)
+    assert "the endpoint has been down since" in result.stdout
+    assert "the endpoint is up again, after" in result.stdout
+
+
+@needs_ray
 def test_requests_per_minute_paces_every_actor_together(tmp_path, endpoint):
     arrivals: list[float] = []
     endpoint.script = lambda body: arrivals.append(time.monotonic())

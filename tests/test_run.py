@@ -182,6 +182,19 @@ def test_burst_of_429s_is_absorbed(tmp_path, endpoint):
     assert len(endpoint.requests) == 16
 
 
+@pytest.mark.parametrize("status", [502, 503])
+def test_an_outage_of_the_endpoint_holds_its_prompts_and_fails_none(tmp_path, endpoint, status):
+    # Before, each prompt gave up after its retries: an endpoint down for longer than they last turned every
+    # prompt the run started meanwhile into a failure row.
+    endpoint.outage = (status, 2.0)
+    result = run_prompts(tmp_path, endpoint, [f"question {i}" for i in range(6)], "--max_retries=1",
+                         "--num_workers=3", distribution="minimal")
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = batch_rows(tmp_path / "data" / "run")
+    assert len(rows) == 6 and not any(row.get("failed") for row in rows)
+    assert len(endpoint.requests) > 6 + 2      # the outage was met, by more than one prompt
+
+
 def test_a_pause_the_endpoint_asks_for_is_said_in_the_log_and_retries_are_counted(tmp_path, endpoint):
     # Before, a 429's pause left the log silent: the run looked hung until its requests went again.
     result = run_prompts(tmp_path, endpoint, ["[[fail 429 1 retry_after=5]] limited"], distribution="minimal")

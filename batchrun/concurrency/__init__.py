@@ -23,6 +23,8 @@ from batchrun.concurrency.aimd import (
     has_room,
     hold_growth,
     new_state,
+    note_failure,
+    note_reply,
     note_retrying,
     note_sent,
     slots,
@@ -31,4 +33,5 @@ from batchrun.concurrency.shared import SharedLimit
 
 __all__ = ["BACKOFF", "INITIAL_LIMIT", "START_DOUBLING", "UNLIMITED", "AimdState", "ConcurrencyFigures", "Limit",
            "Outcome", "Request", "SharedLimit", "Ticket", "admit", "figures", "finish", "grow_with_time",
-           "has_room", "hold_growth", "new_state", "note_retrying", "note_sent", "request_slot", "slots"]
+           "has_room", "hold_growth", "new_state", "note_failure", "note_reply", "note_retrying", "note_sent",
+           "request_slot", "slots"]

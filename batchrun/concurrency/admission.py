@@ -40,6 +40,12 @@ class Limit(Protocol):
     def retrying(self, change: int, cause: str = "") -> None:
         """``change`` more of this holder's requests wait to go again after a failure (see note_retrying)."""
 
+    async def failed(self) -> int:
+        """A request failed as only an endpoint that is down fails it: the replies so far (see note_failure)."""
+
+    def replied(self) -> None:
+        """The endpoint sent an HTTP response other than a reply or a down endpoint's (see note_reply)."""
+
 
 @asynccontextmanager
 async def request_slot(limit: Limit, ready: Callable[[], Awaitable[None]]) -> AsyncIterator[Request]:

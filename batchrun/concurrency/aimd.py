@@ -86,7 +86,9 @@ class AimdState(ctypes.Structure):
                 ("requests", ctypes.c_long), ("overloaded", ctypes.c_long),
                 ("retrying", ctypes.c_long),            # requests waiting to go again after a failure
                 ("retried", ctypes.c_long),             # requests that went again, or will
-                ("retry_cause", ctypes.c_char * _CAUSE_BYTES)]   # the last retry's error type
+                ("retry_cause", ctypes.c_char * _CAUSE_BYTES),   # the last retry's error type
+                ("replies", ctypes.c_long),             # HTTP responses but a down endpoint's (note_reply)
+                ("down_since", ctypes.c_double)]        # wall clock of the first failure since the last reply
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ class ConcurrencyFigures:
     retrying: int
     retried: int
     retry_cause: str            # the last retry's error type, as a failure row would name it ("" before any)
+    down_for: float = 0.0       # seconds the endpoint has been down, where the figures were taken (0: it is up)
     pause_left: float = 0.0     # seconds of the run's pause after a 429 left, where the gate says (Gate.pause_left)
 
     def as_dict(self) -> dict:
@@ -129,8 +132,9 @@ def reset(state: AimdState, ceiling: int, adaptive: bool) -> AimdState:
     state.ceiling, state.adaptive, state.starting = float(ceiling), adaptive, adaptive
     state.step = STEP_AFTER_DECREASE
     state.in_flight = state.waiting = state.epoch = state.requests = state.overloaded = 0
-    state.retrying = state.retried = 0
+    state.retrying = state.retried = state.replies = 0
     state.retry_cause = b""
+    state.down_since = 0.0
     state.next_doubling = state.usual_latency = 0.0
     _begin_round(state)
     return state
@@ -161,6 +165,8 @@ def finish(state: AimdState, ticket: Ticket, outcome: Outcome, latency: float = 
     state.in_flight -= 1
     if outcome is Outcome.UNSENT:
         return
+    if outcome is Outcome.ANSWERED:
+        note_reply(state)
     state.requests += 1
     if outcome is Outcome.OVERLOADED:
         state.overloaded += 1
@@ -260,11 +266,14 @@ def hold_growth(state: AimdState, now: float) -> None:
         state.next_doubling = max(state.next_doubling, now + START_DOUBLING)
 
 
-def figures(state: AimdState) -> ConcurrencyFigures:
+def figures(state: AimdState, now: float = 0.0) -> ConcurrencyFigures:
+    """The figures; ``now`` (wall clock) gives ``down_for``."""
+    down_for = max(0.0, now - state.down_since) if state.down_since and now else 0.0
     return ConcurrencyFigures(adaptive=state.adaptive, ceiling=int(state.ceiling), limit=slots(state),
                               lowest=int(state.lowest), highest=int(state.highest), requests=state.requests,
                               rate_limited=state.overloaded, retrying=state.retrying, retried=state.retried,
-                              retry_cause=state.retry_cause.decode("ascii", "replace"))
+                              retry_cause=state.retry_cause.decode("ascii", "replace"),
+                              down_for=down_for)
 
 
 def note_retrying(state: AimdState, change: int, cause: str = "") -> None:
@@ -274,3 +283,19 @@ def note_retrying(state: AimdState, change: int, cause: str = "") -> None:
     state.retried += max(0, change)
     if cause:
         state.retry_cause = cause.encode("ascii", "replace")[:_CAUSE_BYTES - 1]
+
+
+def note_reply(state: AimdState) -> None:
+    """The endpoint sent an HTTP response other than a down endpoint's (a reply, a 429, a 400...): it is up."""
+    state.replies += 1
+    state.down_since = 0.0
+
+
+def note_failure(state: AimdState, now: float) -> int:
+    """A request failed as only an endpoint that is down fails it (batchrun.endpoint.errors.says_endpoint_down)
+    at ``now`` (wall clock). Returns the replies so far, by which a call knows whether the endpoint answered
+    anyone since its own last such failure (batchrun.endpoint.call). Before the run's first reply it is not
+    down but not there, or wrongly set up: nothing to wait for."""
+    if state.replies and not state.down_since:
+        state.down_since = now
+    return int(state.replies)

@@ -21,6 +21,8 @@ from batchrun.concurrency.aimd import (
     finish,
     grow_with_time,
     hold_growth,
+    note_failure,
+    note_reply,
     note_retrying,
     note_sent,
     reset,
@@ -119,6 +121,14 @@ class SharedLimit:
             self._retrying[self._holder] += change
             note_retrying(self._state, change, cause)
 
+    async def failed(self) -> int:
+        with self._lock:
+            return note_failure(self._state, time.time())
+
+    def replied(self) -> None:
+        with self._lock:
+            note_reply(self._state)
+
     def grow_with_time(self, *, hold: bool = False) -> float | None:
         """The start's growth with time (:func:`grow_with_time`), or with ``hold`` its next doubling
         postponed (:func:`hold_growth`); the seconds until it should be asked again."""
@@ -146,7 +156,7 @@ class SharedLimit:
 
     def figures(self) -> ConcurrencyFigures:
         with self._lock:
-            return figures(self._state)
+            return figures(self._state, time.time())
 
     def _return_slots(self, count: int) -> None:
         for _ in range(count):

@@ -50,6 +50,10 @@ PAUSE_NOTE_SECONDS = 5.0
 # How late the console may see a pause begin: the scheduling loop looks about once a second, and a Ray
 # run's figures are up to half a second older.
 PAUSE_SEEN_LATE = 1.5
+# An endpoint down this long gets a line (and another when it is up again); a blip shows in the progress line
+# only. Its start, as the figures give it, moves by up to this much from one look to the next.
+OUTAGE_NOTE_SECONDS = 5.0
+OUTAGE_SEEN_LATE = 2.0
 
 
 def counted(number: int, noun: str, plural: str | None = None) -> str:
@@ -93,6 +97,8 @@ class RunConsole:
         self._last_status_line = 0.0
         self._pause_ends = 0.0            # time.monotonic() when the pause known last ends, as last known
         self._pause_announced = False     # that pause had its line
+        self._down_began = 0.0            # time.monotonic() when the outage known last began (0: none known)
+        self._down_announced = False      # that outage had its line
         self._this_run: ThisRun | None = None
 
     @property
@@ -178,6 +184,8 @@ class RunConsole:
         # Why figures stand still: without these a run paused or retrying looked hung.
         if figures.pause_left > 0:
             segments.append(f"paused by the endpoint, {math.ceil(figures.pause_left)}s left")
+        if figures.down_for:
+            segments.append(f"endpoint down for {clock(figures.down_for)}")
         if figures.retrying:
             segments.append(f"{counted(figures.retrying, 'request')} retrying (last: {figures.retry_cause})")
         return segments
@@ -258,6 +266,7 @@ class RunConsole:
         PLAIN_STATUS_EVERY though no prompt finishes: a slow endpoint (or one retried for the whole request
         time-out, attempt after attempt) left a log without a line for an hour."""
         self._announce_a_new_pause()
+        self._announce_an_outage()
         if not self.interactive and self._total and time.monotonic() - self._last_status_line >= PLAIN_STATUS_EVERY:
             self.status_line()
 
@@ -281,6 +290,31 @@ class RunConsole:
         self.print(f"the endpoint answered 429 (too many requests): no model request goes out before "
                    f"{until:%H:%M:%S} ({clock(math.ceil(figures.pause_left))} from now)")
 
+    def _announce_an_outage(self) -> None:
+        """A line once the endpoint has been down for OUTAGE_NOTE_SECONDS (batchrun.endpoint.call: its
+        prompts wait for it instead of failing, so nothing moves), and one when it is up again. The figures
+        say how long it has been down, not since when: a Ray run's come from another node's clock."""
+        figures = self._this_run.concurrency if self._this_run else None
+        down_for = figures.down_for if figures else 0.0
+        now = time.monotonic()
+        began = now - down_for if down_for else 0.0
+        # Up now, or down again since: figures up to a second or two old move the start that much.
+        if self._down_began and (not down_for or began > self._down_began + OUTAGE_SEEN_LATE):
+            if self._down_announced:
+                self.print(f"the endpoint is up again, after {clock(now - self._down_began)} down")
+            self._down_began, self._down_announced = 0.0, False
+        if not down_for:
+            return
+        if not self._down_began:
+            self._down_began = began
+        if not self._down_announced and down_for >= OUTAGE_NOTE_SECONDS and figures is not None:
+            self._down_announced = True
+            cause = f" (last: {figures.retry_cause})" if figures.retry_cause else ""
+            since = datetime.now() - timedelta(seconds=down_for)
+            self.print(f"the endpoint has been down since {since:%H:%M:%S}{cause}: the prompts in flight wait for "
+                       f"it, up to an hour each, without using up their retries; Ctrl-C stops the run and "
+                       f"--resume goes on")
+
     def status_line(self) -> None:
         """Progress in a log file, where there is no live display: the same figures as plain lines."""
         self._last_status_line = time.monotonic()
@@ -297,6 +331,7 @@ class RunConsole:
 
     def summary(self, statistics: dict, merged_batch_files: int, *, interrupted: bool = False) -> None:
         """The end-of-run figures; after Ctrl-C under a heading that says the run did not complete."""
+        self._announce_an_outage()      # one that ended after the last look, as the run's last replies came
         width = self.width
         before = self._run_rows(statistics, merged_batch_files)
         after = self._merged_file_rows(statistics) + self._token_rows(statistics)

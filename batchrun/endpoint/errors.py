@@ -15,6 +15,7 @@ from datetime import UTC
 from typing import Any
 from urllib.parse import urlparse
 
+import aiohttp
 import openai
 
 from batchrun.env_vars import Proxy, proxy_for
@@ -22,6 +23,8 @@ from batchrun.model import CONTEXT_LENGTH, PromptFailedError, RunFatalError
 
 # The server says it has more than it can take: adaptive concurrency lowers the limit (batchrun.concurrency).
 OVERLOAD_STATUSES = (429, 503)
+# A gateway with no server behind it, or a server that cannot serve: what an endpoint that is down answers.
+DOWN_STATUSES = (502, 503)
 BACKOFF_BASE = 1.0       # seconds before the first retry; doubles per attempt, with full jitter
 BACKOFF_CAP = 60.0
 # A server's Retry-After is obeyed up to this: "1e9" or a date next year would otherwise stall every
@@ -239,8 +242,8 @@ def _words(text: str) -> str:
 def classify(exc: Exception, *, model: str, base_url: str, endpoint_answered: bool, request: bytes) -> float | None:
     """Returns for a transient error (with the server's Retry-After, if any); raises RunFatalError
     when the whole run cannot work and PromptFailedError when only this prompt cannot.
-    ``endpoint_answered``: the endpoint has sent a response in this process, so a connection it
-    refuses now is an outage to wait out, not a wrong --base_url. ``request``: the body sent, whose
+    ``endpoint_answered``: the endpoint has sent a response in this process, or a reply to any in the run,
+    so a connection it refuses now is an outage to wait out, not a wrong --base_url. ``request``: the body sent, whose
     words an error may quote back."""
     if isinstance(exc, openai.APIConnectionError):     # time-outs and dropped connections included
         if not endpoint_answered:
@@ -276,8 +279,24 @@ def classify(exc: Exception, *, model: str, base_url: str, endpoint_answered: bo
     raise PromptFailedError(f"HTTP {status}: {detail}", f"http_{status}")
 
 
+def says_endpoint_down(exc: Exception) -> bool:
+    """What only an endpoint that is down does, at no cost: no connection could be made (the request was never
+    sent), or a gateway or server said it cannot serve (502, 503). Not a time-out, a dropped connection nor
+    another server error: one prompt's request can cause those (a reply too long for the time-out, a
+    conversation that crashes the server), and the endpoint may have billed its work; held, that prompt would
+    be sent, and paid for, again and again (batchrun.endpoint.call). Nor a TLS failure: a certificate or an
+    https address for a plain server is wrong set-up, not an outage."""
+    if isinstance(exc, openai.APIStatusError):
+        return exc.status_code in DOWN_STATUSES
+    return isinstance(exc, openai.APIConnectionError) and any(
+        isinstance(cause, aiohttp.ClientConnectorError) and not isinstance(cause, aiohttp.ClientSSLError)
+        for cause in _causes(exc))
+
+
 def backoff_delay(attempt: int) -> float:
-    return random.uniform(0, min(BACKOFF_CAP, BACKOFF_BASE * 2 ** attempt))
+    # The exponent bounded: a call held through an outage of hours counts thousands of attempts, and 2.0 ** 1024
+    # does not fit a float.
+    return random.uniform(0, min(BACKOFF_CAP, BACKOFF_BASE * 2 ** min(attempt, 32)))
 
 
 def failure_summary(exc: Exception, timeout: Any) -> tuple[str, str]:

@@ -77,8 +77,15 @@ class GateKeeper:
             self._retrying[holder] += change
             concurrency.note_retrying(self._limit, change, cause)
 
+    async def failed(self) -> int:
+        return concurrency.note_failure(self._limit, time.time())
+
+    async def replied(self) -> None:
+        concurrency.note_reply(self._limit)
+
     async def figures(self) -> ConcurrencyFigures:
-        return dataclasses.replace(concurrency.figures(self._limit),
+        # Its times are the keeper's: nodes' clocks may disagree.
+        return dataclasses.replace(concurrency.figures(self._limit, time.time()),
                                    pause_left=max(0.0, self._resume_at - time.time()))
 
     def _take(self, holder: str) -> Ticket:
@@ -140,6 +147,12 @@ class KeeperLimit:
 
     def retrying(self, change: int, cause: str = "") -> None:
         self._keeper.retrying.remote(self.holder, change, cause)
+
+    async def failed(self) -> int:
+        return int(await self._keeper.failed.remote())
+
+    def replied(self) -> None:
+        self._keeper.replied.remote()
 
     async def _give_back(self, admitted: Any) -> None:
         try:
