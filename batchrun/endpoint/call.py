@@ -41,9 +41,9 @@ async def call_model(client: openai.AsyncOpenAI, gate: Gate, *, body: bytes, mod
                      on_refused: Callable[[Usage, str], None] = lambda usage, cost_source: None) -> ModelReply:
     """One chat completion, retried on transient errors with back-off honouring Retry-After; while the
     endpoint is down (it answered before in the run, and no one since this call's failures began), they do
-    not count against ``max_retries``, for up to LONGEST_HOLD. ``on_send`` is called as each attempt leaves the gate,
-    ``on_refused`` with the usage (and its cost's source) of each reply refused as malformed whose usage
-    could be read."""
+    not count against ``max_retries``, for up to LONGEST_HOLD. ``on_send`` is called as each attempt leaves
+    the gate, ``on_refused`` with the usage (and its cost's source) of each reply refused as malformed whose
+    usage could be read."""
     attempt = 0          # failed attempts so far: the back-off grows with them
     counted = 0          # those that count against max_retries: not those held for an outage
     # (the run's replies, time.monotonic()) at this call's first failure as of a down endpoint with no reply
