@@ -26,6 +26,7 @@ from scripted_endpoint import ScriptedEndpoint
 
 from batchrun import concurrency
 from batchrun.concurrency import AimdState, ConcurrencyFigures, Outcome, SharedLimit, Ticket, slots
+from batchrun.concurrency.aimd import LONGEST_HOLD
 from batchrun.console import RunConsole
 from batchrun.ray.gate import GateKeeper
 from batchrun.stats import ThisRun
@@ -491,56 +492,94 @@ def test_the_ray_gate_keeper_keeps_the_cause_of_the_last_retry():
     assert asyncio.run(cause()) == "connection"
 
 
+def replied_once(in_flight: int) -> AimdState:
+    """The state after the run's first reply, with ``in_flight`` requests holding slots."""
+    state = concurrency.new_state(8, adaptive=True)
+    concurrency.note_reply(state)
+    for _ in range(in_flight):
+        concurrency.admit(state)
+    return state
+
+
 def test_before_the_runs_first_reply_the_endpoint_is_not_down_but_not_there():
     # A gateway answering 502 to everything, from the start, is set up wrong: its prompts fail as before.
     state = concurrency.new_state(8, adaptive=True)
-    assert concurrency.note_failure(state, 100.0) == 0
+    concurrency.admit(state)
+    assert concurrency.note_failure(state, -1, 100.0) == (0, False)
     assert concurrency.figures(state, 130.0).down_for == 0.0
 
 
-def test_the_endpoint_is_down_from_a_failure_after_a_reply_until_the_next_reply():
-    state = concurrency.new_state(8, adaptive=True)
-    concurrency.note_reply(state)
-    assert concurrency.note_failure(state, 100.0) == 1
-    concurrency.note_failure(state, 110.0)
+def test_one_call_failing_alone_in_flight_finds_the_endpoint_down():
+    state = replied_once(in_flight=1)
+    assert concurrency.note_failure(state, -1, 100.0) == (1, True)
     assert concurrency.figures(state, 130.0).down_for == 30.0
-    concurrency.admit(state)
+
+
+def test_one_calls_failures_while_other_requests_are_served_are_its_own():
+    # A long reply being written meanwhile: a gateway's 502 for this conversation is no outage. Before, one
+    # prompt's 502s were held (past its retries) and the log said the endpoint was down.
+    state = replied_once(in_flight=3)
+    seen, held = concurrency.note_failure(state, -1, 100.0)
+    assert not held and concurrency.note_failure(state, seen, 101.0) == (1, False)
+    assert concurrency.figures(state, 130.0).down_for == 0.0
+
+
+def test_a_second_call_failing_before_the_next_reply_finds_the_endpoint_down():
+    state = replied_once(in_flight=3)
+    first, _ = concurrency.note_failure(state, -1, 100.0)
+    assert concurrency.note_failure(state, -1, 101.0) == (1, True)
+    assert concurrency.note_failure(state, first, 102.0) == (1, True)      # the first call, failing again
+
+
+def test_a_reply_ends_the_outage_and_calls_count_afresh():
+    state = replied_once(in_flight=3)
+    first, _ = concurrency.note_failure(state, -1, 100.0)
+    concurrency.note_failure(state, -1, 100.0)
     concurrency.finish(state, Ticket(epoch=state.epoch), Outcome.ANSWERED, 0.2)
-    assert concurrency.figures(state, 131.0).down_for == 0.0 and concurrency.note_failure(state, 132.0) == 2
+    assert concurrency.figures(state, 131.0).down_for == 0.0
+    assert concurrency.note_failure(state, first, 132.0) == (2, False)
 
 
 def test_any_response_but_a_down_endpoints_ends_an_outage():
-    # A 429 or a 400 comes from an endpoint that is up: before, only a reply ended it, and the display said
-    # "down" for as long as the endpoint answered nothing but refusals.
-    state = concurrency.new_state(8, adaptive=True)
-    concurrency.note_reply(state)
-    concurrency.note_failure(state, 100.0)
+    # A 429 or a 400 comes from an endpoint that is up: before, only a reply ended it.
+    state = replied_once(in_flight=1)
+    concurrency.note_failure(state, -1, 100.0)
     concurrency.note_reply(state)
     assert concurrency.figures(state, 130.0).down_for == 0.0
+
+
+def test_an_outage_holds_the_calls_for_an_hour_at_most():
+    # Else a dataset whose every request the endpoint fails as if it were down was held one wave of prompts
+    # an hour, for ever.
+    state = replied_once(in_flight=1)
+    seen, _ = concurrency.note_failure(state, -1, 100.0)
+    assert concurrency.note_failure(state, seen, 100.0 + LONGEST_HOLD - 1) == (1, True)
+    assert concurrency.note_failure(state, seen, 100.0 + LONGEST_HOLD) == (1, False)
+    assert concurrency.note_failure(state, -1, 100.0 + LONGEST_HOLD + 60) == (1, False)
 
 
 def test_an_outage_is_known_to_every_worker_process():
     limit = SharedLimit(8, adaptive=True, holders=2)
     limit.replied()
     limit.bind(1)
-    child = FORK.Process(target=lambda: asyncio.run(limit.failed()))
+    child = FORK.Process(target=lambda: asyncio.run(limit.failed(-1)))       # alone in flight
     child.start()
     child.join()
     limit.bind(0)
-    assert limit.figures().down_for > 0 and asyncio.run(limit.failed()) == 1
+    assert limit.figures().down_since > 0 and asyncio.run(limit.failed(-1)) == (1, True)
 
 
 def test_the_ray_gate_keeper_knows_when_the_endpoint_is_down_and_up_again():
     async def states() -> list:
         keeper = GateKeeper(None, 64, adaptive=True)      # the actor's class, used without Ray
-        before = await keeper.failed()
+        before = await keeper.failed(-1)
         await keeper.replied()
-        replies = await keeper.failed()
-        down = (await keeper.figures()).down_for
         ticket = await keeper.admit("a")
+        down = await keeper.failed(-1)
+        since = (await keeper.figures()).down_since
         await keeper.finish("a", ticket, Outcome.ANSWERED, 0.2)
-        return [before, replies, down > 0, (await keeper.figures()).down_for]
-    assert asyncio.run(states()) == [0, 1, True, 0.0]
+        return [before, down, since > 0, (await keeper.figures()).down_since]
+    assert asyncio.run(states()) == [(0, False), (1, True), True, 0.0]
 
 
 def test_the_ray_gate_keepers_figures_say_how_long_the_run_is_paused():

@@ -184,11 +184,12 @@ def test_a_log_file_gets_the_status_line_while_nothing_finishes(monkeypatch):
     assert sum(line.startswith("progress:") for line in printed) == 1
 
 
-def figures_with(*, retrying: int = 0, pause_left: float = 0.0, adaptive: bool = False,
+def figures_with(*, retrying: int = 0, pause_left: float = 0.0, adaptive: bool = False, down_since: float = 0.0,
                  down_for: float = 0.0) -> ConcurrencyFigures:
     return ConcurrencyFigures(adaptive=adaptive, ceiling=64, limit=64, lowest=64, highest=64, requests=10,
                               rate_limited=1, retrying=retrying, retried=retrying,
-                              retry_cause="http_503" if retrying else "", pause_left=pause_left, down_for=down_for)
+                              retry_cause="http_503" if retrying else "", pause_left=pause_left,
+                              down_since=down_since, down_for=down_for)
 
 
 def test_progress_shows_a_pause_the_endpoint_asked_for_and_the_requests_waiting_to_retry():
@@ -511,21 +512,22 @@ def test_a_verbose_call_preview_is_escaped_and_redacted():
 def test_progress_says_how_long_the_endpoint_has_been_down():
     out = recording_console(terminal=True)
     console, this_run = run_console(out), ThisRun()
-    this_run.concurrency = figures_with(retrying=64, down_for=133)
+    this_run.concurrency = figures_with(retrying=64, down_since=1_000_000.0, down_for=133)
     console.start_progress(10, 0, this_run)
     console.stop_progress()
     shown = " ".join(lines_of(out))
     assert "endpoint down for 0:02:13" in shown and "64 requests retrying (last: http_503)" in shown
 
 
-def outage_lines(monkeypatch, *ticks: tuple[float, float], summary: bool = False) -> list[str]:
+def outage_lines(monkeypatch, *ticks: tuple[float, float, float], summary: bool = False) -> list[str]:
     """The lines about the endpoint a log file gets after the scheduling loop's ``ticks``: (seconds into the
-    run, for how long the endpoint has been down then), each message on one line."""
+    run, since when the endpoint has been down by the figures' clock (0: it is up), for how long as the
+    figures say), each message on one line."""
     out = recording_console(terminal=False)
     console, this_run = run_console(out), ThisRun()
     console.start_progress(10, 0, this_run)
-    for at, down_for in ticks:
-        this_run.concurrency = figures_with(retrying=8 if down_for else 0, down_for=down_for)
+    for at, since, down_for in ticks:
+        this_run.concurrency = figures_with(retrying=8 if since else 0, down_since=since, down_for=down_for)
         monkeypatch.setattr(run_console_module.time, "monotonic", lambda at=at: 1000 + at)
         console.tick()
     if summary:
@@ -538,29 +540,36 @@ def outage_lines(monkeypatch, *ticks: tuple[float, float], summary: bool = False
 def test_an_endpoint_down_for_seconds_gets_a_line_and_one_when_it_is_up_again(monkeypatch):
     # Before, a log said nothing of an outage: its prompts failed one after another, or, since they wait,
     # nothing at all moved.
-    down, up = outage_lines(monkeypatch, (10, 1), (11, 2), (14, 5), (80, 71), (81, 0), (82, 0))
+    down, up = outage_lines(monkeypatch, (10, 9, 1), (11, 9, 2), (14, 9, 5), (80, 9, 71), (81, 0, 0), (82, 0, 0))
     assert re.match(r"the endpoint has been down since \d\d:\d\d:\d\d \(last: http_503\): the prompts in flight "
-                    r"wait for it, up to an hour each, without using up their retries; Ctrl-C stops the run and "
+                    r"wait for it without using up their retries, for an hour at most; Ctrl-C stops the run and "
                     r"--resume goes on$", down)
     assert up == "the endpoint is up again, after 0:01:12 down"
 
 
 def test_an_outage_of_a_moment_shows_in_the_progress_line_only(monkeypatch):
-    assert outage_lines(monkeypatch, (10, 1), (11, 0)) == []
+    assert outage_lines(monkeypatch, (10, 9, 1), (11, 0, 0)) == []
 
 
 def test_each_outage_gets_its_lines(monkeypatch):
-    assert len(outage_lines(monkeypatch, (10, 9), (20, 0), (40, 30), (50, 0))) == 4
+    assert len(outage_lines(monkeypatch, (10, 1, 9), (20, 0, 0), (40, 10, 30), (50, 0, 0))) == 4
 
 
 def test_an_outage_begun_again_between_two_looks_gets_its_lines(monkeypatch):
     # Up for a moment between two looks of the scheduling loop: the first outage still gets its end.
-    lines = outage_lines(monkeypatch, (10, 9), (11, 10), (12, 0.5), (20, 8.5))
+    lines = outage_lines(monkeypatch, (10, 1, 9), (11, 1, 10), (20, 11.5, 8.5))
     assert [line.split(",")[0].split(" since")[0] for line in lines] == [
         "the endpoint has been down", "the endpoint is up again", "the endpoint has been down"]
 
 
+def test_figures_seconds_old_are_the_same_outage(monkeypatch):
+    # A Ray run's figures come from another node, and may be a second or two old: before, an outage seen
+    # through them ended and began again, with lines for each.
+    lines = outage_lines(monkeypatch, (10, 1, 9), (11, 1, 10), (12, 1, 10), (13, 1, 10), (14, 1, 10))
+    assert len(lines) == 1
+
+
 def test_an_outage_that_ends_as_the_run_ends_gets_its_end_line(monkeypatch):
     # The last look of the scheduling loop may come before the last replies: the summary looks once more.
-    lines = outage_lines(monkeypatch, (10, 9), summary=True)
+    lines = outage_lines(monkeypatch, (10, 1, 9), summary=True)
     assert lines[-1].startswith("the endpoint is up again, after")

@@ -40,8 +40,8 @@ class Limit(Protocol):
     def retrying(self, change: int, cause: str = "") -> None:
         """``change`` more of this holder's requests wait to go again after a failure (see note_retrying)."""
 
-    async def failed(self) -> int:
-        """A request failed as only an endpoint that is down fails it: the replies so far (see note_failure)."""
+    async def failed(self, seen: int) -> tuple[int, bool]:
+        """A request failed as only an endpoint that is down fails it (see note_failure)."""
 
     def replied(self) -> None:
         """The endpoint sent an HTTP response other than a reply or a down endpoint's (see note_reply)."""

@@ -57,6 +57,10 @@ STEP_AFTER_DECREASE = 0.125
 # take the runner's own load (a busy event loop reads answers late) and the spread of answer lengths for
 # queueing.
 LATENCY_TOLERANCE = 3.0
+# The most an outage holds the prompts in flight (note_failure): an hour of it costs them none of their
+# retries; a longer one, or a dataset whose every request the endpoint fails as if it were down, fails
+# them as before the hold, not one wave of prompts an hour for ever.
+LONGEST_HOLD = 3600.0
 UNLIMITED = 1 << 20         # the ceiling of a gate built without one (tests calling the endpoint directly)
 # Room for an error type ("http_503", "bad_response", "rate_limited"), and the NUL ctypes keeps after it.
 _CAUSE_BYTES = 16
@@ -88,7 +92,8 @@ class AimdState(ctypes.Structure):
                 ("retried", ctypes.c_long),             # requests that went again, or will
                 ("retry_cause", ctypes.c_char * _CAUSE_BYTES),   # the last retry's error type
                 ("replies", ctypes.c_long),             # HTTP responses but a down endpoint's (note_reply)
-                ("down_since", ctypes.c_double)]        # wall clock of the first failure since the last reply
+                ("failing_calls", ctypes.c_long),       # calls failed as if it were down since the last reply
+                ("down_since", ctypes.c_double)]        # wall clock when it was found down (0: it is up)
 
 
 @dataclass(frozen=True)
@@ -112,7 +117,9 @@ class ConcurrencyFigures:
     retrying: int
     retried: int
     retry_cause: str            # the last retry's error type, as a failure row would name it ("" before any)
-    down_for: float = 0.0       # seconds the endpoint has been down, where the figures were taken (0: it is up)
+    down_since: float = 0.0     # when the endpoint was found down, by the clock of where the figures were
+                                # taken: which outage it is (0: it is up)
+    down_for: float = 0.0       # seconds it has been down, where and when the figures were taken
     pause_left: float = 0.0     # seconds of the run's pause after a 429 left, where the gate says (Gate.pause_left)
 
     def as_dict(self) -> dict:
@@ -132,7 +139,7 @@ def reset(state: AimdState, ceiling: int, adaptive: bool) -> AimdState:
     state.ceiling, state.adaptive, state.starting = float(ceiling), adaptive, adaptive
     state.step = STEP_AFTER_DECREASE
     state.in_flight = state.waiting = state.epoch = state.requests = state.overloaded = 0
-    state.retrying = state.retried = state.replies = 0
+    state.retrying = state.retried = state.replies = state.failing_calls = 0
     state.retry_cause = b""
     state.down_since = 0.0
     state.next_doubling = state.usual_latency = 0.0
@@ -273,7 +280,7 @@ def figures(state: AimdState, now: float = 0.0) -> ConcurrencyFigures:
                               lowest=int(state.lowest), highest=int(state.highest), requests=state.requests,
                               rate_limited=state.overloaded, retrying=state.retrying, retried=state.retried,
                               retry_cause=state.retry_cause.decode("ascii", "replace"),
-                              down_for=down_for)
+                              down_since=state.down_since, down_for=down_for)
 
 
 def note_retrying(state: AimdState, change: int, cause: str = "") -> None:
@@ -288,14 +295,28 @@ def note_retrying(state: AimdState, change: int, cause: str = "") -> None:
 def note_reply(state: AimdState) -> None:
     """The endpoint sent an HTTP response other than a down endpoint's (a reply, a 429, a 400...): it is up."""
     state.replies += 1
+    state.failing_calls = 0
     state.down_since = 0.0
 
 
-def note_failure(state: AimdState, now: float) -> int:
-    """A request failed as only an endpoint that is down fails it (batchrun.endpoint.errors.says_endpoint_down)
-    at ``now`` (wall clock). Returns the replies so far, by which a call knows whether the endpoint answered
-    anyone since its own last such failure (batchrun.endpoint.call). Before the run's first reply it is not
-    down but not there, or wrongly set up: nothing to wait for."""
-    if state.replies and not state.down_since:
+def note_failure(state: AimdState, seen: int, now: float) -> tuple[int, bool]:
+    """A call's request failed as only an endpoint that is down fails it (batchrun.endpoint.errors.
+    says_endpoint_down) at ``now`` (wall clock), its slot still held. ``seen``: what this returned at the
+    call's last such failure (-1 at its first), so that a call counts once between two replies.
+
+    The endpoint is down once the calls of two prompts have failed so with no reply between, or one has
+    with no other request in flight: one prompt's failures while other requests are being served may be
+    its own doing (a gateway's 502 for a conversation that crashes the server behind it). Before the run's
+    first reply it is not down but not there, or set up wrong: nothing to wait for.
+
+    Returns what to pass as ``seen`` next time (the replies so far), and whether the failure is held: it
+    costs the call none of its retries (batchrun.endpoint.call), while the endpoint has been down less
+    than LONGEST_HOLD. Past that the run fails its prompts as it would without the hold, until a reply."""
+    if not state.replies:
+        return 0, False
+    if seen != state.replies:
+        state.failing_calls += 1
+    if not state.down_since and (state.failing_calls >= 2 or state.in_flight <= 1):
         state.down_since = now
-    return int(state.replies)
+    held = bool(state.down_since) and now - state.down_since < LONGEST_HOLD
+    return int(state.replies), held

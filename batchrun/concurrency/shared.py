@@ -121,9 +121,9 @@ class SharedLimit:
             self._retrying[self._holder] += change
             note_retrying(self._state, change, cause)
 
-    async def failed(self) -> int:
+    async def failed(self, seen: int) -> tuple[int, bool]:
         with self._lock:
-            return note_failure(self._state, time.time())
+            return note_failure(self._state, seen, time.time())
 
     def replied(self) -> None:
         with self._lock:

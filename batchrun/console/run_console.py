@@ -51,9 +51,8 @@ PAUSE_NOTE_SECONDS = 5.0
 # run's figures are up to half a second older.
 PAUSE_SEEN_LATE = 1.5
 # An endpoint down this long gets a line (and another when it is up again); a blip shows in the progress line
-# only. Its start, as the figures give it, moves by up to this much from one look to the next.
+# only.
 OUTAGE_NOTE_SECONDS = 5.0
-OUTAGE_SEEN_LATE = 2.0
 
 
 def counted(number: int, noun: str, plural: str | None = None) -> str:
@@ -97,8 +96,9 @@ class RunConsole:
         self._last_status_line = 0.0
         self._pause_ends = 0.0            # time.monotonic() when the pause known last ends, as last known
         self._pause_announced = False     # that pause had its line
-        self._down_began = 0.0            # time.monotonic() when the outage known last began (0: none known)
-        self._down_announced = False      # that outage had its line
+        self._down_since = 0.0            # the outage known last, as its figures name it (0: none)
+        self._down_began = 0.0            # time.monotonic() when it began
+        self._down_announced = False      # it had its line
         self._this_run: ThisRun | None = None
 
     @property
@@ -291,28 +291,27 @@ class RunConsole:
                    f"{until:%H:%M:%S} ({clock(math.ceil(figures.pause_left))} from now)")
 
     def _announce_an_outage(self) -> None:
-        """A line once the endpoint has been down for OUTAGE_NOTE_SECONDS (batchrun.endpoint.call: its
-        prompts wait for it instead of failing, so nothing moves), and one when it is up again. The figures
-        say how long it has been down, not since when: a Ray run's come from another node's clock."""
+        """A line once the endpoint has been down for OUTAGE_NOTE_SECONDS (batchrun.concurrency.note_failure:
+        its prompts wait for it instead of failing, so nothing moves), and one when it is up again. An
+        outage is known by when it began in the figures' own clock (a Ray run's come from another node,
+        and may be a second or two old); how long it lasted, by this one's."""
         figures = self._this_run.concurrency if self._this_run else None
-        down_for = figures.down_for if figures else 0.0
+        down_since = figures.down_since if figures else 0.0
         now = time.monotonic()
-        began = now - down_for if down_for else 0.0
-        # Up now, or down again since: figures up to a second or two old move the start that much.
-        if self._down_began and (not down_for or began > self._down_began + OUTAGE_SEEN_LATE):
+        if self._down_since and down_since != self._down_since:      # up now, or down again since
             if self._down_announced:
                 self.print(f"the endpoint is up again, after {clock(now - self._down_began)} down")
-            self._down_began, self._down_announced = 0.0, False
-        if not down_for:
+            self._down_since, self._down_began, self._down_announced = 0.0, 0.0, False
+        if figures is None or not down_since:
             return
-        if not self._down_began:
-            self._down_began = began
-        if not self._down_announced and down_for >= OUTAGE_NOTE_SECONDS and figures is not None:
+        if not self._down_since:
+            self._down_since, self._down_began = down_since, now - figures.down_for
+        if not self._down_announced and figures.down_for >= OUTAGE_NOTE_SECONDS:
             self._down_announced = True
             cause = f" (last: {figures.retry_cause})" if figures.retry_cause else ""
-            since = datetime.now() - timedelta(seconds=down_for)
+            since = datetime.now() - timedelta(seconds=figures.down_for)
             self.print(f"the endpoint has been down since {since:%H:%M:%S}{cause}: the prompts in flight wait for "
-                       f"it, up to an hour each, without using up their retries; Ctrl-C stops the run and "
+                       f"it without using up their retries, for an hour at most; Ctrl-C stops the run and "
                        f"--resume goes on")
 
     def status_line(self) -> None:

@@ -7,7 +7,6 @@ concurrency limit, and when it says when to come back, it pauses them all."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 
 import openai
@@ -24,12 +23,6 @@ from batchrun.model import ModelReply, PromptFailedError
 from batchrun.rate_limit import Gate, wake_delay
 from batchrun.rows import Usage
 
-# A call waits this long for an endpoint that is down without using up its retries: the prompts in flight
-# hold their places through an outage of an hour, and one whose own requests the endpoint always fails
-# the same way (a gateway's 502 for a conversation that crashes the server behind it), when nothing else is
-# in flight to show the endpoint up, still ends.
-LONGEST_HOLD = 3600.0
-
 # Endpoints (base URLs) that have sent an HTTP response, any status, in this process. One that never
 # has and refuses connections (or whose host does not resolve) is not there at all: the run stops at
 # once instead of retrying every prompt. Once it has answered, the same errors are a transient outage.
@@ -40,15 +33,12 @@ async def call_model(client: openai.AsyncOpenAI, gate: Gate, *, body: bytes, mod
                      base_url: str, on_send: Callable[[], None] = lambda: None,
                      on_refused: Callable[[Usage, str], None] = lambda usage, cost_source: None) -> ModelReply:
     """One chat completion, retried on transient errors with back-off honouring Retry-After; while the
-    endpoint is down (it answered before in the run, and no one since this call's failures began), they do
-    not count against ``max_retries``, for up to LONGEST_HOLD. ``on_send`` is called as each attempt leaves
-    the gate, ``on_refused`` with the usage (and its cost's source) of each reply refused as malformed whose
-    usage could be read."""
+    endpoint is down (concurrency.note_failure), they do not count against ``max_retries``. ``on_send`` is
+    called as each attempt leaves the gate, ``on_refused`` with the usage (and its cost's source) of each
+    reply refused as malformed whose usage could be read."""
     attempt = 0          # failed attempts so far: the back-off grows with them
     counted = 0          # those that count against max_retries: not those held for an outage
-    # (the run's replies, time.monotonic()) at this call's first failure as of a down endpoint with no reply
-    # to anyone since: while that holds, the endpoint is down, not this prompt's request broken.
-    waiting: tuple[int, float] | None = None
+    seen = -1            # the gate's answer at this call's last failure as of a down endpoint (note_failure)
     # The client's time-out bounds each wait for the next bytes; this bounds the whole reply, which a
     # server sending a byte now and then would otherwise hold open for ever.
     deadline = client.timeout if isinstance(client.timeout, (int, float)) else None
@@ -57,7 +47,7 @@ async def call_model(client: openai.AsyncOpenAI, gate: Gate, *, body: bytes, mod
     retrying = False
     try:
         while True:
-            retry_after, overloaded, replies = None, False, 0
+            retry_after, overloaded, held = None, False, False
             async with gate.slot() as request:
                 if retrying:
                     gate.limit.retrying(-1)
@@ -78,11 +68,11 @@ async def call_model(client: openai.AsyncOpenAI, gate: Gate, *, body: bytes, mod
                         if overloaded := exc.status_code in OVERLOAD_STATUSES:
                             request.overloaded()
                     if says_endpoint_down(exc):
-                        replies = await gate.limit.failed()
+                        seen, held = await gate.limit.failed(seen)
                     elif isinstance(exc, openai.APIStatusError):
                         gate.limit.replied()     # whatever it says, the endpoint is up
                     retry_after = classify(exc, model=model, base_url=base_url,
-                                           endpoint_answered=base_url in _ANSWERED or replies > 0, request=body)
+                                           endpoint_answered=base_url in _ANSWERED or seen > 0, request=body)
                     failure: Exception = exc
                 except MalformedReplyError as exc:   # perhaps a passing fault: worth another attempt
                     if exc.usage is not None:       # the endpoint billed it all the same
@@ -91,14 +81,6 @@ async def call_model(client: openai.AsyncOpenAI, gate: Gate, *, body: bytes, mod
                 except TimeoutError as exc:
                     failure = exc
             text, error_type = failure_summary(failure, client.timeout)
-            held = False
-            if replies:      # the endpoint is down, and has answered before in this run (note_failure)
-                now = time.monotonic()
-                if waiting is not None and waiting[0] == replies:
-                    held = now - waiting[1] < LONGEST_HOLD
-                else:
-                    # Its first such failure is held; one after a reply to anyone may be its own doing.
-                    held, waiting = waiting is None, (replies, now)
             if not held:
                 if counted >= max_retries:
                     attempts = f"{attempt + 1} attempt{'s' if attempt else ''}"

@@ -77,8 +77,8 @@ class GateKeeper:
             self._retrying[holder] += change
             concurrency.note_retrying(self._limit, change, cause)
 
-    async def failed(self) -> int:
-        return concurrency.note_failure(self._limit, time.time())
+    async def failed(self, seen: int) -> tuple[int, bool]:
+        return concurrency.note_failure(self._limit, seen, time.time())
 
     async def replied(self) -> None:
         concurrency.note_reply(self._limit)
@@ -148,8 +148,9 @@ class KeeperLimit:
     def retrying(self, change: int, cause: str = "") -> None:
         self._keeper.retrying.remote(self.holder, change, cause)
 
-    async def failed(self) -> int:
-        return int(await self._keeper.failed.remote())
+    async def failed(self, seen: int) -> tuple[int, bool]:
+        replies, held = await self._keeper.failed.remote(seen)
+        return int(replies), bool(held)
 
     def replied(self) -> None:
         self._keeper.replied.remote()
