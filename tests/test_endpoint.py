@@ -22,6 +22,7 @@ from conftest import batch_rows, read_jsonl, run_cli, write_dataset
 from scripted_endpoint import OVERFLOW_ERRORS, ScriptedEndpoint
 from test_session import ENDPOINT
 
+from batchrun.concurrency import Outcome
 from batchrun.endpoint import (
     MAX_REPLY_BYTES,
     MAX_RETRY_AFTER,
@@ -565,10 +566,9 @@ def calls_through(ep: ScriptedEndpoint, prompts: list[str], *, max_retries: int,
 @pytest.mark.parametrize("status", [502, 503])
 def test_while_the_endpoint_is_down_a_prompt_uses_up_none_of_its_retries(ep, monkeypatch, status):
     # Before, each gave up after its retries: an outage longer than they last failed every prompt in flight.
-    # The first failure of one counts (the other is still in flight, perhaps being served); its retry waits
-    # the Retry-After, by when the other has failed too.
+    # (A failure while the other's request is in flight, perhaps being served, counts: hence two retries.)
     quick_backoff(monkeypatch)
-    results = calls_through(ep, [f"[[fail {status} 5 retry_after=0.3]] p{i}" for i in range(2)], max_retries=1)
+    results = calls_through(ep, [f"[[fail {status} 5 retry_after=0.3]] p{i}" for i in range(2)], max_retries=2)
     assert not any(isinstance(result, BaseException) for result in results), results
     assert [len(ep.chat_requests_for(f"p{i}")) for i in range(2)] == [6, 6]
 
@@ -582,7 +582,7 @@ def test_the_endpoint_is_down_from_a_failure_after_a_reply_to_the_next_reply(ep,
             gate = RateGate()
             await answered_once(client, gate, ep.base_url)
             calls = asyncio.gather(*(call_model(client, gate, body=request_body(f"[[fail 503 2 retry_after=0.3]] q{i}"),
-                                                model=MODEL, max_retries=1, base_url=ep.base_url) for i in range(3)))
+                                                model=MODEL, max_retries=3, base_url=ep.base_url) for i in range(3)))
             seen = []
             while not calls.done():
                 seen.append(gate.limit.figures().down_for)
@@ -700,7 +700,9 @@ def test_a_refused_connection_in_a_process_not_yet_answered_is_an_outage_once_an
 
     async def call() -> object:
         gate = RateGate()
-        gate.limit.replied()        # as a sibling worker process's reply is counted, in shared memory
+        ticket = gate.limit.try_take()      # a sibling worker process's answer, counted in shared memory
+        assert ticket is not None
+        gate.limit.finish(ticket, Outcome.ANSWERED, 0.1)
         async with make_client(base_url, "sk-test", timeout=10) as client:
             restarted: list[ScriptedEndpoint] = []
             back = asyncio.get_running_loop().call_later(1.0, lambda: restarted.append(ScriptedEndpoint(port=port).start()))

@@ -491,7 +491,7 @@ def test_a_pause_the_endpoint_asks_for_is_said_in_a_ray_runs_log(tmp_path, endpo
 def test_an_outage_of_the_endpoint_holds_every_actors_prompts_and_is_said_in_the_log(tmp_path, endpoint):
     endpoint.outage = (503, 7.0)
     dataset = write_dataset(tmp_path / "dataset.jsonl", [f"question {i}" for i in range(6)])
-    result = run_cli(tmp_path, *args(dataset, endpoint, "--num_workers=4", "--backend=ray", "--max_retries=1",
+    result = run_cli(tmp_path, *args(dataset, endpoint, "--num_workers=4", "--backend=ray", "--max_retries=3",
                                      distribution="minimal"), env=ray_environment(uuid.uuid4().hex))
     assert result.returncode == 0, result.stdout + result.stderr
     rows = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")

@@ -186,8 +186,10 @@ def test_burst_of_429s_is_absorbed(tmp_path, endpoint):
 def test_an_outage_of_the_endpoint_holds_its_prompts_and_fails_none(tmp_path, endpoint, status):
     # Before, each prompt gave up after its retries: an endpoint down for longer than they last turned every
     # prompt the run started meanwhile into a failure row.
-    endpoint.outage = (status, 2.0)
-    result = run_prompts(tmp_path, endpoint, [f"question {i}" for i in range(6)], "--max_retries=1",
+    # A failure while another request is in flight counts (the endpoint may be serving it): three retries
+    # cover the outage's first moments; four attempts, a second apart, the outage's whole length before.
+    endpoint.outage = (status, 4.0)
+    result = run_prompts(tmp_path, endpoint, [f"question {i}" for i in range(6)], "--max_retries=3",
                          "--num_workers=3", distribution="minimal")
     assert result.returncode == 0, result.stdout + result.stderr
     rows = batch_rows(tmp_path / "data" / "run")

@@ -43,9 +43,6 @@ class Limit(Protocol):
     async def failed(self, seen: int) -> tuple[int, bool]:
         """A request failed as only an endpoint that is down fails it (see note_failure)."""
 
-    def replied(self) -> None:
-        """The endpoint sent an HTTP response other than a reply or a down endpoint's (see note_reply)."""
-
 
 @asynccontextmanager
 async def request_slot(limit: Limit, ready: Callable[[], Awaitable[None]]) -> AsyncIterator[Request]:

@@ -91,8 +91,7 @@ class AimdState(ctypes.Structure):
                 ("retrying", ctypes.c_long),            # requests waiting to go again after a failure
                 ("retried", ctypes.c_long),             # requests that went again, or will
                 ("retry_cause", ctypes.c_char * _CAUSE_BYTES),   # the last retry's error type
-                ("replies", ctypes.c_long),             # HTTP responses but a down endpoint's (note_reply)
-                ("failing_calls", ctypes.c_long),       # calls failed as if it were down since the last reply
+                ("replies", ctypes.c_long),             # requests the endpoint answered (note_reply)
                 ("down_since", ctypes.c_double)]        # wall clock when it was found down (0: it is up)
 
 
@@ -139,7 +138,7 @@ def reset(state: AimdState, ceiling: int, adaptive: bool) -> AimdState:
     state.ceiling, state.adaptive, state.starting = float(ceiling), adaptive, adaptive
     state.step = STEP_AFTER_DECREASE
     state.in_flight = state.waiting = state.epoch = state.requests = state.overloaded = 0
-    state.retrying = state.retried = state.replies = state.failing_calls = 0
+    state.retrying = state.retried = state.replies = 0
     state.retry_cause = b""
     state.down_since = 0.0
     state.next_doubling = state.usual_latency = 0.0
@@ -293,30 +292,29 @@ def note_retrying(state: AimdState, change: int, cause: str = "") -> None:
 
 
 def note_reply(state: AimdState) -> None:
-    """The endpoint sent an HTTP response other than a down endpoint's (a reply, a 429, a 400...): it is up."""
+    """The endpoint answered a request: it is up. Only an answer says so: a gateway in front of a server
+    that is down may well answer 400 or 429 itself."""
     state.replies += 1
-    state.failing_calls = 0
     state.down_since = 0.0
 
 
 def note_failure(state: AimdState, seen: int, now: float) -> tuple[int, bool]:
     """A call's request failed as only an endpoint that is down fails it (batchrun.endpoint.errors.
     says_endpoint_down) at ``now`` (wall clock), its slot still held. ``seen``: what this returned at the
-    call's last such failure (-1 at its first), so that a call counts once between two replies.
+    call's last such failure (-1 at its first).
 
-    The endpoint is down once the calls of two prompts have failed so with no reply between, or one has
-    with no other request in flight: one prompt's failures while other requests are being served may be
-    its own doing (a gateway's 502 for a conversation that crashes the server behind it). Before the run's
-    first reply it is not down but not there, or set up wrong: nothing to wait for.
+    The endpoint is found down by such a failure with no other request in flight: a server that refuses one
+    more request while it serves others is busy, not down. It stays down until it answers a request. Before
+    the run's first answer it is not down but not there, or set up wrong: nothing to wait for.
 
-    Returns what to pass as ``seen`` next time (the replies so far), and whether the failure is held: it
-    costs the call none of its retries (batchrun.endpoint.call), while the endpoint has been down less
-    than LONGEST_HOLD. Past that the run fails its prompts as it would without the hold, until a reply."""
+    Returns what to pass as ``seen`` next time (the answers so far), and whether the failure is held: it
+    costs the call none of its retries (batchrun.endpoint.call). It is held while the endpoint is down,
+    for LONGEST_HOLD at most, unless the endpoint answered another request since the call's last such
+    failure: then the failure may be the call's own doing (a gateway's 502 for a conversation that crashes
+    the server behind it), and counts."""
     if not state.replies:
         return 0, False
-    if seen != state.replies:
-        state.failing_calls += 1
-    if not state.down_since and (state.failing_calls >= 2 or state.in_flight <= 1):
+    if not state.down_since and state.in_flight <= 1:
         state.down_since = now
-    held = bool(state.down_since) and now - state.down_since < LONGEST_HOLD
+    held = bool(state.down_since) and now - state.down_since < LONGEST_HOLD and seen in (-1, state.replies)
     return int(state.replies), held

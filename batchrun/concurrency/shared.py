@@ -22,7 +22,6 @@ from batchrun.concurrency.aimd import (
     grow_with_time,
     hold_growth,
     note_failure,
-    note_reply,
     note_retrying,
     note_sent,
     reset,
@@ -124,10 +123,6 @@ class SharedLimit:
     async def failed(self, seen: int) -> tuple[int, bool]:
         with self._lock:
             return note_failure(self._state, seen, time.time())
-
-    def replied(self) -> None:
-        with self._lock:
-            note_reply(self._state)
 
     def grow_with_time(self, *, hold: bool = False) -> float | None:
         """The start's growth with time (:func:`grow_with_time`), or with ``hold`` its next doubling

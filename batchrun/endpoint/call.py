@@ -69,8 +69,6 @@ async def call_model(client: openai.AsyncOpenAI, gate: Gate, *, body: bytes, mod
                             request.overloaded()
                     if says_endpoint_down(exc):
                         seen, held = await gate.limit.failed(seen)
-                    elif isinstance(exc, openai.APIStatusError):
-                        gate.limit.replied()     # whatever it says, the endpoint is up
                     retry_after = classify(exc, model=model, base_url=base_url,
                                            endpoint_answered=base_url in _ANSWERED or seen > 0, request=body)
                     failure: Exception = exc

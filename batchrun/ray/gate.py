@@ -80,9 +80,6 @@ class GateKeeper:
     async def failed(self, seen: int) -> tuple[int, bool]:
         return concurrency.note_failure(self._limit, seen, time.time())
 
-    async def replied(self) -> None:
-        concurrency.note_reply(self._limit)
-
     async def figures(self) -> ConcurrencyFigures:
         # Its times are the keeper's: nodes' clocks may disagree.
         return dataclasses.replace(concurrency.figures(self._limit, time.time()),
@@ -151,9 +148,6 @@ class KeeperLimit:
     async def failed(self, seen: int) -> tuple[int, bool]:
         replies, held = await self._keeper.failed.remote(seen)
         return int(replies), bool(held)
-
-    def replied(self) -> None:
-        self._keeper.replied.remote()
 
     async def _give_back(self, admitted: Any) -> None:
         try:
