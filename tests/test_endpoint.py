@@ -7,10 +7,13 @@ failure is built by hand (no network here), with the exception chain the HTTP st
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.utils
 import gzip
 import http.server
 import json
+import os
+import resource
 import socket
 import threading
 import time
@@ -714,6 +717,39 @@ def test_a_refused_connection_in_a_process_not_yet_answered_is_an_outage_once_an
                 for endpoint in restarted:
                     endpoint.stop()
     assert asyncio.run(call()) is not None
+
+
+def test_a_connection_the_runner_has_no_descriptor_for_is_not_taken_for_an_outage(ep, monkeypatch):
+    # The socket cannot even be made here: the runner's own limit, which waiting on the endpoint never mends.
+    # Before, it was held as an outage for up to an hour, and the display said the endpoint was down.
+    quick_backoff(monkeypatch)
+
+    async def call_without_descriptors() -> BaseException | None:
+        gate = RateGate()
+        async with make_client(ep.base_url, "sk-test", timeout=10) as client:
+            await answered_once(client, gate, ep.base_url)
+        async with make_client(ep.base_url, "sk-test", timeout=10) as client:
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            taken: list[int] = []
+            resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+            try:
+                with contextlib.suppress(OSError):
+                    while True:
+                        taken.append(os.open("/dev/null", os.O_RDONLY))
+                call = call_model(client, gate, body=request_body("q"), model=MODEL, max_retries=1,
+                                  base_url=ep.base_url)
+                try:
+                    await asyncio.wait_for(call, 5)
+                except PromptFailedError as failure:
+                    return failure
+                return None
+            finally:
+                for fd in taken:
+                    os.close(fd)
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    failure = asyncio.run(call_without_descriptors())
+    assert isinstance(failure, PromptFailedError) and failure.error_type == "connection", failure
+    assert "this machine could not open a connection (Too many open files)" in str(failure)
 
 
 def test_the_back_off_of_a_call_held_for_hours_stays_within_its_cap():

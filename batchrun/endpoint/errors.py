@@ -4,6 +4,7 @@ to wait before trying again (back-off, the server's Retry-After)."""
 from __future__ import annotations
 
 import email.utils
+import errno
 import itertools
 import math
 import random
@@ -290,7 +291,12 @@ def says_endpoint_down(exc: Exception) -> bool:
         return exc.status_code in DOWN_STATUSES
     return isinstance(exc, openai.APIConnectionError) and any(
         isinstance(cause, aiohttp.ClientConnectorError) and not isinstance(cause, aiohttp.ClientSSLError)
-        for cause in _causes(exc))
+        and cause.os_error.errno not in _RUNNERS_OWN_ERRNOS for cause in _causes(exc))
+
+
+# A connection that failed for want of the runner's own means (descriptors, memory, local ports): waiting on
+# the endpoint never mends it, so it is no outage.
+_RUNNERS_OWN_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.EADDRNOTAVAIL})
 
 
 def backoff_delay(attempt: int) -> float:
@@ -321,6 +327,9 @@ def _connection_failure(exc: openai.APIConnectionError, timeout: Any) -> tuple[s
             return "the endpoint's host name cannot be resolved", "connection"
         if isinstance(cause, TimeoutError):
             return _no_reply_within(timeout), "timeout"
+        if isinstance(cause, OSError) and cause.errno in _RUNNERS_OWN_ERRNOS:
+            return (f"this machine could not open a connection ({cause.strerror}): not the endpoint's doing",
+                    "connection")
     return f"connection failed: {causes[-1]}", "connection"
 
 
