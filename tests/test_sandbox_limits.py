@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import multiprocessing
 import os
+import platform
 import resource
 import secrets
 import shutil
@@ -250,6 +251,34 @@ def test_the_preallocating_ioctls_cannot_reserve_space_in_the_sandbox_either(tmp
         print("blocks", os.fstat(fd).st_blocks)
         EOF"""))
     assert result.output.splitlines() == ["Operation not supported", "blocks 0"], result.output
+
+
+@pytest.mark.bubblewrap
+def test_a_command_cannot_make_a_user_namespace(tmp_path: Path) -> None:
+    # In one it has every capability: it could mount a /tmp past its limit and reach the kernel code only
+    # root may (nf_tables, new filesystems). Before, a root run's commands could (`unshare -Urm`).
+    clone = ("import ctypes, errno, os, struct; libc = ctypes.CDLL(None, use_errno=True)\n"
+             "args = struct.pack('=11Q', 0x10000000, 0, 0, 0, 17, 0, 0, 0, 0, 0, 0)\n"
+             "pid = libc.syscall(435, args, len(args))\n"
+             "pid == 0 and os._exit(0)\n"
+             "print('clone3', pid, errno.errorcode.get(ctypes.get_errno()))\n"
+             "pid = libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0)\n"
+             "pid == 0 and os._exit(0)\n"
+             "print('clone', pid, errno.errorcode.get(ctypes.get_errno()))")
+    [result] = run("bubblewrap", settings(tmp_path),
+                   f"unshare -Ur true; echo unshare $?; python3 -c \"{clone}\"")
+    lines = result.output.splitlines()
+    assert "unshare 1" in lines and "clone3 -1 ENOSYS" in lines, result.output
+    assert platform.machine() != "x86_64" or "clone -1 EPERM" in lines, result.output
+
+
+@pytest.mark.bubblewrap
+def test_threads_and_started_programs_work_under_the_filter(tmp_path: Path) -> None:
+    # The C library makes them with clone3 first, and falls back to clone where the kernel has no clone3.
+    spawn = ("import os, threading; t = threading.Thread(target=print, args=('thread',)); t.start(); t.join()\n"
+             "pid = os.posix_spawn('/bin/true', ['true'], {}); print('spawned', os.waitpid(pid, 0)[1])")
+    [result] = run("bubblewrap", settings(tmp_path), f"python3 -c \"{spawn}\"")
+    assert result.output.splitlines() == ["thread", "spawned 0"], result.output
 
 
 # --- the kernel's shared state: the host's clock and the CPU are no prompt's to take ------------------------------

@@ -12,7 +12,12 @@ session keyring it inherited from the runner; and disk space. So the filter refu
 * ``io_uring_setup`` (ENOSYS, as on a kernel without io_uring, which programs fall back from): a ring's
   IORING_OP_FALLOCATE reserves space as ``fallocate`` does, without that system call;
 * ``ioctl`` with FS_IOC_RESVSP, FS_IOC_RESVSP64 or FS_IOC_ZERO_RANGE (EOPNOTSUPP), in the layout of
-  either word size: the kernel serves them with ``fallocate`` on any filesystem that has it.
+  either word size: the kernel serves them with ``fallocate`` on any filesystem that has it;
+* ``clone`` and ``unshare`` with CLONE_NEWUSER (EPERM), and ``clone3`` (ENOSYS, as on a kernel before it,
+  which the C library falls back from to ``clone``: its flags are in memory, out of a filter's reach). In a
+  user namespace of its own a command has every capability: it could mount a ``/tmp`` past its limit, and
+  reach kernel code only root may (nf_tables, filesystems). A sandbox with a user namespace of its own has
+  bwrap's ``--disable-userns`` too; a root run's has no user namespace, and only this.
 
 Everything else is allowed: ``ptrace`` and friends reach only the prompt's own processes, in a PID
 namespace of their own. The program is classic BPF, as the kernel takes it, checking the architecture
@@ -35,15 +40,16 @@ _X32_NUMBERS = {"ioctl": 514}      # where x32's number is not x86_64's
 _RET_ALLOW = 0x7FFF0000
 _RET_ERRNO = 0x00050000
 _RET_KILL_PROCESS = 0x80000000
-_LD_W_ABS, _JEQ_K, _RET_K = 0x20, 0x15, 0x06
-# In struct seccomp_data; an ioctl's request is its second argument, an int (the low word on the
-# little-endian architectures below).
-_ARCH_OFFSET, _NR_OFFSET, _REQUEST_OFFSET = 4, 0, 24
+_LD_W_ABS, _JEQ_K, _JSET_K, _RET_K = 0x20, 0x15, 0x45, 0x06
+# In struct seccomp_data; an ioctl's request is its second argument, an int, and the flags of clone and
+# unshare their first (the low words on the little-endian architectures below).
+_ARCH_OFFSET, _NR_OFFSET, _FLAGS_OFFSET, _REQUEST_OFFSET = 4, 0, 16, 24
+_CLONE_NEWUSER = 0x10000000
 
 # The refused calls' numbers per architecture (asm/unistd*.h), with the error each gets.
 _REFUSED = {
     "add_key": errno.EPERM, "request_key": errno.EPERM, "keyctl": errno.EPERM, "fallocate": errno.EOPNOTSUPP,
-    "io_uring_setup": errno.ENOSYS,
+    "io_uring_setup": errno.ENOSYS, "clone3": errno.ENOSYS,
 }
 # The ioctl requests that preallocate (linux/fs.h: _IOW('X', 40, 42 or 57, struct space_resv), which is 48
 # bytes, or 44 where a 64-bit value is 4-aligned, as in 32-bit x86 programs) and the error each gets.
@@ -51,13 +57,13 @@ _REFUSED_REQUESTS = [((1 << 30) | (size << 16) | (ord("X") << 8) | number, errno
                      for number in (40, 42, 57) for size in (48, 44)]
 _NUMBERS = {
     "x86_64": {"add_key": 248, "request_key": 249, "keyctl": 250, "fallocate": 285, "io_uring_setup": 425,
-               "ioctl": 16},
+               "clone3": 435, "ioctl": 16, "clone": 56, "unshare": 272},
     "i386": {"add_key": 286, "request_key": 287, "keyctl": 288, "fallocate": 324, "io_uring_setup": 425,
-             "ioctl": 54},
+             "clone3": 435, "ioctl": 54, "clone": 120, "unshare": 310},
     "aarch64": {"add_key": 217, "request_key": 218, "keyctl": 219, "fallocate": 47, "io_uring_setup": 425,
-                "ioctl": 29},
+                "clone3": 435, "ioctl": 29, "clone": 220, "unshare": 97},
     "arm": {"add_key": 309, "request_key": 310, "keyctl": 311, "fallocate": 352, "io_uring_setup": 425,
-            "ioctl": 54},
+            "clone3": 435, "ioctl": 54, "clone": 120, "unshare": 337},
 }
 # The architectures a process on this machine can make system calls as (64-bit hosts run 32-bit programs).
 _ABIS = {"x86_64": ("x86_64", "i386"), "aarch64": ("aarch64", "arm")}
@@ -89,6 +95,29 @@ def _matches(offset: int, refused: list[tuple[int, int]]) -> list[bytes]:
     return block
 
 
+# The calls refused only for what an argument says: each name's check ends by refusing or allowing the call.
+_ARGUMENT_CHECKS = {
+    "ioctl": [*_matches(_REQUEST_OFFSET, _REFUSED_REQUESTS), _instruction(_RET_K, 0, 0, _RET_ALLOW)],
+    "clone": [_instruction(_LD_W_ABS, 0, 0, _FLAGS_OFFSET), _instruction(_JSET_K, 0, 1, _CLONE_NEWUSER),
+              _instruction(_RET_K, 0, 0, _RET_ERRNO | errno.EPERM), _instruction(_RET_K, 0, 0, _RET_ALLOW)],
+}
+_ARGUMENT_CHECKS["unshare"] = _ARGUMENT_CHECKS["clone"]
+
+
+def _checked_by_argument(abi: str) -> list[bytes]:
+    """With the call's number loaded: a call checked by an argument jumps to its check, any other is allowed."""
+    numbers = [(number, name) for name in _ARGUMENT_CHECKS for number in _numbers(abi, name)]
+    checks: list[bytes] = []
+    starts = {}
+    for name, check in _ARGUMENT_CHECKS.items():
+        starts[name] = len(checks)
+        checks += check
+    # Each jump lands past the jumps after it and the allow that ends them, at its check.
+    jumps = [_instruction(_JEQ_K, len(numbers) - index + starts[name], 0, number)
+             for index, (number, name) in enumerate(numbers)]
+    return [*jumps, _instruction(_RET_K, 0, 0, _RET_ALLOW), *checks]
+
+
 @functools.cache
 def filter_program(machine: str | None = None) -> bytes | None:
     """The filter as bwrap reads it (an array of struct sock_filter), or None on a machine it does not
@@ -99,12 +128,7 @@ def filter_program(machine: str | None = None) -> bytes | None:
     # Built back to front, so each jump's distance is known when it is written.
     program: list[bytes] = [_instruction(_RET_K, 0, 0, _RET_KILL_PROCESS)]   # an architecture not listed
     for abi in reversed(abis):
-        ioctls = _numbers(abi, "ioctl")
-        block = _matches(_NR_OFFSET, _refusals(abi))
-        # An ioctl jumps past the allow that ends the other calls, to the check of its request.
-        block += [_instruction(_JEQ_K, len(ioctls) - index, 0, number) for index, number in enumerate(ioctls)]
-        block += [_instruction(_RET_K, 0, 0, _RET_ALLOW), *_matches(_REQUEST_OFFSET, _REFUSED_REQUESTS),
-                  _instruction(_RET_K, 0, 0, _RET_ALLOW)]
+        block = [*_matches(_NR_OFFSET, _refusals(abi)), *_checked_by_argument(abi)]
         # Load the architecture; on a match fall into this block, else jump over it to the next check.
         program = [_instruction(_LD_W_ABS, 0, 0, _ARCH_OFFSET), _instruction(_JEQ_K, 0, len(block), _AUDIT_ARCH[abi]),
                    *block, *program]
