@@ -326,6 +326,21 @@ def test_time_out_kills_the_command_and_its_background_child_and_the_next_comman
     assert time.monotonic() - started < 10
 
 
+def test_a_command_the_stopped_shell_cannot_take_in_ends_at_its_time_limit(sandbox_home):
+    # A command stopped its own shell; the next command's line is longer than the pipe holds. Before, its
+    # delivery waited outside the time limit, for ever (or until the tool's limit, 120 s by default).
+    async def scenario():
+        async with sandbox(make_settings(sandbox_home)) as env:
+            await env.run("(sleep 0.5; kill -STOP $PPID) & echo armed")
+            await asyncio.sleep(1.5)
+            started = time.monotonic()
+            stuck = await asyncio.wait_for(env.run("echo " + "x" * 200_000, timeout=2), 30)
+            return stuck, time.monotonic() - started, await env.run("echo next")
+    stuck, took, after = asyncio.run(scenario())
+    assert stuck.timed_out and stuck.exit_code is None and took < 10, (stuck, took)
+    assert after.output == "next\n"
+
+
 def test_a_time_out_keeps_the_sandboxs_shell(sandbox_home):
     async def scenario():
         async with sandbox(make_settings(sandbox_home, command_timeout=1)) as env:

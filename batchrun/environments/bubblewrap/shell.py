@@ -12,6 +12,7 @@ import asyncio
 import os
 import secrets
 import signal
+import time
 import weakref
 from collections.abc import Callable
 from importlib import resources
@@ -93,11 +94,15 @@ class Shell:
         """
         marker = f"batchrun-{secrets.token_hex(16)}"
         line = f"run {marker} {bash_quoted(workdir)} {bash_quoted(command)}\n"
+        started = time.monotonic()
         try:
             self._stdin.write(line.encode("ascii"))
-            await self._stdin.drain()
+            # A line longer than the pipe holds waits for the shell to read it; a shell that a command
+            # stopped never does: the time limit covers the delivery too (TimeoutError: the shell is stuck).
+            await within(limit, self._stdin.drain())
         except (BrokenPipeError, ConnectionResetError):
             return None, False
+        limit -= time.monotonic() - started
         status = bytearray()
         # read_until can be cut short and called again, so the reading goes on after the time-out.
         parts: list[tuple[bytes, Callable[[bytes], None] | None, int | None]] = [
