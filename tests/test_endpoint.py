@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import email.utils
 import gzip
 import http.server
@@ -41,7 +42,7 @@ from batchrun.endpoint import (
 from batchrun.endpoint.errors import BACKOFF_CAP, backoff_delay
 from batchrun.env_vars import Proxy, proxy_for
 from batchrun.environments.base import EnvironmentSettings
-from batchrun.model import PromptFailedError, RunFatalError
+from batchrun.model import CONTEXT_LENGTH, ModelReply, PromptFailedError, RunFatalError
 from batchrun.rate_limit import RateGate
 from batchrun.rows import Usage, split_reasoning
 from batchrun.tools import ToolContext
@@ -853,19 +854,43 @@ def test_malformed_reply_is_named(raw, complaint):
         parse_reply(raw)
 
 
-def test_a_reply_of_more_objects_than_any_answer_holds_is_refused_before_it_is_read():
+@pytest.mark.parametrize("many", [{}, "ab", 0.5], ids=["objects", "strings", "numbers"])
+def test_a_reply_of_more_values_than_any_answer_holds_is_refused_before_it_is_read(many):
     """60 MiB of "{}," in reasoning_details took 1.7 GB of the worker's memory once read (a Python object
     per pair of braces), in the process every other session of the worker shares; the same reply gzipped
-    is 61 KB on the wire."""
-    raw = completion({"content": "a", "reasoning_details": [{}] * 1_100_000})
+    is 61 KB on the wire. A 16 MiB array of short strings took 15 times its size, and an extra field of a
+    tool call goes back to the model with it every turn."""
+    raw = completion({"content": "", "tool_calls": [{"id": "c", "type": "function", "pad": [many] * 1_100_000,
+                                                     "function": {"name": "terminal", "arguments": "{}"}}]})
     tracemalloc.start()
     try:
-        with pytest.raises(MalformedReplyError, match=r"^reply holds more than 1,000,000 JSON objects and arrays"):
+        with pytest.raises(MalformedReplyError, match=r"^reply holds more than 1,000,000 JSON values"):
             parse_reply(raw)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert peak < 10 * 2**20
+
+
+def test_a_conversation_larger_than_any_models_context_is_not_sent(ep, monkeypatch):
+    # Replies under every limit add up: twelve MiB of answer a turn, each sent back with every later
+    # request, took a gigabyte of a worker's memory per session in ten turns, and a row of 138 MB.
+    monkeypatch.setattr("batchrun.endpoint.client.MAX_CONVERSATION_BYTES", 64 * 1024)
+
+    async def reply() -> ModelReply:
+        models = OpenAIEndpoint(dataclasses.replace(ENDPOINT, base_url=ep.base_url), RateGate(), clients=1)
+        try:
+            model = models.model(0, [])
+            messages = [{"role": "user", "content": "x" * 40_000}]
+            await model.reply(messages, with_tools=True)
+            messages += [{"role": "assistant", "content": "y" * 40_000}, {"role": "user", "content": "go on"}]
+            return await model.reply(messages, with_tools=True)
+        finally:
+            await models.close()
+    with pytest.raises(PromptFailedError, match=r"^the conversation is 0\.08 MiB, more than any model reads") as failed:
+        asyncio.run(reply())
+    assert failed.value.error_type == CONTEXT_LENGTH
+    assert len(ep.requests) == 1
 
 
 def test_code_full_of_braces_in_an_answer_is_read():
@@ -1168,6 +1193,10 @@ class RawReplies:
     def oversized_error(self, handler) -> None:
         self.oversized(handler, status=500)
 
+    def long_bad_status_line(self, handler) -> None:
+        handler.wfile.write(b"HTTP/1.1 abc " + b"x" * 8_000 + b"\r\nContent-Length: 0\r\n\r\n")
+        handler.close_connection = True
+
     def declared_oversized(self, handler) -> None:
         self._head(handler, Content_Length=str(10 * 2**30))
         handler.wfile.write(b"{")
@@ -1293,6 +1322,13 @@ def test_a_reply_larger_than_any_completion_fails_the_prompt_as_a_bad_response(r
     failure = failure_of(raw_replies.base_url, scenario)
     assert failure.error_type == "bad_response", failure
     assert f"larger than {MAX_REPLY_BYTES // 2**20} MiB" in str(failure)
+
+
+def test_a_reply_the_http_client_cannot_read_fails_the_prompt_on_one_short_line(raw_replies):
+    # Before, the client's own message went into the row whole: 8,241 characters on six lines.
+    failure = failure_of(raw_replies.base_url, "long_bad_status_line")
+    assert failure.error_type == "connection", failure
+    assert "\n" not in str(failure) and len(str(failure)) < 1_200, str(failure)
 
 
 def test_an_error_larger_than_any_explanation_is_cut_and_still_read_for_its_status(raw_replies):

@@ -15,7 +15,7 @@ import openai
 from batchrun.config import EndpointConfig
 from batchrun.endpoint.call import call_model
 from batchrun.endpoint.transport import MODEL_REPLIES, BoundedAioHttpClient
-from batchrun.model import Message, ModelReply
+from batchrun.model import CONTEXT_LENGTH, Message, ModelReply, PromptFailedError
 from batchrun.rate_limit import Gate
 from batchrun.rows import Usage
 
@@ -42,6 +42,12 @@ def preload_http_stack() -> None:
     The pool calls this before forking, so workers share them instead of each loading its own; the
     client built here opens nothing and is dropped."""
     BoundedAioHttpClient(verify=TLS_CONTEXT, reading=MODEL_REPLIES)
+
+
+# The largest conversation sent: no model reads more (about eight million tokens, four times the largest
+# context served). Replies under every limit of their own add up, each sent back with every later request:
+# twelve MiB of answer a turn took a gigabyte of a worker's memory per session in ten turns.
+MAX_CONVERSATION_BYTES = 32 * 2**20
 
 
 class ConversationBody:
@@ -79,7 +85,11 @@ class OpenAIModel:
         if body is None:
             body = self._bodies[with_tools] = ConversationBody(self._fields(with_tools))
         config = self._config
-        reply = await call_model(self._client, self._gate, body=body.encode(messages), model=config.model,
+        encoded = body.encode(messages)
+        if len(encoded) > MAX_CONVERSATION_BYTES:
+            raise PromptFailedError(f"the conversation is {len(encoded) / 2**20:.2f} MiB, more than any model reads "
+                                    f"(at most {MAX_CONVERSATION_BYTES / 2**20:g} MiB are sent)", CONTEXT_LENGTH)
+        reply = await call_model(self._client, self._gate, body=encoded, model=config.model,
                                  max_retries=config.max_retries, base_url=config.base_url, on_send=on_send,
                                  on_refused=lambda usage, source: on_refused(usage, self._priced(usage, source)))
         reply.cost_source = self._priced(reply.usage, reply.cost_source)

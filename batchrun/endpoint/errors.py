@@ -330,7 +330,7 @@ def _connection_failure(exc: openai.APIConnectionError, timeout: Any) -> tuple[s
         if isinstance(cause, OSError) and cause.errno in _RUNNERS_OWN_ERRNOS:
             return (f"this machine could not open a connection ({cause.strerror}): not the endpoint's doing",
                     "connection")
-    return f"connection failed: {causes[-1]}", "connection"
+    return f"connection failed: {_shown(str(causes[-1]))}", "connection"
 
 
 def _no_reply_within(timeout: Any) -> str:

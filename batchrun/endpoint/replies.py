@@ -13,11 +13,11 @@ from batchrun.rows.reasoning import content_part_text
 
 # The most tool calls a reply may hold (the session runs the first 128 of them: see session.py).
 MAX_TOOL_CALLS = 1024
-# The most JSON objects and arrays a reply may hold, counted as its brackets before it is read (those in
-# its text too: code of a million brackets is far beyond any answer). Each becomes a Python object: a reply
-# of nothing but "{}," takes 24 times its size once read (60 MiB of it, 1.7 GB), in the worker every other
-# session of it shares.
-MAX_REPLY_CONTAINERS = 1_000_000
+# The most JSON values a reply may hold, counted before it is read as its brackets and commas (those in
+# its text too: a million commas is far beyond any answer, some megabytes of prose). Each becomes a Python
+# object: a reply of nothing but "{}," takes 24 times its size once read (60 MiB of it, 1.7 GB), one of
+# short strings 15 times, in the worker every other session of it shares.
+MAX_REPLY_VALUES = 1_000_000
 
 
 class MalformedReplyError(Exception):
@@ -140,9 +140,9 @@ def _check_reasoning(message: dict) -> None:
 
 def parse_reply(raw: bytes) -> ModelReply:
     """The first choice of a chat completion; MalformedReplyError naming what is wrong otherwise."""
-    if raw.count(b"{") + raw.count(b"[") > MAX_REPLY_CONTAINERS:
-        raise MalformedReplyError(f"reply holds more than {MAX_REPLY_CONTAINERS:,} JSON objects and arrays, more "
-                                  f"than any model's answer: {_preview(raw)!r}")
+    if raw.count(b"{") + raw.count(b"[") + raw.count(b",") > MAX_REPLY_VALUES:
+        raise MalformedReplyError(f"reply holds more than {MAX_REPLY_VALUES:,} JSON values, more than any model's "
+                                  f"answer: {_preview(raw)!r}")
     try:
         data = json.loads(raw)
     except ValueError:
