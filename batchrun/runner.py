@@ -26,6 +26,7 @@ from batchrun.console import RunConsole, counted
 from batchrun.dataset import DatasetChanged, DatasetError, DatasetPlan, iter_pending, plan_dataset
 from batchrun.environments import environment_class
 from batchrun.environments.base import EnvironmentSettings, run_identity
+from batchrun.environments.workspace import WorkRootError, claim_work_root
 from batchrun.install_hint import program
 from batchrun.messages import Fatal, Finished, Spent, Task
 from batchrun.pricing import reports_cost
@@ -123,8 +124,8 @@ class BatchRunner:
                 self._report.cancel()
             self.console.error(self._disk_full_message(exc))
             return EXIT_ERROR
-        except RunDirectoryError as exc:    # a batch file line the resume scan or the merge cannot read
-            self.console.error(str(exc))
+        except (RunDirectoryError, WorkRootError) as exc:   # a batch file line the resume scan or the merge
+            self.console.error(str(exc))                        # cannot read; a work root not the runner's alone
             return EXIT_ERROR
         except FileNotFoundError as exc:
             if self.run_dir.path.is_dir():
@@ -525,7 +526,8 @@ class BatchRunner:
         left has been removed."""
         environment = self.config.environment
         identity = run_identity(self.config.output.run_dir)
-        settings = EnvironmentSettings(work_root=Path(tempfile.gettempdir()) / "batch_runner" / identity,
+        claim_work_root(work_root := Path(tempfile.gettempdir()) / "batch_runner" / identity)
+        settings = EnvironmentSettings(work_root=work_root,
                                        run_label=identity, command_timeout=environment.command_timeout,
                                        keep_workdirs=environment.keep_workdirs, default_image=environment.default_image,
                                        allow_network=environment.allow_network, limits=environment.limits,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -446,3 +447,21 @@ def test_a_small_dataset_with_a_line_rewritten_in_place_during_the_run_stops_it(
     assert f"{dataset} changed while the run read it: the line of prompt 6" in said, said
     written = batch_rows(tmp_path / "data" / "run")
     assert sorted(human_prompt(row) for row in written) == prompts[:6]
+
+
+@pytest.mark.parametrize("taken", ["another user's", "writable by others"])
+def test_a_work_directory_another_user_could_change_stops_the_run_before_any_prompt(tmp_path, endpoint, taken):
+    # Every sandbox's root and directory are made under $TMPDIR/batch_runner: before, a local user who made it
+    # first (its name is known ahead) owned the / and /etc of every sandbox, and could poison every prompt.
+    if os.geteuid() != 0 and taken == "another user's":
+        pytest.skip("only root can give a directory to another user")
+    shared = tmp_path / "tmp" / "batch_runner"
+    shared.mkdir(parents=True)
+    shared.chmod(0o777)
+    if taken == "another user's":
+        os.chown(shared, 65534, 65534)
+    result = run_prompts(tmp_path, endpoint, ["[[call terminal {\"command\": \"cat /etc/hosts\"}]] q"])
+    assert result.returncode == 1
+    assert f"{shared} is {taken.replace('another user', 'uid 65534')}" in result.stderr, result.stderr
+    assert "Remove it, or set TMPDIR to a directory of your own" in result.stderr
+    assert endpoint.requests == [] and "Traceback" not in result.stderr

@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import os
 import posixpath
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +30,37 @@ from batchrun.proc import descendants
 
 # close() waits this long for killed processes, so they are reaped while the loop still runs.
 _REAP_SECONDS = 2.0
+
+
+class WorkRootError(Exception):
+    """The directory the run's environments are made in is not the runner's alone."""
+
+
+def claim_work_root(work_root: Path) -> None:
+    """Make ``work_root`` (``$TMPDIR/batch_runner/<run>``) and its parent where missing, and refuse either
+    where another user could change it: its name is known ahead, and whoever made it first could swap the
+    sandboxes' root (their ``/`` and ``/etc``) or a prompt's directory between the runner's steps.
+    ``$TMPDIR`` itself may be open to all, as ``/tmp`` is: its sticky bit keeps our entries ours."""
+    for directory in (work_root.parent, work_root):
+        try:
+            os.mkdir(directory, 0o755)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise WorkRootError(f"cannot make {directory}: {exc.strerror}; set TMPDIR to a directory of your "
+                                "own") from None
+        found = os.lstat(directory)
+        if not stat.S_ISDIR(found.st_mode):
+            problem = "not a directory"
+        elif found.st_uid != os.geteuid():
+            problem = f"uid {found.st_uid}'s"
+        elif found.st_mode & 0o022:
+            problem = f"writable by others (mode {stat.S_IMODE(found.st_mode):04o})"
+        else:
+            continue
+        raise WorkRootError(f"{directory} is {problem}, and the run's sandboxes are made in it: another user "
+                            "could change what every prompt sees. Remove it, or set TMPDIR to a directory of "
+                            "your own")
 
 
 def new_prompt_directory(settings: EnvironmentSettings, prefix: str) -> Path:

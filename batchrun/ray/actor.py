@@ -12,6 +12,7 @@ import os
 from batchrun.config import RunConfig
 from batchrun.environments.base import EnvironmentSettings
 from batchrun.environments.seccomp import leave_session_keyring
+from batchrun.environments.workspace import WorkRootError, claim_work_root
 from batchrun.messages import Fatal, Finished, Spent, Task
 from batchrun.ray.gate import RayRateGate
 from batchrun.ray.node_checks import node_environment_problem, node_tools_problem
@@ -50,6 +51,10 @@ class SessionActor:
                 found.append(f"TERMINAL_ENV={config.environment.kind} does not work there ({environment})")
             if tools := node_tools_problem(config.distribution, self._services.available_tools):
                 found.append(tools)
+            try:
+                claim_work_root(self._services.env_settings.work_root)
+            except WorkRootError as exc:
+                found.append(str(exc))
             return "; ".join(found) or None
 
         problem = await asyncio.to_thread(problems)
