@@ -13,6 +13,7 @@ import json
 import os
 import resource
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -805,35 +806,40 @@ def test_a_worker_never_gives_a_uid_still_in_use_to_another_sandbox(monkeypatch)
     # count (ulimit -u), so one could keep the other from forking. A worker makes thousands of sandboxes
     # in a long run while a slow prompt keeps its own.
     from batchrun.environments.bubblewrap import program
-    monkeypatch.setattr(program, "_sandbox_numbers", itertools.count())
     monkeypatch.setattr(program, "_live_uids", {})
+    monkeypatch.setattr(program, "_SANDBOX_UIDS", range(1 << 30, (1 << 30) + 8))
     slow = program.sandbox_uid()
-    for _ in range(3 * program.UIDS_PER_PROCESS):
+    for _ in range(100):
         program.release_sandbox_uid(program.sandbox_uid())
-    assert program.sandbox_uid() != slow
-    live = {slow} | {program.sandbox_uid() for _ in range(100)}
-    assert len(live) == 101
+    live = {slow} | {program.sandbox_uid() for _ in range(7)}
+    assert len(live) == 8
+    with pytest.raises(EnvironmentSetupError, match="no free uid for a sandbox"):
+        program.sandbox_uid()
 
 
-# Where kernel.pid_max is above 65,536 (systemd sets 4,194,304), two workers' pids can be equal modulo
-# 65,536 and choose the same block; this machine's pid_max cannot make such a pair on demand, so two
-# processes are told the same pid.
 _HOLD_UIDS = """
 import os, sys
 os.getpid = lambda: 4242
 from batchrun.environments.bubblewrap import program
-print(sorted(program.sandbox_uid() for _ in range(5)), flush=True)
+print(sorted(program.sandbox_uid() for _ in range(64)), flush=True)
 sys.stdin.read()
 """
 
 
-def test_two_workers_whose_pids_choose_the_same_block_never_hold_the_same_uid():
-    holders = [subprocess.Popen([sys.executable, "-c", _HOLD_UIDS], cwd=REPO, stdin=subprocess.PIPE,
+@pytest.mark.parametrize("namespaces", ["one", "each its own"])
+def test_two_workers_of_the_same_pid_never_hold_the_same_uid(namespaces):
+    # The claims are per network namespace; runs in two containers of one host share the kernel's uids, and
+    # their workers often have the same small pids. Before, a worker's uids came from a block chosen by its
+    # pid: both containers' first sandboxes had the same uid, and one's processes kept the other from forking.
+    if namespaces == "each its own" and (os.geteuid() != 0 or shutil.which("unshare") is None):
+        pytest.skip("needs root and unshare(1) to make network namespaces")
+    prefix = ["unshare", "--net"] if namespaces == "each its own" else []
+    holders = [subprocess.Popen([*prefix, sys.executable, "-c", _HOLD_UIDS], cwd=REPO, stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True) for _ in range(2)]
     try:
         held = [set(json.loads(holder.stdout.readline())) for holder in holders]   # type: ignore[union-attr]
     finally:
         for holder in holders:
             holder.communicate("", timeout=30)
-    assert all(len(uids) == 5 for uids in held)
+    assert all(len(uids) == 64 for uids in held)
     assert not held[0] & held[1]

@@ -19,8 +19,8 @@ import asyncio
 import contextlib
 import fcntl
 import functools
-import itertools
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -45,12 +45,12 @@ STARTUP_SECONDS = 10.0
 RUNNING_AS_ROOT = os.geteuid() == 0
 # A root run gives each sandbox a uid of its own from this range, which ordinary hosts leave unused, so
 # no two live sandboxes share a process count (ulimit -u counts per uid) or own each other's files. Each
-# worker process takes its uids from a block of its own (by its pid), in turn, skipping those still in
-# use: a slow prompt keeps its uid however many sandboxes come after it. Two workers whose pids are equal
-# modulo 65,536 choose the same block, so each uid is also claimed machine-wide (see _claim).
-_SANDBOX_UID_BASE = 0x40000000
-UIDS_PER_PROCESS = 1 << 14
-_sandbox_numbers = itertools.count()
+# is drawn at random and claimed (see _claim), skipping those still in use: a slow prompt keeps its uid
+# however many sandboxes come after it. Drawn, not counted from a block of the worker's own: a claim holds
+# only within a network namespace, and runs in containers of one host share the kernel's uids, with
+# workers of the same small pids in each.
+_SANDBOX_UIDS = range(0x40000000, 0x80000000)
+_DRAWS = 1000
 _live_uids: dict[int, socket.socket] = {}     # each with its claim
 
 
@@ -292,15 +292,15 @@ def sandbox_command(bwrap: str, allow_network: bool, limits: ResourceLimits, des
 
 
 def sandbox_uid() -> int:
-    """A uid for a root run's sandbox that no other live sandbox of the machine has; given back by
-    release_sandbox_uid."""
-    block = _SANDBOX_UID_BASE + (os.getpid() & 0xFFFF) * UIDS_PER_PROCESS
-    for _ in range(UIDS_PER_PROCESS):
-        uid = block + next(_sandbox_numbers) % UIDS_PER_PROCESS
+    """A uid for a root run's sandbox that no other live sandbox of the network namespace has, and one of
+    another (a container beside this one) only by a chance of one in a billion per sandbox of it; given
+    back by release_sandbox_uid."""
+    for _ in range(_DRAWS):
+        uid = random.choice(_SANDBOX_UIDS)
         if uid not in _live_uids and (claim := _claim(uid)) is not None:
             _live_uids[uid] = claim
             return uid
-    raise EnvironmentSetupError(f"more than {UIDS_PER_PROCESS} sandboxes at once in one worker process")
+    raise EnvironmentSetupError(f"no free uid for a sandbox in {_DRAWS} draws")
 
 
 def _claim(uid: int) -> socket.socket | None:
