@@ -42,7 +42,7 @@ from batchrun.environments import ENVIRONMENT_KINDS
 from batchrun.export import BEST_OF_RULES, EXPORT_FORMATS, REASONING_MODES, ExportError, export_options, export_run
 from batchrun.flag_values import UsageError, boolean, validate_run_name
 from batchrun.install_hint import program
-from batchrun.run_dir import DiskFull, RunDirectoryError, full_disk_named, require_readable, write_refusal_remedy
+from batchrun.run_dir import RunDirectoryError, WriteFailed, require_readable, write_failure_named, write_refusal_remedy
 from batchrun.runner import EXIT_ERROR, EXIT_OK, BatchRunner
 from batchrun.security import Redactor, shown_unless_a_key
 from batchrun.stop_signals import STOP_SIGNALS, Interrupted, stopped_line
@@ -263,7 +263,7 @@ def write_report_cli(run_name: Any, console: RunConsole) -> int:
     try:
         require_readable(run_dir, "--report")
         path = report.write_report(run_dir)
-    except DiskFull as exc:
+    except WriteFailed as exc:
         console.error(f"{exc}. The report there is kept as it was. {exc.remedy}, then run --report again.")
         return EXIT_ERROR
     except RunDirectoryError as exc:    # no run directory to read, or a batch file that cannot be read
@@ -284,12 +284,12 @@ def export_cli(given: dict[str, Any], console: RunConsole) -> int:
     try:
         options = export_options(run_name=given["run_name"], discard_no_reasoning=given["discard_no_reasoning"],
                                  **{name: given[name] for name in flags.EXPORT_OPTIONS})
-        with full_disk_named(options.out):
+        with write_failure_named(options.out):
             summary = export_run(options)
     except (UsageError, ExportError) as exc:
         console.error(str(exc))
         return EXIT_ERROR
-    except DiskFull as exc:
+    except WriteFailed as exc:
         console.error(f"{exc}. The file there is kept as it was. {exc.remedy}, then export again.")
         return EXIT_ERROR
     except RunDirectoryError as exc:    # no run directory to read, or a batch file that cannot be read

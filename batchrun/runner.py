@@ -25,8 +25,7 @@ from batchrun.config import (
 from batchrun.console import RunConsole, counted
 from batchrun.dataset import DatasetChanged, DatasetError, DatasetPlan, iter_pending, plan_dataset
 from batchrun.environments import environment_class
-from batchrun.environments.base import EnvironmentSettings, run_identity
-from batchrun.environments.workspace import WorkRootError, claim_work_root
+from batchrun.environments.base import EnvironmentSettings, WorkRootError, claim_work_root, run_identity
 from batchrun.install_hint import program
 from batchrun.messages import Fatal, Finished, Spent, Task
 from batchrun.pricing import reports_cost
@@ -39,6 +38,7 @@ from batchrun.run_dir import (
     RunDirectoryError,
     ScanResult,
     SpentLedger,
+    WriteFailed,
     size_text,
     superseded_corrupted,
 )
@@ -119,13 +119,13 @@ class BatchRunner:
             return EXIT_ERROR
         try:
             return self._run_locked()
-        except DiskFull as exc:     # a checkpoint, the merge or the statistics found no room
+        except WriteFailed as exc:  # a checkpoint, the merge or the statistics found no room, or a disk failing
             if self._report is not None:
                 self._report.cancel()
-            self.console.error(self._disk_full_message(exc))
+            self.console.error(self._write_failed_message(exc))
             return EXIT_ERROR
-        except (RunDirectoryError, WorkRootError) as exc:   # a batch file line the resume scan or the merge
-            self.console.error(str(exc))                        # cannot read; a work root not the runner's alone
+        except RunDirectoryError as exc:    # a batch file line the resume scan or the merge cannot read
+            self.console.error(str(exc))
             return EXIT_ERROR
         except FileNotFoundError as exc:
             if self.run_dir.path.is_dir():
@@ -225,9 +225,9 @@ class BatchRunner:
             self._report = follower = ReportFollower(self.run_dir.path, self.run_dir.repeats)
             try:
                 with STOP_SIGNALS.interruptible():
-                    env_settings = self._environment_settings()
+                    env_settings = self._environment_settings(claimed=True)    # refused here, not per prompt
                     pool = self._start_pool(env_settings, available)
-            except PoolStartError as exc:
+            except (PoolStartError, WorkRootError) as exc:
                 follower.cancel()
                 self.console.error(str(exc))
                 return EXIT_ERROR
@@ -243,7 +243,7 @@ class BatchRunner:
         # of the whole dataset would project the live line's ETA and cost for samples it never starts.
         self.console.start_progress(plan.already_done + self._pending_samples, plan.already_done, self.this_run,
                                     samples=plan.samples_per_prompt > 1)
-        fatal, disk_full = None, None
+        fatal, write_failed = None, None
         try:
             with STOP_SIGNALS.interruptible():
                 fatal = self._feed(pool, self._planned_tasks(plan))
@@ -252,14 +252,14 @@ class BatchRunner:
                 follower.rows_written(self.config.distribution)
         except Interrupted:
             pass                    # the stop below keeps what finished meanwhile
-        except DiskFull as exc:
-            disk_full = exc
+        except WriteFailed as exc:
+            write_failed = exc
         finally:
             self.console.stop_progress()
-            disk_full = self._stop(pool, env_settings) or disk_full
-        if disk_full is not None:
+            write_failed = self._stop(pool, env_settings) or write_failed
+        if write_failed is not None:
             follower.cancel()
-            self.console.error(self._disk_full_message(disk_full))
+            self.console.error(self._write_failed_message(write_failed))
             return EXIT_ERROR
         if fatal is not None:
             follower.cancel()
@@ -391,7 +391,7 @@ class BatchRunner:
         write and one fdatasync per batch file, one sync of the directory for the files created (a
         group commit). The replies' usage and the rows about to be appended go to the spent ledger
         first (see SpentLedger). When the disk is full, the rows not written are held back for one more
-        try at the stop (see _stop), and DiskFull goes up."""
+        try at the stop (see _stop), and WriteFailed goes up."""
         with STOP_SIGNALS.shielded():     # a group commit is not cut short: it is written and counted whole
             self._persist_group(finished, spent)
 
@@ -411,7 +411,7 @@ class BatchRunner:
                 self.run_dir.append(messages[0].batch_num, data)
                 self._row_bytes += len(data)
                 written += 1
-        except DiskFull:
+        except WriteFailed:
             self._held_back = [message for messages in groups[written:] for message in messages]
             raise
         finally:
@@ -422,7 +422,7 @@ class BatchRunner:
                 self._record(message)
             self.spent.landed([place for group in places[:written] for place in group])
 
-    def _stop(self, pool: WorkerPool, env_settings: EnvironmentSettings) -> DiskFull | None:
+    def _stop(self, pool: WorkerPool, env_settings: EnvironmentSettings) -> WriteFailed | None:
         """End the workers (their sessions stop, their environments close) and keep the rows that
         finished meanwhile, with those a full disk held back: the sandboxes that are gone by then may
         have made room. The environments' leftovers are removed whatever happens."""
@@ -433,21 +433,21 @@ class BatchRunner:
             self._persist([*held_back, *(message for message in stopped if isinstance(message, Finished))],
                           [message for message in stopped if isinstance(message, Spent)])
             self._write_checkpoint()
-        except DiskFull as exc:
+        except WriteFailed as exc:
             return exc
         finally:
             environment_class(self.config.environment.kind).remove_leftovers(env_settings)
         return None
 
-    def _disk_full_message(self, exc: DiskFull) -> str:
-        """What is full, what it needs, what was kept and what to do, as one message."""
+    def _write_failed_message(self, exc: WriteFailed) -> str:
+        """What failed (for a full disk, what it needs), what was kept and what to do, as one message."""
         lines = [f"{exc}.", "The run stopped; every row written before is kept."]
         if lost := len(self._held_back):
             lines.append(f"{counted(lost, 'finished prompt')} could not be written; --resume runs "
                          f"{'them' if lost != 1 else 'it'} again.")
         left = self._pending_samples - self.this_run.processed
         rows_known = self._rows_written + lost
-        if left > 0 and rows_known:
+        if isinstance(exc, DiskFull) and not exc.out_of_files and left > 0 and rows_known:
             per_row = (self._row_bytes + sum(len(message.row) for message in self._held_back)) // rows_known
             lines.append(f"Finishing the run needs roughly {size_text(2 * left * per_row)} more: "
                          f"{counted(left, self._unit)} left at about {size_text(per_row)} a row, each written to its "
@@ -521,17 +521,19 @@ class BatchRunner:
                        toolsets=tuple(distributions.sample_toolsets(self.config.distribution, rng)),
                        sample_index=record.sample_index, unit=unit)
 
-    def _environment_settings(self) -> EnvironmentSettings:
+    def _environment_settings(self, *, claimed: bool = False) -> EnvironmentSettings:
         """The settings of this run's environments, once what a crashed earlier run under the same label
-        left has been removed."""
+        left has been removed; ``claimed``: once the work root is found the runner's alone, before anything
+        in it is removed (WorkRootError), where prompts are to run."""
         environment = self.config.environment
         identity = run_identity(self.config.output.run_dir)
-        claim_work_root(work_root := Path(tempfile.gettempdir()) / "batch_runner" / identity)
-        settings = EnvironmentSettings(work_root=work_root,
+        settings = EnvironmentSettings(work_root=Path(tempfile.gettempdir()) / "batch_runner" / identity,
                                        run_label=identity, command_timeout=environment.command_timeout,
                                        keep_workdirs=environment.keep_workdirs, default_image=environment.default_image,
                                        allow_network=environment.allow_network, limits=environment.limits,
                                        spare_sandboxes=SPARE_SANDBOXES)
+        if claimed:
+            claim_work_root(settings.work_root)
         environment_class(environment.kind).remove_leftovers(settings)
         return settings
 

@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import resource
+import shutil
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -28,7 +29,15 @@ from conftest import (
 )
 
 from batchrun import report
-from batchrun.run_dir import CHECKPOINT, MERGE_RECORD, TRAJECTORIES, DiskFull, RunDirectory, atomic_write_json
+from batchrun.run_dir import (
+    CHECKPOINT,
+    MERGE_RECORD,
+    TRAJECTORIES,
+    DiskFull,
+    RunDirectory,
+    WriteFailed,
+    atomic_write_json,
+)
 
 DISK_BYTES = 8 << 20
 
@@ -333,3 +342,98 @@ def test_a_rewritten_file_is_synced_before_it_is_renamed_over_the_old_one(tmp_pa
     atomic_write_json(tmp_path / CHECKPOINT, {"written": True})
     assert steps == ["fsync", "replace", "fsync"]     # the file, then its name into place, then the directory
     assert json.loads((tmp_path / CHECKPOINT).read_text()) == {"written": True}
+
+
+# ---------------------------------------------------------------------------------------------
+# A disk that fails otherwise: the kernel turns a filesystem read-only when it finds an error in it
+
+
+@pytest.fixture
+def failing_disk(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """A 32 MB ext4 of its own that goes read-only at its first error, and the file that raises one."""
+    if os.geteuid() != 0 or not all(shutil.which(tool) for tool in ("mkfs.ext4", "e2fsck", "findmnt")):
+        pytest.skip("needs root, mkfs.ext4, e2fsck and findmnt to make a disk that fails")
+    image, disk = tmp_path / "ext4.img", tmp_path / "ext4"
+    with image.open("wb") as made:
+        made.truncate(32 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-o", "loop,errors=remount-ro", str(image), str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a loop device here: {mounted.stderr.strip()}")
+    try:
+        device = subprocess.run(["findmnt", "-n", "-o", "SOURCE", str(disk)], capture_output=True, text=True,
+                                check=True).stdout.strip()
+        trigger = Path("/sys/fs/ext4") / Path(device).name / "trigger_fs_error"
+        if not trigger.exists():
+            pytest.skip(f"this kernel has no {trigger}")
+        yield disk, trigger
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_disk_gone_read_only_mid_run_stops_it_with_one_message_and_resume_finishes_once_it_is_mended(
+        failing_disk, endpoint, tmp_path):
+    # Before, a traceback: only a full disk was known, and EROFS (or EIO) from a row's write went up as a bug.
+    disk, trigger = failing_disk
+    marker = tmp_path / "failed-once"     # not on the disk, which may lose it as it fails
+    command = f"test -e {marker} || (touch {marker}; echo test > {trigger}); true"
+    prompts = ["question 0", "question 1", f"[[call terminal {json.dumps({'command': command})}]] break the disk",
+               "question 3"]
+    result = run_on(disk, endpoint, prompts, "--num_workers=1", dataset_dir=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert result.stderr.count("error:") == 1, result.stderr
+    assert "Read-only file system" in result.stderr and "--resume" in result.stderr
+    run_dir = disk / "home" / "data" / "run"
+    assert_only_complete_rows(run_dir)
+    assert sorted(row["prompt_index"] for row in batch_rows(run_dir)) == [0, 1]
+
+    image = tmp_path / "ext4.img"
+    subprocess.run(["umount", str(disk)], check=True)
+    subprocess.run(["e2fsck", "-fy", str(image)], capture_output=True)
+    subprocess.run(["mount", "-o", "loop,errors=remount-ro", str(image), str(disk)], check=True)
+    finished = run_on(disk, endpoint, prompts, "--num_workers=1", "--resume", dataset_dir=tmp_path)
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert sorted(row["prompt_index"] for row in read_jsonl(run_dir / TRAJECTORIES)) == [0, 1, 2, 3]
+
+
+def test_a_disk_out_of_inodes_says_so_not_that_bytes_are_missing(tmp_path, endpoint):
+    # Before, "no space left ... has 15.9 MB free of 16.0 MB", and an estimate of the bytes still needed.
+    with mounted_tmpfs(tmp_path / "disk", "size=16m,nr_inodes=400") as disk:
+        marker, files = tmp_path / "filled-once", disk / "files"
+        command = (f"test -e {marker} || (touch {marker}; mkdir {files}; "
+                   f"for i in $(seq 1000); do touch {files}/$i 2>/dev/null || break; done); true")
+        prompts = ["question 0", "question 1", f"[[call terminal {json.dumps({'command': command})}]] take the inodes",
+                   "question 3"]
+        result = run_on(disk, endpoint, prompts, "--num_workers=1", "--batch_size=1", dataset_dir=tmp_path)
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert "Traceback" not in result.stdout + result.stderr
+        assert result.stderr.count("error:") == 1, result.stderr
+        assert "no file can be made" in result.stderr and "inodes" in result.stderr, result.stderr
+        assert "Finishing the run needs" not in result.stderr
+        subprocess.run(["rm", "-rf", str(files)], check=True)
+        finished = run_on(disk, endpoint, prompts, "--num_workers=1", "--batch_size=1", "--resume",
+                          dataset_dir=tmp_path)
+        assert finished.returncode == 0, finished.stdout + finished.stderr
+        run_dir = disk / "home" / "data" / "run"
+        assert sorted(row["prompt_index"] for row in read_jsonl(run_dir / TRAJECTORIES)) == [0, 1, 2, 3]
+
+
+def test_the_names_of_new_batch_files_on_a_disk_gone_read_only_fail_as_the_rows_did(failing_disk):
+    # A group commit that made batch_1, then met the failure: before, the sync of the new name raised the
+    # filesystem's own error over the one message, and again at the stop, and the run ended in a traceback.
+    disk, trigger = failing_disk
+    run_dir = RunDirectory(disk / "run")
+    run_dir.acquire()
+    try:
+        run_dir.append(1, b'{"row": 1}\n')
+        trigger.write_text("test")
+        with pytest.raises(WriteFailed):
+            run_dir.append(2, b'{"row": 2}\n')
+        with pytest.raises(WriteFailed, match="Read-only file system"):
+            run_dir.sync_names()
+        run_dir.sync_names()        # nothing left to sync: said once
+    finally:
+        run_dir.release()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -31,10 +32,10 @@ TOOL_PROMPT = ('make a file [[call write_file {"path": "notes/a.txt", "content":
 
 
 def run_prompts(tmp_path, endpoint, prompts, *extra, batch_size=3, run_name="run", distribution="terminal_only",
-                env=None):
+                env=None, prefix=()):
     dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
     return run_cli(tmp_path, f"--dataset_file={dataset}", f"--batch_size={batch_size}", f"--run_name={run_name}",
-                   f"--distribution={distribution}", *endpoint_args(endpoint), *extra, env=env)
+                   f"--distribution={distribution}", *endpoint_args(endpoint), *extra, env=env, prefix=prefix)
 
 
 def test_full_run_writes_batches_checkpoint_statistics_and_merged_file(tmp_path, endpoint):
@@ -449,19 +450,51 @@ def test_a_small_dataset_with_a_line_rewritten_in_place_during_the_run_stops_it(
     assert sorted(human_prompt(row) for row in written) == prompts[:6]
 
 
-@pytest.mark.parametrize("taken", ["another user's", "writable by others"])
-def test_a_work_directory_another_user_could_change_stops_the_run_before_any_prompt(tmp_path, endpoint, taken):
+def test_a_work_directory_of_another_user_stops_the_run_before_any_prompt(tmp_path, endpoint):
     # Every sandbox's root and directory are made under $TMPDIR/batch_runner: before, a local user who made it
     # first (its name is known ahead) owned the / and /etc of every sandbox, and could poison every prompt.
-    if os.geteuid() != 0 and taken == "another user's":
+    if os.geteuid() != 0:
         pytest.skip("only root can give a directory to another user")
     shared = tmp_path / "tmp" / "batch_runner"
     shared.mkdir(parents=True)
     shared.chmod(0o777)
-    if taken == "another user's":
-        os.chown(shared, 65534, 65534)
-    result = run_prompts(tmp_path, endpoint, ["[[call terminal {\"command\": \"cat /etc/hosts\"}]] q"])
+    os.chown(shared, 65534, 65534)
+    result = run_prompts(tmp_path, endpoint, ['[[call terminal {"command": "cat /etc/hosts"}]] q'])
     assert result.returncode == 1
-    assert f"{shared} is {taken.replace('another user', 'uid 65534')}" in result.stderr, result.stderr
+    assert f"{shared} is uid 65534's" in result.stderr, result.stderr
     assert "Remove it, or set TMPDIR to a directory of your own" in result.stderr
     assert endpoint.requests == [] and "Traceback" not in result.stderr
+
+
+def test_a_temporary_directory_any_user_may_rename_in_stops_the_run_before_any_prompt(tmp_path, endpoint):
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "tmp").chmod(0o777)       # not sticky, as /tmp is: anyone could replace batch_runner in it
+    result = run_prompts(tmp_path, endpoint, ["q"])
+    assert result.returncode == 1
+    assert "is open to other users" in result.stderr and "not sticky" in result.stderr, result.stderr
+    assert endpoint.requests == []
+
+
+def test_the_work_directories_are_the_runners_alone_whatever_the_umask(tmp_path, endpoint):
+    # Before, they took their mode from the umask: under 0 (some daemons, containers) writable by every user
+    # from the first sandbox on; under 002 (ordinary users' default) the next run refused its own directory.
+    temporary = tmp_path / "tmp"
+    (temporary / "batch_runner").mkdir(parents=True)
+    (temporary / "batch_runner").chmod(0o775)         # as an earlier version made it under umask 002
+    command = f"stat -c '%a %n' {temporary}/batch_runner {temporary}/batch_runner/*/"
+    result = run_prompts(tmp_path, endpoint, [f"[[call terminal {json.dumps({'command': command})}]] q"],
+                         env={"TERMINAL_ENV": "local"}, prefix=("sh", "-c", 'umask 0 && exec "$@"', "sh"))
+    assert result.returncode == 0, result.stderr
+    [row] = batch_rows(tmp_path / "data" / "run")
+    [result_text] = [turn["value"] for turn in row["conversations"] if turn["from"] == "tool"]
+    assert re.findall(r"(\d+) /\S*/batch_runner", result_text) == ["755", "755"], result_text
+
+
+def test_a_link_to_nowhere_in_place_of_the_work_directory_is_one_message(tmp_path, endpoint):
+    # Before the second review, the link was followed unchecked: a FileNotFoundError traceback.
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "tmp" / "batch_runner").symlink_to(tmp_path / "nowhere")
+    result = run_prompts(tmp_path, endpoint, ["q"])
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "batch_runner: No such file or directory. Remove it, or set TMPDIR" in result.stderr, result.stderr
+    assert endpoint.requests == []

@@ -14,6 +14,7 @@ import abc
 import hashlib
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -204,3 +205,57 @@ class Environment(abc.ABC):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+
+class WorkRootError(Exception):
+    """The directory the run's environments are made in is not the runner's alone."""
+
+
+def claim_work_root(work_root: Path) -> None:
+    """Make ``work_root`` (``$TMPDIR/batch_runner/<run>``) and its parent where missing, and refuse either
+    where another user could change it: its name is known ahead, and whoever made it first could swap the
+    sandboxes' root (their ``/`` and ``/etc``) or a prompt's directory between the runner's steps. Every
+    making of them comes here, so none takes its mode from the umask (0 in some daemons and containers).
+    ``$TMPDIR`` itself may be open to all, as ``/tmp`` is, where its sticky bit keeps our entries ours."""
+    temporary = work_root.parent.parent
+    try:
+        os.makedirs(temporary, mode=0o700, exist_ok=True)
+        found = temporary.stat()
+    except OSError as exc:
+        raise WorkRootError(f"cannot use {temporary}: {exc.strerror}; set TMPDIR to a directory of your "
+                            "own") from None
+    # Writable by the runner's group is its user's own way (a private group, umask 002), not refused.
+    if found.st_uid not in (os.geteuid(), 0) or (found.st_mode & 0o002 and not found.st_mode & stat.S_ISVTX):
+        raise WorkRootError(f"{temporary} is open to other users, who could replace the directories of the run's "
+                            "sandboxes in it (another user's, or writable by all and not sticky as /tmp is); "
+                            "set TMPDIR to a directory of your own")
+    for directory in (work_root.parent, work_root):
+        try:
+            os.mkdir(directory, 0o755)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise WorkRootError(f"cannot make {directory}: {exc.strerror}; set TMPDIR to a directory of your "
+                                "own") from None
+        _check_own(directory)
+
+
+def _check_own(directory: Path) -> None:
+    """``directory`` (or the link that names it, and what it names) is the runner's, and writable by the runner
+    alone: one of its own that is writable by its group (made under a umask of 002) is made so."""
+    refusal = (f"{directory} is {{}}, and the run's sandboxes are made in it: another user could change what "
+               "every prompt sees. Remove it, or set TMPDIR to a directory of your own")
+    try:
+        named = os.lstat(directory)
+        if named.st_uid != os.geteuid():        # before a link is followed: another's may lead anywhere
+            raise WorkRootError(refusal.format(f"uid {named.st_uid}'s"))
+        found = os.stat(directory) if stat.S_ISLNK(named.st_mode) else named
+        if not stat.S_ISDIR(found.st_mode):
+            raise WorkRootError(refusal.format("not a directory"))
+        if found.st_uid != os.geteuid():
+            raise WorkRootError(refusal.format(f"a link to uid {found.st_uid}'s directory"))
+        if found.st_mode & 0o022:
+            os.chmod(directory, stat.S_IMODE(found.st_mode) & ~0o022)
+    except OSError as exc:      # a link to nowhere, a loop of links, a filesystem that takes no chmod
+        raise WorkRootError(f"cannot use {directory}: {exc.strerror}. Remove it, or set TMPDIR to a directory of "
+                            "your own") from None

@@ -31,6 +31,8 @@ from batchrun.environments.base import (
     EnvironmentSettings,
     EnvironmentSetupError,
     ToolError,
+    WorkRootError,
+    claim_work_root,
 )
 from batchrun.environments.command_output import run_merged
 from batchrun.environments.container_cli import STDOUT_BYTES, CliResult, call_cli
@@ -330,8 +332,8 @@ class CliContainerEnvironment(ContainerEnvironment):
 
     async def start(self) -> None:
         try:
-            self.settings.work_root.mkdir(parents=True, exist_ok=True)      # see _cli_directory
-        except OSError as exc:
+            claim_work_root(self.settings.work_root)      # see _cli_directory
+        except WorkRootError as exc:
             raise setup_error(f"cannot create the run's working directory {self.settings.work_root}",
                               str(exc)) from exc
         await super().start()

@@ -23,7 +23,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from batchrun.environments.base import EnvironmentSettings
+from batchrun.environments.base import EnvironmentSettings, WorkRootError, claim_work_root
 from batchrun.environments.container import (
     HOUSEKEEPING_TIMEOUT,
     PROXY_VARIABLES,
@@ -85,10 +85,10 @@ class SingularityEnvironment(CliContainerEnvironment):
 
     async def _create(self) -> None:
         try:
-            self.settings.work_root.mkdir(parents=True, exist_ok=True)
+            claim_work_root(self.settings.work_root)
             self.prompt_dir = Path(tempfile.mkdtemp(prefix=f"prompt-{self.prompt_index}-",
                                                     dir=self.settings.work_root))
-        except OSError as exc:
+        except (OSError, WorkRootError) as exc:
             raise setup_error(f"cannot create a working directory under {self.settings.work_root}", str(exc)) from exc
         network = [] if self.settings.allow_network else ["--net", "--network", "none"]
         started = await self._call([

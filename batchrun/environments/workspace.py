@@ -15,12 +15,18 @@ import asyncio
 import dataclasses
 import os
 import posixpath
-import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from batchrun.environments.base import CommandResult, EnvironmentSettings, EnvironmentSetupError, ToolError
+from batchrun.environments.base import (
+    CommandResult,
+    EnvironmentSettings,
+    EnvironmentSetupError,
+    ToolError,
+    WorkRootError,
+    claim_work_root,
+)
 from batchrun.environments.command_output import ChildProcess, kill_group, kill_group_of
 from batchrun.environments.confined_files import ConfinedPath, read_regular_file, write_regular_file
 from batchrun.environments.disk_guard import WorkspaceWatch, guard_for
@@ -32,44 +38,13 @@ from batchrun.proc import descendants
 _REAP_SECONDS = 2.0
 
 
-class WorkRootError(Exception):
-    """The directory the run's environments are made in is not the runner's alone."""
-
-
-def claim_work_root(work_root: Path) -> None:
-    """Make ``work_root`` (``$TMPDIR/batch_runner/<run>``) and its parent where missing, and refuse either
-    where another user could change it: its name is known ahead, and whoever made it first could swap the
-    sandboxes' root (their ``/`` and ``/etc``) or a prompt's directory between the runner's steps.
-    ``$TMPDIR`` itself may be open to all, as ``/tmp`` is: its sticky bit keeps our entries ours."""
-    for directory in (work_root.parent, work_root):
-        try:
-            os.mkdir(directory, 0o755)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise WorkRootError(f"cannot make {directory}: {exc.strerror}; set TMPDIR to a directory of your "
-                                "own") from None
-        found = os.lstat(directory)
-        if not stat.S_ISDIR(found.st_mode):
-            problem = "not a directory"
-        elif found.st_uid != os.geteuid():
-            problem = f"uid {found.st_uid}'s"
-        elif found.st_mode & 0o022:
-            problem = f"writable by others (mode {stat.S_IMODE(found.st_mode):04o})"
-        else:
-            continue
-        raise WorkRootError(f"{directory} is {problem}, and the run's sandboxes are made in it: another user "
-                            "could change what every prompt sees. Remove it, or set TMPDIR to a directory of "
-                            "your own")
-
-
 def new_prompt_directory(settings: EnvironmentSettings, prefix: str) -> Path:
     """A fresh directory under the run's work root, resolved once so that the confinement checks
     compare real paths with real paths (never the user's cwd)."""
     try:
-        settings.work_root.mkdir(parents=True, exist_ok=True)
+        claim_work_root(settings.work_root)
         created = tempfile.mkdtemp(prefix=prefix, dir=settings.work_root)
-    except OSError as exc:
+    except (OSError, WorkRootError) as exc:
         raise EnvironmentSetupError(f"cannot create a working directory under {settings.work_root}: {exc}") from exc
     return Path(os.path.realpath(created))
 

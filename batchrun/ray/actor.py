@@ -10,9 +10,8 @@ import asyncio
 import os
 
 from batchrun.config import RunConfig
-from batchrun.environments.base import EnvironmentSettings
+from batchrun.environments.base import EnvironmentSettings, WorkRootError, claim_work_root
 from batchrun.environments.seccomp import leave_session_keyring
-from batchrun.environments.workspace import WorkRootError, claim_work_root
 from batchrun.messages import Fatal, Finished, Spent, Task
 from batchrun.ray.gate import RayRateGate
 from batchrun.ray.node_checks import node_environment_problem, node_tools_problem

@@ -7,7 +7,7 @@ every file as it was. The package's faces are re-exported here; each module does
                      files rewritten whole
 - ``durable.py``     writes that leave files whole: appends of whole lines, torn tails cut, atomic rewrites
 - ``reading.py``     streaming the JSONL files in byte ranges shared out over processes; a bad line named
-- ``errors.py``      RunDirectoryError and DiskFull, whose message names the filesystem and what is free;
+- ``errors.py``      RunDirectoryError and WriteFailed (DiskFull names the filesystem and what is free);
                      the one line for a file that may not be read or written, or is no regular file
 - ``checkpoint.py``  checkpoint.json (Checkpoint) and what resume reads back from it
 - ``scan.py``        the resume scan (ScanResult): what is done, failed, corrupted, repeated
@@ -19,7 +19,14 @@ every file as it was. The package's faces are re-exported here; each module does
 from batchrun.run_dir.checkpoint import CHECKPOINT, Checkpoint, superseded_corrupted
 from batchrun.run_dir.directory import BATCH_FILE, STATISTICS, RunDirectory, require_readable, require_regular_files
 from batchrun.run_dir.durable import atomic_write_json, replacing, temp_beside
-from batchrun.run_dir.errors import DiskFull, RunDirectoryError, full_disk_named, size_text, write_refusal_remedy
+from batchrun.run_dir.errors import (
+    DiskFull,
+    RunDirectoryError,
+    WriteFailed,
+    size_text,
+    write_failure_named,
+    write_refusal_remedy,
+)
 from batchrun.run_dir.merge import MERGE_RECORD, TRAJECTORIES
 from batchrun.run_dir.reading import line_number, lines_at, split_ranges
 from batchrun.run_dir.scan import ScanResult, scan_ranges
@@ -27,8 +34,8 @@ from batchrun.run_dir.spent import SPENT, SpentLedger
 
 __all__ = [
     "BATCH_FILE", "CHECKPOINT", "MERGE_RECORD", "SPENT", "STATISTICS", "TRAJECTORIES",
-    "Checkpoint", "DiskFull", "RunDirectory", "RunDirectoryError", "ScanResult", "SpentLedger",
-    "atomic_write_json", "full_disk_named", "line_number", "lines_at", "replacing", "require_readable",
+    "Checkpoint", "DiskFull", "RunDirectory", "RunDirectoryError", "ScanResult", "SpentLedger", "WriteFailed",
+    "atomic_write_json", "write_failure_named", "line_number", "lines_at", "replacing", "require_readable",
     "require_regular_files",
     "scan_ranges",
     "size_text", "split_ranges", "superseded_corrupted", "temp_beside", "write_refusal_remedy",

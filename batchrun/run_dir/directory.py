@@ -15,7 +15,7 @@ import stat
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from batchrun import kernel_files
 from batchrun.messages import Finished
@@ -24,10 +24,11 @@ from batchrun.run_dir.checkpoint import CHECKPOINT, Checkpoint
 from batchrun.run_dir.durable import append_whole, atomic_write_json, cut_torn_tail, fsync_dir, temps_in
 from batchrun.run_dir.errors import (
     RunDirectoryError,
+    WriteRefused,
     cannot_read,
-    full_disk_named,
     is_disk_full,
     not_a_regular_file,
+    write_failure_named,
     write_refused,
 )
 from batchrun.run_dir.merge import MERGE_RECORD, TRAJECTORIES, OnCorrupted, forget_merge_over_damage, merge_batch_files
@@ -120,7 +121,7 @@ class RunDirectory:
     def acquire(self) -> None:
         lock = self.path / LOCK
         try:
-            with full_disk_named(lock):
+            with write_failure_named(lock):
                 self.path.mkdir(parents=True, exist_ok=True)
                 # Never through a symbolic link: taking the lock empties the file to write the pid in it.
                 fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
@@ -135,6 +136,9 @@ class RunDirectory:
                                         "--run_name.") from None
             raise RunDirectoryError(f"{self.path} is not a directory: {exc.filename} is a file in the way. Move it, "
                                     "or choose another --run_name.") from None
+        except WriteRefused as exc:     # before the run: said as the start's other checks say it
+            raise (write_refused(self.path, cast(OSError, exc.__cause__))
+                   or RunDirectoryError(f"{exc}. {exc.remedy}.")) from None
         except OSError as exc:
             if exc.errno == errno.EISDIR or (exc.errno == errno.ELOOP and lock.is_symlink()):
                 raise not_a_regular_file(lock, "the run writes it") from None
@@ -281,7 +285,7 @@ class RunDirectory:
         files of a group commit).
         """
         path = self.path / f"batch_{batch_num}.jsonl"
-        with full_disk_named(path, len(rows_data)):
+        with write_failure_named(path, len(rows_data)):
             fd = self._open_batch_file(path)
             try:
                 start = append_whole(fd, rows_data, sync=True)
@@ -321,8 +325,9 @@ class RunDirectory:
     def sync_names(self) -> None:
         """Make the names of the batch files created since the last call durable."""
         if self._created:
-            fsync_dir(self.path)
-            self._created = False
+            self._created = False       # a failure is said once, not again at the stop's rows
+            with write_failure_named(self.path):
+                fsync_dir(self.path)
 
     def write_checkpoint(self, checkpoint: Checkpoint) -> None:
         atomic_write_json(self.path / CHECKPOINT, checkpoint.as_json())

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-from batchrun.run_dir.errors import full_disk_named, not_a_regular_file
+from batchrun.run_dir.errors import not_a_regular_file, write_failure_named
 from batchrun.run_dir.reading import READ_BUFFER_BYTES
 
 
@@ -91,9 +91,9 @@ def replacing(path: Path, *, needed: int = 0, durable: bool = True) -> Iterator[
     """A new version of ``path``: written to a temporary file beside it, made durable (unless
     ``durable`` is False), and renamed over the old one when the block ends. If anything fails on the
     way, the temporary file is removed and ``path`` keeps its old content; a full disk raises
-    DiskFull (``needed``: the size of the new version, where known)."""
+    DiskFull (``needed``: the size of the new version, where known), a refused write WriteRefused."""
     temp = temp_beside(path)
-    with full_disk_named(path, needed):
+    with write_failure_named(path, needed):
         try:
             with temp.open("xb") as handle:
                 yield handle
@@ -106,7 +106,8 @@ def replacing(path: Path, *, needed: int = 0, durable: bool = True) -> Iterator[
                 temp.unlink(missing_ok=True)
             raise
     if durable:
-        fsync_dir(path.parent)
+        with write_failure_named(path.parent):
+            fsync_dir(path.parent)
 
 
 def _rename_over(temp: Path, path: Path) -> None:

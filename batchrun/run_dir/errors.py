@@ -1,8 +1,9 @@
 """What goes wrong with a run directory, in words the user can act on.
 
 RunDirectoryError is what every part of the package raises when the directory cannot be used as
-asked; DiskFull, the one kind met mid-run, names the file, the filesystem that holds it and what is
-free there. Kept apart because the runner catches and words these too, without reading any file. The
+asked; WriteFailed, the kind met mid-run, stops the run keeping every row written before: DiskFull
+names the file, the filesystem that holds it and what is free there, WriteRefused a filesystem gone
+read-only or failing. Kept apart because the runner catches and words these too, without reading any file. The
 one-line messages for a file that may not be written or read, or is no regular file, are made here
 once, for every part that meets one (the lock, the start's checks, the reads, the atomic rewrites).
 """
@@ -23,14 +24,39 @@ class RunDirectoryError(Exception):
     line that is not a row this version understands)."""
 
 
-class DiskFull(RunDirectoryError):
+class WriteFailed(RunDirectoryError):
+    """A write to the run directory failed mid-run in a way no retry mends: the run stops, every row
+    written before kept. ``remedy`` says what to do before --resume."""
+
+    remedy: str
+
+
+class WriteRefused(WriteFailed):
+    """The filesystem no longer takes writes: turned read-only (as the kernel does to one it finds an error
+    in), or failing (EIO)."""
+
+    def __init__(self, path: Path, exc: OSError) -> None:
+        mount, kind = filesystem_of(path)
+        super().__init__(f"cannot write {path}: {exc.strerror} ({kind} at {mount})")
+        if exc.errno == errno.EIO:
+            self.remedy = "Check the disk (the kernel's log says what failed; a filesystem check may mend it)"
+        else:
+            self.remedy = ("Make its filesystem writable (one the kernel made read-only for an error it found "
+                           "wants a filesystem check first)")
+
+
+# What a filesystem that took the run's writes says once it takes no more.
+_REFUSED_WRITES = (errno.EROFS, errno.EIO)
+
+
+class DiskFull(WriteFailed):
     """A write found no room: none left on its filesystem (ENOSPC, or the user's quota: EDQUOT), or
     the file at the largest size this process may write (EFBIG: ``ulimit -f``, or the filesystem's
     largest file). The message says which file and why; for a full filesystem, which one, what is free
     there and what the write needed. ``remedy`` says what to do before --resume."""
 
     def __init__(self, path: Path, needed: int, *, too_large: bool = False) -> None:
-        self.path, self.needed = path, needed
+        self.path, self.needed, self.out_of_files = path, needed, False
         wanted = f"writing it needs about {size_text(needed)}, and " if needed else ""
         mount, kind = filesystem_of(path)
         if too_large:
@@ -39,6 +65,14 @@ class DiskFull(RunDirectoryError):
             return
         usage = os.statvfs(mount)
         free, total = usage.f_bavail * usage.f_frsize, usage.f_blocks * usage.f_frsize
+        # A filesystem out of inodes refuses a new file however many bytes are free, and says ENOSPC all the same.
+        self.out_of_files = usage.f_files > 0 and usage.f_favail == 0
+        if self.out_of_files:
+            super().__init__(f"no file can be made on the disk for {path}: the filesystem that holds it ({kind} at "
+                             f"{mount}) has all its {usage.f_files:,} inodes in use, with {size_text(free)} free "
+                             f"of {size_text(total)}")
+            self.remedy = "Remove files there, or give the filesystem more inodes"
+            return
         super().__init__(f"no space left on the disk for {path}: {wanted}the filesystem that holds it ({kind} at "
                          f"{mount}) has {size_text(free)} free of {size_text(total)}")
         self.remedy = "Make room there"
@@ -89,13 +123,15 @@ def not_a_regular_file(path: Path, what_it_holds: str) -> RunDirectoryError:
 
 
 @contextmanager
-def full_disk_named(path: Path, needed: int = 0) -> Iterator[None]:
-    """A full disk met inside the block becomes DiskFull for ``path`` (see DiskFull)."""
+def write_failure_named(path: Path, needed: int = 0) -> Iterator[None]:
+    """A full disk met inside the block becomes DiskFull for ``path``, a refused write WriteRefused."""
     try:
         yield
     except OSError as exc:
         if is_disk_full(exc):
             raise DiskFull(path, needed, too_large=exc.errno == errno.EFBIG) from exc
+        if exc.errno in _REFUSED_WRITES:
+            raise WriteRefused(path, exc) from exc
         raise
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from batchrun import rows
 from batchrun.registry import REGISTRY
 from batchrun.run_dir.durable import atomic_write_json, replacing
-from batchrun.run_dir.errors import full_disk_named
+from batchrun.run_dir.errors import write_failure_named
 from batchrun.run_dir.reading import (
     FileRange,
     lines_at,
@@ -165,7 +165,7 @@ def _append_to_trajectories(directory: Path, files: list[Path], previous: MergeR
     part = read_merge_part([(path, previous.offsets.get(path.name, 0), path.stat().st_size) for path in files],
                            previous.statistics.prompt_samples is not None, relocated)
     path = directory / TRAJECTORIES
-    with path.open("r+b") as out, full_disk_named(path, part.kept_bytes):
+    with write_failure_named(path, part.kept_bytes), path.open("r+b") as out:
         # A merge that crashed after appending left rows past the recorded size: they go, and
         # their batch lines are read again.
         out.truncate(previous.trajectories_bytes)

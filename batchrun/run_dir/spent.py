@@ -16,7 +16,7 @@ from typing import Any
 from batchrun import rows
 from batchrun.messages import Spent
 from batchrun.run_dir.durable import append_whole, replacing
-from batchrun.run_dir.errors import DiskFull, full_disk_named
+from batchrun.run_dir.errors import WriteFailed, write_failure_named
 from batchrun.run_dir.reading import lines_at, record_json
 from batchrun.stats import USAGE_KEYS, ReplyCounts, UsageTotals, add_usage, empty_usage, rounded_usage
 
@@ -128,7 +128,7 @@ class SpentLedger:
         if rows_written:
             try:
                 self._append([{"landed": [row.unit for row in rows_written]}], sync=False)
-            except DiskFull:
+            except WriteFailed:
                 pass
             for row in rows_written:
                 self._take_row(row)
@@ -143,7 +143,7 @@ class SpentLedger:
         if not records or self._fd is None:
             return
         data = b"".join(json.dumps(record).encode() + b"\n" for record in records)
-        with full_disk_named(self.path, len(data)):
+        with write_failure_named(self.path, len(data)):
             append_whole(self._fd, data, sync=sync)
 
     def _holds(self, place: RowPlace) -> bool:

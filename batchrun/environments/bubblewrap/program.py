@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchrun.environments.base import DEFAULT_PATH, EnvironmentSetupError, scrubbed_environment
+from batchrun.environments.base import DEFAULT_PATH, EnvironmentSetupError, WorkRootError, scrubbed_environment
 from batchrun.environments.bubblewrap.root import (
     MOUNT_POINT,
     SANDBOX_UID,
@@ -51,6 +51,7 @@ RUNNING_AS_ROOT = os.geteuid() == 0
 # workers of the same small pids in each.
 _SANDBOX_UIDS = range(0x40000000, 0x80000000)
 _DRAWS = 1000
+_DRAW = random.SystemRandom()       # not the process's own generator, which a library may seed
 _live_uids: dict[int, socket.socket] = {}     # each with its claim
 
 
@@ -235,7 +236,7 @@ async def root_descriptor(work_root: Path, allow_network: bool) -> int:
     if key not in _root_descriptors:
         try:
             opened = await asyncio.to_thread(lambda: open_root(system_root(work_root, allow_network=allow_network)))
-        except OSError as exc:      # the probe at the start built a smaller root (see probe_root)
+        except (OSError, WorkRootError) as exc:     # the probe at the start built a smaller root (see probe_root)
             raise EnvironmentSetupError(f"cannot prepare the sandboxes' root directory in {work_root}: {exc}") from None
         if key in _root_descriptors:    # another sandbox of this process asked meanwhile
             os.close(opened)
@@ -296,7 +297,7 @@ def sandbox_uid() -> int:
     another (a container beside this one) only by a chance of one in a billion per sandbox of it; given
     back by release_sandbox_uid."""
     for _ in range(_DRAWS):
-        uid = random.choice(_SANDBOX_UIDS)
+        uid = _DRAW.choice(_SANDBOX_UIDS)
         if uid not in _live_uids and (claim := _claim(uid)) is not None:
             _live_uids[uid] = claim
             return uid

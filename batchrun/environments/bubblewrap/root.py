@@ -19,6 +19,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from batchrun.environments.base import claim_work_root
+
 #: Who the commands are inside a sandbox with a user namespace (whatever uid the kernel sees outside).
 SANDBOX_UID = 1000
 SANDBOX_USER = "sandbox"
@@ -55,7 +57,7 @@ def system_root(work_root: Path, *, allow_network: bool) -> Path:
     root = work_root / (".root-network" if allow_network else ".root")
     if root.is_dir():
         return root
-    work_root.mkdir(parents=True, exist_ok=True)
+    claim_work_root(work_root)
     # The workers start together: one builds while the others wait for its copy. A copy is hundreds of
     # files (/etc/ssl/certs, /etc/alternatives), and on some hosts' disks making a file costs half a
     # millisecond of CPU: each worker building its own took seconds of the run's start.

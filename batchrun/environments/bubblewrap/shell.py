@@ -12,7 +12,6 @@ import asyncio
 import os
 import secrets
 import signal
-import time
 import weakref
 from collections.abc import Callable
 from importlib import resources
@@ -28,6 +27,7 @@ SHELL = resources.files(__package__).joinpath("shell.sh").read_text(encoding="ut
 SHELL_GRACE_SECONDS = 2.0
 _KILL_WAIT_SECONDS = 5.0
 _READ_CHUNK_BYTES = 65536
+_DELIVERY_BYTES_PER_SECOND = 256 * 1024     # the least a shell reading its commands takes in (see run)
 # What a sandbox's shell may say that is not command output: its ready line, a status. A shell that
 # says more is not ours any more (a command took it over), and is replaced.
 MAX_SHELL_WORDS = 64 * 1024
@@ -94,15 +94,14 @@ class Shell:
         """
         marker = f"batchrun-{secrets.token_hex(16)}"
         line = f"run {marker} {bash_quoted(workdir)} {bash_quoted(command)}\n"
-        started = time.monotonic()
         try:
             self._stdin.write(line.encode("ascii"))
-            # A line longer than the pipe holds waits for the shell to read it; a shell that a command
-            # stopped never does: the time limit covers the delivery too (TimeoutError: the shell is stuck).
-            await within(limit, self._stdin.drain())
+            # A line longer than the pipe holds waits for the shell to read it, a byte at a time (about 0.25 s
+            # a MiB here); a shell that a command stopped never does. So the delivery has a time limit of its
+            # own, a second per 256 KiB and the grace a shell has to answer (TimeoutError: the shell is stuck).
+            await within(SHELL_GRACE_SECONDS + len(line) / _DELIVERY_BYTES_PER_SECOND, self._stdin.drain())
         except (BrokenPipeError, ConnectionResetError):
             return None, False
-        limit -= time.monotonic() - started
         status = bytearray()
         # read_until can be cut short and called again, so the reading goes on after the time-out.
         parts: list[tuple[bytes, Callable[[bytes], None] | None, int | None]] = [
