@@ -128,13 +128,15 @@ class BatchRunner:
             self.console.error(str(exc))
             return EXIT_ERROR
         except FileNotFoundError as exc:
-            if self.run_dir.path.is_dir():
+            if not self.run_dir.removed_behind(exc):
                 raise
             if self._report is not None:
                 self._report.cancel()
-            self.console.error(f"{self.run_dir.path} was removed while the run wrote to it ({exc.filename} could "
-                               "not be written), and the rows written there with it. Run the same command again "
-                               "to start over, or put the directory back and add --resume.")
+            gone = f"{self.run_dir.path} was removed" if not self.run_dir.path.is_dir() else \
+                f"files of {self.run_dir.path} were removed"
+            self.console.error(f"{gone} while the run was writing ({exc.filename} could not be written), and "
+                               "with them the rows written so far. Run the same command again to start over, or "
+                               "put the files back and add --resume.")
             return EXIT_ERROR
         finally:
             self.spent.close()

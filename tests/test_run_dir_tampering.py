@@ -29,12 +29,13 @@ def base_args(endpoint, dataset: Path, *extra: str) -> list[str]:
             *endpoint_args(endpoint), *extra]
 
 
-def run_paused_at(method: str, tmp_path: Path, endpoint, dataset: Path, tamper) -> subprocess.CompletedProcess:
-    """A run whose first call of RunDirectory's ``method`` waits until ``tamper`` (given the run directory)
-    has run."""
+def run_paused_at(method: str, tmp_path: Path, endpoint, dataset: Path, tamper, *,
+                  module: str = "batchrun.run_dir.directory") -> subprocess.CompletedProcess:
+    """A run whose first call of ``method`` (RunDirectory's, or a function of ``module``) waits until
+    ``tamper`` (given the run directory) has run."""
     go = tmp_path / "go"
-    process = subprocess.Popen(paused_cli_command("batchrun.run_dir.directory", f"RunDirectory.{method}", go,
-                                                  *base_args(endpoint, dataset)),
+    name = f"RunDirectory.{method}" if module == "batchrun.run_dir.directory" else method
+    process = subprocess.Popen(paused_cli_command(module, name, go, *base_args(endpoint, dataset)),
                                cwd=tmp_path, env=cli_environment(tmp_path), stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -59,6 +60,22 @@ def test_a_batch_file_made_a_directory_during_the_run_stops_it_in_one_line(tmp_p
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         "error: data/run/batch_0.jsonl is not a regular file: a batch file holds rows. Move it out of data/run/."]
+
+
+def test_a_file_of_the_run_removed_while_it_is_written_is_one_line_though_the_directory_stays(tmp_path, endpoint):
+    # Before: a removal under way (`rm -rf` had taken the files, not yet the directory) was a traceback, as only
+    # a missing directory was taken for a removal.
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["a"])
+
+    def remove_files(run_dir: Path) -> None:
+        for path in run_dir.iterdir():
+            path.unlink()
+
+    result = run_paused_at("_rename_over", tmp_path, endpoint, dataset, remove_files,
+                           module="batchrun.run_dir.durable")
+    assert result.returncode == 1
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("error: files of data/run were removed while the run was writing"), line
 
 
 def test_a_batch_file_made_a_fifo_during_the_run_stops_it_rather_than_waiting_for_a_reader(tmp_path, endpoint):

@@ -221,6 +221,16 @@ class RunDirectory:
             if (refused := write_refused(self.path, exc)) is not None:
                 raise refused from None
 
+    def removed_behind(self, exc: FileNotFoundError) -> bool:
+        """Whether ``exc`` means someone else removed this directory, or files the run made in it, while
+        the run wrote there. Checked by the names the error carries, not only by whether the directory
+        is still there: an ``rm -rf`` under way has removed the run's files before the directory."""
+        if not self.path.is_dir():
+            return True
+        home = os.path.abspath(self.path)
+        return any(isinstance(name, str) and os.path.dirname(os.path.abspath(name)) == home
+                   for name in (exc.filename, exc.filename2))
+
     def release(self) -> None:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
