@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
-import tempfile
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
@@ -25,7 +24,13 @@ from batchrun.config import (
 from batchrun.console import RunConsole, counted
 from batchrun.dataset import DatasetChanged, DatasetError, DatasetPlan, iter_pending, plan_dataset
 from batchrun.environments import environment_class
-from batchrun.environments.base import EnvironmentSettings, WorkRootError, claim_work_root, run_identity
+from batchrun.environments.base import (
+    EnvironmentSettings,
+    WorkRootError,
+    claim_work_root,
+    run_identity,
+    work_root_of,
+)
 from batchrun.install_hint import program
 from batchrun.messages import Fatal, Finished, Spent, Task
 from batchrun.pricing import reports_cost
@@ -529,7 +534,7 @@ class BatchRunner:
         in it is removed (WorkRootError), where prompts are to run."""
         environment = self.config.environment
         identity = run_identity(self.config.output.run_dir)
-        settings = EnvironmentSettings(work_root=Path(tempfile.gettempdir()) / "batch_runner" / identity,
+        settings = EnvironmentSettings(work_root=work_root_of(identity),
                                        run_label=identity, command_timeout=environment.command_timeout,
                                        keep_workdirs=environment.keep_workdirs, default_image=environment.default_image,
                                        allow_network=environment.allow_network, limits=environment.limits,

@@ -590,7 +590,7 @@ def test_a_resume_that_runs_no_prompt_still_removes_what_a_crashed_run_left(tmp_
     dataset = write_dataset(tmp_path / "dataset.jsonl", ["a", "b"])
     limit = ["--max_total_tokens=1", "--num_workers=1"] if left == "budget-spent" else []
     run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, *limit))
-    leftover = tmp_path / "tmp" / "batch_runner" / run_identity(str(tmp_path / "data" / "run")) / "prompt-7"
+    leftover = tmp_path / "tmp" / f"batch_runner-{os.geteuid()}" / run_identity(str(tmp_path / "data" / "run")) / "prompt-7"
     leftover.mkdir(parents=True)
     (leftover / "made.txt").write_text("left by a run killed with -9")
     endpoint.reset()

@@ -294,8 +294,8 @@ def test_local_environment_runs_commands_in_a_fresh_directory_not_the_users(tmp_
     assert result.returncode == 0
     assert not (tmp_path / "made-here").exists()
     [row] = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
-    assert str(tmp_path / "tmp" / "batch_runner" / "run") in row["conversations"][3]["value"]
-    assert list((tmp_path / "tmp" / "batch_runner").glob("run/*")) == []      # removed afterwards
+    assert str(tmp_path / "tmp" / f"batch_runner-{os.geteuid()}" / "run") in row["conversations"][3]["value"]
+    assert list((tmp_path / "tmp" / f"batch_runner-{os.geteuid()}").glob("run/*")) == []      # removed afterwards
 
 
 @pytest.mark.parametrize("terminal_env", ["local", pytest.param("bubblewrap", marks=pytest.mark.bubblewrap)])
@@ -451,11 +451,11 @@ def test_a_small_dataset_with_a_line_rewritten_in_place_during_the_run_stops_it(
 
 
 def test_a_work_directory_of_another_user_stops_the_run_before_any_prompt(tmp_path, endpoint):
-    # Every sandbox's root and directory are made under $TMPDIR/batch_runner: before, a local user who made it
-    # first (its name is known ahead) owned the / and /etc of every sandbox, and could poison every prompt.
+    # Every sandbox's root and directory are made under $TMPDIR/batch_runner-<uid>: before, a local user who made
+    # it first (its name is known ahead) owned the / and /etc of every sandbox, and could poison every prompt.
     if os.geteuid() != 0:
         pytest.skip("only root can give a directory to another user")
-    shared = tmp_path / "tmp" / "batch_runner"
+    shared = tmp_path / "tmp" / f"batch_runner-{os.geteuid()}"
     shared.mkdir(parents=True)
     shared.chmod(0o777)
     os.chown(shared, 65534, 65534)
@@ -464,6 +464,22 @@ def test_a_work_directory_of_another_user_stops_the_run_before_any_prompt(tmp_pa
     assert f"{shared} is uid 65534's" in result.stderr, result.stderr
     assert "Remove it, or set TMPDIR to a directory of your own" in result.stderr
     assert endpoint.requests == [] and "Traceback" not in result.stderr
+
+
+def test_another_users_work_directories_in_a_shared_temporary_directory_are_no_obstacle(tmp_path, endpoint):
+    # Before, all users shared $TMPDIR/batch_runner: once root had run (CI, a container), every other user's
+    # run on the machine was refused as that directory was not theirs.
+    if os.geteuid() != 0:
+        pytest.skip("only root can give a directory to another user")
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    temporary.chmod(0o1777)
+    for name in ("batch_runner", "batch_runner-65534"):
+        (temporary / name).mkdir(0o755)
+        os.chown(temporary / name, 65534, 65534)
+    result = run_prompts(tmp_path, endpoint, ['[[call terminal {"command": "true"}]] q'])
+    assert result.returncode == 0, result.stderr
+    assert (temporary / f"batch_runner-{os.geteuid()}").stat().st_uid == os.geteuid()
 
 
 def test_a_temporary_directory_any_user_may_rename_in_stops_the_run_before_any_prompt(tmp_path, endpoint):
@@ -478,23 +494,24 @@ def test_a_temporary_directory_any_user_may_rename_in_stops_the_run_before_any_p
 def test_the_work_directories_are_the_runners_alone_whatever_the_umask(tmp_path, endpoint):
     # Before, they took their mode from the umask: under 0 (some daemons, containers) writable by every user
     # from the first sandbox on; under 002 (ordinary users' default) the next run refused its own directory.
-    temporary = tmp_path / "tmp"
-    (temporary / "batch_runner").mkdir(parents=True)
-    (temporary / "batch_runner").chmod(0o775)         # as an earlier version made it under umask 002
-    command = f"stat -c '%a %n' {temporary}/batch_runner {temporary}/batch_runner/*/"
+    own = tmp_path / "tmp" / f"batch_runner-{os.geteuid()}"
+    own.mkdir(parents=True)
+    own.chmod(0o775)         # as an earlier version made it under umask 002
+    command = f"stat -c '%a %n' {own} {own}/*/"
     result = run_prompts(tmp_path, endpoint, [f"[[call terminal {json.dumps({'command': command})}]] q"],
                          env={"TERMINAL_ENV": "local"}, prefix=("sh", "-c", 'umask 0 && exec "$@"', "sh"))
     assert result.returncode == 0, result.stderr
     [row] = batch_rows(tmp_path / "data" / "run")
     [result_text] = [turn["value"] for turn in row["conversations"] if turn["from"] == "tool"]
-    assert re.findall(r"(\d+) /\S*/batch_runner", result_text) == ["755", "755"], result_text
+    assert re.findall(r"(\d+) /\S*/batch_runner-\d+", result_text) == ["755", "755"], result_text
 
 
 def test_a_link_to_nowhere_in_place_of_the_work_directory_is_one_message(tmp_path, endpoint):
     # Before the second review, the link was followed unchecked: a FileNotFoundError traceback.
     (tmp_path / "tmp").mkdir()
-    (tmp_path / "tmp" / "batch_runner").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "tmp" / f"batch_runner-{os.geteuid()}").symlink_to(tmp_path / "nowhere")
     result = run_prompts(tmp_path, endpoint, ["q"])
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
-    assert "batch_runner: No such file or directory. Remove it, or set TMPDIR" in result.stderr, result.stderr
+    assert f"batch_runner-{os.geteuid()}: No such file or directory. Remove it, or set TMPDIR" in result.stderr, \
+        result.stderr
     assert endpoint.requests == []

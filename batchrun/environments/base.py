@@ -15,6 +15,7 @@ import hashlib
 import os
 import re
 import stat
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -207,12 +208,19 @@ class Environment(abc.ABC):
         await self.close()
 
 
+def work_root_of(run_label: str) -> Path:
+    """``$TMPDIR/batch_runner-<uid>/<run>``, where a run's environments are made. The level above the run is
+    the user's own by name: with one name for all, the first user to run (root, from CI or a container) made
+    it, and every other user's run on the machine found it not theirs and was refused."""
+    return Path(tempfile.gettempdir()) / f"batch_runner-{os.geteuid()}" / run_label
+
+
 class WorkRootError(Exception):
     """The directory the run's environments are made in is not the runner's alone."""
 
 
 def claim_work_root(work_root: Path) -> None:
-    """Make ``work_root`` (``$TMPDIR/batch_runner/<run>``) and its parent where missing, and refuse either
+    """Make ``work_root`` (:func:`work_root_of`) and its parent where missing, and refuse either
     where another user could change it: its name is known ahead, and whoever made it first could swap the
     sandboxes' root (their ``/`` and ``/etc``) or a prompt's directory between the runner's steps. Every
     making of them comes here, so none takes its mode from the umask (0 in some daemons and containers).
