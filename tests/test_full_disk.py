@@ -6,10 +6,12 @@ and it is filled for real, so every write meets the kernel's own ENOSPC."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import resource
 import shutil
+import struct
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -23,6 +25,7 @@ from conftest import (
     endpoint_args,
     live_processes_mentioning,
     mounted_tmpfs,
+    paused_cli_command,
     read_jsonl,
     run_cli,
     write_dataset,
@@ -437,3 +440,38 @@ def test_the_names_of_new_batch_files_on_a_disk_gone_read_only_fail_as_the_rows_
         run_dir.sync_names()        # nothing left to sync: said once
     finally:
         run_dir.release()
+
+
+# ext4's EXT4_IOC_SHUTDOWN (_IOR('X', 125, __u32)): every operation on the filesystem fails with EIO from then on,
+# its reads too, as a failing disk's do. NOLOGFLUSH: at once, as a disk that stops answering.
+EXT4_IOC_SHUTDOWN, EXT4_GOING_FLAGS_NOLOGFLUSH = 0x8004587D, 2
+
+
+def test_an_export_whose_run_directory_fails_to_read_names_that_disk_not_the_output(failing_disk, endpoint, tmp_path):
+    # Before, the failing read was taken for a write of --out: "cannot write out.jsonl: Input/output error"
+    # and advice about the output's disk, which was fine.
+    disk, _ = failing_disk
+    finished = run_on(disk, endpoint, ["question 0", "question 1"], dataset_dir=tmp_path)
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    go, out = tmp_path / "go", tmp_path / "out.jsonl"
+    command = paused_cli_command("batchrun.export.filters", "lines_at", go, "--export=sharegpt", "--run_name=run",
+                                 f"--out={out}")
+    process = subprocess.Popen(command, cwd=disk / "home", env=cli_environment(tmp_path), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None and "paused at" in process.stdout.readline()
+        descriptor = os.open(disk, os.O_RDONLY)
+        try:
+            fcntl.ioctl(descriptor, EXT4_IOC_SHUTDOWN, struct.pack("I", EXT4_GOING_FLAGS_NOLOGFLUSH))
+        finally:
+            os.close(descriptor)
+        go.touch()
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 1 and "Traceback" not in stderr, stderr
+    [line] = stderr.strip().splitlines()
+    assert line.startswith("error: cannot read data/run/batch_0.jsonl: Input/output error"), line
+    assert "Check the disk" in line and str(out) not in line

@@ -111,6 +111,9 @@ def write_refused(directory: Path, exc: OSError) -> RunDirectoryError | None:
 def cannot_read(what: str, exc: OSError, command: str = "") -> RunDirectoryError:
     """The one message for a part of the run directory that cannot be read (``what`` names it); where
     permissions refuse it, who may (``command``: the command to run as that user, where it matters)."""
+    if exc.errno == errno.EIO:
+        return RunDirectoryError(f"cannot read {what}: {exc.strerror}. Check the disk that holds it (the kernel's "
+                                 "log says what failed), then run again.")
     if exc.errno not in (errno.EACCES, errno.EPERM):
         return RunDirectoryError(f"cannot read {what}: {exc.strerror}.")
     return RunDirectoryError(f"cannot read {what}: {exc.strerror}. Run {command + ' ' if command else ''}as a user "

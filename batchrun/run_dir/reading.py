@@ -8,6 +8,7 @@ one forked process per core.
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing
 import os
@@ -34,9 +35,19 @@ def lines_at(path: Path, start: int = 0, end: int | None = None) -> Iterator[tup
 
     With ``start``/``end``, only the lines that begin in that byte range: ranges that tile a file
     yield each of its lines exactly once, so separate processes can share one file. A file this user may
-    not read, or one no longer a regular file, is a RunDirectoryError that says so: every reader (resume,
-    merge, report, export) words it alike.
+    not read, one no longer a regular file, or a read the disk fails (EIO) is a RunDirectoryError that says
+    so: every reader (resume, merge, report, export) words it alike, and none takes a failing read for a
+    failure of what it was writing meanwhile. A file gone is FileNotFoundError, which some readers expect.
     """
+    try:
+        yield from _lines_between(path, start, end)
+    except OSError as exc:
+        if exc.errno != errno.EIO:
+            raise
+        raise cannot_read(str(path), exc) from None
+
+
+def _lines_between(path: Path, start: int, end: int | None) -> Iterator[tuple[int, bytes]]:
     with _opened(path) as handle:
         # A line without a newline may be any size (damage, or a row cut short): never read into it.
         complete = _end_of_last_newline(handle, start)
