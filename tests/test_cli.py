@@ -186,11 +186,21 @@ def test_a_password_in_a_base_url_that_is_not_http_is_not_shown(tmp_path, endpoi
     assert URL_SECRET not in result.stdout + result.stderr
 
 
-def test_a_key_given_as_the_base_url_is_not_shown(tmp_path, endpoint):
-    # A key in --base_url's place (another runner's order of flags given by place) was quoted whole.
-    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, "--base_url=sk-pasted-0123456789abcdef"))
-    assert_rejected_before_anything(result, tmp_path, endpoint, "--base_url", "'sk-p'… (the rest not shown")
-    assert "pasted-0" not in result.stdout + result.stderr
+@pytest.mark.parametrize("key", ["sk-pasted-0123456789abcdef", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+                                 "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0In0.SflKxwRJSMeKKF2QT4fwpMeJf36"],
+                         ids=["plain", "aws_style", "jwt"])
+def test_a_key_given_as_the_base_url_is_not_shown(tmp_path, endpoint, key):
+    # A key in --base_url's place (another runner's order of flags given by place) was quoted whole; one with a
+    # "/" or "." (AWS's secret keys, JWTs) still was, taken for a path or a host.
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, f"--base_url={key}"))
+    assert_rejected_before_anything(result, tmp_path, endpoint, "--base_url", f"{key[:4]!r}… (the rest not shown")
+    assert key[4:12] not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("url", ["localhost:8000/v1", "api.example.com/v1", "127.0.0.1:8000"])
+def test_a_base_url_without_a_scheme_is_quoted_whole(tmp_path, endpoint, url):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, f"--base_url={url}"))
+    assert_rejected_before_anything(result, tmp_path, endpoint, "--base_url", repr(url))
 
 
 @pytest.mark.parametrize("value", ["a/b", "../escape", "/abs"])

@@ -10,9 +10,10 @@ import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
-from conftest import endpoint_args, run_cli, write_dataset
+from conftest import endpoint_args, read_jsonl, run_cli, write_dataset
 
 from batchrun.security import REDACTED, Redactor, canonical_json_escapes
 
@@ -35,11 +36,23 @@ def test_text_without_a_secret_is_left_as_it_is():
     assert Redactor([SECRET])(text) == text
 
 
-@pytest.mark.parametrize("cut", range(8, len(SECRET)))
+MARK = "sk-or-v1-"      # the public mark of SECRET's kind of key
+
+
+@pytest.mark.parametrize("cut", range(len(MARK) + 8, len(SECRET)))
 def test_a_secret_cut_by_an_output_cap_leaves_no_usable_prefix(cut):
     redacted = Redactor([SECRET])("the key is " + SECRET[:cut] + CAP_NOTE)
-    assert not any(piece in redacted for piece in pieces_of(SECRET[:cut], 8)), redacted
+    assert not any(piece in redacted for piece in pieces_of(SECRET[len(MARK):cut], 8)), redacted
+    assert MARK not in redacted
     assert redacted.startswith("the key is ") and redacted.endswith(CAP_NOTE)
+
+
+@pytest.mark.parametrize("text", ["keys of this kind look like sk-proj-…", "export OPENAI_API_KEY=sk-proj-xxxx",
+                                  "sk-proj-0123456 is seven characters past the mark"])
+def test_text_naming_a_keys_kind_is_left_as_it_is(text):
+    # Before, any 8 characters of a key's start counted, and "sk-proj-" is 8: every mention of OpenAI's
+    # project keys in a row became [REDACTED], also in commands before they ran.
+    assert Redactor(["sk-proj-Ab3dEfGh1234567890XyZ0123456789"])(text) == text
 
 
 @pytest.mark.parametrize("cut", range(1, len(SECRET) - 7))
@@ -310,3 +323,73 @@ def test_a_git_author_is_no_secret(monkeypatch):
     # output in a row lost its names.
     monkeypatch.setenv("GIT_AUTHOR_NAME", "Ada Lovelace-Byron")
     assert Redactor.from_environment("")("Author: Ada Lovelace-Byron") == "Author: Ada Lovelace-Byron"
+
+
+# -- what counts as a secret: before, every value of a variable whose name held KEY, PASS or AUTH anywhere, and
+# any 8 characters of its start, was replaced in rows and in commands before they ran
+
+def test_a_path_in_a_secret_named_variable_is_no_secret(monkeypatch, tmp_path):
+    # SSH_ASKPASS made `ls -l /usr/bin/env` run as `ls -l [REDACTED]env`.
+    monkeypatch.setenv("SSH_ASKPASS", "/usr/bin/ssh-askpass")
+    monkeypatch.setenv("SSH_AUTH_SOCK", str(tmp_path / "agent.sock"))
+    text = f"ls -l /usr/bin/env {tmp_path}/other"
+    assert Redactor.from_environment("")(text) == text
+
+
+def test_a_url_in_a_secret_named_variable_is_no_secret_but_its_query_is(monkeypatch):
+    monkeypatch.setenv("NEXTAUTH_URL", "http://localhost:3000")
+    monkeypatch.setenv("AUTH_CALLBACK_URL", "https://hooks.example/cb?token=tok-0123456789abcdef")
+    redact = Redactor.from_environment("")
+    assert redact("curl http://localhost:3000/v1 https://hooks.example/cb") == \
+        "curl http://localhost:3000/v1 https://hooks.example/cb"
+    assert redact("?token=tok-0123456789abcdef") == f"?token={REDACTED}"
+
+
+def test_a_name_that_only_begins_with_a_secret_word_marks_no_secret(monkeypatch):
+    monkeypatch.setenv("PIP_KEYRING_PROVIDER", "subprocess")
+    monkeypatch.setenv("PYTHON_KEYRING_BACKEND", "keyring.backends.null.Keyring")
+    text = "subprocess.run(...) with keyring.backends.null.Keyring"
+    assert Redactor.from_environment("")(text) == text
+
+
+@pytest.mark.parametrize("name", ["OPENAI_API_KEY", "APIKEY", "PGPASSWORD", "GITHUB_TOKEN", "AWS_SECRET_ACCESS_KEY",
+                                  "SESSION_COOKIE", "DB_PASS", "SERVICE_CREDENTIALS", "HTTP_AUTHORIZATION"])
+def test_a_name_ending_in_a_secret_word_marks_a_secret(monkeypatch, name):
+    monkeypatch.setenv(name, "value-0123456789abcdef")
+    assert Redactor.from_environment("")("got value-0123456789abcdef") == f"got {REDACTED}"
+
+
+def test_a_token_as_a_proxys_user_name_without_a_scheme_is_a_secret(monkeypatch):
+    # The HTTP client reads TOKEN@host:port as http://TOKEN@host:port and sends the token as Basic credentials.
+    monkeypatch.setenv("HTTP_PROXY", "tokenABCDEFGH12345@127.0.0.1:3128")
+    sent = base64.b64encode(b"tokenABCDEFGH12345:").decode()
+    assert Redactor.from_environment("")(f"got tokenABCDEFGH12345 and Basic {sent}") == \
+        f"got {REDACTED} and Basic {REDACTED}"
+
+
+def test_a_key_with_whitespace_around_it_is_found_as_it_is_sent(monkeypatch):
+    monkeypatch.setenv("TAVILY_API_KEY", "\ttvly-0123456789abcdef\n")
+    assert Redactor.from_environment(" sk-test-SPACED-0123456789 ")("tvly-0123456789abcdef sk-test-SPACED-0123456789") \
+        == f"{REDACTED} {REDACTED}"
+
+
+def test_a_key_a_server_quotes_percent_encoded_or_in_base64_is_replaced():
+    key = "sk-test-Q+u/o=te-0123456789"
+    encoded = base64.b64encode(key.encode()).decode()
+    redacted = Redactor([key])(f"{quote(key, safe='')} and {encoded} and {encoded[:20]}")
+    padding = "=" * encoded.count("=")      # not the key's: kept
+    assert redacted == f"{REDACTED} and {REDACTED}{padding} and {REDACTED}"
+
+
+def test_commands_naming_paths_and_urls_of_secret_named_variables_run_as_written(tmp_path, endpoint):
+    command = "echo http://localhost:3000/v1 /usr/bin/env subprocess.run"
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [f"[[call terminal {json.dumps({'command': command})}]] q"])
+    result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=1", "--run_name=run",
+                     "--distribution=terminal_only", *endpoint_args(endpoint),
+                     env={"SSH_ASKPASS": "/usr/bin/ssh-askpass", "NEXTAUTH_URL": "http://localhost:3000",
+                          "PIP_KEYRING_PROVIDER": "subprocess"})
+    assert result.returncode == 0, result.stderr
+    [row] = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
+    [output] = [turn["value"] for turn in row["conversations"] if turn["from"] == "tool"]
+    assert "http://localhost:3000/v1 /usr/bin/env subprocess.run" in output, output
+    assert REDACTED not in json.dumps(row)
