@@ -45,7 +45,7 @@ from batchrun.install_hint import program
 from batchrun.run_dir import RunDirectoryError, WriteFailed, require_readable, write_failure_named, write_refusal_remedy
 from batchrun.runner import EXIT_ERROR, EXIT_OK, BatchRunner
 from batchrun.security import Redactor, shown_unless_a_key
-from batchrun.stop_signals import STOP_SIGNALS, Interrupted, stopped_line
+from batchrun.stop_signals import STOP_SIGNALS, Interrupted, interrupts_unwrapped, stopped_line
 
 
 # Fire reads every value as a Python literal, so `--ephemeral_system_prompt="Hello, world"` arrives as
@@ -159,7 +159,8 @@ def run_cli(given: dict[str, Any], unknown_flags: dict[str, Any]) -> int:
     redact = Redactor.from_environment(str(given.get("api_key") or ""))
     console = RunConsole(redact, verbose=bool(given.get("verbose")))
     try:
-        return _run_command(given, unknown_flags, console)
+        with interrupts_unwrapped():
+            return _run_command(given, unknown_flags, console)
     except Interrupted as exc:     # a listing, a report or an export: nothing to resume
         console.print(stopped_line(exc.signum, resume=False), style="yellow")
         return exc.exit_code
@@ -219,7 +220,8 @@ def _run_command(given: dict[str, Any], unknown_flags: dict[str, Any], console: 
         console.error(f"--{misplaced[0]} applies only with --export=FORMAT")
         return EXIT_ERROR
     try:
-        return run_batch(given, console)
+        with interrupts_unwrapped():
+            return run_batch(given, console)
     except Interrupted as exc:
         console.print(stopped_line(exc.signum), style="yellow")
         return exc.exit_code

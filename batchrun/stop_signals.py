@@ -72,6 +72,22 @@ def _end_while_loading(signum: int, frame: FrameType | None) -> None:
     os._exit(exit_code(signum))
 
 
+@contextlib.contextmanager
+def interrupts_unwrapped() -> Iterator[None]:
+    """An Interrupted that code wrapped as the cause of an exception of its own raised as itself: Python
+    wraps what a class's ``__set_name__`` raises in a RuntimeError, so a stop signal while a library imported
+    late (a price table, pandas) defines its classes was a traceback and exit 1, not a stop."""
+    try:
+        yield
+    except Exception as exc:
+        cause: BaseException | None = exc
+        while cause is not None and not isinstance(cause, Interrupted):
+            cause = cause.__cause__
+        if cause is None:
+            raise
+        raise cause from None
+
+
 class StopSignals:
     """The parent's handler of the stop signals, and the stretches of code it may interrupt."""
 
