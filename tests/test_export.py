@@ -22,6 +22,7 @@ from conftest import (
     batch_rows,
     cli_environment,
     endpoint_args,
+    paused_cli_command,
     read_jsonl,
     run_cli,
     write_dataset,
@@ -782,3 +783,24 @@ def test_a_batch_file_that_is_not_a_regular_file_is_named_in_one_error(run_home,
     assert result.stderr.strip().splitlines() == [
         f"error: data/{RUN}/batch_7.jsonl is not a regular file: a batch file holds rows. Move it out of data/{RUN}/."]
     assert not (home / "data" / RUN / "report.html").exists() and not list(tmp_path.glob("out*"))
+
+
+def test_what_an_export_killed_before_its_renames_left_is_removed_by_the_next_one(run_home, tmp_path):
+    # Before, each kill -9 of an export left a whole copy of the file and of its manifest beside them for good.
+    out, go = tmp_path / "openai.jsonl", tmp_path / "go"
+    process = subprocess.Popen(paused_cli_command("batchrun.export.files", "os.replace", go, f"--run_name={RUN}",
+                                                  "--export=openai", f"--out={out}"),
+                               cwd=run_home, env=cli_environment(run_home), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    try:
+        assert process.stdout is not None and "paused at" in process.stdout.readline()
+    finally:
+        process.kill()
+        process.wait()
+    left = sorted(path.name for path in tmp_path.glob("*.tmp"))
+    assert len(left) == 2, left                 # the file's and its manifest's
+    alive = tmp_path / f"openai.jsonl.{os.getpid()}.0123abcd.tmp"      # another export's, still being written
+    alive.write_text("")
+    export_cli(run_home, "--export=openai", f"--out={out}")
+    assert sorted(path.name for path in tmp_path.glob("*.tmp")) == [alive.name]
+    assert out.exists() and (tmp_path / "openai.manifest.jsonl").exists()

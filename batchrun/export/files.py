@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from batchrun.export.options import ExportError
-from batchrun.run_dir import temp_beside
+from batchrun.run_dir import remove_temps_of_gone_writers, temp_beside
 
 
 def write_file(out: Path, write: Callable[[Path], object]) -> None:
@@ -23,7 +23,10 @@ def write_files(outs: list[Path], write: Callable[[list[Path]], object]) -> None
         if out.is_dir():
             raise ExportError(f"--out={out} is a directory; --export writes a file there")
     outs[0].parent.mkdir(parents=True, exist_ok=True)
-    # another export (or the same command twice) may be writing beside them too
+    # What an export killed before its renames (kill -9) left beside them, a whole copy each, went nowhere
+    # else; another export (or the same command twice) may be writing beside them still, and keeps its own.
+    for directory in {out.parent for out in outs}:
+        remove_temps_of_gone_writers(directory, {out.name for out in outs if out.parent == directory})
     temps = [temp_beside(out) for out in outs]
     try:
         write(temps)

@@ -18,7 +18,7 @@ every file as it was. The package's faces are re-exported here; each module does
 
 from batchrun.run_dir.checkpoint import CHECKPOINT, Checkpoint, superseded_corrupted
 from batchrun.run_dir.directory import BATCH_FILE, STATISTICS, RunDirectory, require_readable, require_regular_files
-from batchrun.run_dir.durable import atomic_write_json, replacing, temp_beside
+from batchrun.run_dir.durable import atomic_write_json, remove_temps_of_gone_writers, replacing, temp_beside
 from batchrun.run_dir.errors import (
     DiskFull,
     RunDirectoryError,
@@ -38,5 +38,6 @@ __all__ = [
     "atomic_write_json", "write_failure_named", "line_number", "lines_at", "replacing", "require_readable",
     "require_regular_files",
     "scan_ranges",
-    "size_text", "split_ranges", "superseded_corrupted", "temp_beside", "write_refusal_remedy",
+    "remove_temps_of_gone_writers", "size_text", "split_ranges", "superseded_corrupted", "temp_beside",
+    "write_refusal_remedy",
 ]

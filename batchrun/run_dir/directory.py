@@ -17,11 +17,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
-from batchrun import kernel_files
 from batchrun.messages import Finished
 from batchrun.paths import NotRegularFile, lookup_error, open_regular
 from batchrun.run_dir.checkpoint import CHECKPOINT, Checkpoint
-from batchrun.run_dir.durable import append_whole, atomic_write_json, cut_torn_tail, fsync_dir, temps_in
+from batchrun.run_dir.durable import (
+    append_whole,
+    atomic_write_json,
+    cut_torn_tail,
+    fsync_dir,
+    temps_in,
+    writer_running,
+)
 from batchrun.run_dir.errors import (
     RunDirectoryError,
     WriteRefused,
@@ -91,20 +97,6 @@ def linked_elsewhere(path: Path) -> RunDirectoryError:
     cut would go through it, into the file it names (another run's, say)."""
     return RunDirectoryError(f"{path} is a symbolic link to {os.readlink(path)}: the run writes its files in "
                              "place, so it would write there. Copy that file in its place.")
-
-
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` runs, other than this one, which has rewritten nothing yet when it asks. A
-    zombie has ended: a killed run's processes stay so where no init reaps them (some containers)."""
-    if pid == os.getpid():
-        return False
-    try:
-        stat_line = kernel_files.read(f"/proc/{pid}/stat")
-    except FileNotFoundError:
-        return False
-    except OSError:     # /proc not there to tell: taken as running, so its file stays
-        return True
-    return stat_line.rpartition(b")")[2].split()[:1] not in ([b"Z"], [b"X"])
 
 
 class RunDirectory:
@@ -280,7 +272,7 @@ class RunDirectory:
         files are rewritten by the lock's holder alone, so every such file of theirs is left over; another
         (report.html, which --report rewrites without the lock) only where its writer is gone."""
         for temp, name, pid in temps_in(self.path):
-            if name in RUN_FILES or not _running(pid):
+            if name in RUN_FILES or not writer_running(pid):
                 temp.unlink(missing_ok=True)
 
     # -- writing --------------------------------------------------------------------------------

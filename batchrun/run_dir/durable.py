@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
+from batchrun import kernel_files
 from batchrun.run_dir.errors import not_a_regular_file, write_failure_named
 from batchrun.run_dir.reading import READ_BUFFER_BYTES
 
@@ -84,6 +85,28 @@ def temps_in(directory: Path) -> list[tuple[Path, str, int]]:
     with os.scandir(directory) as entries:
         return [(Path(entry.path), match["name"], int(match["pid"])) for entry in entries
                 if (match := _TEMP_NAME.match(entry.name)) and entry.is_file(follow_symlinks=False)]
+
+
+def writer_running(pid: int) -> bool:
+    """Whether process ``pid`` runs, other than this one, which has rewritten nothing yet when it asks. A
+    zombie has ended: a killed run's processes stay so where no init reaps them (some containers)."""
+    if pid == os.getpid():
+        return False
+    try:
+        stat_line = kernel_files.read(f"/proc/{pid}/stat")
+    except FileNotFoundError:
+        return False
+    except OSError:     # /proc not there to tell: taken as running, so its file stays
+        return True
+    return stat_line.rpartition(b")")[2].split()[:1] not in ([b"Z"], [b"X"])
+
+
+def remove_temps_of_gone_writers(directory: Path, names: set[str]) -> None:
+    """Remove what writers of the files ``names`` in ``directory``, killed before their rename, left there
+    (temps_in); a writer still running keeps its own."""
+    for temp, name, pid in temps_in(directory):
+        if name in names and not writer_running(pid):
+            temp.unlink(missing_ok=True)
 
 
 @contextmanager
