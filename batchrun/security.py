@@ -13,31 +13,33 @@ import functools
 import json
 import os
 import re
-from collections.abc import Callable
-from urllib.parse import parse_qsl, quote, unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
-# A part of a variable's name that is or ends with one of these words (OPENAI_API_KEY, APIKEY, PGPASSWORD,
-# GITHUB_TOKEN) says it holds a secret; one that only begins with one (KEYRING, TOKENIZERS, AUTHOR) does not.
-_SECRET_NAME = re.compile(r"(?:^|_)[A-Z0-9]*(?:KEYS?|TOKENS?|SECRETS?|PASS|PASSWORD|PASSWD|PASSPHRASE|CREDENTIALS?|"
-                          r"AUTH|AUTHORIZATION|COOKIES?)(?:_|$)", re.IGNORECASE)
+# Words in a variable's name that say it holds a secret, wherever they stand (OPENAI_API_KEY, APIKEY2,
+# githubToken, PGPASSWORD, api-key); not the longer words that begin with one (KEYRING, KEYBOARD, TOKENIZERS,
+# AUTHOR, but AUTHORIZATION is one), whose variables hold settings and names that rows and commands hold too.
+_SECRET_NAME = re.compile(r"KEY(?!RING|BOARD)|TOKEN(?!IZER)|SECRET|PASS|CREDENTIAL|AUTH(?!OR(?!IZ))|COOKIE",
+                          re.IGNORECASE)
 # Shorter values ("1", "true", a local server's placeholder key "EMPTY") would redact ordinary words. The
 # same length bounds what a cut may leave: a cap (a tool's output limit, a preview) can cut a secret
 # anywhere, so any run of at least this many of its first or last characters is replaced too.
 MIN_SECRET_LENGTH = 8
-# The public mark of a kind of key at its start (sk-proj-, sk-or-v1-, sk-ant-api03-, ghp_, hf_, xoxb-): text
-# that names the kind holds none of the secret, so a piece cut from a key's start counts from as many
-# characters past its mark.
-_KIND_MARK = re.compile(r"(?:[a-z]{1,7}[0-9]{0,2}[-_]){1,3}")
+# The public marks of kinds of keys, at their start: text that names the kind (a row about OpenAI's
+# project keys, `export OPENAI_API_KEY=sk-proj-...`) holds none of the secret.
+_KIND_MARKS = ("sk-proj-", "sk-or-v1-", "sk-ant-api03-", "sk-ant-admin01-", "sk-svcacct-", "sk-admin-",
+               "github_pat_", "ghp_", "gho_", "ghu_", "ghs_", "ghr_", "glpat-", "hf_", "xoxb-", "xoxp-", "xoxa-",
+               "xoxe-", "sk_live_", "sk_test_", "rk_live_", "rk_test_")
+_SCHEME = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://")
 REDACTED = "[REDACTED]"
 
 
 def shown_unless_a_key(word: str) -> str:
     """A word of the command line as a refusal may quote it, where it may be a key typed in the wrong place:
-    whole if it is too short to be one or reads as a URL, a path or words (a scheme, a leading "/", "~" or
+    whole if it is too short to be one or reads as a URL, a path or words (a scheme, a leading "/", "~/" or
     ".", a space; a "/", "." or ":" without capital letters, as host names and ports are written, where keys
     that hold them, AWS's and JWTs, mix cases), else its first four characters; the redactor knows only the
     key the run was given, not one pasted by mistake."""
-    if (len(word) < MIN_SECRET_LENGTH or "://" in word or word.startswith(("/", "~", ".")) or re.search(r"\s", word)
+    if (len(word) < MIN_SECRET_LENGTH or "://" in word or word.startswith(("/", "~/", ".")) or re.search(r"\s", word)
             or (re.search(r"[/.:]", word) and not re.search(r"[A-Z]", word))):
         return repr(word)
     return f"{word[:4]!r}… (the rest not shown: it may be an API key)"
@@ -45,17 +47,17 @@ def shown_unless_a_key(word: str) -> str:
 
 class _Starts:
     """Where a text holds a run that starts one of the secrets and is long enough to count: the whole
-    secret, or ``least(secret)`` of its characters.
+    secret, or as many of its characters as it is given.
 
     A regex finds where one of the secrets' first characters start (at every position: runs of two
     secrets may overlap), and each is then followed in plain Python as far as it matches: a pattern
     that nests one optional group per character would fail to compile for a secret of a few hundred
     characters (session tokens, PEM keys)."""
 
-    def __init__(self, secrets: list[str], least: Callable[[str], int]) -> None:
+    def __init__(self, secrets: dict[str, int]) -> None:
         self._by_start: dict[str, list[tuple[str, int]]] = {}
-        for secret in secrets:
-            self._by_start.setdefault(secret[:MIN_SECRET_LENGTH], []).append((secret, min(len(secret), least(secret))))
+        for secret, least in secrets.items():
+            self._by_start.setdefault(secret[:MIN_SECRET_LENGTH], []).append((secret, min(len(secret), least)))
         self._starts = re.compile("(?=(" + "|".join(map(re.escape, self._by_start)) + "))")
 
     def spans(self, text: str) -> list[tuple[int, int]]:
@@ -69,38 +71,52 @@ class _Starts:
         return spans
 
 
-def _least_from_start(secret: str) -> int:
-    """How much of a secret's start a piece must hold to count: MIN_SECRET_LENGTH past its kind's mark."""
-    mark = _KIND_MARK.match(secret)
-    return (mark.end() if mark else 0) + MIN_SECRET_LENGTH
-
-
-def _written_forms(secret: str) -> set[str]:
+def _written_forms(secret: str, *, start: bool = False) -> list[str]:
     """The secret as text holds it, as JSON text does (quotes, backslashes and control characters
     escaped, non-ASCII characters too or not: tool results and arguments are redacted as JSON), and as a
-    server quoting a request may (percent-encoded, base64 as in a header). Other encodings stay possible:
-    an endpoint is sent the key and may write it back in any form."""
-    return {secret, *(json.dumps(secret, ensure_ascii=ascii_only)[1:-1] for ascii_only in (False, True)),
-            quote(secret, safe=""), base64.b64encode(secret.encode()).decode().rstrip("=")}
+    server quoting a request may (percent-encoded; base64 of the secret alone, as in a header). Other
+    encodings stay possible: an endpoint is sent the key and may write it back in any form. ``start``: the
+    forms of a secret's start, as the forms of the whole begin (base64 only of its whole 3-byte groups)."""
+    raw = secret.encode()
+    if start:
+        raw = raw[:len(raw) - len(raw) % 3]
+    return [secret, json.dumps(secret, ensure_ascii=False)[1:-1], json.dumps(secret, ensure_ascii=True)[1:-1],
+            quote(secret, safe=""), base64.b64encode(raw).decode().rstrip("=")]
+
+
+def _public_head(secret: str) -> str:
+    """The start of a secret that others' text holds too: the mark of its kind of key, a URL's scheme,
+    host and port where no credentials are among them, or the directory of a path that is one here.
+    A piece cut from the secret's start counts only with MIN_SECRET_LENGTH characters past it (the whole
+    secret always counts)."""
+    for mark in _KIND_MARKS:
+        if secret.startswith(mark):
+            return mark
+    if scheme := _SCHEME.match(secret):
+        rest = secret[scheme.end():]
+        host = re.match(r"[^/?#]*", rest)
+        if host is None or "@" in host.group(0):
+            return scheme.group(0)
+        return secret[:scheme.end() + host.end() + rest[host.end():].startswith("/")]
+    directory = secret[:secret.rfind("/") + 1]
+    if directory.startswith("/") and directory.strip("/") and os.path.isdir(directory):
+        return directory
+    return ""
 
 
 def _secret_values(value: str) -> list[str]:
-    """What of a secret-named variable's value is secret. Not a path (SSH_AUTH_SOCK, SSH_ASKPASS, a
-    credentials file: the file is the secret, not its name, and a path's start is every path's); not a URL
-    (NEXTAUTH_URL), whose credentials :func:`_url_credentials` takes and whose query's values are taken
-    here. Sent without the whitespace around it, so found without it."""
+    """What of a secret-named variable's value is secret: the value, without the whitespace around it (it is
+    sent without), and where it has several words (a list of keys, a PEM block's lines) each but a URL's
+    (whose credentials :func:`_url_credentials` takes); not an address (NEXTAUTH_URL=http://localhost:3000:
+    scheme, host and port alone, which commands and rows name) or a path of this machine (SSH_AUTH_SOCK,
+    SSH_ASKPASS): what they name is the secret, if any."""
     value = value.strip()
-    if "://" in value:
-        try:
-            return [v for _, v in parse_qsl(urlsplit(value).query)]
-        except ValueError:
-            return [value]
-    if value.startswith(("/", "~/")):
-        place = os.path.expanduser(value)
-        parent = os.path.dirname(place)
-        if os.path.exists(place) or (parent != "/" and os.path.isdir(parent)):
-            return []
-    return [value]
+    if re.fullmatch(_SCHEME.pattern + r"[^/?#@\s]+/?", value) or (value.startswith("/") and os.path.exists(value)):
+        return []
+    words = value.split()
+    if len(words) == 1:
+        return [value]
+    return [value, *(word for word in words if not _SCHEME.match(word) and not os.path.exists(word))]
 
 
 def _url_credentials(value: str, *, proxy: bool = False) -> list[str]:
@@ -130,12 +146,17 @@ def _url_credentials(value: str, *, proxy: bool = False) -> list[str]:
 class Redactor:
     def __init__(self, secrets: list[str]) -> None:
         # A key is sent without the whitespace a file or a paste left around it, so it is found without it.
-        found = {secret.strip() for secret in secrets}
-        values = sorted({form for s in found if len(s) >= MIN_SECRET_LENGTH for form in _written_forms(s)},
-                        key=len, reverse=True)
-        self._prefixes = _Starts(values, _least_from_start) if values else None
+        starts: dict[str, int] = {}     # each written form of each secret: how much of its start counts
+        for secret in {secret.strip() for secret in secrets}:
+            if len(secret) < MIN_SECRET_LENGTH:
+                continue
+            head = _public_head(secret)
+            for form, head_form in zip(_written_forms(secret), _written_forms(head, start=True), strict=True):
+                least = MIN_SECRET_LENGTH + (len(head_form) if head and form.startswith(head_form) else 0)
+                starts[form] = min(starts.get(form, least), least)
+        self._prefixes = _Starts(starts) if starts else None
         # A suffix of a secret is a prefix of the reversed secret in the reversed text.
-        self._suffixes = _Starts([value[::-1] for value in values], lambda _: MIN_SECRET_LENGTH) if values else None
+        self._suffixes = _Starts({form[::-1]: MIN_SECRET_LENGTH for form in starts}) if starts else None
 
     @classmethod
     def from_environment(cls, api_key: str) -> Redactor:

@@ -330,31 +330,58 @@ def test_a_git_author_is_no_secret(monkeypatch):
 
 def test_a_path_in_a_secret_named_variable_is_no_secret(monkeypatch, tmp_path):
     # SSH_ASKPASS made `ls -l /usr/bin/env` run as `ls -l [REDACTED]env`.
-    monkeypatch.setenv("SSH_ASKPASS", "/usr/bin/ssh-askpass")
-    monkeypatch.setenv("SSH_AUTH_SOCK", str(tmp_path / "agent.sock"))
-    text = f"ls -l /usr/bin/env {tmp_path}/other"
+    monkeypatch.setenv("SSH_ASKPASS", "/usr/bin/ssh-askpass-not-installed")
+    socket = tmp_path / "agent.sock"
+    socket.touch()
+    monkeypatch.setenv("SSH_AUTH_SOCK", str(socket))
+    text = f"ls -l /usr/bin/env {socket} {tmp_path}/other"
     assert Redactor.from_environment("")(text) == text
 
 
-def test_a_url_in_a_secret_named_variable_is_no_secret_but_its_query_is(monkeypatch):
+def test_an_address_in_a_secret_named_variable_is_no_secret(monkeypatch):
     monkeypatch.setenv("NEXTAUTH_URL", "http://localhost:3000")
-    monkeypatch.setenv("AUTH_CALLBACK_URL", "https://hooks.example/cb?token=tok-0123456789abcdef")
+    assert Redactor.from_environment("")("curl http://localhost:3000/v1") == "curl http://localhost:3000/v1"
+
+
+def test_a_url_holding_a_secret_in_its_path_is_one_but_its_host_is_not(monkeypatch):
+    # The review of the first version, which took a URL's query alone, found this printed whole.
+    monkeypatch.setenv("SLACK_WEBHOOK_TOKEN", "https://hooks.slack.com/services/T0001/B0001/XXXXabcdefgh1234")
     redact = Redactor.from_environment("")
-    assert redact("curl http://localhost:3000/v1 https://hooks.example/cb") == \
-        "curl http://localhost:3000/v1 https://hooks.example/cb"
-    assert redact("?token=tok-0123456789abcdef") == f"?token={REDACTED}"
+    assert redact("see https://hooks.slack.com/services/T0001/B0001/XXXXabcdefgh1234") == f"see {REDACTED}"
+    assert redact("see https://hooks.slack.com/") == "see https://hooks.slack.com/"
 
 
-def test_a_name_that_only_begins_with_a_secret_word_marks_no_secret(monkeypatch):
-    monkeypatch.setenv("PIP_KEYRING_PROVIDER", "subprocess")
-    monkeypatch.setenv("PYTHON_KEYRING_BACKEND", "keyring.backends.null.Keyring")
-    text = "subprocess.run(...) with keyring.backends.null.Keyring"
-    assert Redactor.from_environment("")(text) == text
+def test_a_secret_value_holding_a_url_is_a_secret_whole(monkeypatch):
+    credentials = ('{"auth_uri": "https://accounts.google.com/o/oauth2/auth", "private_key": '
+                   '"-----BEGIN PRIVATE KEY-----MIIEvgIBADANBgkqhkiG9w0BAQEFAASC-----END PRIVATE KEY-----"}')
+    monkeypatch.setenv("GOOGLE_CREDENTIALS", credentials)
+    assert Redactor.from_environment("")(f"cat creds.json: {credentials}") == f"cat creds.json: {REDACTED}"
 
 
-@pytest.mark.parametrize("name", ["OPENAI_API_KEY", "APIKEY", "PGPASSWORD", "GITHUB_TOKEN", "AWS_SECRET_ACCESS_KEY",
-                                  "SESSION_COOKIE", "DB_PASS", "SERVICE_CREDENTIALS", "HTTP_AUTHORIZATION"])
-def test_a_name_ending_in_a_secret_word_marks_a_secret(monkeypatch, name):
+def test_each_key_of_a_list_of_keys_is_a_secret(monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEYS", "https://api.openai.com/v1 sk-proj-Ab3dEfGh1234567890XyZ sk-proj-Zz9yXw8v7654")
+    redacted = Redactor.from_environment("")("a sk-proj-Ab3dEfGh1234567890XyZ b https://api.openai.com/v1/chat")
+    assert redacted == f"a {REDACTED} b https://api.openai.com/v1/chat"
+
+
+@pytest.mark.parametrize("secret", ["//8Abc1Def2Ghi3Jkl", "~/Tr0ub4dor&3xyz", "correct-horse-battery-staple"])
+def test_a_secret_that_reads_as_a_path_or_words_is_still_one_and_cut_too(monkeypatch, secret):
+    monkeypatch.setenv("DB_PASSWORD", secret)
+    redact = Redactor.from_environment("")
+    assert redact(f"pw={secret}") == f"pw={REDACTED}"
+    assert redact(f"pw={secret[:-3]}") == f"pw={REDACTED}"
+
+
+@pytest.mark.parametrize("name", ["PIP_KEYRING_PROVIDER", "KEYBOARD_LAYOUT", "TOKENIZERS_PARALLELISM",
+                                  "GIT_AUTHOR_EMAIL"])
+def test_a_name_holding_a_longer_word_that_begins_with_a_secret_word_marks_no_secret(monkeypatch, name):
+    monkeypatch.setenv(name, "subprocess.run")
+    assert Redactor.from_environment("")("subprocess.run(...)") == "subprocess.run(...)"
+
+
+@pytest.mark.parametrize("name", ["OPENAI_API_KEY", "APIKEY2", "githubToken", "api-key", "PGPASSWORD", "DB_PASSCODE",
+                                  "AWS_SECRET_ACCESS_KEY", "SESSION_COOKIE", "SERVICE_CREDENTIALS", "HTTP_AUTHORIZATION"])
+def test_a_name_holding_a_secret_word_marks_a_secret(monkeypatch, name):
     monkeypatch.setenv(name, "value-0123456789abcdef")
     assert Redactor.from_environment("")("got value-0123456789abcdef") == f"got {REDACTED}"
 
