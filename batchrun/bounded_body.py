@@ -54,10 +54,15 @@ def gzipped_within(content_encoding: Iterable[str], content_length: str | None, 
 
 
 async def bounded_chunks(raw: AsyncIterable[bytes], *, gzip: bool, limit: int) -> AsyncIterator[bytes]:
-    """The body's bytes (inflated when ``gzip``), BodyTooLarge as soon as they pass ``limit``."""
+    """The body's bytes (inflated when ``gzip``), BodyTooLarge as soon as they pass ``limit``, or the bytes
+    received pass twice that: gzip that inflates to nothing (empty members without end, a header's comment
+    that never ends) was read until the time limit, inflated all the while."""
     inflater = _GzipMembers() if gzip else None
-    size = 0
+    size = received = 0
     async for chunk in raw:
+        received += len(chunk)
+        if received > 2 * limit:
+            raise BodyTooLarge(limit)
         if inflater is not None:
             # At most one byte past the room left: a few kilobytes of gzip can stand for gigabytes.
             chunk = inflater.inflate(chunk, limit - size + 1)

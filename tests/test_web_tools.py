@@ -404,6 +404,8 @@ def test_extract_reports_each_failing_url_and_fails_only_when_all_fail(site, all
     ("http://169.254.169.254/latest/meta-data/", "link-local or cloud-metadata"),
     ("http://[::ffff:169.254.169.254]/latest/meta-data/", "link-local or cloud-metadata"),
     ("http://[fd00:ec2::254]/latest/meta-data/", "link-local or cloud-metadata"),
+    ("http://[fd00:c1::a9fe:a9fe]/opc/v2/instance/", "link-local or cloud-metadata"),
+    ("http://192.0.0.192/latest/", "link-local or cloud-metadata"),
     ("http://[fe80::1]/", "link-local or cloud-metadata"),
     ("http://metadata.google.internal/computeMetadata/v1/", "cloud-metadata host"),
     ("http://168.63.129.16/machine?comp=goalstate", "link-local or cloud-metadata"),
@@ -620,6 +622,15 @@ def test_a_page_that_inflates_past_the_size_cap_is_refused(site, allow_private):
         call(web_extract, {"urls": [site.url("/bomb")]})
 
 
+def test_a_gzip_body_that_inflates_to_nothing_is_refused_past_twice_the_size_cap(site, allow_private):
+    # Empty gzip members without end: before, read (and inflated, a core busy) until the fetch's time limit.
+    empty_member = gzip.compress(b"")
+    body = gzip.compress(b"<p>short</p>") + empty_member * (2 * MAX_PAGE_BYTES // len(empty_member) + 1)
+    site.routes["/nothing"] = Reply(body=body, headers={"Content-Encoding": "gzip"}, send_length=False)
+    with pytest.raises(ToolError, match=f"larger than {MAX_PAGE_BYTES:,} bytes"):
+        call(web_extract, {"urls": [site.url("/nothing")]})
+
+
 def test_a_page_in_a_coding_that_was_not_asked_for_is_refused(site, allow_private):
     # A coding the client cannot inflate within the cap (brotli, zstd) is refused, whether or not the
     # library that would inflate it without a bound is installed.
@@ -692,6 +703,41 @@ def test_a_worker_parses_one_page_at_a_time(site, allow_private, monkeypatch, tm
     monkeypatch.setattr(trafilatura, "extract", extract_alone)
     results = call(web_extract, {"urls": [site.url(f"/cats?{i}") for i in range(5)]})["results"]
     assert all("All about cats" in result.get("content", result) for result in results), results
+
+
+def test_one_prompts_slow_pages_do_not_hold_the_parse_turn_from_another_prompts(site, allow_private, monkeypatch,
+                                                                                tmp_path):
+    # Before, the worker's one parse turn went in order of asking: a prompt's five pages that each parse for the
+    # longest allowed (20 s) held it for 100 s, and another prompt's page queued behind them failed at its
+    # tool's time limit. The turn goes round the prompts now, one page of each at a time.
+    started = tmp_path / "slow-parse-started"
+    real_extract = trafilatura.extract
+
+    def extract_slowly(body, url=None, **kwargs):
+        if url and "/slow" in url:
+            started.touch()
+            time.sleep(0.5)
+        return real_extract(body, url=url, **kwargs)
+
+    site.routes["/cats"] = Reply(body=ARTICLE)
+    site.routes["/slow"] = Reply(body=ARTICLE)
+    monkeypatch.setattr(trafilatura, "extract", extract_slowly)
+    settings = EnvironmentSettings(work_root=Path("/nonexistent"), run_label="test")
+
+    async def both() -> list[str]:
+        finished: list[str] = []
+
+        async def session(name: str, urls: list[str]) -> None:
+            await web_extract({"urls": urls}, ToolContext(env=None, settings=settings))
+            finished.append(name)
+
+        slow = asyncio.create_task(session("slow", [site.url(f"/slow?{i}") for i in range(5)]))
+        while not started.exists():      # the slow prompt's pages are all waiting for the turn, or parsing
+            await asyncio.sleep(0.01)
+        await asyncio.gather(slow, session("quick", [site.url("/cats")]))
+        return finished
+
+    assert asyncio.run(both()) == ["quick", "slow"]
 
 
 def test_extract_refuses_bad_arguments():

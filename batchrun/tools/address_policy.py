@@ -26,10 +26,11 @@ from batchrun.tools import ToolError
 ALLOW_PRIVATE = "WEB_ALLOW_PRIVATE"
 ALLOW_LINK_LOCAL = "WEB_ALLOW_LINK_LOCAL"
 METADATA_HOSTS = frozenset({"metadata.google.internal", "metadata.goog"})
-# AWS/GCP/Azure/Oracle (link-local anyway), AWS over IPv6 (a unique-local address), Alibaba Cloud, and
-# Azure's WireServer (a public address that hands a VM its configuration and certificates).
-_METADATA_ADDRESSES = frozenset(map(ipaddress.ip_address, ("169.254.169.254", "fd00:ec2::254",
-                                                           "100.100.100.200", "168.63.129.16")))
+# AWS/GCP/Azure/Oracle (link-local anyway), AWS and Oracle over IPv6 (unique-local addresses), Oracle's
+# older one (in the IETF's 192.0.0.0/24), Alibaba Cloud, and Azure's WireServer (a public address that hands
+# a VM its configuration and certificates): WEB_ALLOW_PRIVATE, meant for an intranet, opens none of them.
+_METADATA_ADDRESSES = frozenset(map(ipaddress.ip_address, ("169.254.169.254", "fd00:ec2::254", "fd00:c1::a9fe:a9fe",
+                                                           "192.0.0.192", "100.100.100.200", "168.63.129.16")))
 # The IPv6 ranges whose last 32 bits are an IPv4 address: compatible (::a.b.c.d), mapped, translated,
 # and NAT64's well-known prefix.
 _IPV4_IN_LAST_32_BITS = tuple(map(ipaddress.ip_network, ("::/96", "::ffff:0:0/96", "::ffff:0:0:0/96",

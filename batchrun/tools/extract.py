@@ -54,8 +54,9 @@ _ACCEPT = "text/html,application/xhtml+xml,text/plain;q=0.9,*/*;q=0.5"
 async def web_extract(args: dict, ctx: ToolContext) -> dict:
     """``{"results": [...]}``, one entry per URL in order: its content, or its error."""
     urls = _urls(args)
+    own_turns = ctx.state.setdefault(_OWN_TURNS, asyncio.Lock())
     async with http_client(FETCH_SECONDS, trust_env=False, headers={"Accept": _ACCEPT}) as client:
-        results = await asyncio.gather(*(_extract_one(client, url) for url in urls))
+        results = await asyncio.gather(*(_extract_one(client, url, own_turns) for url in urls))
     if all("error" in result for result in results):
         raise ToolError("; ".join(f"{result['url']}: {result['error']}" for result in results))
     return {"results": results}
@@ -72,11 +73,11 @@ def _urls(args: dict) -> list[str]:
     return list(dict.fromkeys(url.strip() for url in urls))
 
 
-async def _extract_one(client: httpx.AsyncClient, url: str) -> dict:
+async def _extract_one(client: httpx.AsyncClient, url: str, own_turns: asyncio.Lock) -> dict:
     """This URL's entry of the results: its content, or why it has none."""
     try:
         page = await within(FETCH_SECONDS, fetch(client, url, max_bytes=MAX_PAGE_BYTES))
-        title, content = await _parsed(page)
+        title, content = await _parsed(page, own_turns)
     except ToolError as exc:
         return {"url": url, "error": str(exc)}
     except TimeoutError:
@@ -93,11 +94,15 @@ async def _extract_one(client: httpx.AsyncClient, url: str) -> dict:
 
 
 # One parse at a time in each worker process (one event loop each), so that a worker holds at most one
-# child's PARSE_MEMORY_MB.
+# child's PARSE_MEMORY_MB. The turn is given in order of asking, and a session asks for it for one of its
+# pages at a time (its lock, kept in the session's state under _OWN_TURNS): so the turn goes round the
+# sessions, and one prompt's five pages that parse for PARSE_SECONDS each keep another prompt's page
+# waiting for one of them, not for all five (which outlasted that prompt's tool time limit).
 _parse_turns: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
+_OWN_TURNS = "web_extract.parse_turns"
 
 
-async def _parsed(page: Page) -> tuple[str | None, str]:
+async def _parsed(page: Page, own_turns: asyncio.Lock) -> tuple[str | None, str]:
     """(title, content) of the page as its entry shows them, from a child process forked to parse it.
 
     Forked, not started afresh: the child has trafilatura loaded already (a new interpreter would take
@@ -106,7 +111,7 @@ async def _parsed(page: Page) -> tuple[str | None, str]:
     locks as they are, which the report's plots avoid by not forking then (report/plots.py); here the
     child is bounded instead: one stuck on such a lock is killed at PARSE_SECONDS, and only its page fails.
     """
-    async with _parse_turns.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(1)):
+    async with own_turns, _parse_turns.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(1)):
         ours, theirs = socket.socketpair()
         pid = os.fork()
         if pid == 0:
