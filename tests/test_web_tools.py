@@ -565,6 +565,12 @@ def test_a_port_out_of_range_fails_its_own_url_only(site, allow_private):
     assert redirected["error"] == f"'http://127.0.0.1:99999/cats' {reason}"
 
 
+def test_a_punycode_host_that_decodes_to_no_name_fails_its_own_url_as_invalid(allow_private):
+    # Before, "IDNAError: A-label must not end with a hyphen", a library's error, as the URL's result.
+    with pytest.raises(ToolError, match="'http://xn--localhost-/' is not a valid URL: A-label must not end"):
+        call(web_extract, {"urls": ["http://xn--localhost-/"]})
+
+
 # Python's resolver call raised UnicodeError for a name with an empty label or one over 63 characters:
 # the URL's error was "UnicodeError: encoding with 'idna' codec failed", and the browser's gate logged a
 # traceback per request.

@@ -49,11 +49,12 @@ def http_url(text: str) -> httpx.URL:
     """``text`` as an http(s) URL with a host; anything else (file:, ftp:, data:...) is refused."""
     try:
         url = httpx.URL(text.strip())
-    except httpx.InvalidURL as exc:
+        named = url.host    # decodes a punycode host, which may decode to no name ("xn--localhost-": IDNAError)
+    except (httpx.InvalidURL, UnicodeError) as exc:
         raise ToolError(f"{text!r} is not a valid URL: {exc}") from None
     if url.scheme not in ("http", "https"):
         raise ToolError(f"only http and https URLs are allowed, not {text!r}")
-    if not url.host:
+    if not named:
         raise ToolError(f"{text!r} has no host name")
     host = url.raw_host.decode("ascii")
     if ":" not in host and not _HOST_NAME.fullmatch(host):     # IPv6 literals httpx checks itself
