@@ -103,6 +103,19 @@ def test_a_command_killed_with_its_container_loses_the_environment_while_the_eng
         asyncio.run(env.close())
 
 
+def test_a_command_is_the_first_the_kernel_kills_for_memory_not_the_containers_first_process(engine, tmp_path):
+    # Before, all had an oom_score_adj of 0: a second kill, while the first victim's memory was being freed,
+    # once took the first process (CI, 2026-12-06), and the container ended with the command.
+    env = environment(engine, make_settings(tmp_path, limits=ResourceLimits(memory_mb=64)))
+    try:
+        asyncio.run(env.start())
+        command = asyncio.run(env.run("cat /proc/self/oom_score_adj"))
+        first = asyncio.run(env.run("cat /proc/1/oom_score_adj"))
+    finally:
+        asyncio.run(env.close())
+    assert (command.output, first.output) == ("1000\n", "0\n")
+
+
 @pytest.mark.parametrize("lagging", [False, True], ids=["engine", "engine-shown-running"])
 def test_a_command_killed_for_its_memory_keeps_the_environment(engine, tmp_path, monkeypatch, lagging):
     """Its exit status is the one a container ended from outside gives: only the container's state tells

@@ -76,8 +76,12 @@ _WRITE_SCRIPT = (f'[ -d "$1" ] && exit {_IS_DIRECTORY}; [ -e "$1" ] && [ ! -f "$
 # faster than any look at the disk. The soft and the hard limit are set, and no capability is left to
 # raise the hard one again; where a lower one already holds, it stays. The second is the working directory,
 # made again where a command removed it (the runtime, told to start there, would fail every later call);
-# where it cannot be, the command runs in / after the shell's word on why.
-_MERGED = 'ulimit -f "$1" 2>/dev/null; mkdir -p "$2" 2>/dev/null; cd "$2" || cd /; shift 2; exec "$@" 2>&1'
+# where it cannot be, the command runs in / after the shell's word on why. The command is the first the
+# kernel kills when the container runs out of memory (an oom_score_adj of 1000, which any process may raise
+# its own to): at a tie of small processes, a second kill while the first one's memory was still being
+# freed could take the container's first process, and the container ended with the command.
+_MERGED = ('ulimit -f "$1" 2>/dev/null; echo 1000 > /proc/self/oom_score_adj 2>/dev/null; mkdir -p "$2" 2>/dev/null; '
+           'cd "$2" || cd /; shift 2; exec "$@" 2>&1')
 _ULIMIT_BLOCK = 512
 
 
