@@ -103,16 +103,20 @@ def test_a_command_killed_with_its_container_loses_the_environment_while_the_eng
         asyncio.run(env.close())
 
 
-def test_a_command_is_the_first_the_kernel_kills_for_memory_not_the_containers_first_process(engine, tmp_path):
-    # Before, all had an oom_score_adj of 0: a second kill, while the first victim's memory was being freed,
-    # once took the first process (CI, 2026-12-06), and the container ended with the command.
+def run_in_64_mb(engine: EngineBackend, tmp_path: Path, *commands: str) -> list[CommandResult]:
+    """The commands' results, run in turn in one new container held to 64 MB of memory."""
     env = environment(engine, make_settings(tmp_path, limits=ResourceLimits(memory_mb=64)))
     try:
         asyncio.run(env.start())
-        command = asyncio.run(env.run("cat /proc/self/oom_score_adj"))
-        first = asyncio.run(env.run("cat /proc/1/oom_score_adj"))
+        return [asyncio.run(env.run(command)) for command in commands]
     finally:
         asyncio.run(env.close())
+
+
+def test_a_command_is_the_first_the_kernel_kills_for_memory_not_the_containers_first_process(engine, tmp_path):
+    # Before, all had an oom_score_adj of 0: a second kill, while the first victim's memory was being freed,
+    # once took the first process (CI, 2026-12-06), and the container ended with the command.
+    command, first = run_in_64_mb(engine, tmp_path, "cat /proc/self/oom_score_adj", "cat /proc/1/oom_score_adj")
     assert (command.output, first.output) == ("1000\n", "0\n")
 
 
@@ -122,12 +126,6 @@ def test_a_command_killed_for_its_memory_keeps_the_environment(engine, tmp_path,
     them apart, and where the engine shows it running whatever happened, a command run in it."""
     if lagging:
         lagging_engine(engine, tmp_path, monkeypatch)
-    env = environment(engine, make_settings(tmp_path, limits=ResourceLimits(memory_mb=64)))
-    try:
-        asyncio.run(env.start())
-        killed = asyncio.run(env.run("head -c 300m /dev/zero | tail"))
-        after = asyncio.run(env.run("echo still here"))
-    finally:
-        asyncio.run(env.close())
+    killed, after = run_in_64_mb(engine, tmp_path, "head -c 300m /dev/zero | tail", "echo still here")
     assert killed.exit_code == 137
     assert after.output == "still here\n"
