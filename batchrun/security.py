@@ -30,6 +30,7 @@ _KIND_MARKS = ("sk-proj-", "sk-or-v1-", "sk-ant-api03-", "sk-ant-admin01-", "sk-
                "github_pat_", "ghp_", "gho_", "ghu_", "ghs_", "ghr_", "glpat-", "hf_", "xoxb-", "xoxp-", "xoxa-",
                "xoxe-", "sk_live_", "sk_test_", "rk_live_", "rk_test_")
 _SCHEME = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://")
+_ADDRESS = re.compile(_SCHEME.pattern + r"[^/?#@\s]+/?")     # scheme, host and port alone
 REDACTED = "[REDACTED]"
 
 
@@ -104,19 +105,24 @@ def _public_head(secret: str) -> str:
     return ""
 
 
+def _names_a_place(text: str) -> bool:
+    """Whether ``text`` is an address (NEXTAUTH_URL=http://localhost:3000: scheme, host and port alone, which
+    commands and rows name) or a path of this machine (SSH_AUTH_SOCK, SSH_ASKPASS): what it names is the
+    secret, if any, not its name."""
+    return bool(_ADDRESS.fullmatch(text)) or (text.startswith("/") and os.path.exists(text))
+
+
 def _secret_values(value: str) -> list[str]:
     """What of a secret-named variable's value is secret: the value, without the whitespace around it (it is
-    sent without), and where it has several words (a list of keys, a PEM block's lines) each but a URL's
-    (whose credentials :func:`_url_credentials` takes); not an address (NEXTAUTH_URL=http://localhost:3000:
-    scheme, host and port alone, which commands and rows name) or a path of this machine (SSH_AUTH_SOCK,
-    SSH_ASKPASS): what they name is the secret, if any."""
+    sent without), unless it names a place, and where it has several words (a list of keys, a PEM block's
+    lines) each but a URL's (whose credentials :func:`_url_credentials` takes) or a place's."""
     value = value.strip()
-    if re.fullmatch(_SCHEME.pattern + r"[^/?#@\s]+/?", value) or (value.startswith("/") and os.path.exists(value)):
+    if _names_a_place(value):
         return []
     words = value.split()
     if len(words) == 1:
         return [value]
-    return [value, *(word for word in words if not _SCHEME.match(word) and not os.path.exists(word))]
+    return [value, *(word for word in words if not _SCHEME.match(word) and not _names_a_place(word))]
 
 
 def _url_credentials(value: str, *, proxy: bool = False) -> list[str]:

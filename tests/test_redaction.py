@@ -364,6 +364,15 @@ def test_each_key_of_a_list_of_keys_is_a_secret(monkeypatch):
     assert redacted == f"a {REDACTED} b https://api.openai.com/v1/chat"
 
 
+def test_a_key_of_a_list_that_names_a_file_in_the_working_directory_is_still_a_secret(monkeypatch, tmp_path):
+    # Before, a word of a list was left out where a file of its name was found relative to the working
+    # directory, though a whole value is left out only as an absolute path.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tok-secret-0123456789").touch()
+    monkeypatch.setenv("DB_PASSWORDS", "a-secret-11111111 tok-secret-0123456789 c-secret-22222222")
+    assert Redactor.from_environment("")("got tok-secret-0123456789") == f"got {REDACTED}"
+
+
 @pytest.mark.parametrize("secret", ["//8Abc1Def2Ghi3Jkl", "~/Tr0ub4dor&3xyz", "correct-horse-battery-staple"])
 def test_a_secret_that_reads_as_a_path_or_words_is_still_one_and_cut_too(monkeypatch, secret):
     monkeypatch.setenv("DB_PASSWORD", secret)
