@@ -142,7 +142,9 @@ def parse_line(raw: bytes | None, line_number: int) -> tuple[dict | None, str | 
     if not text.strip():
         return None, None
     try:
-        obj = json.loads(text)
+        # Without its line end: json would name the column after it, "column 1" of a next line, for a
+        # line cut short.
+        obj = json.loads(text.removesuffix("\n").removesuffix("\r"))
     except json.JSONDecodeError as exc:
         where = f"{exc.msg.removesuffix(' at')} at column {exc.colno}"
         return None, f"line {line_number}: not valid JSON ({where}); skipped"
@@ -155,6 +157,8 @@ def parse_line(raw: bytes | None, line_number: int) -> tuple[dict | None, str | 
     prompt = obj.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         return None, f'line {line_number}: needs a non-empty string "prompt"; skipped'
+    if not is_utf8(prompt):     # no request or row can carry it as it is
+        return None, f'line {line_number}: "prompt" is not valid Unicode (a lone surrogate); skipped'
     image = obj.get("image") if obj.get("image") is not None else obj.get("docker_image")
     cwd = obj.get("cwd")
     for name, value in (("image", image), ("cwd", cwd)):
@@ -279,6 +283,11 @@ def _what_else(path: Path) -> str | None:
     for magic, kind, remedy in _OTHER_FORMATS:
         if start.startswith(magic):
             return f"{path} is {kind}, not JSONL text (UTF-8, one JSON object per line); {remedy.format(path=quoted)}"
+    for order, nuls, ascii_bytes in (("LE", start[1:8:2], start[0:8:2]), ("BE", start[0:8:2], start[1:8:2])):
+        # ASCII text written as UTF-16 without a byte order mark: every other byte a NUL
+        if len(start) >= 8 and nuls == b"\0" * 4 and b"\0" not in ascii_bytes:
+            return (f"{path} is UTF-16 text, not JSONL text (UTF-8, one JSON object per line); save it as UTF-8: "
+                    f"iconv -f UTF-16{order} -t UTF-8 {quoted} > out.jsonl")
     text = start.removeprefix(b"\xef\xbb\xbf").lstrip()
     if text.startswith(b"["):
         return (f"{path} holds one JSON array, not JSONL (one JSON object per line); convert it: "

@@ -155,7 +155,8 @@ def text(flag: str, value: Any, *, required: bool = False) -> str | None:
     """Fire turns `--x=123` into an int and `--x=a,b` into a tuple; names and ids are text."""
     if value is None or value == "":
         if required:
-            raise UsageError(f"--{flag} is required")
+            # "is required" misled for a flag with a default, given empty (--distribution=)
+            raise UsageError(f"--{flag} is required" if value is None else f"--{flag} is empty; give it a value")
         return None
     if isinstance(value, bool) or isinstance(value, (tuple, list, dict)):
         raise UsageError(f"--{flag} must be a single value, got {value!r}")

@@ -571,7 +571,8 @@ class BatchRunner:
             before, now = previous.get(key), str(value)
             if before is not None and str(before) != now and not (key == "dataset_file" and
                                                                   _same_file(str(before), config.dataset_file)):
-                self.console.warn(f"resuming with --{key}={now}, but this run started with {before}")
+                # The checkpoint holds the last invocation's arguments, not the first's.
+                self.console.warn(f"resuming with --{key}={now}, but this run's last invocation used {before}")
 
     def _finish(self, plan: DatasetPlan, *, interrupted: bool = False) -> None:
         found: set[tuple[str, int, str]] = set()      # corrupted rows this merge read for the first time

@@ -145,6 +145,12 @@ def test_unknown_distribution_lists_the_available_ones(tmp_path, endpoint):
     assert_rejected_before_anything(result, tmp_path, endpoint, "--distribution", "nope", *DISTRIBUTION_NAMES)
 
 
+# "--distribution is required", of a flag that has a default.
+def test_a_flag_given_empty_is_named_as_empty_not_as_missing(tmp_path, endpoint):
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint, "--distribution="))
+    assert_rejected_before_anything(result, tmp_path, endpoint, "--distribution is empty; give it a value")
+
+
 @pytest.mark.parametrize("value", ["ftp://example.com/v1", "localhost:8000/v1", "http://"])
 def test_base_url_must_be_http_or_https(tmp_path, endpoint, value):
     result = run_cli(tmp_path, *good_args(tmp_path, endpoint, f"--base_url={value}"))
@@ -335,6 +341,21 @@ def test_a_line_that_is_not_json_is_named_with_where_it_goes_wrong():
     assert fields is None and warning == "line 3: not valid JSON (Invalid control character at column 14); skipped"
 
 
+# Read with its newline, json named the column after it: "column 1" of the next line, for the cut line
+# that is the commonest bad line of all.
+@pytest.mark.parametrize("end", [b"\n", b"\r\n", b""], ids=["newline", "crlf", "last-line"])
+def test_a_line_cut_short_is_named_at_its_end(end):
+    fields, warning = parse_line(b'{"prompt": "B"' + end, 2)
+    assert fields is None and warning == "line 2: not valid JSON (Expecting ',' delimiter at column 15); skipped"
+
+
+# Sent as "?" without a word: two lines with two prompts reached the model as one, and the row's human
+# turn was not the dataset's prompt.
+def test_a_prompt_holding_a_lone_surrogate_is_skipped_with_a_warning():
+    fields, warning = parse_line(b'{"prompt": "lone \\ud800 A"}\n', 4)
+    assert fields is None and warning == 'line 4: "prompt" is not valid Unicode (a lone surrogate); skipped'
+
+
 def test_a_directory_as_prefill_messages_file_is_named_as_a_directory(tmp_path, endpoint):
     result = run_cli(tmp_path, *good_args(tmp_path, endpoint, f"--prefill_messages_file={tmp_path}"))
     assert_rejected_before_anything(result, tmp_path, endpoint, "--prefill_messages_file", "is a directory")
@@ -372,9 +393,12 @@ def test_dataset_without_a_valid_line_is_a_clear_error(tmp_path, endpoint):
     (gzip.compress(b'{"prompt": "q"}\n'), "gzip-compressed", "gunzip -c"),
     (b"\x28\xb5\x2f\xfd" + b"\x00\x01\x02" * 20, "zstd-compressed", "zstd -dc"),
     ('{"prompt": "q"}\n'.encode("utf-16"), "UTF-16", "iconv"),
+    ('{"prompt": "q"}\n'.encode("utf-16-le"), "UTF-16", "iconv -f UTF-16LE"),
+    ('{"prompt": "q"}\n'.encode("utf-16-be"), "UTF-16", "iconv -f UTF-16BE"),
     (b'{"prompt": "a"}\r{"prompt": "b"}\r', "carriage return", "tr '\\r' '\\n'"),
     (b'{\n  "prompt": "a"\n}\n{\n  "prompt": "b"\n}\n', "over several lines", "jq -c ."),
-], ids=["gzip", "zstd", "utf-16", "carriage-returns", "pretty-printed"])
+], ids=["gzip", "zstd", "utf-16", "utf-16le-without-bom", "utf-16be-without-bom", "carriage-returns",
+        "pretty-printed"])
 def test_a_dataset_that_is_not_jsonl_text_is_named_as_what_it_is_with_how_to_convert_it(tmp_path, endpoint, content,
                                                                                        kind, remedy):
     args = good_args(tmp_path, endpoint)

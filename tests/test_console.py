@@ -437,15 +437,19 @@ def test_bidi_controls_of_a_dataset_prompt_are_shown_escaped(tmp_path, endpoint)
     assert "\u202e" not in result.stdout and "\u2067" not in result.stdout
 
 
-def test_a_lone_surrogate_in_a_dataset_prompt_is_shown_escaped_and_the_run_goes_on(tmp_path, endpoint):
+def test_a_dataset_prompt_holding_a_lone_surrogate_is_skipped_with_a_warning_and_the_run_goes_on(tmp_path, endpoint):
     result = run_with_console(tmp_path, endpoint, ["lone \ud800 surrogate", "low \udc00 x", "plain"])
     assert result.returncode == 0, result.stderr
-    assert "\\ud800" in result.stdout and "\\udc00" in result.stdout
-    assert "Traceback" not in result.stderr
+    assert [line for line in result.stderr.splitlines() if "lone surrogate" in line] == [
+        'warning: line 1: "prompt" is not valid Unicode (a lone surrogate); skipped',
+        'warning: line 2: "prompt" is not valid Unicode (a lone surrogate); skipped']
+    assert [request["messages"][-1]["content"] for request in endpoint.requests] == ["plain"]
 
 
 def test_a_lone_surrogate_in_a_model_reply_is_shown_escaped_in_verbose_lines(tmp_path, endpoint):
-    result = run_with_console(tmp_path, endpoint, ["[[call evil\udc80tool]] call it"], "--verbose")
+    # The script's JSON escape becomes the lone surrogate in the endpoint's reply (the prompt holds none).
+    result = run_with_console(tmp_path, endpoint, ['[[calls [{"name": "evil\\udc80tool", "arguments": {}}]]] call it'],
+                              "--verbose")
     assert result.returncode == 0, result.stderr
     assert "\\udc80" in result.stdout + result.stderr
 

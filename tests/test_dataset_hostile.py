@@ -115,7 +115,7 @@ def test_a_dataset_that_fails_to_read_during_the_run_stops_admitting_prompts_as_
 
 
 def test_a_resume_that_names_the_same_dataset_another_way_warns_about_nothing(tmp_path, endpoint):
-    # "warning: resuming with --dataset_file=/abs/dataset.jsonl, but this run started with dataset.jsonl".
+    # "warning: resuming with --dataset_file=/abs/dataset.jsonl, but this run's last invocation used dataset.jsonl".
     write_dataset(tmp_path / "dataset.jsonl", ["a", "b"])
     assert run_cli(tmp_path, *run_args(Path("dataset.jsonl"), endpoint)).returncode == 0
     result = run_cli(tmp_path, *run_args(tmp_path / "dataset.jsonl", endpoint, "--resume"))
@@ -129,5 +129,5 @@ def test_a_resume_over_another_dataset_file_still_warns(tmp_path, endpoint):
     assert run_cli(tmp_path, *run_args(Path("dataset.jsonl"), endpoint)).returncode == 0
     result = run_cli(tmp_path, *run_args(Path("other.jsonl"), endpoint, "--resume"))
     assert result.returncode == 0, result.stderr
-    assert "resuming with --dataset_file=other.jsonl, but this run started with dataset.jsonl" in \
+    assert "resuming with --dataset_file=other.jsonl, but this run's last invocation used dataset.jsonl" in \
         " ".join(result.stderr.split())

@@ -664,8 +664,36 @@ def test_no_text_of_a_row_can_add_a_script_to_the_page_and_the_data_reads_back_w
     data = json.loads(parser.found[0][1])
     read_back = "p" + INJECTED.replace("\udfff\ud800", "??")           # as the row reader reads lone surrogates
     assert {row["p"] for row in data["rows"]} == {read_back}
-    assert "m</script>" not in page and "\ufffd\ufffd" in page       # the checkpoint's model: escaped, written
+    assert "m</script>" not in page and "\\udfff\\ud800" in page    # the checkpoint's model: escaped, written
     assert "javascript:" not in "".join(re.findall(r'(?:href|src)="[^"]*"', page))
+
+
+# What a terminal takes as commands (OSC 52 writes the clipboard, CSI 2J clears the screen, SO swaps the
+# character set) and what reorders or rewrites a line.
+TERMINAL_CONTROLS = "\x1b]52;c;aGk=\x07\x1b[2J\r\x08\x0e\x0f\x9b\u202e"
+
+
+def test_names_a_row_holds_reach_the_terminal_and_the_plots_only_as_escapes(tmp_path: Path) -> None:
+    # matplotlib warned of each character its font lacks, quoting it raw: a tool name edited into a batch
+    # file sent ESC and SO to the terminal of whoever ran --report.
+    run_dir = tmp_path / "data" / "run"
+    run_dir.mkdir(parents=True)
+    call = ToolCallRecord("call_0", "terminal", "{}", "{}")
+    result = SessionResult(prompt_index=0, content_key=f"{0:032x}", prompt="p", toolsets=["terminal"],
+                           offered_tools=["terminal"], turns=[AssistantTurn("r", "", [call]), AssistantTurn("r", "done", [])],
+                           api_calls=2, usage=Usage(1, 1, 1, 0, 0.1), wall_time=1, end_reason="final_answer")
+    stored = json.loads(rows.encode_row(rows.trajectory_row(result, batch_num=0, model="m",
+                                                            timestamp="2026-01-01T00:00:00")))
+    stored["tool_stats"]["tool" + TERMINAL_CONTROLS] = {"count": 1, "success": 1, "failure": 0}
+    stored["toolsets_sampled"] = [*(stored.get("toolsets_sampled") or []), "set" + TERMINAL_CONTROLS]
+    (run_dir / "batch_0.jsonl").write_text(json.dumps(stored) + "\n", encoding="utf-8")
+    result = run_cli(tmp_path, "--report", "--run_name=run")
+    assert result.returncode == 0, result.stderr
+    assert not re.search("[\x00-\x09\x0b-\x1f\x7f-\x9f\u202e]", result.stdout + result.stderr)
+    page = (run_dir / report.REPORT_FILE).read_text(encoding="utf-8")
+    assert "tool\\x1b]52;c;aGk=\\x07" in page and "set\\x1b]52" in page      # drawn, as escapes
+    markup = re.sub(r'<script type="application/json" id="report-data">.*?</script>', "", page, flags=re.S)
+    assert not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202e]", markup)    # the data keeps them, as JSON
 
 
 def test_a_row_whose_turn_is_not_utf8_counts_as_unreadable(run_dir: Path, tmp_path: Path) -> None:

@@ -868,8 +868,20 @@ def test_resume_warns_when_an_argument_differs_from_the_checkpoint(tmp_path, end
     assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--max_samples=1")).returncode == 0
     result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume", "--model=another-model"))
     assert result.returncode == 0, result.stderr
-    assert "resuming with --model=another-model, but this run started with scripted-model" in \
+    assert "resuming with --model=another-model, but this run's last invocation used scripted-model" in \
         " ".join(result.stderr.split())         # wrapped at 80 columns in a log file
+
+
+# It named the model of the last invocation as the one the run "started with".
+def test_resume_names_the_model_of_the_last_invocation(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["a", "b", "c"])
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--max_samples=1")).returncode == 0
+    assert run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--max_samples=2", "--resume",
+                                        "--model=another-model")).returncode == 0
+    result = run_cli(tmp_path, *base_args(tmp_path, endpoint, dataset, "--resume"))
+    assert result.returncode == 0, result.stderr
+    assert "resuming with --model=scripted-model, but this run's last invocation used another-model" in \
+        " ".join(result.stderr.split())
 
 
 # -- the figures after kill -9 ------------------------------------------------------------------------------

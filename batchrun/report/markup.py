@@ -7,6 +7,15 @@ import html
 from collections.abc import Iterable
 from typing import Any
 
+from batchrun.console.layout import shown
+
+
+def text(value: str) -> str:
+    """``value`` as HTML text: its markup escaped, and its control characters written as escapes, as the
+    console writes them. A name edited into a batch file (a tool's, an end reason) can hold a bidirectional
+    override, which would show the rest of its table row backwards."""
+    return html.escape(shown(value))
+
 
 def number(value: float) -> str:
     return f"{value:,.0f}" if float(value).is_integer() else f"{value:,.2f}"
@@ -21,10 +30,10 @@ def money(value: float) -> str:
 
 
 def table(headers: Iterable[str], body: Iterable[Iterable[Any]], *, numeric_from: int = 1) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    head = "".join(f"<th>{text(h)}</th>" for h in headers)
     lines = []
     for cells in body:
-        tds = "".join(f'<td{" class=num" if i >= numeric_from else ""}>{html.escape(str(c))}</td>'
+        tds = "".join(f'<td{" class=num" if i >= numeric_from else ""}>{text(str(c))}</td>'
                       for i, c in enumerate(cells))
         lines.append(f"<tr>{tds}</tr>")
     if not lines:
@@ -33,6 +42,6 @@ def table(headers: Iterable[str], body: Iterable[Iterable[Any]], *, numeric_from
 
 
 def card(label: str, value: str, note: str = "", tone: str = "") -> str:
-    return (f'<div class="card {tone}"><div class="label">{html.escape(label)}</div>'
-            f'<div class="value">{html.escape(value)}</div><div class="note">{html.escape(note)}</div></div>')
+    return (f'<div class="card {tone}"><div class="label">{text(label)}</div>'
+            f'<div class="value">{text(value)}</div><div class="note">{text(note)}</div></div>')
 

@@ -3,7 +3,6 @@ trajectory browser's data, put into template.html (its CSS and JS) as one self-c
 
 from __future__ import annotations
 
-import html
 import json
 import re
 from dataclasses import dataclass
@@ -13,7 +12,7 @@ from pathlib import Path
 
 from batchrun.install_hint import install_hint, program
 from batchrun.report.cards import cards_html
-from batchrun.report.markup import number
+from batchrun.report.markup import number, text
 from batchrun.report.plots import draw
 from batchrun.report.sample import TrajectorySample
 from batchrun.report.scan import read_json
@@ -43,8 +42,8 @@ def _json_escaped(match: re.Match[str]) -> str:
 
 
 def _section(title: str, figure: str, body: str, note: str = "") -> str:
-    note_html = f'<p class="muted">{html.escape(note)}</p>' if note else ""
-    return f'<section class="panel"><h2>{html.escape(title)}</h2>{note_html}{figure}{body}</section>'
+    note_html = f'<p class="muted">{text(note)}</p>' if note else ""
+    return f'<section class="panel"><h2>{text(title)}</h2>{note_html}{figure}{body}</section>'
 
 
 def _figure(svg: str | None, missing: str) -> str:
@@ -72,8 +71,8 @@ def _header(run_dir: Path, summary: RunSummary, info: dict) -> str:
         facts.append(("unreadable lines", number(summary.unreadable_lines)))
     if summary.repeated_rows:
         facts.append(("repeated rows", number(summary.repeated_rows)))
-    items = "".join(f"<span><b>{html.escape(k)}</b> {html.escape(clip_name(str(v)))}</span>" for k, v in facts)
-    return f'<header><h1>Run report · {html.escape(run_dir.name)}</h1><div class="facts">{items}</div></header>'
+    items = "".join(f"<span><b>{text(k)}</b> {text(clip_name(str(v)))}</span>" for k, v in facts)
+    return f'<header><h1>Run report · {text(run_dir.name)}</h1><div class="facts">{items}</div></header>'
 
 
 def _notices(summary: RunSummary) -> str:
@@ -86,7 +85,7 @@ def _notices(summary: RunSummary) -> str:
         texts.append(f"{summary.repeated_rows:,} finished row(s) repeat a row read before them (appended twice, by "
                      "hand or by a restored copy): no figure below counts them, as --resume and trajectories.jsonl "
                      "count each prompt's finished row once.")
-    return "".join(f'<p class="notice">{html.escape(text)}</p>' for text in texts)
+    return "".join(f'<p class="notice">{text(notice)}</p>' for notice in texts)
 
 
 @dataclass(frozen=True)
@@ -115,7 +114,7 @@ def render(run_dir: Path, summary: RunSummary, sample: TrajectorySample, drawn: 
     plots = drawn.svg
     shown = sample.chosen()
     missing = (NOTHING_TO_PLOT if plots is not None else
-               PLOTS_HINT.format(**{key: html.escape(value) for key, value in (
+               PLOTS_HINT.format(**{key: text(value) for key, value in (
                    ("install", install_hint("report")), ("program", program()), ("run_name", run_dir.name))}))
 
     def plot(name: str) -> str:
@@ -144,13 +143,14 @@ def render(run_dir: Path, summary: RunSummary, sample: TrajectorySample, drawn: 
                  "Kept trajectories over time, from each row's timestamp (failed and discarded rows carry none)."),
         "</div>",
         f'<section class="panel browser-panel"><h2>Trajectories</h2>'
-        f'<p class="muted">{html.escape(_sample_note(summary, sample, len(shown)))}</p>'
+        f'<p class="muted">{text(_sample_note(summary, sample, len(shown)))}</p>'
         '<div id="browser"></div></section>',
     ])
     data = json.dumps({"rows": shown, "total": summary.row_count}, ensure_ascii=False, separators=(",", ":"))
     # No text can close the script element; lone surrogates stay in the data as JSON escapes (JSON.parse
-    # gives them back), and in the markup become U+FFFD: either way the page can be written as UTF-8.
-    values = {"TITLE": _LONE_SURROGATE.sub("\ufffd", html.escape(f"Run report · {run_dir.name}")),
+    # gives them back); the markup's texts show them as escapes (markup.text), and any the plots' SVG
+    # carried becomes U+FFFD: either way the page can be written as UTF-8.
+    values = {"TITLE": text(f"Run report · {run_dir.name}"),
               "BODY": _LONE_SURROGATE.sub("\ufffd", body),
               "DATA": _LONE_SURROGATE.sub(_json_escaped, data.replace("<", "\\u003c"))}
     template = resources.files("batchrun.report").joinpath("template.html").read_text(encoding="utf-8")

@@ -12,9 +12,12 @@ import json
 import os
 import re
 import threading
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
+
+from batchrun.console.layout import shown
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -118,10 +121,15 @@ def _draw_in_two_processes(matplotlib: Any, figures: dict[str, Callable[[], Figu
 
 def _draw(matplotlib: Any, figures: dict[str, Callable[[], Figure | None]], names: list[str]) -> dict[str, str]:
     drawn = {}
-    for name in names:
-        figure = figures[name]()
-        if figure is not None:
-            drawn[name] = _svg(matplotlib, figure, name)
+    with warnings.catch_warnings():
+        # matplotlib warns on stderr of each character its font lacks, quoting it raw (a name's ESC went
+        # to the user's terminal), and a name in any script has some; the SVG holds the text itself, and
+        # the page's fonts draw it.
+        warnings.filterwarnings("ignore", message=r"Glyph \d+ .* missing from font")
+        for name in names:
+            figure = figures[name]()
+            if figure is not None:
+                drawn[name] = _svg(matplotlib, figure, name)
     return drawn
 
 
@@ -149,7 +157,7 @@ def _tools(Figure: type[Figure], summary: RunSummary) -> Figure | None:
     used = sorted(((n, e) for n, e in summary.tools.items() if e[0]), key=lambda item: item[1][0])
     if not used:
         return None
-    names = [n for n, _ in used]
+    names = [shown(n) for n, _ in used]
     success = [e[1] for _, e in used]
     failure = [e[2] for _, e in used]
     figure = Figure(figsize=(WIDTH, 0.9 + 0.32 * len(used)))
@@ -181,8 +189,8 @@ def _toolsets(Figure: type[Figure], summary: RunSummary, expected: dict[str, flo
     _bar_labels(axes, bars, [f"{v:.0f}%" for v in observed])
     if expected:
         axes.barh([p - height / 2 for p in positions], [100 * expected.get(n, 0) for n in names], height,
-                  color=GREY, label=f"expected from '{distribution}'")
-    axes.set_yticks(list(positions), names)
+                  color=GREY, label=f"expected from '{shown(distribution)}'")
+    axes.set_yticks(list(positions), [shown(n) for n in names])
     axes.set_xlim(0, 112)
     axes.set_xlabel("% of trajectories offered the toolset")
     axes.set_title("Toolsets: sampled vs distribution")
@@ -227,12 +235,12 @@ def _reasoning(Figure: type[Figure], summary: RunSummary) -> Figure | None:
 
 
 def _outcomes(Figure: type[Figure], summary: RunSummary) -> Figure | None:
-    bars = [(f"kept · {reason}", count, GREEN if reason == "final_answer" else AMBER)
+    bars = [(f"kept · {shown(reason)}", count, GREEN if reason == "final_answer" else AMBER)
             for reason, count in summary.end_reasons.most_common()]
     bars += [("corrupted · invented tools", summary.statuses["corrupted"], ORANGE)] \
         if summary.statuses["corrupted"] else []
-    bars += [(f"discarded · {reason}", count, GREY) for reason, count in summary.discard_reasons.most_common()]
-    bars += [(f"failed · {cause}", count, RED) for cause, count in summary.failure_causes.most_common(12)]
+    bars += [(f"discarded · {shown(reason)}", count, GREY) for reason, count in summary.discard_reasons.most_common()]
+    bars += [(f"failed · {shown(cause)}", count, RED) for cause, count in summary.failure_causes.most_common(12)]
     if not bars:
         return None
     bars.reverse()
