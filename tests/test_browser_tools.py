@@ -1278,6 +1278,35 @@ def test_a_session_carries_on_after_the_browser_died(session: Session, site: str
     assert session.call("navigate", url=site + "/form")["title"] == "Form"
 
 
+def playwright_drivers() -> list[int]:
+    """This process's children that are Playwright's driver (Node, run-driver)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if parent == os.getpid() and b"run-driver" in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+    return found
+
+
+# Playwright's browser stayed "connected" with its driver gone (killed for memory, say): every later
+# browser call of the worker failed, "Target page, context or browser has been closed".
+def test_sessions_carry_on_after_the_playwright_driver_died(loop: asyncio.AbstractEventLoop, session: Session,
+                                                            site: str) -> None:
+    session.call("navigate", url=site + "/")
+    [driver] = playwright_drivers()
+    os.kill(driver, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{driver}").exists() and time.monotonic() < deadline:     # until reaped: every thread gone
+        session.run(asyncio.sleep(0.05))
+    assert session.call("navigate", url=site + "/form")["title"] == "Form"
+    later = Session(loop)
+    try:
+        assert later.call("navigate", url=site + "/")["url"].startswith(site)
+    finally:
+        later.end()
+
+
 # --- availability and the real CLI ---------------------------------------------------------------
 
 def test_missing_chromium_makes_the_tools_unavailable_with_one_line(monkeypatch: pytest.MonkeyPatch) -> None:

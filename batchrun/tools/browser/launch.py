@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import os
 import re
+import select
 import shlex
 import shutil
 import socket
@@ -179,12 +180,22 @@ class _BrowserHost:
         self._directory: str | None = None
         self._cgroup: PromptCgroup | None = None
         self._tab_limits: TabLimits | None = None
+        self._driver_exit: int | None = None      # a pidfd of the driver: readable once it has exited
+
+    def serves(self, browser: Browser) -> bool:
+        """Whether ``browser`` is this host's and usable: connected, and its driver running. A driver
+        that died (killed for memory, say) leaves Playwright's browser connected, and every call on it
+        failing, for as long as the worker lived."""
+        return browser is self._browser and browser.is_connected() and not self._driver_exited()
+
+    def _driver_exited(self) -> bool:
+        return self._driver_exit is not None and bool(select.select([self._driver_exit], [], [], 0)[0])
 
     async def browser(self, limits: ResourceLimits, run_label: str) -> tuple[Browser, Gates, TabLimits]:
         """The browser, launched (if it is not running) in a control group with ``limits`` under the
         run's groups (``run_label``), so that the run's next start removes a killed worker's."""
         async with self._lock:
-            if self._browser is None or self._gates is None or not self._browser.is_connected():
+            if self._browser is None or self._gates is None or not self.serves(self._browser):
                 await self._stop()
                 await self._launch(limits, run_label)
             assert self._browser is not None and self._gates is not None and self._tab_limits is not None
@@ -213,7 +224,7 @@ class _BrowserHost:
                                    "timeout": LAUNCH_TIMEOUT_S * 1000,
                                    "ignore_default_args": list(PLAYWRIGHT_ARGS_LEFT_OUT)}
         try:
-            self._playwright = await _start_driver(Path(self._directory))
+            self._playwright, self._driver_exit = await _start_driver(Path(self._directory))
             bwrap = await isolating_bwrap()
             if bwrap is None:
                 unsandboxed = _dying_with_parent(Path(self._directory) / "chromium", '"$PPID"', executable, groups)
@@ -248,12 +259,15 @@ class _BrowserHost:
             shutil.rmtree(self._directory, ignore_errors=True)
         if self._cgroup is not None:
             await asyncio.to_thread(self._cgroup.destroy)
-        self._browser = self._playwright = self._gates = self._directory = self._cgroup = None
+        if self._driver_exit is not None:
+            os.close(self._driver_exit)
+        self._browser = self._playwright = self._gates = self._directory = self._cgroup = self._driver_exit = None
         self._tab_limits = None
 
 
-async def _start_driver(directory: Path) -> Playwright:
-    """Start Playwright's driver, to be killed by the kernel when this process dies, however it dies.
+async def _start_driver(directory: Path) -> tuple[Playwright, int | None]:
+    """Start Playwright's driver, to be killed by the kernel when this process dies, however it dies;
+    returns it and a pidfd of the driver's process (None where the kernel has none).
 
     The driver ends its browser when its pipe from this process closes, but gracefully: it waited up to
     30 s for a busy browser to close, and the driver, the sandboxes and Chromium outlived the worker
@@ -263,31 +277,39 @@ async def _start_driver(directory: Path) -> Playwright:
     ``directory`` stands in for it, named there while the driver starts. (The kernel kills it when the
     thread that started it ends: the event loop's, whose end leaves the driver unused anyway.) A driver
     killed leaves its temporary directories (Chromium's profile on the host among them), so it makes
-    them in ``directory``: all that a killed worker's browser leaves is that one directory.
+    them in ``directory``: all that a killed worker's browser leaves is that one directory. The script
+    writes its process id (the driver's, after the execs) to ``directory``/driver.pid.
     """
     import playwright
     from playwright.async_api import async_playwright
 
     chosen = os.environ.get(_NODE_VARIABLE)
     node = chosen or str(Path(playwright.__file__).parent / "driver" / "node")
-    os.environ[_NODE_VARIABLE] = _dying_with_parent(directory / "node", str(os.getpid()), node,
+    pid_file = directory / "driver.pid"
+    os.environ[_NODE_VARIABLE] = _dying_with_parent(directory / "node", str(os.getpid()), node, pid_file=pid_file,
                                                     TMPDIR=str(directory))
     try:
-        return await async_playwright().start()
+        driver = await async_playwright().start()
     finally:
         if chosen is None:
             del os.environ[_NODE_VARIABLE]
         else:
             os.environ[_NODE_VARIABLE] = chosen
+    try:
+        # A child of this process: its id names no other process until it has exited and been reaped.
+        return driver, os.pidfd_open(int(pid_file.read_text()))
+    except (OSError, ValueError):
+        return driver, None
 
 
 def _dying_with_parent(script: Path, parent: str, program: str, groups: Sequence[str] = (),
-                       **environment: str) -> str:
+                       pid_file: Path | None = None, **environment: str) -> str:
     """Write ``script``, which runs ``program`` with the script's arguments and ``environment``, in the
     control groups whose procs files are ``groups``, to be killed when its parent dies: process
-    ``parent``, or the script's own parent for '"$PPID"'."""
+    ``parent``, or the script's own parent for '"$PPID"'; it writes its process id to ``pid_file``."""
     exports = "".join(f"export {name}={shlex.quote(value)}\n" for name, value in environment.items())
-    script.write_text("#!/bin/sh\n" + _joining(groups) + exports + "exec "
+    recorded = "" if pid_file is None else f"echo $$ > {shlex.quote(str(pid_file))}\n"
+    script.write_text("#!/bin/sh\n" + _joining(groups) + recorded + exports + "exec "
                       + shlex.join([sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT])
                       + f" {parent} " + shlex.quote(program) + ' "$@"\n')
     script.chmod(0o700)

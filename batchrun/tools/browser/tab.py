@@ -192,7 +192,7 @@ async def session_tab(ctx: ToolContext) -> Tab:
     """The session's tab, opened on its first browser call (and again after the browser crashed or
     the tab was discarded)."""
     tab: Tab | None = ctx.state.get(_STATE_KEY)
-    if tab is not None and tab.browser.is_connected() and tab.page not in tab.crashed:
+    if tab is not None and current_host().serves(tab.browser) and tab.page not in tab.crashed:
         if tab.page.is_closed():    # the window it followed was closed: back to the newest one left
             tab.page = tab.context.pages[-1] if tab.context.pages else await tab.context.new_page()
         return tab
