@@ -111,23 +111,42 @@ class Tab:
             await cdp.send("Network.enable", {"maxTotalBufferSize": 0, "maxResourceBufferSize": 0})
 
     async def evaluate_isolated(self, expression: str) -> Any:
-        """The value of ``expression`` evaluated in the page's main frame, in a world of the tools' own:
-        the page's scripts cannot reach it, so they can neither change the builtins it calls nor see it
-        run. Chromium keeps one world per name and frame, and gives a new document a new one."""
+        """The value of ``expression`` evaluated in the page's main frame, in the tools' own world
+        (_evaluate_in_world)."""
         if self.page not in self._frames:
             cdp = await answer(self.context.new_cdp_session(self.page))
             # A page's main frame has the id of its target, whatever documents it holds.
             target = await answer(cdp.send("Target.getTargetInfo"))
             self._frames[self.page] = cdp, target["targetInfo"]["targetId"]
         cdp, frame = self._frames[self.page]
-        world = await answer(cdp.send("Page.createIsolatedWorld", {"frameId": frame, "worldName": "batchrun",
-                                                                   "grantUniveralAccess": True}))
-        evaluated = await answer(cdp.send("Runtime.evaluate", {"expression": expression, "returnByValue": True,
-                                                               "contextId": world["executionContextId"]}))
-        if "exceptionDetails" in evaluated:
-            thrown = str(evaluated["exceptionDetails"].get("text"))
-            raise ToolError(f"reading the page failed: {cut_text(thrown, TEXT_CHARS)}")
-        return evaluated["result"].get("value")
+        return await _evaluate_in_world(cdp, frame, expression)
+
+    async def frame_sizes(self, room: int) -> int | None:
+        """What the page's frames in renderers of their own (another site's frames) may add to its
+        snapshot, each measured as the page is (_MEASURE_SCRIPT), counted up to just past ``room``;
+        None if one did not answer. The page's own measure reaches only the frames of its renderer."""
+        from playwright.async_api import Error
+
+        total = 0
+        for frame in self.page.frames[1:]:
+            if total > room:
+                break
+            try:
+                cdp = await answer(self.context.new_cdp_session(frame))
+            except Error:
+                continue        # a frame of the page's renderer (counted with it), or one gone meanwhile
+            try:
+                target = await answer(cdp.send("Target.getTargetInfo"))
+                # A frame of its own renderer has the id of its target, as a page's main frame does.
+                _, _, size = await _evaluate_in_world(cdp, target["targetInfo"]["targetId"],
+                                                      f"{_MEASURE_SCRIPT}({json.dumps([room - total, 0])})")
+            except (Error, TimeoutError, ToolError):
+                return None
+            finally:
+                with contextlib.suppress(Error, TimeoutError):
+                    await answer(cdp.detach())
+            total += size
+        return total
 
     def _crashed(self, page: Page) -> None:
         self.crashed[page] = self.limits.struck() or "the page crashed (too big or too deep for the browser?)"
@@ -173,6 +192,20 @@ class Tab:
             if "ERR_SOCKS_CONNECTION_FAILED" in message and self.gate.failures:
                 message = self.gate.failures[-1]
             raise ToolError(f"{what} failed: {message}") from None
+
+
+async def _evaluate_in_world(cdp: CDPSession, frame: str, expression: str) -> Any:
+    """The value of ``expression`` evaluated in ``frame`` (a CDP frame id that ``cdp`` reaches), in a world
+    of the tools' own: the page's scripts cannot reach it, so they can neither change the builtins it calls
+    nor see it run. Chromium keeps one world per name and frame, and gives a new document a new one."""
+    world = await answer(cdp.send("Page.createIsolatedWorld", {"frameId": frame, "worldName": "batchrun",
+                                                               "grantUniveralAccess": True}))
+    evaluated = await answer(cdp.send("Runtime.evaluate", {"expression": expression, "returnByValue": True,
+                                                           "contextId": world["executionContextId"]}))
+    if "exceptionDetails" in evaluated:
+        thrown = str(evaluated["exceptionDetails"].get("text"))
+        raise ToolError(f"reading the page failed: {cut_text(thrown, TEXT_CHARS)}")
+    return evaluated["result"].get("value")
 
 
 async def responds(page: Page) -> bool:
@@ -278,8 +311,8 @@ async def page_view(tab: Tab, since: float | None = None) -> dict:
 
     async def read() -> tuple[str, str, bool, bool]:
         parsed = await _parsed(tab, deadline)
-        title, has_body = await _measured(tab)
-        tree, whole = await _tree(page, has_body)
+        title, has_body, frames = await _measured(tab)
+        tree, whole = await _tree(page, has_body, frames)
         return tree, title, parsed, whole
 
     try:
@@ -382,18 +415,35 @@ _MEASURE_SCRIPT = """(([limit, titleChars]) => {
 })"""
 
 
-async def _measured(tab: Tab) -> tuple[str, bool]:
-    """The page's title (one character over TITLE_CHARS at most) and whether it has a body, read in the
-    tools' own world; a ToolError if its snapshot could come to more than MAX_PAGE_CHARS. Playwright's
-    title and snapshot have no size limit: all of a page's 100 million characters would cross its driver
-    into the worker before the result was cut."""
+async def _measured(tab: Tab) -> tuple[str, bool, bool]:
+    """The page's title (one character over TITLE_CHARS at most), whether it has a body, and whether its
+    frames were measured with it (so may be shown), read in the tools' own world; a ToolError if its
+    snapshot could come to more than MAX_PAGE_CHARS. Playwright's title and snapshot have no size limit:
+    all of a page's 100 million characters would cross its driver into the worker before the result was
+    cut. Frames are measured once their documents are parsed, as the snapshot would show them."""
+    frames_parsed = await _frames_parsed(tab.page)
     title, has_body, size = await tab.evaluate_isolated(
         f"{_MEASURE_SCRIPT}({json.dumps([MAX_PAGE_CHARS, TITLE_CHARS])})")
-    if size > MAX_PAGE_CHARS:
+    framed = await tab.frame_sizes(MAX_PAGE_CHARS - size) if frames_parsed and size <= MAX_PAGE_CHARS else None
+    if size + (framed or 0) > MAX_PAGE_CHARS:
         raise ToolError(f"the page is too large to show: its text, attributes and elements come to more than "
                         f"{MAX_PAGE_CHARS:,} characters (its scripts may have made it so); open a smaller page "
                         f"instead, such as one section of the site or a search within it")
-    return title, has_body
+    return title, has_body, framed is not None
+
+
+async def _frames_parsed(page: Page) -> bool:
+    """Whether every frame of the page has its document parsed within ACTION_TIMEOUT_S (one whose document
+    never comes, from a server that never answers, say, would keep the snapshot waiting as long)."""
+    from playwright.async_api import TimeoutError as PlaywrightTimeout
+
+    waits = [frame.wait_for_load_state("domcontentloaded") for frame in page.frames[1:]]
+    try:
+        results = await answer(asyncio.gather(*waits, return_exceptions=True))
+    except TimeoutError:
+        return False
+    # Another error is a frame detached meanwhile, which no snapshot shows.
+    return not any(isinstance(result, PlaywrightTimeout) for result in results)
 
 
 # Hides every frame element, in shadow roots too, from the snapshot (which lists what is visible, even
@@ -414,8 +464,8 @@ _SHOW_FRAMES = """hidden => { for (const [element, style] of hidden)
   style === null ? element.removeAttribute('style') : element.setAttribute('style', style); }"""
 
 
-async def _tree(page: Page, has_body: bool) -> tuple[str, bool]:
-    """The page's AI snapshot, and whether its frames are in it.
+async def _tree(page: Page, has_body: bool, frames: bool) -> tuple[str, bool]:
+    """The page's AI snapshot, and whether its frames are in it: only if they were measured (``frames``).
 
     Playwright's snapshot waits for every frame's document, and one may never come (a frame the browser
     refused to load, a server that never answers, a script looping in another renderer): then, if the
@@ -424,11 +474,12 @@ async def _tree(page: Page, has_body: bool) -> tuple[str, bool]:
     XML) is snapshotted from its root element instead.
     """
     root = page if has_body else page.locator(":root")
-    try:
-        return await answer(root.aria_snapshot(mode="ai", timeout=0)), True
-    except TimeoutError:
-        if not await responds(page):
-            raise
+    if frames:
+        try:
+            return await answer(root.aria_snapshot(mode="ai", timeout=0)), True
+        except TimeoutError:
+            if not await responds(page):
+                raise
     hidden = await answer(page.evaluate_handle(_HIDE_FRAMES))
     try:
         return await answer(root.aria_snapshot(mode="ai", timeout=0)), False
