@@ -79,6 +79,16 @@ def test_a_newline_in_untrusted_text_does_not_start_a_line_of_its_own(method, te
     assert "x\\x0aBATCH PROCESSING COMPLETE" in printed
 
 
+# Left raw before: the line and paragraph separators, which some terminals and every log viewer break a
+# line at, and the directional marks, which reorder the neutral characters around them.
+@pytest.mark.parametrize("mark", ["\u2028", "\u2029", "\u200e", "\u200f", "\u061c"])
+def test_separators_and_directional_marks_in_untrusted_text_are_shown_escaped(mark):
+    console = run_console()
+    console.print(f"calls invented tool(s) a{mark}b")
+    printed = written(console)
+    assert mark not in printed and f"a\\u{ord(mark):04x}b" in printed
+
+
 @pytest.mark.parametrize("method", ["print", "warn", "error"])
 def test_a_huge_message_keeps_its_start_and_end_and_says_how_much_was_left_out(method):
     console = run_console()

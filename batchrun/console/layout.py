@@ -19,11 +19,12 @@ SEPARATOR = " · "
 INDENT = "    "               # continuation lines, and the detail lines under a prompt's line
 MAX_MESSAGE_CHARS = 4_000     # 50 lines of 80 columns: more of what an endpoint or a model wrote tells nothing
 # C0 controls but tab, DEL and C1 controls: what a terminal may take as a command, and the newline,
-# with which a tool name or an error would start a line of its own ("BATCH PROCESSING COMPLETE"); the
-# bidirectional embeddings, overrides and isolates, which reorder how the rest of a line reads (an
-# endpoint's error shown backwards up to the runner's advice after it); and lone surrogates, which no
-# output encoding takes.
-_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+# with which a tool name or an error would start a line of its own ("BATCH PROCESSING COMPLETE"), and the
+# line and paragraph separators, at which log viewers break lines too; the bidirectional embeddings,
+# overrides, isolates and marks, which reorder how the rest of a line reads (an endpoint's error shown
+# backwards up to the runner's advice after it); and lone surrogates, which no output encoding takes.
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+                      r"\ud800-\udfff]")
 
 
 def shown(text: str) -> str:
