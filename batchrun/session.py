@@ -411,7 +411,9 @@ class Session:
 
     async def _summarise(self, messages: list[Message]) -> None:
         """At --max_turns, one call without tools asks for a summary; the row keeps it (and the request)
-        when the model gives one. A failure here only loses the summary, never the turns before it."""
+        when the model gives one. A failure here only loses the summary, never the turns before it. A
+        summary that also calls tools (none were offered) is not kept: without its calls, which no tool
+        answers, the row would show an answer the model did not give."""
         if not self._answered() or isinstance(self.turns[-1], HumanTurn):
             return
         request = [*messages, {"role": "user", "content": SUMMARY_REQUEST}]
@@ -419,8 +421,8 @@ class Session:
             reply = await self._call(request, with_tools=False)
         except PromptFailedError:
             return
-        reasoning, visible, _ = await _read_reply(reply.message, self.api_calls - 1, self.services.redact)
-        if visible and reply.finish_reason != "content_filter":
+        reasoning, visible, calls = await _read_reply(reply.message, self.api_calls - 1, self.services.redact)
+        if visible and not calls and reply.finish_reason != "content_filter":
             self._ask(messages, SUMMARY_REQUEST)
             self._record(messages, reply, AssistantTurn(reasoning=reasoning, content=visible))
 

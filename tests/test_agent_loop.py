@@ -166,6 +166,37 @@ def test_a_summary_the_endpoint_refuses_leaves_the_row_ending_on_its_last_tool_t
     assert [speaker for speaker, _ in dialogue(row)] == ["gpt", "tool", "gpt", "tool"]
 
 
+# The request offered no tool; the row showed the reply's text alone, as if the model had answered
+# without calling any, and a call to a tool never offered was no invented call.
+def test_a_summary_that_also_calls_tools_is_not_kept(tmp_path, endpoint):
+    def calls_even_when_summing_up(body: dict) -> tuple[int, dict, dict]:
+        call = {"id": f"c{len(body['messages'])}", "type": "function",
+                "function": {"name": "terminal", "arguments": '{"command": "echo hi"}'}}
+        content = "Summary text." if "tools" not in body else ""
+        message = {"role": "assistant", "content": content, "tool_calls": [call]}
+        return 200, {"choices": [{"index": 0, "message": message, "finish_reason": "tool_calls"}]}, {}
+
+    endpoint.script = calls_even_when_summing_up
+    assert run(tmp_path, endpoint, ["keep going"], "--max_turns=2").returncode == 0
+    row = only_row(tmp_path)
+    assert (row["end_reason"], row["partial"], row["api_calls"]) == ("max_turns", True, 3)
+    assert [speaker for speaker, _ in dialogue(row)] == ["gpt", "tool", "gpt", "tool"]
+
+
+# A refusal in the field OpenAI gives it (content null) was an empty answer, asked for three times more
+# and then a failure row that said the model gave no text; one as a content part was a malformed reply.
+@pytest.mark.parametrize("message", [{"role": "assistant", "content": None, "refusal": "I can't help with that."},
+                                     {"role": "assistant", "content": [{"type": "refusal",
+                                                                        "refusal": "I can't help with that."}]}],
+                         ids=["field", "content-part"])
+def test_a_refusal_is_the_models_answer(tmp_path, endpoint, message):
+    endpoint.script = lambda body: (200, {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}, {})
+    assert run(tmp_path, endpoint, ["do something bad"]).returncode == 0
+    row = only_row(tmp_path)
+    assert (row["completed"], row["end_reason"], row["api_calls"]) == (True, "final_answer", 1)
+    assert dialogue(row)[-1] == ("gpt", "<think>\n</think>\nI can't help with that.")
+
+
 # --- reasoning goes back to the endpoint as it came ------------------------------------------------------------
 
 @pytest.mark.parametrize("form", ["reasoning", "reasoning_content", "reasoning_details"])

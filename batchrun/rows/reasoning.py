@@ -41,6 +41,8 @@ def content_part_text(part: Any) -> tuple[str, str] | None:
     kind = part.get("type", "text")
     if kind == "text":
         return ("text", part["text"]) if isinstance(part.get("text"), str) else None
+    if kind == "refusal":       # OpenAI's: the model's answer all the same
+        return ("text", part["refusal"]) if isinstance(part.get("refusal"), str) else None
     if kind != "thinking":
         return None
     thinking = part.get("thinking")
@@ -65,7 +67,8 @@ def _content_texts(content: Any) -> tuple[str, str]:
 
 
 def split_reasoning(message: dict) -> tuple[str, str]:
-    """(reasoning, visible content) of one assistant message, from every form endpoints use.
+    """(reasoning, visible content) of one assistant message, from every form endpoints use; a refusal
+    the endpoint gives in a field or a content part of its own is visible content.
 
     Structured fields win, then reasoning_details, then thinking parts of a content list; reasoning
     written inline as <think>/<REASONING_SCRATCHPAD> blocks is also taken out of the visible text so
@@ -97,7 +100,10 @@ def split_reasoning(message: dict) -> tuple[str, str]:
         if text and text not in seen:
             seen.add(text)
             found.append(text)
-    return "\n\n".join(found), content.strip()
+    # OpenAI's refusal field (content null beside it): the model's answer all the same.
+    refusal = message.get("refusal")
+    visible = [content.strip(), refusal.strip() if isinstance(refusal, str) else ""]
+    return "\n\n".join(found), "\n\n".join(text for text in visible if text)
 
 
 class _Visible:
