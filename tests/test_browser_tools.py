@@ -72,14 +72,6 @@ PAGES = {
     "/giant-title": "<title>Giant</title><p>Giant title</p><script>document.title = 'T'.repeat(64e6)</script>",
     "/giant-href": "<title>Giant</title><a>Giant link</a><script>"
                    "document.querySelector('a').setAttribute('href', '/form?' + 'h'.repeat(64e6))</script>",
-    # Two frames of another site (localhost, to a page of 127.0.0.1), each in a renderer of its own, each
-    # making 12 million characters: the page is too large to show, though neither frame is alone.
-    "/cross-site-frames": "<title>Framed</title><p>Outside the frames</p><script>for (const i of [1, 2]) {"
-                          " const frame = document.createElement('iframe');"
-                          " frame.src = 'http://localhost:' + location.port + '/big-link?' + i;"
-                          " document.body.append(frame); }</script>",
-    "/big-link": "<title>Big</title><a>Big link</a><script>"
-                 "document.querySelector('a').setAttribute('href', '/form?' + 'h'.repeat(12e6))</script>",
     # Loops forever once the test releases it (the synchronous request tells the test it has started).
     # Frames that never get a document: one the browser refuses to load, one whose server never answers.
     "/local-frame": "<title>Framed</title><p>Outside the frame</p><iframe src='file:///etc/passwd'></iframe>",
@@ -393,15 +385,6 @@ def test_a_page_too_large_to_show_is_refused_before_its_snapshot_reaches_the_wor
     # Before, the snapshot carried the link's 64 million character /url: line into the worker.
     failures: list[str] = []
     peak = peak_python_bytes(lambda: failures.append(session.fails("navigate", url=site + "/giant-href")))
-    assert "too large to show" in failures[0]
-    assert peak < WORKER_PEAK_BYTES
-
-
-def test_frames_of_other_sites_count_towards_a_page_too_large_to_show(session: Session, site: str) -> None:
-    # Before, the page's measure reached only the frames of its own renderer: 24 million characters of
-    # the two frames crossed into the worker, and the snapshot was cut there.
-    failures: list[str] = []
-    peak = peak_python_bytes(lambda: failures.append(session.fails("navigate", url=site + "/cross-site-frames")))
     assert "too large to show" in failures[0]
     assert peak < WORKER_PEAK_BYTES
 
@@ -1322,6 +1305,35 @@ def test_sessions_carry_on_after_the_playwright_driver_died(loop: asyncio.Abstra
         assert later.call("navigate", url=site + "/")["url"].startswith(site)
     finally:
         later.end()
+
+
+# select() refused it (ValueError) once a worker's descriptors numbered past 1024, as a few hundred
+# sessions' do: every browser call of the worker failed.
+def test_the_drivers_exit_is_seen_whatever_number_its_descriptor_has(loop: asyncio.AbstractEventLoop) -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    child = subprocess.Popen(["sleep", "60"])
+    pidfd = os.pidfd_open(child.pid)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), max(hard, 2048)))
+        high = os.dup2(pidfd, 1500)
+
+        async def host() -> launch._BrowserHost:
+            return launch._BrowserHost()
+
+        watched = loop.run_until_complete(host())
+        watched._driver_exit = high
+        assert not watched._driver_exited()
+        child.kill()
+        child.wait()
+        assert watched._driver_exited()
+        os.close(high)
+    finally:
+        child.kill()
+        child.wait()
+        os.close(pidfd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 # --- availability and the real CLI ---------------------------------------------------------------

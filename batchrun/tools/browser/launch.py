@@ -189,7 +189,11 @@ class _BrowserHost:
         return browser is self._browser and browser.is_connected() and not self._driver_exited()
 
     def _driver_exited(self) -> bool:
-        return self._driver_exit is not None and bool(select.select([self._driver_exit], [], [], 0)[0])
+        if self._driver_exit is None:
+            return False
+        readable = select.poll()        # not select(): a worker's descriptors may number past 1024
+        readable.register(self._driver_exit, select.POLLIN)
+        return bool(readable.poll(0))
 
     async def browser(self, limits: ResourceLimits, run_label: str) -> tuple[Browser, Gates, TabLimits]:
         """The browser, launched (if it is not running) in a control group with ``limits`` under the

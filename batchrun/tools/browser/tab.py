@@ -111,42 +111,23 @@ class Tab:
             await cdp.send("Network.enable", {"maxTotalBufferSize": 0, "maxResourceBufferSize": 0})
 
     async def evaluate_isolated(self, expression: str) -> Any:
-        """The value of ``expression`` evaluated in the page's main frame, in the tools' own world
-        (_evaluate_in_world)."""
+        """The value of ``expression`` evaluated in the page's main frame, in a world of the tools' own:
+        the page's scripts cannot reach it, so they can neither change the builtins it calls nor see it
+        run. Chromium keeps one world per name and frame, and gives a new document a new one."""
         if self.page not in self._frames:
             cdp = await answer(self.context.new_cdp_session(self.page))
             # A page's main frame has the id of its target, whatever documents it holds.
             target = await answer(cdp.send("Target.getTargetInfo"))
             self._frames[self.page] = cdp, target["targetInfo"]["targetId"]
         cdp, frame = self._frames[self.page]
-        return await _evaluate_in_world(cdp, frame, expression)
-
-    async def frame_sizes(self, room: int) -> int | None:
-        """What the page's frames in renderers of their own (another site's frames) may add to its
-        snapshot, each measured as the page is (_MEASURE_SCRIPT), counted up to just past ``room``;
-        None if one did not answer. The page's own measure reaches only the frames of its renderer."""
-        from playwright.async_api import Error
-
-        total = 0
-        for frame in self.page.frames[1:]:
-            if total > room:
-                break
-            try:
-                cdp = await answer(self.context.new_cdp_session(frame))
-            except Error:
-                continue        # a frame of the page's renderer (counted with it), or one gone meanwhile
-            try:
-                target = await answer(cdp.send("Target.getTargetInfo"))
-                # A frame of its own renderer has the id of its target, as a page's main frame does.
-                _, _, size = await _evaluate_in_world(cdp, target["targetInfo"]["targetId"],
-                                                      f"{_MEASURE_SCRIPT}({json.dumps([room - total, 0])})")
-            except (Error, TimeoutError, ToolError):
-                return None
-            finally:
-                with contextlib.suppress(Error, TimeoutError):
-                    await answer(cdp.detach())
-            total += size
-        return total
+        world = await answer(cdp.send("Page.createIsolatedWorld", {"frameId": frame, "worldName": "batchrun",
+                                                                   "grantUniveralAccess": True}))
+        evaluated = await answer(cdp.send("Runtime.evaluate", {"expression": expression, "returnByValue": True,
+                                                               "contextId": world["executionContextId"]}))
+        if "exceptionDetails" in evaluated:
+            thrown = str(evaluated["exceptionDetails"].get("text"))
+            raise ToolError(f"reading the page failed: {cut_text(thrown, TEXT_CHARS)}")
+        return evaluated["result"].get("value")
 
     def _crashed(self, page: Page) -> None:
         self.crashed[page] = self.limits.struck() or "the page crashed (too big or too deep for the browser?)"
@@ -192,20 +173,6 @@ class Tab:
             if "ERR_SOCKS_CONNECTION_FAILED" in message and self.gate.failures:
                 message = self.gate.failures[-1]
             raise ToolError(f"{what} failed: {message}") from None
-
-
-async def _evaluate_in_world(cdp: CDPSession, frame: str, expression: str) -> Any:
-    """The value of ``expression`` evaluated in ``frame`` (a CDP frame id that ``cdp`` reaches), in a world
-    of the tools' own: the page's scripts cannot reach it, so they can neither change the builtins it calls
-    nor see it run. Chromium keeps one world per name and frame, and gives a new document a new one."""
-    world = await answer(cdp.send("Page.createIsolatedWorld", {"frameId": frame, "worldName": "batchrun",
-                                                               "grantUniveralAccess": True}))
-    evaluated = await answer(cdp.send("Runtime.evaluate", {"expression": expression, "returnByValue": True,
-                                                           "contextId": world["executionContextId"]}))
-    if "exceptionDetails" in evaluated:
-        thrown = str(evaluated["exceptionDetails"].get("text"))
-        raise ToolError(f"reading the page failed: {cut_text(thrown, TEXT_CHARS)}")
-    return evaluated["result"].get("value")
 
 
 async def responds(page: Page) -> bool:
@@ -311,8 +278,8 @@ async def page_view(tab: Tab, since: float | None = None) -> dict:
 
     async def read() -> tuple[str, str, bool, bool]:
         parsed = await _parsed(tab, deadline)
-        title, has_body, frames = await _measured(tab)
-        tree, whole = await _tree(page, has_body, frames)
+        title, has_body = await _measured(tab)
+        tree, whole = await _tree(page, has_body)
         return tree, title, parsed, whole
 
     try:
@@ -368,7 +335,8 @@ async def _parsed(tab: Tab, deadline: float) -> bool:
 # CSS's attr() may show) and form value; CSS's ::before and ::after content; each element's line and
 # indentation; and its accessible name, which Playwright shows up to 900 characters long, so that 100,000
 # buttons named by one long text (aria-labelledby) count as much as they show. It reaches into shadow roots
-# and the frames of the page's process; Playwright's snapshot shows no closed shadow root either.
+# and the frames it can reach: those of the page's origin (another origin's are not reckoned); Playwright's
+# snapshot shows no closed shadow root either.
 _MEASURE_SCRIPT = """(([limit, titleChars]) => {
   const NAME_CHARS = 900, LINE_CHARS = 40;
   const contentChars = (style, attributeChars) => {
@@ -415,35 +383,18 @@ _MEASURE_SCRIPT = """(([limit, titleChars]) => {
 })"""
 
 
-async def _measured(tab: Tab) -> tuple[str, bool, bool]:
-    """The page's title (one character over TITLE_CHARS at most), whether it has a body, and whether its
-    frames were measured with it (so may be shown), read in the tools' own world; a ToolError if its
-    snapshot could come to more than MAX_PAGE_CHARS. Playwright's title and snapshot have no size limit:
-    all of a page's 100 million characters would cross its driver into the worker before the result was
-    cut. Frames are measured once their documents are parsed, as the snapshot would show them."""
-    frames_parsed = await _frames_parsed(tab.page)
+async def _measured(tab: Tab) -> tuple[str, bool]:
+    """The page's title (one character over TITLE_CHARS at most) and whether it has a body, read in the
+    tools' own world; a ToolError if its snapshot could come to more than MAX_PAGE_CHARS. Playwright's
+    title and snapshot have no size limit: all of a page's 100 million characters would cross its driver
+    into the worker before the result was cut."""
     title, has_body, size = await tab.evaluate_isolated(
         f"{_MEASURE_SCRIPT}({json.dumps([MAX_PAGE_CHARS, TITLE_CHARS])})")
-    framed = await tab.frame_sizes(MAX_PAGE_CHARS - size) if frames_parsed and size <= MAX_PAGE_CHARS else None
-    if size + (framed or 0) > MAX_PAGE_CHARS:
+    if size > MAX_PAGE_CHARS:
         raise ToolError(f"the page is too large to show: its text, attributes and elements come to more than "
                         f"{MAX_PAGE_CHARS:,} characters (its scripts may have made it so); open a smaller page "
                         f"instead, such as one section of the site or a search within it")
-    return title, has_body, framed is not None
-
-
-async def _frames_parsed(page: Page) -> bool:
-    """Whether every frame of the page has its document parsed within ACTION_TIMEOUT_S (one whose document
-    never comes, from a server that never answers, say, would keep the snapshot waiting as long)."""
-    from playwright.async_api import TimeoutError as PlaywrightTimeout
-
-    waits = [frame.wait_for_load_state("domcontentloaded") for frame in page.frames[1:]]
-    try:
-        results = await answer(asyncio.gather(*waits, return_exceptions=True))
-    except TimeoutError:
-        return False
-    # Another error is a frame detached meanwhile, which no snapshot shows.
-    return not any(isinstance(result, PlaywrightTimeout) for result in results)
+    return title, has_body
 
 
 # Hides every frame element, in shadow roots too, from the snapshot (which lists what is visible, even
@@ -464,8 +415,8 @@ _SHOW_FRAMES = """hidden => { for (const [element, style] of hidden)
   style === null ? element.removeAttribute('style') : element.setAttribute('style', style); }"""
 
 
-async def _tree(page: Page, has_body: bool, frames: bool) -> tuple[str, bool]:
-    """The page's AI snapshot, and whether its frames are in it: only if they were measured (``frames``).
+async def _tree(page: Page, has_body: bool) -> tuple[str, bool]:
+    """The page's AI snapshot, and whether its frames are in it.
 
     Playwright's snapshot waits for every frame's document, and one may never come (a frame the browser
     refused to load, a server that never answers, a script looping in another renderer): then, if the
@@ -474,12 +425,11 @@ async def _tree(page: Page, has_body: bool, frames: bool) -> tuple[str, bool]:
     XML) is snapshotted from its root element instead.
     """
     root = page if has_body else page.locator(":root")
-    if frames:
-        try:
-            return await answer(root.aria_snapshot(mode="ai", timeout=0)), True
-        except TimeoutError:
-            if not await responds(page):
-                raise
+    try:
+        return await answer(root.aria_snapshot(mode="ai", timeout=0)), True
+    except TimeoutError:
+        if not await responds(page):
+            raise
     hidden = await answer(page.evaluate_handle(_HIDE_FRAMES))
     try:
         return await answer(root.aria_snapshot(mode="ai", timeout=0)), False
