@@ -298,15 +298,20 @@ def export_cli(given: dict[str, Any], console: RunConsole) -> int:
         console.error(str(exc))
         return EXIT_ERROR
     except PermissionError as exc:
-        console.error(f"cannot write {exc.filename}: Permission denied. Choose an --out where this user may "
-                      "write.")
+        console.error(f"cannot write {_written(exc, given)}: Permission denied. Choose an --out where this user "
+                      "may write.")
         return EXIT_ERROR
     except OSError as exc:     # a place no file can be made in (/proc, a read-only filesystem)
-        console.error(f"cannot write {exc.filename}: {exc.strerror}. Choose another --out.")
+        console.error(f"cannot write {_written(exc, given)}: {exc.strerror or exc}. Choose another --out.")
         return EXIT_ERROR
     for line in summary.lines():
         console.print(line)
     return EXIT_OK
+
+
+def _written(exc: OSError, given: dict[str, Any]) -> object:
+    """The file an export failed to write: the error's, or --out where it names none (pyarrow's)."""
+    return exc.filename if exc.filename is not None else given["out"]
 
 
 def escape_what_the_output_cannot_encode() -> None:

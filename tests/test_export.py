@@ -12,6 +12,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -458,7 +459,10 @@ def test_parquet_of_no_rows_is_a_valid_empty_file_with_the_schema(run_home, tmp_
 # Rows edited by hand that every reader of rows takes, with a value the Parquet column cannot hold.
 UNFIT_FOR_PARQUET = {"api_calls_as_text": ("api_calls", lambda row: row.update(api_calls="3")),
                      "batch_num_as_text": ("batch_num", lambda row: row["metadata"].update(batch_num="x")),
-                     "tokens_beyond_int64": ("usage", lambda row: row["usage"].update(prompt_tokens=2 ** 63))}
+                     "tokens_beyond_int64": ("usage", lambda row: row["usage"].update(prompt_tokens=2 ** 63)),
+                     # pyarrow wrote 2.5 as 2, and 0.9 as 0, without a word
+                     "api_calls_fractional": ("api_calls", lambda row: row.update(api_calls=2.5)),
+                     "batch_num_fractional": ("batch_num", lambda row: row["metadata"].update(batch_num=0.9))}
 
 
 @pytest.mark.parametrize("edit", list(UNFIT_FOR_PARQUET))
@@ -481,6 +485,16 @@ def test_a_row_whose_value_does_not_fit_its_parquet_column_stops_the_export_nami
     assert message.startswith(f"error: data/{RUN}/batch_0.jsonl line {number + 1}: not a batch_runner row "
                               f"(its {column!r} ")
     assert not list(tmp_path.glob("out*"))
+
+
+# pyarrow's error names no file: "cannot write None".
+@pytest.mark.parametrize("fmt", ["sharegpt", "parquet"])
+def test_an_export_to_a_place_no_file_can_be_made_names_the_out_it_was_given(run_home, fmt):
+    pytest.importorskip("pyarrow")
+    result = run_cli(run_home, f"--run_name={RUN}", f"--export={fmt}", "--out=/proc/self/rows.out")
+    assert result.returncode == 1
+    [message] = result.stderr.strip().splitlines()
+    assert message.startswith("error: cannot write /proc/self/rows.out") and message.endswith("Choose another --out.")
 
 
 def test_hf_folder_opens_with_load_from_disk_holding_the_parquet_rows(run_home, tmp_path):
@@ -603,6 +617,26 @@ def test_an_export_never_writes_among_the_run_directorys_own_files(run_home, tmp
     result = run_cli(home, f"--run_name={RUN}", "--export=openai", f"--out=data/{RUN}/{name}")
     assert result.returncode == 1
     assert result.stderr.startswith(f"error: --out=data/{RUN}/{name} is inside the run directory")
+    assert {path.name: path.read_bytes() for path in (home / "data" / RUN).iterdir() if path.is_file()} == before
+
+
+# Compared by path, resolve() saw through symbolic links but not a bind mount: the export replaced the
+# run's batch file, and three prompts' rows were gone.
+def test_an_export_never_writes_among_the_run_directorys_files_through_a_bind_mount_of_it(run_home, tmp_path):
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("a bind mount needs root and mount(8)")
+    home, alias = tmp_path / "home", tmp_path / "alias"
+    (home / "data").mkdir(parents=True)
+    alias.mkdir()
+    subprocess.run(["cp", "-a", str(run_home / "data" / RUN), str(home / "data" / RUN)], check=True)
+    before = {path.name: path.read_bytes() for path in (home / "data" / RUN).iterdir() if path.is_file()}
+    subprocess.run(["mount", "--bind", str(home / "data" / RUN), str(alias)], check=True)
+    try:
+        result = run_cli(home, f"--run_name={RUN}", "--export=openai", f"--out={alias}/batch_0.jsonl")
+    finally:
+        subprocess.run(["umount", str(alias)], check=True)
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"error: --out={alias}/batch_0.jsonl is inside the run directory")
     assert {path.name: path.read_bytes() for path in (home / "data" / RUN).iterdir() if path.is_file()} == before
 
 

@@ -83,6 +83,9 @@ def _row_group(group: list[Candidate], schema: Any) -> Any:
     import pyarrow as pa
 
     records = [arrow_record(candidate) for candidate in group]
+    for candidate, record in zip(group, records, strict=True):
+        if cut := next((column for column in schema if not _whole(record[column.name], column.type)), None):
+            raise _unfit(candidate, cut)
     try:
         return pa.Table.from_pylist(records, schema=schema)
     except (pa.ArrowException, OverflowError):
@@ -91,10 +94,27 @@ def _row_group(group: list[Candidate], schema: Any) -> Any:
                 try:
                     pa.array([record[column.name]], type=column.type)
                 except (pa.ArrowException, OverflowError):
-                    raise refused_line(candidate.path, candidate.offset,
-                                       f"not a batch_runner row (its {column.name!r} does not fit the column's "
-                                       f"type, {column.type}); fix or remove this line") from None
+                    raise _unfit(candidate, column) from None
         raise
+
+
+def _whole(value: Any, kind: Any) -> bool:
+    """Whether ``value`` holds no fraction where ``kind`` (an Arrow type) holds a whole number: pyarrow
+    writes 2.5 to an integer column as 2, without a word."""
+    import pyarrow as pa
+
+    if pa.types.is_integer(kind):
+        return not isinstance(value, float)
+    if pa.types.is_struct(kind) and isinstance(value, dict):
+        return all(_whole(value.get(field.name), field.type) for field in kind)
+    if pa.types.is_list(kind) and isinstance(value, list):
+        return all(_whole(item, kind.value_type) for item in value)
+    return True
+
+
+def _unfit(candidate: Candidate, column: Any) -> Exception:
+    return refused_line(candidate.path, candidate.offset, f"not a batch_runner row (its {column.name!r} does not fit "
+                                                          f"the column's type, {column.type}); fix or remove this line")
 
 
 def _parquet_file(path: Path, candidates: Iterable[Candidate]) -> int:

@@ -58,16 +58,31 @@ def _checked_out(out: Path, run_dir: Path) -> Path:
     if blocking := next((folder for folder in out.parents if folder.exists() and not folder.is_dir()), None):
         kind = "a file" if blocking.is_file() else file_kind(blocking)
         raise UsageError(f"--out={out} goes through {blocking}, which is {kind}, not a directory; choose another --out")
-    exports, resolved = run_dir / EXPORT_FOLDER, out.resolve()
-    if resolved.is_relative_to(run_dir.resolve()) and not resolved.is_relative_to(exports.resolve()):
+    if _among_the_runs_files(out, run_dir):
         raise UsageError(f"--out={out} is inside the run directory {run_dir}/, whose files the export must not "
-                         f"replace; write under {exports}/ or outside the run directory")
+                         f"replace; write under {run_dir / EXPORT_FOLDER}/ or outside the run directory")
     if out.exists() and not (out.is_file() or out.is_dir()):
         raise UsageError(f"--out={out} is {file_kind(out)}; --export writes a regular file there")
     if _is_the_runs_dataset(out, run_dir):
         raise UsageError(f"--out={out} is the run's dataset, which the export must not replace (--resume reads "
                          "it again); choose another --out")
     return out
+
+
+def _among_the_runs_files(out: Path, run_dir: Path) -> bool:
+    """Whether ``out`` is in the run directory outside its export folder. Its folders are compared with
+    those two as files (device and inode), not as paths: a bind mount of the run directory is another
+    path to it that resolve() cannot see through."""
+    exports, absolute = run_dir / EXPORT_FOLDER, out.absolute()
+    for folder in (absolute, *absolute.parents):
+        try:
+            if exports.exists() and folder.samefile(exports):
+                return False
+            if folder.samefile(run_dir):
+                return True
+        except OSError:     # not there yet: the export makes it, in a folder this walk reaches next
+            continue
+    return False
 
 
 def _is_the_runs_dataset(out: Path, run_dir: Path) -> bool:
