@@ -819,6 +819,24 @@ def test_a_batch_file_that_is_not_a_regular_file_is_named_in_one_error(run_home,
     assert not (home / "data" / RUN / "report.html").exists() and not list(tmp_path.glob("out*"))
 
 
+def test_what_an_hf_export_killed_before_its_rename_left_is_removed_by_the_next_one(run_home, tmp_path):
+    # Before, its folder (a whole copy and datasets' cache) stayed beside --out for good.
+    pytest.importorskip("datasets")
+    out, go = tmp_path / "hf", tmp_path / "go"
+    process = subprocess.Popen(paused_cli_command("batchrun.export.arrow", "os.replace", go, f"--run_name={RUN}",
+                                                  "--export=hf", f"--out={out}"),
+                               cwd=run_home, env=cli_environment(run_home), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    try:
+        assert process.stdout is not None and "paused at" in process.stdout.readline()
+    finally:
+        process.kill()
+        process.wait()
+    assert [path.is_dir() for path in tmp_path.glob("hf.*.tmp")] == [True]
+    export_cli(run_home, "--export=hf", f"--out={out}")
+    assert not list(tmp_path.glob("hf.*.tmp")) and (out / "state.json").is_file()
+
+
 def test_what_an_export_killed_before_its_renames_left_is_removed_by_the_next_one(run_home, tmp_path):
     # Before, each kill -9 of an export left a whole copy of the file and of its manifest beside them for good.
     out, go = tmp_path / "openai.jsonl", tmp_path / "go"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 from batchrun.export.conversations import Candidate
 from batchrun.export.files import write_file
 from batchrun.export.options import ExportError, ExportOptions, refused_line
+from batchrun.run_dir import remove_temps_of_gone_writers, temp_beside
 
 ROW_GROUP_ROWS = 1000
 ROW_GROUP_BYTES = 64 << 20      # a row group is held in memory while it fills: bound it for big rows too
@@ -133,32 +133,37 @@ def _parquet_file(path: Path, candidates: Iterable[Candidate]) -> int:
 def write_hf(options: ExportOptions, candidates: Iterable[Candidate]) -> None:
     """A ``datasets`` folder (save_to_disk), made from a Parquet file of the rows in a temporary folder
     beside --out: datasets reads it in batches, its cache lives and dies in that folder (so a stale one
-    never stands in for the rows), and the folder is renamed into place only once it is whole."""
+    never stands in for the rows), and the folder is renamed into place only once it is whole. The folder
+    has temp_beside's name, so that the next export removes one that a killed export left."""
     import datasets
 
     out = options.out
     if out.exists() and not _is_saved_dataset(out):
         raise ExportError(f"--out={out} exists and is not a datasets folder; remove it or choose another --out")
     out.parent.mkdir(parents=True, exist_ok=True)
+    # What an hf export killed before its rename left beside --out: a whole copy, and datasets' cache.
+    remove_temps_of_gone_writers(out.parent, {out.name})
+    work = temp_beside(out)
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()        # the export prints its own summary
     try:
-        with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as work:
-            schema = arrow_schema()
-            features = datasets.Features.from_arrow_schema(schema)
-            if _parquet_file(Path(work) / "rows.parquet", candidates):
-                dataset = datasets.Dataset.from_parquet(f"{work}/rows.parquet", features=features,
-                                                        cache_dir=f"{work}/cache")
-                dataset.save_to_disk(f"{work}/saved")
-            else:     # datasets reads no rows from an empty file, and loads no folder of 0 shards
-                empty = datasets.Dataset.from_dict({name: [] for name in schema.names}, features=features)
-                empty.save_to_disk(f"{work}/saved", num_shards=1)
-            if out.is_symlink():    # replaced, as the file formats replace one; what it points to is left
-                out.unlink()
-            elif out.exists():
-                shutil.rmtree(out)
-            os.replace(f"{work}/saved", out)
+        work.mkdir()
+        schema = arrow_schema()
+        features = datasets.Features.from_arrow_schema(schema)
+        if _parquet_file(work / "rows.parquet", candidates):
+            dataset = datasets.Dataset.from_parquet(f"{work}/rows.parquet", features=features,
+                                                    cache_dir=f"{work}/cache")
+            dataset.save_to_disk(f"{work}/saved")
+        else:     # datasets reads no rows from an empty file, and loads no folder of 0 shards
+            empty = datasets.Dataset.from_dict({name: [] for name in schema.names}, features=features)
+            empty.save_to_disk(f"{work}/saved", num_shards=1)
+        if out.is_symlink():    # replaced, as the file formats replace one; what it points to is left
+            out.unlink()
+        elif out.exists():
+            shutil.rmtree(out)
+        os.replace(f"{work}/saved", out)
     finally:
+        shutil.rmtree(work, ignore_errors=True)
         if bars:
             datasets.enable_progress_bars()
 

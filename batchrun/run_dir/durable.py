@@ -13,6 +13,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -78,13 +79,15 @@ def temp_beside(path: Path) -> Path:
 _TEMP_NAME = re.compile(r"^(?P<name>.+)\.(?P<pid>[0-9]+)\.[0-9a-f]{8}\.tmp$")
 
 
-def temps_in(directory: Path) -> list[tuple[Path, str, int]]:
-    """The temporary files of rewrites in ``directory`` (temp_beside's names), each with the name of the
-    file it is to replace and the pid of the process that wrote it. A writer killed before its rename
-    (kill -9, a power cut) leaves its file there: nothing else ever removes it."""
+def temps_in(directory: Path, *, folders: bool = False) -> list[tuple[Path, str, int]]:
+    """The temporary files of rewrites in ``directory`` (temp_beside's names), and with ``folders`` the
+    temporary folders so named too (a datasets export's), each with the name of what it is to replace and
+    the pid of the process that wrote it. A writer killed before its rename (kill -9, a power cut) leaves
+    its file there: nothing else ever removes it."""
     with os.scandir(directory) as entries:
         return [(Path(entry.path), match["name"], int(match["pid"])) for entry in entries
-                if (match := _TEMP_NAME.match(entry.name)) and entry.is_file(follow_symlinks=False)]
+                if (match := _TEMP_NAME.match(entry.name))
+                and (entry.is_file(follow_symlinks=False) or folders and entry.is_dir(follow_symlinks=False))]
 
 
 def writer_running(pid: int) -> bool:
@@ -103,10 +106,13 @@ def writer_running(pid: int) -> bool:
 
 def remove_temps_of_gone_writers(directory: Path, names: set[str]) -> None:
     """Remove what writers of the files ``names`` in ``directory``, killed before their rename, left there
-    (temps_in); a writer still running keeps its own."""
-    for temp, name, pid in temps_in(directory):
+    (temps_in, folders too); a writer still running keeps its own."""
+    for temp, name, pid in temps_in(directory, folders=True):
         if name in names and not writer_running(pid):
-            temp.unlink(missing_ok=True)
+            if temp.is_dir():
+                shutil.rmtree(temp, ignore_errors=True)
+            else:
+                temp.unlink(missing_ok=True)
 
 
 @contextmanager
