@@ -39,7 +39,15 @@ from batchrun.console.layout import shown_block
 from batchrun.console.streams import OutputStream
 from batchrun.dataset import DatasetError, require_valid_prompt
 from batchrun.environments import ENVIRONMENT_KINDS
-from batchrun.export import BEST_OF_RULES, EXPORT_FORMATS, REASONING_MODES, ExportError, export_options, export_run
+from batchrun.export import (
+    BEST_OF_RULES,
+    EXPORT_FORMATS,
+    REASONING_MODES,
+    ExportError,
+    ExportOptions,
+    export_options,
+    export_run,
+)
 from batchrun.flag_values import UsageError, boolean, validate_run_name
 from batchrun.install_hint import program
 from batchrun.run_dir import RunDirectoryError, WriteFailed, require_readable, write_failure_named, write_refusal_remedy
@@ -283,6 +291,7 @@ def write_report_cli(run_name: Any, console: RunConsole) -> int:
 
 def export_cli(given: dict[str, Any], console: RunConsole) -> int:
     """--export: like --report, needs only the run directory, so it works during a run too."""
+    options = None
     try:
         options = export_options(run_name=given["run_name"], discard_no_reasoning=given["discard_no_reasoning"],
                                  **{name: given[name] for name in flags.EXPORT_OPTIONS})
@@ -298,20 +307,21 @@ def export_cli(given: dict[str, Any], console: RunConsole) -> int:
         console.error(str(exc))
         return EXIT_ERROR
     except PermissionError as exc:
-        console.error(f"cannot write {_written(exc, given)}: Permission denied. Choose an --out where this user "
+        console.error(f"cannot write {_written(exc, options)}: Permission denied. Choose an --out where this user "
                       "may write.")
         return EXIT_ERROR
     except OSError as exc:     # a place no file can be made in (/proc, a read-only filesystem)
-        console.error(f"cannot write {_written(exc, given)}: {exc.strerror or exc}. Choose another --out.")
+        console.error(f"cannot write {_written(exc, options)}: {exc.strerror or exc}. Choose another --out.")
         return EXIT_ERROR
     for line in summary.lines():
         console.print(line)
     return EXIT_OK
 
 
-def _written(exc: OSError, given: dict[str, Any]) -> object:
-    """The file an export failed to write: the error's, or --out where it names none (pyarrow's)."""
-    return exc.filename if exc.filename is not None else given["out"]
+def _written(exc: OSError, options: ExportOptions | None) -> object:
+    """The file an export failed to write: the error's, or --out (given or chosen) where it names none
+    (pyarrow's)."""
+    return exc.filename if exc.filename is not None or options is None else options.out
 
 
 def escape_what_the_output_cannot_encode() -> None:

@@ -117,7 +117,8 @@ async def _read_reply(message: Message, turn_number: int, redact: Redactor) -> t
     escape in a call's arguments (seconds for a few megabytes), while the worker's other sessions
     share this event loop. Content that is not one string (a list of parts) goes to the thread too."""
     calls = message.get("tool_calls") or ()
-    texts = [message.get("content") or "", *((call.get("function") or {}).get("arguments") or "" for call in calls)]
+    texts = [message.get("content") or "", message.get("refusal") or "",
+             *((call.get("function") or {}).get("arguments") or "" for call in calls)]
     # Each call also costs its id, name and records, whatever its arguments.
     size = _CALL_CHARS * len(calls) + sum(len(text) if isinstance(text, str) else READ_ASIDE_CHARS for text in texts)
     size += sum(len(str(message[field])) for field in REASONING_FIELDS if message.get(field))

@@ -465,6 +465,24 @@ UNFIT_FOR_PARQUET = {"api_calls_as_text": ("api_calls", lambda row: row.update(a
                      "batch_num_fractional": ("batch_num", lambda row: row["metadata"].update(batch_num=0.9))}
 
 
+# A whole number written as a float (3.0, as a round trip through pandas writes it) loses nothing.
+def test_a_whole_number_written_as_a_float_is_exported_to_parquet_as_its_integer(run_home, tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    home = tmp_path / "home"
+    (home / "data" / RUN).mkdir(parents=True)
+    for path in (run_home / "data" / RUN).glob("batch_*.jsonl"):
+        edited = []
+        for line in path.read_bytes().splitlines(keepends=True):
+            row = json.loads(line)
+            if "api_calls" in row:
+                row["api_calls"] = float(row["api_calls"])
+            edited.append(rows.encode_row(row))
+        (home / "data" / RUN / path.name).write_bytes(b"".join(edited))
+    out = tmp_path / "out.parquet"
+    export_cli(home, "--export=parquet", f"--out={out}")
+    assert all(isinstance(calls, int) and calls > 0 for calls in pq.read_table(out).column("api_calls").to_pylist())
+
+
 @pytest.mark.parametrize("edit", list(UNFIT_FOR_PARQUET))
 def test_a_row_whose_value_does_not_fit_its_parquet_column_stops_the_export_naming_it(run_home, tmp_path, edit):
     pytest.importorskip("pyarrow")
@@ -495,6 +513,18 @@ def test_an_export_to_a_place_no_file_can_be_made_names_the_out_it_was_given(run
     assert result.returncode == 1
     [message] = result.stderr.strip().splitlines()
     assert message.startswith("error: cannot write /proc/self/rows.out") and message.endswith("Choose another --out.")
+
+
+def test_an_export_without_out_to_a_place_no_file_can_be_made_names_the_out_it_chose(run_home, tmp_path):
+    pytest.importorskip("pyarrow")
+    home = tmp_path / "home"
+    (home / "data").mkdir(parents=True)
+    subprocess.run(["cp", "-a", str(run_home / "data" / RUN), str(home / "data" / RUN)], check=True)
+    shutil.rmtree(home / "data" / RUN / "export", ignore_errors=True)
+    (home / "data" / RUN / "export").symlink_to("/proc/self")
+    result = run_cli(home, f"--run_name={RUN}", "--export=parquet")
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"error: cannot write data/{RUN}/export/")
 
 
 def test_hf_folder_opens_with_load_from_disk_holding_the_parquet_rows(run_home, tmp_path):
@@ -608,7 +638,8 @@ def test_a_line_that_is_json_but_not_a_row_stops_the_export_and_keeps_the_earlie
     assert out.read_bytes() == before and not list(out.parent.glob(out.name + ".*tmp"))
 
 
-@pytest.mark.parametrize("name", ["batch_0.jsonl", "trajectories.jsonl", "checkpoint.json", "new.jsonl"])
+@pytest.mark.parametrize("name", ["batch_0.jsonl", "trajectories.jsonl", "checkpoint.json", "new.jsonl",
+                                  "export/new/../../batch_0.jsonl"])
 def test_an_export_never_writes_among_the_run_directorys_own_files(run_home, tmp_path, name):
     home = tmp_path / "home"
     (home / "data").mkdir(parents=True)
@@ -618,6 +649,15 @@ def test_an_export_never_writes_among_the_run_directorys_own_files(run_home, tmp
     assert result.returncode == 1
     assert result.stderr.startswith(f"error: --out=data/{RUN}/{name} is inside the run directory")
     assert {path.name: path.read_bytes() for path in (home / "data" / RUN).iterdir() if path.is_file()} == before
+
+
+def test_an_export_writes_in_the_run_directorys_export_folder_before_that_folder_exists(run_home, tmp_path):
+    home = tmp_path / "home"
+    (home / "data").mkdir(parents=True)
+    subprocess.run(["cp", "-a", str(run_home / "data" / RUN), str(home / "data" / RUN)], check=True)
+    shutil.rmtree(home / "data" / RUN / "export", ignore_errors=True)
+    export_cli(home, "--export=openai", f"--out=data/{RUN}/export/mine.jsonl")
+    assert (home / "data" / RUN / "export" / "mine.jsonl").stat().st_size > 0
 
 
 # Compared by path, resolve() saw through symbolic links but not a bind mount: the export replaced the

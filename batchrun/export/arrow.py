@@ -83,8 +83,9 @@ def _row_group(group: list[Candidate], schema: Any) -> Any:
     import pyarrow as pa
 
     records = [arrow_record(candidate) for candidate in group]
+    counted = [column for column in schema if _holds_integers(column.type)]
     for candidate, record in zip(group, records, strict=True):
-        if cut := next((column for column in schema if not _whole(record[column.name], column.type)), None):
+        if cut := next((column for column in counted if not _whole(record[column.name], column.type)), None):
             raise _unfit(candidate, cut)
     try:
         return pa.Table.from_pylist(records, schema=schema)
@@ -104,12 +105,23 @@ def _whole(value: Any, kind: Any) -> bool:
     import pyarrow as pa
 
     if pa.types.is_integer(kind):
-        return not isinstance(value, float)
+        return not isinstance(value, float) or value.is_integer()
     if pa.types.is_struct(kind) and isinstance(value, dict):
         return all(_whole(value.get(field.name), field.type) for field in kind)
     if pa.types.is_list(kind) and isinstance(value, list):
         return all(_whole(item, kind.value_type) for item in value)
     return True
+
+
+def _holds_integers(kind: Any) -> bool:
+    """Whether an Arrow type has an integer anywhere in it (the columns _whole need look at)."""
+    import pyarrow as pa
+
+    if pa.types.is_struct(kind):
+        return any(_holds_integers(field.type) for field in kind)
+    if pa.types.is_list(kind):
+        return _holds_integers(kind.value_type)
+    return bool(pa.types.is_integer(kind))
 
 
 def _unfit(candidate: Candidate, column: Any) -> Exception:

@@ -70,18 +70,19 @@ def _checked_out(out: Path, run_dir: Path) -> Path:
 
 
 def _among_the_runs_files(out: Path, run_dir: Path) -> bool:
-    """Whether ``out`` is in the run directory outside its export folder. Its folders are compared with
-    those two as files (device and inode), not as paths: a bind mount of the run directory is another
+    """Whether ``out`` is in the run directory outside its export folder. Resolved first (its ".." after a
+    folder not made yet is where the kernel will take it), then its folders are compared with the run
+    directory as files (device and inode), not as paths: a bind mount of the run directory is another
     path to it that resolve() cannot see through."""
-    exports, absolute = run_dir / EXPORT_FOLDER, out.absolute()
-    for folder in (absolute, *absolute.parents):
+    resolved = out.resolve()
+    child = None        # the name under which the walk came up to ``folder``
+    for folder in (resolved, *resolved.parents):
         try:
-            if exports.exists() and folder.samefile(exports):
-                return False
             if folder.samefile(run_dir):
-                return True
-        except OSError:     # not there yet: the export makes it, in a folder this walk reaches next
-            continue
+                return child != EXPORT_FOLDER
+        except OSError:     # not there yet: the export makes it
+            pass
+        child = folder.name
     return False
 
 

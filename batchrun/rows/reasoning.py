@@ -68,7 +68,8 @@ def _content_texts(content: Any) -> tuple[str, str]:
 
 def split_reasoning(message: dict) -> tuple[str, str]:
     """(reasoning, visible content) of one assistant message, from every form endpoints use; a refusal
-    the endpoint gives in a field or a content part of its own is visible content.
+    the endpoint gives in a content part, or in a field of its own where there is no content, is visible
+    content.
 
     Structured fields win, then reasoning_details, then thinking parts of a content list; reasoning
     written inline as <think>/<REASONING_SCRATCHPAD> blocks is also taken out of the visible text so
@@ -100,10 +101,11 @@ def split_reasoning(message: dict) -> tuple[str, str]:
         if text and text not in seen:
             seen.add(text)
             found.append(text)
-    # OpenAI's refusal field (content null beside it): the model's answer all the same.
+    # OpenAI's refusal field, beside a null content: the model's answer all the same.
     refusal = message.get("refusal")
-    visible = [content.strip(), refusal.strip() if isinstance(refusal, str) else ""]
-    return "\n\n".join(found), "\n\n".join(text for text in visible if text)
+    if not content.strip() and isinstance(refusal, str):
+        content = refusal
+    return "\n\n".join(found), content.strip()
 
 
 class _Visible:
