@@ -328,6 +328,16 @@ def test_a_later_export_without_best_of_removes_the_record_of_an_earlier_choice(
     assert not (tmp_path / "out.best_of.json").exists()
 
 
+# Named by the stem alone, one record served train.jsonl and train.parquet: a plain export of the one
+# removed the record of the other.
+def test_an_export_to_another_file_of_the_same_stem_keeps_the_record_of_an_earlier_choice(tmp_path):
+    write_samples(tmp_path, BEST_OF_RUN)
+    exported_samples(tmp_path, "--best_of=first_completed")
+    result = run_cli(tmp_path, "--run_name=run", "--export=sharegpt", f"--out={tmp_path / 'out.json'}")
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "out.best_of.json").read_text())["best_of"] == "first_completed"
+
+
 def test_an_unknown_best_of_rule_is_refused_naming_the_rules(tmp_path):
     write_samples(tmp_path, BEST_OF_RUN)
     result = run_cli(tmp_path, "--run_name=run", "--export=sharegpt", "--best_of=shortest")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from batchrun import rows
 from batchrun.export.conversations import Candidate, ConversionError, layouts_of
+from batchrun.export.files import beside
 from batchrun.export.filters import selected_rows
 from batchrun.export.options import ExportOptions
 
@@ -87,7 +88,7 @@ class BestOf:
 
 def best_of_path(out: Path) -> Path:
     """Where the record of a --best_of choice goes: beside the export, ``openai.jsonl`` -> ``openai.best_of.json``."""
-    return out.with_name(f"{out.stem}.best_of.json")
+    return beside(out, "best_of.json")
 
 
 

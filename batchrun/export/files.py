@@ -12,6 +12,13 @@ from batchrun.export.options import ExportError
 from batchrun.run_dir import remove_temps_of_gone_writers, temp_beside
 
 
+def beside(out: Path, suffix: str) -> Path:
+    """A file that goes with the export ``out`` (its manifest, its --best_of record), named after it less
+    a .jsonl ending: ``x.jsonl`` -> ``x.<suffix>``, ``x.parquet`` -> ``x.parquet.<suffix>``. Named by the
+    stem alone, x.jsonl's and x.parquet's would be one file, and an export of either its undoing."""
+    return out.with_name(f"{out.name.removesuffix('.jsonl')}.{suffix}")
+
+
 def write_file(out: Path, write: Callable[[Path], object]) -> None:
     write_files([out], lambda temps: write(temps[0]))
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from batchrun import rows
 from batchrun.export.conversations import Candidate, Conversation, ReadAssistantTurn
-from batchrun.export.files import write_files, write_lines
+from batchrun.export.files import beside, write_files, write_lines
 from batchrun.export.options import ExportOptions
 from batchrun.rows import HumanTurn
 
@@ -67,5 +67,5 @@ def manifest_line(candidate: Candidate) -> bytes:
 
 def manifest_path(out: Path) -> Path:
     """Where the manifest of an openai export goes: beside it, ``openai.jsonl`` -> ``openai.manifest.jsonl``."""
-    return out.with_name(f"{out.name.removesuffix('.jsonl')}.manifest.jsonl")
+    return beside(out, "manifest.jsonl")
 
