@@ -858,6 +858,22 @@ def test_malformed_reply_is_named(raw, complaint):
         parse_reply(raw)
 
 
+def finished_as(reason: str) -> bytes:
+    reply = json.loads(completion({"content": "The answer is cut of"}))
+    reply["choices"][0]["finish_reason"] = reason
+    return json.dumps(reply).encode()
+
+
+# Both were a clean stop: a reply the provider broke off, or cut at its token limit, was a completed row.
+def test_a_reply_the_provider_ended_with_an_error_is_a_malformed_reply():
+    with pytest.raises(MalformedReplyError, match='finish_reason "error"'):
+        parse_reply(finished_as("error"))
+
+
+def test_a_reply_ended_at_its_token_limit_in_anthropics_words_is_cut_off():
+    assert parse_reply(finished_as("max_tokens")).finish_reason == "length"
+
+
 @pytest.mark.parametrize("many", [{}, "ab", 0.5], ids=["objects", "strings", "numbers"])
 def test_a_reply_of_more_values_than_any_answer_holds_is_refused_before_it_is_read(many):
     """60 MiB of "{}," in reasoning_details took 1.7 GB of the worker's memory once read (a Python object

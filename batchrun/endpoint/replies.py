@@ -187,4 +187,9 @@ def _first_choice(data: dict) -> tuple[dict, Any]:
     _check_tool_calls(message)
     _check_content(message)
     _check_reasoning(message)
-    return message, choice.get("finish_reason")
+    finish_reason = choice.get("finish_reason")
+    if finish_reason == "error":    # OpenRouter's, for a reply its provider broke off: what came is not the answer
+        raise MalformedReplyError('the endpoint ended the reply with finish_reason "error" (its provider failed '
+                                  'mid-reply)')
+    # Anthropic's name for a reply cut at its token limit, which some gateways pass on as it is.
+    return message, "length" if finish_reason == "max_tokens" else finish_reason
