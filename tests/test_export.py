@@ -859,12 +859,9 @@ def test_a_batch_file_that_is_not_a_regular_file_is_named_in_one_error(run_home,
     assert not (home / "data" / RUN / "report.html").exists() and not list(tmp_path.glob("out*"))
 
 
-def test_what_an_hf_export_killed_before_its_rename_left_is_removed_by_the_next_one(run_home, tmp_path):
-    # Before, its folder (a whole copy and datasets' cache) stayed beside --out for good.
-    pytest.importorskip("datasets")
-    out, go = tmp_path / "hf", tmp_path / "go"
-    process = subprocess.Popen(paused_cli_command("batchrun.export.arrow", "os.replace", go, f"--run_name={RUN}",
-                                                  "--export=hf", f"--out={out}"),
+def kill_export_before_its_rename(run_home: Path, tmp_path: Path, module: str, *flags: str) -> None:
+    """Run an export until ``module`` renames its first file into place, and kill it there (kill -9)."""
+    process = subprocess.Popen(paused_cli_command(module, "os.replace", tmp_path / "go", f"--run_name={RUN}", *flags),
                                cwd=run_home, env=cli_environment(run_home), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     try:
@@ -872,6 +869,13 @@ def test_what_an_hf_export_killed_before_its_rename_left_is_removed_by_the_next_
     finally:
         process.kill()
         process.wait()
+
+
+def test_what_an_hf_export_killed_before_its_rename_left_is_removed_by_the_next_one(run_home, tmp_path):
+    # Before, its folder (a whole copy and datasets' cache) stayed beside --out for good.
+    pytest.importorskip("datasets")
+    out = tmp_path / "hf"
+    kill_export_before_its_rename(run_home, tmp_path, "batchrun.export.arrow", "--export=hf", f"--out={out}")
     assert [path.is_dir() for path in tmp_path.glob("hf.*.tmp")] == [True]
     export_cli(run_home, "--export=hf", f"--out={out}")
     assert not list(tmp_path.glob("hf.*.tmp")) and (out / "state.json").is_file()
@@ -879,16 +883,8 @@ def test_what_an_hf_export_killed_before_its_rename_left_is_removed_by_the_next_
 
 def test_what_an_export_killed_before_its_renames_left_is_removed_by_the_next_one(run_home, tmp_path):
     # Before, each kill -9 of an export left a whole copy of the file and of its manifest beside them for good.
-    out, go = tmp_path / "openai.jsonl", tmp_path / "go"
-    process = subprocess.Popen(paused_cli_command("batchrun.export.files", "os.replace", go, f"--run_name={RUN}",
-                                                  "--export=openai", f"--out={out}"),
-                               cwd=run_home, env=cli_environment(run_home), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-    try:
-        assert process.stdout is not None and "paused at" in process.stdout.readline()
-    finally:
-        process.kill()
-        process.wait()
+    out = tmp_path / "openai.jsonl"
+    kill_export_before_its_rename(run_home, tmp_path, "batchrun.export.files", "--export=openai", f"--out={out}")
     left = sorted(path.name for path in tmp_path.glob("*.tmp"))
     assert len(left) == 2, left                 # the file's and its manifest's
     alive = tmp_path / f"openai.jsonl.{os.getpid()}.0123abcd.tmp"      # another export's, still being written
