@@ -296,7 +296,8 @@ def export_cli(given: dict[str, Any], console: RunConsole) -> int:
         options = export_options(run_name=given["run_name"], discard_no_reasoning=given["discard_no_reasoning"],
                                  **{name: given[name] for name in flags.EXPORT_OPTIONS})
         with write_failure_named(options.out):
-            summary = export_run(options)
+            summary = export_run(options, waiting=lambda folder: console.print(
+                f"another export is writing in {folder}/; this one waits for it to end"))
     except (UsageError, ExportError) as exc:
         console.error(str(exc))
         return EXIT_ERROR

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import (
     REPO,
+    OutputLines,
     batch_rows,
     cli_environment,
     endpoint_args,
@@ -869,6 +870,34 @@ def kill_export_before_its_rename(run_home: Path, tmp_path: Path, module: str, *
     finally:
         process.kill()
         process.wait()
+
+
+def test_an_export_to_a_folder_another_export_is_writing_in_waits_for_it(run_home, tmp_path):
+    # Before, the two interleaved: the --best_of export, paused between its renames and its record, wrote
+    # its record after the plain export had replaced the file, so the record described rows the file did
+    # not hold. Each is whole now, the later one last.
+    out = tmp_path / "out.jsonl"
+    go = tmp_path / "go"
+    first = subprocess.Popen(paused_cli_command("batchrun.export.run", "atomic_write_json", go, f"--run_name={RUN}",
+                                                "--export=sharegpt", f"--out={out}", "--best_of=first_completed"),
+                             cwd=run_home, env=cli_environment(run_home), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        first_lines = OutputLines(first)
+        first_lines.wait_for("paused at")
+        second = subprocess.Popen([sys.executable, str(REPO / "batch_runner.py"), f"--run_name={RUN}",
+                                   "--export=sharegpt", f"--out={out}"], cwd=run_home, env=cli_environment(run_home),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        second_lines = OutputLines(second)
+        second_lines.wait_for("another export is writing in")
+        go.touch()
+        assert first.wait(60) == 0, first_lines.text()
+        assert second.wait(60) == 0, second_lines.text()
+    finally:
+        go.touch()
+        first.wait(60)
+    assert not (tmp_path / "out.best_of.json").exists()
+    assert out.read_bytes() == exported(run_home, tmp_path / "alone", "sharegpt").read_bytes()
 
 
 def test_what_an_hf_export_killed_before_its_rename_left_is_removed_by_the_next_one(run_home, tmp_path):

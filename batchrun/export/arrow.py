@@ -152,7 +152,6 @@ def write_hf(options: ExportOptions, candidates: Iterable[Candidate]) -> None:
     out = options.out
     if out.exists() and not _is_saved_dataset(out):
         raise ExportError(f"--out={out} exists and is not a datasets folder; remove it or choose another --out")
-    out.parent.mkdir(parents=True, exist_ok=True)
     # What an hf export killed before its rename left beside --out: a whole copy, and datasets' cache.
     remove_temps_of_gone_writers(out.parent, {out.name})
     work = temp_beside(out)

@@ -4,8 +4,9 @@ writers of plain files, the JSONL formats and Parquet, so none of them can leave
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from batchrun.export.options import ExportError
@@ -19,6 +20,25 @@ def beside(out: Path, suffix: str) -> Path:
     return out.with_name(f"{out.name.removesuffix('.jsonl')}.{suffix}")
 
 
+@contextlib.contextmanager
+def alone_in(folder: Path, waiting: Callable[[Path], object]) -> Iterator[None]:
+    """Hold ``folder`` (made if need be) against other exports to it while one writes there; ``waiting``
+    is told of a wait. An export's files are renamed into place one by one and its --best_of record
+    written or removed after them: two exports to one --out at once, each step interleaved, left one's
+    file beside the other's manifest or record, or (hf) failed on the other's folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            waiting(folder)
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)        # and the lock with it
+
+
 def write_file(out: Path, write: Callable[[Path], object]) -> None:
     write_files([out], lambda temps: write(temps[0]))
 
@@ -29,7 +49,6 @@ def write_files(outs: list[Path], write: Callable[[list[Path]], object]) -> None
     for out in outs:
         if out.is_dir():
             raise ExportError(f"--out={out} is a directory; --export writes a file there")
-    outs[0].parent.mkdir(parents=True, exist_ok=True)
     # What an export killed before its renames (kill -9) left beside them, a whole copy each, went nowhere
     # else; another export (or the same command twice) may be writing beside them still, and keeps its own.
     for directory in {out.parent for out in outs}:
