@@ -582,11 +582,11 @@ class BatchRunner:
 
         merge = self.run_dir.merge(on_corrupted, per_prompt=self._per_prompt)
         # Only the live ones: a row a --rerun_corrupted resume replaced is an earlier attempt.
-        new = [(name, index, invented) for name, index, invented, key in merge.live_corrupted(self.superseded_corrupted)
-               if (name, index, key) in found]
-        for name, index, invented in new[:MAX_CORRUPTED_LINES_SHOWN]:
-            self.console.print(f"⚠️  left out of trajectories.jsonl: {name} prompt {index} calls invented "
-                               f"tool(s) {', '.join(invented)}")
+        new = [row for row in merge.live_corrupted(self.superseded_corrupted)
+               if (row.batch_file, row.prompt_index, row.key) in found]
+        for row in new[:MAX_CORRUPTED_LINES_SHOWN]:
+            self.console.print(f"⚠️  left out of trajectories.jsonl: {row.batch_file} prompt {row.prompt_index} "
+                               f"calls invented tool(s) {', '.join(row.invented)}")
         if len(new) > MAX_CORRUPTED_LINES_SHOWN:
             self.console.print(f"... and {len(new) - MAX_CORRUPTED_LINES_SHOWN} more corrupted rows")
         statistics = build_statistics(run_name=self.config.output.run_name, distribution=self.config.distribution,

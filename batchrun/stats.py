@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Literal, NotRequired, TypedDict, get_args
+from typing import Any, Literal, NamedTuple, NotRequired, TypedDict, get_args
 
 from batchrun import rows
 from batchrun.concurrency import ConcurrencyFigures
@@ -135,6 +135,18 @@ class ThisRun:
         return sum(self.statuses.values())
 
 
+class CorruptedRow(NamedTuple):
+    """A corrupted row as the merge counts it: where it is, the tools it made up, its sample key (which a
+    --rerun_corrupted attempt replaces it by), and its assistant turns with and without reasoning."""
+
+    batch_file: str
+    prompt_index: int
+    invented: list[str]
+    key: str
+    turns_with_reasoning: int
+    turns_without_reasoning: int
+
+
 @dataclass
 class MergeStatistics:
     """Everything counted while streaming the batch files into trajectories.jsonl."""
@@ -146,7 +158,7 @@ class MergeStatistics:
     merged_by_status: Counter = field(default_factory=Counter)
     end_reasons: Counter = field(default_factory=Counter)
     discarded: int = 0
-    corrupted: list[tuple[str, int, list[str], str]] = field(default_factory=list)   # file, index, tools, key
+    corrupted: list[CorruptedRow] = field(default_factory=list)
     usage: UsageTotals = field(default_factory=empty_usage)
     batch_files: int = 0
     placeless: int = 0      # rows of any kind whose prompt is no longer in the dataset (StoredRow.placeless)
@@ -217,18 +229,19 @@ class MergeStatistics:
                    # A record from before rows could be placeless counts none: any there are now came with a
                    # relocations.json it was not made under, which no merge appends to.
                    placeless=state.get("placeless", 0),
-                   corrupted=[(name, index, invented, key) for name, index, invented, key in state["corrupted"]],
+                   corrupted=[CorruptedRow(*entry) for entry in state["corrupted"]],
                    usage=usage_totals(state["usage"]),
                    prompt_samples=None if state.get("prompt_samples") is None else Counter(state["prompt_samples"]))
 
     def on_corrupted(self, batch_file: str, row: rows.StoredRow, invented: list[str]) -> None:
         add_usage(self.usage, row.usage())
         self._count_sample(row, completed=False)
-        self.corrupted.append((batch_file, row.prompt_index, invented, row.sample_key))
+        self.corrupted.append(CorruptedRow(batch_file, row.prompt_index, invented, row.sample_key,
+                                           *row.reasoning_counts()))
 
-    def live_corrupted(self, superseded: Counter) -> list[tuple[str, int, list[str], str]]:
+    def live_corrupted(self, superseded: Counter) -> list[CorruptedRow]:
         """The corrupted rows no later attempt replaced (see not_superseded)."""
-        flags = not_superseded((entry[3] for entry in self.corrupted), superseded)
+        flags = not_superseded((entry.key for entry in self.corrupted), superseded)
         return [entry for entry, live in zip(self.corrupted, flags, strict=True) if live]
 
     def tool_counts(self) -> dict[str, ToolFigures]:
@@ -259,11 +272,14 @@ class MergeStatistics:
                 "prompts_with_a_completed_sample": len(self.prompt_samples) - spread[0],
                 "prompts_by_completed_samples": {str(count): spread[count] for count in sorted(spread)}}
 
-    def reasoning_statistics(self) -> ReasoningStatistics:
-        total = self.turns_with_reasoning + self.turns_without_reasoning
-        return {"total_assistant_turns": total, "turns_with_reasoning": self.turns_with_reasoning,
-                "turns_without_reasoning": self.turns_without_reasoning,
-                "coverage_percent": round(100 * self.turns_with_reasoning / total, 2) if total else 0.0}
+    def reasoning_statistics(self, live_corrupted: list[CorruptedRow]) -> ReasoningStatistics:
+        """Over every assistant turn of the run: its kept, discarded and ``live_corrupted`` rows'."""
+        with_reasoning = self.turns_with_reasoning + sum(row.turns_with_reasoning for row in live_corrupted)
+        without = self.turns_without_reasoning + sum(row.turns_without_reasoning for row in live_corrupted)
+        total = with_reasoning + without
+        return {"total_assistant_turns": total, "turns_with_reasoning": with_reasoning,
+                "turns_without_reasoning": without,
+                "coverage_percent": round(100 * with_reasoning / total, 2) if total else 0.0}
 
 
 def placeless_line(count: int) -> str:
@@ -304,13 +320,13 @@ def build_statistics(*, run_name: str, distribution: str, model: str, batch_size
         "partial_in_merged_file": merge.merged_by_status[rows.PARTIAL],
         "end_reasons": dict(merge.end_reasons),
         "tool_statistics": merge.tool_statistics(),
-        "reasoning_statistics": merge.reasoning_statistics(),
+        "reasoning_statistics": merge.reasoning_statistics(corrupted),
         "discarded_no_reasoning": merge.discarded,
         "failed_prompts": this_run.statuses[rows.FAILED],
         "failures_by_cause": dict(this_run.failures_by_cause),
         "filtered_corrupted": len(corrupted),
-        "corrupted_entries": [{"batch_file": name, "prompt_index": index, "invented_tools": invented}
-                              for name, index, invented, _key in corrupted[:100]],
+        "corrupted_entries": [{"batch_file": row.batch_file, "prompt_index": row.prompt_index,
+                               "invented_tools": row.invented} for row in corrupted[:100]],
         "filtered_prompt_gone": merge.placeless,
         **({"filtered_prompt_gone_why": placeless_line(merge.placeless)} if merge.placeless else {}),
         "usage": rounded_usage(usage),

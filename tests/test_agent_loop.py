@@ -292,6 +292,18 @@ def test_a_prompt_that_invents_tools_again_after_a_rerun_is_counted_once(tmp_pat
     assert "All prompts have already been processed!" in resumed.stdout
 
 
+def test_reasoning_coverage_counts_the_turns_of_corrupted_rows_but_not_of_replaced_ones(tmp_path, endpoint):
+    # Coverage is over every assistant turn of the run; a corrupted row's turns were left out of it.
+    prompts = ["[[invent]] make things up", "plain question"]
+    assert run(tmp_path, endpoint, prompts, "--max_turns=2").returncode == 0
+    assert run(tmp_path, endpoint, prompts, "--max_turns=2", "--resume", "--rerun_corrupted").returncode == 0
+    statistics = json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())
+    assert statistics["filtered_corrupted"] == 1
+    # The plain answer's one turn, and the latest attempt's three (the made-up calls of 2 turns, and the
+    # summary asked for at --max_turns), each with reasoning; the replaced attempt's not at all.
+    assert statistics["reasoning_statistics"]["turns_with_reasoning"] == 4
+
+
 def test_the_row_a_rerun_invents_tools_in_again_is_named_as_left_out(tmp_path, endpoint):
     prompts = ["[[invent]] make things up"]
     first = run(tmp_path, endpoint, prompts)

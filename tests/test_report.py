@@ -574,6 +574,15 @@ def test_reasoning_coverage_counts_the_turns_of_discarded_trajectories():
     assert (summary.turns_with_reasoning, summary.turns_without_reasoning) == (1, 2)
 
 
+def test_reasoning_coverage_counts_the_turns_of_corrupted_rows_but_not_of_replaced_ones():
+    # Coverage is over every assistant turn of the run: a corrupted row's turns were left out of it.
+    invented = [AssistantTurn("r", "", [ToolCallRecord("c1", "made_up", "{}", "Error: unknown")]), AssistantTurn("", "a")]
+    summary = report_summary.RunSummary(superseded=Counter({"k" * 32: 1}))
+    summary.add(summary_row(invented, key="k" * 32))            # replaced by a --rerun_corrupted attempt
+    summary.add(summary_row(invented, key="k" * 32))
+    assert (summary.turns_with_reasoning, summary.turns_without_reasoning) == (1, 1)
+
+
 def test_a_corrupted_row_a_rerun_replaced_is_not_counted_as_corrupted():
     invented = [AssistantTurn("r", "", [ToolCallRecord("c1", "made_up", "{}", "Error: unknown")])]
     summary = report_summary.RunSummary(superseded=Counter({"k" * 32: 1}))

@@ -198,6 +198,7 @@ class RunSummary:
                 self.statuses[SUPERSEDED] += 1
                 return SUPERSEDED, {}
             self.statuses[CORRUPTED] += 1
+            self._add_reasoning(row)     # its turns are the run's, left out of the merged file with it
             for name in map(clip_name, invented):       # a model can make up a new name in every row
                 known = name in self.invented_tools or len(self.invented_tools) < MAX_INVENTED_NAMES
                 self.invented_tools[name if known else OTHER_INVENTED_NAMES] += 1

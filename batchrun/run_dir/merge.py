@@ -38,7 +38,7 @@ TRAJECTORIES = "trajectories.jsonl"
 MERGE_RECORD = ".merge.json"
 # A record is only trusted by a merge with the same rules: the same registry decides what is corrupted,
 # and the same form of the figures it carries.
-MERGE_RECORD_FORMAT = f"3:{rows.ROW_FORMAT}:" + hashlib.sha256(" ".join(sorted(REGISTRY)).encode()).hexdigest()[:16]
+MERGE_RECORD_FORMAT = f"4:{rows.ROW_FORMAT}:" + hashlib.sha256(" ".join(sorted(REGISTRY)).encode()).hexdigest()[:16]
 MERGE_RECORD_TAIL_BYTES = 4096
 MERGE_BUFFER_BYTES = 1 << 20
 
@@ -267,7 +267,7 @@ def _combined(parts: list[MergePart], offsets: dict[str, int], unreadable: list[
     for part in parts:
         statistics.add(part.statistics)
         for corrupted in part.statistics.corrupted:
-            on_corrupted(*corrupted)
+            on_corrupted(corrupted.batch_file, corrupted.prompt_index, corrupted.invented, corrupted.key)
         for name, end in part.ends.items():
             ends[name] = max(ends.get(name, 0), end)
         unreadable += part.unreadable
