@@ -433,10 +433,17 @@ class Session:
         if position >= MAX_CALLS_PER_REPLY:
             return _error(f"not run: a reply may call at most {MAX_CALLS_PER_REPLY} tools; call fewer at "
                           "once"), False
-        if self._result_chars > MAX_RESULT_CHARS:
+        if self._result_chars >= MAX_RESULT_CHARS:
             return _error(f"not run: this prompt's tool results already hold {self._result_chars:,} characters, "
-                          f"more than a prompt's may ({MAX_RESULT_CHARS:,}); answer with what you have"), False
+                          f"as many as a prompt's may ({MAX_RESULT_CHARS:,}); answer with what you have"), False
         result, invented = await self._run_tool(call)
+        # Checked against the result as the model reads it: JSON writes a control character as six, so
+        # a file read within the tools' 10 MB could come to 60 million characters.
+        room = MAX_RESULT_CHARS - self._result_chars
+        if len(result) > room:
+            result = _error(f"not kept: its result held {len(result):,} characters, more than this prompt's tool "
+                            f"results may still take ({room:,} of {MAX_RESULT_CHARS:,}); ask for less at once "
+                            "(a window of a file's lines, a narrower search)")
         self._result_chars += len(result)
         return result, invented
 
@@ -463,7 +470,7 @@ class Session:
         try:
             result = await within(self.config.tool_timeout,
                                   registry.dispatch(call.name, args, self._tool_context()))
-            text = json.dumps(result, ensure_ascii=False)
+            return await _result_text(result, self.services.redact), False
         except ToolError as exc:
             text = _error(str(exc))
         except TimeoutError:
@@ -473,6 +480,26 @@ class Session:
         except Exception as exc:  # a tool bug must cost one tool call, not the whole prompt
             text = _error(f"{call.name} failed: {type(exc).__name__}: {exc}")
         return self.services.redact(text), False
+
+
+async def _result_text(result: object, redact: Redactor) -> str:
+    """A tool's result as the JSON the model reads, redacted; in a thread for a large one. A result may
+    hold a file of 10 MB, which takes a second to encode and redact, while the worker's other sessions
+    share this event loop."""
+    if _strings_size(result) < READ_ASIDE_CHARS:
+        return redact(json.dumps(result, ensure_ascii=False))
+    return await asyncio.to_thread(lambda: redact(json.dumps(result, ensure_ascii=False)))
+
+
+def _strings_size(value: object) -> int:
+    """The characters of the strings ``value`` holds, its keys' included: what its JSON's size grows with."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(len(str(key)) + _strings_size(item) for key, item in value.items())
+    if isinstance(value, (list, tuple)):
+        return sum(_strings_size(item) for item in value)
+    return 0
 
 
 def _error(message: str) -> str:

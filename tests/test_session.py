@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import json
 import threading
 from collections.abc import Callable, Coroutine, Sequence
@@ -99,6 +100,7 @@ ENDPOINT = EndpointConfig(model="scripted-model", base_url="http://127.0.0.1:9/v
 
 
 TASK = Task(prompt_index=0, prompt="do the task", image=None, cwd=None, content_key="key", toolsets=("terminal",), unit=0)
+WITH_FILES = dataclasses.replace(TASK, toolsets=("terminal", "file"))
 
 
 def worker_services(tmp_path: Path, models: ScriptedModels, **fields: Any) -> SessionServices:
@@ -107,14 +109,14 @@ def worker_services(tmp_path: Path, models: ScriptedModels, **fields: Any) -> Se
                            available_tools=frozenset(model_tools.TOOL_NAMES), redact=Redactor([]))
 
 
-def run_session(tmp_path: Path, script: list[ModelReply | Exception], **fields: Any) -> tuple[SessionResult,
-                                                                                             ScriptedModel]:
+def run_session(tmp_path: Path, script: list[ModelReply | Exception], task: Task = TASK,
+                **fields: Any) -> tuple[SessionResult, ScriptedModel]:
     model = ScriptedModel(script)
     services = worker_services(tmp_path, ScriptedModels(model), **fields)
 
     async def session() -> SessionResult:
         try:
-            return await Session(TASK, services).run()
+            return await Session(task, services).run()
         finally:
             await services.close()
 
@@ -548,13 +550,14 @@ def test_a_prompt_that_ends_before_its_environment_started_cuts_the_start_short(
     assert not list(tmp_path.iterdir())       # the directory it began with is gone
 
 
-def run_beside(services: SessionServices, another_session: Callable[[], Coroutine[Any, Any, None]]) -> SessionResult:
-    """TASK's session, with ``another_session`` running on the same event loop until it ends, as the
+def run_beside(services: SessionServices, another_session: Callable[[], Coroutine[Any, Any, None]],
+               task: Task = TASK) -> SessionResult:
+    """``task``'s session, with ``another_session`` running on the same event loop until it ends, as the
     worker's other sessions do."""
     async def both() -> SessionResult:
         other = asyncio.create_task(another_session())
         try:
-            return await Session(TASK, services).run()
+            return await Session(task, services).run()
         finally:
             other.cancel()
             await services.close()
@@ -641,13 +644,69 @@ def test_the_calls_of_a_reply_past_the_most_one_reply_may_make_are_answered_with
     assert result.end_reason == "final_answer"
 
 
-def test_tool_calls_past_what_a_prompts_results_may_hold_are_answered_without_running(tmp_path, monkeypatch):
+def test_a_result_that_would_take_the_prompts_results_past_their_bound_is_not_kept(tmp_path, monkeypatch):
     # Each result may be as large as the largest file the tools read: a few calls per reply for each of
     # --max_turns replies would otherwise make a row, and the requests, of gigabytes.
     monkeypatch.setattr(session_module, "MAX_RESULT_CHARS", 5_000)
     command = {"command": "head -c 3000 /dev/zero | tr '\\0' x"}
-    result, _ = run_session(tmp_path, [calls("terminal", [command] * 2), calls("terminal", [command]), say("Done.")])
+    result, _ = run_session(tmp_path, [calls("terminal", [command] * 2 + [ECHO]), say("Done.")])
+    kept, refused, small = [json.loads(call.result or "") for call in result.turns[0].tool_calls]
+    assert len(kept["output"]) == 3000
+    assert "not kept" in refused["error"] and "5,000" in refused["error"]
+    assert "output" in small                # what still fits is kept
+
+
+def test_tool_calls_once_a_prompts_results_hold_their_bound_are_answered_without_running(tmp_path, monkeypatch):
+    monkeypatch.setattr(session_module, "MAX_RESULT_CHARS", 3_200)
+    command = {"command": "head -c 3000 /dev/zero | tr '\\0' x"}
+    result, _ = run_session(tmp_path, [calls("terminal", [command] * 2), calls("terminal", [ECHO]), say("Done.")])
     first, second = [[json.loads(call.result or "") for call in turn.tool_calls]
                      for turn in result.turns if isinstance(turn, AssistantTurn) and turn.tool_calls]
-    assert [len(answer["output"]) for answer in first] == [3000, 3000]
-    assert "not run" in second[0]["error"] and "5,000" in second[0]["error"]
+    assert len(first[0]["output"]) == 3000 and "not kept" in first[1]["error"]
+    assert "not run" in second[0]["error"] and "3,200" in second[0]["error"]
+
+
+def test_a_file_read_is_bounded_as_the_json_the_model_reads(tmp_path, monkeypatch):
+    # JSON writes a control character as six: a file of 10 MB, within what the tools read, came to 60
+    # million characters, three times the bound, and ended the prompt (context_length) at its next request.
+    monkeypatch.setattr(session_module, "MAX_RESULT_CHARS", 5_000)
+    script = [call("terminal", {"command": "head -c 1000 /dev/zero | tr '\\0' '\\1' > c"}),
+              call("read_file", {"path": "c"}), say("Done.")]
+    result, _ = run_session(tmp_path, script, task=WITH_FILES)
+    read = json.loads(result.turns[1].tool_calls[0].result or "")
+    assert "not kept" in read["error"], read
+    assert result.end_reason == "final_answer"
+
+
+def test_the_worker_keeps_serving_its_other_sessions_while_a_large_tool_result_is_encoded(tmp_path, monkeypatch):
+    # A result may hold a file of 10 MB: encoding it as JSON and redacting it took seconds of the event
+    # loop the worker's other sessions share. The redaction here waits until another session has run: on
+    # the event loop, none ever could.
+    size = 4 * session_module.READ_ASIDE_CHARS
+    script = [call("terminal", {"command": f"head -c {size} /dev/zero | tr '\\0' x > big"}),
+              call("read_file", {"path": "big"}), say("Done.")]
+    redacting, served = threading.Event(), threading.Event()
+    redact = Redactor.__call__
+
+    def observed(self: Redactor, text: str) -> str:
+        if len(text) < size:
+            return redact(self, text)
+        redacting.set()
+        try:
+            served.wait(timeout=10)
+            return redact(self, text)
+        finally:
+            redacting.clear()
+
+    monkeypatch.setattr(Redactor, "__call__", observed)
+    services = worker_services(tmp_path, ScriptedModels(ScriptedModel(script)))
+
+    async def another_session() -> None:
+        while True:
+            await asyncio.sleep(0.001)
+            if redacting.is_set():
+                served.set()
+
+    result = run_beside(services, another_session, task=WITH_FILES)
+    assert len(json.loads(result.turns[1].tool_calls[0].result or "")["content"]) == size
+    assert served.is_set()
