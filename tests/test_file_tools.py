@@ -564,3 +564,34 @@ def test_search_pattern_is_passed_literally_to_the_shell(workspace):
     result = call(workspace, search_files, pattern="$(touch pwned)|;rm -rf x")
     assert not os.path.exists(workspace.prompt_dir / "pwned")
     assert result["matches"] == []
+
+
+@pytest.mark.parametrize("target", ["content", "files"])
+def test_search_reports_a_name_holding_a_newline_as_the_one_file_it_is(workspace, target):
+    # Results were split at newlines: a directory named "a\n." holding "passwd" gave a match in "passwd"
+    # and a file list of "a" and "passwd", neither of which exists.
+    put(workspace, "a\n./passwd", "root:x:0:0\n")
+    result = call(workspace, search_files, pattern="passwd" if target == "files" else "root", target=target)
+    if target == "files":
+        assert result == {"files": ["a\n./passwd"], "truncated": False}
+    else:
+        assert result == {"matches": [{"path": "a\n./passwd", "line": 1, "text": "root:x:0:0"}], "truncated": False}
+
+
+@pytest.mark.parametrize("target", ["content", "files"])
+def test_a_search_whose_output_was_cut_lists_only_what_exists(tmp_path, target):
+    # The output was cut in the middle of a line, and that part line read as a result: a name that
+    # no file has.
+    settings = EnvironmentSettings(work_root=tmp_path / "work", run_label="test", max_output_chars=1_000)
+    env = LocalEnvironment(settings, prompt_index=0)
+    asyncio.run(env.start())
+    try:
+        for number in range(100):
+            put(env, f"p{number:03}_{'z' * 37}", "hit\n")
+        result = call(env, search_files, pattern="*z" if target == "files" else "hit", target=target)
+        found = result["files"] if target == "files" else [match["path"] for match in result["matches"]]
+        assert result["truncated"] and found
+        assert all((env.prompt_dir / name).is_file() for name in found), found
+    finally:
+        asyncio.run(env.close())
+

@@ -29,6 +29,8 @@ _EXIT_GRACE_SECONDS = 0.2
 _KILL_WAIT_SECONDS = 5.0
 # Where pidfds are missing (not Linux), a command's exit is noticed by polling this often.
 _EXIT_POLL_SECONDS = 0.01
+# Ends an output that was cut, before the count of what was dropped.
+TRUNCATION_NOTE = "\n[output truncated: "
 
 
 class OutputCollector:
@@ -58,7 +60,7 @@ class OutputCollector:
         self.feed(b"", final=True)
         output = "".join(self._parts)
         if self._dropped:
-            output += f"\n[output truncated: {self._dropped} more characters not shown]"
+            output += f"{TRUNCATION_NOTE}{self._dropped} more characters not shown]"
         return output, bool(self._dropped)
 
 
