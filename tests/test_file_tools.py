@@ -595,3 +595,27 @@ def test_a_search_whose_output_was_cut_lists_only_what_exists(tmp_path, target):
     finally:
         asyncio.run(env.close())
 
+
+
+# --- '..' after a name: the kernel climbs from where the name leads --------------------------------------
+
+def test_a_write_through_a_symlink_and_dotdot_reports_the_path_as_given(workspace):
+    # 'a/../w' with 'a' a symlink to 'c/d' is 'c/w'; the result named 'w', a file it had not written.
+    (workspace.prompt_dir / "c" / "d").mkdir(parents=True)
+    (workspace.prompt_dir / "a").symlink_to("c/d")
+    assert call(workspace, write_file, path="a/../w", content="x")["path"] == "a/../w"
+    assert (workspace.prompt_dir / "c" / "w").read_text() == "x"
+    assert not (workspace.prompt_dir / "w").exists()
+
+
+def test_a_diff_naming_a_file_with_dotdot_after_a_name_is_refused_and_writes_nothing(workspace):
+    # 'b' and 'a/../b' were taken as one file: with 'a' a symlink to 'c/d', both sections went to 'b',
+    # and 'c/b', the file the second named, was left as it was, the call saying it succeeded.
+    (workspace.prompt_dir / "c" / "d").mkdir(parents=True)
+    (workspace.prompt_dir / "a").symlink_to("c/d")
+    top, below = put(workspace, "b", "one\n"), put(workspace, "c/b", "two\n")
+    diff = ("--- a/b\n+++ b/b\n@@ -1 +1 @@\n-one\n+two\n"
+            "--- a/a/../b\n+++ b/a/../b\n@@ -1 +1 @@\n-two\n+three\n")
+    with pytest.raises(ToolError, match=r"'\.\.' after a directory's name.*Nothing was written"):
+        call(workspace, patch, diff=diff)
+    assert (top.read_text(), below.read_text()) == ("one\n", "two\n")

@@ -74,12 +74,28 @@ class ConfinedPath:
     allow_hard_links: bool  # False where commands could hard-link the user's own files into root
 
     def relative_to_start(self) -> str:
-        """The path relative to the working directory, normalized, as the model should refer to it."""
+        """The path relative to the working directory, normalized, as the model should refer to it; as
+        given where it climbs after a name, which only the lookup could normalize."""
+        if climbs_after_a_name(self.path):
+            return self.path
         if self.path.startswith("/"):
             rest = _beneath_root(self.path, self.root_name)
             assert rest is not None     # the path was resolved, so it is under root_name
             return posixpath.relpath(posixpath.join("/", rest), posixpath.join("/", self.start))
         return posixpath.normpath(self.path)
+
+
+def climbs_after_a_name(path: str) -> bool:
+    """Whether ``path`` has a '..' after a named component ('a/../f'). The kernel climbs from where 'a'
+    leads, which is elsewhere when 'a' is a symlink; normpath climbs by name, and so names another file."""
+    named = False
+    for part in path.split("/"):
+        if part == "..":
+            if named:
+                return True
+        elif part not in ("", "."):
+            named = True
+    return False
 
 
 class _Refused(Exception):

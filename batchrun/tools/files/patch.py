@@ -8,6 +8,7 @@ import posixpath
 import shlex
 from dataclasses import dataclass, field
 
+from batchrun.environments.confined_files import climbs_after_a_name
 from batchrun.time_limit import within
 from batchrun.tools import ToolContext, ToolError
 from batchrun.tools.files.arguments import editable_text, encode_text, optional_string, required_string, switch
@@ -94,10 +95,16 @@ def _target(file_patch: FilePatch) -> str:
 
 async def _file_keys(paths: list[str], ctx: ToolContext) -> list[str]:
     """One key per file for every spelling of it, normalised as the file tools name the file they wrote
-    (ConfinedPath.relative_to_start, container_path: '.' and '..' taken by name): 'f', './f' and
-    'd/../f' are one file. A diff that names files both ways has its relative paths made absolute
-    under the working directory's name as commands see it, the name absolute paths are resolved under.
-    Two names for one file through a symlink stay two keys: only the lookup itself could tell."""
+    (ConfinedPath.relative_to_start, container_path: '.' taken by name): 'f' and './f' are one file. A
+    diff that names files both ways has its relative paths made absolute under the working directory's
+    name as commands see it, the name absolute paths are resolved under. Two names for one file through
+    a symlink stay two keys: only the lookup itself could tell. So a '..' after a name is refused: 'd/../f'
+    is 'f' if 'd' is a directory, and another file if it is a symlink, and either key would be wrong for
+    one of them (two edits of one file, one lost; or one file's hunks applied to another)."""
+    for path in paths:
+        if climbs_after_a_name(path):
+            raise ToolError(f"the diff names {path!r}, with '..' after a directory's name; name the file by its "
+                            "own path (without '..' past a name). Nothing was written")
     keys = [_normalised(path) for path in paths]
     if len({key.startswith("/") for key in keys}) < 2:
         return keys
