@@ -35,6 +35,15 @@ async def _replace_string(args: dict, ctx: ToolContext) -> dict:
     new = required_string(args, "new_string", allow_empty=True)
     replace_all = switch(args, "replace_all")
     data = await ctx.environment().read_file(path)
+    # Off the event loop: decoding, counting and replacing in a file of 10 MB takes a good part of a
+    # second, which the worker's other sessions would wait for.
+    result, count = await asyncio.to_thread(_replaced, data, path, old, new, replace_all, ctx.settings.max_file_bytes)
+    written = await ctx.environment().write_file(path, result)
+    return {"path": written, "replacements": count}
+
+
+def _replaced(data: bytes, path: str, old: str, new: str, replace_all: bool, limit: int) -> tuple[bytes, int]:
+    """The file with ``old`` replaced by ``new``, and how many times."""
     text = editable_text(data, path)
     count = text.count(old)
     if count == 0:
@@ -46,10 +55,9 @@ async def _replace_string(args: dict, ctx: ToolContext) -> dict:
     # Sized before it is built: a short file and a long new_string replaced everywhere multiply into
     # gigabytes, in the worker that every other prompt of it shares.
     size = len(data) + count * (len(encode_text(new)) - len(old.encode("utf-8")))
-    if size > (limit := ctx.settings.max_file_bytes):
+    if size > limit:
         raise ToolError(f"the result would be {size} bytes, more than the file tools' limit of {limit} bytes")
-    written = await ctx.environment().write_file(path, encode_text(text.replace(old, new)))
-    return {"path": written, "replacements": count}
+    return encode_text(text.replace(old, new)), count
 
 
 @dataclass
