@@ -20,16 +20,22 @@ _YES = frozenset({"1", "true", "yes", "on"})
 _NO = frozenset({"0", "false", "no", "off"})
 
 
+def yes_or_no(text: str) -> bool | None:
+    """True for 1, true, yes or on, False for 0, false, no or off, in any case; None for anything else."""
+    word = text.strip().lower()
+    return True if word in _YES else False if word in _NO else None
+
+
 def enabled(name: str) -> bool:
     """A yes/no environment variable: 1, true, yes or on."""
-    return (variable(name) or "").lower() in _YES
+    return yes_or_no(variable(name) or "") is True
 
 
 def switch_problem(name: str) -> str | None:
     """Why a yes/no variable's value is neither, else None: read as no, "y" or "enable" would keep
     closed what the user meant to open, without a word."""
     value = variable(name)
-    if value is None or value.lower() in _YES | _NO:
+    if value is None or yes_or_no(value) is not None:
         return None
     return f"{name} is a switch: 1 to allow, 0 or unset not to; got {value!r}"
 

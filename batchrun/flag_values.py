@@ -17,7 +17,7 @@ from typing import Any, Literal, overload
 from urllib.parse import urlsplit
 
 from batchrun import distributions
-from batchrun.env_vars import usable_http_url
+from batchrun.env_vars import usable_http_url, yes_or_no
 from batchrun.estimate import DEFAULT_SAMPLE
 from batchrun.install_hint import install_hint
 from batchrun.paths import NotRegularFile, lookup_error, open_regular, unexpanded_home
@@ -138,8 +138,15 @@ def estimate_size(flag: str, value: Any) -> int | None:
 
 
 def boolean(flag: str, value: Any) -> bool:
+    """A switch as fire reads it (True, False), or as scripts written for the Hermes runner's ``if flag:``
+    pass it: --resume=1 (an int to fire), --resume=true (a string), yes/no, on/off. Fire's ``if`` took
+    "false" and "no" for true; here they mean what they say."""
     if isinstance(value, bool):
         return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and (word := yes_or_no(value)) is not None:
+        return word
     raise UsageError(f"--{flag} is a switch: pass --{flag} or --{flag}=False, got {value!r}")
 
 

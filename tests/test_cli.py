@@ -262,7 +262,7 @@ def test_providers_allowed_needs_at_least_one_name(tmp_path, endpoint, argument)
 
 
 # Either read as "not that mode": a run, whose first complaint was "--dataset_file is required".
-@pytest.mark.parametrize("argument", ["--report=yes", "--list_distributions=1"])
+@pytest.mark.parametrize("argument", ["--report=maybe", "--list_distributions=2"])
 def test_a_mode_switch_given_a_value_other_than_true_or_false_is_refused_naming_it(tmp_path, endpoint, argument):
     result = run_cli(tmp_path, argument, "--run_name=run")
     flag = argument.partition("=")[0]

@@ -259,3 +259,17 @@ def test_a_prefill_file_nested_too_deeply_to_read_is_refused_in_one_line(tmp_pat
     with pytest.raises(UsageError, match=r"^--prefill_messages_file: .*prefill\.json is nested too deeply to read; "
                                          r"it must hold a JSON array of \{role, content\} messages$"):
         load_prefill("prefill_messages_file", str(prefill))
+
+
+# Scripts written for the Hermes runner (fire, then `if resume:`) pass switches as 1, true or yes: they
+# were refused. Fire's `if` took "false" for true; here it means what it says.
+@pytest.mark.parametrize(("value", "meant"), [(1, True), ("true", True), ("YES", True), ("on", True),
+                                              (0, False), ("false", False), ("No", False), ("off", False)])
+def test_a_switch_takes_the_usual_words_for_yes_and_no(value: object, meant: bool) -> None:
+    assert build_config(**{**BASE, "resume": value, "verbose": value}).output.resume is meant
+
+
+@pytest.mark.parametrize("value", [2, "maybe", "y", None])
+def test_a_switch_given_neither_yes_nor_no_is_one_clear_error(value: object) -> None:
+    with pytest.raises(UsageError, match=r"--resume is a switch: pass --resume or --resume=False"):
+        build_config(**{**BASE, "resume": value})
