@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    REPO,
     REPORTED_COST,
     HeldReplies,
     OutputLines,
@@ -87,6 +88,23 @@ def test_workers_and_the_report_process_exit_when_the_parent_is_killed(tmp_path,
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
     wait_for(lambda: not any(Path(f"/proc/{pid}").exists() and process_state(pid) != "Z" for pid in children), 10)
+
+
+def test_the_helpers_reading_a_big_run_directory_exit_when_the_parent_is_killed(tmp_path):
+    # A resume's scan, or a merge, of a run directory over PARALLEL_READ_MIN_BYTES reads it in forked
+    # helpers: killed then, the parent left them waiting on their pipes for ever.
+    reading = (f"import sys, time; sys.path.insert(0, {str(REPO)!r}); "
+               "from batchrun.run_dir.reading import reading_pool; "
+               "pool = reading_pool(2); [pool.submit(time.sleep, 30) for _ in range(2)]; "
+               "print('reading', flush=True); time.sleep(30)")
+    process = subprocess.Popen([sys.executable, "-c", reading], stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None and process.stdout.readline() == "reading\n"
+    children = Path(f"/proc/{process.pid}/task/{process.pid}/children")
+    wait_for(lambda: len(children.read_text().split()) == 2, 10)
+    helpers = [int(pid) for pid in children.read_text().split()]
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() and process_state(pid) != "Z" for pid in helpers), 10)
 
 
 def test_ctrl_c_saves_finished_work_and_resume_completes(tmp_path, endpoint):

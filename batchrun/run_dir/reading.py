@@ -8,10 +8,12 @@ one forked process per core.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import multiprocessing
 import os
+import signal
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -25,6 +27,7 @@ READ_BUFFER_BYTES = 1 << 20
 # Below this much data a resume scan or a merge is over before helper processes would have started.
 PARALLEL_READ_MIN_BYTES = 64 << 20
 MAX_READ_PROCESSES = 8
+PR_SET_PDEATHSIG = 1
 
 FileRange = tuple[Path, int, int]
 
@@ -148,8 +151,20 @@ def read_processes(files: list[Path]) -> int:
 
 
 def reading_pool(processes: int) -> ProcessPoolExecutor:
-    # Forked, so the helpers need no imports and start in milliseconds.
-    return ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork"))
+    """Forked, so the helpers need no imports and start in milliseconds; each dies with the process that
+    made it. Killed (kill -9, the OOM killer, a scheduler's preemption), that process left them waiting
+    on their pipes for ever, each holding what it had read."""
+    return ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork"),
+                               initializer=_die_with, initargs=(os.getpid(),))
+
+
+def _die_with(parent: int) -> None:
+    """Ask the kernel for SIGKILL when ``parent`` (the thread that forked this process) ends, unless it
+    has ended already."""
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def split_ranges(files: list[Path], parts: int) -> list[list[FileRange]]:
