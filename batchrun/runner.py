@@ -155,12 +155,15 @@ class BatchRunner:
                         f"{', ...' if len(existing) > 5 else ''}). Pass --resume to continue that run, "
                         "or choose a new --run_name to start fresh.")
             return EXIT_ERROR
-        scan = self.run_dir.scan() if config.output.resume else ScanResult()
         if config.output.resume:
+            scan = self.run_dir.scan()
             self._continue_checkpoint()
             # From the rows themselves: the checkpoint misses those written after it, before a kill.
             self.batch_stats = Counter(scan.rows_by_status)
             self._earlier_rows_usage = scan.usage
+        else:   # a run killed before its first result is started again so, and may have left these
+            self.run_dir.remove_unfinished_rewrites()
+            scan = ScanResult()
         self.spent.start()
         # Several samples per prompt, now or in an earlier invocation: the statistics count per prompt.
         self._per_prompt = config.samples_per_prompt > 1 or scan.most_samples > 1

@@ -90,6 +90,19 @@ def test_a_resume_removes_the_temporary_file_a_kill_during_a_rewrite_left(tmp_pa
     assert merged == Counter(PROMPTS)
 
 
+def test_a_fresh_run_removes_the_temporary_file_a_kill_at_its_start_left(tmp_path, endpoint):
+    # A run killed at its start, before any result, may be started again without --resume; only a
+    # resume's scan removed what the kill left.
+    run_dir = tmp_path / "data" / "run"
+    run_dir.mkdir(parents=True)
+    left = run_dir / "spent.jsonl.999999999.0123abcd.tmp"
+    left.write_text("{}\n")
+    result = run_cli(tmp_path, *run_args(endpoint, write_dataset(tmp_path / "dataset.jsonl", PROMPTS)),
+                     env={"TERMINAL_ENV": "local"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert not list(run_dir.glob("*.tmp"))
+
+
 def test_a_resume_keeps_the_temporary_report_of_a_report_command_still_writing_it(tmp_path, endpoint):
     """--report works during a run, without the lock: the page it is writing is its own."""
     run_cli(tmp_path, *run_args(endpoint, write_dataset(tmp_path / "dataset.jsonl", PROMPTS)),
