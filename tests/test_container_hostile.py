@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from batchrun.environments.base import CommandResult, EnvironmentLostError
 from batchrun.environments.container import ContainerEnvironment
 from batchrun.environments.docker import CLI_VARIABLE
 from batchrun.environments.limits import ResourceLimits
+from batchrun.tools import ToolError
 
 # What a command sleeps while its container is ended from outside.
 SLEEPING_COMMAND = "echo started; sleep 30"
@@ -129,3 +131,55 @@ def test_a_command_killed_for_its_memory_keeps_the_environment(engine, tmp_path,
     killed, after = run_in_64_mb(engine, tmp_path, "head -c 300m /dev/zero | tail", "echo still here")
     assert killed.exit_code == 137
     assert after.output == "still here\n"
+
+
+# -- the file tools against what a command leaves -------------------------------------------------------------
+
+
+Step = Callable[[ContainerEnvironment], Awaitable[object]]
+
+
+def in_container(engine: EngineBackend, tmp_path: Path, steps: list[Step], **limits: int) -> list[object]:
+    """What each of ``steps`` gave (or the ToolError it raised), run in turn in one new container with
+    ``limits``."""
+    async def outcome(step: Step, env: ContainerEnvironment) -> object:
+        try:
+            return await step(env)
+        except ToolError as exc:
+            return exc
+
+    env = environment(engine, make_settings(tmp_path, limits=ResourceLimits(**limits)))
+    try:
+        asyncio.run(env.start())
+        return [asyncio.run(outcome(step, env)) for step in steps]
+    finally:
+        asyncio.run(env.close())
+
+
+def test_a_write_replaces_the_file_whole_and_its_hard_links_keep_their_content(engine, tmp_path):
+    # Written in place, a reader saw the file half written, and the write reached every other name of it.
+    results = in_container(engine, tmp_path, [
+        lambda env: env.run("echo old > a; chmod 751 a; ln a elsewhere"),
+        lambda env: env.write_file("a", b"new"),
+        lambda env: env.run("cat a; echo; cat elsewhere; stat -c %a a; ls -A")])
+    assert results[-1].output == "new\nold\n751\na\nelsewhere\n"
+
+
+def test_a_write_cut_short_by_a_full_disk_keeps_the_old_content(engine, tmp_path):
+    # Written in place, the failed write left 4 MiB of a half-written file where the old one was.
+    results = in_container(engine, tmp_path, [
+        lambda env: env.run("echo old > /tmp/f"),
+        lambda env: env.write_file("/tmp/f", b"x" * (3 << 20)),
+        lambda env: env.run("cat /tmp/f; ls -A /tmp")], tmp_mb=2)
+    assert isinstance(results[1], ToolError)
+    assert results[-1].output == "old\nf\n"
+
+
+def test_a_directory_whose_name_ends_in_a_newline_is_written_in(engine, tmp_path):
+    # $(dirname) dropped the newline: the write failed, and left a directory named without it.
+    results = in_container(engine, tmp_path, [
+        lambda env: env.write_file("dir\n/f.txt", b"here"),
+        lambda env: env.read_file("dir\n/f.txt"),
+        lambda env: env.run("ls -A | wc -l")])      # one name, of two lines
+    assert results[1:] == [b"here", CommandResult(output="2\n", exit_code=0)]
+

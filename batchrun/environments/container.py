@@ -62,13 +62,25 @@ _CLI_GRACE_SECONDS = 5.0
 _KILLED_BY_TIMEOUT = 137
 # Exit statuses of the file scripts below (sh itself and the CLIs use 1, 2, 125-127 and 255).
 _MISSING, _IS_DIRECTORY, _NOT_REGULAR = 3, 4, 5
+# How long reading a file may take: a regular file of the largest size the tools read takes milliseconds,
+# and a command may swap the file for a FIFO between the look at it and its opening, which then waits
+# for a writer that never comes.
+_READ_SECONDS = 10
 # $1: the file, $2: how many bytes to read at most (one more than allowed, to notice a larger file).
 _READ_SCRIPT = (f'[ -e "$1" ] || exit {_MISSING}; [ -d "$1" ] && exit {_IS_DIRECTORY}; '
-                f'[ -f "$1" ] || exit {_NOT_REGULAR}; exec head -c "$2" "$1"')
-# $1: the file; the content comes on stdin. Only a regular file is written over: opening a FIFO waits
-# for a reader that never comes, and a device or socket is no file to keep what the model wrote.
+                f'[ -f "$1" ] || exit {_NOT_REGULAR}; exec timeout -s KILL {_READ_SECONDS} head -c "$2" "$1"')
+# $1: the file; the content comes on stdin. Only a regular file is replaced: a FIFO would wait for a
+# reader that never comes, and a device or socket is no file to keep what the model wrote. The content
+# goes to a new file beside it, renamed over it (with its mode, or the umask's) once whole: readers see the old content
+# or the new, a write cut short (a full disk) leaves the old one, and a hard link's other names keep theirs.
+# The directory is taken with a mark after dirname's newline, which $() would take with any newline
+# ending the directory's own name.
 _WRITE_SCRIPT = (f'[ -d "$1" ] && exit {_IS_DIRECTORY}; [ -e "$1" ] && [ ! -f "$1" ] && exit {_NOT_REGULAR}; '
-                 'mkdir -p "$(dirname "$1")" && cat > "$1"')
+                 'directory=$(dirname -- "$1"; echo .); directory=${directory%??}; '
+                 'mkdir -p -- "$directory" && temporary=$(mktemp "$directory/.batchrun-write-XXXXXXXX") || exit 1; '
+                 'if [ -f "$1" ]; then mode=$(stat -c %a -- "$1"); else mode=$(printf %o $((0666 & ~0$(umask)))); fi; '
+                 'if cat > "$temporary" && chmod "$mode" "$temporary" && '
+                 'mv -f -- "$temporary" "$1"; then exit 0; fi; rm -f -- "$temporary"; exit 1')
 # Runs its arguments after the first with stderr into stdout inside the container, so that the two stay in
 # the order written: a runtime forwarding them as two streams (docker and podman exec do) mixes them up.
 # The first caps the size of every file they write, in the 512-byte blocks of POSIX `ulimit -f`: the one
@@ -80,8 +92,10 @@ _WRITE_SCRIPT = (f'[ -d "$1" ] && exit {_IS_DIRECTORY}; [ -e "$1" ] && [ ! -f "$
 # kernel kills when the container runs out of memory (an oom_score_adj of 1000, which any process may raise
 # its own to): at a tie of small processes, a second kill while the first one's memory was still being
 # freed could take the container's first process, and the container ended with the command.
-_MERGED = ('ulimit -f "$1" 2>/dev/null; echo 1000 > /proc/self/oom_score_adj 2>/dev/null; mkdir -p "$2" 2>/dev/null; '
-           'cd "$2" || cd /; shift 2; exec "$@" 2>&1')
+# The wrapper starts no program of its own before the command (`[` is the shell's): with the container's
+# processes at their limit, a failed fork there ended every later command with status 2 and no word.
+_MERGED = ('ulimit -f "$1" 2>/dev/null; echo 1000 > /proc/self/oom_score_adj 2>/dev/null; '
+           '[ -d "$2" ] || mkdir -p "$2" 2>/dev/null; cd "$2" || cd /; shift 2; exec "$@" 2>&1')
 _ULIMIT_BLOCK = 512
 
 
