@@ -441,9 +441,9 @@ class Session:
         # a file read within the tools' 10 MB could come to 60 million characters.
         room = MAX_RESULT_CHARS - self._result_chars
         if len(result) > room:
-            result = _error(f"not kept: its result held {len(result):,} characters, more than this prompt's tool "
-                            f"results may still take ({room:,} of {MAX_RESULT_CHARS:,}); ask for less at once "
-                            "(a window of a file's lines, a narrower search)")
+            result = _error(f"ran, but its result is not kept: it held {len(result):,} characters, more than this "
+                            f"prompt's tool results may still take ({room:,} of {MAX_RESULT_CHARS:,}); ask for less "
+                            "at once (a window of a file's lines, a narrower search)")
         self._result_chars += len(result)
         return result, invented
 

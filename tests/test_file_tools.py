@@ -19,6 +19,7 @@ from batchrun.environments.local import LocalEnvironment
 from batchrun.time_limit import within
 from batchrun.tools import ToolContext, ToolError
 from batchrun.tools.files import patch, read_file, search_files, write_file
+from batchrun.tools.files import search as search_module
 from batchrun.tools.files.diff import Hunk, Lines, apply_hunks
 
 Handler = Callable[[dict, ToolContext], Awaitable[dict]]
@@ -636,3 +637,10 @@ def test_a_diff_naming_a_file_with_dotdot_after_a_name_is_refused_and_writes_not
     with pytest.raises(ToolError, match=r"'\.\.' after a directory's name.*Nothing was written"):
         call(workspace, patch, diff=diff)
     assert (top.read_text(), below.read_text()) == ("one\n", "two\n")
+
+
+def test_greps_note_on_a_binary_file_among_the_results_loses_no_match():
+    # grep before 3.5 (Ubuntu 20.04, Debian 10, CentOS 7) writes "Binary file X matches" among its results,
+    # on stdout and without a NUL: it was taken for the start of the next path, and that file's match lost.
+    output = "./a\x001:abc\nBinary file ./b matches\n./c\x001:abc\n./d\x002:abc\n"
+    assert [match["path"] for match in search_module._grep_matches(output)] == ["a", "c", "d"]

@@ -9,6 +9,7 @@ Small synthetic runs, read in process: fast, and independent of the scripted end
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ import pytest
 from conftest import made_a_fifo_once_checked, read_jsonl
 
 from batchrun import export, report, rows
+from batchrun.export import files as export_files
 from batchrun.report import scan as report_scan
 from batchrun.rows import AssistantTurn, SessionResult, ToolCallRecord, Usage
 from batchrun.run_dir import RunDirectoryError
@@ -282,6 +284,20 @@ def test_an_export_whose_best_of_record_is_a_directory_is_refused_before_it_writ
     with pytest.raises(export.ExportError, match=r"out\.best_of\.json is a directory.*remove it or choose another"):
         export.export_run(export.ExportOptions(format="sharegpt", run_dir=run_dir, out=out, best_of=best_of))
     assert out.read_text() == "an earlier export\n"
+
+
+def test_an_export_to_a_folder_that_cannot_be_locked_is_written_all_the_same(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # NFS refuses a lock on a directory (EBADF, or ENOLCK where it is mounted nolock): every export there
+    # failed once exports to one folder waited for each other.
+    def refused(descriptor: int, operation: int) -> None:
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    monkeypatch.setattr(export_files.fcntl, "flock", refused)
+    run_dir = write_run(tmp_path / "data" / "run", [[finished_line(0)]])
+    out = tmp_path / "out.jsonl"
+    assert export.export_run(export.ExportOptions(format="sharegpt", run_dir=run_dir, out=out)).kept == 1
+    assert len(out.read_text().splitlines()) == 1
 
 
 # -- nesting at the edge of what Python reads -----------------------------------------------------------------

@@ -160,10 +160,10 @@ def reading_pool(processes: int) -> ProcessPoolExecutor:
 
 def _die_with(parent: int) -> None:
     """Ask the kernel for SIGKILL when ``parent`` (the thread that forked this process) ends, unless it
-    has ended already."""
-    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent:
+    has ended already. Where it cannot be asked (no prctl, or a system-call filter refuses it), the
+    helper reads as it did before, outliving a parent killed outright."""
+    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
+    if prctl is not None and prctl(PR_SET_PDEATHSIG, signal.SIGKILL) == 0 and os.getppid() != parent:
         os._exit(1)
 
 

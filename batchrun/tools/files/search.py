@@ -105,6 +105,10 @@ def _grep_matches(found: str) -> list[dict]:
         if colon and number.isdigit() and name.startswith("./"):
             matches.append({"path": posixpath.normpath(name), "line": int(number), "text": text[:_MATCH_TEXT_CHARS]})
         name = following
+        # grep before 3.5 writes its note on a binary file that matches ("Binary file ./b matches") among
+        # the results: the next path starts after it.
+        while "\n" in name and not name.startswith("./"):
+            name = name.partition("\n")[2]
     return matches
 
 
