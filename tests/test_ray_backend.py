@@ -645,10 +645,11 @@ def test_a_prompt_that_kills_its_actor_twice_gets_a_failure_row_and_the_run_goes
 
 
 class TwoNodeCluster:
-    """A Ray head and a second node on 127.0.0.1, one CPU each, started with tests/ray_node.py; every process of each node is found by its tag (and the processes below those)."""
+    """A Ray head and a second node on 127.0.0.1, one CPU each (the head ``head_cpus``), started with tests/ray_node.py; every process of each node is found by its tag (and the processes below those)."""
 
-    def __init__(self, temp_dir: str, tmp_path: Path) -> None:
+    def __init__(self, temp_dir: str, tmp_path: Path, head_cpus: int = 1) -> None:
         self.port = free_port()
+        self.head_cpus = head_cpus
         self.address = f"127.0.0.1:{self.port}"
         self.tags = {"head": uuid.uuid4().hex, "second": uuid.uuid4().hex}
         self._temp_dir, self._tmp_path = temp_dir, tmp_path
@@ -660,16 +661,16 @@ class TwoNodeCluster:
 
     def start(self) -> None:
         self.start_head()
-        self._ray_start("second", f"--address={self.address}", *self._common())
+        self._ray_start("second", f"--address={self.address}", *self._common(cpus=1))
 
     def start_head(self) -> None:
         """The head node alone: a cluster of one node."""
         self._ray_start("head", "--head", f"--port={self.port}", f"--temp-dir={self._temp_dir}",
-                        "--include-dashboard=false", *self._common())
+                        "--include-dashboard=false", *self._common(cpus=self.head_cpus))
 
     @staticmethod
-    def _common() -> list[str]:
-        return ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats",
+    def _common(cpus: int) -> list[str]:
+        return ["--node-ip-address=127.0.0.1", f"--num-cpus={cpus}", "--disable-usage-stats",
                 f"--dashboard-agent-listen-port={free_port()}"]   # not Ray's fixed default 52365
 
     def _ray_start(self, node: str, *flags: str) -> None:
@@ -782,3 +783,43 @@ def test_losing_the_ray_head_mid_run_stops_the_run_in_order_with_one_clear_line(
     assert "The run stopped; finished prompts are saved." in stderr and "Traceback" not in stderr
     written = Counter(map(row_prompt, batch_rows(run_dir)))
     assert len(written) >= 3 and set(written.values()) == {1}
+
+
+@needs_ray
+def test_losing_the_ray_head_while_the_sessions_run_on_another_node_stops_the_run_and_fails_no_prompt(
+        tmp_path, ray_tmpdir, endpoint):
+    """The run's rate-limit keeper lives on the runner's node, the head here, and goes with it; the sessions on
+    the other node then meet no keeper at their next model request. That is the head's loss, not a failure of
+    their prompts (each had already paid for a reply): they are left to --resume, as the prompts of any stop."""
+    cluster = TwoNodeCluster(ray_tmpdir, tmp_path, head_cpus=0)      # every session actor on the second node
+    prompts = [f'[[call terminal {{"command": "sleep 1"}}]] question {i}' for i in range(20)]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    run_dir = tmp_path / "data" / "run"
+    try:
+        cluster.start()
+        process = subprocess.Popen(
+            batch_runner_command(*args(dataset, endpoint, "--num_workers=2", "--backend=ray")),
+            cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=cli_environment(tmp_path, {**cluster.environment, "RAY_ADDRESS": cluster.address,
+                                           "TERMINAL_ENV": "local"}))
+        try:
+            wait_for(lambda: finished_row_count(run_dir) >= 3 or process.poll() is not None, timeout=120,
+                     what="three finished rows")
+            cluster.kill("head")
+            lost_at = time.monotonic()
+            stdout, stderr = process.communicate(timeout=120)
+            stopped_after = time.monotonic() - lost_at
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    finally:
+        cluster.kill("second", "head")
+    assert process.returncode == 1, stderr
+    assert stopped_after < 30, stderr
+    assert f"error: the Ray cluster's head at {cluster.address} no longer answers" in stderr
+    assert "Traceback" not in stderr
+    written = batch_rows(run_dir)
+    assert [row_prompt(row) for row in written if row.get("failed")] == []
+    assert len(written) >= 3 and set(Counter(map(row_prompt, written)).values()) == {1}
+

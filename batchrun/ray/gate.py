@@ -17,7 +17,26 @@ from typing import Any
 
 from batchrun import concurrency
 from batchrun.concurrency import ConcurrencyFigures, Outcome, Ticket
+from batchrun.model import RunFatalError
 from batchrun.rate_limit import GIVEN_BACK_MOST, Gate, pace_interval, take_pace_slot
+
+
+class KeeperLost(RunFatalError):
+    """The GateKeeper no longer answers: no session can send a model request under the run's limits. It lives
+    on the runner's node, so this is mostly the cluster's head gone with it (the pool says so then). A stop
+    of the run, never a failure row of the prompt that asked: its session did nothing wrong."""
+
+
+async def _answer(call: Any) -> Any:
+    """The keeper's answer to ``call`` (an ObjectRef), or KeeperLost where the keeper is gone or cannot be
+    reached."""
+    from ray.exceptions import RayActorError  # in the actor's process, which has Ray
+
+    try:
+        return await call
+    except RayActorError as exc:
+        raise KeeperLost("the run's rate-limit keeper (a Ray actor on the runner's node) cannot be reached: "
+                         f"{type(exc).__name__}") from None
 
 
 class GateKeeper:
@@ -129,7 +148,7 @@ class KeeperLimit:
     async def admit(self) -> Ticket:
         admitted = self._keeper.admit.remote(self.holder)
         try:
-            return await admitted
+            return await _answer(admitted)
         except asyncio.CancelledError:
             # The keeper hands the slot out all the same once one is free: give it back then.
             asyncio.ensure_future(self._give_back(admitted))
@@ -146,7 +165,7 @@ class KeeperLimit:
         self._keeper.retrying.remote(self.holder, change, cause)
 
     async def failed(self, seen: int) -> tuple[int, bool]:
-        replies, held = await self._keeper.failed.remote(seen)
+        replies, held = await _answer(self._keeper.failed.remote(seen))
         return int(replies), bool(held)
 
     async def _give_back(self, admitted: Any) -> None:
@@ -187,7 +206,7 @@ class RayRateGate(Gate):
         self._keeper.pause.remote(until)
 
     async def _reserve(self) -> float:
-        return float(await self._keeper.reserve.remote())
+        return float(await _answer(self._keeper.reserve.remote()))
 
     def _give_back(self, slot: float) -> None:
         self._keeper.give_back.remote(slot)

@@ -239,9 +239,12 @@ class RayWorkerPool:
                 self._replacement_started(ref, self._starting.pop(ref))
             elif ref in self._pending:       # an actor lost earlier in this loop may have taken it already
                 messages.extend(self._outcome(ref))
-        if len(self._lost) > lost_before and (head_gone := self._head_gone()) is not None:
-            messages.append(head_gone)
-            return messages
+        # An actor's Fatal may be the head's loss too, seen from its node: the rate-limit keeper went with it.
+        if ((len(self._lost) > lost_before or any(isinstance(message, Fatal) for message in messages))
+                and (head_gone := self._head_gone()) is not None):
+            return [*(message for message in messages if not isinstance(message, Fatal)),
+                    Fatal(f"{head_gone}; the prompts that were running have no row yet (--resume runs them once "
+                          "the cluster is back)")]
         self._give_up_late_replacements()
         if not self._live_actors() and not self._starting:
             messages.append(Fatal("every Ray session actor was lost and none could be replaced; the prompts "
@@ -323,16 +326,16 @@ class RayWorkerPool:
              f"actor(s) with {sessions} sessions remain; a replacement is starting")
         return failed
 
-    def _head_gone(self) -> Fatal | None:
-        """The run's end when the cluster's head (its GCS) no longer answers, asked after actors are lost:
-        no actor can be replaced then, and Ray itself ends this process about 60 s later with a line of
-        its own. Stopping at once keeps the run's own stop (rows saved, report, one clear line)."""
+    def _head_gone(self) -> str | None:
+        """Why the run must end, when the cluster's head (its GCS) no longer answers; asked when actors are
+        lost, fail, or are slow to start: no actor can be started then, and Ray itself ends this process
+        about 60 s later with a line of its own. Stopping at once keeps the run's own stop (rows saved, one
+        clear line)."""
         if self._head is None or (why := cluster.unreachable(*self._head)) is None:
             return None
         self._head_lost = True
         host, port = self._head
-        return Fatal(f"the Ray cluster's head at {host}:{port} no longer answers ({why}); the prompts that "
-                     "were running have no row yet (--resume runs them once the cluster is back)")
+        return f"the Ray cluster's head at {host}:{port} no longer answers ({why})"
 
     def _start_replacement(self, slots: int) -> None:
         """A new actor where the cluster has a free CPU (after a crash, the lost actor's own); a lost
