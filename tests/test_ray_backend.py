@@ -823,3 +823,46 @@ def test_losing_the_ray_head_while_the_sessions_run_on_another_node_stops_the_ru
     assert [row_prompt(row) for row in written if row.get("failed")] == []
     assert len(written) >= 3 and set(Counter(map(row_prompt, written)).values()) == {1}
 
+
+@needs_ray
+def test_losing_the_ray_head_while_the_actors_start_stops_the_run_at_once_with_one_clear_line(
+        tmp_path, ray_tmpdir, endpoint):
+    """The session actor starts on the second node, where its check of the node asks the container CLI for its
+    version, which never answers. Before, the runner waited on that actor until Ray ended it 60 s after the
+    head was lost, with a line of Ray's."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    asked = tmp_path / "asked"
+    (bin_dir / "docker").write_text(f'#!/bin/sh\n[ "$1" = version ] || exit 0\ntouch {asked}\n'
+                                    'while kill -0 $PPID; do sleep 0.1; done\n')
+    (bin_dir / "docker").chmod(0o755)
+    cluster = TwoNodeCluster(ray_tmpdir, tmp_path, head_cpus=0)
+    cluster.environment["PATH"] = f"{bin_dir}:{os.environ['PATH']}"     # the nodes' too, so the actor's
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["never started"])
+    try:
+        cluster.start()
+        process = subprocess.Popen(
+            batch_runner_command(*args(dataset, endpoint, "--num_workers=1", "--backend=ray")),
+            cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=cli_environment(tmp_path, {**cluster.environment, "RAY_ADDRESS": cluster.address,
+                                           "TERMINAL_ENV": "docker"}))
+        try:
+            wait_for(lambda: asked.exists() or process.poll() is not None, timeout=90,
+                     what="an actor's check of its node")
+            cluster.kill("head")
+            lost_at = time.monotonic()
+            stdout, stderr = process.communicate(timeout=120)
+            stopped_after = time.monotonic() - lost_at
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    finally:
+        cluster.kill("second", "head")
+    assert process.returncode == 1, stderr
+    assert stopped_after < 30, stderr          # Ray alone ends the process after 60 s
+    assert stderr.strip().splitlines()[0].startswith(
+        f"error: the Ray cluster's head at {cluster.address} no longer answers ("), stderr
+    assert "Traceback" not in stderr and "GCS" not in stdout + stderr
+    assert endpoint.requests == []
+

@@ -31,6 +31,7 @@ from batchrun.stop_signals import STOP_SIGNALS, Interrupted
 from batchrun.workers import STOP_GRACE_SECONDS, PoolStartError, process_count, split_slots
 
 ACTOR_START_TIMEOUT = 180.0     # seconds for every actor to be placed, import the worker code and check its node
+HEAD_CHECK_INTERVAL = 2.0       # seconds between looks at the head while the actors start
 SPARE_CONCURRENCY = 4           # actor calls beyond the session slots: probe, stop
 FIGURES_INTERVAL = 0.5          # seconds between questions to the gate actor for the live display
 SPENT_INTERVAL = 1.0            # seconds between collections of each actor's replies' usage (drain_spent)
@@ -130,11 +131,10 @@ class RayWorkerPool:
 
         self._new_actor = new_actor
         self._actors = [new_actor(slots) for slots in capacity]
+        probes = [actor.probe.remote() for actor in self._actors]
+        self._wait_for_probes(probes, count)
         try:
-            self._nodes = ray.get([actor.probe.remote() for actor in self._actors], timeout=ACTOR_START_TIMEOUT)
-        except ray.exceptions.GetTimeoutError:
-            raise PoolStartError(f"Ray did not start {count} session actors (1 CPU each) within "
-                                 f"{ACTOR_START_TIMEOUT:.0f} s; are the cluster's CPUs taken?") from None
+            self._nodes = ray.get(probes)
         except ray.exceptions.RayError as exc:
             raise PoolStartError(f"a session actor failed to start: {_last_lines(exc)}") from None
         self._capacity, self._free = capacity, list(capacity)
@@ -144,6 +144,24 @@ class RayWorkerPool:
             raise PoolStartError("\n".join(f"Ray node {label} cannot run this run's sessions: {problem}"
                                            for label, problem in problems.items()))
         self._clean_other_nodes()
+
+    def _wait_for_probes(self, probes: list[Any], count: int) -> None:
+        """Until every new actor's probe has answered (or failed). A head gone meanwhile stops the start at
+        once: Ray would wait for it 60 s and then end this process with a line of its own."""
+        ray = self.ray
+        deadline = time.monotonic() + ACTOR_START_TIMEOUT
+        while probes:
+            if time.monotonic() > deadline:
+                raise PoolStartError(f"Ray did not start {count} session actors (1 CPU each) within "
+                                     f"{ACTOR_START_TIMEOUT:.0f} s; are the cluster's CPUs taken?")
+            _, probes = ray.wait(probes, num_returns=len(probes), timeout=HEAD_CHECK_INTERVAL)
+            if probes:
+                self._stop_if_head_gone()
+
+    def _stop_if_head_gone(self) -> None:
+        """While the actors start: see _head_gone."""
+        if (head_gone := self._head_gone()) is not None:
+            raise PoolStartError(f"{head_gone}; no prompt has started")
 
     def _clean_other_nodes(self) -> None:
         """Environments' leftovers on the nodes other than this one (the parent cleans its own), by one
