@@ -866,3 +866,21 @@ def test_losing_the_ray_head_while_the_actors_start_stops_the_run_at_once_with_o
     assert "Traceback" not in stderr and "GCS" not in stdout + stderr
     assert endpoint.requests == []
 
+
+@needs_ray
+def test_a_node_lost_just_before_the_run_costs_its_actor_not_the_run(tmp_path, endpoint, two_node_cluster):
+    """Ray counts a node killed a moment ago as alive for a while (until its heartbeats are missed), and
+    places a session actor there, which never starts. That is a node lost, as during a run: a warning with a
+    clean first line, and the run goes on with the actor that started. Ray's own line about the dead node
+    reaches the runner's output without terminal control characters."""
+    two_node_cluster.kill("second")
+    prompts = [f"[[sleep 0.2]] question {i}" for i in range(6)]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    result = run_cli(tmp_path, *args(dataset, endpoint, "--num_workers=2", "--backend=ray", batch_size=100),
+                     env={**two_node_cluster.environment, "RAY_ADDRESS": two_node_cluster.address}, timeout=240)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^warning: a Ray session actor was lost while it started \(ActorDiedError: The actor died",
+                     result.stderr, re.MULTILINE), result.stderr
+    assert "error:" not in result.stderr
+    assert Counter(map(row_prompt, batch_rows(tmp_path / "data" / "run"))) == Counter(prompts)
+    assert "\x1b" not in result.stdout + result.stderr

@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 from typing import Any
 
 from batchrun.install_hint import install_hint
@@ -58,6 +59,15 @@ def set_join_environment() -> None:
     """What Ray reads when it is imported to join a cluster: call before :func:`import_ray`."""
     for name, value in JOIN_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
+
+
+def set_output_environment() -> None:
+    """Ray prints its processes' log lines (a node marked dead, say) on the runner's stdout and stderr, each
+    behind a coloured prefix; where those are not a terminal the run's output holds no terminal control
+    characters (docs/layout.md), so the prefix goes plain there. Ray reads it as it prints; your own
+    RAY_COLOR_PREFIX wins."""
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 
 def head_endpoint(address: str) -> tuple[str, int] | None:

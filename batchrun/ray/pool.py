@@ -92,6 +92,7 @@ class RayWorkerPool:
     # -- start ---------------------------------------------------------------------------------------
 
     def _connect(self) -> None:
+        cluster.set_output_environment()
         if self._address is None:
             cluster.set_local_environment()
             self._watcher = Watcher()     # before Ray starts, so that Ray's processes carry its mark
@@ -130,20 +131,46 @@ class RayWorkerPool:
                     .remote(slots, config, gate, env_settings, available_tools))
 
         self._new_actor = new_actor
-        self._actors = [new_actor(slots) for slots in capacity]
-        probes = [actor.probe.remote() for actor in self._actors]
+        actors = [new_actor(slots) for slots in capacity]
+        probes = [actor.probe.remote() for actor in actors]
         self._wait_for_probes(probes, count)
-        try:
-            self._nodes = ray.get(probes)
-        except ray.exceptions.RayError as exc:
-            raise PoolStartError(f"a session actor failed to start: {_last_lines(exc)}") from None
-        self._capacity, self._free = capacity, list(capacity)
+        lost = self._take_started(actors, capacity, probes)
+        if lost:      # perhaps with the head, which no replacement would outlive
+            self._stop_if_head_gone()
         labels = self._node_labels()
         problems = {labels[node["node_id"]]: node["problem"] for node in self._nodes if node["problem"]}
         if problems:
             raise PoolStartError("\n".join(f"Ray node {label} cannot run this run's sessions: {problem}"
                                            for label, problem in problems.items()))
+        for slots, exc in lost:
+            self._start_replacement(slots)
+            warn(f"a Ray session actor was lost while it started ({_ray_said(exc)}); {self._live_actors()} "
+                 f"actor(s) with {sum(self._capacity)} sessions go on; a replacement is starting")
         self._clean_other_nodes()
+
+    def _take_started(self, actors: list[Any], capacity: list[int],
+                      probes: list[Any]) -> list[tuple[int, BaseException]]:
+        """The actors whose probe answered become the pool's; the others' slots, each with what Ray said,
+        are returned: their node died as they were placed (Ray counts a node killed a moment ago alive
+        until its heartbeats are missed), a node lost as during the run."""
+        ray = self.ray
+        lost: list[tuple[int, BaseException]] = []
+        for actor, slots, probe in zip(actors, capacity, probes, strict=True):
+            try:
+                node = ray.get(probe)
+            except ray.exceptions.RayActorError as exc:
+                if exc.actor_init_failed:     # the actor's own code failed: so would every replacement's
+                    raise PoolStartError(f"a session actor failed to start: {_ray_said(exc)}") from None
+                self._discard(actor)
+                lost.append((slots, exc))
+                continue
+            except ray.exceptions.RayError as exc:
+                raise PoolStartError(f"a session actor failed to start: {_ray_said(exc)}") from None
+            self._actors.append(actor)
+            self._capacity.append(slots)
+            self._free.append(slots)
+            self._nodes.append(node)
+        return lost
 
     def _wait_for_probes(self, probes: list[Any], count: int) -> None:
         """Until every new actor's probe has answered (or failed). A head gone meanwhile stops the start at
@@ -314,7 +341,7 @@ class RayWorkerPool:
         except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError) as exc:
             return self._lose(actor, exc, attempt)
         except ray.exceptions.RayError as exc:   # the call itself failed (not its prompt): a bug, stop
-            return [Fatal(f"Ray session actor {self._actor_name(actor)} failed: {_last_lines(exc)}")]
+            return [Fatal(f"Ray session actor {self._actor_name(actor)} failed: {_ray_said(exc)}")]
         self._free[actor] += 1
         return messages
 
@@ -367,7 +394,7 @@ class RayWorkerPool:
             node = self.ray.get(ref)
         except self.ray.exceptions.RayError as exc:
             self._discard(replacement.actor)
-            warn(f"a replacement Ray session actor failed to start: {_last_lines(exc, 1)}")
+            warn(f"a replacement Ray session actor failed to start: {_ray_said(exc)}")
             return
         if node["problem"]:
             self._discard(replacement.actor)
@@ -469,6 +496,10 @@ class RayWorkerPool:
         return spent
 
 
-def _last_lines(exc: BaseException, lines: int = 6) -> str:
-    text = str(exc).strip().splitlines()
-    return "\n".join(text[-lines:]) if text else type(exc).__name__
+def _ray_said(exc: BaseException) -> str:
+    """One line for a Ray exception: its type and the first line of its message, which starts the sentence
+    (the lines below list ids and addresses), and for a longer message its last line, where a traceback
+    names the exception raised."""
+    text = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    said = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    return f"{said} … {text[-1]}" if len(text) > 1 else said
