@@ -369,7 +369,8 @@ def test_extract_returns_other_text_as_it_is_and_refuses_binary(site, allow_priv
     assert "image/png" in results[3]["error"]
 
 
-@pytest.mark.parametrize("charset", ["rot13", "hex", "base64", "zlib", "no-such-charset"])
+@pytest.mark.parametrize("charset", ["rot13", "hex", "base64", "zlib", "no-such-charset", "idna", "punycode",
+                                     "undefined", "unicode_escape"])
 def test_a_page_naming_a_charset_that_is_no_text_encoding_is_read_as_utf8(site, allow_private, charset):
     # Python knows these names, as codecs from bytes to bytes or str to str: decoding a page with one
     # raised out of the tool, and the other pages of the call were lost with it.
@@ -818,10 +819,13 @@ def test_vision_refuses_non_images_metadata_urls_and_other_schemes(endpoint, wor
     assert endpoint.requests == []
 
 
-@pytest.mark.parametrize("host", ["0xa9fea9fe", "2852039166", "169.254.43518", "0xa9.0xfe.0xa9.0xfe", "0x7f.1", "127.1"])
+@pytest.mark.parametrize("host", ["0xa9fea9fe", "2852039166", "169.254.43518", "0xa9.0xfe.0xa9.0xfe", "0x7f.1", "127.1",
+                                  "0x7f.0x.0x.1", "127.0.0x.1", "0x", "0xc0.0xa8.0x.1", "10.0x.0x.1", "08.1"])
 def test_vision_refuses_an_address_written_in_another_ipv4_notation(endpoint, host):
     # Before, only dotted-decimal addresses were judged: the provider's fetcher (glibc, a WHATWG URL
-    # parser) reads 0xa9fea9fe as 169.254.169.254, and the URL was passed on as public.
+    # parser) reads 0xa9fea9fe as 169.254.169.254, and the URL was passed on as public. Then a bare '0x',
+    # which a WHATWG parser reads as 0 and inet_aton refused, passed as no address: Node fetched
+    # 0x7f.0x.0x.1 from 127.0.0.1. A number notation that makes no address is refused too.
     with pytest.raises(ToolError, match="refused"):
         call(vision_analyze, {"image": f"http://{host}/latest/meta-data/", "question": "?"},
              base_url=endpoint.base_url)

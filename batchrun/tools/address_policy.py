@@ -93,12 +93,33 @@ def host_refusal(host: str) -> str | None:
         pass
     if not _IPV4_NOTATION.fullmatch(host):
         return None
-    try:
-        address = ipaddress.IPv4Address(socket.inet_aton(host))
-    except OSError:
-        return None
+    address = _ipv4_number(host)
+    if address is None:
+        return f"{host} is written as an IPv4 address that is none; name the host, or write its address plainly"
     reason = _refusal(address)
     return f"{host} is {address}, which {reason}" if reason else None
+
+
+def _ipv4_number(host: str) -> ipaddress.IPv4Address | None:
+    """The address a URL parser reads in ``host`` (an _IPV4_NOTATION), or None where its parts make none.
+    By the rules of C's inet_aton and of WHATWG's URL parser (browsers, Node) alike, with the latter's
+    '0x' alone read as 0, which inet_aton refused: '0x7f.0x.0x.1' passed as no address, and Node fetched
+    127.0.0.1."""
+    values = []
+    for part in host.split("."):
+        if part[:2].lower() == "0x":
+            values.append(int(part[2:] or "0", 16))
+        elif len(part) > 1 and part.startswith("0"):
+            try:
+                values.append(int(part, 8))
+            except ValueError:      # '08': no octal number
+                return None
+        else:
+            values.append(int(part))
+    *leading, last = values
+    if any(value > 255 for value in leading) or last >= 256 ** (5 - len(values)):
+        return None
+    return ipaddress.IPv4Address(sum(value << 8 * (3 - place) for place, value in enumerate(leading)) + last)
 
 
 async def allowed_addresses(host: str, port: int) -> list[str]:

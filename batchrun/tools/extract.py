@@ -251,6 +251,9 @@ def _looks_like_html(body: bytes) -> bool:
     return head.startswith((b"<!doctype html", b"<html")) or b"<body" in head
 
 
+_NO_CHARSETS = frozenset({"idna", "punycode", "undefined", "unicode-escape", "raw-unicode-escape"})
+
+
 def _codec(charset: str | None) -> str:
     """The server's charset when Python knows it as a text encoding, else UTF-8."""
     if charset:
@@ -258,8 +261,10 @@ def _codec(charset: str | None) -> str:
             info = codecs.lookup(charset)
         except LookupError:
             return "utf-8"
-        # Python also knows codecs that are no text encodings (rot13, hex, zlib): decode() refuses them.
-        if info._is_text_encoding:
+        # Python also knows codecs that are no text encodings (rot13, hex, zlib): decode() refuses them;
+        # and text encodings that are no charset: idna and undefined raise whatever errors= says (the page's
+        # parse process died with a traceback on the console), punycode and the escapes make other text.
+        if info._is_text_encoding and info.name not in _NO_CHARSETS:
             return info.name
     return "utf-8"
 
