@@ -409,6 +409,8 @@ def test_extract_reports_each_failing_url_and_fails_only_when_all_fail(site, all
     ("http://192.0.0.192/latest/", "link-local or cloud-metadata"),
     ("http://[fe80::1]/", "link-local or cloud-metadata"),
     ("http://metadata.google.internal/computeMetadata/v1/", "cloud-metadata host"),
+    ("http://metadata/computeMetadata/v1/", "cloud-metadata host"),             # GCP's short name
+    ("http://instance-data/latest/meta-data/", "cloud-metadata host"),          # EC2's
     ("http://168.63.129.16/machine?comp=goalstate", "link-local or cloud-metadata"),
     ("http://[64:ff9b::a9fe:a9fe]/latest/meta-data/", "embeds 169.254.169.254, which is a link-local"),
 ])

@@ -25,7 +25,9 @@ from batchrun.tools import ToolError
 
 ALLOW_PRIVATE = "WEB_ALLOW_PRIVATE"
 ALLOW_LINK_LOCAL = "WEB_ALLOW_LINK_LOCAL"
-METADATA_HOSTS = frozenset({"metadata.google.internal", "metadata.goog"})
+# GCP's names for its metadata server (and "metadata", its short one), and EC2's ("instance-data"): names a
+# provider's fetcher in that cloud resolves to 169.254.169.254 where its own resolver answers them.
+METADATA_HOSTS = frozenset({"metadata.google.internal", "metadata.goog", "metadata", "instance-data"})
 # AWS/GCP/Azure/Oracle (link-local anyway), AWS and Oracle over IPv6 (unique-local addresses), Oracle's
 # older one (in the IETF's 192.0.0.0/24), Alibaba Cloud, and Azure's WireServer (a public address that hands
 # a VM its configuration and certificates): WEB_ALLOW_PRIVATE, meant for an intranet, opens none of them.
