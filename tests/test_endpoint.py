@@ -157,6 +157,21 @@ def test_account_and_model_errors_stop_the_run(ep, status, advice):
         classify_here(exc, answered=True)
 
 
+def test_openais_out_of_credit_429_stops_the_run(ep):
+    # OpenAI says "no credit" as a 429 (insufficient_quota): retried as a rate limit, every prompt of the
+    # run used up its retries and became a failure row, the limit on requests in flight falling meanwhile.
+    ep.script = lambda _body: (429, {"error": {"message": "You exceeded your current quota", "type": "insufficient_quota",
+                                               "param": None, "code": "insufficient_quota"}}, {})
+    with pytest.raises(RunFatalError, match="out of credit"):
+        classify_here(error_from(ep.base_url), answered=True)
+
+
+def test_a_429_of_another_kind_is_retried(ep):
+    ep.script = lambda _body: (429, {"error": {"message": "Rate limit reached", "type": "requests",
+                                               "code": "rate_limit_exceeded"}}, {})
+    assert classify_here(error_from(ep.base_url), answered=True) is None
+
+
 # An endpoint's message with line breaks in it was shown with them: under the run's "error:" line, a
 # line of the endpoint's own ("error: nothing is wrong", "BATCH PROCESSING COMPLETE").
 @pytest.mark.parametrize("status", [401, 400])

@@ -255,6 +255,9 @@ def classify(exc: Exception, *, model: str, base_url: str, endpoint_answered: bo
     status = exc.status_code
     said = _error_text(exc)
     detail = _shown(said)
+    if status == 429 and "insufficient_quota" in (exc.code, exc.type):     # OpenAI's "no credit"
+        raise RunFatalError(f"the endpoint {base_url} says the account is out of credit (HTTP 429: {detail}). "
+                            "Add credit to the account, or lower the cost with --max_samples.")
     if status == 429 or status in (408, 409) or status >= 500:
         return retry_after_seconds(exc.response.headers)
     if 300 <= status < 400:
