@@ -70,17 +70,21 @@ _READ_SECONDS = 10
 _READ_SCRIPT = (f'[ -e "$1" ] || exit {_MISSING}; [ -d "$1" ] && exit {_IS_DIRECTORY}; '
                 f'[ -f "$1" ] || exit {_NOT_REGULAR}; exec timeout -s KILL {_READ_SECONDS} head -c "$2" "$1"')
 # $1: the file; the content comes on stdin. Only a regular file is replaced: a FIFO would wait for a
-# reader that never comes, and a device or socket is no file to keep what the model wrote. The content
-# goes to a new file beside it, renamed over it (with its mode, or the umask's) once whole: readers see the old content
-# or the new, a write cut short (a full disk) leaves the old one, and a hard link's other names keep theirs.
-# The directory is taken with a mark after dirname's newline, which $() would take with any newline
-# ending the directory's own name.
+# reader that never comes, and a device or socket is no file to keep what the model wrote. A symbolic link
+# is followed, as the other backends' file tools follow one. The content goes to a new file beside the
+# target, renamed over it (with its mode, or the umask's) once whole: readers see the old content or the
+# new, a write cut short (a full disk) leaves the old one, and a hard link's other names keep theirs.
+# Directories are taken with a mark after the newline dirname and readlink end with, which $() would take
+# with any newline ending a name of its own.
 _WRITE_SCRIPT = (f'[ -d "$1" ] && exit {_IS_DIRECTORY}; [ -e "$1" ] && [ ! -f "$1" ] && exit {_NOT_REGULAR}; '
-                 'directory=$(dirname -- "$1"; echo .); directory=${directory%??}; '
-                 'mkdir -p -- "$directory" && temporary=$(mktemp "$directory/.batchrun-write-XXXXXXXX") || exit 1; '
-                 'if [ -f "$1" ]; then mode=$(stat -c %a -- "$1"); else mode=$(printf %o $((0666 & ~0$(umask)))); fi; '
-                 'if cat > "$temporary" && chmod "$mode" "$temporary" && '
-                 'mv -f -- "$temporary" "$1"; then exit 0; fi; rm -f -- "$temporary"; exit 1')
+                 'parent=$(dirname -- "$1"; echo .); parent=${parent%??}; mkdir -p -- "$parent" || exit 1; '
+                 'target=$(readlink -f -- "$1" && echo .); target=${target%??}; [ -n "$target" ] || target=$1; '
+                 'directory=$(dirname -- "$target"; echo .); directory=${directory%??}; '
+                 'temporary=$(mktemp "$directory/.batchrun-write-XXXXXXXX") || exit 1; '
+                 'if [ -f "$target" ]; then mode=$(stat -c %a -- "$target"); '
+                 'else mode=$(printf %o $((0666 & ~0$(umask)))); fi; '
+                 'if cat > "$temporary" && chmod "$mode" "$temporary" && mv -f -- "$temporary" "$target"; '
+                 'then exit 0; fi; rm -f -- "$temporary"; exit 1')
 # Runs its arguments after the first with stderr into stdout inside the container, so that the two stay in
 # the order written: a runtime forwarding them as two streams (docker and podman exec do) mixes them up.
 # The first caps the size of every file they write, in the 512-byte blocks of POSIX `ulimit -f`: the one
