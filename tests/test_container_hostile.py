@@ -192,3 +192,18 @@ def test_a_write_through_a_symbolic_link_writes_its_target(engine, tmp_path):
         lambda env: env.write_file("link", b"new"),
         lambda env: env.run("cat real/f; echo; readlink link; ls -A real")])
     assert results[-1].output == "new\nreal/f\nf\n"
+
+
+def test_a_file_the_engine_mounted_into_the_container_is_written_in_place(engine, tmp_path):
+    # Renamed over, /etc/hosts (a file the engine bind-mounts) could not be written: "Device or resource busy".
+    results = in_container(engine, tmp_path, [lambda env: env.write_file("/etc/hosts", b"127.0.0.1 here\n"),
+                                              lambda env: env.run("cat /etc/hosts")])
+    assert results[-1].output == "127.0.0.1 here\n"
+
+
+def test_a_write_keeps_the_files_permission_bits_but_not_setuid(engine, tmp_path):
+    # As the other backends' file tools do: a model's new content never runs with the owner's rights.
+    results = in_container(engine, tmp_path, [lambda env: env.run("echo old > f; chmod 4751 f"),
+                                              lambda env: env.write_file("f", b"new"),
+                                              lambda env: env.run("stat -c %a f")])
+    assert results[-1].output == "751\n"

@@ -16,6 +16,7 @@ from batchrun.endpoint.errors import (
     backoff_delay,
     classify,
     failure_summary,
+    out_of_credit,
     says_endpoint_down,
 )
 from batchrun.endpoint.replies import MalformedReplyError, parse_reply
@@ -65,7 +66,7 @@ async def call_model(client: openai.AsyncOpenAI, gate: Gate, *, body: bytes, mod
                 except openai.APIError as exc:
                     if isinstance(exc, openai.APIStatusError):
                         _ANSWERED.add(base_url)
-                        if overloaded := exc.status_code in OVERLOAD_STATUSES:
+                        if overloaded := exc.status_code in OVERLOAD_STATUSES and not out_of_credit(exc):
                             request.overloaded()
                     if says_endpoint_down(exc):
                         seen, held = await gate.limit.failed(seen)

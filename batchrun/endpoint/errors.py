@@ -255,7 +255,7 @@ def classify(exc: Exception, *, model: str, base_url: str, endpoint_answered: bo
     status = exc.status_code
     said = _error_text(exc)
     detail = _shown(said)
-    if status == 429 and "insufficient_quota" in (exc.code, exc.type):     # OpenAI's "no credit"
+    if out_of_credit(exc):
         raise RunFatalError(f"the endpoint {base_url} says the account is out of credit (HTTP 429: {detail}). "
                             "Add credit to the account, or lower the cost with --max_samples.")
     if status == 429 or status in (408, 409) or status >= 500:
@@ -281,6 +281,12 @@ def classify(exc: Exception, *, model: str, base_url: str, endpoint_answered: bo
     if status == 400 and "model" in said.lower() and _endpoint_says(said, _UNKNOWN_MODEL_PHRASES, request):
         raise RunFatalError(f"the endpoint {base_url} does not accept model {model!r} (HTTP 400: {detail}).")
     raise PromptFailedError(f"HTTP {status}: {detail}", f"http_{status}")
+
+
+def out_of_credit(exc: openai.APIStatusError) -> bool:
+    """OpenAI's "no credit": a 429 (insufficient_quota), which no wait mends; no overload either, so the
+    limit on requests in flight is left as it is."""
+    return exc.status_code == 429 and "insufficient_quota" in (exc.code, exc.type)
 
 
 def says_endpoint_down(exc: Exception) -> bool:

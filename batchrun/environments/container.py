@@ -69,22 +69,28 @@ _READ_SECONDS = 10
 # $1: the file, $2: how many bytes to read at most (one more than allowed, to notice a larger file).
 _READ_SCRIPT = (f'[ -e "$1" ] || exit {_MISSING}; [ -d "$1" ] && exit {_IS_DIRECTORY}; '
                 f'[ -f "$1" ] || exit {_NOT_REGULAR}; exec timeout -s KILL {_READ_SECONDS} head -c "$2" "$1"')
-# $1: the file; the content comes on stdin. Only a regular file is replaced: a FIFO would wait for a
-# reader that never comes, and a device or socket is no file to keep what the model wrote. A symbolic link
-# is followed, as the other backends' file tools follow one. The content goes to a new file beside the
-# target, renamed over it (with its mode, or the umask's) once whole: readers see the old content or the
-# new, a write cut short (a full disk) leaves the old one, and a hard link's other names keep theirs.
-# Directories are taken with a mark after the newline dirname and readlink end with, which $() would take
-# with any newline ending a name of its own.
+# $1: the file, $2: its new size; the content comes on stdin. Only a regular file is replaced: a FIFO
+# would wait for a reader that never comes, and a device or socket is no file to keep what the model wrote.
+# A symbolic link is followed, as the other backends' file tools follow one. The content goes to a new
+# file beside the target, renamed over it once whole (with its owner where the writer may give it, and its
+# permission bits, or the umask's): readers see the old content or the new, a write cut short (a full
+# disk, content that came short) leaves the old one, and a hard link's other names keep theirs. Where no
+# file can be made beside it (a directory the user may not write) or renamed over it (a file bind-mounted
+# into the container: /etc/hosts), it is written in place. Directories are taken with a mark after the
+# newline dirname and readlink end with, which $() would take with any newline ending a name of its own.
 _WRITE_SCRIPT = (f'[ -d "$1" ] && exit {_IS_DIRECTORY}; [ -e "$1" ] && [ ! -f "$1" ] && exit {_NOT_REGULAR}; '
                  'parent=$(dirname -- "$1"; echo .); parent=${parent%??}; mkdir -p -- "$parent" || exit 1; '
                  'target=$(readlink -f -- "$1" && echo .); target=${target%??}; [ -n "$target" ] || target=$1; '
+                 'if [ -e "$target" ] && [ ! -w "$target" ]; then echo "$1: Permission denied" >&2; exit 1; fi; '
                  'directory=$(dirname -- "$target"; echo .); directory=${directory%??}; '
-                 'temporary=$(mktemp "$directory/.batchrun-write-XXXXXXXX") || exit 1; '
-                 'if [ -f "$target" ]; then mode=$(stat -c %a -- "$target"); '
-                 'else mode=$(printf %o $((0666 & ~0$(umask)))); fi; '
-                 'if cat > "$temporary" && chmod "$mode" "$temporary" && mv -f -- "$temporary" "$target"; '
-                 'then exit 0; fi; rm -f -- "$temporary"; exit 1')
+                 'temporary=$(mktemp "$directory/.batchrun-write-XXXXXXXX" 2>/dev/null) || exec cat > "$target"; '
+                 'if [ -f "$target" ]; then mode=$((0$(stat -c %a -- "$target") & 0777)); '
+                 'chown "$(stat -c %u:%g -- "$target")" "$temporary" 2>/dev/null; '
+                 'else mode=$((0666 & ~0$(umask))); fi; '
+                 'if cat > "$temporary" && [ $(wc -c < "$temporary") -eq "$2" ] '
+                 '&& chmod "$(printf %o $mode)" "$temporary" '
+                 '&& { mv -f -- "$temporary" "$target" 2>/dev/null || cat "$temporary" > "$target"; }; '
+                 'then rm -f -- "$temporary"; exit 0; fi; rm -f -- "$temporary"; exit 1')
 # Runs its arguments after the first with stderr into stdout inside the container, so that the two stay in
 # the order written: a runtime forwarding them as two streams (docker and podman exec do) mixes them up.
 # The first caps the size of every file they write, in the 512-byte blocks of POSIX `ulimit -f`: the one
@@ -236,7 +242,8 @@ class ContainerEnvironment(Environment):
         if len(data) > limit:
             raise ToolError(f"{len(data)} bytes is more than the file tools' limit of {limit} bytes")
         target = self._path(path)
-        result = await self._exec(["sh", "-c", _WRITE_SCRIPT, "sh", target], workdir="/", stdin=data)
+        result = await self._exec(["sh", "-c", _WRITE_SCRIPT, "sh", target, str(len(data))], workdir="/",
+                                  stdin=data)
         if result.returncode == _IS_DIRECTORY:
             raise ToolError(f"{path!r} is a directory, not a file")
         if result.returncode == _NOT_REGULAR:

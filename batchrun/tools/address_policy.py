@@ -87,7 +87,7 @@ def host_refusal(host: str) -> str | None:
     """What the host text itself shows: a cloud-metadata name or a refused IP literal (all that can be
     judged for a URL someone else fetches, such as a vision model's provider)."""
     host = host.strip("[]").rstrip(".").lower()
-    if host in METADATA_HOSTS and not enabled(ALLOW_LINK_LOCAL):
+    if _metadata_host(host) and not enabled(ALLOW_LINK_LOCAL):
         return f"{host} is a cloud-metadata host (allowed only with {ALLOW_LINK_LOCAL}=1)"
     try:
         return address_refusal(host)
@@ -106,22 +106,28 @@ def _ipv4_number(host: str) -> ipaddress.IPv4Address | None:
     """The address a URL parser reads in ``host`` (an _IPV4_NOTATION), or None where its parts make none.
     By the rules of C's inet_aton and of WHATWG's URL parser (browsers, Node) alike, with the latter's
     '0x' alone read as 0, which inet_aton refused: '0x7f.0x.0x.1' passed as no address, and Node fetched
-    127.0.0.1."""
+    127.0.0.1. (Digits alone with a leading zero, which other parsers read as decimal, httpx refuses first.)"""
     values = []
-    for part in host.split("."):
-        if part[:2].lower() == "0x":
-            values.append(int(part[2:] or "0", 16))
-        elif len(part) > 1 and part.startswith("0"):
-            try:
-                values.append(int(part, 8))
-            except ValueError:      # '08': no octal number
-                return None
-        else:
-            values.append(int(part))
+    try:
+        for part in host.split("."):
+            if part[:2].lower() == "0x":
+                values.append(int(part[2:] or "0", 16))
+            elif len(part) > 1 and part.startswith("0"):
+                values.append(int(part, 8))     # '08': no octal number, ValueError
+            else:
+                values.append(int(part))        # thousands of digits: ValueError too
+    except ValueError:
+        return None
     *leading, last = values
     if any(value > 255 for value in leading) or last >= 256 ** (5 - len(values)):
         return None
     return ipaddress.IPv4Address(sum(value << 8 * (3 - place) for place, value in enumerate(leading)) + last)
+
+
+def _metadata_host(host: str) -> bool:
+    """A cloud-metadata name: METADATA_HOSTS, or EC2's own, instance-data.ec2.internal and
+    instance-data.REGION.compute.internal."""
+    return host in METADATA_HOSTS or (host.startswith("instance-data.") and host.endswith(".internal"))
 
 
 async def allowed_addresses(host: str, port: int) -> list[str]:
