@@ -44,6 +44,7 @@ class Finished:
     tool_calls: tuple[tuple[str, int, int], ...]    # (tool, calls, failed calls) of the tools it used
     call_previews: tuple[str, ...] = ()        # each tool call and its result, cut (--verbose only)
     sample_index: int = 0
+    unpriced_replies: int = 0                  # replies whose cost is unknown: usage's cost leaves them out
 
 
 @dataclass

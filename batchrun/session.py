@@ -201,6 +201,7 @@ class Session:
                                            [registry.REGISTRY[name].schema for name in self.offered_tools])
         self.turns: list[Turn] = []
         self.usage = Usage()
+        self.unpriced_replies = 0
         self.api_calls = 0
         self._result_chars = 0      # of every tool result so far (see MAX_RESULT_CHARS)
         self.env: Environment | None = None
@@ -243,7 +244,7 @@ class Session:
             toolsets=list(self.task.toolsets), offered_tools=self.offered_tools, turns=self.turns,
             api_calls=self.api_calls, usage=self.usage, wall_time=time.monotonic() - started,
             end_reason=end_reason, error=redact(error) if error else None, error_type=error_type,
-            sample_index=self.task.sample_index)
+            sample_index=self.task.sample_index, unpriced_replies=self.unpriced_replies)
 
     async def _started_then_loop(self) -> EndReason:
         if registry.needs_environment(self.offered_tools):
@@ -338,6 +339,7 @@ class Session:
     def _spend(self, usage: Usage, cost_source: str) -> None:
         """Count what one reply was billed for, as it arrives: towards this row, the run's ledger and its caps."""
         self.usage.add(usage)
+        self.unpriced_replies += cost_source == "unknown"
         if self.services.on_spent is not None:
             self.services.on_spent(self.task.unit, usage, cost_source)
 

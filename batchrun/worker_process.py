@@ -59,7 +59,7 @@ def _finished(task: Task, result: rows.SessionResult, config: RunConfig) -> Fini
                     toolsets=tuple(toolsets_offering(result.toolsets, result.offered_tools)),
                     tool_calls=tuple((name, count, failure) for name, count, _, failure in stored.tool_counts()),
                     call_previews=(call_previews(result.turns, config.console.log_prefix_chars)
-                                   if config.console.verbose else ()))
+                                   if config.console.verbose else ()), unpriced_replies=result.unpriced_replies)
 
 
 def call_previews(turns: list[rows.Turn], chars: int) -> tuple[str, ...]:

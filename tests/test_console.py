@@ -155,6 +155,20 @@ def test_verbose_details_count_the_failed_calls_of_each_tool():
     assert "tools used: terminal×3, read_file×2 (1 failed), patch×1 (1 failed)" in "\n".join(lines_of(out))
 
 
+@pytest.mark.parametrize(("cost", "shown"), [(0.0, "unknown"), (0.25, "≥ $0.2500")])
+def test_verbose_details_say_a_prompts_cost_is_unknown_where_a_reply_had_no_price(cost, shown):
+    # A prompt whose replies reported no usage was shown as "$0.0000".
+    out = recording_console(terminal=True, width=160)
+    console, this_run = run_console(out, verbose=True), ThisRun()
+    console.start_progress(10, 0, this_run)
+    outcome = dataclasses.replace(finished(0, usage={"prompt_tokens": 0, "completion_tokens": 0, "cost": cost}),
+                                  unpriced_replies=1)
+    record(console, this_run, outcome)
+    console.stop_progress()
+    details = "\n".join(line for line in lines_of(out) if line.startswith("    "))
+    assert f"· {shown} ·" in details and "$0.0000" not in details
+
+
 def test_log_file_lines_are_laid_out_for_80_columns_whatever_width_rich_assumes():
     out = recording_console(terminal=False, width=200)
     console, this_run = run_console(out), ThisRun()

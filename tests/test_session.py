@@ -710,3 +710,10 @@ def test_the_worker_keeps_serving_its_other_sessions_while_a_large_tool_result_i
     result = run_beside(services, another_session, task=WITH_FILES)
     assert len(json.loads(result.turns[1].tool_calls[0].result or "")["content"]) == size
     assert served.is_set()
+
+
+def test_a_session_counts_the_replies_whose_cost_is_unknown(tmp_path):
+    # The row's usage.cost leaves them out; the console says the prompt's cost is unknown (or a floor) then.
+    result, _ = run_session(tmp_path, [dataclasses.replace(call("terminal", ECHO), cost_source="unknown"),
+                                       say("Done.")])
+    assert result.unpriced_replies == 1

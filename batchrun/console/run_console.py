@@ -258,7 +258,8 @@ class RunConsole:
         tools = ", ".join(f"{name}×{count}" + (f" ({failed} failed)" if failed else "")
                           for name, count, failed in finished.tool_calls) or "none"
         return [f"toolsets {', '.join(finished.toolsets)}", f"tools used: {tools}",
-                f"tokens {usage['prompt_tokens']:,}+{usage['completion_tokens']:,}", f"${usage['cost']:.4f}",
+                f"tokens {usage['prompt_tokens']:,}+{usage['completion_tokens']:,}",
+                cost_text(usage["cost"], finished.unpriced_replies),
                 f"batch {finished.batch_num}", f"end {finished.end_reason}"]
 
     def tick(self) -> None:

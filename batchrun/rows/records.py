@@ -78,3 +78,4 @@ class SessionResult:
     error: str | None = None
     error_type: str | None = None
     sample_index: int = 0      # which of the prompt's --samples_per_prompt runs this is
+    unpriced_replies: int = 0  # replies whose cost is unknown, which usage.cost leaves out (not in the row)
