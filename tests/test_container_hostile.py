@@ -184,7 +184,6 @@ def test_a_directory_whose_name_ends_in_a_newline_is_written_in(engine, tmp_path
     assert results[1:] == [b"here", CommandResult(output="2\n", exit_code=0)]
 
 
-
 def test_a_write_through_a_symbolic_link_writes_its_target(engine, tmp_path):
     # As the other backends' file tools do; renamed over, the link itself would have become the file.
     results = in_container(engine, tmp_path, [

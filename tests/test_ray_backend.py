@@ -23,6 +23,8 @@ import tempfile
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -749,6 +751,35 @@ def test_losing_a_ray_node_mid_run_moves_its_prompts_to_the_actor_that_remains(t
     assert max(Counter(map(last_user_message, endpoint.requests)).values()) <= 2
 
 
+@dataclass
+class HeadLoss:
+    """How a run on a cluster ended once its head was killed."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    stopped_after: float        # seconds from the head's kill to the runner's exit
+
+
+def run_until_the_head_is_killed(cluster: TwoNodeCluster, tmp_path: Path, command: list[str],
+                                 ready: Callable[[], bool], what: str, ready_within: float = 120,
+                                 **environment: str) -> HeadLoss:
+    """``command`` run on ``cluster`` (started), with its head killed once ``ready()`` (or the run ended)."""
+    process = subprocess.Popen(
+        command, cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=cli_environment(tmp_path, {**cluster.environment, "RAY_ADDRESS": cluster.address, **environment}))
+    try:
+        wait_for(lambda: ready() or process.poll() is not None, timeout=ready_within, what=what)
+        cluster.kill("head")
+        lost_at = time.monotonic()
+        stdout, stderr = process.communicate(timeout=120)
+        return HeadLoss(process.returncode, stdout, stderr, time.monotonic() - lost_at)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 @needs_ray
 def test_losing_the_ray_head_mid_run_stops_the_run_in_order_with_one_clear_line(tmp_path, ray_tmpdir, endpoint):
     """Without its head (GCS) a driver cannot go on: Ray itself ends the runner's process after 60 s with a
@@ -760,27 +791,15 @@ def test_losing_the_ray_head_mid_run_stops_the_run_in_order_with_one_clear_line(
     run_dir = tmp_path / "data" / "run"
     try:
         cluster.start_head()
-        process = subprocess.Popen(
-            batch_runner_command(*args(dataset, endpoint, "--num_workers=2", "--backend=ray")),
-            cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=cli_environment(tmp_path, {**cluster.environment, "RAY_ADDRESS": cluster.address}))
-        try:
-            wait_for(lambda: finished_row_count(run_dir) >= 3 or process.poll() is not None, timeout=120,
-                     what="three finished rows")
-            cluster.kill("head")
-            lost_at = time.monotonic()
-            stdout, stderr = process.communicate(timeout=120)
-            stopped_after = time.monotonic() - lost_at
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        lost = run_until_the_head_is_killed(
+            cluster, tmp_path, batch_runner_command(*args(dataset, endpoint, "--num_workers=2", "--backend=ray")),
+            lambda: finished_row_count(run_dir) >= 3, "three finished rows")
     finally:
         cluster.kill("head")
-    assert process.returncode == 1, stderr
-    assert stopped_after < 30, stderr          # Ray alone ends the process after 60 s
-    assert f"error: the Ray cluster's head at {cluster.address} no longer answers" in stderr
-    assert "The run stopped; finished prompts are saved." in stderr and "Traceback" not in stderr
+    assert lost.returncode == 1, lost.stderr
+    assert lost.stopped_after < 30, lost.stderr          # Ray alone ends the process after 60 s
+    assert f"error: the Ray cluster's head at {cluster.address} no longer answers" in lost.stderr
+    assert "The run stopped; finished prompts are saved." in lost.stderr and "Traceback" not in lost.stderr
     written = Counter(map(row_prompt, batch_rows(run_dir)))
     assert len(written) >= 3 and set(written.values()) == {1}
 
@@ -797,28 +816,15 @@ def test_losing_the_ray_head_while_the_sessions_run_on_another_node_stops_the_ru
     run_dir = tmp_path / "data" / "run"
     try:
         cluster.start()
-        process = subprocess.Popen(
-            batch_runner_command(*args(dataset, endpoint, "--num_workers=2", "--backend=ray")),
-            cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=cli_environment(tmp_path, {**cluster.environment, "RAY_ADDRESS": cluster.address,
-                                           "TERMINAL_ENV": "local"}))
-        try:
-            wait_for(lambda: finished_row_count(run_dir) >= 3 or process.poll() is not None, timeout=120,
-                     what="three finished rows")
-            cluster.kill("head")
-            lost_at = time.monotonic()
-            stdout, stderr = process.communicate(timeout=120)
-            stopped_after = time.monotonic() - lost_at
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        lost = run_until_the_head_is_killed(
+            cluster, tmp_path, batch_runner_command(*args(dataset, endpoint, "--num_workers=2", "--backend=ray")),
+            lambda: finished_row_count(run_dir) >= 3, "three finished rows", TERMINAL_ENV="local")
     finally:
         cluster.kill("second", "head")
-    assert process.returncode == 1, stderr
-    assert stopped_after < 30, stderr
-    assert f"error: the Ray cluster's head at {cluster.address} no longer answers" in stderr
-    assert "Traceback" not in stderr
+    assert lost.returncode == 1, lost.stderr
+    assert lost.stopped_after < 30, lost.stderr
+    assert f"error: the Ray cluster's head at {cluster.address} no longer answers" in lost.stderr
+    assert "Traceback" not in lost.stderr
     written = batch_rows(run_dir)
     assert [row_prompt(row) for row in written if row.get("failed")] == []
     assert len(written) >= 3 and set(Counter(map(row_prompt, written)).values()) == {1}
@@ -841,29 +847,16 @@ def test_losing_the_ray_head_while_the_actors_start_stops_the_run_at_once_with_o
     dataset = write_dataset(tmp_path / "dataset.jsonl", ["never started"])
     try:
         cluster.start()
-        process = subprocess.Popen(
-            batch_runner_command(*args(dataset, endpoint, "--num_workers=1", "--backend=ray")),
-            cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=cli_environment(tmp_path, {**cluster.environment, "RAY_ADDRESS": cluster.address,
-                                           "TERMINAL_ENV": "docker"}))
-        try:
-            wait_for(lambda: asked.exists() or process.poll() is not None, timeout=90,
-                     what="an actor's check of its node")
-            cluster.kill("head")
-            lost_at = time.monotonic()
-            stdout, stderr = process.communicate(timeout=120)
-            stopped_after = time.monotonic() - lost_at
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        lost = run_until_the_head_is_killed(
+            cluster, tmp_path, batch_runner_command(*args(dataset, endpoint, "--num_workers=1", "--backend=ray")),
+            asked.exists, "an actor's check of its node", ready_within=90, TERMINAL_ENV="docker")
     finally:
         cluster.kill("second", "head")
-    assert process.returncode == 1, stderr
-    assert stopped_after < 30, stderr          # Ray alone ends the process after 60 s
-    assert stderr.strip().splitlines()[0].startswith(
-        f"error: the Ray cluster's head at {cluster.address} no longer answers ("), stderr
-    assert "Traceback" not in stderr and "GCS" not in stdout + stderr
+    assert lost.returncode == 1, lost.stderr
+    assert lost.stopped_after < 30, lost.stderr          # Ray alone ends the process after 60 s
+    assert lost.stderr.strip().splitlines()[0].startswith(
+        f"error: the Ray cluster's head at {cluster.address} no longer answers ("), lost.stderr
+    assert "Traceback" not in lost.stderr and "GCS" not in lost.stdout + lost.stderr
     assert endpoint.requests == []
 
 

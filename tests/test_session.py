@@ -593,6 +593,34 @@ def test_the_worker_keeps_serving_its_other_sessions_while_a_huge_reply_is_read(
     assert reading["others_served"] > 0
 
 
+class RedactionServedMeanwhile:
+    """Redactor's ``method``, for texts of ``from_chars`` characters or more, made to wait until another
+    session of the event loop has run (``another_session``, which sets ``served``): on the event loop
+    itself, none ever could, and the wait runs out."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, method: str, from_chars: int = 0) -> None:
+        self.redacting, self.served = threading.Event(), threading.Event()
+        original = getattr(Redactor, method)
+
+        def observed(redactor: Redactor, text: str) -> str:
+            if len(text) < from_chars:
+                return original(redactor, text)
+            self.redacting.set()
+            try:
+                self.served.wait(timeout=10)
+                return original(redactor, text)
+            finally:
+                self.redacting.clear()
+
+        monkeypatch.setattr(Redactor, method, observed)
+
+    async def another_session(self) -> None:
+        while True:
+            await asyncio.sleep(0.001)
+            if self.redacting.is_set():
+                self.served.set()
+
+
 def test_the_worker_keeps_serving_its_other_sessions_while_a_huge_tool_call_is_redacted(tmp_path, monkeypatch):
     # Every escape in a call's arguments is written out before the secrets are looked for, and a few
     # megabytes of them take seconds; the other sessions of the worker share its event loop. The
@@ -600,29 +628,11 @@ def test_the_worker_keeps_serving_its_other_sessions_while_a_huge_tool_call_is_r
     escaped = "\\u0041" * 100_000
     reply = call("terminal", {"command": "true"})
     reply.message["tool_calls"][0]["function"]["arguments"] = '{"command": "echo ' + escaped + '"}'
-    redacting, served = threading.Event(), threading.Event()
-    json_text = Redactor.json_text
-
-    def observed_json_text(self: Redactor, text: str) -> str:
-        redacting.set()
-        try:
-            served.wait(timeout=10)
-            return json_text(self, text)
-        finally:
-            redacting.clear()
-
-    monkeypatch.setattr(Redactor, "json_text", observed_json_text)
+    redaction = RedactionServedMeanwhile(monkeypatch, "json_text")
     services = worker_services(tmp_path, ScriptedModels(ScriptedModel([reply, say("Done.")])))
-
-    async def another_session() -> None:
-        while True:
-            await asyncio.sleep(0.001)
-            if redacting.is_set():
-                served.set()
-
-    result = run_beside(services, another_session)
+    result = run_beside(services, redaction.another_session)
     assert result.end_reason == rows.EndReason.FINAL_ANSWER
-    assert served.is_set()
+    assert redaction.served.is_set()
 
 
 def calls(name: str, arguments: list[dict[str, Any]]) -> ModelReply:
@@ -685,31 +695,11 @@ def test_the_worker_keeps_serving_its_other_sessions_while_a_large_tool_result_i
     size = 4 * session_module.READ_ASIDE_CHARS
     script = [call("terminal", {"command": f"head -c {size} /dev/zero | tr '\\0' x > big"}),
               call("read_file", {"path": "big"}), say("Done.")]
-    redacting, served = threading.Event(), threading.Event()
-    redact = Redactor.__call__
-
-    def observed(self: Redactor, text: str) -> str:
-        if len(text) < size:
-            return redact(self, text)
-        redacting.set()
-        try:
-            served.wait(timeout=10)
-            return redact(self, text)
-        finally:
-            redacting.clear()
-
-    monkeypatch.setattr(Redactor, "__call__", observed)
+    redaction = RedactionServedMeanwhile(monkeypatch, "__call__", from_chars=size)
     services = worker_services(tmp_path, ScriptedModels(ScriptedModel(script)))
-
-    async def another_session() -> None:
-        while True:
-            await asyncio.sleep(0.001)
-            if redacting.is_set():
-                served.set()
-
-    result = run_beside(services, another_session, task=WITH_FILES)
+    result = run_beside(services, redaction.another_session, task=WITH_FILES)
     assert len(json.loads(result.turns[1].tool_calls[0].result or "")["content"]) == size
-    assert served.is_set()
+    assert redaction.served.is_set()
 
 
 def test_a_session_counts_the_replies_whose_cost_is_unknown(tmp_path):
