@@ -79,7 +79,7 @@ async def new_sandbox_ms(work_root: Path, commands: int) -> float:
     uid = program.sandbox_uid() if program.RUNNING_AS_ROOT else None
     if uid is not None:
         os.chown(workspace, uid, uid)
-    root = program.root_descriptor(work_root, False)
+    root = await program.root_descriptor(work_root, False)
 
     async def step() -> None:
         descriptors = program.Descriptors(root, workspace, uid)
@@ -106,8 +106,8 @@ SANDBOX_PARTS = {
 }
 
 
-def bwrap_part_ms(work_root: Path, left_out: tuple[str, ...], runs: int, *, as_sandbox_user: bool = False
-                  ) -> tuple[float, float]:
+def bwrap_part_ms(work_root: Path, root: int, left_out: tuple[str, ...], runs: int, *,
+                  as_sandbox_user: bool = False) -> tuple[float, float]:
     """(wall, machine CPU) milliseconds of one bwrap sandbox running ``true``, one after another."""
     bwrap = working_bwrap()
     assert not isinstance(bwrap, str), bwrap
@@ -116,7 +116,6 @@ def bwrap_part_ms(work_root: Path, left_out: tuple[str, ...], runs: int, *, as_s
     uid = program.sandbox_uid() if program.RUNNING_AS_ROOT else None
     if uid is not None:
         os.chown(workspace, uid, uid)
-    root = program.root_descriptor(work_root, False)
     # Started as the sandbox's uid, bwrap makes a user namespace instead of dropping to it with setpriv.
     as_uid = {"user": uid, "group": uid, "extra_groups": []} if as_sandbox_user and uid is not None else {}
 
@@ -231,8 +230,9 @@ async def main(commands: int) -> None:
             print(f"a bubblewrap sandbox, over {commands} made one after another: wall / machine CPU")
             wall, busy = await sandbox_ms(work_root, commands)
             print(f"  {'made and destroyed (new_sandbox)':<36} {wall:8.2f} ms / {busy:5.2f} ms")
+            root = await program.root_descriptor(work_root, False)
             for label, left_out in SANDBOX_PARTS.items():
-                wall, busy = bwrap_part_ms(work_root, left_out, commands)
+                wall, busy = bwrap_part_ms(work_root, root, left_out, commands)
                 print(f"  {label:<36} {wall:8.2f} ms / {busy:5.2f} ms")
             if program.RUNNING_AS_ROOT:
                 # Python starts a program with vfork, but must fork to change its uid first: a copy of
@@ -241,7 +241,7 @@ async def main(commands: int) -> None:
                 ballast[::4096] = b"x" * len(range(0, len(ballast), 4096))
                 print(f"  from a process of a worker's size ({WORKER_MB} MB):")
                 for label, as_user in (("    setpriv", False), ("    a user namespace instead", True)):
-                    wall, busy = bwrap_part_ms(work_root, (), commands, as_sandbox_user=as_user)
+                    wall, busy = bwrap_part_ms(work_root, root, (), commands, as_sandbox_user=as_user)
                     print(f"  {label:<36} {wall:8.2f} ms / {busy:5.2f} ms")
                 del ballast
         print(f"mean per-call time of the file tools over {commands} calls ({len(SMALL_FILE)} bytes)")

@@ -70,3 +70,8 @@ def test_the_soak_runs_to_the_end_under_its_descriptor_limit():
 def test_the_run_directory_benchmark_prints_its_figures():
     lines = run_benchmark("run_dir_scale", "--rows", "500", "--batch-size", "50")
     assert any("ms per write" in line for line in lines)
+
+
+def test_the_environment_overhead_benchmark_prints_its_figures():
+    lines = run_benchmark("environment_overhead", "--commands", "3")
+    assert any("write_file" in line for line in lines)

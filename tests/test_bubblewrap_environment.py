@@ -646,8 +646,8 @@ def test_kept_directories_are_named_after_their_prompt_and_left(sandbox_home):
 # --- what the runner reads from a sandbox is bounded ----------------------------------------------------------------
 
 # Reads the current command's marker out of the shell's memory, as a command that took its shell over can,
-# and answers in the shell's place: a status line that never ends.
-FORGED_STATUS = r"""python3 - $PPID <<'EOF'
+# and answers in the shell's place, with the status that STATUS writes to ``out``.
+FORGED_END = r"""python3 - $PPID <<'EOF'
 import os, re, sys
 pid = sys.argv[1]
 markers = set()
@@ -663,21 +663,30 @@ with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", buffering
 out = os.fdopen(1, "wb", buffering=0)
 for marker in markers:
     out.write(b"\n" + marker + b" ")
-chunk = b"9" * 65536
-for _ in range(2000):      # 128 MB of status, no newline
-    out.write(chunk)
+STATUS
 EOF"""
+# A status line that never ends: 128 MB of it, no newline.
+FORGED_ENDLESS_STATUS = FORGED_END.replace("STATUS", 'for _ in range(2000):\n    out.write(b"9" * 65536)')
 
 
 def test_a_shell_that_answers_without_end_is_not_read_without_end(sandbox_home):
     async def scenario():
         async with sandbox(make_settings(sandbox_home, command_timeout=60)) as env:
             started = time.monotonic()
-            forged = await env.run(FORGED_STATUS)
+            forged = await env.run(FORGED_ENDLESS_STATUS)
             return forged, time.monotonic() - started, await env.run("echo next")
     forged, elapsed, after = asyncio.run(scenario())
     assert forged.exit_code is None and "shell" in (forged.error or "")
     assert elapsed < 30
+    assert after.output == "next\n"
+
+
+@pytest.mark.parametrize("status", ["9" * 5000, "256", "0255"])
+def test_a_shell_that_answers_a_status_no_shell_gives_is_replaced(sandbox_home, status):
+    # One of 5,000 digits raised ValueError in the runner (Python's limit on converting digits).
+    forging = FORGED_END.replace("STATUS", f'out.write(b"{status}\\n")')
+    [forged, after] = run_commands(make_settings(sandbox_home), forging, "echo next")
+    assert forged.exit_code is None and "shell" in (forged.error or "")
     assert after.output == "next\n"
 
 

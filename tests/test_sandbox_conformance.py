@@ -1,9 +1,9 @@
 """One prompt can never change what the next sees: a conformance test for every isolating backend.
 
 A fingerprint of everything a command can observe about its sandbox (identity, limits and scheduling of
-itself and of the processes that outlive commands, keyrings, mounts, the mode, owner and xattrs of every
-writable place and what is in it, processes, IPC, sockets, host name, its own pid, the tmpfs inode
-counter) is taken as the first command of a prompt in a new sandbox. Then a hostile prompt runs, of each
+itself and of the processes that outlive commands, keyrings, mounts, control groups, the mode, owner and
+xattrs of every writable place and what is in it, processes, IPC, sockets, host name, its own pid, the
+tmpfs inode counter) is taken as the first command of a prompt in a new sandbox. Then a hostile prompt runs, of each
 kind below, and is released as a finished session's is; the next prompt of the same worker -- its
 sandbox one of the spares started while the hostile prompt ran -- takes the fingerprint again. The two
 must be equal. A backend that ever hands anything of one prompt to the next fails here first.
@@ -35,11 +35,15 @@ FINGERPRINT = textwrap.dedent(r"""
         cut -d' ' -f18,19,41 /proc/$pid/stat      # priority, nice, policy
     done
     for pid in $PPID 1; do cat /proc/$pid/limits; done
-    # The keys this sandbox can see, by type and description. Left out: usage counts, /proc/key-users and
-    # the anonymous session keyrings ("_ses") that the run's workers (and, on this machine, other runs of
-    # the same uid) make and drop while the test runs; no prompt can make a key of any kind.
-    section keys; awk '!($8 == "keyring" && $9 == "_ses:") { $1 = $3 = ""; print }' /proc/keys 2>&1
+    # The keys this sandbox can see, by type and description. Left out: usage counts, /proc/key-users, the
+    # anonymous session keyrings ("_ses") that the run's workers (and, on this machine, other runs of the
+    # same uid) make and drop while the test runs, and the empty ones container runtimes name for their
+    # containers ("_ses.<id>"); no prompt can make a key of any kind.
+    section keys
+    awk '!($8 == "keyring" && ($9 == "_ses:" || ($9 ~ /^_ses\./ && $10 == "empty"))) { $1 = $3 = ""; print }' \
+        /proc/keys 2>&1
     section mounts; cut -d' ' -f4- /proc/self/mountinfo
+    section groups; cat /proc/self/cgroup
     section places
     for place in / /workspace /tmp /dev /dev/shm; do
         stat -c '%n %F %a %U %G' "$place"

@@ -619,3 +619,22 @@ def test_a_command_holds_no_capability_in_any_set(tmp_path: Path) -> None:
     sets = dict(line.split(":") for line in result.output.splitlines())
     assert {name: int(value, 16) for name, value in sets.items()} == dict.fromkeys(
         ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"), 0), result.output
+
+
+@pytest.mark.bubblewrap
+@needs_cgroups
+def test_a_command_cannot_see_its_control_group(sandbox_home: Path) -> None:
+    # The sandbox was moved into its group once started, and the root of its cgroup namespace was the
+    # worker's group: /proc/self/cgroup named the prompt's group (the worker's pid, the run's name), and
+    # whether an earlier prompt had used it, which that prompt could decide.
+    [result] = run("bubblewrap", settings(sandbox_home), "cat /proc/self/cgroup")
+    assert result.output.strip() and all(line.endswith(":/") for line in result.output.splitlines()), result.output
+
+
+@pytest.mark.bubblewrap
+@needs_cgroups
+def test_the_sandbox_is_not_told_the_workers_directory(sandbox_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # What starts bwrap in the prompt's group is a shell, which names its working directory in PWD.
+    monkeypatch.chdir(sandbox_home)
+    [result] = run("bubblewrap", settings(sandbox_home), "env; cat /proc/1/environ")
+    assert str(sandbox_home) not in result.output, result.output

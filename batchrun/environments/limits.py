@@ -233,23 +233,6 @@ class PromptCgroup:
         memory = "memory.current" if self._hierarchy.version == 2 else "memory.usage_in_bytes"
         return int(kernel_files.read(self.directories[0] / memory))
 
-    def adopt(self, pids: list[int]) -> bool:
-        """Move ``pids`` into this group: a sandbox's own processes, before it has run anything (so none of
-        its children can be outside). False if one could not be moved."""
-        for procs in self.procs_files():
-            try:
-                fd = os.open(procs, os.O_WRONLY | os.O_CLOEXEC)
-            except OSError:
-                return False
-            try:
-                for pid in pids:        # the kernel takes one pid per write
-                    os.write(fd, str(pid).encode())
-            except OSError:
-                return False
-            finally:
-                os.close(fd)
-        return True
-
     def procs_files(self) -> list[str]:
         """The files a process writes its pid into to join this group, as ENTER_GROUPS takes them."""
         return [str(directory / "cgroup.procs") for directory in self.directories]

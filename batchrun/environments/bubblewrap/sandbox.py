@@ -33,7 +33,7 @@ from batchrun.environments.bubblewrap.program import (
 )
 from batchrun.environments.bubblewrap.shell import MAX_SHELL_WORDS, SHELL, Shell
 from batchrun.environments.command_output import kill_group_of
-from batchrun.environments.limits import PromptCgroup
+from batchrun.environments.limits import ENTER_GROUPS, PromptCgroup
 from batchrun.environments.tree_removal import remove_tree
 from batchrun.environments.workspace import new_prompt_directory
 from batchrun.time_limit import within
@@ -83,8 +83,8 @@ async def new_sandbox(settings: EnvironmentSettings, prefix: str) -> Sandbox:
 
 async def start_shell(settings: EnvironmentSettings, directory: Path, cgroup: PromptCgroup | None,
                       uid: int | None) -> Shell:
-    """Start bwrap around ``directory`` with the shell inside, wait until the shell says it is ready, and
-    put the sandbox's processes in ``cgroup`` (they have run nothing yet, so none is outside it)."""
+    """Start bwrap around ``directory`` with the shell inside, in ``cgroup``, and wait until the shell says
+    it is ready."""
     # The first call in a process starts a probe sandbox; later ones read the cache.
     bwrap = working_bwrap() if working_bwrap.cache_info().currsize else await asyncio.to_thread(working_bwrap)
     if isinstance(bwrap, str):
@@ -96,6 +96,8 @@ async def start_shell(settings: EnvironmentSettings, directory: Path, cgroup: Pr
         argv = sandbox_command(bwrap.path, settings.allow_network, limits, descriptors, uid,
                                ["bash", "--noprofile", "--norc", "-c", SHELL, "batchrun-shell", ready,
                                 limits.ulimit_command(memory=cgroup is None)])
+        if cgroup is not None:
+            argv = _in_group(cgroup, argv)
         # bwrap's own environment is the sandbox's too: inside, /proc/1/environ shows it.
         try:
             with descriptors.guarded() as passed:
@@ -117,12 +119,20 @@ async def start_shell(settings: EnvironmentSettings, directory: Path, cgroup: Pr
         problem = None if started else "its processes could not be found"
     else:
         problem = said.decode("utf-8", errors="replace").strip() or "no message"
-    if started and cgroup is not None and not cgroup.adopt(shell.sandbox_pids):
-        started, problem = False, "its processes could not join the prompt's control group"
     if not started:
         await shell.kill()
         raise EnvironmentSetupError(f"the bubblewrap sandbox did not start: {problem}")
     return shell
+
+
+def _in_group(cgroup: PromptCgroup, argv: list[str]) -> list[str]:
+    """``argv`` started in ``cgroup``: bwrap makes the sandbox's cgroup namespace, whose root is the group
+    it runs in then. Moved in once started, the sandbox had the worker's group as its root, and a command
+    read its prompt's group from /proc/self/cgroup (the worker's pid, the run's name, and whether it was
+    the group of an earlier prompt, which that prompt could decide: a channel from one to the next). The
+    shell would add PWD, the worker's directory on the host, to the environment bwrap passes on."""
+    return ["/bin/sh", "-c", f'{ENTER_GROUPS}; unset PWD; exec "$@"', "batchrun-enter-group", *cgroup.procs_files(),
+            "--", *argv]
 
 
 class Spares:

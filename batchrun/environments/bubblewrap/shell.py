@@ -33,6 +33,13 @@ _DELIVERY_BYTES_PER_SECOND = 256 * 1024     # the least a shell reading its comm
 MAX_SHELL_WORDS = 64 * 1024
 
 
+def _exit_status(said: bytes | bytearray) -> bool:
+    """Whether ``said`` is an exit status as bash gives one (0 to 255). A command that found its marker in
+    its shell's memory can write an end line of its own: one with a status of 5,000 digits raised
+    ValueError in the runner."""
+    return said.isdigit() and len(said) <= 3 and int(said) <= 255
+
+
 class Shell:
     """The shell in one sandbox, and a buffer over its output so markers may straddle reads."""
 
@@ -133,7 +140,7 @@ class Shell:
                 if not self.signal(signal.SIGUSR1):
                     raise TimeoutError from None
                 answered = await answer()
-        if not answered or not status.isdigit():
+        if not answered or not _exit_status(status):
             return None, expired
         return int(status), expired
 
