@@ -49,6 +49,7 @@ from batchrun.run_dir import (
 )
 from batchrun.stats import ThisRun, UsageTotals, add_usage, build_statistics, empty_usage
 from batchrun.stop_signals import STOP_SIGNALS, Interrupted, exit_code, stopped_line
+from batchrun.tools.browser.directories import remove_abandoned_browser_directories
 from batchrun.workers import PoolStartError, ProcessPool, WorkerPool, process_count, raise_open_file_limit
 
 CHECKPOINT_MIN_INTERVAL = 1.0     # seconds; coalesces checkpoint rewrites when batches are tiny
@@ -446,7 +447,7 @@ class BatchRunner:
         except WriteFailed as exc:
             return exc
         finally:
-            environment_class(self.config.environment.kind).remove_leftovers(env_settings)
+            self._remove_tool_leftovers(env_settings)
         return None
 
     def _write_failed_message(self, exc: WriteFailed) -> str:
@@ -544,8 +545,14 @@ class BatchRunner:
                                        spare_sandboxes=SPARE_SANDBOXES)
         if claimed:
             claim_work_root(settings.work_root)
-        environment_class(environment.kind).remove_leftovers(settings)
+        self._remove_tool_leftovers(settings)
         return settings
+
+    def _remove_tool_leftovers(self, settings: EnvironmentSettings) -> None:
+        """What killed workers left on this machine: their environments' under this run's label, and the
+        browser directories of any run's workers that are gone."""
+        environment_class(self.config.environment.kind).remove_leftovers(settings)
+        remove_abandoned_browser_directories()
 
     # -- persistence and reporting --------------------------------------------------------------
 

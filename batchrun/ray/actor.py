@@ -63,9 +63,11 @@ class SessionActor:
     def remove_leftovers(self) -> None:
         """What a crashed earlier run under this run name left on this node (once per node, before work)."""
         from batchrun.environments import environment_class
+        from batchrun.tools.browser.directories import remove_abandoned_browser_directories
 
         settings = self._services.env_settings
         environment_class(self._config.environment.kind).remove_leftovers(settings)
+        remove_abandoned_browser_directories()
 
     async def run(self, task: Task) -> list[Spent | Finished | Fatal]:
         """The prompt's row (or the run's Fatal), after what its replies spent that drain_spent has not

@@ -24,7 +24,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
 from importlib import resources
@@ -44,6 +43,7 @@ from batchrun.time_limit import within
 from batchrun.tools import ToolError
 from batchrun.tools.browser.availability import INSTALL_HINT, chromium_executable
 from batchrun.tools.browser.caps import first_line
+from batchrun.tools.browser.directories import browser_temporary, new_browser_directory
 from batchrun.tools.browser.gate import GATE_PORT, Gates, LoopbackGates, NamespaceGates
 from batchrun.tools.browser.isolation import (
     PROFILE,
@@ -68,9 +68,6 @@ CHROMIUM_ARGS = ("--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
 # browser process, and so every session's tab, busy for minutes; and the popup blocker, without which a
 # page's 200 window.open calls on load each opened a window, and its navigation failed after 23 s.
 PLAYWRIGHT_ARGS_LEFT_OUT = ("--disable-ipc-flooding-protection", "--disable-popup-blocking")
-# Chromium's singleton socket goes to $TMPDIR/org.chromium.Chromium.XXXXXX/SingletonSocket (45 more
-# characters), and a Unix socket path holds at most 107: Chromium aborts at start under a deeper TMPDIR.
-TMPDIR_CHARS = 60
 #: The programs of the namespace's first process and of what dies with its parent, as python -c runs them.
 _ENTER_NAMESPACE = resources.files(__package__).joinpath("enter_namespace.py").read_text(encoding="utf-8")
 _DIE_WITH_PARENT = resources.files(__package__).joinpath("die_with_parent.py").read_text(encoding="utf-8")
@@ -177,7 +174,8 @@ class _BrowserHost:
         self._playwright: Playwright | None = None
         self._browser: Browser | None = None
         self._gates: Gates | None = None
-        self._directory: str | None = None
+        self._directory: Path | None = None
+        self._directory_lock: int | None = None      # held while the directory is in use (see directories)
         self._cgroup: PromptCgroup | None = None
         self._tab_limits: TabLimits | None = None
         self._driver_exit: int | None = None      # a pidfd of the driver: readable once it has exited
@@ -211,10 +209,7 @@ class _BrowserHost:
         executable = chromium_executable()
         if executable is None:
             raise ToolError(f"no Chromium found: {INSTALL_HINT}")
-        temporary = tempfile.gettempdir()
-        if len(temporary) > TMPDIR_CHARS:
-            temporary = "/tmp"
-        self._directory = tempfile.mkdtemp(prefix="batchrun-browser-", dir=temporary)
+        self._directory, self._directory_lock = new_browser_directory()
         # A page's renderer is the prompt's doing, as a command is: it gets the prompt's limits.
         self._cgroup = PromptCgroup.create(run_label, limits)
         self._tab_limits = TabLimits(self._cgroup, limits)
@@ -222,21 +217,21 @@ class _BrowserHost:
         # A tool's environment, never the runner's (its API key): where no sandbox can be made, Chromium
         # runs on the host with it. TMPDIR is named, as the driver's is the browser's directory (see
         # _start_driver).
-        environment: dict[str, str | float | bool] = {**scrubbed_environment(home=self._directory),
-                                                      "TMPDIR": temporary}
+        environment: dict[str, str | float | bool] = {**scrubbed_environment(home=str(self._directory)),
+                                                      "TMPDIR": browser_temporary()}
         options: _LaunchOptions = {"args": list(CHROMIUM_ARGS), "env": environment,
                                    "timeout": LAUNCH_TIMEOUT_S * 1000,
                                    "ignore_default_args": list(PLAYWRIGHT_ARGS_LEFT_OUT)}
         try:
-            self._playwright, self._driver_exit = await _start_driver(Path(self._directory))
+            self._playwright, self._driver_exit = await _start_driver(self._directory)
             bwrap = await isolating_bwrap()
             if bwrap is None:
-                unsandboxed = _dying_with_parent(Path(self._directory) / "chromium", '"$PPID"', executable, groups)
+                unsandboxed = _dying_with_parent(self._directory / "chromium", '"$PPID"', executable, groups)
                 self._browser = await self._playwright.chromium.launch(executable_path=unsandboxed, **options)
                 self._gates = LoopbackGates()
                 return
             self._browser, listener = await _launch_isolated(self._playwright.chromium, bwrap, executable,
-                                                             Path(self._directory), groups, options)
+                                                             self._directory, groups, options)
             gates = NamespaceGates(listener)
             self._gates = gates
             await gates.start()
@@ -261,11 +256,14 @@ class _BrowserHost:
             self._gates.close()
         if self._directory is not None:
             shutil.rmtree(self._directory, ignore_errors=True)
+        if self._directory_lock is not None:
+            os.close(self._directory_lock)
         if self._cgroup is not None:
             await asyncio.to_thread(self._cgroup.destroy)
         if self._driver_exit is not None:
             os.close(self._driver_exit)
         self._browser = self._playwright = self._gates = self._directory = self._cgroup = self._driver_exit = None
+        self._directory_lock = None
         self._tab_limits = None
 
 
