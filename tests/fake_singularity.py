@@ -6,7 +6,8 @@ Understands what batchrun's singularity backend calls: pull, instance start/list
 unless exec is given ``--cleanenv``, and even then the host's proxy variables and each variable that
 ``APPTAINERENV_``/``SINGULARITYENV_`` name; instance start binds what the bind variables name besides
 its ``--bind`` (as Apptainer's internal/pkg/util/env/clean.go and its documented
-APPTAINER_BIND/SINGULARITY_BIND do). ``FAKE_PULL_FAIL=img[,img]`` makes
+APPTAINER_BIND/SINGULARITY_BIND do), and what the mount variables name; exec reads the file an env-file
+variable names into the container's environment. ``FAKE_PULL_FAIL=img[,img]`` makes
 pulling ``docker://img`` fail; ``FAKE_PULL_SECONDS`` slows pulls down.
 """
 
@@ -27,6 +28,9 @@ ALWAYS_PASSED = {name for variable in ("http_proxy", "https_proxy", "no_proxy", 
                  for name in (variable, variable.upper())}
 ENV_PREFIXES = ("APPTAINERENV_", "SINGULARITYENV_")
 BIND_VARIABLES = ("APPTAINER_BIND", "APPTAINER_BINDPATH", "SINGULARITY_BIND", "SINGULARITY_BINDPATH")
+# Every option can be given as <RUNTIME>_<OPTION> (cmd/internal/cli/action_flags.go): these two are acted on.
+MOUNT_VARIABLES = ("APPTAINER_MOUNT", "SINGULARITY_MOUNT")
+ENV_FILE_VARIABLES = ("APPTAINER_ENV_FILE", "SINGULARITY_ENV_FILE")
 
 
 def options(args: list[str]) -> tuple[dict[str, str], list[str]]:
@@ -66,6 +70,15 @@ def bind_pairs(specs: list[str]) -> list[list[str]]:
     return pairs
 
 
+def mount_pairs(specs: list[str]) -> list[list[str]]:
+    """[SRC, DEST] of each --mount spec given (type=bind,source=SRC,destination=DEST)."""
+    pairs = []
+    for spec in filter(None, specs):
+        fields = dict(field.split("=", 1) for field in spec.split(",") if "=" in field)
+        pairs.append([fields.get("source", fields.get("src", "")), fields.get("destination", fields.get("dst", ""))])
+    return pairs
+
+
 def instance_start(args: list[str]) -> int:
     found, (sif, name) = options(args)
     if not Path(sif).is_file():
@@ -75,6 +88,7 @@ def instance_start(args: list[str]) -> int:
     if container.exists():
         fail(f"FATAL:   instance {name} already exists", 255)
     binds = bind_pairs([found.get("--bind", ""), *(os.environ.get(name, "") for name in BIND_VARIABLES)])
+    binds += mount_pairs([os.environ.get(name, "") for name in MOUNT_VARIABLES])
     container.create({"sif": sif, "binds": binds, "options": sorted(found),
                       "network": found.get("--network")})
     print("INFO:    instance started successfully")
@@ -114,6 +128,9 @@ def exec_(args: list[str]) -> int:
         fail(f"FATAL:   instance {target} does not exist", 255)
     # Each exec builds its own environment; what instance start was told does not carry over.
     env = cleaned_environment(container.host_path("/root")) if "--cleanenv" in found else dict(os.environ)
+    for name in ENV_FILE_VARIABLES:         # read into the container's environment, --cleanenv or not
+        if name in os.environ:
+            env.update(line.split("=", 1) for line in Path(os.environ[name]).read_text().splitlines() if "=" in line)
     return container.execute(argv, workdir=found.get("--pwd", "/"), env=env, stdin=True)
 
 

@@ -423,6 +423,18 @@ def test_a_container_cli_that_is_not_there_stops_the_run_at_start(tmp_path, endp
                                     "`no-such-container-program` was not found on PATH")
 
 
+# The prompts' directories are bound at /workspace by a --bind, which splits at commas: under /tmp/a,b
+# it bound the host's /tmp/a into every container.
+@pytest.mark.parametrize("separator", [",", ":"])
+def test_a_tmpdir_that_singularity_cannot_bind_stops_the_run_at_start(tmp_path, endpoint, separator):
+    temporary = tmp_path / f"a{separator}b"
+    temporary.mkdir()
+    result = run_cli(tmp_path, *good_args(tmp_path, endpoint),
+                     env={"TERMINAL_ENV": "singularity", "TMPDIR": str(temporary)})
+    assert_rejected_before_anything(result, tmp_path, endpoint, "TERMINAL_ENV=singularity", f"holds {separator!r}",
+                                    "set TMPDIR")
+
+
 def test_a_container_engine_that_does_not_answer_stops_the_run_at_start(tmp_path, endpoint):
     engine = tmp_path / "down-engine"
     engine.write_text("#!/bin/sh\necho 'Cannot connect to the Docker daemon' >&2\nexit 1\n")

@@ -380,10 +380,23 @@ def test_singularity_instance_is_contained_without_network_with_the_prompt_dir_a
     env = started(singularity_stand_in, make_settings(tmp_path))
     [instance] = singularity_stand_in.containers()
     close(env)
-    assert {"--containall", "--cleanenv", "--no-home", "--net"} <= set(instance["options"])
+    assert {"--containall", "--cleanenv", "--no-home", "--net", "--no-privs"} <= set(instance["options"])
     assert instance["network"] == "none"
     assert instance["binds"] == [[str(env.prompt_dir), "/workspace"]]
     assert not env.prompt_dir.exists()
+
+
+def test_singularity_commands_run_without_root_privileges(singularity_stand_in, tmp_path):
+    # As root, the runtimes give the container's root every capability unless told not to.
+    env = started(singularity_stand_in, make_settings(tmp_path))
+
+    async def scenario() -> None:
+        await env.run("true")
+        await env.write_file("f", b"x")
+    asyncio.run(scenario())
+    close(env)
+    execs = singularity_stand_in.calls("singularity", "exec")
+    assert execs and all("--no-privs" in call[:call.index(f"instance://{env.name}")] for call in execs)
 
 
 def test_allow_network_leaves_the_singularity_network_alone(singularity_stand_in, tmp_path):

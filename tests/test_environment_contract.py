@@ -225,29 +225,38 @@ def test_commands_do_not_see_the_users_secrets(subject, tmp_path, monkeypatch):
 
 def test_commands_see_none_of_the_users_proxy_settings_nor_variables_meant_for_containers(subject, tmp_path,
                                                                                           monkeypatch):
-    """Proxy URLs may carry a password; Singularity and Apptainer pass the proxy variables and what
-    SINGULARITYENV_/APPTAINERENV_ name into their containers even when told to clean the environment."""
+    """Proxy URLs may carry a password; Singularity and Apptainer pass the proxy variables, what
+    SINGULARITYENV_/APPTAINERENV_ name and what is in the file SINGULARITY_ENV_FILE/APPTAINER_ENV_FILE
+    name into their containers even when told to clean the environment."""
     for name in ("HTTPS_PROXY", "http_proxy", "all_proxy"):
         monkeypatch.setenv(name, "http://user:proxy-secret@proxy.example:3128")
     monkeypatch.setenv("APPTAINERENV_SHARED", "apptainer-secret")
     monkeypatch.setenv("SINGULARITYENV_SHARED_TOO", "singularity-secret")
+    secrets_file = tmp_path / "secrets.env"
+    secrets_file.write_text("SHARED_FROM_FILE=env-file-secret\n")
+    for name in ("APPTAINER_ENV_FILE", "SINGULARITY_ENV_FILE"):
+        monkeypatch.setenv(name, str(secrets_file))
     result = in_environment(subject, make_settings(tmp_path), lambda env: env.run("env"))
     assert "PATH=" in result.output
     assert "secret" not in result.output and "SHARED" not in result.output
 
 
 def test_no_host_directory_the_users_container_settings_bind_is_in_the_sandbox(subject, tmp_path, monkeypatch):
-    """Singularity and Apptainer bind what SINGULARITY_BIND/APPTAINER_BIND name (often set for every
-    container on a cluster) into each container they start, beside the backend's own binds."""
+    """Singularity and Apptainer bind what SINGULARITY_BIND/APPTAINER_BIND and the mounts that
+    SINGULARITY_MOUNT/APPTAINER_MOUNT name (often set for every container on a cluster) into each
+    container they start, beside the backend's own binds."""
     host = tmp_path / "host-only"
     host.mkdir()
     (host / "secret.txt").write_text("host-secret")
     for name in ("APPTAINER_BIND", "APPTAINER_BINDPATH", "SINGULARITY_BIND", "SINGULARITY_BINDPATH"):
         monkeypatch.setenv(name, f"{host}:/bound")
+    for name in ("APPTAINER_MOUNT", "SINGULARITY_MOUNT"):
+        monkeypatch.setenv(name, f"type=bind,source={host},destination=/mounted")
 
     async def scenario(env: Environment) -> None:
-        with pytest.raises(ToolError):      # not there, or out of the file tools' reach
-            await env.read_file("/bound/secret.txt")
+        for bound in ("/bound/secret.txt", "/mounted/secret.txt"):
+            with pytest.raises(ToolError):      # not there, or out of the file tools' reach
+                await env.read_file(bound)
     in_environment(subject, make_settings(tmp_path), scenario)
 
 

@@ -37,11 +37,16 @@ from batchrun.environments.container_cli import call_cli_blocking
 from batchrun.environments.image_lock import image_file_stem
 from batchrun.environments.tree_removal import remove_tree
 
-# The prefixes of the variables whose values the runtimes put into their containers: a variable to set
-# there (SINGULARITYENV_NAME), the host paths to bind (SINGULARITY_BIND, SINGULARITY_BINDPATH); Apptainer
-# reads both spellings.
-_PUT_INTO_CONTAINERS = tuple(f"{runtime}{kind}" for runtime in ("SINGULARITY", "APPTAINER")
-                             for kind in ("ENV_", "_BIND"))
+# The runtimes take every option of their commands from a variable as well (SINGULARITY_MOUNT, _ENV_FILE,
+# _BIND, _OVERLAY, _KEEP_PRIVS, _ADD_CAPS, ...) and set in their containers what SINGULARITYENV_NAME
+# names; Apptainer reads both spellings. A cluster often sets some for every container: host paths
+# bound in, a file of secrets read into the environment, an overlay that every prompt would share.
+# Only the variables that say where the runtime keeps its own files reach it.
+_RUNTIMES = ("SINGULARITY", "APPTAINER")
+_RUNTIMES_OWN_FILES = frozenset(f"{runtime}_{kind}" for runtime in _RUNTIMES
+                                for kind in ("CACHEDIR", "TMPDIR", "CONFIGDIR"))
+# A --bind names SRC:DEST pairs, separated by commas, and has no quoting.
+_BIND_SEPARATORS = ",:"
 
 
 class SingularityEnvironment(CliContainerEnvironment):
@@ -55,6 +60,10 @@ class SingularityEnvironment(CliContainerEnvironment):
         super().__init__(settings, prompt_index=prompt_index, image=image, cwd=cwd)
         self.sif = sif_cache() / f"{image_file_stem(self.image)}.sif"
         self.prompt_dir: Path | None = None     # host directory bound at /workspace
+
+    @classmethod
+    def node_problem(cls) -> str | None:
+        return _unbindable_work_root() or super().node_problem()
 
     @property
     def source(self) -> str:
@@ -92,7 +101,10 @@ class SingularityEnvironment(CliContainerEnvironment):
             raise setup_error(f"cannot create a working directory under {self.settings.work_root}", str(exc)) from exc
         network = [] if self.settings.allow_network else ["--net", "--network", "none"]
         started = await self._call([
-            self.executable, "instance", "start", "--containall", "--cleanenv", "--no-home", "--writable-tmpfs",
+            # --no-privs: as root, the runtimes give the container's root every capability by default
+            # (enough to mount the host's disks), where Docker's keeps a few.
+            self.executable, "instance", "start", "--containall", "--cleanenv", "--no-home", "--no-privs",
+            "--writable-tmpfs",
             *network, "--bind", f"{self.prompt_dir}:{WORKSPACE}", str(self.sif), self.name],
             env=self._entering_environment())
         if not started.ok:
@@ -105,11 +117,12 @@ class SingularityEnvironment(CliContainerEnvironment):
 
     def _entering_environment(self) -> dict[str, str]:
         return {name: value for name, value in os.environ.items()
-                if name not in PROXY_VARIABLES and not name.startswith(_PUT_INTO_CONTAINERS)}
+                if name not in PROXY_VARIABLES and (not name.startswith(_RUNTIMES) or name in _RUNTIMES_OWN_FILES)}
 
     def exec_argv(self, argv: list[str], *, workdir: str, stdin: bool = False) -> list[str]:
         # singularity exec always passes its stdin through, so ``stdin`` needs no flag here.
-        return [self.executable, "exec", "--cleanenv", "--pwd", workdir, f"instance://{self.name}", *argv]
+        return [self.executable, "exec", "--cleanenv", "--no-privs", "--pwd", workdir, f"instance://{self.name}",
+                *argv]
 
     @classmethod
     def remove_leftovers(cls, settings: EnvironmentSettings) -> None:
@@ -131,6 +144,16 @@ class ApptainerEnvironment(SingularityEnvironment):
     kind = "apptainer"
     program = "apptainer"
     install_hint = "install Apptainer (https://apptainer.org/docs/admin/main/installation.html)"
+
+
+def _unbindable_work_root() -> str | None:
+    """Why the prompts' directories, under $TMPDIR, cannot be bound at /workspace, if they cannot: with a
+    comma in it, the --bind of /tmp/a,b/... bound /tmp/a, a host directory, into the container."""
+    temporary = tempfile.gettempdir()
+    if found := sorted(set(temporary) & set(_BIND_SEPARATORS)):
+        return (f"TMPDIR ({temporary}) holds {' and '.join(repr(c) for c in found)}, which Singularity's --bind "
+                "reads as a separator: set TMPDIR to a directory whose path has neither")
+    return None
 
 
 def sif_cache() -> Path:
