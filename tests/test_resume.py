@@ -285,23 +285,25 @@ def test_a_stop_signal_once_every_prompt_has_run_stops_nothing_and_the_run_ends_
     assert merged_prompts(tmp_path) == Counter(["prompt 0"])
 
 
-def test_a_run_started_under_nohup_goes_on_when_its_terminal_closes(tmp_path, endpoint):
-    """nohup starts a command with SIGHUP ignored so that it outlives its terminal; the run took SIGHUP as a
-    stop all the same, and the days-long run a user left behind stopped when the ssh session ended."""
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGINT], ids=["nohup, terminal closed", "&, Ctrl-C"])
+def test_a_run_started_with_a_stop_signal_ignored_goes_on_when_that_signal_comes(tmp_path, endpoint, signum):
+    """nohup starts a command with SIGHUP ignored so that it outlives its terminal, and a shell script's
+    background job (&) has SIGINT ignored so that it outlives Ctrl-C; the run took SIGHUP as a stop all the
+    same, and the days-long run a user left behind stopped when the ssh session ended."""
     prompts = [f"[[sleep 0.3]] prompt {i}" for i in range(6)]
     dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
     run_dir = tmp_path / "data" / "run"
 
-    def as_nohup_starts_it() -> None:
+    def as_started_ignoring_it() -> None:
         default_stop_signals()
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signum, signal.SIG_IGN)
 
     process = subprocess.Popen(batch_runner_command(*base_args(tmp_path, endpoint, dataset, "--num_workers=2")),
                                cwd=tmp_path, env=cli_environment(tmp_path), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                               preexec_fn=as_nohup_starts_it)
+                               preexec_fn=as_started_ignoring_it)
     wait_for(lambda: finished_row_count(run_dir) >= 2)
-    os.killpg(process.pid, signal.SIGHUP)
+    os.killpg(process.pid, signum)
     said, _ = process.communicate(timeout=60)
     assert process.returncode == 0, said
     assert "Stopped by" not in said

@@ -812,6 +812,19 @@ def test_vision_override_endpoint_never_gets_the_run_key(endpoint, monkeypatch):
     assert endpoint.requests == []
 
 
+def test_vision_override_endpoint_without_a_key_of_its_own_never_gets_the_run_key(endpoint, monkeypatch):
+    # The client library takes OPENAI_API_KEY from the environment where it is given no key.
+    with ScriptedEndpoint() as vision_server:
+        vision_server.script = lambda body: (200, completion("Seen."), {})
+        monkeypatch.setenv("VISION_BASE_URL", vision_server.base_url)
+        for name in ("OPENAI_API_KEY", "OPENROUTER_API_KEY"):
+            monkeypatch.setenv(name, RUN_KEY)
+        assert call(vision_analyze, {"image": "https://images.example/a.jpg", "question": "?"},
+                    base_url=endpoint.base_url) == {"answer": "Seen."}
+        assert RUN_KEY not in (authorization(vision_server.request_headers[0]) or "")
+    assert endpoint.requests == []
+
+
 def test_vision_refuses_non_images_metadata_urls_and_other_schemes(endpoint, workspace):
     (workspace.workdir / "notes.txt").write_text("not an image")
     cases = {"notes.txt": "not a PNG, JPEG, GIF or WebP image", "missing.png": "does not exist",
@@ -892,6 +905,17 @@ def test_image_generate_saves_base64_images_in_the_environment(images_api, works
     result = call(image_generate, {"prompt": "a red pixel"}, env=workspace)
     assert result["path"].startswith("images/") and result["path"].endswith(".png")
     assert (workspace.workdir / result["path"]).read_bytes() == PNG
+
+
+def test_an_image_endpoint_without_a_key_of_its_own_never_gets_the_run_key(images_api, workspace, monkeypatch):
+    # The client library takes OPENAI_API_KEY from the environment where it is given no key.
+    monkeypatch.delenv("IMAGE_GEN_API_KEY")
+    for name in ("OPENAI_API_KEY", "OPENROUTER_API_KEY"):
+        monkeypatch.setenv(name, RUN_KEY)
+    images_api.routes["/v1/images/generations"] = lambda request: json_reply(
+        {"created": 0, "data": [{"url": "https://cdn.example/cat.png"}]})
+    assert call(image_generate, {"prompt": "a cat"}, env=workspace) == {"url": "https://cdn.example/cat.png"}
+    assert RUN_KEY not in (images_api.requests[0].headers.get("authorization") or "")
 
 
 def test_image_generate_refuses_data_that_is_not_an_image(images_api, workspace):
