@@ -166,6 +166,16 @@ def test_openais_out_of_credit_429_stops_the_run(ep):
         classify_here(error_from(ep.base_url), answered=True)
 
 
+def test_anthropics_credit_balance_400_stops_the_run(ep):
+    # Anthropic's OpenAI-compatible API says "no credit" as a 400: every prompt of the run became a failure
+    # row, one after another, until the dataset was used up.
+    ep.script = lambda _body: (400, {"type": "error", "error": {
+        "type": "invalid_request_error", "message": "Your credit balance is too low to access the Anthropic API. "
+                                                   "Please go to Plans & Billing to upgrade or purchase credits."}}, {})
+    with pytest.raises(RunFatalError, match="out of credit"):
+        classify_here(error_from(ep.base_url), answered=True)
+
+
 def test_a_429_of_another_kind_is_retried(ep):
     ep.script = lambda _body: (429, {"error": {"message": "Rate limit reached", "type": "requests",
                                                "code": "rate_limit_exceeded"}}, {})
@@ -197,7 +207,9 @@ def quoting_the_request_back(body: dict) -> tuple[int, dict, dict]:
 
 
 @pytest.mark.parametrize("prompt", ["Why would a model that does not exist be listed?",
-                                    "How large is the context window of GPT-4?"], ids=["unknown_model", "overflow"])
+                                    "How large is the context window of GPT-4?",
+                                    "My credit balance is too low, says the bank: why?"],
+                         ids=["unknown_model", "overflow", "no_credit"])
 def test_an_error_is_read_for_the_endpoints_words_not_the_prompts_it_quotes_back(ep, prompt):
     # Before, the first stopped the whole run (and each --resume at the same prompt), and the second ended
     # its prompt as a context overflow, kept as a partial trajectory that no --resume runs again.

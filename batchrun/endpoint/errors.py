@@ -166,6 +166,8 @@ _CONTEXT_OVERFLOW_PHRASES = ("context_length_exceeded", "exceed_context_size", "
 
 # How endpoints say a 400 is about the model named: the run cannot go on with it.
 _UNKNOWN_MODEL_PHRASES = ("not a valid model", "does not exist", "invalid model", "unknown model")
+# Anthropic's "no credit" comes as a 400 (OpenAI's as a 429, see out_of_credit).
+_NO_CREDIT_PHRASES = ("credit balance is too low",)
 
 
 def _context_overflow(exc: openai.APIStatusError, said: str, request: bytes) -> bool:
@@ -255,8 +257,8 @@ def classify(exc: Exception, *, model: str, base_url: str, endpoint_answered: bo
     status = exc.status_code
     said = _error_text(exc)
     detail = _shown(said)
-    if out_of_credit(exc):
-        raise RunFatalError(f"the endpoint {base_url} says the account is out of credit (HTTP 429: {detail}). "
+    if out_of_credit(exc) or (status == 400 and _endpoint_says(said, _NO_CREDIT_PHRASES, request)):
+        raise RunFatalError(f"the endpoint {base_url} says the account is out of credit (HTTP {status}: {detail}). "
                             "Add credit to the account, or lower the cost with --max_samples.")
     if status == 429 or status in (408, 409) or status >= 500:
         return retry_after_seconds(exc.response.headers)
