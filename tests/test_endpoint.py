@@ -166,6 +166,22 @@ def test_openais_out_of_credit_429_stops_the_run(ep):
         classify_here(error_from(ep.base_url), answered=True)
 
 
+def test_openais_out_of_credit_429_leaves_the_limit_on_requests_in_flight_as_it_was(ep):
+    # Counted as an overload, it lowered the limit for the requests still in flight before the run stopped.
+    ep.script = lambda _body: (429, {"error": {"message": "You exceeded your current quota", "type": "insufficient_quota",
+                                               "param": None, "code": "insufficient_quota"}}, {})
+    gate = RateGate(ceiling=64, adaptive=True)
+
+    async def call() -> None:
+        async with make_client(ep.base_url, "sk-test", timeout=10) as client:
+            await call_model(client, gate, body=request_body("q"), model=MODEL, max_retries=0,
+                             base_url=ep.base_url, on_refused=lambda usage, source: None)
+    before = gate.limit.figures().limit
+    with pytest.raises(RunFatalError, match="out of credit"):
+        asyncio.run(call())
+    assert gate.limit.figures().limit == before
+
+
 def test_anthropics_credit_balance_400_stops_the_run(ep):
     # Anthropic's OpenAI-compatible API says "no credit" as a 400: every prompt of the run became a failure
     # row, one after another, until the dataset was used up.
