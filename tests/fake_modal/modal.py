@@ -10,7 +10,12 @@ as ``{"tool": "modal", "argv": [NAME, {argument: value}]}``, ``args`` holding th
 
 Switches, from the environment: ``MODAL_TOKEN_ID`` and ``MODAL_TOKEN_SECRET`` are the credentials, as
 in the real configuration (``MODAL_TOKEN_ID=rejected``: the service refuses them);
-``FAKE_PULL_FAIL=img[,img]``: sandboxes from these images fail as a failed image build does.
+``FAKE_PULL_FAIL=img[,img]``: sandboxes from these images fail as a failed image build does;
+``FAKE_MODAL_HANG=call[,call]`` (``App.lookup``, ``Sandbox.list``, ``Sandbox.exec``, ...): these calls never answer,
+as a service that took the request and never replies; ``FAKE_MODAL_RAISE=call[:error][,...]``: these calls fail with
+grpclib's StreamTerminatedError, which the real SDK raises as it is (no modal error) once its retries on a broken
+connection are spent, or with the ``modal.exception`` error named (``Sandbox.exec:NotFoundError``). Each is read
+at every call, so a test may set it once a sandbox has started.
 """
 
 from __future__ import annotations
@@ -50,8 +55,17 @@ class SandboxTerminatedError(Error):
     pass
 
 
+class NotFoundError(Error):
+    pass
+
+
 exception = types.SimpleNamespace(Error=Error, AuthError=AuthError, RemoteError=RemoteError,
-                                  SandboxTerminatedError=SandboxTerminatedError)
+                                  SandboxTerminatedError=SandboxTerminatedError, NotFoundError=NotFoundError)
+
+
+class StreamTerminatedError(Exception):
+    """grpclib's (grpclib.exceptions.StreamTerminatedError), which is neither a modal error nor an OSError: the real
+    SDK raises it as it is when a connection to the service keeps breaking."""
 
 
 class _Config:
@@ -90,6 +104,36 @@ async def _collect(generator: AsyncIterator[Any]) -> list[Any]:
     return [item async for item in generator]
 
 
+def _switched(name: str) -> list[str]:
+    return [entry for entry in os.environ.get(name, "").split(",") if entry]
+
+
+async def _misbehave(call: str) -> None:
+    """What FAKE_MODAL_HANG and FAKE_MODAL_RAISE make of ``call`` before it does anything."""
+    if call in _switched("FAKE_MODAL_HANG"):
+        await asyncio.Event().wait()        # never set: only a cancellation ends the wait
+    for entry in _switched("FAKE_MODAL_RAISE"):
+        name, _, error = entry.partition(":")
+        if name == call:
+            raise getattr(exception, error)(f"{call} failed (FAKE_MODAL_RAISE)") if error else \
+                StreamTerminatedError("Connection lost")
+
+
+def _with_switches(call: str, function: Callable[..., Any], generator: bool) -> Callable[..., Any]:
+    """``function`` (a coroutine or async generator function) behaving as the switches make ``call`` behave."""
+    if generator:
+        async def items(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+            await _misbehave(call)
+            async for item in function(*args, **kwargs):
+                yield item
+        return items
+
+    async def answer(*args: Any, **kwargs: Any) -> Any:
+        await _misbehave(call)
+        return await function(*args, **kwargs)
+    return answer
+
+
 class _Call:
     """One SDK call bound to its object: ``call(...)`` blocks, ``call.aio(...)`` is awaited."""
 
@@ -109,9 +153,14 @@ class _dual:
 
     def __init__(self, function: Callable[..., Any]) -> None:
         self._function = function
+        self._name = function.__name__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = f"{owner.__name__}.{name}"     # what the switches call it: Sandbox.exec
 
     def __get__(self, instance: Any, owner: type) -> _Call:
-        return _Call(functools.partial(self._function, owner if instance is None else instance))
+        bound = functools.partial(self._function, owner if instance is None else instance)
+        return _Call(_with_switches(self._name, bound, inspect.isasyncgenfunction(self._function)))
 
 
 class App:
@@ -184,8 +233,14 @@ class ContainerProcess:
 
     @_dual
     async def wait(self) -> int:
-        code = await self._process.wait()
-        self._pid_file.unlink(missing_ok=True)
+        # The service answers once the process has exited. asyncio's wait() also waits for its pipes to close,
+        # which a child the process left in the background may hold open long after.
+        while (code := self._process.returncode) is None:
+            await asyncio.sleep(0.01)
+        try:        # a child left in the background is the sandbox's still, ended with it
+            os.killpg(self._process.pid, 0)
+        except ProcessLookupError:
+            self._pid_file.unlink(missing_ok=True)
         return code if code >= 0 else 128 - code
 
     @property
