@@ -8,8 +8,11 @@ call the backend makes fits the real SDK's signatures.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import inspect
 import sys
+import threading
+import time
 
 import pytest
 from conftest import batch_rows, endpoint_args, read_jsonl, run_cli, write_dataset
@@ -17,7 +20,14 @@ from container_backends import FAKE_MODAL, StandInBackend, environment, make_set
 
 from batchrun.config import terminal_environment
 from batchrun.environments import environment_class
-from batchrun.environments.base import EnvironmentSetupError, run_identity
+from batchrun.environments import modal as modal_backend
+from batchrun.environments.base import (
+    CommandResult,
+    EnvironmentLostError,
+    EnvironmentSetupError,
+    ToolError,
+    run_identity,
+)
 from batchrun.environments.modal import RUN_TAG, SANDBOX_LIFETIME
 from batchrun.flag_values import UsageError
 
@@ -95,6 +105,129 @@ def test_remove_leftovers_terminates_the_sandboxes_of_a_crashed_run_only(modal_f
         asyncio.run(environment(modal_fake, settings).start())      # never closed
     environment_class("modal").remove_leftovers(crashed)
     assert modal_fake.live("crashed") == [] and len(modal_fake.live("other")) == 1
+
+
+@pytest.mark.parametrize("fault", ["FAKE_MODAL_HANG", "FAKE_MODAL_RAISE"])
+@pytest.mark.parametrize(("call", "left"), [
+    ("App.lookup", "could not look for Modal sandboxes left under this run's tag"),
+    ("Sandbox.list", "could not look for Modal sandboxes left under this run's tag"),
+    ("Sandbox.terminate", "1 of 1 Modal sandboxes left under this run's tag could not be terminated"),
+])
+def test_a_clean_up_modal_cannot_do_is_given_up_with_a_warning_saying_what_was_left(modal_fake, tmp_path, monkeypatch,
+                                                                                  capsys, fault, call, left):
+    # The clean-up runs at the run's start and, shielded from stop signals, at its end: a call that never answered
+    # hung the run there for good (no merge, deaf to Ctrl-C), and grpclib's StreamTerminatedError, which the SDK
+    # raises as it is, ended the run with a traceback. Either way the rest of the clean-up must still happen.
+    monkeypatch.setattr(modal_backend, "LEFTOVERS_SECONDS", 1.0)
+    settings = make_settings(tmp_path)
+    asyncio.run(environment(modal_fake, settings).start())      # a crashed run's sandbox, never closed
+    (settings.work_root / "prompt-0").mkdir(parents=True)         # and a directory of its own
+    monkeypatch.setenv(fault, call)
+    outcome: list[BaseException | None] = []
+
+    def clean_up() -> None:
+        try:
+            environment_class("modal").remove_leftovers(settings)
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+    worker = threading.Thread(target=clean_up, daemon=True)     # the unbounded clean-up would hang the test
+    worker.start()
+    worker.join(30)
+    assert outcome == [None]
+    [warning] = capsys.readouterr().err.splitlines()
+    assert warning.startswith(f"warning: {left} (Modal")
+    assert warning.endswith("until Modal ends them, 24 hours after their start")
+    assert not settings.work_root.exists()
+
+
+@pytest.mark.parametrize(("call", "expected"), [
+    ("App.lookup", "Modal is not reachable: Connection lost"),
+    ("Sandbox.create", "cannot start a Modal sandbox from example/tools:1: Connection lost"),
+])
+def test_an_error_of_the_service_that_is_no_modal_error_fails_the_start_with_its_reason(modal_fake, tmp_path,
+                                                                                      monkeypatch, call, expected):
+    # The SDK raises grpclib's StreamTerminatedError as it is: it failed the prompt with a traceback, as a bug.
+    monkeypatch.setenv("FAKE_MODAL_RAISE", call)
+    env = environment(modal_fake, make_settings(tmp_path))
+    with pytest.raises(EnvironmentSetupError) as failure:
+        asyncio.run(env.start())
+    assert str(failure.value) == expected
+    assert modal_fake.containers() == []
+
+
+@pytest.mark.parametrize("tool", ["run", "read_file"])
+def test_an_error_of_the_service_that_is_no_modal_error_mid_prompt_fails_only_that_call(modal_fake, tmp_path,
+                                                                                      monkeypatch, tool):
+    # The model was handed "terminal failed: StreamTerminatedError", the session's word for a bug of the tool's;
+    # it is Modal's connection failing, and the sandbox may well answer the next call.
+    env = environment(modal_fake, make_settings(tmp_path))
+
+    async def scenario() -> str:
+        await env.start()
+        try:
+            monkeypatch.setenv("FAKE_MODAL_RAISE", "Sandbox.exec")
+            if tool == "run":
+                failed = await env.run("echo hi")
+                assert failed.exit_code is None and not failed.timed_out
+                error = failed.error or ""
+            else:
+                with pytest.raises(ToolError) as refused:
+                    await env.read_file("a.txt")
+                error = str(refused.value)
+            monkeypatch.delenv("FAKE_MODAL_RAISE")
+            assert (await env.run("echo back")).output == "back\n"
+            return error
+        finally:
+            await env.close()
+    assert asyncio.run(scenario()).endswith("Modal: Connection lost")
+
+
+@pytest.mark.parametrize("tool", ["run", "read_file", "write_file"])
+@pytest.mark.parametrize("loss", ["terminated", "not found"])
+def test_a_sandbox_gone_mid_prompt_loses_the_environment(modal_fake, tmp_path, monkeypatch, tool, loss):
+    # Modal ends a sandbox at its lifetime, on a preemption or at someone's `modal sandbox terminate`; every later
+    # call then fails, and as tool errors the prompt went on to a completed row that --resume never ran again.
+    settings = make_settings(tmp_path)
+    env = environment(modal_fake, settings)
+    modal = importlib.import_module("modal")        # the stand-in, as the fixture arranged
+
+    async def scenario() -> None:
+        await env.start()
+        try:
+            if loss == "terminated":
+                for sandbox in modal.Sandbox.list(tags={RUN_TAG: settings.run_label}):     # from outside
+                    sandbox.terminate()
+            else:
+                monkeypatch.setenv("FAKE_MODAL_RAISE", "Sandbox.exec:NotFoundError")
+            with pytest.raises(EnvironmentLostError, match="^the Modal sandbox is gone: "):
+                if tool == "run":
+                    await env.run("echo hi")
+                elif tool == "read_file":
+                    await env.read_file("a.txt")
+                else:
+                    await env.write_file("a.txt", b"data")
+        finally:
+            await env.close()
+    asyncio.run(scenario())
+
+
+def test_a_command_that_leaves_a_child_holding_its_output_ends_when_the_command_exits(modal_fake, tmp_path):
+    # The output was read to its end before the exit was awaited, so a command that exited at once but left a
+    # background child holding its stdout was reported "timed out" after its whole limit.
+    env = environment(modal_fake, make_settings(tmp_path))
+
+    async def scenario() -> tuple[float, CommandResult]:
+        await env.start()
+        try:
+            began = time.monotonic()
+            result = await env.run("sleep 30 & echo hi", timeout=5)
+            return time.monotonic() - began, result
+        finally:
+            await env.close()
+    took, result = asyncio.run(scenario())
+    assert result.exit_code == 0 and not result.timed_out and result.output == "hi\n"
+    assert took < 3
 
 
 def test_every_call_fits_the_real_sdks_signatures(modal_fake, tmp_path, monkeypatch):

@@ -7,6 +7,11 @@ MODAL_TOKEN_SECRET. Sandboxes belong to the Modal app ``batch_runner`` and are t
 the prompt: they are terminated when their prompt ends, those of a crashed run before the next run
 under the same name starts, and Modal itself ends any sandbox after SANDBOX_LIFETIME seconds.
 
+Whatever an SDK call raises is the service failing: Modal's own errors, and its transport's, which the SDK
+passes on as they are once its retries are spent (grpclib's StreamTerminatedError is neither a modal error
+nor an OSError). A start fails with it, a tool call reports it, and a sandbox Modal ended or no longer knows
+is the prompt's environment lost.
+
 Limits: memory is capped by Modal (the sandbox's memory limit); Modal has no process or ``/tmp`` size
 limit to set, so those two are not enforced here.
 """
@@ -14,13 +19,22 @@ limit to set, so those two are not enforced here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
-from collections.abc import AsyncIterable
+import sys
+import threading
+from collections.abc import AsyncIterable, AsyncIterator, Coroutine, Iterator
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from batchrun.environments.base import CommandResult, EnvironmentSettings, EnvironmentSetupError
-from batchrun.environments.command_output import OutputCollector
+from batchrun.console.layout import bounded, shown
+from batchrun.environments.base import (
+    CommandResult,
+    EnvironmentLostError,
+    EnvironmentSettings,
+    EnvironmentSetupError,
+)
+from batchrun.environments.command_output import EXIT_GRACE_SECONDS, OutputCollector
 from batchrun.environments.container import (
     HOUSEKEEPING_TIMEOUT,
     PULL_TIMEOUT,
@@ -42,6 +56,16 @@ PROMPT_TAG = "batch_runner.prompt"
 SANDBOX_LIFETIME = 24 * 3600
 # What a sandbox reserves of its memory limit: Modal bills the reservation, and few commands need much.
 MEMORY_REQUEST_MB = 1024
+# The whole clean-up of a run's leftover sandboxes, at its start and at its end, where stop signals wait for it:
+# a service that never answers must hold neither. What is not done by then is left, with a warning.
+LEFTOVERS_SECONDS = HOUSEKEEPING_TIMEOUT
+# Leftover sandboxes terminated at once: hundreds one after the other would not fit in LEFTOVERS_SECONDS.
+_TERMINATIONS_AT_ONCE = 16
+# How much longer than LEFTOVERS_SECONDS the clean-up's thread is waited for, should an SDK call ignore its
+# cancellation.
+_CANCEL_GRACE_SECONDS = 5.0
+# What becomes of the sandboxes a clean-up could not terminate.
+_LEFT_TO_MODAL = f"until Modal ends them, {SANDBOX_LIFETIME // 3600} hours after their start"
 
 # Per process: the app, looked up once and shared by the sessions that ask together.
 _apps: dict[str, App] = {}
@@ -90,8 +114,8 @@ class ModalEnvironment(ContainerEnvironment):
             app = await within(HOUSEKEEPING_TIMEOUT, modal.App.lookup.aio(APP_NAME, create_if_missing=True))
         except modal.exception.AuthError as exc:
             raise setup_error("Modal refused the credentials (run `modal token new`)", str(exc)) from None
-        except (TimeoutError, modal.exception.Error, OSError) as exc:
-            raise setup_error("Modal is not reachable", str(exc) or type(exc).__name__) from None
+        except Exception as exc:    # the service failing, whatever the SDK raised for it (see the module's words)
+            raise setup_error("Modal is not reachable", _reason(exc)) from None
         _apps[APP_NAME] = app
         return app
 
@@ -101,15 +125,14 @@ class ModalEnvironment(ContainerEnvironment):
     async def _create(self) -> None:
         modal = self._modal
         caps = self.settings.limits
+        tags = {RUN_TAG: self.settings.run_label, PROMPT_TAG: str(self.prompt_index)}
+        memory = (min(MEMORY_REQUEST_MB, caps.memory_mb), caps.memory_mb)
         try:
             self._sandbox = await within(PULL_TIMEOUT, modal.Sandbox.create.aio(
-                "sleep", "infinity", app=self._app, image=modal.Image.from_registry(self.image),
-                tags={RUN_TAG: self.settings.run_label, PROMPT_TAG: str(self.prompt_index)},
-                timeout=SANDBOX_LIFETIME, workdir="/", block_network=not self.settings.allow_network,
-                memory=(min(MEMORY_REQUEST_MB, caps.memory_mb), caps.memory_mb)))
-        except (TimeoutError, modal.exception.Error, OSError) as exc:
-            raise setup_error(f"cannot start a Modal sandbox from {self.image}",
-                              str(exc) or type(exc).__name__) from None
+                "sleep", "infinity", app=self._app, image=modal.Image.from_registry(self.image), tags=tags,
+                timeout=SANDBOX_LIFETIME, workdir="/", block_network=not self.settings.allow_network, memory=memory))
+        except Exception as exc:    # the service failing, whatever the SDK raised for it
+            raise setup_error(f"cannot start a Modal sandbox from {self.image}", _reason(exc)) from None
 
     async def _remove(self) -> None:
         if self._sandbox is not None:
@@ -126,70 +149,224 @@ class ModalEnvironment(ContainerEnvironment):
             return await within(HOUSEKEEPING_TIMEOUT, self._exec_captured(argv, workdir, stdin or b""))
         except TimeoutError:
             return CliResult(returncode=None, stdout=b"", stderr="")
-        except (self._modal.exception.Error, OSError) as exc:
-            return CliResult(returncode=127, stdout=b"", stderr=f"Modal: {exc}")
+        except _ServiceFailed as failure:
+            self._raise_if_lost(failure)
+            return CliResult(returncode=127, stdout=b"", stderr=f"Modal: {failure.reason}")
 
     async def _exec_captured(self, argv: list[str], workdir: str, stdin: bytes) -> CliResult:
         """What the program writes is kept up to one byte past the largest file the tools read (64 KB of
         stderr): the file tools run the sandbox's own programs, which a command may replace with one that
         writes without end. Past that it is no longer read, and the sandbox's removal ends it."""
-        process = await self._created().exec.aio(*argv, workdir=workdir, text=False)
-        if stdin:
-            process.stdin.write(stdin)
-        process.stdin.write_eof()
-        await process.stdin.drain.aio()
-        stderr_read = asyncio.ensure_future(_at_most(process.stderr, STDERR_BYTES))
+        sandbox = self._created()
+        with _service():
+            process = await sandbox.exec.aio(*argv, workdir=workdir, text=False)
+            if stdin:
+                process.stdin.write(stdin)
+            process.stdin.write_eof()
+            await process.stdin.drain.aio()
+        stderr_read = asyncio.ensure_future(_at_most(_chunks(process.stderr), STDERR_BYTES))
         stderr = b""
         try:
-            stdout, overflowed = await _at_most(process.stdout, self.settings.max_file_bytes)
+            stdout, overflowed = await _at_most(_chunks(process.stdout), self.settings.max_file_bytes)
             if not overflowed:
                 stderr, overflowed = await stderr_read
         finally:
-            stderr_read.cancel()
-        returncode = None if overflowed else await process.wait.aio()
+            _abandon(stderr_read)
+        returncode = None
+        if not overflowed:
+            with _service():
+                returncode = await process.wait.aio()
         return CliResult(returncode=returncode, stdout=stdout, stderr=stderr.decode("utf-8", "replace"),
                          overflowed=overflowed)
+
+    def _raise_if_lost(self, failure: _ServiceFailed) -> None:
+        """EnvironmentLostError where ``failure`` says the sandbox is gone: Modal ended it (its lifetime, a
+        preemption, someone's `modal sandbox terminate`) or no longer knows it. Nothing the prompt asks for
+        later can run, and kept as tool errors the prompt would end as a finished row that --resume never
+        runs again. Any other failure of the service may pass, and is the one call's."""
+        errors = self._modal.exception
+        if isinstance(failure.error, (errors.SandboxTerminatedError, errors.NotFoundError)):
+            raise EnvironmentLostError(f"the Modal sandbox is gone: {failure.reason}") from None
 
     async def _exec_merged(self, argv: list[str], *, timeout: float) -> CommandResult:
         """Output is read as it comes and only the capped part kept; a command that outlives
         ``timeout`` is left to the in-sandbox `timeout` (or the sandbox's removal) to end."""
         collector = OutputCollector(self.settings.max_output_chars)
-
-        async def follow() -> int:
-            process = await self._created().exec.aio(*argv, workdir="/", text=False)
-            process.stdin.write_eof()       # a command reading its input gets end-of-file, not a hang
-            await process.stdin.drain.aio()
-            async for chunk in process.stdout:
-                collector.feed(chunk)
-            return await process.wait.aio()
-
         try:
-            exit_code = await within(timeout, follow())
+            exit_code = await within(timeout, self._follow(argv, collector))
         except TimeoutError:
             output, truncated = collector.finish()
             return CommandResult(output=output, exit_code=None, timed_out=True, truncated=truncated)
-        except (self._modal.exception.Error, OSError) as exc:
+        except _ServiceFailed as failure:
+            self._raise_if_lost(failure)
             output, truncated = collector.finish()
-            return CommandResult(output=output, exit_code=None, truncated=truncated, error=f"Modal: {exc}")
+            return CommandResult(output=output, exit_code=None, truncated=truncated, error=f"Modal: {failure.reason}")
         output, truncated = collector.finish()
         return CommandResult(output=output, exit_code=exit_code, truncated=truncated)
 
+    async def _follow(self, argv: list[str], collector: OutputCollector) -> int:
+        """Run ``argv``, its output fed to ``collector``; its exit status. The exit is awaited alongside the
+        output, not after its end: a background child the command left may hold its stdout open long after
+        the command exited, which then took for a time-out. Once the command has exited, its output is read
+        for EXIT_GRACE_SECONDS more, as the CLI backends read it, and no longer."""
+        sandbox = self._created()
+        with _service():
+            process = await sandbox.exec.aio(*argv, workdir="/", text=False)
+            process.stdin.write_eof()       # a command reading its input gets end-of-file, not a hang
+            await process.stdin.drain.aio()
+
+        async def read() -> None:
+            async for chunk in _chunks(process.stdout):
+                collector.feed(chunk)
+
+        async def exited() -> int:
+            with _service():
+                code: int = await process.wait.aio()
+            return code
+
+        reader, waiter = asyncio.ensure_future(read()), asyncio.ensure_future(exited())
+        try:
+            await asyncio.wait({reader, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if reader.done():
+                reader.result()         # the output's reading failed: the service's failure, raised here
+            exit_code = await waiter
+            await asyncio.wait({reader}, timeout=EXIT_GRACE_SECONDS)
+            if reader.done():
+                reader.result()
+            return exit_code
+        finally:
+            _abandon(reader)
+            _abandon(waiter)
+
     @classmethod
     def remove_leftovers(cls, settings: EnvironmentSettings) -> None:
-        """Terminate the sandboxes a crashed run under this label left. Without the package, the
-        credentials or the service there are none this run could reach, and its prompts say why."""
+        """Terminate the sandboxes a crashed run under this label left (at the run's end: those its own
+        prompts could not). Without the package or the credentials there are none this run could reach, and
+        its prompts say why; where the service fails or does not answer within LEFTOVERS_SECONDS, a warning
+        says what was left, and the rest of the clean-up goes on: Modal ends them at their lifetime's end."""
         try:
             modal = modal_sdk()
         except EnvironmentSetupError:
             modal = None
         if modal is not None:
-            try:
-                app = modal.App.lookup(APP_NAME, create_if_missing=True)
-                for sandbox in modal.Sandbox.list(app_id=app.app_id, tags={RUN_TAG: settings.run_label}):
-                    sandbox.terminate()
-            except (modal.exception.Error, OSError):
-                pass
+            problem = _run_apart(_terminate_leftovers(modal, settings.run_label),
+                                 LEFTOVERS_SECONDS + _CANCEL_GRACE_SECONDS)
+            if problem is not None:
+                print(bounded(shown(f"warning: {problem}")), file=sys.stderr, flush=True)
         super().remove_leftovers(settings)
+
+
+class _ServiceFailed(Exception):
+    """An SDK call failed; ``error`` is what it raised."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(error)
+        self.error = error
+
+    @property
+    def reason(self) -> str:
+        return _reason(self.error)
+
+
+def _reason(error: BaseException) -> str:
+    """What a failure of the service says (its type, where it says nothing: a TimeoutError)."""
+    return str(error) or type(error).__name__
+
+
+@contextlib.contextmanager
+def _service() -> Iterator[None]:
+    """Around SDK calls, and only those: what they raise (a cancellation aside) is the service failing,
+    _ServiceFailed; a bug of ours around them stays the bug it is."""
+    try:
+        yield
+    except Exception as exc:
+        raise _ServiceFailed(exc) from exc
+
+
+async def _chunks(stream: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+    """The chunks of ``stream``, an SDK stream: what reading it raises is _ServiceFailed."""
+    iterator = aiter(stream)
+    while True:
+        with _service():
+            try:
+                chunk = await anext(iterator)
+            except StopAsyncIteration:
+                return
+        yield chunk
+
+
+def _abandon(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task``, whose outcome is no longer wanted; one that failed already is not reported as a
+    failure nobody looked at."""
+    task.cancel()
+    if task.done() and not task.cancelled():
+        task.exception()
+
+
+def _run_apart(work: Coroutine[Any, Any, str | None], seconds: float) -> str | None:
+    """``work`` run in an event loop of a thread of its own, waited for ``seconds`` at most: the caller may be
+    in a running event loop (a Ray actor's), and a stop signal still reaches the caller while it waits."""
+    outcome: list[str | None] = []
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            outcome.append(asyncio.run(work))
+        except BaseException as exc:    # a bug of ours: raised in the caller's thread, where it is seen
+            failure.append(exc)
+    thread = threading.Thread(target=target, name="modal-leftovers", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if failure:
+        raise failure[0]
+    if not outcome:     # an SDK call that ignored its cancellation; the thread ends with it, or with the process
+        return (f"the clean-up of Modal sandboxes left under this run's tag did not end (Modal did not answer "
+                f"within {seconds:g}s); any left run on {_LEFT_TO_MODAL}")
+    return outcome[0]
+
+
+async def _terminate_leftovers(modal: ModuleType, run_label: str) -> str | None:
+    """Terminate the sandboxes tagged ``run_label``, taking LEFTOVERS_SECONDS at most in all; None, or what
+    was left and why."""
+    found: list[Sandbox] | None = None
+    terminated = 0
+    failures: list[str] = []
+    room = asyncio.Semaphore(_TERMINATIONS_AT_ONCE)
+
+    async def listed() -> list[Sandbox]:
+        app = await modal.App.lookup.aio(APP_NAME, create_if_missing=True)
+        return [sandbox async for sandbox in modal.Sandbox.list.aio(app_id=app.app_id, tags={RUN_TAG: run_label})]
+
+    async def terminate(sandbox: Sandbox) -> None:
+        nonlocal terminated
+        async with room:
+            try:
+                await sandbox.terminate.aio()
+            except Exception as exc:    # the service failing, whatever the SDK raised for it
+                failures.append(f"Modal: {_reason(exc)}")
+                return
+        terminated += 1
+
+    async def clean_up() -> None:
+        nonlocal found
+        try:
+            found = await listed()
+        except Exception as exc:        # the service failing, whatever the SDK raised for it
+            failures.append(f"Modal: {_reason(exc)}")
+            return
+        await asyncio.gather(*(terminate(sandbox) for sandbox in found))
+
+    try:
+        await within(LEFTOVERS_SECONDS, clean_up())
+    except TimeoutError:
+        failures.append(f"Modal did not answer within {LEFTOVERS_SECONDS:g}s")
+    if found is None:
+        return (f"could not look for Modal sandboxes left under this run's tag ({failures[0]}); any there run on "
+                f"{_LEFT_TO_MODAL}")
+    if terminated < len(found):
+        return (f"{len(found) - terminated} of {len(found)} Modal sandboxes left under this run's tag could not be "
+                f"terminated ({failures[0]}); they run on {_LEFT_TO_MODAL}")
+    return None
 
 
 async def _at_most(stream: AsyncIterable[bytes], limit: int) -> tuple[bytes, bool]:
