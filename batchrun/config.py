@@ -246,6 +246,10 @@ LIMIT_VARIABLES = {"TERMINAL_MEMORY_MB": "memory_mb", "TERMINAL_MAX_PROCESSES": 
                    "TERMINAL_DISK_RESERVE_MB": "disk_reserve_mb"}
 # The most each may be: what the kernel takes.
 LIMIT_MOST = {name: MOST_PROCESSES if name == "TERMINAL_MAX_PROCESSES" else MOST_MB for name in LIMIT_VARIABLES}
+# The least: a sandbox starts inside its prompt's limits, and bwrap, its init and the shell need three
+# processes and a few megabytes before any command runs (under 4 processes or 8 MB none started, and
+# every prompt failed with "did not start").
+LIMIT_LEAST = {name: {"TERMINAL_MAX_PROCESSES": 8, "TERMINAL_MEMORY_MB": 16}.get(name, 1) for name in LIMIT_VARIABLES}
 
 
 def resource_limits() -> ResourceLimits:
@@ -256,8 +260,9 @@ def resource_limits() -> ResourceLimits:
         if raw is None:
             continue
         # isdecimal, not isdigit: '²' is a digit that int() refuses.
-        if not raw.isdecimal() or not 0 < int(raw) <= LIMIT_MOST[name]:
-            raise UsageError(f"{name} must be a whole number from 1 to {LIMIT_MOST[name]}, got {raw!r}")
+        if not raw.isdecimal() or not LIMIT_LEAST[name] <= int(raw) <= LIMIT_MOST[name]:
+            raise UsageError(f"{name} must be a whole number from {LIMIT_LEAST[name]} to {LIMIT_MOST[name]}, "
+                             f"got {raw!r}")
         values[field_name] = int(raw)
     return ResourceLimits(**values)
 

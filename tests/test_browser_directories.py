@@ -3,6 +3,8 @@ one whose worker lives, one being made, another user's, and anything reached thr
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import shutil
 import subprocess
@@ -14,9 +16,12 @@ from pathlib import Path
 import pytest
 from conftest import endpoint_args, run_cli, write_dataset
 
+from batchrun.tools.browser.directories import new_browser_directory
+
 # A worker as far as its browser's directory goes: it makes one, says where, and lives until killed.
 HOLDING_WORKER = ("from batchrun.tools.browser.directories import new_browser_directory\n"
                   "import sys, time\nprint(new_browser_directory()[0], flush=True)\ntime.sleep(3600)\n")
+THIS_MACHINE = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
 REMOVING = ("from batchrun.tools.browser.directories import remove_abandoned_browser_directories\n"
             "remove_abandoned_browser_directories()\n")
 
@@ -82,11 +87,32 @@ def test_a_browser_directory_not_yet_marked_held_is_kept(temporary: Path) -> Non
 def test_a_link_named_as_a_browser_directory_is_not_followed(temporary: Path, tmp_path: Path) -> None:
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    (elsewhere / "held").touch()
+    (elsewhere / "held").write_text(THIS_MACHINE)
     (elsewhere / "keep").write_text("not the browser's")
     (temporary / "batchrun-browser-link").symlink_to(elsewhere)
     remove_abandoned(temporary)
     assert (elsewhere / "keep").read_text() == "not the browser's"
+
+
+def test_a_browser_directory_held_on_another_machine_is_kept(temporary: Path) -> None:
+    # Where TMPDIR is shared between machines (NFS), a lock on a directory is seen only where it was taken.
+    directory = killed_workers_directory(temporary)
+    (directory / "held").write_text("another machine's boot")
+    remove_abandoned(temporary)
+    assert directory.is_dir()
+
+
+def test_a_browser_directory_is_made_unmarked_where_no_lock_can_be_taken(temporary: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_locks_here(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+    monkeypatch.setattr(fcntl, "flock", no_locks_here)
+    directory, lock = new_browser_directory()
+    os.close(lock)
+    monkeypatch.undo()
+    remove_abandoned(temporary)
+    assert directory.is_dir() and not (directory / "held").exists()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a directory to another user")

@@ -12,6 +12,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -940,7 +941,8 @@ def test_nothing_the_worker_started_outlives_its_kill_9(site: str, tmp_path: Pat
     # Before, the driver closed Chromium gracefully once the worker was gone, waiting for the browser
     # to answer: a browser busy with a dozen looping pages took 12 s, one that never answered 30 s, and
     # the driver, the sandboxes and Chromium lived on meanwhile.
-    program, env = BROWSING_WORKER, {**os.environ, "WEB_ALLOW_PRIVATE": "1"}
+    temporary = Path(tempfile.mkdtemp(prefix="br-", dir="/tmp"))      # short, as Chromium's sockets need
+    program, env = BROWSING_WORKER, {**os.environ, "WEB_ALLOW_PRIVATE": "1", "TMPDIR": str(temporary)}
     if not sandboxed:           # no bwrap that can isolate, as in a container that forbids namespaces
         refusing = tmp_path / "bwrap"
         refusing.write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
@@ -964,12 +966,18 @@ def test_nothing_the_worker_started_outlives_its_kill_9(site: str, tmp_path: Pat
         while still_running(started) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert still_running(started) == {}
-        # What the run's next start does: the killed worker's control group goes with the run's leftovers.
+        # What the run's next start does: the killed worker's control group goes with the run's leftovers,
+        # and its browser's directory with every other killed worker's. Chromium on the host made its
+        # singleton directory in TMPDIR, and it was left there.
         remove_run_leftovers(OWN_RUN_LABEL)
         assert not any(group.exists() for group in groups)
+        subprocess.run([sys.executable, "-c", "from batchrun.tools.browser.directories import "
+                        "remove_abandoned_browser_directories as remove; remove()"], env=env, check=True)
+        assert os.listdir(temporary) == []
     finally:
         for pid in still_running(started):
             os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(temporary)
 
 
 # --- the browser's memory and processes -----------------------------------------------------------

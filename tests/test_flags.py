@@ -18,7 +18,7 @@ from conftest import REPO, made_a_fifo_once_checked
 
 import batch_runner
 from batchrun import flags
-from batchrun.config import build_config
+from batchrun.config import LIMIT_LEAST, build_config
 from batchrun.flag_values import UsageError, load_prefill
 
 # A valid value other than the default for every flag a run reads. A new flag without one here fails
@@ -204,7 +204,7 @@ def test_a_bad_limit_variable_is_named_before_the_missing_endpoint(monkeypatch: 
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TERMINAL_ENV", "local")
     monkeypatch.setenv("TERMINAL_MEMORY_MB", "abc")
-    with pytest.raises(UsageError, match="TERMINAL_MEMORY_MB must be a whole number from 1 to "):
+    with pytest.raises(UsageError, match="TERMINAL_MEMORY_MB must be a whole number from 16 to "):
         build_config(dataset_file="d.jsonl", batch_size=1, run_name="r")
 
 
@@ -224,7 +224,19 @@ def test_a_limit_variable_beyond_what_the_kernel_can_hold_is_one_clear_error(mon
                                                                            name: str, raw: str, most: str) -> None:
     monkeypatch.setenv("TERMINAL_ENV", "local")
     monkeypatch.setenv(name, raw)
-    with pytest.raises(UsageError, match=f"{name} must be a whole number from 1 to {most}, got '{raw}'"):
+    with pytest.raises(UsageError, match=f"{name} must be a whole number from {LIMIT_LEAST[name]} to {most}, "
+                                         f"got '{raw}'"):
+        build_config(**BASE)
+
+
+@pytest.mark.parametrize(("name", "raw", "least"), [("TERMINAL_MAX_PROCESSES", "7", 8), ("TERMINAL_MEMORY_MB", "15", 16),
+                                                    ("TERMINAL_TMP_MB", "0", 1)])
+def test_a_limit_variable_below_what_a_sandbox_needs_to_start_is_one_clear_error(monkeypatch: pytest.MonkeyPatch,
+                                                                                name: str, raw: str, least: int) -> None:
+    # A sandbox starts inside its prompt's limits: under 4 processes none started, and every prompt failed.
+    monkeypatch.setenv("TERMINAL_ENV", "local")
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(UsageError, match=f"{name} must be a whole number from {least} to "):
         build_config(**BASE)
 
 

@@ -638,3 +638,11 @@ def test_the_sandbox_is_not_told_the_workers_directory(sandbox_home: Path, monke
     monkeypatch.chdir(sandbox_home)
     [result] = run("bubblewrap", settings(sandbox_home), "env; cat /proc/1/environ")
     assert str(sandbox_home) not in result.output, result.output
+
+
+def test_a_process_that_cannot_join_its_control_group_says_which_and_runs_nothing(tmp_path: Path) -> None:
+    procs = tmp_path / "gone" / "cgroup.procs"
+    joined = subprocess.run(["/bin/sh", "-c", f'{ENTER_GROUPS}; echo ran', "sh", str(procs), "--"],
+                            capture_output=True, text=True)
+    assert (joined.returncode, joined.stdout) == (126, "")
+    assert joined.stderr == f"cannot join the control group of {procs}\n"

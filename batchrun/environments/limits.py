@@ -38,8 +38,10 @@ MIB = 1024 * 1024
 MOST_MB = 2 ** 43 - 1
 MOST_PROCESSES = 4 * 1024 * 1024
 # Shell code that moves the shell running it into control groups: its arguments are the groups'
-# cgroup.procs files up to a "--", which it consumes; what follows "--" is left in "$@".
-ENTER_GROUPS = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 126; shift; done; shift'
+# cgroup.procs files up to a "--", which it consumes; what follows "--" is left in "$@". A shell's own
+# message for a failed write names neither the file nor what it was for ("echo: I/O error").
+ENTER_GROUPS = ('while [ "$1" != -- ]; do echo $$ 2>/dev/null > "$1" '
+                '|| { echo "cannot join the control group of $1" >&2; exit 126; }; shift; done; shift')
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 # Our directory in each hierarchy; one sub-directory per run, one per prompt below that.
 _OWN_DIRECTORY = "batch_runner"

@@ -12,59 +12,103 @@ run's or another's.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
 _PREFIX = "batchrun-browser-"
-# Made only once the directory is locked: a directory without it is one being made, and is left alone.
+# Made once the directory is locked, naming the machine whose lock it is: a directory without it is one being
+# made, or one on a file system where locks cannot be taken, and is left alone.
 _HELD = "held"
 # Chromium's singleton socket goes to $TMPDIR/org.chromium.Chromium.XXXXXX/SingletonSocket (45 more
 # characters), and a Unix socket path holds at most 107: Chromium aborts at start under a deeper TMPDIR.
-TMPDIR_CHARS = 60
+# A browser's directory is the TMPDIR of its driver, and of Chromium where no sandbox has a /tmp of its own.
+_TMPDIR_CHARS = 60
+_DIRECTORY_NAME_CHARS = len(f"/{_PREFIX}") + 8     # mkdtemp's eight random characters
+_NO_LOCKS = frozenset({errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP})
 
 
 def browser_temporary() -> str:
-    """Where browsers' directories go, and the TMPDIR of their driver and Chromium."""
+    """Where browsers' directories go."""
     temporary = tempfile.gettempdir()
-    return "/tmp" if len(temporary) > TMPDIR_CHARS else temporary
+    return "/tmp" if len(temporary) + _DIRECTORY_NAME_CHARS > _TMPDIR_CHARS else temporary
 
 
 def new_browser_directory() -> tuple[Path, int]:
     """A new directory for this process's browser, and the descriptor that holds it (close it once the
-    directory is removed). Locked before it is marked held, so that a directory marked held and not
-    locked is one whose worker is gone."""
+    directory is removed). Locked before it is marked held, so that a directory marked held by this
+    machine and not locked is one whose worker is gone. On a file system that takes no locks it is left
+    unmarked: a killed worker's is then left behind, as before, rather than a live one removed."""
     directory = Path(tempfile.mkdtemp(prefix=_PREFIX, dir=browser_temporary()))
-    lock = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)     # not inherited: the browser's processes
-    fcntl.flock(lock, fcntl.LOCK_EX)                            # must not keep it after the worker
-    (directory / _HELD).touch()
+    lock = None
+    try:
+        lock = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)     # not inherited: the browser's processes
+        try:                                                        # must not keep it after the worker
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError as exc:
+            if exc.errno not in _NO_LOCKS:
+                raise
+            return directory, lock
+        (directory / _HELD).write_text(_this_machine())
+    except BaseException:
+        if lock is not None:
+            os.close(lock)
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
     return directory, lock
 
 
 def remove_abandoned_browser_directories() -> None:
-    """Remove the browser directories of workers that are gone, of whatever run; those of this user only,
-    and never through a link."""
+    """Remove the browser directories of workers that are gone, of whatever run on this machine; those of
+    this user only, and never through a link."""
     temporary = Path(browser_temporary())
+    machine = _this_machine()
     with contextlib.suppress(OSError):
         for entry in os.scandir(temporary):
             if entry.name.startswith(_PREFIX):
-                _remove_if_abandoned(temporary / entry.name)
+                _remove_if_abandoned(temporary / entry.name, machine)
 
 
-def _remove_if_abandoned(directory: Path) -> None:
+def _this_machine() -> str:
+    """This machine, as long as it runs: where $TMPDIR is shared between machines (NFS), the lock on a
+    directory is seen only on the machine that took it, and another's run would take a live directory for
+    an abandoned one."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+def _remove_if_abandoned(directory: Path, machine: str) -> None:
     try:
         lock = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError:
         return
     try:
-        if os.fstat(lock).st_uid != os.geteuid() or not (directory / _HELD).exists():
+        if os.fstat(lock).st_uid != os.geteuid() or _held_by(lock) != machine:
             return
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except OSError:
             return                  # its worker is alive
         shutil.rmtree(directory, ignore_errors=True)
     finally:
         os.close(lock)
+
+
+def _held_by(directory: int) -> str | None:
+    """The machine whose worker holds the directory open as ``directory``, if it was marked held."""
+    try:
+        held = os.open(_HELD, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=directory)
+    except OSError:
+        return None
+    try:
+        return os.read(held, 256).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    finally:
+        os.close(held)

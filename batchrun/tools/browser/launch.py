@@ -226,6 +226,8 @@ class _BrowserHost:
             self._playwright, self._driver_exit = await _start_driver(self._directory)
             bwrap = await isolating_bwrap()
             if bwrap is None:
+                # Chromium on the host makes its singleton directory in TMPDIR: in the browser's, it goes with it.
+                environment["TMPDIR"] = str(self._directory)
                 unsandboxed = _dying_with_parent(self._directory / "chromium", '"$PPID"', executable, groups)
                 self._browser = await self._playwright.chromium.launch(executable_path=unsandboxed, **options)
                 self._gates = LoopbackGates()
