@@ -4,6 +4,9 @@ A dataset may hold millions of lines, so nothing here keeps prompts in memory: t
 byte offset of every pending sample's line (with how many earlier lines hold the same prompt, the
 prompt's index and a fingerprint of its content key), and :func:`iter_pending` re-reads them one at a
 time as workers need work, refusing a line that is not the one planned.
+
+Over 400 lines: the validation that plans and the re-reading that checks each line against its plan
+must read a line alike, byte for byte; kept in one module, they share one reading of a line.
 """
 
 from __future__ import annotations

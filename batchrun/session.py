@@ -2,6 +2,11 @@
 
 A session never writes anything; it returns a :class:`SessionResult` that the worker turns into a
 row and the parent persists.
+
+Over 400 lines, on purpose: the loop's rules from one reply to the next (ask again for an empty answer,
+go on after a cut one, stop a session that invents tools, the summary at --max_turns) and the accounting
+of every reply read and change one session's state; split across modules, a reader would have to put
+that order back together.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from conftest import (
 from batchrun import flags
 from batchrun.config import build_config, provider_routing_note
 from batchrun.dataset import DatasetError, check_dataset_file, parse_line
+from batchrun.install_hint import install_hint
 
 DEFAULTS = flags.defaults()
 DISTRIBUTION_NAMES = ("default", "image_gen", "research", "science", "development", "safe", "balanced", "minimal",
@@ -433,6 +434,17 @@ def test_a_tmpdir_that_singularity_cannot_bind_stops_the_run_at_start(tmp_path, 
                      env={"TERMINAL_ENV": "singularity", "TMPDIR": str(temporary)})
     assert_rejected_before_anything(result, tmp_path, endpoint, "TERMINAL_ENV=singularity", f"holds {separator!r}",
                                     "set TMPDIR")
+
+
+def test_the_ray_backend_without_ray_installed_is_named_with_the_command_that_installs_it(tmp_path, endpoint):
+    without_ray = (f"import runpy, sys; sys.path.insert(0, {str(REPO)!r}); sys.modules['ray'] = None; "
+                   f"sys.argv = ['batch_runner.py', *sys.argv[1:]]; "
+                   f"runpy.run_path({str(REPO / 'batch_runner.py')!r}, run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", without_ray, *good_args(tmp_path, endpoint, "--backend=ray")],
+                            cwd=tmp_path, env=cli_environment(tmp_path), capture_output=True, text=True, timeout=120,
+                            stdin=subprocess.DEVNULL)
+    assert_rejected_before_anything(result, tmp_path, endpoint,
+                                    f"error: --backend=ray needs Ray, an optional extra: {install_hint('ray')}")
 
 
 def test_a_container_engine_that_does_not_answer_stops_the_run_at_start(tmp_path, endpoint):

@@ -81,3 +81,16 @@ def test_reading_rows_loads_no_tool_implementation() -> None:
             "loaded = sorted(handlers & set(sys.modules)); "
             "assert not loaded, loaded")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+# "About 400": a module a little over it is not split for the number's sake.
+LONG_MODULE_LINES = 450
+
+
+def test_a_long_module_says_why_at_its_top() -> None:
+    """docs/layout.md: no product module is over about 400 lines unless its docstring says why."""
+    for name, path in project_modules().items():
+        text = path.read_text(encoding="utf-8")
+        if name.startswith("batchrun") and text.count("\n") > LONG_MODULE_LINES:
+            docstring = ast.get_docstring(ast.parse(text)) or ""
+            assert "400 lines" in docstring, f"{name} has {text.count(chr(10))} lines and its docstring does not say why"

@@ -14,7 +14,8 @@ in the sandbox writes ``ln -s /workspace/src/x.py x.py``), which the kernel cann
 missing parent directories.
 
 Both lookups, and the reads and writes on their descriptors, stay in this one module on
-purpose: the race-freedom argument is read in one place, not pieced together across files.
+purpose, over 400 lines: the race-freedom argument is read in one place, not pieced together across
+files.
 """
 
 from __future__ import annotations
