@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import (
@@ -541,6 +542,44 @@ def test_hf_export_replaces_an_earlier_one_and_opens_empty_when_no_row_passes(ru
     exported(run_home, tmp_path, "hf", "--end_reasons=prompt_timeout")
     loaded = datasets.load_from_disk(str(out))
     assert (loaded.num_rows, loaded.column_names) == (0, export.arrow_schema().names)
+
+
+class Killed(BaseException):
+    """Stands in for a kill -9: nothing after it in the export runs, as nothing would."""
+
+
+def test_an_hf_export_stopped_while_it_removes_the_earlier_one_leaves_a_loadable_folder(run_home, tmp_path,
+                                                                                       monkeypatch):
+    # Before, the earlier folder was removed at --out and only then the new one renamed in: stopped during
+    # the removal, --out was half a folder that datasets would not load and the next export refused as
+    # "not a datasets folder".
+    datasets = pytest.importorskip("datasets")
+    from batchrun.export import arrow
+
+    out = tmp_path / "hf"
+    earlier = export.ExportOptions(format="hf", run_dir=run_home / "data" / RUN, out=out)
+    later = export.ExportOptions(format="hf", run_dir=run_home / "data" / RUN, out=out,
+                                 end_reasons=frozenset({"prompt_timeout"}))      # no row: told apart by its size
+    earlier_rows = export.export_run(earlier).kept
+    assert earlier_rows > 0
+    remove = shutil.rmtree
+
+    def stopped_after_one_file(path: str | os.PathLike[str], *args: Any, **kwargs: Any) -> None:
+        # Only the removal of a whole saved folder (the earlier export) is stopped; the export's own
+        # work folder, which holds no state.json, is removed as ever.
+        if (Path(path) / "state.json").is_file():
+            (Path(path) / "state.json").unlink()
+            raise Killed
+        remove(path, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(arrow.shutil, "rmtree", stopped_after_one_file)
+        with pytest.raises(Killed):
+            export.export_run(later)
+    assert datasets.load_from_disk(str(out)).num_rows in (earlier_rows, 0)
+    assert export.export_run(later).kept == 0           # the next export takes --out as a datasets folder
+    assert datasets.load_from_disk(str(out)).num_rows == 0
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["hf"]     # nothing left beside it
 
 
 def test_hf_export_never_replaces_a_folder_that_is_not_a_dataset(run_home, tmp_path):

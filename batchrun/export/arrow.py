@@ -168,15 +168,32 @@ def write_hf(options: ExportOptions, candidates: Iterable[Candidate]) -> None:
         else:     # datasets reads no rows from an empty file, and loads no folder of 0 shards
             empty = datasets.Dataset.from_dict({name: [] for name in schema.names}, features=features)
             empty.save_to_disk(f"{work}/saved", num_shards=1)
-        if out.is_symlink():    # replaced, as the file formats replace one; what it points to is left
-            out.unlink()
-        elif out.exists():
-            shutil.rmtree(out)
-        os.replace(f"{work}/saved", out)
+        _rename_folder_over(work / "saved", out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if bars:
             datasets.enable_progress_bars()
+
+
+def _rename_folder_over(folder: Path, out: Path) -> None:
+    """Put ``folder`` at ``out`` in place of an earlier export. A folder cannot be renamed over one that
+    holds files, so the earlier one is first renamed aside (to temp_beside's name, which the next export
+    removes if this one is killed) and removed only once the new one is in: removed at --out, a kill
+    during the removal left half a folder there, which datasets would not load and the next export
+    refused. Stopped between the two renames, --out holds nothing, the earlier export beside it."""
+    if out.is_symlink():    # replaced, as the file formats replace one; what it points to is left
+        out.unlink()
+    if not out.exists():
+        os.replace(folder, out)
+        return
+    aside = temp_beside(out)
+    os.replace(out, aside)
+    try:
+        os.replace(folder, out)
+    except BaseException:
+        os.replace(aside, out)      # the earlier export back at --out, where the new one failed to go
+        raise
+    shutil.rmtree(aside, ignore_errors=True)        # what a failure leaves, the next export removes
 
 
 def _is_saved_dataset(path: Path) -> bool:
