@@ -8,6 +8,7 @@ summary are checked through the real CLI on a run made against the scripted endp
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -580,6 +581,32 @@ def test_an_hf_export_stopped_while_it_removes_the_earlier_one_leaves_a_loadable
     assert export.export_run(later).kept == 0           # the next export takes --out as a datasets folder
     assert datasets.load_from_disk(str(out)).num_rows == 0
     assert sorted(path.name for path in tmp_path.iterdir()) == ["hf"]     # nothing left beside it
+
+
+def test_an_hf_export_whose_folder_cannot_be_renamed_in_leaves_the_earlier_one_at_out(run_home, tmp_path,
+                                                                                      monkeypatch):
+    # The earlier folder is renamed aside before the new one goes in: if that rename fails, the earlier
+    # one goes back, rather than leave --out empty with the earlier export under a temporary name.
+    datasets = pytest.importorskip("datasets")
+    from batchrun.export import arrow
+
+    out = tmp_path / "hf"
+    run_dir = run_home / "data" / RUN
+    earlier_rows = export.export_run(export.ExportOptions(format="hf", run_dir=run_dir, out=out)).kept
+    replace = os.replace
+
+    def refused_at_out(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
+        if Path(target) == out and Path(source).parent != tmp_path:      # the new folder, from the work folder
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(target))
+        replace(source, target)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(arrow.os, "replace", refused_at_out)
+        with pytest.raises(OSError):
+            export.export_run(export.ExportOptions(format="hf", run_dir=run_dir, out=out,
+                                                   end_reasons=frozenset({"prompt_timeout"})))
+    assert datasets.load_from_disk(str(out)).num_rows == earlier_rows > 0
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["hf"]
 
 
 def test_hf_export_never_replaces_a_folder_that_is_not_a_dataset(run_home, tmp_path):
