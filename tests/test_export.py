@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import random
 import re
 import shutil
 import subprocess
 import sys
+import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +68,8 @@ PROMPTS = {
     "failed": "[[fail 400]] refused",
 }
 REASONING_MODES = ("think", "field", "drop")
+# The formats that write a file at --out; hf writes a folder.
+FILE_FORMATS = [fmt for fmt in export.FORMATS if fmt != "hf"]
 
 
 # -- a run made with the real CLI -------------------------------------------------------------------
@@ -459,6 +464,74 @@ def test_parquet_of_no_rows_is_a_valid_empty_file_with_the_schema(run_home, tmp_
     assert (table.num_rows, table.schema) == (0, export.arrow_schema())
 
 
+def write_many_rows(home: Path, count: int) -> Path:
+    """A run directory of ``count`` small finished rows, a prompt each, as the run writes them: many rows
+    in a second or two, which a run against the scripted endpoint would take minutes to make."""
+    run_dir = home / "data" / RUN
+    run_dir.mkdir(parents=True)
+    with (run_dir / "batch_0.jsonl").open("wb") as handle:
+        for index in range(count):
+            prompt = f"prompt {index}"
+            result = SessionResult(prompt_index=index, content_key=rows.content_key(prompt, None, None),
+                                   prompt=prompt, toolsets=["terminal"], offered_tools=["terminal"],
+                                   turns=[AssistantTurn("r", "Done.")], api_calls=1, usage=Usage(), wall_time=1.0,
+                                   end_reason=rows.EndReason.FINAL_ANSWER)
+            handle.write(rows.encode_finished(result, batch_num=0, model="m", timestamp="t",
+                                              discard_no_reasoning=True))
+    return run_dir
+
+
+def test_parquet_is_written_in_row_groups_of_at_most_1000_rows(tmp_path):
+    # A row group is held in memory while it fills: one group of every row would hold the whole run.
+    pq = pytest.importorskip("pyarrow.parquet")
+    count = 2001
+    out = tmp_path / "out.parquet"
+    export.export_run(export.ExportOptions(format="parquet", run_dir=write_many_rows(tmp_path, count), out=out))
+    metadata = pq.ParquetFile(out).metadata
+    assert metadata.num_rows == count and metadata.num_row_groups == math.ceil(count / 1000)
+    assert [metadata.row_group(group).num_rows for group in range(metadata.num_row_groups)] == [1000, 1000, 1]
+
+
+def peak_memory(step: Callable[[], object]) -> int:
+    """The most memory Python held at once while ``step`` ran (tracemalloc, as test_long_runs.growth). Not
+    growth itself: that is what stays held after the step, and an export that held every row while it
+    wrote has let go of them all by the time it returns."""
+    tracemalloc.start()
+    try:
+        step()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.fixture(scope="module")
+def many_rows_runs(tmp_path_factory) -> dict[int, Path]:
+    """Runs of 10, 2,000 and 8,000 small rows, shared by the memory tests: they only read them."""
+    home = tmp_path_factory.mktemp("many_rows")
+    return {count: write_many_rows(home / str(count), count) for count in (10, 2000, 8000)}
+
+
+@pytest.mark.parametrize("fmt", FILE_FORMATS)
+def test_an_export_of_four_times_the_rows_holds_a_small_part_of_the_rows_added(many_rows_runs, tmp_path, fmt):
+    # docs/export.md: a run of a million rows exports in bounded memory. What grows with the rows is a
+    # key per prompt (as resume holds, some 150 bytes); the rows themselves are held a line, or a row
+    # group or two of 1,000, at a time (so 2,000 rows, not 1,000: from the second group on, parquet's
+    # peak is the same). Holding every row costs more than its bytes, so the 6,000 rows added would cost
+    # more than four times what is allowed here.
+    for module in export.EXPORT_FORMATS[fmt].modules:
+        pytest.importorskip(module)
+
+    def exporting(count: int) -> Callable[[], object]:
+        return lambda: export.export_run(export.ExportOptions(format=fmt, run_dir=many_rows_runs[count],
+                                                              out=tmp_path / f"{count}.out"))
+
+    exporting(10)()             # imports (pyarrow's among them) are not what the rows cost
+    small, large = peak_memory(exporting(2000)), peak_memory(exporting(8000))
+    added = (many_rows_runs[8000] / "batch_0.jsonl").stat().st_size - \
+        (many_rows_runs[2000] / "batch_0.jsonl").stat().st_size
+    assert large - small < added / 4, f"{small:,} bytes at most for 2,000 rows, {large:,} for 8,000 ({added:,} more)"
+
+
 # Rows edited by hand that every reader of rows takes, with a value the Parquet column cannot hold.
 UNFIT_FOR_PARQUET = {"api_calls_as_text": ("api_calls", lambda row: row.update(api_calls="3")),
                      "batch_num_as_text": ("batch_num", lambda row: row["metadata"].update(batch_num="x")),
@@ -627,6 +700,28 @@ def test_hf_export_over_a_link_to_an_earlier_one_replaces_the_link_and_leaves_th
     export_cli(run_home, "--export=hf", f"--out={link}", "--end_reasons=prompt_timeout")
     assert not link.is_symlink() and datasets.load_from_disk(str(link)).num_rows == 0
     assert {path.name: path.read_bytes() for path in elsewhere.iterdir()} == before
+
+
+@pytest.mark.parametrize("fmt", FILE_FORMATS)
+def test_a_file_export_over_a_symbolic_link_replaces_the_link_and_leaves_what_it_pointed_to(run_home, tmp_path,
+                                                                                           fmt):
+    # Written through the link, the export would overwrite a file the user never named (the link's target),
+    # and its manifest would land beside that file rather than beside --out.
+    for module in export.EXPORT_FORMATS[fmt].modules:
+        pytest.importorskip(module)
+    elsewhere, exports = tmp_path / "elsewhere", tmp_path / "exports"
+    elsewhere.mkdir()
+    exports.mkdir()
+    victim = elsewhere / "precious.jsonl"
+    victim.write_bytes(b'{"not": "an export"}\n')
+    out = exports / ("out.parquet" if fmt == "parquet" else "out.jsonl")
+    out.symlink_to(victim)
+    export_cli(run_home, f"--export={fmt}", f"--out={out}")
+    assert victim.read_bytes() == b'{"not": "an export"}\n'
+    assert [path.name for path in elsewhere.iterdir()] == ["precious.jsonl"]       # nothing written beside it
+    assert out.is_file() and not out.is_symlink() and out.stat().st_size > 0
+    if (manifest := export.EXPORT_FORMATS[fmt].manifest) is not None:
+        assert manifest(out).parent == exports and manifest(out).is_file() and not manifest(out).is_symlink()
 
 
 def test_a_missing_extra_is_named_with_the_command_that_installs_it(run_home):
@@ -902,6 +997,26 @@ def test_a_row_whose_turn_is_not_utf8_is_left_out_as_unreadable(run_home, tmp_pa
     assert "1 unreadable" in result.stdout and "Traceback" not in result.stderr
 
 
+def test_an_export_during_the_run_leaves_out_the_row_being_written_without_a_word(run_home, tmp_path):
+    # The run appends each row with one write, so an export that reads meanwhile may find the start of a
+    # row without its newline at the end of a batch file. It is the row still being written, not damage:
+    # counted as "unreadable", every export of a running run would report a crash that never happened.
+    home = tmp_path / "home"
+    (home / "data" / RUN).mkdir(parents=True)
+    batch_files = sorted((run_home / "data" / RUN).glob("batch_*.jsonl"))
+    for path in batch_files:
+        (home / "data" / RUN / path.name).write_bytes(path.read_bytes())
+    (tmp_path / "whole").mkdir()
+    whole = exported(home, tmp_path / "whole", "sharegpt").read_bytes()
+    row = next(line for line in batch_files[-1].read_bytes().splitlines() if b'"conversations"' in line)
+    with (home / "data" / RUN / batch_files[-1].name).open("ab") as handle:
+        handle.write(row[:len(row) // 2])
+    out = tmp_path / "out.jsonl"
+    result = export_cli(home, "--export=sharegpt", f"--out={out}")
+    assert "unreadable" not in result.stdout
+    assert out.read_bytes() == whole
+
+
 NOT_A_FILE = {"directory": lambda path: path.mkdir(), "fifo": lambda path: os.mkfifo(path),
               "link_to_dev_zero": lambda path: path.symlink_to("/dev/zero"),
               "dangling_link": lambda path: path.symlink_to(path.parent / "gone")}
@@ -936,6 +1051,51 @@ def kill_export_before_its_rename(run_home: Path, tmp_path: Path, module: str, *
     finally:
         process.kill()
         process.wait()
+
+
+def test_an_openai_export_renames_its_manifest_into_place_before_its_file(run_home, tmp_path, monkeypatch):
+    # A reader that finds the new file finds its manifest already there, never the earlier export's
+    # manifest naming other rows line by line.
+    from batchrun.export import files
+
+    renamed: list[Path] = []
+    replace = os.replace
+
+    def recorded(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
+        renamed.append(Path(target))
+        replace(source, target)
+
+    monkeypatch.setattr(files.os, "replace", recorded)
+    out = tmp_path / "out.jsonl"
+    export.export_run(export.ExportOptions(format="openai", run_dir=run_home / "data" / RUN, out=out))
+    assert renamed == [export.manifest_path(out), out]
+
+
+def test_an_openai_export_whose_file_cannot_be_renamed_into_place_leaves_the_earlier_file(run_home, tmp_path,
+                                                                                         monkeypatch):
+    # Whatever stops the export before its file is renamed in, the file at --out is the earlier export,
+    # whole: never removed first, never half of the new one.
+    from batchrun.export import files
+
+    out = tmp_path / "out.jsonl"
+    run_dir = run_home / "data" / RUN
+    export.export_run(export.ExportOptions(format="openai", run_dir=run_dir, out=out, min_tool_calls=2))
+    earlier = out.read_bytes()
+    replace = os.replace
+    renames = 0
+
+    def second_fails(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
+        nonlocal renames
+        renames += 1
+        if renames == 2:        # the manifest's went first; this is the file's
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(target))
+        replace(source, target)
+
+    monkeypatch.setattr(files.os, "replace", second_fails)
+    with pytest.raises(OSError):
+        export.export_run(export.ExportOptions(format="openai", run_dir=run_dir, out=out))
+    assert out.read_bytes() == earlier and len(read_jsonl(out)) == 2    # the earlier export kept two rows
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_an_export_to_a_folder_another_export_is_writing_in_waits_for_it(run_home, tmp_path):
