@@ -139,6 +139,7 @@ def _parquet_file(path: Path, candidates: Iterable[Candidate]) -> int:
         for group in _row_groups(candidates):
             writer.write_table(_row_group(group, schema))
             written += len(group)
+            del group       # held by the loop's name, it would stay while the next group fills: two at once
     return written
 
 
