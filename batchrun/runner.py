@@ -685,6 +685,8 @@ class BatchRunner:
                      "commands run without it. TERMINAL_ENV=docker (or singularity) runs each in its image.")
         if held := backend.limits_line(config.environment.limits):
             out.print(f"limits per prompt: {held}")
+        if shared := backend.limits_warning(config.environment.limits, config.pool.num_workers):
+            out.warn(shared)
         for line in registry.unavailable_lines(registry.unavailable_tools()):
             out.print(f"unavailable: {line}")
         if routing := provider_routing_note(config.endpoint):

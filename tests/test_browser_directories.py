@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import endpoint_args, run_cli, write_dataset
 
+from batchrun.tools.browser import availability, directories
 from batchrun.tools.browser.directories import new_browser_directory
 
 # A worker as far as its browser's directory goes: it makes one, says where, and lives until killed.
@@ -131,3 +133,32 @@ def test_a_runs_start_removes_killed_workers_browser_directories(temporary: Path
                      "--batch_size=1", *endpoint_args(endpoint), env={"TMPDIR": str(temporary)})
     assert result.returncode == 0, result.stderr
     assert not directory.exists()
+
+
+@pytest.fixture
+def deep_tmpdir(temporary: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A TMPDIR too deep for Chromium's sockets, in this process."""
+    deep = temporary / ("d" * 60)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    return deep
+
+
+def test_under_a_deep_tmpdir_the_browser_takes_the_first_short_place_it_may_write(
+        deep_tmpdir: Path, temporary: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # /tmp came unchecked: on a host that closes /tmp to its users, every browser call failed with a
+    # PermissionError, and the rows said completed.
+    monkeypatch.setattr(directories, "SHORT_TEMPORARIES", ("/no-such-temporary", str(temporary)))
+    directory, lock = directories.new_browser_directory()
+    os.close(lock)
+    assert directory.parent == temporary
+
+
+def test_with_no_short_place_to_write_the_browser_tools_are_unavailable_saying_why(
+        deep_tmpdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(directories, "SHORT_TEMPORARIES", ("/no-such-temporary",))
+    if availability.chromium_executable() is None or importlib.util.find_spec("playwright") is None:
+        pytest.skip("no Chromium or Playwright here: the browser is unavailable for that first")
+    assert availability.unavailable_reason() == directories.NO_TEMPORARY
+    assert "set TMPDIR to a shorter directory" in directories.NO_TEMPORARY

@@ -27,6 +27,7 @@ from batchrun.environments.limits import (
     PromptCgroup,
     ResourceLimits,
     cgroups_available,
+    process_limit_note,
     remove_run_leftovers,
 )
 from batchrun.tools import ToolContext
@@ -646,3 +647,15 @@ def test_a_process_that_cannot_join_its_control_group_says_which_and_runs_nothin
                             capture_output=True, text=True)
     assert (joined.returncode, joined.stdout) == (126, "")
     assert joined.stderr == f"cannot join the control group of {procs}\n"
+
+
+# An ordinary user's sandboxes map to the runner's uid, and the kernel counts all their processes against
+# that uid's one RLIMIT_NPROC: under `ulimit -u 420`, one prompt's 300 processes made another's fork fail.
+@pytest.mark.parametrize(("sessions", "user_limit", "warned"), [(4, 4096, False), (5, 4096, True),
+                                                                (100_000, resource.RLIM_INFINITY, False)])
+def test_sessions_whose_process_limits_add_up_past_the_users_are_warned_of(sessions: int, user_limit: int,
+                                                                           warned: bool) -> None:
+    note = process_limit_note(sessions, 1024, user_limit)
+    assert (note is not None) == warned
+    if note is not None:
+        assert f"ulimit -u: {user_limit}" in note and f"{sessions} sessions" in note and "TERMINAL_MAX_PROCESSES" in note

@@ -135,6 +135,12 @@ class Environment(abc.ABC):
         return None
 
     @classmethod
+    def limits_warning(cls, limits: ResourceLimits, sessions: int) -> str | None:
+        """What the start-up summary warns of, where ``sessions`` prompts at once cannot each have
+        ``limits``; None for a backend whose engine keeps them apart. Backends that share something extend this."""
+        return None
+
+    @classmethod
     def remove_leftovers(cls, settings: EnvironmentSettings) -> None:
         """Called once in the parent before a run starts: remove what a crashed earlier run under the
         same run label left behind (directories, containers, control groups), and nothing of any other

@@ -22,7 +22,14 @@ from batchrun.environments.base import (
     scrubbed_environment,
 )
 from batchrun.environments.command_output import run_merged
-from batchrun.environments.limits import ENTER_GROUPS, PromptCgroup, ResourceLimits, mechanism, remove_kept_groups
+from batchrun.environments.limits import (
+    ENTER_GROUPS,
+    PromptCgroup,
+    ResourceLimits,
+    mechanism,
+    remove_kept_groups,
+    shared_process_limit_note,
+)
 from batchrun.environments.workspace import HostWorkspace, new_prompt_directory
 
 # One shell joins the prompt's control groups (if any), applies the ulimit command, and becomes the
@@ -51,6 +58,10 @@ class LocalEnvironment(Environment):
     def limits_line(cls, limits: ResourceLimits) -> str:
         return (f"{limits.memory_mb} MB memory, {limits.processes} processes, {limits.workspace_mb} MB workspace"
                 f" · {mechanism()}")
+
+    @classmethod
+    def limits_warning(cls, limits: ResourceLimits, sessions: int) -> str | None:
+        return shared_process_limit_note(limits, sessions)
 
     @classmethod
     async def close_idle(cls) -> None:

@@ -11,6 +11,7 @@ import os
 import shutil
 
 from batchrun.install_hint import install_hint
+from batchrun.tools.browser.directories import NO_TEMPORARY, browser_temporary
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
 INSTALL_HINT = f"{install_hint('browser')} and apt-get install chromium"
@@ -29,4 +30,6 @@ def unavailable_reason() -> str | None:
     """The one line that makes the browser tools available, or None when they are."""
     if importlib.util.find_spec("playwright") is None or chromium_executable() is None:
         return INSTALL_HINT + " (or set BROWSER_EXECUTABLE)"
+    if browser_temporary() is None:
+        return NO_TEMPORARY
     return None

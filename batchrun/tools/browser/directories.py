@@ -30,12 +30,20 @@ _HELD = "held"
 _TMPDIR_CHARS = 60
 _DIRECTORY_NAME_CHARS = len(f"/{_PREFIX}") + 8     # mkdtemp's eight random characters
 _NO_LOCKS = frozenset({errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP})
+# Where a browser's directory goes when $TMPDIR is too deep for it, the first this user may write: a host
+# that gives each job a long private TMPDIR may well close /tmp to its users.
+SHORT_TEMPORARIES = ("/tmp", "/dev/shm")
+NO_TEMPORARY = (f"the browser needs a directory whose path is at most {_TMPDIR_CHARS - _DIRECTORY_NAME_CHARS} "
+                "characters long (Chromium's sockets go there), and TMPDIR is longer while /tmp and /dev/shm are "
+                "not writable: set TMPDIR to a shorter directory of your own")
 
 
-def browser_temporary() -> str:
-    """Where browsers' directories go."""
-    temporary = tempfile.gettempdir()
-    return "/tmp" if len(temporary) + _DIRECTORY_NAME_CHARS > _TMPDIR_CHARS else temporary
+def browser_temporary() -> str | None:
+    """Where browsers' directories go: $TMPDIR, else the first of SHORT_TEMPORARIES or $XDG_RUNTIME_DIR short
+    enough and writable; None where there is none (see NO_TEMPORARY)."""
+    candidates = (tempfile.gettempdir(), *SHORT_TEMPORARIES, os.environ.get("XDG_RUNTIME_DIR", ""))
+    return next((place for place in candidates if place and len(place) + _DIRECTORY_NAME_CHARS <= _TMPDIR_CHARS
+                 and os.path.isdir(place) and os.access(place, os.W_OK | os.X_OK)), None)
 
 
 def new_browser_directory() -> tuple[Path, int]:
@@ -43,7 +51,10 @@ def new_browser_directory() -> tuple[Path, int]:
     directory is removed). Locked before it is marked held, so that a directory marked held by this
     machine and not locked is one whose worker is gone. On a file system that takes no locks it is left
     unmarked: a killed worker's is then left behind, as before, rather than a live one removed."""
-    directory = Path(tempfile.mkdtemp(prefix=_PREFIX, dir=browser_temporary()))
+    temporary = browser_temporary()
+    if temporary is None:
+        raise OSError(NO_TEMPORARY)
+    directory = Path(tempfile.mkdtemp(prefix=_PREFIX, dir=temporary))
     lock = None
     try:
         lock = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)     # not inherited: the browser's processes
@@ -65,8 +76,10 @@ def new_browser_directory() -> tuple[Path, int]:
 def remove_abandoned_browser_directories() -> None:
     """Remove the browser directories of workers that are gone, of whatever run on this machine; those of
     this user only, and never through a link."""
-    temporary = Path(browser_temporary())
-    machine = _this_machine()
+    place = browser_temporary()
+    if place is None:
+        return
+    temporary, machine = Path(place), _this_machine()
     with contextlib.suppress(OSError):
         for entry in os.scandir(temporary):
             if entry.name.startswith(_PREFIX):

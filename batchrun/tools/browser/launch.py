@@ -43,7 +43,7 @@ from batchrun.time_limit import within
 from batchrun.tools import ToolError
 from batchrun.tools.browser.availability import INSTALL_HINT, chromium_executable
 from batchrun.tools.browser.caps import first_line
-from batchrun.tools.browser.directories import browser_temporary, new_browser_directory
+from batchrun.tools.browser.directories import new_browser_directory
 from batchrun.tools.browser.gate import GATE_PORT, Gates, LoopbackGates, NamespaceGates
 from batchrun.tools.browser.isolation import (
     PROFILE,
@@ -209,7 +209,10 @@ class _BrowserHost:
         executable = chromium_executable()
         if executable is None:
             raise ToolError(f"no Chromium found: {INSTALL_HINT}")
-        self._directory, self._directory_lock = new_browser_directory()
+        try:
+            self._directory, self._directory_lock = new_browser_directory()
+        except OSError as exc:
+            raise ToolError(f"cannot make the browser's directory: {exc.strerror or exc}") from None
         # A page's renderer is the prompt's doing, as a command is: it gets the prompt's limits.
         self._cgroup = PromptCgroup.create(run_label, limits)
         self._tab_limits = TabLimits(self._cgroup, limits)
@@ -218,7 +221,7 @@ class _BrowserHost:
         # runs on the host with it. TMPDIR is named, as the driver's is the browser's directory (see
         # _start_driver).
         environment: dict[str, str | float | bool] = {**scrubbed_environment(home=str(self._directory)),
-                                                      "TMPDIR": browser_temporary()}
+                                                      "TMPDIR": str(self._directory.parent)}
         options: _LaunchOptions = {"args": list(CHROMIUM_ARGS), "env": environment,
                                    "timeout": LAUNCH_TIMEOUT_S * 1000,
                                    "ignore_default_args": list(PLAYWRIGHT_ARGS_LEFT_OUT)}
