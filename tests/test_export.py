@@ -515,9 +515,9 @@ def many_rows_runs(tmp_path_factory) -> dict[int, Path]:
 def test_an_export_of_four_times_the_rows_holds_a_small_part_of_the_rows_added(many_rows_runs, tmp_path, fmt):
     # docs/export.md: a run of a million rows exports in bounded memory. What grows with the rows is a
     # key per prompt (as resume holds, some 150 bytes); the rows themselves are held a line, or a row
-    # group or two of 1,000, at a time (so 2,000 rows, not 1,000: from the second group on, parquet's
-    # peak is the same). Holding every row costs more than its bytes, so the 6,000 rows added would cost
-    # more than four times what is allowed here.
+    # group of 1,000, at a time (so from 2,000 rows, as parquet's peak is the same from a whole group
+    # on). Holding every row costs more than its bytes, so the 6,000 rows added would cost more than four
+    # times what is allowed here.
     for module in export.EXPORT_FORMATS[fmt].modules:
         pytest.importorskip(module)
 

@@ -141,6 +141,20 @@ def test_a_clean_up_modal_cannot_do_is_given_up_with_a_warning_saying_what_was_l
     assert not settings.work_root.exists()
 
 
+def test_a_ray_nodes_clean_up_leaves_the_services_sandboxes_to_the_runner(modal_fake, tmp_path, monkeypatch,
+                                                                        capsys):
+    # Each Ray node looked for the run's sandboxes too: with Modal silent, the run's start and end waited for
+    # it once more per node, deaf to Ctrl-C at the end, and each node printed the same warning.
+    settings = make_settings(tmp_path)
+    asyncio.run(environment(modal_fake, settings).start())      # a crashed run's sandbox, never closed
+    (settings.work_root / "prompt-0").mkdir(parents=True)
+    monkeypatch.setenv("FAKE_MODAL_HANG", "App.lookup,Sandbox.list")
+    began = time.monotonic()
+    environment_class("modal").remove_node_leftovers(settings)
+    assert time.monotonic() - began < 5
+    assert capsys.readouterr().err == "" and not settings.work_root.exists()
+
+
 @pytest.mark.parametrize(("call", "expected"), [
     ("App.lookup", "Modal is not reachable: Connection lost"),
     ("Sandbox.create", "cannot start a Modal sandbox from example/tools:1: Connection lost"),
@@ -228,6 +242,22 @@ def test_a_command_that_leaves_a_child_holding_its_output_ends_when_the_command_
     took, result = asyncio.run(scenario())
     assert result.exit_code == 0 and not result.timed_out and result.output == "hi\n"
     assert took < 3
+
+
+def test_output_that_comes_after_the_exit_is_kept(modal_fake, tmp_path, monkeypatch):
+    # The service sends the output and the exit over calls of their own: read for 0.2 s after the exit, output
+    # half a second late was lost, and the command said exit 0 with no output.
+    monkeypatch.setenv("FAKE_MODAL_OUTPUT_LAG", "0.5")
+    env = environment(modal_fake, make_settings(tmp_path))
+
+    async def scenario() -> CommandResult:
+        await env.start()
+        try:
+            return await env.run("echo hello; sleep 0.1; echo world", timeout=10)
+        finally:
+            await env.close()
+    result = asyncio.run(scenario())
+    assert (result.output, result.exit_code, result.truncated) == ("hello\nworld\n", 0, False)
 
 
 def test_every_call_fits_the_real_sdks_signatures(modal_fake, tmp_path, monkeypatch):

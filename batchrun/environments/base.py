@@ -151,6 +151,13 @@ class Environment(abc.ABC):
             remove_tree(settings.work_root)
 
     @classmethod
+    def remove_node_leftovers(cls, settings: EnvironmentSettings) -> None:
+        """What :meth:`remove_leftovers` removes that lives on this machine, for a Ray node other than the
+        runner's: all of it, for a backend whose environments live on the machine. A backend whose
+        environments are a service's removes those once, in the runner, and extends this."""
+        cls.remove_leftovers(settings)
+
+    @classmethod
     def node_problem(cls) -> str | None:
         """None when this backend can work on the machine this runs on, else one line saying why not.
         A Ray actor asks once, so a node that cannot run the run's environments is found before it takes

@@ -34,7 +34,7 @@ from batchrun.environments.base import (
     EnvironmentSettings,
     EnvironmentSetupError,
 )
-from batchrun.environments.command_output import EXIT_GRACE_SECONDS, OutputCollector
+from batchrun.environments.command_output import OutputCollector
 from batchrun.environments.container import (
     HOUSEKEEPING_TIMEOUT,
     PULL_TIMEOUT,
@@ -59,6 +59,9 @@ MEMORY_REQUEST_MB = 1024
 # The whole clean-up of a run's leftover sandboxes, at its start and at its end, where stop signals wait for it:
 # a service that never answers must hold neither. What is not done by then is left, with a warning.
 LEFTOVERS_SECONDS = HOUSEKEEPING_TIMEOUT
+# After a command's exit, how long its output may be silent before the rest is no longer waited for (a
+# background child it left may hold its stdout open, writing nothing).
+OUTPUT_QUIET_SECONDS = 1.0
 # Leftover sandboxes terminated at once: hundreds one after the other would not fit in LEFTOVERS_SECONDS.
 _TERMINATIONS_AT_ONCE = 16
 # How much longer than LEFTOVERS_SECONDS the clean-up's thread is waited for, should an SDK call ignore its
@@ -208,16 +211,22 @@ class ModalEnvironment(ContainerEnvironment):
         """Run ``argv``, its output fed to ``collector``; its exit status. The exit is awaited alongside the
         output, not after its end: a background child the command left may hold its stdout open long after
         the command exited, which then took for a time-out. Once the command has exited, its output is read
-        for EXIT_GRACE_SECONDS more, as the CLI backends read it, and no longer."""
+        on until its end, or until none has come for OUTPUT_QUIET_SECONDS: the service sends the output and
+        the exit over calls of their own, so output may come after the exit."""
         sandbox = self._created()
         with _service():
             process = await sandbox.exec.aio(*argv, workdir="/", text=False)
             process.stdin.write_eof()       # a command reading its input gets end-of-file, not a hang
             await process.stdin.drain.aio()
 
+        loop = asyncio.get_running_loop()
+        last_output = loop.time()
+
         async def read() -> None:
+            nonlocal last_output
             async for chunk in _chunks(process.stdout):
                 collector.feed(chunk)
+                last_output = loop.time()
 
         async def exited() -> int:
             with _service():
@@ -230,7 +239,8 @@ class ModalEnvironment(ContainerEnvironment):
             if reader.done():
                 reader.result()         # the output's reading failed: the service's failure, raised here
             exit_code = await waiter
-            await asyncio.wait({reader}, timeout=EXIT_GRACE_SECONDS)
+            while not reader.done() and (quiet := last_output + OUTPUT_QUIET_SECONDS - loop.time()) > 0:
+                await asyncio.wait({reader}, timeout=quiet)
             if reader.done():
                 reader.result()
             return exit_code
@@ -253,6 +263,12 @@ class ModalEnvironment(ContainerEnvironment):
                                  LEFTOVERS_SECONDS + _CANCEL_GRACE_SECONDS)
             if problem is not None:
                 print(bounded(shown(f"warning: {problem}")), file=sys.stderr, flush=True)
+        super().remove_leftovers(settings)
+
+    @classmethod
+    def remove_node_leftovers(cls, settings: EnvironmentSettings) -> None:
+        """This machine's part alone: the sandboxes are the service's, looked for once, by the runner (on
+        every node, a Modal that did not answer held the run's start and end once more per node)."""
         super().remove_leftovers(settings)
 
 

@@ -66,7 +66,7 @@ class SessionActor:
         from batchrun.tools.browser.directories import remove_abandoned_browser_directories
 
         settings = self._services.env_settings
-        environment_class(self._config.environment.kind).remove_leftovers(settings)
+        environment_class(self._config.environment.kind).remove_node_leftovers(settings)
         remove_abandoned_browser_directories()
 
     async def run(self, task: Task) -> list[Spent | Finished | Fatal]:

@@ -15,7 +15,8 @@ in the real configuration (``MODAL_TOKEN_ID=rejected``: the service refuses them
 as a service that took the request and never replies; ``FAKE_MODAL_RAISE=call[:error][,...]``: these calls fail with
 grpclib's StreamTerminatedError, which the real SDK raises as it is (no modal error) once its retries on a broken
 connection are spent, or with the ``modal.exception`` error named (``Sandbox.exec:NotFoundError``). Each is read
-at every call, so a test may set it once a sandbox has started.
+at every call, so a test may set it once a sandbox has started. ``FAKE_MODAL_OUTPUT_LAG=seconds``: each chunk of a
+process's output comes that much later, as the service streams output over calls of its own, apart from the exit.
 """
 
 from __future__ import annotations
@@ -197,7 +198,9 @@ class _Reader:
         return data.decode() if self._text else data
 
     async def __aiter__(self) -> AsyncIterator[bytes | str]:
+        lag = float(os.environ.get("FAKE_MODAL_OUTPUT_LAG", "0"))
         while chunk := await self._stream.read(65536):
+            await asyncio.sleep(lag)
             yield chunk.decode() if self._text else chunk
 
 

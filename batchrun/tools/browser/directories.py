@@ -31,11 +31,12 @@ _TMPDIR_CHARS = 60
 _DIRECTORY_NAME_CHARS = len(f"/{_PREFIX}") + 8     # mkdtemp's eight random characters
 _NO_LOCKS = frozenset({errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP})
 # Where a browser's directory goes when $TMPDIR is too deep for it, the first this user may write: a host
-# that gives each job a long private TMPDIR may well close /tmp to its users.
-SHORT_TEMPORARIES = ("/tmp", "/dev/shm")
+# that gives each job a long private TMPDIR may well close /tmp to its users. Then $XDG_RUNTIME_DIR, last:
+# it, and the user's files in /dev/shm, are removed when the user's last login session ends.
+SHORT_TEMPORARIES = ("/tmp", "/var/tmp", "/dev/shm")
 NO_TEMPORARY = (f"the browser needs a directory whose path is at most {_TMPDIR_CHARS - _DIRECTORY_NAME_CHARS} "
-                "characters long (Chromium's sockets go there), and TMPDIR is longer while /tmp and /dev/shm are "
-                "not writable: set TMPDIR to a shorter directory of your own")
+                "characters long (Chromium's sockets go there), and TMPDIR is longer while none of /tmp, "
+                "/var/tmp, /dev/shm and XDG_RUNTIME_DIR is writable: set TMPDIR to a shorter directory of your own")
 
 
 def browser_temporary() -> str | None:

@@ -212,7 +212,7 @@ class _BrowserHost:
         try:
             self._directory, self._directory_lock = new_browser_directory()
         except OSError as exc:
-            raise ToolError(f"cannot make the browser's directory: {exc.strerror or exc}") from None
+            raise ToolError(f"cannot make the browser's directory: {exc}") from None
         # A page's renderer is the prompt's doing, as a command is: it gets the prompt's limits.
         self._cgroup = PromptCgroup.create(run_label, limits)
         self._tab_limits = TabLimits(self._cgroup, limits)
