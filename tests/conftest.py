@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 from collections import Counter
 from collections.abc import Callable, Generator
 from pathlib import Path
@@ -434,3 +435,15 @@ def spent_by_prompt(run_dir: Path, prompt_index: int) -> int:
     path = run_dir / SPENT
     lines = path.read_text().splitlines() if path.exists() else []
     return sum(1 for line in lines if (record := json.loads(line)).get("prompt") == prompt_index and "spent" in record)
+
+
+def peak_python_bytes(step: Callable[[], object]) -> int:
+    """The most memory this process's Python held at once while ``step`` ran (tracemalloc). Not growth: that
+    is what stays held after the step, and a step that held everything while it ran (an export holding every
+    row, a page pushed whole through Playwright's pipe) has let go of it by the time it returns."""
+    tracemalloc.start()
+    try:
+        step()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()

@@ -20,15 +20,14 @@ import sys
 import tempfile
 import threading
 import time
-import tracemalloc
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Coroutine, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
-from conftest import batch_rows, endpoint_args, run_cli, write_dataset
+from conftest import batch_rows, endpoint_args, peak_python_bytes, run_cli, write_dataset
 
 import model_tools
 from batchrun.environments import limits
@@ -355,17 +354,6 @@ def test_a_huge_title_and_url_are_cut_and_the_result_says_so(session: Session, s
     assert len(view["url"]) == caps.URL_CHARS and view["url"].startswith(site + "/huge-title#fff")
     assert {note.split()[0] for note in view["truncated"]} == {"title", "url"}
     assert result_chars(view) <= caps.RESULT_CHARS
-
-
-def peak_python_bytes(call: Callable[[], object]) -> int:
-    """The most memory the test process's Python code held above what it held before ``call``: the
-    tools run here, so what a page pushes through Playwright's pipe is allocated here."""
-    tracemalloc.start()
-    try:
-        call()
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
 
 
 # Well below the 64 million characters the giant pages make: what crosses for them stays small.

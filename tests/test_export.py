@@ -17,7 +17,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from conftest import (
     cli_environment,
     endpoint_args,
     paused_cli_command,
+    peak_python_bytes,
     read_jsonl,
     run_cli,
     write_dataset,
@@ -492,18 +492,6 @@ def test_parquet_is_written_in_row_groups_of_at_most_1000_rows(tmp_path):
     assert [metadata.row_group(group).num_rows for group in range(metadata.num_row_groups)] == [1000, 1000, 1]
 
 
-def peak_memory(step: Callable[[], object]) -> int:
-    """The most memory Python held at once while ``step`` ran (tracemalloc, as test_long_runs.growth). Not
-    growth itself: that is what stays held after the step, and an export that held every row while it
-    wrote has let go of them all by the time it returns."""
-    tracemalloc.start()
-    try:
-        step()
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-
-
 @pytest.fixture(scope="module")
 def many_rows_runs(tmp_path_factory) -> dict[int, Path]:
     """Runs of 10, 2,000 and 8,000 small rows, shared by the memory tests: they only read them."""
@@ -526,7 +514,7 @@ def test_an_export_of_four_times_the_rows_holds_a_small_part_of_the_rows_added(m
                                                               out=tmp_path / f"{count}.out"))
 
     exporting(10)()             # imports (pyarrow's among them) are not what the rows cost
-    small, large = peak_memory(exporting(2000)), peak_memory(exporting(8000))
+    small, large = peak_python_bytes(exporting(2000)), peak_python_bytes(exporting(8000))
     added = (many_rows_runs[8000] / "batch_0.jsonl").stat().st_size - \
         (many_rows_runs[2000] / "batch_0.jsonl").stat().st_size
     assert large - small < added / 4, f"{small:,} bytes at most for 2,000 rows, {large:,} for 8,000 ({added:,} more)"

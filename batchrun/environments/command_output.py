@@ -24,7 +24,7 @@ from batchrun.time_limit import within
 _READ_CHUNK_BYTES = 65536
 # After the process exits, a background child that inherited stdout can keep the pipe open for ever;
 # its output is read for this long more, then the pipe is closed and the result returned without it.
-EXIT_GRACE_SECONDS = 0.2
+_EXIT_GRACE_SECONDS = 0.2
 # SIGKILL takes effect at once; this only bounds the wait should the kernel be slow to deliver it.
 _KILL_WAIT_SECONDS = 5.0
 # Where pidfds are missing (not Linux), a command's exit is noticed by polling this often.
@@ -90,7 +90,7 @@ async def run_merged(argv: list[str], *, timeout: float, max_output_chars: int, 
             kill_group_of(process)
             await wait_for_exit(process, _KILL_WAIT_SECONDS)
         if not output.finished.done():
-            await asyncio.wait({output.finished}, timeout=EXIT_GRACE_SECONDS)
+            await asyncio.wait({output.finished}, timeout=_EXIT_GRACE_SECONDS)
     except asyncio.CancelledError:
         kill_group_of(process)
         raise
