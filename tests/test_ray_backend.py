@@ -491,7 +491,10 @@ def test_a_pause_the_endpoint_asks_for_is_said_in_a_ray_runs_log(tmp_path, endpo
 
 @needs_ray
 def test_an_outage_of_the_endpoint_holds_every_actors_prompts_and_is_said_in_the_log(tmp_path, endpoint):
-    endpoint.outage = (503, 7.0)
+    # The log speaks of an outage once the actors have seen it five seconds; they see it only from a failure
+    # with no other request in flight, seconds into the endpoint's: before, seven left a loaded machine
+    # no look at one five seconds old.
+    endpoint.outage = (503, 10.0)
     dataset = write_dataset(tmp_path / "dataset.jsonl", [f"question {i}" for i in range(6)])
     result = run_cli(tmp_path, *args(dataset, endpoint, "--num_workers=4", "--backend=ray", "--max_retries=3",
                                      distribution="minimal"), env=ray_environment(uuid.uuid4().hex))
