@@ -198,7 +198,7 @@ def test_an_error_of_the_service_that_is_no_modal_error_mid_prompt_fails_only_th
 
 
 @pytest.mark.parametrize("tool", ["run", "read_file", "write_file"])
-@pytest.mark.parametrize("loss", ["terminated", "not found"])
+@pytest.mark.parametrize("loss", ["terminated", "NotFoundError", "SandboxTimeoutError"])
 def test_a_sandbox_gone_mid_prompt_loses_the_environment(modal_fake, tmp_path, monkeypatch, tool, loss):
     # Modal ends a sandbox at its lifetime, on a preemption or at someone's `modal sandbox terminate`; every later
     # call then fails, and as tool errors the prompt went on to a completed row that --resume never ran again.
@@ -213,7 +213,7 @@ def test_a_sandbox_gone_mid_prompt_loses_the_environment(modal_fake, tmp_path, m
                 for sandbox in modal.Sandbox.list(tags={RUN_TAG: settings.run_label}):     # from outside
                     sandbox.terminate()
             else:
-                monkeypatch.setenv("FAKE_MODAL_RAISE", "Sandbox.exec:NotFoundError")
+                monkeypatch.setenv("FAKE_MODAL_RAISE", f"Sandbox.exec:{loss}")
             with pytest.raises(EnvironmentLostError, match="^the Modal sandbox is gone: "):
                 if tool == "run":
                     await env.run("echo hi")

@@ -188,7 +188,8 @@ class ModalEnvironment(ContainerEnvironment):
         later can run, and kept as tool errors the prompt would end as a finished row that --resume never
         runs again. Any other failure of the service may pass, and is the one call's."""
         errors = self._modal.exception
-        if isinstance(failure.error, (errors.SandboxTerminatedError, errors.NotFoundError)):
+        gone = (errors.SandboxTerminatedError, errors.SandboxTimeoutError, errors.NotFoundError)
+        if isinstance(failure.error, gone):
             raise EnvironmentLostError(f"the Modal sandbox is gone: {failure.reason}") from None
 
     async def _exec_merged(self, argv: list[str], *, timeout: float) -> CommandResult:

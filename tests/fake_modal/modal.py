@@ -60,8 +60,13 @@ class NotFoundError(Error):
     pass
 
 
+class SandboxTimeoutError(Error):
+    pass
+
+
 exception = types.SimpleNamespace(Error=Error, AuthError=AuthError, RemoteError=RemoteError,
-                                  SandboxTerminatedError=SandboxTerminatedError, NotFoundError=NotFoundError)
+                                  SandboxTerminatedError=SandboxTerminatedError, NotFoundError=NotFoundError,
+                                  SandboxTimeoutError=SandboxTimeoutError)
 
 
 class StreamTerminatedError(Exception):
