@@ -31,6 +31,7 @@ from batchrun.environments.base import (
     run_identity,
     work_root_of,
 )
+from batchrun.environments.limits import process_limit_note, user_process_limit
 from batchrun.install_hint import program
 from batchrun.messages import Fatal, Finished, Spent, Task
 from batchrun.pricing import reports_cost
@@ -685,8 +686,11 @@ class BatchRunner:
                      "commands run without it. TERMINAL_ENV=docker (or singularity) runs each in its image.")
         if held := backend.limits_line(config.environment.limits):
             out.print(f"limits per prompt: {held}")
-        if shared := backend.limits_warning(config.environment.limits, config.pool.num_workers):
-            out.warn(shared)
+        # A Ray run's sessions count against each node's own limit: its pool warns of a node once they are placed.
+        if backend.shares_user_process_limit and config.pool.backend != "ray" and (
+                note := process_limit_note(config.pool.num_workers, config.environment.limits.processes,
+                                           user_process_limit())):
+            out.warn(note)
         for line in registry.unavailable_lines(registry.unavailable_tools()):
             out.print(f"unavailable: {line}")
         if routing := provider_routing_note(config.endpoint):

@@ -245,6 +245,20 @@ def test_a_node_missing_a_tool_the_run_offers_is_a_problem(monkeypatch):
 
 
 @needs_ray
+def test_each_ray_node_is_warned_of_against_its_own_process_limit():
+    # Each node's kernel counts only its own sandboxes: before, every session was held against the driver's
+    # limit, a warning where no node was short and none where one node's user had a lower limit.
+    from batchrun.ray.pool import process_limit_warnings
+
+    nodes = [{"node_id": "a", "process_limit": 4096}, {"node_id": "a", "process_limit": 4096},
+             {"node_id": "b", "process_limit": 2048}, {"node_id": "c", "process_limit": None}]
+    labels = {"a": "10.0.0.1", "b": "10.0.0.2", "c": "10.0.0.3"}
+    [warning] = process_limit_warnings(nodes, [2, 2, 3, 100], labels, 1024)
+    assert warning.startswith("on Ray node 10.0.0.2, your process limit (ulimit -u: 2048) is below what 3 sessions")
+    assert process_limit_warnings(nodes, [2, 2, 2, 100], labels, 1024) == []
+
+
+@needs_ray
 def test_a_pool_warning_shows_what_ray_quoted_escaped_and_bounded(capsys):
     # The pool's warnings quote Ray's exceptions, which quote a node's or a task's words: printed raw.
     from batchrun.ray.pool import warn

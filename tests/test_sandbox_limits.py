@@ -29,6 +29,7 @@ from batchrun.environments.limits import (
     cgroups_available,
     process_limit_note,
     remove_run_leftovers,
+    user_process_limit,
 )
 from batchrun.tools import ToolContext
 from batchrun.tools.terminal import terminal
@@ -651,9 +652,19 @@ def test_a_process_that_cannot_join_its_control_group_says_which_and_runs_nothin
 
 # An ordinary user's sandboxes map to the runner's uid, and the kernel counts all their processes against
 # that uid's one RLIMIT_NPROC: under `ulimit -u 420`, one prompt's 300 processes made another's fork fail.
+@pytest.mark.parametrize(("euid", "soft_limit", "counted"), [(1000, 4096, 4096), (1000, resource.RLIM_INFINITY, None),
+                                                             (0, 4096, None)])
+def test_the_process_limit_counted_is_an_ordinary_users_own(monkeypatch: pytest.MonkeyPatch, euid: int,
+                                                            soft_limit: int, counted: int | None) -> None:
+    # A root run's sandboxes each have a uid of their own, which its limit does not hold.
+    monkeypatch.setattr(os, "geteuid", lambda: euid)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (soft_limit, resource.RLIM_INFINITY))
+    assert user_process_limit() == counted
+
+
 @pytest.mark.parametrize(("sessions", "user_limit", "warned"), [(4, 4096, False), (5, 4096, True),
-                                                                (100_000, resource.RLIM_INFINITY, False)])
-def test_sessions_whose_process_limits_add_up_past_the_users_are_warned_of(sessions: int, user_limit: int,
+                                                                (100_000, None, False)])
+def test_sessions_whose_process_limits_add_up_past_the_users_are_warned_of(sessions: int, user_limit: int | None,
                                                                            warned: bool) -> None:
     note = process_limit_note(sessions, 1024, user_limit)
     assert (note is not None) == warned

@@ -111,6 +111,10 @@ class Environment(abc.ABC):
     #: Whether a prompt's container image (the dataset's ``image`` field) is what its commands run in. A
     #: backend on this machine's own files runs them without it, and the start-up summary says so.
     runs_images: ClassVar[bool] = True
+    #: Whether the prompts' processes all count against the runner's user's process limit (``ulimit -u``),
+    #: as those of sandboxes on this machine's kernel under the runner's uid do; a container engine's or a
+    #: service's are kept apart by it.
+    shares_user_process_limit: ClassVar[bool] = False
 
     def __init__(self, settings: EnvironmentSettings, *, prompt_index: int,
                  image: str | None = None, cwd: str | None = None) -> None:
@@ -132,12 +136,6 @@ class Environment(abc.ABC):
     def limits_line(cls, limits: ResourceLimits) -> str | None:
         """What the start-up summary says this backend holds each prompt to, or None where the backend's own
         engine sets the limits (a container's). Backends that apply ``limits`` themselves override this."""
-        return None
-
-    @classmethod
-    def limits_warning(cls, limits: ResourceLimits, sessions: int) -> str | None:
-        """What the start-up summary warns of, where ``sessions`` prompts at once cannot each have
-        ``limits``; None for a backend whose engine keeps them apart. Backends that share something extend this."""
         return None
 
     @classmethod

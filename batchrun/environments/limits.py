@@ -170,19 +170,21 @@ def mechanism() -> str:
     return "per-process limits"
 
 
-def shared_process_limit_note(limits: ResourceLimits, sessions: int) -> str | None:
-    """What the start-up summary says where the sessions' process limits add up to more than this user may
-    start: the kernel counts the processes of every sandbox of an ordinary user's run (whose user
-    namespaces map to the runner's uid) against the user's one RLIMIT_NPROC, so a prompt that starts many
-    takes them from the prompts running beside it. A root run's sandboxes each have a uid of their own."""
+def user_process_limit() -> int | None:
+    """The number of processes the kernel lets this user have (RLIMIT_NPROC's soft limit), which every
+    sandbox of an ordinary user's run counts against (their user namespaces map to the runner's uid); None
+    where it holds nothing back: unlimited, or a root run, whose sandboxes each have a uid of their own."""
     if os.geteuid() == 0:
         return None
-    return process_limit_note(sessions, limits.processes, resource.getrlimit(resource.RLIMIT_NPROC)[0])
+    limit = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    return None if limit == resource.RLIM_INFINITY else limit
 
 
-def process_limit_note(sessions: int, processes: int, user_limit: int) -> str | None:
-    """The note of :func:`shared_process_limit_note`, for ``user_limit`` (RLIMIT_NPROC's soft limit)."""
-    if user_limit == resource.RLIM_INFINITY or sessions * processes <= user_limit:
+def process_limit_note(sessions: int, processes: int, user_limit: int | None) -> str | None:
+    """What the start-up summary warns of where ``sessions`` sandboxes of ``processes`` each add up past
+    ``user_limit`` (:func:`user_process_limit`): a prompt that starts many processes takes them from the
+    prompts running beside it."""
+    if user_limit is None or sessions * processes <= user_limit:
         return None
     return (f"your process limit (ulimit -u: {user_limit}) is below what {sessions} sessions may start "
             f"({processes} each, TERMINAL_MAX_PROCESSES): the kernel counts every sandbox of yours against it, "

@@ -28,7 +28,6 @@ from batchrun.environments.limits import (
     ResourceLimits,
     mechanism,
     remove_kept_groups,
-    shared_process_limit_note,
 )
 from batchrun.environments.workspace import HostWorkspace, new_prompt_directory
 
@@ -43,6 +42,7 @@ class LocalEnvironment(Environment):
     kind = "local"
     start_can_fail_alone = False      # a directory and a control group: if one can be made, all can
     runs_images = False
+    shares_user_process_limit = True
 
     def __init__(self, settings: EnvironmentSettings, *, prompt_index: int,
                  image: str | None = None, cwd: str | None = None) -> None:
@@ -58,10 +58,6 @@ class LocalEnvironment(Environment):
     def limits_line(cls, limits: ResourceLimits) -> str:
         return (f"{limits.memory_mb} MB memory, {limits.processes} processes, {limits.workspace_mb} MB workspace"
                 f" · {mechanism()}")
-
-    @classmethod
-    def limits_warning(cls, limits: ResourceLimits, sessions: int) -> str | None:
-        return shared_process_limit_note(limits, sessions)
 
     @classmethod
     async def close_idle(cls) -> None:

@@ -11,6 +11,7 @@ import os
 
 from batchrun.config import RunConfig
 from batchrun.environments.base import EnvironmentSettings, WorkRootError, claim_work_root
+from batchrun.environments.limits import user_process_limit
 from batchrun.environments.seccomp import leave_session_keyring
 from batchrun.messages import Fatal, Finished, Spent, Task
 from batchrun.ray.gate import RayRateGate
@@ -58,7 +59,8 @@ class SessionActor:
 
         problem = await asyncio.to_thread(problems)
         return {"node_id": ray.get_runtime_context().get_node_id(), "address": ray.util.get_node_ip_address(),
-                "pid": os.getpid(), "problem": problem, "gate": self._gate.limit.holder}
+                "pid": os.getpid(), "problem": problem, "gate": self._gate.limit.holder,
+                "process_limit": user_process_limit()}
 
     def remove_leftovers(self) -> None:
         """What a crashed earlier run under this run name left on this node (once per node, before work)."""

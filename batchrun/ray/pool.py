@@ -20,7 +20,9 @@ from typing import Any
 from batchrun.concurrency import ConcurrencyFigures
 from batchrun.config import RunConfig
 from batchrun.console.layout import bounded, shown
+from batchrun.environments import environment_class
 from batchrun.environments.base import EnvironmentSettings
+from batchrun.environments.limits import process_limit_note
 from batchrun.messages import Fatal, Finished, Spent, Task
 from batchrun.ray import cluster
 from batchrun.ray.actor import SessionActor
@@ -47,6 +49,20 @@ def _stop_signal_raised_as_interrupted() -> Iterator[None]:
         if isinstance(exc, Interrupted) or STOP_SIGNALS.received is None:
             raise
         raise Interrupted(STOP_SIGNALS.received) from None
+
+
+def process_limit_warnings(nodes: Sequence[dict], capacity: Sequence[int], labels: dict[str, str],
+                           processes: int) -> list[str]:
+    """One warning for each node whose sessions' process caps add up past the limit of the user there (the
+    ``process_limit`` of its actors' probes): each node's kernel counts only its own sandboxes, so the
+    driver's limit against every session says nothing of any node."""
+    sessions: Counter = Counter()
+    limits: dict[str, int | None] = {}
+    for node, slots in zip(nodes, capacity, strict=True):
+        sessions[node["node_id"]] += slots
+        limits[node["node_id"]] = node["process_limit"]
+    return [f"on Ray node {labels[node_id]}, {note}" for node_id, count in sessions.items()
+            if (note := process_limit_note(count, processes, limits[node_id]))]
 
 
 def warn(text: str) -> None:
@@ -142,6 +158,10 @@ class RayWorkerPool:
         if problems:
             raise PoolStartError("\n".join(f"Ray node {label} cannot run this run's sessions: {problem}"
                                            for label, problem in problems.items()))
+        if environment_class(config.environment.kind).shares_user_process_limit:
+            processes = config.environment.limits.processes
+            for line in process_limit_warnings(self._nodes, self._capacity, labels, processes):
+                warn(line)
         for slots, exc in lost:
             self._start_replacement(slots)
             warn(f"a Ray session actor was lost while it started ({_ray_said(exc)}); {self._live_actors()} "

@@ -37,7 +37,7 @@ from batchrun.environments.bubblewrap.root import MOUNT_POINT
 from batchrun.environments.bubblewrap.sandbox import new_sandbox, spares, start_shell
 from batchrun.environments.bubblewrap.shell import SHELL_GRACE_SECONDS, Shell
 from batchrun.environments.command_output import OutputCollector, kill_group_of
-from batchrun.environments.limits import ResourceLimits, mechanism, remove_kept_groups, shared_process_limit_note
+from batchrun.environments.limits import ResourceLimits, mechanism, remove_kept_groups
 from batchrun.environments.workspace import HostWorkspace
 from batchrun.time_limit import within
 
@@ -58,6 +58,7 @@ class BubblewrapEnvironment(Environment):
     kind = "bubblewrap"
     start_can_fail_alone = False      # a sandbox like one the start-up check made: if one starts, all can
     runs_images = False
+    shares_user_process_limit = True
 
     def __init__(self, settings: EnvironmentSettings, *, prompt_index: int,
                  image: str | None = None, cwd: str | None = None) -> None:
@@ -76,10 +77,6 @@ class BubblewrapEnvironment(Environment):
     def limits_line(cls, limits: ResourceLimits) -> str:
         return (f"{limits.memory_mb} MB memory, {limits.processes} processes, {limits.tmp_mb} MB /tmp, "
                 f"{limits.workspace_mb} MB workspace · {mechanism()}")
-
-    @classmethod
-    def limits_warning(cls, limits: ResourceLimits, sessions: int) -> str | None:
-        return shared_process_limit_note(limits, sessions)
 
     @classmethod
     def startup_check(cls) -> str:
