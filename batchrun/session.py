@@ -61,6 +61,7 @@ SUMMARY_REQUEST = ("You've reached the maximum number of tool-calling iterations
 REASONING_FIELDS = ("reasoning", "reasoning_content", "reasoning_details")
 ENVIRONMENT_STARTS_AT_ONCE = 8
 KEPT_ARGUMENT_CHARS = 2_000      # of arguments too large for any tool, which the tool refused
+CALL_ID_LONGEST = 256            # providers' ids are a few dozen characters
 READ_ASIDE_CHARS = 64 * 1024     # a reply's text and arguments from which it is taken apart in a thread
 _CALL_CHARS = 256                # what taking one call apart costs, as characters of text would
 # What one prompt's tools may do for the model. A reply of a few megabytes holds a million calls, each of
@@ -158,8 +159,9 @@ def _call_id(given: object, turn_number: int, position: int, taken: set[str], re
     """The call's id, redacted, unless the reply's calls before it have ``taken`` it: each result
     answers its call by id, in the row and back at the endpoint, so two calls of one reply never
     share one. An id that is not text (an object, a number) is the runner's own, as a missing one:
-    its repr would go into the row and back to the endpoint."""
-    call_id = redact(given) if isinstance(given, str) else ""
+    its repr would go into the row and back to the endpoint; so is one longer than CALL_ID_LONGEST,
+    which would go into the row and every later request whole."""
+    call_id = redact(given) if isinstance(given, str) and len(given) <= CALL_ID_LONGEST else ""
     if call_id and call_id not in taken:
         return call_id
     own = f"call_{turn_number}_{position}"

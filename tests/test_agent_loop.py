@@ -233,6 +233,24 @@ def test_a_tool_call_id_that_is_not_text_is_replaced_by_one_of_the_runners(tmp_p
     assert "{'x'" not in json.dumps(only_row(tmp_path))
 
 
+def test_a_tool_call_id_longer_than_any_endpoints_is_replaced_by_one_of_the_runners(tmp_path, endpoint):
+    # Before, a megabyte of id went into the row (and every request after it), whole.
+    def long_id(body: dict) -> tuple[int, dict, dict]:
+        if body["messages"][-1]["role"] == "tool":
+            message = {"role": "assistant", "content": "Done."}
+        else:
+            message = {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c" * 1_000_000, "type": "function",
+                 "function": {"name": "terminal", "arguments": '{"command": "echo hi"}'}}]}
+        return 200, {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}, {}
+
+    endpoint.script = long_id
+    assert run(tmp_path, endpoint, ["call once"]).returncode == 0
+    [echoed] = endpoint.requests[1]["messages"][-2]["tool_calls"]
+    assert echoed["id"] == "call_0_0" and endpoint.requests[1]["messages"][-1]["tool_call_id"] == "call_0_0"
+    assert "c" * 1000 not in json.dumps(only_row(tmp_path))
+
+
 def tool_results(row: dict) -> list[dict]:
     """The content of each tool response of the row."""
     return [json.loads(value.removeprefix("<tool_response>\n").removesuffix("\n</tool_response>"))["content"]

@@ -350,6 +350,9 @@ def huge_field(field: str) -> bytes:
         row["toolsets_sampled"].append(HUGE)
     elif field == "tool":
         row["tool_stats"][HUGE] = {"count": 1, "success": 1, "failure": 0}
+    elif field == "tool_call_id":       # a tool turn's result answers its call by id: the last turns, always shown
+        payload = json.dumps({"tool_call_id": HUGE, "name": "terminal", "content": "ok"})
+        row["conversations"].append({"from": "tool", "value": f"<tool_response>\n{payload}\n</tool_response>"})
     else:
         row[field] = HUGE
     return rows.encode_row(row)
@@ -358,7 +361,8 @@ def huge_field(field: str) -> bytes:
 # The page trims every long text of a row, as it trims turns: a megabyte edited into one of the fields it
 # shows beside them was embedded whole, twice or three times (the trajectory's facts, a table), for each of
 # up to 500 sampled rows.
-@pytest.mark.parametrize("field", ["end_reason", "api_calls", "model", "toolset", "tool", "error_type", "discarded"])
+@pytest.mark.parametrize("field", ["end_reason", "api_calls", "model", "toolset", "tool", "error_type", "discarded",
+                                   "tool_call_id"])
 def test_a_huge_text_in_any_field_of_a_row_is_trimmed_on_the_page(tmp_path: Path, field: str) -> None:
     plain = page_of(write_run(tmp_path / "plain" / "data" / "run", [[finished_line(0), finished_line(1)]]))
     page = page_of(write_run(tmp_path / "huge" / "data" / "run", [[finished_line(0), huge_field(field)]]))

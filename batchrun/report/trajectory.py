@@ -74,7 +74,9 @@ def _tool_turn(turn: dict) -> dict:
         content = payload.get("content")
         raw = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
         name = payload.get("name")
-        results.append({"id": payload.get("tool_call_id"), "n": clip_name(name) if isinstance(name, str) else name,
+        call_id = payload.get("tool_call_id")
+        results.append({"id": None if call_id is None else clip_name(_text(call_id)),
+                        "n": clip_name(name) if isinstance(name, str) else name,
                         "c": _clip_value(content),
                         "x": rows.tool_result_failed(raw)})
     return {"r": "tool", "res": results, "more": max(0, len(blocks) - CALLS_PER_TURN)}
