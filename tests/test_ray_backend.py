@@ -26,6 +26,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import (
@@ -256,6 +257,51 @@ def test_each_ray_node_is_warned_of_against_its_own_process_limit():
     [warning] = process_limit_warnings(nodes, [2, 2, 3, 100], labels, 1024)
     assert warning.startswith("on Ray node 10.0.0.2, your process limit (ulimit -u: 2048) is below what 3 sessions")
     assert process_limit_warnings(nodes, [2, 2, 2, 100], labels, 1024) == []
+
+
+def _failing_ray(error: BaseException):
+    import ray
+
+    def get(refs, timeout=None):
+        raise error
+    return SimpleNamespace(exceptions=ray.exceptions, get=get,
+                           get_runtime_context=lambda: SimpleNamespace(get_node_id=lambda: "here"))
+
+
+@needs_ray
+@pytest.mark.parametrize("failure", ["lost", "raised", "slow"])
+def test_a_failed_clean_up_of_another_node_at_the_start_is_one_line_not_a_traceback(failure):
+    # Before, a node lost between its probe and its clean-up, a clean-up that raised, or one past its time
+    # reached the user as a traceback.
+    import ray
+
+    from batchrun.ray.pool import RayWorkerPool
+    from batchrun.workers import PoolStartError
+
+    error = {"lost": ray.exceptions.ActorDiedError(), "slow": ray.exceptions.GetTimeoutError("took too long"),
+             "raised": ray.exceptions.RayTaskError("remove_leftovers", "Traceback ...\nOSError: busy",
+                                                   OSError("busy"))}[failure]
+    pool = RayWorkerPool.__new__(RayWorkerPool)
+    pool.ray, pool._lost = _failing_ray(error), set()
+    pool._actors = [SimpleNamespace(remove_leftovers=SimpleNamespace(remote=lambda: "ref"))]
+    pool._nodes = [{"node_id": "there", "address": "10.0.0.2"}]
+    with pytest.raises(PoolStartError, match="^removing what an earlier run left on the other Ray nodes "):
+        pool._clean_before_work()
+
+
+@needs_ray
+def test_a_row_lost_with_its_node_sends_the_prompt_again_instead_of_stopping_the_run():
+    # A row of over 100 KB waits in the object store of its actor's node; the node gone before the parent
+    # fetched it, Ray says ObjectLostError, which stopped the run as a bug of the call.
+    import ray
+
+    from batchrun.ray.pool import RayWorkerPool
+
+    pool = RayWorkerPool.__new__(RayWorkerPool)
+    pool.ray = _failing_ray(ray.exceptions.ObjectLostError("ab" * 14, None, ""))
+    pool._pending = {"ref": (0, "attempt")}
+    pool._lose = lambda actor, exc, attempt: [("lost", actor, type(exc).__name__, attempt)]
+    assert pool._outcome("ref") == [("lost", 0, "ObjectLostError", "attempt")]
 
 
 @needs_ray

@@ -166,7 +166,7 @@ class RayWorkerPool:
             self._start_replacement(slots)
             warn(f"a Ray session actor was lost while it started ({_ray_said(exc)}); {self._live_actors()} "
                  f"actor(s) with {sum(self._capacity)} sessions go on; a replacement is starting")
-        self._clean_other_nodes()
+        self._clean_before_work()
 
     def _take_started(self, actors: list[Any], capacity: list[int],
                       probes: list[Any]) -> list[tuple[int, BaseException]]:
@@ -220,6 +220,15 @@ class RayWorkerPool:
                 cleaners.setdefault(node["node_id"], actor)
         if cleaners:
             ray.get([actor.remove_leftovers.remote() for actor in cleaners.values()], timeout=ACTOR_START_TIMEOUT)
+
+    def _clean_before_work(self) -> None:
+        """_clean_other_nodes before the first session: a node lost since its probe, a clean-up that raised
+        or hung stops the start with one line."""
+        try:
+            self._clean_other_nodes()
+        except self.ray.exceptions.RayError as exc:
+            raise PoolStartError(f"removing what an earlier run left on the other Ray nodes failed: "
+                                 f"{_ray_said(exc)}; no prompt has started") from None
 
     def _node_labels(self) -> dict[str, str]:
         """Node id -> the node's name in output: its address, with the start of its id where several
@@ -356,9 +365,11 @@ class RayWorkerPool:
     def _outcome(self, ref: Any) -> Sequence[Spent | Finished | Fatal]:
         ray = self.ray
         actor, attempt = self._pending.pop(ref)
+        errors = ray.exceptions
         try:
             messages = ray.get(ref)
-        except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError) as exc:
+        # ObjectLostError: a large row waits in its node's object store, and went with the node.
+        except (errors.RayActorError, errors.WorkerCrashedError, errors.NodeDiedError, errors.ObjectLostError) as exc:
             return self._lose(actor, exc, attempt)
         except ray.exceptions.RayError as exc:   # the call itself failed (not its prompt): a bug, stop
             return [Fatal(f"Ray session actor {self._actor_name(actor)} failed: {_ray_said(exc)}")]
