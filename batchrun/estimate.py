@@ -20,6 +20,10 @@ from batchrun.concurrency import ConcurrencyFigures
 
 DEFAULT_SAMPLE = 20
 BOOTSTRAP_ROUNDS = 2000
+# Each round redraws the whole sample: a large one (a whole dataset run under --estimate) gets fewer rounds, so
+# that the end of its run does not take minutes here, though never fewer than keep the percentiles steady.
+BOOTSTRAP_DRAWS = 1_000_000
+FEWEST_ROUNDS = 200
 INTERVAL = (0.1, 0.9)            # the projection's 80% interval
 
 # A projection: "estimate", and "low" and "high", its interval (None from a single sample).
@@ -81,12 +85,18 @@ def projected(xs: Sequence[float], ys: Sequence[float], count: int, x_total: flo
               rng: random.Random) -> Projection:
     """The regression total with its bootstrap interval."""
     estimate = regression_total(xs, ys, count, x_total)
+    if count == 0:
+        return _with_interval(estimate, [estimate], len(xs), digits=6)     # nothing to resample for
     pairs = list(zip(xs, ys, strict=True))
     totals = []
-    for _ in range(BOOTSTRAP_ROUNDS):
+    for _ in range(bootstrap_rounds(len(pairs))):
         drawn = [pairs[rng.randrange(len(pairs))] for _ in pairs]
         totals.append(regression_total([x for x, _ in drawn], [y for _, y in drawn], count, x_total))
     return _with_interval(estimate, totals, len(pairs), digits=6)
+
+
+def bootstrap_rounds(sampled: int) -> int:
+    return max(FEWEST_ROUNDS, min(BOOTSTRAP_ROUNDS, BOOTSTRAP_DRAWS // max(1, sampled)))
 
 
 def _with_interval(estimate: float, resampled: list[float], sampled: int, *, digits: int) -> Projection:
@@ -196,7 +206,8 @@ def estimate_report(runs: Sequence[SampledRun], *, remaining: int, remaining_cha
                                   concurrency=concurrency)
         return remaining / min(bound["per_second"] for bound in found.values())
 
-    durations = [duration([runs[rng.randrange(len(runs))] for _ in runs]) for _ in range(BOOTSTRAP_ROUNDS)]
+    rounds = bootstrap_rounds(len(runs)) if remaining else 0
+    durations = [duration([runs[rng.randrange(len(runs))] for _ in runs]) for _ in range(rounds)] or [0.0]
     # A reply that reported no usage counted 0 tokens, and one without a price $0: a projection of either
     # would be too low by an amount nothing tells.
     tokens_known, cost_known = tokenless_replies == 0, unpriced_replies == 0
@@ -230,5 +241,5 @@ def estimate_report(runs: Sequence[SampledRun], *, remaining: int, remaining_cha
         "tokens_unknown_replies": tokenless_replies,
         "cost_unknown_replies": unpriced_replies,
         "interval": f"{int(INTERVAL[0] * 100)}th to {int(INTERVAL[1] * 100)}th percentile of "
-                    f"{BOOTSTRAP_ROUNDS} bootstrap resamples of the sample",
+                    f"{bootstrap_rounds(len(runs))} bootstrap resamples of the sample",
     }

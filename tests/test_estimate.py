@@ -127,6 +127,47 @@ def test_a_regression_on_prompt_length_recovers_a_total_that_grows_with_length()
     assert total == pytest.approx(sum(tokens), rel=0.01)
 
 
+class CountingRandom(random.Random):
+    """Counts the draws of the bootstrap (one randrange per resampled run)."""
+
+    draws = 0
+
+    def randrange(self, *args, **kwargs):  # type: ignore[override]
+        self.draws += 1
+        return super().randrange(*args, **kwargs)
+
+
+def sampled_runs(count: int) -> list[estimate.SampledRun]:
+    return [estimate.SampledRun(prompt_chars=100 + index % 50, tokens=500 + index % 70, cost=0.001, model_calls=2,
+                                tool_calls=1, wall_time=3.0 + index % 5, failed=False) for index in range(count)]
+
+
+def report_of(runs: list[estimate.SampledRun], remaining: int, rng: random.Random) -> dict:
+    return estimate.estimate_report(runs, remaining=remaining, remaining_chars=remaining * 120, sessions=64,
+                                    requests_per_minute=None, concurrency=None, tokenless_replies=0,
+                                    unpriced_replies=0, spent_tokens=0, spent_cost=0.0, rng=rng)
+
+
+# A whole dataset run under --estimate: before, each of 2,000 rounds redrew all of its samples for each of four
+# projections, minutes at the end of the run for a hundred thousand (where Ctrl-C no longer stops anything),
+# with nothing left to project.
+def test_nothing_left_to_project_draws_no_resample():
+    rng = CountingRandom(1)
+    figures = report_of(sampled_runs(20_000), 0, rng)
+    assert rng.draws == 0
+    assert figures["remaining"]["cost"] == {"estimate": 0.0, "low": 0.0, "high": 0.0}
+    assert figures["remaining"]["duration_seconds"]["estimate"] == 0.0
+
+
+def test_a_large_sample_is_resampled_in_fewer_rounds():
+    rng = CountingRandom(1)
+    figures = report_of(sampled_runs(5_000), 1000, rng)
+    assert rng.draws == 4 * 200 * 5_000        # tokens, cost, model calls and duration: 200 rounds each
+    assert figures["interval"] == "10th to 90th percentile of 200 bootstrap resamples of the sample"
+    assert report_of(sampled_runs(50), 1000, random.Random(1))["interval"].endswith(" 2000 bootstrap resamples of "
+                                                                                      "the sample")
+
+
 def test_an_estimate_as_big_as_what_is_pending_runs_it_all_and_projects_nothing_more(tmp_path):
     dataset = write_dataset(tmp_path / "dataset.jsonl", [f"prompt {index}" for index in range(5)])
     with ScriptedEndpoint() as server:
