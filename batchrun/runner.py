@@ -704,6 +704,10 @@ class BatchRunner:
                       f"{'samples ' if samples else ''}already done, {plan.pending} remaining"
                       + (f" ({scan.rows_by_status[rows.FAILED]} earlier failure rows are retried)"
                          if scan.rows_by_status[rows.FAILED] else ""))
+            if scan.most_samples > plan.samples_per_prompt:
+                out.print(f"resume: the run directory holds up to {scan.most_samples} samples per prompt; those "
+                          f"past --samples_per_prompt={plan.samples_per_prompt} stay in trajectories.jsonl and "
+                          "count in its figures")
             if live_corrupted:
                 out.print(f"resume: {live_corrupted} corrupted rows (invented tool names) "
                           + ("are run again (--rerun_corrupted)" if config.output.rerun_corrupted

@@ -107,6 +107,9 @@ def test_lowering_k_on_resume_runs_nothing_and_keeps_every_sample(tmp_path, endp
     assert endpoint.requests == []
     assert "All prompts have already been processed!" in result.stdout
     assert len(merged(tmp_path)) == 9
+    # Before, nothing said that the rows beyond K stay in the merged file and its figures.
+    assert ("resume: the run directory holds up to 3 samples per prompt; those past --samples_per_prompt=1 "
+            "stay in trajectories.jsonl and count in its figures") in " ".join(result.stdout.split())
 
 
 def test_a_single_sample_run_resumed_with_more_samples_keeps_its_rows_as_the_first_samples(tmp_path, endpoint):
