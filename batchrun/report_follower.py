@@ -11,9 +11,10 @@ It runs at the run's own CPU priority: the end of the run waits for it, and a pr
 on a machine busy with other work, gets next to no CPU time (its priority cannot be raised again
 without privileges).
 
-It follows only the batch files that can still grow: the parent publishes, in shared memory, the
-lowest batch that has a prompt still running or waiting and the highest that has been handed one, so
-what the helper holds and reads per round depends on the prompts in flight, not on the length of the run.
+It follows only the batch files that can still grow: the parent publishes, in shared memory
+(:class:`OpenBatches`), the highest batch handed a prompt and each lower one with a prompt still running
+or waiting, so what the helper holds and reads per round depends on the prompts in flight, not on the
+length of the run, nor on how long ago the oldest of them started.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-from collections.abc import Collection, MutableSequence
+import time
+from collections.abc import Collection, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -40,25 +42,23 @@ class ReportFailed(Exception):
 class ReportFollower:
     """The helper process of one run; :meth:`finish` (or :meth:`cancel`) ends it."""
 
-    def __init__(self, run_dir: Path, repeated: Collection[str]) -> None:
+    def __init__(self, run_dir: Path, repeated: Collection[str], sessions: int) -> None:
         """``repeated``: the units whose finished rows the resume scan found more than once (none in a new
         run directory): the only ones the helper tells a first row from its repeats for, so that it holds
-        nothing per prompt (see FirstFinished)."""
+        nothing per prompt (see FirstFinished). ``sessions``: the most prompts in flight at once."""
         parent_end, child_end = _FORK.Pipe(duplex=True)
-        # [lowest batch with a prompt still open, highest batch handed a prompt]: nothing handed out yet.
-        self._window = _FORK.RawArray("q", [0, -1])
+        self._open = OpenBatches(sessions)
         self._process = _FORK.Process(target=_follow,
-                                      args=(child_end, run_dir, frozenset(repeated), os.getpid(), self._window),
+                                      args=(child_end, run_dir, frozenset(repeated), os.getpid(), self._open),
                                       daemon=True, name="report")
         self._process.start()
         child_end.close()
         self._conn = parent_end
 
-    def progress(self, lowest_open: int, highest: int) -> None:
-        """Batch files below ``lowest_open`` will get no more rows in this run; none above ``highest``
-        has been handed a prompt yet."""
-        self._window[1] = highest       # highest first: the helper reads lowest first (see BatchFollower)
-        self._window[0] = lowest_open
+    def progress(self, highest: int, open_batches: Sequence[int]) -> None:
+        """``highest``: the highest batch handed a prompt; ``open_batches`` (ascending): those below it with a
+        prompt still running or waiting. No other batch below it gets a row in this run."""
+        self._open.publish(highest, open_batches)
 
     def rows_written(self, distribution: str) -> None:
         """Every row of the run is written: the helper draws the plots now, while the run ends (stops
@@ -97,19 +97,59 @@ class ReportFollower:
         return self._process.exitcode
 
 
+class OpenBatches:
+    """The batch files the run can still append to, as the parent tells the helper, in shared memory: the
+    highest batch handed a prompt, then those below it with one running or waiting, at most one per
+    session. Tasks are handed out in the order of their units, so a batch below the highest that has none
+    open gets no more rows in this run.
+
+    A sequence lock: the parent makes the version odd while it writes, and the helper takes a copy only
+    between two readings of one even version. More open batches than sessions (never expected) are
+    published as the lowest ``capacity`` and a count below zero: every batch above them is then open."""
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._shared = _FORK.RawArray("q", 3 + capacity)      # version, highest, count, batches
+        self._shared[1] = -1
+
+    def publish(self, highest: int, open_batches: Sequence[int]) -> None:
+        shared, listed = self._shared, open_batches[:self._capacity]
+        version = shared[0]
+        shared[0] = version + 1
+        shared[1] = highest
+        shared[2] = len(listed) if len(listed) == len(open_batches) else -len(listed)
+        shared[3:3 + len(listed)] = list(listed)
+        shared[0] = version + 2
+
+    def snapshot(self) -> tuple[int, frozenset[int], int | None]:
+        """(highest, the open batches listed, the number above which every batch is open or None)."""
+        shared = self._shared
+        while True:
+            version = shared[0]
+            if version % 2 == 0:
+                highest, count = shared[1], shared[2]
+                listed = shared[3:3 + abs(count)]
+                if shared[0] == version:
+                    above = (listed[-1] if listed else -1) if count < 0 else None
+                    return highest, frozenset(listed), above
+            time.sleep(0.001)
+
+
 class BatchFollower:
     """Reads the rows of a run directory as they are written, rereading only the batch files the
-    run can still append to (see the module's docstring): every round finishes the files that fell
-    below the window and rereads those inside it."""
+    run can still append to (see :class:`OpenBatches`): every round reads the files open at the last
+    one and those handed out since, and forgets each that is no longer open once read."""
 
-    def __init__(self, scan: report.RunScan, window: MutableSequence[int]) -> None:
+    def __init__(self, scan: report.RunScan, open_batches: OpenBatches) -> None:
         self.scan = scan
-        self._window = window
-        self._base = 0                      # below it, every file was read for the last time
-        # Per batch number from _base with a file: where the rows read end. By number, not a slot for each
-        # number up to the highest: a stray file named like a batch file (batch_999999999999.jsonl, copied
-        # in by hand) would take memory for every number below it.
+        self._open = open_batches
+        self._highest = -1                  # the highest batch handed out at the last round
+        self._followed: set[int] = set()    # the batches open at the last round, with a file yet or not
+        # Where the rows read end, per batch file followed.
         self._ends: dict[int, int] = {}
+        # The same for the files of earlier invocations above the highest, until the run hands them a prompt
+        # (by number: a stray file named like a batch file, batch_999999999999.jsonl, takes one entry).
+        self._earlier: dict[int, int] = {}
         self._files = 0
 
     def read_existing(self) -> None:
@@ -117,27 +157,40 @@ class BatchFollower:
         for path in self.scan.run_dir.batch_files():
             match = BATCH_FILE.match(path.name)
             assert match is not None        # batch_files() lists only names that match
-            self._read(int(match.group(1)))
+            number = int(match.group(1))
+            self._read(number)
+            if number in self._ends:        # not removed meanwhile
+                self._earlier[number] = self._ends.pop(number)
         self.scan.summary.batch_files = self._files
 
     def read_new(self) -> None:
-        """The rows written since the last round."""
-        lowest = self._window[0]            # before highest: the parent writes them the other way round
-        highest = self._window[1]
-        if lowest > self._base:             # done in this run: read one last time, then forgotten
-            for number in range(self._base, lowest):
-                self._read(number)
+        """The rows written since the last round: of the batches open then, those open now, and those handed
+        out since. Each that is no longer open is read for the last time, and forgotten."""
+        highest, listed, above = self._open.snapshot()
+        followed = set()
+        for number in sorted({*self._followed, *listed, *range(self._highest + 1, highest + 1)}):
+            self._follow(number)
+            if number >= highest or number in listed or (above is not None and number > above):
+                followed.add(number)
+            else:
                 self._ends.pop(number, None)
-            self._base = lowest
-        for number in range(self._base, highest + 1):
-            self._read(number)
+        self._followed, self._highest = followed, max(self._highest, highest)
         self.scan.summary.batch_files = self._files
 
     def read_all(self) -> None:
-        """Every row written so far: the run's work is over, so the window no longer matters."""
-        for number in sorted({*range(self._base, self._window[1] + 1), *self._ends}):
-            self._read(number)
+        """Every row written so far: the run's work is over. Besides the batches followed, those open at the
+        parent's last word, and every file from the highest of the last round up (handed out since)."""
+        _, listed, _ = self._open.snapshot()
+        later = [int(match.group(1)) for path in self.scan.run_dir.batch_files()
+                 if (match := BATCH_FILE.match(path.name)) and int(match.group(1)) >= self._highest]
+        for number in sorted({*self._followed, *listed, *later}):
+            self._follow(number)
         self.scan.summary.batch_files = self._files
+
+    def _follow(self, number: int) -> None:
+        if number in self._earlier:
+            self._ends[number] = self._earlier.pop(number)
+        self._read(number)
 
     def _read(self, number: int) -> None:
         path = self.scan.run_dir.path / f"batch_{number}.jsonl"
@@ -154,7 +207,7 @@ class BatchFollower:
 
 
 def _follow(conn: Connection, run_dir: Path, repeated: frozenset[str], parent_pid: int,
-            window: MutableSequence[int]) -> None:
+            open_batches: OpenBatches) -> None:
     # Ctrl-C and a closed terminal's SIGHUP reach the group, a scheduler's SIGTERM maybe too; the parent
     # decides (see stop_signals).
     for signum in stop_signals.HANDLED:
@@ -162,7 +215,7 @@ def _follow(conn: Connection, run_dir: Path, repeated: frozenset[str], parent_pi
     try:
         plots.preload()
         scan = report.RunScan(run_dir, repeated=repeated)
-        follower = BatchFollower(scan, window)
+        follower = BatchFollower(scan, open_batches)
         follower.read_existing()
         drawn = None
         while True:

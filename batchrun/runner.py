@@ -54,6 +54,7 @@ from batchrun.tools.browser.directories import remove_abandoned_browser_director
 from batchrun.workers import PoolStartError, ProcessPool, WorkerPool, process_count, raise_open_file_limit
 
 CHECKPOINT_MIN_INTERVAL = 1.0     # seconds; coalesces checkpoint rewrites when batches are tiny
+PROGRESS_INTERVAL = 0.5           # seconds between two notes to the report's helper of the batches still open
 MAX_CORRUPTED_LINES_SHOWN = 20
 # Sandboxes each worker process keeps started ahead of need: a prompt takes one and never waits for its
 # sandbox, and the next is ready long before another prompt ends.
@@ -105,6 +106,7 @@ class BatchRunner:
         # out, which is the order of their units: the first is the lowest (see _publish_progress).
         self._open_units: OrderedDict[int, None] = OrderedDict()
         self._highest_unit = -1                   # of the tasks handed out
+        self._progress_published = 0.0
         self._dataset_changed: DatasetChanged | None = None    # why no further prompt was admitted, if so
         # Every prompt this invocation was going to run has run: a stop signal from then on stops nothing.
         self._ran_to_the_end = False
@@ -234,7 +236,8 @@ class BatchRunner:
         # to their end (see stop_signals).
         with STOP_SIGNALS.shielded():
             available = frozenset(registry.TOOL_NAMES) - set(registry.unavailable_tools())
-            self._report = follower = ReportFollower(self.run_dir.path, self.run_dir.repeats)
+            self._report = follower = ReportFollower(self.run_dir.path, self.run_dir.repeats,
+                                                     self.config.pool.num_workers)
             try:
                 with STOP_SIGNALS.interruptible():
                     env_settings = self._environment_settings(claimed=True)    # refused here, not per prompt
@@ -390,13 +393,17 @@ class BatchRunner:
         return "sample" if self.config.samples_per_prompt > 1 else "prompt"
 
     def _publish_progress(self) -> None:
-        """Tell the report's helper which batch files can still grow: none below the lowest batch
-        of a task not yet written (tasks are handed out in the order of their units), none above the
-        highest handed out."""
-        if self._report is not None:
-            first_open = next(iter(self._open_units), self._highest_unit + 1)
-            batch_size = self.config.output.batch_size
-            self._report.progress(first_open // batch_size, self._highest_unit // batch_size)
+        """Tell the report's helper which batch files can still grow (ReportFollower.progress), at most every
+        PROGRESS_INTERVAL: it reads them every FOLLOW_INTERVAL_SECONDS, and reads all at the end anyway."""
+        now = time.monotonic()
+        if self._report is None or now - self._progress_published < PROGRESS_INTERVAL:
+            return
+        self._progress_published = now
+        batch_size = self.config.output.batch_size
+        open_batches: dict[int, None] = {}      # _open_units is in the order of the units: so are these
+        for unit in self._open_units:
+            open_batches[unit // batch_size] = None
+        self._report.progress(self._highest_unit // batch_size, list(open_batches))
 
     def _persist(self, finished: list[Finished], spent: list[Spent]) -> None:
         """Append rows to their batch files and make them durable before they count as done: one

@@ -31,7 +31,7 @@ from test_report import page_data
 from batchrun import report, rows
 from batchrun.dataset import iter_pending, plan_dataset
 from batchrun.report.summary import MAX_INVENTED_NAMES, RunSummary
-from batchrun.report_follower import BatchFollower
+from batchrun.report_follower import BatchFollower, OpenBatches
 from batchrun.run_dir import RunDirectory
 
 
@@ -148,15 +148,15 @@ def stored_lines(tmp_path_factory) -> dict[str, bytes]:
 def test_the_report_helper_holds_nothing_per_batch_file_the_run_is_done_with(tmp_path, stored_lines):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    window = [0, -1]
-    follower = BatchFollower(report.RunScan(run_dir, repeated=frozenset()), window)   # as in a run
+    open_batches = OpenBatches(8)
+    follower = BatchFollower(report.RunScan(run_dir, repeated=frozenset()), open_batches)   # as in a run
 
     def run_through(first: int, last: int) -> None:
         """Batch files first..last each get their one row, as a run with --batch_size=1 writes them."""
         for number in range(first, last):
-            window[1] = number
+            open_batches.publish(number, [number])
             (run_dir / f"batch_{number}.jsonl").write_bytes(stored_lines["plain"])
-            window[0] = number + 1
+            open_batches.publish(number, [])
             follower.read_new()
 
     # The trajectory sample fills its quotas within the first few thousand rows; after that it holds
@@ -168,26 +168,69 @@ def test_the_report_helper_holds_nothing_per_batch_file_the_run_is_done_with(tmp
     assert follower.scan.summary.row_count == 11_000 and follower.scan.summary.batch_files == 11_000
 
 
-def test_the_report_helper_reads_every_row_once_however_the_window_moves(tmp_path, stored_lines):
+def test_the_report_helper_holds_and_reads_nothing_per_batch_file_finished_behind_a_slow_prompt(
+        tmp_path, stored_lines, monkeypatch):
+    # The oldest prompt still running (a long tool call) held the helper's window open at its batch: every
+    # file finished since was kept and read again every round, with --batch_size=1 one per row of the run.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    open_batches = OpenBatches(8)
+    follower = BatchFollower(report.RunScan(run_dir, repeated=frozenset()), open_batches)
+    reads = Counter[str]()
+    read = BatchFollower._read
+
+    def counted_read(self: BatchFollower, number: int) -> None:
+        reads["files"] += 1
+        read(self, number)
+    monkeypatch.setattr(BatchFollower, "_read", counted_read)
+
+    def run_through(first: int, last: int) -> None:
+        for number in range(first, last):
+            open_batches.publish(number, [0, number])       # batch 0's prompt runs all along
+            (run_dir / f"batch_{number}.jsonl").write_bytes(stored_lines["plain"])
+            open_batches.publish(number, [0])
+            follower.read_new()
+
+    grown = growth(lambda: (follower.read_existing(), run_through(1, 3_000)), lambda: run_through(3_000, 11_000))
+    assert grown < 8_000 * 16, f"{grown:,} bytes more after 8,000 more batch files"
+    assert reads["files"] < 3 * 11_000      # each file about twice (handed out, then finished), batch 0 each round
+    (run_dir / "batch_0.jsonl").write_bytes(stored_lines["plain"])
+    open_batches.publish(10_999, [])
+    follower.read_all()
+    assert follower.scan.summary.row_count == 11_000 and follower.scan.summary.batch_files == 11_000
+
+
+def test_the_report_helper_reads_every_row_once_however_the_batches_close(tmp_path, stored_lines):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     for number in range(5):                             # an earlier invocation's files
         (run_dir / f"batch_{number}.jsonl").write_bytes(stored_lines["plain"] * 2)
-    window = [0, -1]
-    follower = BatchFollower(report.RunScan(run_dir, repeated=frozenset()), window)   # as in a run
+    open_batches = OpenBatches(8)
+    follower = BatchFollower(report.RunScan(run_dir, repeated=frozenset()), open_batches)   # as in a run
     follower.read_existing()
-    for number in (1, 3, 7, 9):                         # this one's rows: retries, then new files
-        window[:] = [1, number]
+    for number, still_open in ((1, [1]), (3, [1, 3]), (7, [1, 7]), (9, [1, 7, 9])):     # retries, then new files
+        open_batches.publish(number, still_open)
         with (run_dir / f"batch_{number}.jsonl").open("ab") as handle:
             handle.write(stored_lines["plain"])
         follower.read_new()
-    window[:] = [8, 9]                                  # batch 7 finished between two rounds
-    with (run_dir / "batch_7.jsonl").open("ab") as handle:
-        handle.write(stored_lines["plain"])
+    open_batches.publish(9, [9])                        # batches 1 and 7 finished between two rounds
+    for number in (1, 7):
+        with (run_dir / f"batch_{number}.jsonl").open("ab") as handle:
+            handle.write(stored_lines["plain"])
     follower.read_new()
+    with (run_dir / "batch_11.jsonl").open("ab") as handle:     # handed out and written after the last round
+        handle.write(stored_lines["plain"])
     follower.read_all()
     summary = follower.scan.summary
-    assert summary.row_count == 10 + 5 and summary.batch_files == 7
+    assert summary.row_count == 10 + 7 and summary.batch_files == 8
+
+
+def test_more_open_batches_than_places_leave_every_one_above_them_open():
+    open_batches = OpenBatches(2)
+    open_batches.publish(9, [1, 4, 6, 8])
+    assert open_batches.snapshot() == (9, frozenset({1, 4}), 4)
+    open_batches.publish(9, [1, 4])
+    assert open_batches.snapshot() == (9, frozenset({1, 4}), None)
 
 
 def test_the_report_a_run_draws_counts_every_row_once_when_retries_land_in_old_batch_files(tmp_path, endpoint):
@@ -202,6 +245,18 @@ def test_the_report_a_run_draws_counts_every_row_once_when_retries_land_in_old_b
     run_dir = tmp_path / "data" / "run"
     page = (run_dir / report.REPORT_FILE).read_text(encoding="utf-8")
     assert page_data(page)["total"] == finished_row_count(run_dir) == 60 + 9
+
+
+def test_the_report_of_a_run_whose_first_prompt_outlasts_the_others_counts_every_row_once(tmp_path, endpoint):
+    # The batches finished behind the slow prompt are forgotten by the helper once read; the slow one's is not.
+    prompts = ["[[sleep 4]] slow question", *(f"question {number}" for number in range(1, 80))]
+    dataset = write_dataset(tmp_path / "dataset.jsonl", prompts)
+    result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=1", "--run_name=run",
+                     "--distribution=minimal", "--num_workers=4", *endpoint_args(endpoint))
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = tmp_path / "data" / "run"
+    page = (run_dir / report.REPORT_FILE).read_text(encoding="utf-8")
+    assert page_data(page)["total"] == finished_row_count(run_dir) == 80
 
 
 def test_the_report_counts_a_bounded_number_of_distinct_invented_names(stored_lines):
