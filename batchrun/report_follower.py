@@ -121,10 +121,12 @@ class OpenBatches:
         shared[3:3 + len(listed)] = list(listed)
         shared[0] = version + 2
 
-    def snapshot(self) -> tuple[int, frozenset[int], int | None]:
-        """(highest, the open batches listed, the number above which every batch is open or None)."""
+    def snapshot(self) -> tuple[int, frozenset[int], int | None] | None:
+        """(highest, the open batches listed, the number above which every batch is open or None); None
+        where the parent has been writing for a second: it was killed in the middle."""
         shared = self._shared
-        while True:
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
             version = shared[0]
             if version % 2 == 0:
                 highest, count = shared[1], shared[2]
@@ -133,6 +135,7 @@ class OpenBatches:
                     above = (listed[-1] if listed else -1) if count < 0 else None
                     return highest, frozenset(listed), above
             time.sleep(0.001)
+        return None
 
 
 class BatchFollower:
@@ -166,7 +169,9 @@ class BatchFollower:
     def read_new(self) -> None:
         """The rows written since the last round: of the batches open then, those open now, and those handed
         out since. Each that is no longer open is read for the last time, and forgotten."""
-        highest, listed, above = self._open.snapshot()
+        if (published := self._open.snapshot()) is None:
+            return
+        highest, listed, above = published
         followed = set()
         for number in sorted({*self._followed, *listed, *range(self._highest + 1, highest + 1)}):
             self._follow(number)
@@ -180,7 +185,8 @@ class BatchFollower:
     def read_all(self) -> None:
         """Every row written so far: the run's work is over. Besides the batches followed, those open at the
         parent's last word, and every file from the highest of the last round up (handed out since)."""
-        _, listed, _ = self._open.snapshot()
+        published = self._open.snapshot()
+        listed = published[1] if published else frozenset()
         later = [int(match.group(1)) for path in self.scan.run_dir.batch_files()
                  if (match := BATCH_FILE.match(path.name)) and int(match.group(1)) >= self._highest]
         for number in sorted({*self._followed, *listed, *later}):

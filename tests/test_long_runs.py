@@ -225,6 +225,13 @@ def test_the_report_helper_reads_every_row_once_however_the_batches_close(tmp_pa
     assert summary.row_count == 10 + 7 and summary.batch_files == 8
 
 
+def test_a_parent_killed_in_the_middle_of_its_word_leaves_the_helper_free_to_end():
+    # Before, the helper waited for the word's end for ever, and never saw that its parent was gone.
+    open_batches = OpenBatches(2)
+    open_batches._shared[0] = 1             # odd: a word begun, never ended
+    assert open_batches.snapshot() is None
+
+
 def test_more_open_batches_than_places_leave_every_one_above_them_open():
     open_batches = OpenBatches(2)
     open_batches.publish(9, [1, 4, 6, 8])
