@@ -305,6 +305,38 @@ def test_a_row_lost_with_its_node_sends_the_prompt_again_instead_of_stopping_the
 
 
 @needs_ray
+def test_an_actor_goes_on_learning_of_pauses_after_the_keeper_was_out_of_reach_for_a_moment():
+    # Before, one failed long poll (a network blip: ActorUnavailableError) ended the actor's following of the
+    # run's 429 pauses for good: it sent requests through every later pause the other actors kept.
+    import asyncio
+
+    import ray
+
+    from batchrun.ray.gate import RayRateGate
+
+    answers = [ray.exceptions.ActorUnavailableError("the keeper's node is out of reach for a moment", None),
+               1000.0]
+
+    async def next_pause(known: float) -> float:
+        answer = answers.pop(0) if answers else None
+        if isinstance(answer, BaseException):
+            raise answer
+        if answer is None:
+            await asyncio.Event().wait()        # no later pause
+        return answer
+
+    keeper = SimpleNamespace(next_pause=SimpleNamespace(remote=next_pause))
+
+    async def scenario() -> float:
+        gate = RayRateGate(keeper, None, adaptive=True)
+        gate._resume_at()                       # starts the following
+        await asyncio.sleep(3)
+        return gate._resume_at()
+
+    assert asyncio.run(scenario()) == 1000.0
+
+
+@needs_ray
 def test_a_pool_warning_shows_what_ray_quoted_escaped_and_bounded(capsys):
     # The pool's warnings quote Ray's exceptions, which quote a node's or a task's words: printed raw.
     from batchrun.ray.pool import warn

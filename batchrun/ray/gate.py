@@ -20,6 +20,8 @@ from batchrun.concurrency import ConcurrencyFigures, Outcome, Ticket
 from batchrun.model import RunFatalError
 from batchrun.rate_limit import GIVEN_BACK_MOST, Gate, pace_interval, take_pace_slot
 
+FOLLOW_AGAIN_SECONDS = 1.0
+
 
 class KeeperLost(RunFatalError):
     """The GateKeeper no longer answers: no session can send a model request under the run's limits. It lives
@@ -212,9 +214,15 @@ class RayRateGate(Gate):
         self._keeper.give_back.remote(slot)
 
     async def _follow(self) -> None:
-        """Learn of other actors' pauses as they happen."""
-        try:
-            while True:
+        """Learn of other actors' pauses as they happen. A poll that fails is made again a second later: the
+        keeper out of reach for a moment (ActorUnavailableError) must not leave this actor deaf to pauses for
+        the rest of the run. A keeper gone for good ends it; the next admission says so (KeeperLost)."""
+        from ray.exceptions import ActorDiedError  # in the actor's process, which has Ray
+
+        while True:
+            try:
                 self._resume = max(self._resume, await self._keeper.next_pause.remote(self._resume))
-        except Exception:
-            return
+            except ActorDiedError:
+                return
+            except Exception:
+                await asyncio.sleep(FOLLOW_AGAIN_SECONDS)
