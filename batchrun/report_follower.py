@@ -19,6 +19,7 @@ length of the run, nor on how long ago the oldest of them started.
 
 from __future__ import annotations
 
+import heapq
 import multiprocessing
 import os
 import signal
@@ -145,6 +146,7 @@ class BatchFollower:
 
     def __init__(self, scan: report.RunScan, open_batches: OpenBatches) -> None:
         self.scan = scan
+        self._directory = str(scan.run_dir.path)
         self._open = open_batches
         self._highest = -1                  # the highest batch handed out at the last round
         self._followed: set[int] = set()    # the batches open at the last round, with a file yet or not
@@ -173,7 +175,11 @@ class BatchFollower:
             return
         highest, listed, above = published
         followed = set()
-        for number in sorted({*self._followed, *listed, *range(self._highest + 1, highest + 1)}):
+        # The batches handed out since the last round are walked, never held: after a resume's first
+        # jump, millions of them.
+        handed_out = range(self._highest + 1, highest + 1)
+        known = sorted(number for number in {*self._followed, *listed} if number not in handed_out)
+        for number in heapq.merge(known, handed_out):
             self._follow(number)
             if number >= highest or number in listed or (above is not None and number > above):
                 followed.add(number)
@@ -199,16 +205,17 @@ class BatchFollower:
         self._read(number)
 
     def _read(self, number: int) -> None:
-        path = self.scan.run_dir.path / f"batch_{number}.jsonl"
+        # A plain string to stat: pathlib keeps every name it parses (interned) for the life of the process.
+        name = os.path.join(self._directory, f"batch_{number}.jsonl")
         try:
-            size = os.stat(path).st_size
+            size = os.stat(name).st_size
         except FileNotFoundError:
             return
         if number not in self._ends:
             self._files += 1
         end = self._ends.get(number, 0)
         if size > end:
-            end = self.scan.read_rows(path, end)
+            end = self.scan.read_rows(Path(name), end)
         self._ends[number] = end
 
 

@@ -366,10 +366,10 @@ class BatchRunner:
                 # Every row that arrived is kept, also those that came with a run-wide failure.
                 self._persist([message for message in messages if isinstance(message, Finished)],
                               [message for message in messages if isinstance(message, Spent)])
+                self._publish_progress()    # a stop in the middle would leave the helper's copy unreadable
             if fatal := next((message for message in messages if isinstance(message, Fatal)), None):
                 return fatal
             self._maybe_checkpoint()
-            self._publish_progress()
             self.console.tick()
 
     def _next_task(self, tasks: Iterator[Task]) -> Task | None:

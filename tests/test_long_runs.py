@@ -225,6 +225,23 @@ def test_the_report_helper_reads_every_row_once_however_the_batches_close(tmp_pa
     assert summary.row_count == 10 + 7 and summary.batch_files == 8
 
 
+def test_a_jump_of_the_highest_batch_is_walked_without_holding_it(tmp_path):
+    # A resume whose first pending prompt lies millions of batches in (--batch_size=1): the helper made a set
+    # of every batch number skipped, 275 MB for three million.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    open_batches = OpenBatches(8)
+    follower = BatchFollower(report.RunScan(run_dir, repeated=frozenset()), open_batches)
+    open_batches.publish(300_000, [300_000])
+    tracemalloc.start()
+    try:
+        follower.read_new()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000, f"{peak:,} bytes at the most"
+
+
 def test_a_parent_killed_in_the_middle_of_its_word_leaves_the_helper_free_to_end():
     # Before, the helper waited for the word's end for ever, and never saw that its parent was gone.
     open_batches = OpenBatches(2)
