@@ -55,6 +55,7 @@ from conftest import (
 )
 
 from batchrun.install_hint import install_hint
+from batchrun.messages import Fatal
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                reason=f"Ray is not installed ({install_hint('ray')})")
@@ -282,11 +283,12 @@ def test_a_failed_clean_up_of_another_node_at_the_start_is_one_line_not_a_traceb
              "raised": ray.exceptions.RayTaskError("remove_leftovers", "Traceback ...\nOSError: busy",
                                                    OSError("busy"))}[failure]
     pool = RayWorkerPool.__new__(RayWorkerPool)
-    pool.ray, pool._lost = _failing_ray(error), set()
+    pool.ray, pool._lost, pool._clean_up_failed = _failing_ray(error), set(), False
     pool._actors = [SimpleNamespace(remove_leftovers=SimpleNamespace(remote=lambda: "ref"))]
     pool._nodes = [{"node_id": "there", "address": "10.0.0.2"}]
     with pytest.raises(PoolStartError, match="^removing what an earlier run left on the other Ray nodes "):
         pool._clean_before_work()
+    assert pool._clean_up_failed        # the stop does not wait for it once more (a hung one took 180 s again)
 
 
 @needs_ray
@@ -297,25 +299,44 @@ def test_a_row_lost_with_its_node_sends_the_prompt_again_instead_of_stopping_the
 
     from batchrun.ray.pool import RayWorkerPool
 
-    pool = RayWorkerPool.__new__(RayWorkerPool)
-    pool.ray = _failing_ray(ray.exceptions.ObjectLostError("ab" * 14, None, ""))
-    pool._pending = {"ref": (0, "attempt")}
-    pool._lose = lambda actor, exc, attempt: [("lost", actor, type(exc).__name__, attempt)]
-    assert pool._outcome("ref") == [("lost", 0, "ObjectLostError", "attempt")]
+    for error in (ray.exceptions.ObjectLostError("ab" * 14, None, ""),
+                  ray.exceptions.ObjectReconstructionFailedError("ab" * 14)):
+        pool = RayWorkerPool.__new__(RayWorkerPool)
+        pool.ray = _failing_ray(error)
+        pool._pending = {"ref": (0, "attempt")}
+        pool._lose = lambda actor, exc, attempt: [("lost", actor, type(exc).__name__, attempt)]
+        assert pool._outcome("ref") == [("lost", 0, type(error).__name__, "attempt")]
 
 
 @needs_ray
-def test_an_actor_goes_on_learning_of_pauses_after_the_keeper_was_out_of_reach_for_a_moment():
+def test_a_row_whose_fetch_timed_out_loses_no_actor():
+    # The node is still there: killing its actor would run all its sessions again, each paid for once more.
+    import ray
+
+    from batchrun.ray.pool import RayWorkerPool
+
+    pool = RayWorkerPool.__new__(RayWorkerPool)
+    pool.ray = _failing_ray(ray.exceptions.ObjectFetchTimedOutError("ab" * 14, None, ""))
+    pool._pending, pool._nodes = {"ref": (0, "attempt")}, [{"node_id": "n", "address": "10.0.0.2", "pid": 7}]
+    pool._lose = lambda actor, exc, attempt: pytest.fail("the actor was taken for lost")
+    [fatal] = pool._outcome("ref")
+    assert isinstance(fatal, Fatal) and "ObjectFetchTimedOutError" in fatal.message
+
+
+@needs_ray
+@pytest.mark.parametrize(("failure", "learned"), [("out of reach", 1000.0), ("a bug", 0.0)])
+def test_an_actor_goes_on_learning_of_pauses_after_the_keeper_was_out_of_reach_for_a_moment(failure, learned):
     # Before, one failed long poll (a network blip: ActorUnavailableError) ended the actor's following of the
-    # run's 429 pauses for good: it sent requests through every later pause the other actors kept.
+    # run's 429 pauses for good: it sent requests through every later pause the other actors kept. Any other
+    # failure still ends it: polling again would only meet it again.
     import asyncio
 
     import ray
 
     from batchrun.ray.gate import RayRateGate
 
-    answers = [ray.exceptions.ActorUnavailableError("the keeper's node is out of reach for a moment", None),
-               1000.0]
+    answers = [ray.exceptions.ActorUnavailableError("the keeper's node is out of reach for a moment", None)
+               if failure == "out of reach" else TypeError("a bug"), 1000.0]
 
     async def next_pause(known: float) -> float:
         answer = answers.pop(0) if answers else None
@@ -333,7 +354,7 @@ def test_an_actor_goes_on_learning_of_pauses_after_the_keeper_was_out_of_reach_f
         await asyncio.sleep(3)
         return gate._resume_at()
 
-    assert asyncio.run(scenario()) == 1000.0
+    assert asyncio.run(scenario()) == learned
 
 
 @needs_ray

@@ -216,13 +216,14 @@ class RayRateGate(Gate):
     async def _follow(self) -> None:
         """Learn of other actors' pauses as they happen. A poll that fails is made again a second later: the
         keeper out of reach for a moment (ActorUnavailableError) must not leave this actor deaf to pauses for
-        the rest of the run. A keeper gone for good ends it; the next admission says so (KeeperLost)."""
-        from ray.exceptions import ActorDiedError  # in the actor's process, which has Ray
+        the rest of the run. A keeper gone for good ends it (the next admission says so: KeeperLost), and so
+        does any other failure, which another poll would only meet again."""
+        from ray.exceptions import ActorUnavailableError  # in the actor's process, which has Ray
 
         while True:
             try:
                 self._resume = max(self._resume, await self._keeper.next_pause.remote(self._resume))
-            except ActorDiedError:
-                return
-            except Exception:
+            except ActorUnavailableError:
                 await asyncio.sleep(FOLLOW_AGAIN_SECONDS)
+            except Exception:
+                return

@@ -95,6 +95,7 @@ class RayWorkerPool:
         self._watcher: Watcher | None = None
         self._head: tuple[str, int] | None = None      # the GCS's (host, port), once connected
         self._head_lost = False
+        self._clean_up_failed = False
         self._stopped = False
         self.ray: Any = None
         try:
@@ -227,6 +228,7 @@ class RayWorkerPool:
         try:
             self._clean_other_nodes()
         except self.ray.exceptions.RayError as exc:
+            self._clean_up_failed = True        # the stop does not wait for it once more
             raise PoolStartError(f"removing what an earlier run left on the other Ray nodes failed: "
                                  f"{_ray_said(exc)}; no prompt has started") from None
 
@@ -368,10 +370,15 @@ class RayWorkerPool:
         errors = ray.exceptions
         try:
             messages = ray.get(ref)
-        # ObjectLostError: a large row waits in its node's object store, and went with the node.
-        except (errors.RayActorError, errors.WorkerCrashedError, errors.NodeDiedError, errors.ObjectLostError) as exc:
+        except (errors.RayActorError, errors.WorkerCrashedError, errors.NodeDiedError) as exc:
             return self._lose(actor, exc, attempt)
-        except ray.exceptions.RayError as exc:   # the call itself failed (not its prompt): a bug, stop
+        except errors.RayError as exc:
+            # A large row waits in its node's object store, and goes with the node: lost as its actor is. Not a
+            # fetch that timed out from a node still there, nor an object Ray freed or miscounted.
+            if isinstance(exc, errors.ObjectLostError) and not isinstance(exc, (
+                    errors.ObjectFetchTimedOutError, errors.ObjectFreedError, errors.ReferenceCountingAssertionError)):
+                return self._lose(actor, exc, attempt)
+            # The call itself failed (not its prompt): a bug, stop
             return [Fatal(f"Ray session actor {self._actor_name(actor)} failed: {_ray_said(exc)}")]
         self._free[actor] += 1
         return messages
@@ -479,7 +486,8 @@ class RayWorkerPool:
                     finished = self._finished_meanwhile()
                 finished += self._spent_at_stop()
                 try:
-                    self._clean_other_nodes()
+                    if not self._clean_up_failed:
+                        self._clean_other_nodes()
                 except Exception:
                     pass
                 if self._keeper is not None:
