@@ -11,20 +11,26 @@ over bootstrap resamples of the sample: it says how sure the estimate is, given 
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from batchrun.concurrency import ConcurrencyFigures
 
 DEFAULT_SAMPLE = 20
 BOOTSTRAP_ROUNDS = 2000
-# Each round redraws the whole sample: a large one (a whole dataset run under --estimate) gets fewer rounds, so
-# that the end of its run does not take minutes here, though never fewer than keep the percentiles steady.
+# Each round redraws the sample: a large one (a whole dataset run under --estimate) gets fewer rounds, never
+# fewer than keep the percentiles steady, and past LARGEST_RESAMPLE fewer draws than it has samples, so that
+# the end of its run does not take minutes here.
 BOOTSTRAP_DRAWS = 1_000_000
 FEWEST_ROUNDS = 200
+LARGEST_RESAMPLE = BOOTSTRAP_DRAWS // FEWEST_ROUNDS
 INTERVAL = (0.1, 0.9)            # the projection's 80% interval
+
+T = TypeVar("T")
 
 # A projection: "estimate", and "low" and "high", its interval (None from a single sample).
 Projection = dict[str, float | None]
@@ -87,16 +93,24 @@ def projected(xs: Sequence[float], ys: Sequence[float], count: int, x_total: flo
     estimate = regression_total(xs, ys, count, x_total)
     if count == 0:
         return _with_interval(estimate, [estimate], len(xs), digits=6)     # nothing to resample for
-    pairs = list(zip(xs, ys, strict=True))
-    totals = []
-    for _ in range(bootstrap_rounds(len(pairs))):
-        drawn = [pairs[rng.randrange(len(pairs))] for _ in pairs]
-        totals.append(regression_total([x for x, _ in drawn], [y for _, y in drawn], count, x_total))
-    return _with_interval(estimate, totals, len(pairs), digits=6)
+
+    def total(drawn: Sequence[tuple[float, float]]) -> float:
+        return regression_total([x for x, _ in drawn], [y for _, y in drawn], count, x_total)
+    return _with_interval(estimate, bootstrap(list(zip(xs, ys, strict=True)), total, rng), len(xs), digits=6)
 
 
 def bootstrap_rounds(sampled: int) -> int:
-    return max(FEWEST_ROUNDS, min(BOOTSTRAP_ROUNDS, BOOTSTRAP_DRAWS // max(1, sampled)))
+    return max(FEWEST_ROUNDS, min(BOOTSTRAP_ROUNDS, BOOTSTRAP_DRAWS // max(1, min(sampled, LARGEST_RESAMPLE))))
+
+
+def bootstrap(items: Sequence[T], statistic: Callable[[Sequence[T]], float], rng: random.Random) -> list[float]:
+    """``statistic`` over bootstrap_rounds resamples of ``items``, each of at most LARGEST_RESAMPLE draws. Where
+    it draws fewer than there are items, each value's distance from the statistic of all of them shrinks by
+    the square root of the fraction drawn: a mean of fewer items spreads that much wider."""
+    drawn = min(len(items), LARGEST_RESAMPLE)
+    center, shrink = statistic(items), math.sqrt(drawn / len(items))
+    return [center + (statistic([items[rng.randrange(len(items))] for _ in range(drawn)]) - center) * shrink
+            for _ in range(bootstrap_rounds(len(items)))]
 
 
 def _with_interval(estimate: float, resampled: list[float], sampled: int, *, digits: int) -> Projection:
@@ -206,8 +220,7 @@ def estimate_report(runs: Sequence[SampledRun], *, remaining: int, remaining_cha
                                   concurrency=concurrency)
         return remaining / min(bound["per_second"] for bound in found.values())
 
-    rounds = bootstrap_rounds(len(runs)) if remaining else 0
-    durations = [duration([runs[rng.randrange(len(runs))] for _ in runs]) for _ in range(rounds)] or [0.0]
+    durations = bootstrap(runs, duration, rng) if remaining else [0.0]
     # A reply that reported no usage counted 0 tokens, and one without a price $0: a projection of either
     # would be too low by an amount nothing tells.
     tokens_known, cost_known = tokenless_replies == 0, unpriced_replies == 0
@@ -240,6 +253,7 @@ def estimate_report(runs: Sequence[SampledRun], *, remaining: int, remaining_cha
                       "cost": _plus(cost, spent_cost) if cost is not None else None},
         "tokens_unknown_replies": tokenless_replies,
         "cost_unknown_replies": unpriced_replies,
-        "interval": f"{int(INTERVAL[0] * 100)}th to {int(INTERVAL[1] * 100)}th percentile of "
-                    f"{bootstrap_rounds(len(runs))} bootstrap resamples of the sample",
+        "interval": (f"{int(INTERVAL[0] * 100)}th to {int(INTERVAL[1] * 100)}th percentile of "
+                     f"{bootstrap_rounds(len(runs))} bootstrap resamples of the sample" if remaining
+                     else "none: nothing is left to project"),
     }

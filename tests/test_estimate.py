@@ -154,18 +154,34 @@ def report_of(runs: list[estimate.SampledRun], remaining: int, rng: random.Rando
 def test_nothing_left_to_project_draws_no_resample():
     rng = CountingRandom(1)
     figures = report_of(sampled_runs(20_000), 0, rng)
-    assert rng.draws == 0
+    assert rng.draws == 0 and figures["interval"] == "none: nothing is left to project"
     assert figures["remaining"]["cost"] == {"estimate": 0.0, "low": 0.0, "high": 0.0}
     assert figures["remaining"]["duration_seconds"]["estimate"] == 0.0
 
 
-def test_a_large_sample_is_resampled_in_fewer_rounds():
+def test_a_large_sample_is_resampled_in_fewer_rounds_of_fewer_draws():
+    # Failed samples are left to project: one of them made a whole dataset's resampling as long as before.
     rng = CountingRandom(1)
     figures = report_of(sampled_runs(5_000), 1000, rng)
     assert rng.draws == 4 * 200 * 5_000        # tokens, cost, model calls and duration: 200 rounds each
+    rng = CountingRandom(1)
+    report_of(sampled_runs(50_000), 1, rng)
+    assert rng.draws == 4 * 200 * 5_000
     assert figures["interval"] == "10th to 90th percentile of 200 bootstrap resamples of the sample"
     assert report_of(sampled_runs(50), 1000, random.Random(1))["interval"].endswith(" 2000 bootstrap resamples of "
                                                                                       "the sample")
+
+
+def test_a_resample_of_fewer_draws_than_samples_keeps_the_spread_of_the_whole_sample():
+    # Drawn from ten times fewer, a resample's total spreads about three times wider: shrunk back, the range
+    # of 50,000 samples is narrower than that of 5,000 like them, not as wide.
+    def cost_range(count: int) -> float:
+        rng = random.Random(7)
+        runs = [estimate.SampledRun(prompt_chars=100, tokens=500, cost=rng.uniform(0.0, 0.02), model_calls=2,
+                                    tool_calls=1, wall_time=3.0, failed=False) for _ in range(count)]
+        cost = report_of(runs, 10_000, random.Random(1))["remaining"]["cost"]
+        return cost["high"] - cost["low"]
+    assert 0.2 < cost_range(50_000) / cost_range(5_000) < 0.5
 
 
 def test_an_estimate_as_big_as_what_is_pending_runs_it_all_and_projects_nothing_more(tmp_path):
