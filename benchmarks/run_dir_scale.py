@@ -102,13 +102,15 @@ def measure(phase: str, run_dir: Path) -> None:
     """Runs inside a fresh process: one phase, then prints a JSON line of figures."""
     from batchrun import report
     from batchrun.report import plots
-    from batchrun.report_follower import BatchFollower
+    from batchrun.report_follower import BatchFollower, OpenBatches
     from batchrun.run_dir import RunDirectory
 
     directory = RunDirectory(run_dir)
     if phase == "report-end":       # what the report process has done by the time the run ends
         plots.preload()
-        follower = BatchFollower(report.RunScan(run_dir), [0, len(directory.batch_files()) - 1])
+        open_batches = OpenBatches(1)
+        open_batches.publish(len(directory.batch_files()) - 1, [])      # the run's work is over
+        follower = BatchFollower(report.RunScan(run_dir), open_batches)
         follower.read_existing()
         append_resumed_rows(run_dir, 10**9, LAST_ROWS)
     cpu_before = _cpu_seconds()
