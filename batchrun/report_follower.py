@@ -46,9 +46,12 @@ class ReportFollower:
     def __init__(self, run_dir: Path, repeated: Collection[str], sessions: int) -> None:
         """``repeated``: the units whose finished rows the resume scan found more than once (none in a new
         run directory): the only ones the helper tells a first row from its repeats for, so that it holds
-        nothing per prompt (see FirstFinished). ``sessions``: the most prompts in flight at once."""
+        nothing per prompt (see FirstFinished). ``sessions``: the run's sessions, which bound the prompts in
+        flight."""
         parent_end, child_end = _FORK.Pipe(duplex=True)
-        self._open = OpenBatches(sessions)
+        # Each worker process also holds a few tasks waiting for a session (workers.waiting_places), and a
+        # Ray run's prompts of a lost actor wait for a slot: room for twice the sessions.
+        self._open = OpenBatches(2 * sessions + 16)
         self._process = _FORK.Process(target=_follow,
                                       args=(child_end, run_dir, frozenset(repeated), os.getpid(), self._open),
                                       daemon=True, name="report")
@@ -159,10 +162,7 @@ class BatchFollower:
 
     def read_existing(self) -> None:
         """Every row already written (once, at the start)."""
-        for path in self.scan.run_dir.batch_files():
-            match = BATCH_FILE.match(path.name)
-            assert match is not None        # batch_files() lists only names that match
-            number = int(match.group(1))
+        for number in self._file_numbers():
             self._read(number)
             if number in self._ends:        # not removed meanwhile
                 self._earlier[number] = self._ends.pop(number)
@@ -193,11 +193,19 @@ class BatchFollower:
         parent's last word, and every file from the highest of the last round up (handed out since)."""
         published = self._open.snapshot()
         listed = published[1] if published else frozenset()
-        later = [int(match.group(1)) for path in self.scan.run_dir.batch_files()
-                 if (match := BATCH_FILE.match(path.name)) and int(match.group(1)) >= self._highest]
+        later = [number for number in self._file_numbers() if number >= self._highest]
         for number in sorted({*self._followed, *listed, *later}):
             self._follow(number)
         self.scan.summary.batch_files = self._files
+
+    def _file_numbers(self) -> list[int]:
+        """The numbers of the run directory's batch files, in order."""
+        numbers = []
+        for path in self.scan.run_dir.batch_files():
+            match = BATCH_FILE.match(path.name)
+            assert match is not None        # batch_files() lists only names that match
+            numbers.append(int(match.group(1)))
+        return numbers
 
     def _follow(self, number: int) -> None:
         if number in self._earlier:

@@ -5,6 +5,7 @@ the summary at --max_turns, reasoning sent back as received, and the one rule fo
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
 from conftest import batch_rows, endpoint_args, read_jsonl, run_cli, write_dataset
@@ -215,18 +216,22 @@ def test_a_tool_call_goes_back_with_every_field_the_endpoint_gave_it(tmp_path, e
                       "function": {"name": "terminal", "arguments": '{"command": "echo hi"}'}}
 
 
-def test_a_tool_call_id_that_is_not_text_is_replaced_by_one_of_the_runners(tmp_path, endpoint):
-    # Before, {"x": [1, 2]} went into the row and back to the endpoint as the text "{'x': [1, 2]}".
-    def odd_id(body: dict) -> tuple[int, dict, dict]:
+def calls_once_with_id(call_id: object) -> Callable[[dict], tuple[int, dict, dict]]:
+    """An endpoint's script: one terminal call whose id is ``call_id``, then, once its result is in, the answer."""
+    def script(body: dict) -> tuple[int, dict, dict]:
         if body["messages"][-1]["role"] == "tool":
             message = {"role": "assistant", "content": "Done."}
         else:
             message = {"role": "assistant", "content": "", "tool_calls": [
-                {"id": {"x": [1, 2]}, "type": "function",
+                {"id": call_id, "type": "function",
                  "function": {"name": "terminal", "arguments": '{"command": "echo hi"}'}}]}
         return 200, {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}, {}
+    return script
 
-    endpoint.script = odd_id
+
+def test_a_tool_call_id_that_is_not_text_is_replaced_by_one_of_the_runners(tmp_path, endpoint):
+    # Before, {"x": [1, 2]} went into the row and back to the endpoint as the text "{'x': [1, 2]}".
+    endpoint.script = calls_once_with_id({"x": [1, 2]})
     assert run(tmp_path, endpoint, ["call once"]).returncode == 0
     [echoed] = endpoint.requests[1]["messages"][-2]["tool_calls"]
     assert echoed["id"] == "call_0_0" and endpoint.requests[1]["messages"][-1]["tool_call_id"] == "call_0_0"
@@ -235,16 +240,7 @@ def test_a_tool_call_id_that_is_not_text_is_replaced_by_one_of_the_runners(tmp_p
 
 def test_a_tool_call_id_longer_than_any_endpoints_is_replaced_by_one_of_the_runners(tmp_path, endpoint):
     # Before, a megabyte of id went into the row (and every request after it), whole.
-    def long_id(body: dict) -> tuple[int, dict, dict]:
-        if body["messages"][-1]["role"] == "tool":
-            message = {"role": "assistant", "content": "Done."}
-        else:
-            message = {"role": "assistant", "content": "", "tool_calls": [
-                {"id": "c" * 1_000_000, "type": "function",
-                 "function": {"name": "terminal", "arguments": '{"command": "echo hi"}'}}]}
-        return 200, {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}, {}
-
-    endpoint.script = long_id
+    endpoint.script = calls_once_with_id("c" * 1_000_000)
     assert run(tmp_path, endpoint, ["call once"]).returncode == 0
     [echoed] = endpoint.requests[1]["messages"][-2]["tool_calls"]
     assert echoed["id"] == "call_0_0" and endpoint.requests[1]["messages"][-1]["tool_call_id"] == "call_0_0"
