@@ -35,7 +35,7 @@ from container_backends import ENGINES, UNPULLABLE_IMAGE, EngineBackend, environ
 from batchrun.environments import docker as docker_module
 from batchrun.environments import environment_class
 from batchrun.environments.base import EnvironmentLostError, EnvironmentSetupError, ToolError, run_identity
-from batchrun.environments.limits import ResourceLimits
+from batchrun.environments.limits import ResourceLimits, open_files_per_process
 
 
 @pytest.fixture(params=ENGINES)
@@ -363,22 +363,33 @@ def test_no_file_in_the_container_can_outgrow_the_workspace_limit(engine, tmp_pa
     assert result.output.splitlines() == ["File size limit exceeded", "153", "0\t/big"]
 
 
-# Stands in for the image's `sh`: run as our command wrapper (`sh -c SCRIPT sh BLOCKS DIRECTORY timeout ...`), it
-# skips the script, and so the `ulimit -f` in it; any other use it hands to dash.
-SHELL_SKIPPING_ULIMIT = ("printf '#!/bin/bash\\nif [ \"$1\" = -c ] && [ \"$3\" = sh ]; then shift 5; exec \"$@\"; fi\\n"
+# Stands in for the image's `sh`: run as our command wrapper (`sh -c SCRIPT sh BLOCKS OPEN_FILES DIRECTORY timeout
+# ...`), it skips the script, and so the `ulimit` lines in it; any other use it hands to dash.
+SHELL_SKIPPING_ULIMIT = ("printf '#!/bin/bash\\nif [ \"$1\" = -c ] && [ \"$3\" = sh ]; then shift 6; exec \"$@\"; fi\\n"
                          "exec /bin/dash \"$@\"\\n' > /sh.new && chmod +x /sh.new && mv /sh.new /bin/sh")
 
 
-def test_a_command_replacing_the_images_shell_cannot_lift_dockers_file_size_limit(tmp_path, monkeypatch):
-    """Docker only: Podman's file size limit is the one each command's `sh` sets (see _file_size_limit)."""
+def test_a_containers_commands_cannot_hold_more_than_a_quarter_of_the_machines_open_files(engine, tmp_path):
+    """The kernel's table of open files is the host's, shared with every other prompt: an engine's default
+    (a million per process under Docker) let one prompt fill it."""
+    async def steps(env):
+        return await env.run("ulimit -Sn; ulimit -Hn")
+    result = in_container(engine, make_settings(tmp_path, limits=ResourceLimits(processes=200)), steps)
+    assert result.output.split() == [str(open_files_per_process(200))] * 2
+
+
+def test_a_command_replacing_the_images_shell_cannot_lift_dockers_file_limits(tmp_path, monkeypatch):
+    """Docker only: Podman's file limits are those each command's `sh` sets (see _file_limits)."""
     engine = make_backend("docker", tmp_path, monkeypatch)
 
     async def steps(env):
         await env.run(SHELL_SKIPPING_ULIMIT)
-        unlimited = await env.run("ulimit -f")
+        unlimited = await env.run("ulimit -f; ulimit -n")
         return unlimited, await env.run("fallocate -l 100m /big; echo $?")
-    unlimited, result = in_container(engine, make_settings(tmp_path, limits=ResourceLimits(workspace_mb=40)), steps)
-    assert unlimited.output == str(40 * 2048) + "\n"      # Docker's limit, in the shell's 512-byte blocks
+    limits = ResourceLimits(workspace_mb=40, processes=200)
+    unlimited, result = in_container(engine, make_settings(tmp_path, limits=limits), steps)
+    # Docker's limits, the first in the shell's 512-byte blocks
+    assert unlimited.output.split() == [str(40 * 2048), str(open_files_per_process(200))]
     # Without the wrapper the two streams come apart (see container._MERGED), in either order.
     assert sorted(result.output.splitlines()) == ["153", "File size limit exceeded"]
 

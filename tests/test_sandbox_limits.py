@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import multiprocessing
 import os
 import platform
@@ -110,6 +111,41 @@ def test_process_limit_refuses_more_processes_and_says_so(tmp_path: Path, kind: 
     started = int(result.output.split("started")[1].split()[0])
     assert started < 40
     assert "limit of 40 processes" in (result.error or "")
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_a_prompt_cannot_hold_more_than_a_quarter_of_the_machines_open_files(tmp_path: Path, kind: str) -> None:
+    # The kernel's table of open files is one for the whole machine: with the runner's own limit (raised to
+    # its hard one) each of a prompt's processes could open 20,000 files here, and one prompt filled the
+    # table, so that every other prompt's commands failed with "Too many open files in system".
+    file_max = int(Path("/proc/sys/fs/file-max").read_text())
+    [result] = run(kind, settings(tmp_path, processes=200), "ulimit -Sn; ulimit -Hn; python3 -c \""
+                   "import os\nfds = []\ntry:\n while True: fds.append(os.open('/dev/null', os.O_RDONLY))\n"
+                   "except OSError as exc: print('opened', len(fds), exc.strerror)\"")
+    soft, hard, opened = result.output.splitlines()
+    assert soft == hard and 64 <= int(hard) <= 1024 and 200 * int(hard) <= max(file_max // 4, 200 * 64), result.output
+    assert opened == f"opened {int(hard) - 3} Too many open files", result.output
+
+
+# Busy for two seconds of wall time; prints the CPU seconds it got meanwhile.
+CPU_SHARE = ("python3 -c \"import time\nend = time.monotonic() + 2\nwhile time.monotonic() < end: pass\n"
+             "print('cpu', time.process_time())\"")
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+@needs_cgroups
+def test_a_prompt_starting_hundreds_of_busy_processes_leaves_another_its_share_of_the_cpu(
+        tmp_path: Path, kind: str) -> None:
+    # Each process a command detached with setsid was a scheduling group of its own (the kernel's autogroups):
+    # 200 of them left a command of another prompt a 200th of the machine, and its commands timed out.
+    async def scenario() -> float:
+        async with environment(kind, settings(tmp_path)) as hog, environment(kind, settings(tmp_path)) as other:
+            started = await hog.run("for i in $(seq 200); do setsid -f sh -c 'sleep 1; while :; do :; done' "
+                                    ">/dev/null 2>&1; done; echo started", timeout=30)
+            assert started.output == "started\n", started
+            result = await other.run(f"sleep 1.5; {CPU_SHARE}", timeout=30)
+            return float(result.output.split()[-1])
+    assert asyncio.run(scenario()) >= 0.2       # of 2 s; about 0.02 when every busy process counted as a prompt
 
 
 @pytest.mark.bubblewrap
@@ -233,6 +269,31 @@ def test_io_uring_cannot_reserve_space_in_the_sandbox_either(tmp_path: Path) -> 
              "print('ring', fd, errno.errorcode.get(ctypes.get_errno()))")
     [result] = run("bubblewrap", settings(tmp_path), f'python3 -c "{setup}"')
     assert result.output.split() == ["ring", "-1", "ENOSYS"], result.output
+
+
+@pytest.mark.bubblewrap
+def test_a_command_cannot_take_the_machines_asynchronous_io_events(tmp_path: Path) -> None:
+    # fs.aio-max-nr is one count for the whole machine: a prompt that took it whole left every other
+    # prompt (and the host's programs) without AIO.
+    setup = ("import ctypes, errno; libc = ctypes.CDLL(None, use_errno=True); context = ctypes.c_ulong(0); "
+             "print('aio', libc.syscall(206, 65536, ctypes.byref(context)), "
+             "errno.errorcode.get(ctypes.get_errno()))")
+    [result] = run("bubblewrap", settings(tmp_path), f'python3 -c "{setup}"')
+    assert result.output.split() == ["aio", "-1", "ENOSYS"], result.output
+
+
+@pytest.mark.bubblewrap
+def test_a_command_cannot_watch_the_files_every_sandbox_shares(tmp_path: Path) -> None:
+    # A watch on the read-only /etc or /usr that every sandbox shares saw the files other prompts, the runner
+    # and the host's programs opened. Watchers poll instead, as on a kernel without inotify.
+    watch = ("import ctypes, errno; libc = ctypes.CDLL(None, use_errno=True); "
+             "print('inotify', libc.inotify_init1(0), errno.errorcode.get(ctypes.get_errno()), "
+             "libc.syscall(253), errno.errorcode.get(ctypes.get_errno()))")
+    [result] = run("bubblewrap", settings(tmp_path), f'python3 -c "{watch}"; echo x > f; tail -f f & '
+                   "sleep 0.5; echo y >> f; sleep 1.5; kill %1")
+    assert result.output.splitlines()[0].split() == ["inotify", "-1", "ENOSYS", "-1", "ENOSYS"], result.output
+    followed = [line for line in result.output.splitlines()[1:] if not line.startswith("tail:")]
+    assert followed == ["x", "y"], result.output      # tail -f follows by polling
 
 
 @pytest.mark.bubblewrap
@@ -465,6 +526,11 @@ def group_memory_bytes(group: PromptCgroup) -> int:
     return int((usage if usage.exists() else group.directories[0] / "memory.current").read_text())
 
 
+def group_process_limit(group: PromptCgroup) -> str:
+    [limit] = [directory / "pids.max" for directory in group.directories if (directory / "pids.max").exists()]
+    return limit.read_text().strip()
+
+
 def group_memory_limit_bytes(group: PromptCgroup) -> int:
     limit = group.directories[0] / "memory.limit_in_bytes"
     return int((limit if limit.exists() else group.directories[0] / "memory.max").read_text())
@@ -481,7 +547,7 @@ def test_an_emptied_control_group_serves_the_next_prompt_with_that_prompts_limit
     assert second.directories == first.directories
     assert second.pids() == []
     assert group_memory_limit_bytes(second) == 128 * MIB
-    assert (second.directories[-1] / "pids.max").read_text().strip() == "32"
+    assert group_process_limit(second) == "32"
     second.release()
 
 
@@ -498,7 +564,7 @@ def test_a_groups_limits_changed_while_it_runs_never_take_memory_its_processes_h
         held = group_memory_bytes(group)
         group.set_limits(ResourceLimits(memory_mb=32, processes=8))
         assert group_memory_limit_bytes(group) >= held > 96 * MIB
-        assert (group.directories[-1] / "pids.max").read_text().strip() == "8"
+        assert group_process_limit(group) == "8"
         assert holder.poll() is None and group.events().memory == 0
         group.set_limits(ResourceLimits(memory_mb=512, processes=64))
         assert group_memory_limit_bytes(group) == 512 * MIB
@@ -604,8 +670,33 @@ def test_a_unified_hierarchy_with_memory_and_pids_gives_prompts_their_controller
     (unified_hierarchy / "batch_runner" / "cgroup.subtree_control").write_text("pids\n")
     hierarchy = limits._hierarchy()
     assert hierarchy is not None and hierarchy.version == 2
-    assert (unified_hierarchy / "cgroup.subtree_control").read_text() == "+memory +pids"
+    assert (unified_hierarchy / "cgroup.subtree_control").read_text() == "+memory +pids +cpu"
     assert (unified_hierarchy / "batch_runner" / "cgroup.subtree_control").read_text().startswith("+memory")
+
+
+def test_a_unified_hierarchy_gives_prompts_the_cpu_controller_where_it_is_enabled(unified_hierarchy: Path):
+    for directory in (unified_hierarchy, unified_hierarchy / "batch_runner"):
+        directory.mkdir(exist_ok=True)
+        (directory / "cgroup.subtree_control").write_text("memory pids cpu\n")     # as the kernel lists them
+    hierarchy = limits._hierarchy()
+    assert hierarchy is not None and hierarchy.cpu_root == unified_hierarchy / "batch_runner"
+
+
+def test_a_unified_hierarchy_that_refuses_the_cpu_controller_still_gives_memory_and_pids(
+        unified_hierarchy: Path, monkeypatch: pytest.MonkeyPatch):
+    # Where cpu is not delegated (a container's), asking for it with the others made the kernel refuse all three.
+    write = limits.kernel_files.write
+
+    def refusing_cpu(path: Path, value: str) -> None:
+        if "+cpu" in value:
+            raise OSError(errno.ENOENT, "No such file or directory")
+        write(path, value)
+    monkeypatch.setattr(limits.kernel_files, "write", refusing_cpu)
+    (unified_hierarchy / "batch_runner").mkdir()
+    (unified_hierarchy / "batch_runner" / "cgroup.subtree_control").write_text("")
+    hierarchy = limits._hierarchy()
+    assert hierarchy is not None and hierarchy.cpu_root is None
+    assert (unified_hierarchy / "cgroup.subtree_control").read_text() == "+memory +pids"
 
 
 def test_a_unified_hierarchy_without_the_memory_controller_is_not_used(unified_hierarchy: Path):

@@ -37,7 +37,7 @@ from batchrun.environments.base import (
 from batchrun.environments.command_output import run_merged
 from batchrun.environments.container_cli import STDOUT_BYTES, CliResult, call_cli
 from batchrun.environments.image_lock import ImageLock
-from batchrun.environments.limits import MIB
+from batchrun.environments.limits import MIB, open_files_per_process
 
 T = TypeVar("T")
 
@@ -95,8 +95,10 @@ _WRITE_SCRIPT = (f'[ -d "$1" ] && exit {_IS_DIRECTORY}; [ -e "$1" ] && [ ! -f "$
 # the order written: a runtime forwarding them as two streams (docker and podman exec do) mixes them up.
 # The first caps the size of every file they write, in the 512-byte blocks of POSIX `ulimit -f`: the one
 # bound on `fallocate`, which the engines' system-call filters allow and which takes gigabytes in one call,
-# faster than any look at the disk. The soft and the hard limit are set, and no capability is left to
-# raise the hard one again; where a lower one already holds, it stays. The second is the working directory,
+# faster than any look at the disk. The second caps the files each process may have open (the machine's
+# table of them is shared with every other prompt: limits.open_files_per_process). The soft and the hard
+# limits are set, and no capability is left to raise the hard ones again; where a lower one already holds,
+# it stays. The third is the working directory,
 # made again where a command removed it (the runtime, told to start there, would fail every later call);
 # where it cannot be, the command runs in / after the shell's word on why. The command is the first the
 # kernel kills when the container runs out of memory (an oom_score_adj of 1000, which any process may raise
@@ -104,8 +106,9 @@ _WRITE_SCRIPT = (f'[ -d "$1" ] && exit {_IS_DIRECTORY}; [ -e "$1" ] && [ ! -f "$
 # freed could take the container's first process, and the container ended with the command.
 # The wrapper starts no program of its own before the command (`[` is the shell's): with the container's
 # processes at their limit, a failed fork there ended every later command with status 2 and no word.
-_MERGED = ('ulimit -f "$1" 2>/dev/null; echo 1000 > /proc/self/oom_score_adj 2>/dev/null; '
-           '[ -d "$2" ] || mkdir -p "$2" 2>/dev/null; cd "$2" || cd /; shift 2; exec "$@" 2>&1')
+_MERGED = ('ulimit -f "$1" 2>/dev/null; ulimit -n "$2" 2>/dev/null; '
+           'echo 1000 > /proc/self/oom_score_adj 2>/dev/null; '
+           '[ -d "$3" ] || mkdir -p "$3" 2>/dev/null; cd "$3" || cd /; shift 3; exec "$@" 2>&1')
 _ULIMIT_BLOCK = 512
 
 
@@ -209,7 +212,8 @@ class ContainerEnvironment(Environment):
         the container and, should the runtime hang, given up on by us a little later."""
         limit = self.settings.command_timeout if timeout is None else timeout
         file_blocks = self.settings.limits.workspace_mb * MIB // _ULIMIT_BLOCK
-        argv = ["sh", "-c", _MERGED, "sh", str(file_blocks), self.workdir,
+        open_files = open_files_per_process(self.settings.limits.processes)
+        argv = ["sh", "-c", _MERGED, "sh", str(file_blocks), str(open_files), self.workdir,
                 "timeout", "-s", "KILL", str(max(1, math.ceil(limit))), "sh", "-c", command]
         began = time.monotonic()
         result = await self._exec_merged(argv, timeout=limit + _CLI_GRACE_SECONDS)

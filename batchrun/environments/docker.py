@@ -25,7 +25,7 @@ from batchrun.environments.container import (
 )
 from batchrun.environments.container_cli import call_cli_blocking
 from batchrun.environments.container_layer import LAYER_FORMAT, LayerWatch, parse_layer
-from batchrun.environments.limits import MIB
+from batchrun.environments.limits import MIB, open_files_per_process
 from batchrun.environments.single_flight import SingleFlight
 
 RUN_LABEL = "batch_runner.run"
@@ -134,7 +134,7 @@ class DockerEnvironment(CliContainerEnvironment):
         # The engine's control groups cap the container as a whole; swap equal to memory means none.
         limits = ["--memory", f"{caps.memory_mb}m", "--memory-swap", f"{caps.memory_mb}m",
                   "--pids-limit", str(caps.processes), "--tmpfs", f"/tmp:size={caps.tmp_mb}m",
-                  *self._file_size_limit(), *self._no_proxy_variables(),
+                  *self._file_limits(), *self._no_proxy_variables(),
                   "--cap-drop=ALL", *(f"--cap-add={capability}" for capability in _CAPABILITIES)]
         # No stop time-out: the first process ignores SIGTERM, and Podman's `rm -f` would wait 10 s for it.
         # No log: the engines keep the first process's output in a file on this machine's disk until the
@@ -148,14 +148,16 @@ class DockerEnvironment(CliContainerEnvironment):
             raise setup_error(f"cannot start a container from {self.image}", created.message())
         await self._watch_layer()
 
-    def _file_size_limit(self) -> list[str]:
-        """Docker's own cap on the size of any file, which no program in the container can lift (each
-        command's `sh` also sets one, but a command can replace the image's `sh`). Not for Podman: given
-        one limit, it drops the limits its configuration names and raises open files and processes to
-        its defaults, which fails every container where it lacks CAP_SYS_RESOURCE."""
+    def _file_limits(self) -> list[str]:
+        """Docker's own caps on the size of any file and on each process's open files, which no program in
+        the container can lift (each command's `sh` also sets them, but a command can replace the image's
+        `sh`). Not for Podman: given one limit, it drops the limits its configuration names and raises open
+        files and processes to its defaults, which fails every container where it lacks CAP_SYS_RESOURCE."""
         if self.executable in _podman_engines:
             return []
-        return ["--ulimit", f"fsize={self.settings.limits.workspace_mb * MIB}"]
+        open_files = open_files_per_process(self.settings.limits.processes)
+        return ["--ulimit", f"fsize={self.settings.limits.workspace_mb * MIB}",
+                "--ulimit", f"nofile={open_files}:{open_files}"]
 
     def _no_proxy_variables(self) -> list[str]:
         """The engines copy the user's proxy settings, whose URLs may carry a password, into every

@@ -8,13 +8,19 @@ Two mechanisms, the stronger where this process may use it:
 * a control group per prompt (cgroup v2, or the memory and pids hierarchies of cgroup v1), which
   a root process can create on most Linux machines. It caps memory (``/tmp`` is RAM and counts too)
   and processes for the prompt as a whole, and it holds every process the prompt started, so
-  closing the prompt kills all of them, ``setsid`` and double-forked ones included;
+  closing the prompt kills all of them, ``setsid`` and double-forked ones included. Where the cpu
+  controller is there too, the prompt's processes share one weight on the CPU, as every other prompt's:
+  outside a group of their own, each process a command detaches with ``setsid`` is a scheduling group of
+  its own (the kernel's autogroups), and a prompt that started hundreds of busy ones left the prompts
+  beside it a few hundredths of the machine, so that their commands timed out;
 * process resource limits (the shell's ``ulimit``) otherwise: address space per process, largest
   file, and processes per sandbox. The kernel exempts root from the process limit, so a root run
   without control groups has no process cap, and the start-up summary says so.
 
 Every mechanism caps the size of one file at the workspace limit, and the environments check the
-workspace's total after each command.
+workspace's total after each command. Every mechanism also caps the files each process may have open
+(:func:`open_files_per_process`): the kernel's table of open files is one for the whole machine, and no
+control group counts them.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import resource
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -43,6 +50,11 @@ MOST_PROCESSES = 4 * 1024 * 1024
 ENTER_GROUPS = ('while [ "$1" != -- ]; do echo $$ 2>/dev/null > "$1" '
                 '|| { echo "cannot join the control group of $1" >&2; exit 126; }; shift; done; shift')
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
+# Open files per process: the usual soft limit, which programs are written for; and the least any command gets.
+_MOST_OPEN_FILES = 1024
+_FEWEST_OPEN_FILES = 64
+# The share of the machine's table of open files that one prompt's processes may hold together.
+_OPEN_FILES_SHARE = 4
 # Our directory in each hierarchy; one sub-directory per run, one per prompt below that.
 _OWN_DIRECTORY = "batch_runner"
 # Killing a prompt's processes races with those still forking; the pids cap bounds how many rounds.
@@ -81,7 +93,9 @@ class ResourceLimits:
         each process's address space breaks programs that reserve much and use little (Go, Java).
         """
         parts = [f"-f {_at_most_hard(resource.RLIMIT_FSIZE, self.workspace_mb * 1024, unit=1024)}",
-                 f"-u {_at_most_hard(resource.RLIMIT_NPROC, self.processes, unit=1)}", "-c 0"]
+                 f"-u {_at_most_hard(resource.RLIMIT_NPROC, self.processes, unit=1)}",
+                 f"-n {_at_most_hard(resource.RLIMIT_NOFILE, open_files_per_process(self.processes), unit=1)}",
+                 "-c 0"]
         if memory:
             parts.insert(0, f"-v {_at_most_hard(resource.RLIMIT_AS, self.memory_mb * 1024, unit=1024)}")
         return f"ulimit {' '.join(parts)}"
@@ -94,6 +108,19 @@ class ResourceLimits:
         if events.processes:
             notes.append(f"starting a process failed at the limit of {self.processes} processes")
         return "; ".join(notes) or None
+
+
+def open_files_per_process(processes: int) -> int:
+    """The files each process of a prompt may have open: 1024 (the usual soft limit), fewer where that
+    many in each of ``processes`` would take more than a quarter of the machine's table of open files
+    (fs.file-max), which every process shares: a prompt that filled it made every other prompt's commands,
+    and an unprivileged runner's own writes, fail with "Too many open files in system". Never fewer than
+    64. Without this a command would have the runner's own limit, raised at its start to the hard one."""
+    try:
+        table = int(kernel_files.read("/proc/sys/fs/file-max"))
+    except (OSError, ValueError):
+        return _MOST_OPEN_FILES
+    return max(_FEWEST_OPEN_FILES, min(_MOST_OPEN_FILES, table // _OPEN_FILES_SHARE // max(processes, 1)))
 
 
 def _at_most_hard(limit: int, value: int, *, unit: int) -> int:
@@ -121,9 +148,11 @@ class _Hierarchy:
     version: int
     memory_root: Path           # .../batch_runner in the hierarchy holding the memory controller
     pids_root: Path             # the same directory on cgroup v2
+    cpu_root: Path | None       # the same again on cgroup v2; None where the cpu controller cannot be had
 
     def roots(self) -> list[Path]:
-        return [self.memory_root] if self.memory_root == self.pids_root else [self.memory_root, self.pids_root]
+        """Memory's, then pids', then cpu's, each once."""
+        return list(dict.fromkeys(root for root in (self.memory_root, self.pids_root, self.cpu_root) if root))
 
 
 @functools.cache
@@ -136,27 +165,52 @@ def _hierarchy() -> _Hierarchy | None:
                 return None
             own = _CGROUP_ROOT / _OWN_DIRECTORY
             own.mkdir(exist_ok=True)
-            _enable_controllers(_CGROUP_ROOT)
-            _enable_controllers(own)
-            return _Hierarchy(2, own, own)
-        memory, pids = _CGROUP_ROOT / "memory", _CGROUP_ROOT / "pids"
-        if not (memory / "cgroup.procs").exists() or not (pids / "cgroup.procs").exists():
+            _enable_controllers(_CGROUP_ROOT, _V2_CONTROLLERS)
+            _enable_controllers(own, _V2_CONTROLLERS)
+            return _Hierarchy(2, own, own, own if _has_cpu(_CGROUP_ROOT, own) else None)
+        memory, pids, cpu = _CGROUP_ROOT / "memory", _CGROUP_ROOT / "pids", _CGROUP_ROOT / "cpu"
+        if not _own_directory(memory) or not _own_directory(pids):
             return None
-        for root in (memory, pids):
-            (root / _OWN_DIRECTORY).mkdir(exist_ok=True)
-            if not os.access(root / _OWN_DIRECTORY / "cgroup.procs", os.W_OK):
-                return None
-        return _Hierarchy(1, memory / _OWN_DIRECTORY, pids / _OWN_DIRECTORY)
+        return _Hierarchy(1, memory / _OWN_DIRECTORY, pids / _OWN_DIRECTORY,
+                          cpu / _OWN_DIRECTORY if _own_directory(cpu) else None)
     except OSError:
         return None
 
 
-def _enable_controllers(directory: Path) -> None:
-    """Let the children of ``directory`` (v2) have memory and pids limits of their own."""
+def _own_directory(root: Path) -> bool:
+    """Whether the v1 hierarchy at ``root`` is there and has our directory (made if need be), into which we
+    may place processes."""
+    if not (root / "cgroup.procs").exists():
+        return False
+    try:
+        (root / _OWN_DIRECTORY).mkdir(exist_ok=True)
+    except OSError:
+        return False
+    return os.access(root / _OWN_DIRECTORY / "cgroup.procs", os.W_OK)
+
+
+# The v2 controllers the prompts' groups use: memory and pids, and cpu where the machine lets us have it.
+_V2_CONTROLLERS = ("memory", "pids", "cpu")
+
+
+def _enable_controllers(directory: Path, names: Sequence[str]) -> None:
+    """Let the children of ``directory`` (v2) have limits of their own: of memory and pids, which a group
+    must have, and of cpu, which it may go without (where it is not delegated to a container, say)."""
     enabled = kernel_files.read(directory / "cgroup.subtree_control").split()
-    missing = [name for name in ("memory", "pids") if name.encode() not in enabled]
-    if missing:
+    missing = [name for name in names if name.encode() not in enabled]
+    if not missing:
+        return
+    try:
         kernel_files.write(directory / "cgroup.subtree_control", " ".join(f"+{name}" for name in missing))
+    except OSError:
+        if "cpu" not in missing:
+            raise
+        _enable_controllers(directory, [name for name in missing if name != "cpu"])
+
+
+def _has_cpu(*directories: Path) -> bool:
+    return all(b"cpu" in kernel_files.read(directory / "cgroup.subtree_control").split()
+               for directory in directories)
 
 
 def mechanism() -> str:
@@ -200,8 +254,11 @@ class PromptCgroup:
     """One prompt's control group: its limits, and a way to kill everything in it."""
 
     def __init__(self, hierarchy: _Hierarchy, directories: list[Path]) -> None:
+        """``directories``: the group's own in each of the hierarchy's roots(), in that order."""
         self._hierarchy = hierarchy
         self.directories = directories
+        self._memory = directories[0]
+        self._pids = directories[1 if hierarchy.pids_root != hierarchy.memory_root else 0]
 
     @classmethod
     def create(cls, run_id: str, limits: ResourceLimits) -> PromptCgroup | None:
@@ -225,7 +282,8 @@ class PromptCgroup:
             for directory in group.directories:
                 directory.mkdir(parents=True, exist_ok=True)
                 if hierarchy.version == 2:
-                    _enable_controllers(directory.parent)
+                    _enable_controllers(directory.parent,
+                                        _V2_CONTROLLERS if hierarchy.cpu_root else _V2_CONTROLLERS[:2])
             group._apply(limits)
         except OSError:
             group.destroy()
@@ -235,17 +293,17 @@ class PromptCgroup:
     def _apply(self, limits: ResourceLimits) -> None:
         memory = str(limits.memory_mb * MIB)
         if self._hierarchy.version == 2:
-            _write(self.directories[0] / "memory.max", memory)
-            _write(self.directories[0] / "memory.swap.max", "0", missing_ok=True)
-            _write(self.directories[0] / "pids.max", str(limits.processes))
+            _write(self._memory / "memory.max", memory)
+            _write(self._memory / "memory.swap.max", "0", missing_ok=True)
+            _write(self._pids / "pids.max", str(limits.processes))
         else:
             # The kernel keeps memory's limit at or below memory and swap's: a kept group's earlier,
             # lower one would refuse a higher memory limit.
-            _write(self.directories[0] / "memory.memsw.limit_in_bytes", "-1", missing_ok=True)
-            _write(self.directories[0] / "memory.limit_in_bytes", memory)
+            _write(self._memory / "memory.memsw.limit_in_bytes", "-1", missing_ok=True)
+            _write(self._memory / "memory.limit_in_bytes", memory)
             # Swap would let a prompt hold more than its memory; where swap is accounted, no more.
-            _write(self.directories[0] / "memory.memsw.limit_in_bytes", memory, missing_ok=True)
-            _write(self.directories[1] / "pids.max", str(limits.processes))
+            _write(self._memory / "memory.memsw.limit_in_bytes", memory, missing_ok=True)
+            _write(self._pids / "pids.max", str(limits.processes))
 
     def set_limits(self, limits: ResourceLimits) -> None:
         """Change the limits of a group whose processes run on: its memory limit no lower than the memory
@@ -255,7 +313,7 @@ class PromptCgroup:
 
     def _charged_bytes(self) -> int:
         memory = "memory.current" if self._hierarchy.version == 2 else "memory.usage_in_bytes"
-        return int(kernel_files.read(self.directories[0] / memory))
+        return int(kernel_files.read(self._memory / memory))
 
     def procs_files(self) -> list[str]:
         """The files a process writes its pid into to join this group, as ENTER_GROUPS takes them."""
@@ -268,20 +326,20 @@ class PromptCgroup:
     def pids(self) -> list[int]:
         """The processes in the group now."""
         try:
-            return [int(pid) for pid in kernel_files.read(self.directories[-1] / "cgroup.procs").split()]
+            return [int(pid) for pid in kernel_files.read(self._pids / "cgroup.procs").split()]
         except (OSError, ValueError):
             return []
 
     def events(self) -> LimitEvents:
         """How often the limits struck so far (the counters only grow)."""
         memory_file = "memory.events" if self._hierarchy.version == 2 else "memory.oom_control"
-        return LimitEvents(memory=_counter(self.directories[0] / memory_file, "oom_kill"),
-                           processes=_counter(self.directories[-1] / "pids.events", "max"))
+        return LimitEvents(memory=_counter(self._memory / memory_file, "oom_kill"),
+                           processes=_counter(self._pids / "pids.events", "max"))
 
     def kill(self) -> None:
         """SIGKILL every process in the group, however it detached from its parent."""
-        procs = self.directories[-1] / "cgroup.procs"
-        kill_file = self.directories[-1] / "cgroup.kill"
+        procs = self._pids / "cgroup.procs"
+        kill_file = self._pids / "cgroup.kill"
         if self._hierarchy.version == 2 and kill_file.exists():
             try:
                 kernel_files.write(kill_file, "1")
@@ -314,7 +372,7 @@ class PromptCgroup:
         self.kill()
         if self._as_good_as_new():
             with _kept_lock:
-                _kept.setdefault(self.directories[0].parent.name, []).append(self)
+                _kept.setdefault(self._memory.parent.name, []).append(self)
             return
         self._remove_directories()
 
@@ -326,7 +384,7 @@ class PromptCgroup:
                 if attempt == _REMOVE_ATTEMPTS - 1:
                     return False
                 time.sleep(_REMOVE_PAUSE_SECONDS)    # processes just killed are still exiting
-            return (int(kernel_files.read(self.directories[-1] / "pids.current")) <= _REUSED_MAX_UNREAPED
+            return (int(kernel_files.read(self._pids / "pids.current")) <= _REUSED_MAX_UNREAPED
                     and self._charged_bytes() <= _REUSED_MAX_CHARGED_BYTES)
         except (OSError, ValueError):
             return False

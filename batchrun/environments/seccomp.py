@@ -13,6 +13,12 @@ session keyring it inherited from the runner; and disk space. So the filter refu
   IORING_OP_FALLOCATE reserves space as ``fallocate`` does, without that system call;
 * ``ioctl`` with FS_IOC_RESVSP, FS_IOC_RESVSP64 or FS_IOC_ZERO_RANGE (EOPNOTSUPP), in the layout of
   either word size: the kernel serves them with ``fallocate`` on any filesystem that has it;
+* ``io_setup`` (ENOSYS, as on a kernel without AIO, which libaio's users fall back from): the events of
+  asynchronous I/O are one count for the whole machine (``fs.aio-max-nr``), which one prompt could take
+  whole, leaving none to the prompts beside it and to the host's programs;
+* ``inotify_init`` and ``inotify_init1`` (ENOSYS, as on a kernel without inotify: watchers such as
+  ``tail -f`` poll instead): a watch on the read-only directories every sandbox shares (``/etc``, ``/usr``)
+  sees each file other prompts, the runner and the host's programs open;
 * ``clone`` and ``unshare`` with CLONE_NEWUSER (EPERM), and ``clone3`` (ENOSYS, as on a kernel before it,
   which the C library falls back from to ``clone``: its flags are in memory, out of a filter's reach). In a
   user namespace of its own a command has every capability: it could mount a ``/tmp`` past its limit, and
@@ -36,7 +42,7 @@ import struct
 # The kernel's names (linux/audit.h, linux/seccomp.h, linux/filter.h).
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "i386": 0x40000003, "aarch64": 0xC00000B7, "arm": 0x40000028}
 _X32_SYSCALL_BIT = 0x40000000
-_X32_NUMBERS = {"ioctl": 514}      # where x32's number is not x86_64's
+_X32_NUMBERS = {"ioctl": 514, "io_setup": 543}      # where x32's number is not x86_64's
 _RET_ALLOW = 0x7FFF0000
 _RET_ERRNO = 0x00050000
 _RET_KILL_PROCESS = 0x80000000
@@ -49,21 +55,26 @@ _CLONE_NEWUSER = 0x10000000
 # The refused calls' numbers per architecture (asm/unistd*.h), with the error each gets.
 _REFUSED = {
     "add_key": errno.EPERM, "request_key": errno.EPERM, "keyctl": errno.EPERM, "fallocate": errno.EOPNOTSUPP,
-    "io_uring_setup": errno.ENOSYS, "clone3": errno.ENOSYS,
+    "io_uring_setup": errno.ENOSYS, "clone3": errno.ENOSYS, "io_setup": errno.ENOSYS, "inotify_init": errno.ENOSYS,
+    "inotify_init1": errno.ENOSYS,
 }
 # The ioctl requests that preallocate (linux/fs.h: _IOW('X', 40, 42 or 57, struct space_resv), which is 48
 # bytes, or 44 where a 64-bit value is 4-aligned, as in 32-bit x86 programs) and the error each gets.
 _REFUSED_REQUESTS = [((1 << 30) | (size << 16) | (ord("X") << 8) | number, errno.EOPNOTSUPP)
                      for number in (40, 42, 57) for size in (48, 44)]
+# A call an architecture does not have (aarch64 has only inotify_init1) is left out of its table.
 _NUMBERS = {
     "x86_64": {"add_key": 248, "request_key": 249, "keyctl": 250, "fallocate": 285, "io_uring_setup": 425,
-               "clone3": 435, "ioctl": 16, "clone": 56, "unshare": 272},
+               "clone3": 435, "ioctl": 16, "clone": 56, "unshare": 272, "io_setup": 206, "inotify_init": 253,
+               "inotify_init1": 294},
     "i386": {"add_key": 286, "request_key": 287, "keyctl": 288, "fallocate": 324, "io_uring_setup": 425,
-             "clone3": 435, "ioctl": 54, "clone": 120, "unshare": 310},
+             "clone3": 435, "ioctl": 54, "clone": 120, "unshare": 310, "io_setup": 245, "inotify_init": 291,
+             "inotify_init1": 332},
     "aarch64": {"add_key": 217, "request_key": 218, "keyctl": 219, "fallocate": 47, "io_uring_setup": 425,
-                "clone3": 435, "ioctl": 29, "clone": 220, "unshare": 97},
+                "clone3": 435, "ioctl": 29, "clone": 220, "unshare": 97, "io_setup": 0, "inotify_init1": 26},
     "arm": {"add_key": 309, "request_key": 310, "keyctl": 311, "fallocate": 352, "io_uring_setup": 425,
-            "clone3": 435, "ioctl": 54, "clone": 120, "unshare": 337},
+            "clone3": 435, "ioctl": 54, "clone": 120, "unshare": 337, "io_setup": 243, "inotify_init": 316,
+            "inotify_init1": 360},
 }
 # The architectures a process on this machine can make system calls as (64-bit hosts run 32-bit programs).
 _ABIS = {"x86_64": ("x86_64", "i386"), "aarch64": ("aarch64", "arm")}
@@ -74,9 +85,10 @@ def _instruction(code: int, jump_true: int, jump_false: int, k: int) -> bytes:
 
 
 def _numbers(abi: str, name: str) -> list[int]:
-    """A system call's numbers for one architecture; x32 calls on x86_64 carry a bit of their own (and
-    ioctl a number of its own)."""
-    number = _NUMBERS[abi][name]
+    """A system call's numbers for one architecture (none where it has no such call); x32 calls on x86_64
+    carry a bit of their own (and some a number of their own)."""
+    if (number := _NUMBERS[abi].get(name)) is None:
+        return []
     if abi != "x86_64":
         return [number]
     return [number, _X32_NUMBERS.get(name, number) | _X32_SYSCALL_BIT]
