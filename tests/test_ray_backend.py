@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -289,6 +289,43 @@ def test_a_failed_clean_up_of_another_node_at_the_start_is_one_line_not_a_traceb
     with pytest.raises(PoolStartError, match="^removing what an earlier run left on the other Ray nodes "):
         pool._clean_before_work()
     assert pool._clean_up_failed        # the stop does not wait for it once more (a hung one took 180 s again)
+
+
+@needs_ray
+def test_the_stop_of_a_ray_run_waits_for_a_hung_node_no_longer_than_a_worker_processs_stop(monkeypatch):
+    # With a node that answers nothing (stopped, cut off), the stop waited 15 s for the actors, 15 s for each
+    # actor's spending, twice, and 180 s for the node's clean-up: a SIGTERM took a minute to end the run, past
+    # the grace a scheduler gives (30 s under Kubernetes and Slurm), which then killed it before its merge.
+    import ray
+
+    from batchrun.ray import pool as pool_module
+    from batchrun.ray.pool import RayWorkerPool
+    from batchrun.workers import STOP_GRACE_SECONDS
+
+    clock = SimpleNamespace(now=0.0)
+
+    def get(refs, timeout=None):
+        if refs == "keeper-figures":
+            return None
+        clock.now += timeout            # nothing on the hung node answers: every wait runs to its end
+        raise ray.exceptions.GetTimeoutError("took too long")
+    hung = SimpleNamespace(stop=SimpleNamespace(remote=lambda: "stop"),
+                           drain_spent=SimpleNamespace(remote=lambda: "drain"),
+                           remove_leftovers=SimpleNamespace(remote=lambda: "clean"))
+    monkeypatch.setattr(pool_module, "time", SimpleNamespace(monotonic=lambda: clock.now))
+    pool = RayWorkerPool.__new__(RayWorkerPool)
+    pool.ray = SimpleNamespace(exceptions=ray.exceptions, get=get, is_initialized=lambda: True,
+                               wait=lambda refs, num_returns=1, timeout=None: ([], list(refs)),
+                               get_runtime_context=lambda: SimpleNamespace(get_node_id=lambda: "here"),
+                               kill=lambda actor, no_restart=True: None, shutdown=lambda: None)
+    pool._stopped, pool._head_lost, pool._clean_up_failed, pool._watcher = False, False, False, None
+    pool._actors, pool._lost, pool._starting, pool._retries = [hung, hung], set(), {}, deque()
+    pool._nodes = [{"node_id": "there", "address": "10.0.0.2"}] * 2
+    pool._pending = {"row-0": (0, "attempt"), "row-1": (1, "attempt")}
+    pool._draining = {0: "draining-0", 1: "draining-1"}
+    pool._keeper = SimpleNamespace(figures=SimpleNamespace(remote=lambda: "keeper-figures"))
+    assert pool.stop() == []
+    assert clock.now <= STOP_GRACE_SECONDS
 
 
 @needs_ray

@@ -211,7 +211,7 @@ class RayWorkerPool:
         if (head_gone := self._head_gone()) is not None:
             raise PoolStartError(f"{head_gone}; no prompt has started")
 
-    def _clean_other_nodes(self) -> None:
+    def _clean_other_nodes(self, timeout: float = ACTOR_START_TIMEOUT) -> None:
         """Environments' leftovers on the nodes other than this one (the parent cleans its own), by one
         actor per node: before the first session and after the last."""
         ray = self.ray
@@ -220,7 +220,7 @@ class RayWorkerPool:
             if index not in self._lost and node["node_id"] != here:
                 cleaners.setdefault(node["node_id"], actor)
         if cleaners:
-            ray.get([actor.remove_leftovers.remote() for actor in cleaners.values()], timeout=ACTOR_START_TIMEOUT)
+            ray.get([actor.remove_leftovers.remote() for actor in cleaners.values()], timeout=timeout)
 
     def _clean_before_work(self) -> None:
         """_clean_other_nodes before the first session: a node lost since its probe, a clean-up that raised
@@ -329,10 +329,11 @@ class RayWorkerPool:
             self._dispatch(self._retries.popleft())
         return messages
 
-    def _spending_answers(self, rows_from: set[int]) -> list[Spent]:
+    def _spending_answers(self, rows_from: set[int], deadline: float | None = None) -> list[Spent]:
         """The replies' usage the actors have answered with (see _ask_for_spending). An actor in
-        ``rows_from`` has rows about to be read: its answer is waited for, since a question asked before
-        those rows came back may hold replies of theirs, which must reach the parent first."""
+        ``rows_from`` has rows about to be read: its answer is waited for (each up to STOP_GRACE_SECONDS, or
+        all until ``deadline``), since a question asked before those rows came back may hold replies of
+        theirs, which must reach the parent first."""
         ray = self.ray
         collected: list[Spent] = []
         asked = list(self._draining.values())
@@ -342,7 +343,7 @@ class RayWorkerPool:
                 continue
             del self._draining[actor]
             try:
-                collected.extend(ray.get(ref, timeout=STOP_GRACE_SECONDS))
+                collected.extend(ray.get(ref, timeout=STOP_GRACE_SECONDS if deadline is None else _left(deadline)))
             except Exception:
                 pass        # its actor is gone: what it spent since its last answer is not known
         return collected
@@ -469,25 +470,31 @@ class RayWorkerPool:
         Ray this runner started (or leave the cluster).
 
         Returns the rows that finished meanwhile, to be persisted like any other (a session that
-        ended just before the stop has been paid for), and what the stopped sessions spent."""
+        ended just before the stop has been paid for), and what the stopped sessions spent.
+
+        Every wait on the actors shares one deadline, STOP_GRACE_SECONDS, as a worker process's stop does: a
+        node that answers nothing (stopped, cut off) held a SIGTERM's stop for a minute, past the grace a
+        scheduler gives before it kills (30 s under Kubernetes and Slurm), and the merge with it. What a node
+        does not clean up by then stays for the next start of this run, which removes it."""
         if self._stopped:
             return []
         self._stopped = True
         ray = self.ray
         finished: list[Finished | Spent] = []
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
         try:
             if ray is not None and ray.is_initialized() and not self._head_lost:
                 if self._pending:
                     live = [actor for index, actor in enumerate(self._actors) if index not in self._lost]
                     try:
-                        ray.get([actor.stop.remote() for actor in live], timeout=STOP_GRACE_SECONDS)
+                        ray.get([actor.stop.remote() for actor in live], timeout=_left(deadline))
                     except Exception:
                         pass
-                    finished = self._finished_meanwhile()
-                finished += self._spent_at_stop()
+                    finished = self._finished_meanwhile(deadline)
+                finished += self._spent_at_stop(deadline)
                 try:
                     if not self._clean_up_failed:
-                        self._clean_other_nodes()
+                        self._clean_other_nodes(_left(deadline))
                 except Exception:
                     pass
                 if self._keeper is not None:
@@ -508,12 +515,12 @@ class RayWorkerPool:
                 self._watcher.close()
         return finished
 
-    def _finished_meanwhile(self) -> list[Finished | Spent]:
+    def _finished_meanwhile(self, deadline: float) -> list[Finished | Spent]:
         """The rows of the sessions that ended before the stop reached them, each after its spending
         (and after what the actors' earlier answers hold, which may be theirs too)."""
         ray = self.ray
         ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=0)
-        finished: list[Finished | Spent] = [*self._spending_answers(set(self._draining))]
+        finished: list[Finished | Spent] = [*self._spending_answers(set(self._draining), deadline)]
         for ref in ready:
             try:
                 messages = ray.get(ref)
@@ -522,17 +529,22 @@ class RayWorkerPool:
             finished += [message for message in messages if isinstance(message, (Finished, Spent))]
         return finished
 
-    def _spent_at_stop(self) -> list[Spent]:
+    def _spent_at_stop(self, deadline: float) -> list[Spent]:
         """What the stopped sessions spent that the parent has not heard of yet: they leave no row."""
         ray = self.ray
-        spent = self._spending_answers(set(self._draining))
+        spent = self._spending_answers(set(self._draining), deadline)
         asked = [actor.drain_spent.remote() for index, actor in enumerate(self._actors) if index not in self._lost]
         for ref in asked:
             try:
-                spent.extend(ray.get(ref, timeout=STOP_GRACE_SECONDS))
+                spent.extend(ray.get(ref, timeout=_left(deadline)))
             except Exception:
                 pass        # its actor is gone
         return spent
+
+
+def _left(deadline: float) -> float:
+    """The seconds until ``deadline`` (time.monotonic), none once it is past."""
+    return max(0.0, deadline - time.monotonic())
 
 
 def _ray_said(exc: BaseException) -> str:
