@@ -11,6 +11,7 @@ must read a line alike, byte for byte; kept in one module, they share one readin
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import os
@@ -112,6 +113,14 @@ class DatasetPlan:
     def units(self) -> int:
         """Samples the run is to have: every prompt's first samples_per_prompt."""
         return self.total * self.samples_per_prompt
+
+    def is_pending(self, prompt_index: int, sample_index: int) -> bool:
+        """Whether that sample of that prompt (by its place among the valid lines) is to run."""
+        if sample_index >= len(self.rounds):
+            return False
+        indexes = self.rounds[sample_index].indexes      # ascending: the dataset's order
+        place = bisect.bisect_left(indexes, prompt_index)
+        return place < len(indexes) and indexes[place] == prompt_index
 
     def pending_units(self) -> list[int]:
         """Every pending sample's unit, in the order iter_pending hands them out."""

@@ -14,7 +14,9 @@ without privileges).
 It follows only the batch files that can still grow: the parent publishes, in shared memory
 (:class:`OpenBatches`), the highest batch handed a prompt and each lower one with a prompt still running
 or waiting, so what the helper holds and reads per round depends on the prompts in flight, not on the
-length of the run, nor on how long ago the oldest of them started.
+length of the run, nor on how long ago the oldest of them started. The parent publishes at most every
+half second while prompts run, and once more before it asks for the report, so the last read needs no
+listing of the run directory either (a million files, with ``--batch_size=1``).
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ class ReportFollower:
 
     def progress(self, highest: int, open_batches: Sequence[int]) -> None:
         """``highest``: the highest batch handed a prompt; ``open_batches`` (ascending): those below it with a
-        prompt still running or waiting. No other batch below it gets a row in this run."""
+        prompt still running or waiting. No other batch below it gets a row in this run. Called with the
+        run's last word before :meth:`rows_written` and :meth:`finish`: their reads follow what it says."""
         self._open.publish(highest, open_batches)
 
     def rows_written(self, distribution: str) -> None:
@@ -188,16 +191,6 @@ class BatchFollower:
         self._followed, self._highest = followed, max(self._highest, highest)
         self.scan.summary.batch_files = self._files
 
-    def read_all(self) -> None:
-        """Every row written so far: the run's work is over. Besides the batches followed, those open at the
-        parent's last word, and every file from the highest of the last round up (handed out since)."""
-        published = self._open.snapshot()
-        listed = published[1] if published else frozenset()
-        later = [number for number in self._file_numbers() if number >= self._highest]
-        for number in sorted({*self._followed, *listed, *later}):
-            self._follow(number)
-        self.scan.summary.batch_files = self._files
-
     def _file_numbers(self) -> list[int]:
         """The numbers of the run directory's batch files, in order."""
         numbers = []
@@ -246,7 +239,7 @@ def _follow(conn: Connection, run_dir: Path, repeated: frozenset[str], parent_pi
                 follower.read_new()
                 continue
             distribution = conn.recv()     # the run's distribution once every row is written, None to finish
-            follower.read_all()
+            follower.read_new()            # the parent published its last word before it asked
             if distribution is None:
                 break
             drawn = report.draw_plots(scan.summary, distribution)

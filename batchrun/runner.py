@@ -74,6 +74,35 @@ def _same_file(before: str, now: Path) -> bool:
         return False
 
 
+def _failures_retried(scan: ScanResult, plan: DatasetPlan) -> int:
+    """The samples this resume runs that an earlier invocation's failure row is of: not those finished since
+    (their failure row stays in its batch file), nor those past --samples_per_prompt."""
+    retried = 0
+    for unit in scan.failed_units:
+        written, key = rows.split_unit(unit)
+        # Where the dataset changed, the row's prompt may be on another line now, or on none.
+        index = plan.relocated.get(unit, written)
+        retried += index is not None and plan.is_pending(index, rows.sample_index_of(key))
+    return retried
+
+
+def _samples_past_k_lines(scan: ScanResult, samples_per_prompt: int) -> list[str]:
+    """What a resume with a lower --samples_per_prompt than earlier invocations had says about the samples past
+    it: those in trajectories.jsonl stay there, and those that failed are not run again."""
+    if scan.most_samples <= samples_per_prompt:
+        return []
+    flag = f"--samples_per_prompt={samples_per_prompt}"
+    merged = sum(count for index, count in scan.merged_by_sample.items() if index >= samples_per_prompt)
+    failed = sum(1 for unit in scan.failed_units if unit not in scan.done_units
+                 and rows.sample_index_of(rows.sample_key_of_unit(unit)) >= samples_per_prompt)
+    lines = [f"resume: {counted(merged, 'sample')} past {flag} (up to {scan.most_samples} per prompt) stay in "
+             "trajectories.jsonl and count in its figures"] if merged else []
+    if failed:
+        lines.append(f"resume: {counted(failed, 'failed sample')} past {flag} {'is' if failed == 1 else 'are'} not "
+                     f"run again; --samples_per_prompt={scan.most_samples} retries {'it' if failed == 1 else 'them'}")
+    return lines
+
+
 class BatchRunner:
     """Plans the work, feeds the worker pool, persists every row, checkpoints, merges, reports."""
 
@@ -264,6 +293,7 @@ class BatchRunner:
                 fatal = self._feed(pool, self._planned_tasks(plan))
             self._ran_to_the_end = fatal is None and self._dataset_changed is None
             if fatal is None:       # every row is written: the report's plots are drawn while the run ends
+                self._publish_progress(last=True)
                 follower.rows_written(self.config.distribution)
         except Interrupted:
             pass                    # the stop below keeps what finished meanwhile
@@ -392,11 +422,12 @@ class BatchRunner:
         """What the run counts: a prompt, or a sample of one when each runs several times."""
         return "sample" if self.config.samples_per_prompt > 1 else "prompt"
 
-    def _publish_progress(self) -> None:
+    def _publish_progress(self, *, last: bool = False) -> None:
         """Tell the report's helper which batch files can still grow (ReportFollower.progress), at most every
-        PROGRESS_INTERVAL: it reads them every FOLLOW_INTERVAL_SECONDS, and reads all at the end anyway."""
+        PROGRESS_INTERVAL while prompts run (it reads them every FOLLOW_INTERVAL_SECONDS), and always as the
+        ``last`` word before the helper's final reads, which follow only what this says."""
         now = time.monotonic()
-        if self._report is None or now - self._progress_published < PROGRESS_INTERVAL:
+        if self._report is None or (not last and now - self._progress_published < PROGRESS_INTERVAL):
             return
         self._progress_published = now
         batch_size = self.config.output.batch_size
@@ -624,7 +655,11 @@ class BatchRunner:
     def _write_report(self) -> None:
         """The HTML run report is a convenience: a failure to draw it must never fail the run."""
         try:
-            path = self._report.finish() if self._report else report.write_report(self.run_dir.path)
+            if self._report is None:
+                path = report.write_report(self.run_dir.path)
+            else:
+                self._publish_progress(last=True)
+                path = self._report.finish()
         except ReportFailed as exc:
             self._report_not_written(str(exc))
             return
@@ -707,14 +742,12 @@ class BatchRunner:
                      "Add --discard_no_reasoning=False to keep them.")
         samples = f" × {plan.samples_per_prompt} samples" if plan.samples_per_prompt > 1 else ""
         if config.output.resume:
+            retried = _failures_retried(scan, plan)
             out.print(f"resume: {plan.total} prompts in the dataset{samples}, {plan.already_done} "
                       f"{'samples ' if samples else ''}already done, {plan.pending} remaining"
-                      + (f" ({scan.rows_by_status[rows.FAILED]} earlier failure rows are retried)"
-                         if scan.rows_by_status[rows.FAILED] else ""))
-            if scan.most_samples > plan.samples_per_prompt:
-                out.print(f"resume: the run directory holds up to {scan.most_samples} samples per prompt; those "
-                          f"past --samples_per_prompt={plan.samples_per_prompt} stay in trajectories.jsonl and "
-                          "count in its figures")
+                      + (f" ({retried} of them failed before)" if retried else ""))
+            for line in _samples_past_k_lines(scan, plan.samples_per_prompt):
+                out.print(line)
             if live_corrupted:
                 out.print(f"resume: {live_corrupted} corrupted rows (invented tool names) "
                           + ("are run again (--rerun_corrupted)" if config.output.rerun_corrupted

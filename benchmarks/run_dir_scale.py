@@ -122,7 +122,7 @@ def measure(phase: str, run_dir: Path) -> None:
     elif phase == "report":
         report.write_report(run_dir)
     else:
-        follower.read_all()
+        follower.read_new()
         report.save(follower.scan)
     elapsed = time.perf_counter() - started
     peak_mb = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 1024

@@ -164,7 +164,7 @@ def test_the_report_helper_holds_nothing_per_batch_file_the_run_is_done_with(tmp
     # the number of files. Anything kept per file (a name, an offset) is 36 bytes or more each.
     grown = growth(lambda: (follower.read_existing(), run_through(0, 3_000)), lambda: run_through(3_000, 11_000))
     assert grown < 8_000 * 16, f"{grown:,} bytes more after 8,000 more batch files"
-    follower.read_all()
+    follower.read_new()
     assert follower.scan.summary.row_count == 11_000 and follower.scan.summary.batch_files == 11_000
 
 
@@ -196,7 +196,7 @@ def test_the_report_helper_holds_and_reads_nothing_per_batch_file_finished_behin
     assert reads["files"] < 3 * 11_000      # each file about twice (handed out, then finished), batch 0 each round
     (run_dir / "batch_0.jsonl").write_bytes(stored_lines["plain"])
     open_batches.publish(10_999, [])
-    follower.read_all()
+    follower.read_new()
     assert follower.scan.summary.row_count == 11_000 and follower.scan.summary.batch_files == 11_000
 
 
@@ -220,7 +220,8 @@ def test_the_report_helper_reads_every_row_once_however_the_batches_close(tmp_pa
     follower.read_new()
     with (run_dir / "batch_11.jsonl").open("ab") as handle:     # handed out and written after the last round
         handle.write(stored_lines["plain"])
-    follower.read_all()
+    open_batches.publish(11, [])                        # the parent's last word, before it asks for the report
+    follower.read_new()
     summary = follower.scan.summary
     assert summary.row_count == 10 + 7 and summary.batch_files == 8
 
@@ -281,6 +282,40 @@ def test_the_report_of_a_run_whose_first_prompt_outlasts_the_others_counts_every
     run_dir = tmp_path / "data" / "run"
     page = (run_dir / report.REPORT_FILE).read_text(encoding="utf-8")
     assert page_data(page)["total"] == finished_row_count(run_dir) == 80
+
+
+def test_the_report_counts_the_rows_of_batches_handed_out_after_the_runners_last_periodic_word(tmp_path, endpoint):
+    # The runner tells the helper the open batches at most every half second; a run this short hands most of
+    # its batches out after its first word, and the helper's last read follows only what the runner says.
+    dataset = write_dataset(tmp_path / "dataset.jsonl", [f"question {number}" for number in range(40)])
+    result = run_cli(tmp_path, f"--dataset_file={dataset}", "--batch_size=1", "--run_name=run",
+                     "--distribution=minimal", "--num_workers=4", *endpoint_args(endpoint))
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = tmp_path / "data" / "run"
+    assert page_data((run_dir / report.REPORT_FILE).read_text(encoding="utf-8"))["total"] == 40
+
+
+def test_the_report_helpers_last_read_lists_no_run_directory(tmp_path, stored_lines, monkeypatch):
+    # It listed every batch file at the end (and again at the finish), holding a path per file: 100 MB and
+    # 2 s for 200,000 files of a --batch_size=1 run.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    open_batches = OpenBatches(8)
+    follower = BatchFollower(report.RunScan(run_dir, repeated=frozenset()), open_batches)
+    follower.read_existing()
+    for number in range(50):
+        open_batches.publish(number, [number])
+        (run_dir / f"batch_{number}.jsonl").write_bytes(stored_lines["plain"])
+        follower.read_new()
+    open_batches.publish(52, [])                        # 50 to 52 handed out and written since the last round
+    for number in range(50, 53):
+        (run_dir / f"batch_{number}.jsonl").write_bytes(stored_lines["plain"])
+
+    def listed() -> list[Path]:
+        raise AssertionError("the run directory was listed")
+    monkeypatch.setattr(follower.scan.run_dir, "batch_files", listed)
+    follower.read_new()
+    assert follower.scan.summary.row_count == 53 and follower.scan.summary.batch_files == 53
 
 
 def test_the_report_counts_a_bounded_number_of_distinct_invented_names(stored_lines):

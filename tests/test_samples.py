@@ -108,8 +108,37 @@ def test_lowering_k_on_resume_runs_nothing_and_keeps_every_sample(tmp_path, endp
     assert "All prompts have already been processed!" in result.stdout
     assert len(merged(tmp_path)) == 9
     # Before, nothing said that the rows beyond K stay in the merged file and its figures.
-    assert ("resume: the run directory holds up to 3 samples per prompt; those past --samples_per_prompt=1 "
-            "stay in trajectories.jsonl and count in its figures") in " ".join(result.stdout.split())
+    assert ("resume: 6 samples past --samples_per_prompt=1 (up to 3 per prompt) stay in trajectories.jsonl "
+            "and count in its figures") in " ".join(result.stdout.split())
+
+
+def test_lowering_k_on_resume_says_that_failed_samples_past_it_are_not_run_again(tmp_path, endpoint):
+    # Failure rows past K were said to stay in trajectories.jsonl (no failure row goes there) and to be retried.
+    def first_samples_only(body):
+        first_samples_only.requests += 1        # type: ignore[attr-defined]
+        if first_samples_only.requests > 2:     # type: ignore[attr-defined]  # one worker: both samples 0 first
+            return 400, {"error": {"message": "refused", "type": "invalid_request_error"}}, {}
+        return None
+    first_samples_only.requests = 0             # type: ignore[attr-defined]
+    endpoint.script = first_samples_only
+    dataset = write_dataset(tmp_path / "dataset.jsonl", PROMPTS[:2])
+    sample_run(tmp_path, endpoint, dataset, "--samples_per_prompt=3", "--num_workers=1", expect=2)
+    endpoint.reset()
+    result = sample_run(tmp_path, endpoint, dataset, "--resume")
+    out = " ".join(result.stdout.split())
+    assert endpoint.requests == []
+    assert ("resume: 4 failed samples past --samples_per_prompt=1 are not run again; --samples_per_prompt=3 "
+            "retries them") in out
+    assert "stay in trajectories.jsonl" not in out and "failed before" not in out
+
+
+def test_a_resume_says_failed_before_only_of_the_samples_it_runs_again(tmp_path, endpoint):
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["[[fail 400 1]] fickle", "easy"])
+    sample_run(tmp_path, endpoint, dataset, expect=2)
+    retried = sample_run(tmp_path, endpoint, dataset, "--resume")
+    assert "1 remaining (1 of them failed before)" in " ".join(retried.stdout.split())
+    again = sample_run(tmp_path, endpoint, dataset, "--resume")     # the failure row is still in its batch file
+    assert "0 remaining" in again.stdout and "failed before" not in again.stdout
 
 
 def test_a_single_sample_run_resumed_with_more_samples_keeps_its_rows_as_the_first_samples(tmp_path, endpoint):

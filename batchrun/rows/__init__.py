@@ -27,6 +27,7 @@ from batchrun.rows.finished import encode_finished
 from batchrun.rows.keys import (
     content_key,
     content_key_of_sample,
+    sample_index_of,
     sample_key,
     sample_key_of_unit,
     split_unit,
@@ -75,6 +76,7 @@ __all__ = [
     "noted_invented_tools",
     "offered_tool_names", "offered_tool_signatures", "parsed_or_raw", "read_gpt_turn", "read_stored_row",
     "render_conversations", "render_gpt_turn", "render_system_turn", "render_tool_turn",
-    "rendered_tool_responses", "sample_key", "sample_key_of_unit", "split_reasoning", "split_rendered_calls",
+    "rendered_tool_responses", "sample_index_of", "sample_key", "sample_key_of_unit", "split_reasoning",
+    "split_rendered_calls",
     "split_rendered_reasoning", "split_unit", "tombstone_row", "tool_result_failed", "trajectory_row", "unit_key",
 ]

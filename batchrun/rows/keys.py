@@ -26,6 +26,11 @@ def unit_key(prompt_index: int, sample_key: str) -> str:
     return f"{prompt_index}:{sample_key}"
 
 
+def sample_index_of(key: str) -> int:
+    """The sample index within a sample key (see sample_key)."""
+    return int(key.partition("#")[2] or 0)
+
+
 def content_key_of_sample(key: str) -> str:
     """The content key within a sample key (see sample_key)."""
     return key.partition("#")[0]

@@ -31,6 +31,9 @@ class ScanResult:
     unreadable: list[tuple[str, int]] = field(default_factory=list)     # lines that are no rows: (file, offset)
     usage: UsageTotals = field(default_factory=empty_usage)      # of every row but repeats (see repeats)
     most_samples: int = 1                                        # the highest sample index of a row, plus one
+    # Rows the merge writes to trajectories.jsonl, by sample index (a few numbers, whatever the run's length).
+    merged_by_sample: Counter = field(default_factory=Counter)
+    failed_units: set[str] = field(default_factory=set)          # the units of failure rows
     # The units of rows that count nothing done, failures and corrupted rows: the planner finds where
     # they are now when the dataset changed, as it does for the rows counted done.
     other_units: set[str] = field(default_factory=set)
@@ -38,6 +41,8 @@ class ScanResult:
     def add(self, other: ScanResult) -> None:
         add_usage(self.usage, other.usage)
         self.most_samples = max(self.most_samples, other.most_samples)
+        self.merged_by_sample.update(other.merged_by_sample)
+        self.failed_units |= other.failed_units
         self.done_units.update(other.done_units)
         self.rows_by_status.update(other.rows_by_status)
         self.corrupted_units.extend(other.corrupted_units)
@@ -109,9 +114,13 @@ def scan_ranges(ranges: list[FileRange]) -> ScanResult:
             result.most_samples = max(result.most_samples, row.sample_index + 1)
             if done:
                 result.done_units[row.unit_key] += 1
+                if row.status != rows.DISCARDED:
+                    result.merged_by_sample[row.sample_index] += 1
                 continue
             result.other_units.add(row.unit_key)
-            if row.status != rows.FAILED:
+            if row.status == rows.FAILED:
+                result.failed_units.add(row.unit_key)
+            else:
                 result.corrupted_units.append(row.unit_key)
     return result
 
