@@ -76,14 +76,16 @@ def _same_file(before: str, now: Path) -> bool:
 
 def _failures_retried(scan: ScanResult, plan: DatasetPlan) -> int:
     """The samples this resume runs that an earlier invocation's failure row is of: not those finished since
-    (their failure row stays in its batch file), nor those past --samples_per_prompt."""
-    retried = 0
+    (their failure row stays in its batch file), nor those past --samples_per_prompt; each once, though rows
+    written for two lines (the dataset changed between them) be of it."""
+    retried = set()
     for unit in scan.failed_units:
         written, key = rows.split_unit(unit)
         # Where the dataset changed, the row's prompt may be on another line now, or on none.
-        index = plan.relocated.get(unit, written)
-        retried += index is not None and plan.is_pending(index, rows.sample_index_of(key))
-    return retried
+        index, sample = plan.relocated.get(unit, written), rows.sample_index_of(key)
+        if index is not None and plan.is_pending(index, sample):
+            retried.add((index, sample))
+    return len(retried)
 
 
 def _samples_past_k_lines(scan: ScanResult, samples_per_prompt: int) -> list[str]:
@@ -95,8 +97,8 @@ def _samples_past_k_lines(scan: ScanResult, samples_per_prompt: int) -> list[str
     merged = sum(count for index, count in scan.merged_by_sample.items() if index >= samples_per_prompt)
     failed = sum(1 for unit in scan.failed_units if unit not in scan.done_units
                  and rows.sample_index_of(rows.sample_key_of_unit(unit)) >= samples_per_prompt)
-    lines = [f"resume: {counted(merged, 'sample')} past {flag} (up to {scan.most_samples} per prompt) stay in "
-             "trajectories.jsonl and count in its figures"] if merged else []
+    lines = [f"resume: {counted(merged, 'sample')} past {flag} (up to {max(scan.merged_by_sample) + 1} per prompt) "
+             "stay in trajectories.jsonl and count in its figures"] if merged else []
     if failed:
         lines.append(f"resume: {counted(failed, 'failed sample')} past {flag} {'is' if failed == 1 else 'are'} not "
                      f"run again; --samples_per_prompt={scan.most_samples} retries {'it' if failed == 1 else 'them'}")

@@ -55,7 +55,7 @@ from conftest import (
 )
 
 from batchrun.install_hint import install_hint
-from batchrun.messages import Fatal
+from batchrun.messages import Fatal, Spent
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                reason=f"Ray is not installed ({install_hint('ray')})")
@@ -291,41 +291,84 @@ def test_a_failed_clean_up_of_another_node_at_the_start_is_one_line_not_a_traceb
     assert pool._clean_up_failed        # the stop does not wait for it once more (a hung one took 180 s again)
 
 
+SPENT = Spent(unit=1, usage={"prompt_tokens": 7})
+
+
+def _pool_stopping_with(monkeypatch, hung: set[int], calls: list[tuple[str, float]]):
+    """A RayWorkerPool of two actors, each with a session running, on a node other than the runner's, whose
+    Ray stand-in answers nothing from the ``hung`` actors (each wait on them runs to its end, on a clock of
+    its own) and at once from the others; ``calls`` records each wait (what, how long at most)."""
+    import ray
+
+    from batchrun.ray import pool as pool_module
+    from batchrun.ray.pool import RayWorkerPool
+
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(pool_module, "time", SimpleNamespace(monotonic=lambda: clock.now))
+
+    def answers(ref) -> bool:
+        return ref[0] != "row" and ref[1] not in hung       # no session ends during the stop
+
+    def wait(refs, num_returns=1, timeout=None):
+        ready = [ref for ref in refs if answers(ref)]
+        if len(ready) < num_returns and timeout:
+            clock.now += timeout
+            calls.append((refs[0][0], timeout))
+        return ready, [ref for ref in refs if not answers(ref)]
+
+    def get(refs, timeout=None):
+        if refs == "keeper-figures":
+            return None
+        many = isinstance(refs, list)
+        for ref in refs if many else [refs]:
+            if not answers(ref):
+                clock.now += timeout
+                calls.append((ref[0], timeout))
+                raise ray.exceptions.GetTimeoutError("took too long")
+        calls.append(((refs[0] if many else refs)[0], timeout))
+        answer = {"drain_spent": [SPENT], "remove_leftovers": None}
+        return [answer[ref[0]] for ref in refs] if many else answer[refs[0]]
+
+    def actor(index: int) -> SimpleNamespace:
+        return SimpleNamespace(**{name: SimpleNamespace(remote=lambda name=name: (name, index))
+                                  for name in ("stop", "drain_spent", "remove_leftovers")})
+    pool = RayWorkerPool.__new__(RayWorkerPool)
+    pool.ray = SimpleNamespace(exceptions=ray.exceptions, get=get, wait=wait, is_initialized=lambda: True,
+                               get_runtime_context=lambda: SimpleNamespace(get_node_id=lambda: "here"),
+                               kill=lambda actor, no_restart=True: None, shutdown=lambda: None)
+    pool._stopped, pool._head_lost, pool._clean_up_failed, pool._watcher = False, False, False, None
+    pool._actors, pool._lost, pool._starting, pool._retries = [actor(0), actor(1)], set(), {}, deque()
+    pool._nodes = [{"node_id": "there", "address": "10.0.0.2"}, {"node_id": "yonder", "address": "10.0.0.3"}]
+    pool._pending = {("row", 0): (0, "attempt"), ("row", 1): (1, "attempt")}
+    pool._draining = {}
+    pool._keeper = SimpleNamespace(figures=SimpleNamespace(remote=lambda: "keeper-figures"))
+    return pool, clock
+
+
 @needs_ray
 def test_the_stop_of_a_ray_run_waits_for_a_hung_node_no_longer_than_a_worker_processs_stop(monkeypatch):
     # With a node that answers nothing (stopped, cut off), the stop waited 15 s for the actors, 15 s for each
     # actor's spending, twice, and 180 s for the node's clean-up: a SIGTERM took a minute to end the run, past
     # the grace a scheduler gives (30 s under Kubernetes and Slurm), which then killed it before its merge.
-    import ray
-
-    from batchrun.ray import pool as pool_module
-    from batchrun.ray.pool import RayWorkerPool
     from batchrun.workers import STOP_GRACE_SECONDS
 
-    clock = SimpleNamespace(now=0.0)
-
-    def get(refs, timeout=None):
-        if refs == "keeper-figures":
-            return None
-        clock.now += timeout            # nothing on the hung node answers: every wait runs to its end
-        raise ray.exceptions.GetTimeoutError("took too long")
-    hung = SimpleNamespace(stop=SimpleNamespace(remote=lambda: "stop"),
-                           drain_spent=SimpleNamespace(remote=lambda: "drain"),
-                           remove_leftovers=SimpleNamespace(remote=lambda: "clean"))
-    monkeypatch.setattr(pool_module, "time", SimpleNamespace(monotonic=lambda: clock.now))
-    pool = RayWorkerPool.__new__(RayWorkerPool)
-    pool.ray = SimpleNamespace(exceptions=ray.exceptions, get=get, is_initialized=lambda: True,
-                               wait=lambda refs, num_returns=1, timeout=None: ([], list(refs)),
-                               get_runtime_context=lambda: SimpleNamespace(get_node_id=lambda: "here"),
-                               kill=lambda actor, no_restart=True: None, shutdown=lambda: None)
-    pool._stopped, pool._head_lost, pool._clean_up_failed, pool._watcher = False, False, False, None
-    pool._actors, pool._lost, pool._starting, pool._retries = [hung, hung], set(), {}, deque()
-    pool._nodes = [{"node_id": "there", "address": "10.0.0.2"}] * 2
-    pool._pending = {"row-0": (0, "attempt"), "row-1": (1, "attempt")}
-    pool._draining = {0: "draining-0", 1: "draining-1"}
-    pool._keeper = SimpleNamespace(figures=SimpleNamespace(remote=lambda: "keeper-figures"))
+    calls: list[tuple[str, float]] = []
+    pool, clock = _pool_stopping_with(monkeypatch, {0, 1}, calls)
     assert pool.stop() == []
-    assert clock.now <= STOP_GRACE_SECONDS
+    assert clock.now <= STOP_GRACE_SECONDS, calls
+
+
+@needs_ray
+def test_a_hung_node_costs_the_other_nodes_neither_their_spending_nor_their_clean_up(monkeypatch):
+    # With one deadline for every wait, the hung node's 15 s left none to ask the others what their stopped
+    # sessions spent (uncounted in the run's cost and --max_cost), nor to clean their nodes up.
+    from batchrun.workers import STOP_GRACE_SECONDS
+
+    calls: list[tuple[str, float]] = []
+    pool, clock = _pool_stopping_with(monkeypatch, {0}, calls)
+    assert pool.stop() == [SPENT]
+    assert ("remove_leftovers", STOP_GRACE_SECONDS) in calls        # the answering node's, with time to do it
+    assert clock.now <= STOP_GRACE_SECONDS, calls
 
 
 @needs_ray

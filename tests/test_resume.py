@@ -1208,3 +1208,17 @@ def test_a_carried_line_with_negative_reply_counts_counts_none(ledger_dir):
     ledger = reopened(ledger_dir)
     ledger.close()
     assert (ledger.replies.unpriced, ledger.replies.tokenless) == (0, 0)
+
+
+def test_a_failed_prompt_whose_rows_name_two_lines_counts_once_among_those_that_failed_before(tmp_path):
+    # The dataset changed between two failures of one prompt (a line put before it): its failure rows name
+    # line 0 and line 1, both now its line 1, and the resume said "(2 of them failed before)" of one sample.
+    from batchrun.run_dir import ScanResult
+    from batchrun.runner import _failures_retried
+
+    failed = rows.content_key("P", None, None)
+    dataset = write_dataset(tmp_path / "dataset.jsonl", ["Q", "P"])
+    scan = ScanResult(failed_units={rows.unit_key(0, failed), rows.unit_key(1, failed)})
+    scan.other_units = set(scan.failed_units)
+    plan = plan_dataset(dataset, max_samples=None, done_units=Counter(), warn=print, other_units=scan.other_units)
+    assert plan.pending == 2 and _failures_retried(scan, plan) == 1

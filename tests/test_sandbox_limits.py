@@ -288,10 +288,11 @@ def test_a_command_cannot_watch_the_files_every_sandbox_shares(tmp_path: Path) -
     # and the host's programs opened. Watchers poll instead, as on a kernel without inotify.
     watch = ("import ctypes, errno; libc = ctypes.CDLL(None, use_errno=True); "
              "print('inotify', libc.inotify_init1(0), errno.errorcode.get(ctypes.get_errno()), "
-             "libc.syscall(253), errno.errorcode.get(ctypes.get_errno()))")
+             "libc.syscall(253), errno.errorcode.get(ctypes.get_errno()), "
+             "libc.syscall(300, 0x200, 0), errno.errorcode.get(ctypes.get_errno()))")     # fanotify, FAN_REPORT_FID
     [result] = run("bubblewrap", settings(tmp_path), f'python3 -c "{watch}"; echo x > f; tail -f f & '
                    "sleep 0.5; echo y >> f; sleep 1.5; kill %1")
-    assert result.output.splitlines()[0].split() == ["inotify", "-1", "ENOSYS", "-1", "ENOSYS"], result.output
+    assert result.output.splitlines()[0].split() == ["inotify", *["-1", "ENOSYS"] * 3], result.output
     followed = [line for line in result.output.splitlines()[1:] if not line.startswith("tail:")]
     assert followed == ["x", "y"], result.output      # tail -f follows by polling
 

@@ -1,5 +1,9 @@
 """What one prompt may consume, and how the limits are made to hold.
 
+Over 400 lines, on purpose: each limit and the mechanisms that make it hold (a control group's files in
+either hierarchy, the ulimit line for the same numbers where there is none) are read together, and a
+change to one limit is a change to both.
+
 A prompt's commands are the model's, so one bad prompt must not take the machine down: memory,
 number of processes, the size of its private ``/tmp`` and of its workspace are capped.
 

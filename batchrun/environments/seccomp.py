@@ -1,8 +1,11 @@
 """The system-call filter every sandboxed command runs under (bwrap ``--seccomp``).
 
-A sandbox is made fresh for every prompt, so what a command changes dies with it. Two kinds of kernel
-state do not: keyrings, which the kernel keeps per user and which a process also reaches through the
-session keyring it inherited from the runner; and disk space. So the filter refuses:
+A sandbox is made fresh for every prompt, so what a command changes dies with it. Some kernel state does
+not: keyrings, which the kernel keeps per user and which a process also reaches through the session keyring
+it inherited from the runner; and disk space. Some is one for the whole machine, shared by every sandbox
+running at once: the events of asynchronous I/O, and the files anything opens, which inotify and fanotify
+report. So
+the filter refuses:
 
 * ``add_key``, ``request_key``, ``keyctl`` (EPERM): no key can be read from the runner's session keyring
   or left in a user keyring for whoever gets that uid next;
@@ -16,9 +19,10 @@ session keyring it inherited from the runner; and disk space. So the filter refu
 * ``io_setup`` (ENOSYS, as on a kernel without AIO, which libaio's users fall back from): the events of
   asynchronous I/O are one count for the whole machine (``fs.aio-max-nr``), which one prompt could take
   whole, leaving none to the prompts beside it and to the host's programs;
-* ``inotify_init`` and ``inotify_init1`` (ENOSYS, as on a kernel without inotify: watchers such as
-  ``tail -f`` poll instead): a watch on the read-only directories every sandbox shares (``/etc``, ``/usr``)
-  sees each file other prompts, the runner and the host's programs open;
+* ``inotify_init``, ``inotify_init1`` and ``fanotify_init`` (ENOSYS, as on a kernel without them: watchers
+  such as ``tail -f`` poll instead): a watch on the read-only directories every sandbox shares (``/etc``,
+  ``/usr``) sees each file other prompts, the runner and the host's programs open (fanotify needs no
+  privilege for that since Linux 5.13);
 * ``clone`` and ``unshare`` with CLONE_NEWUSER (EPERM), and ``clone3`` (ENOSYS, as on a kernel before it,
   which the C library falls back from to ``clone``: its flags are in memory, out of a filter's reach). In a
   user namespace of its own a command has every capability: it could mount a ``/tmp`` past its limit, and
@@ -56,7 +60,7 @@ _CLONE_NEWUSER = 0x10000000
 _REFUSED = {
     "add_key": errno.EPERM, "request_key": errno.EPERM, "keyctl": errno.EPERM, "fallocate": errno.EOPNOTSUPP,
     "io_uring_setup": errno.ENOSYS, "clone3": errno.ENOSYS, "io_setup": errno.ENOSYS, "inotify_init": errno.ENOSYS,
-    "inotify_init1": errno.ENOSYS,
+    "inotify_init1": errno.ENOSYS, "fanotify_init": errno.ENOSYS,
 }
 # The ioctl requests that preallocate (linux/fs.h: _IOW('X', 40, 42 or 57, struct space_resv), which is 48
 # bytes, or 44 where a 64-bit value is 4-aligned, as in 32-bit x86 programs) and the error each gets.
@@ -66,15 +70,16 @@ _REFUSED_REQUESTS = [((1 << 30) | (size << 16) | (ord("X") << 8) | number, errno
 _NUMBERS = {
     "x86_64": {"add_key": 248, "request_key": 249, "keyctl": 250, "fallocate": 285, "io_uring_setup": 425,
                "clone3": 435, "ioctl": 16, "clone": 56, "unshare": 272, "io_setup": 206, "inotify_init": 253,
-               "inotify_init1": 294},
+               "inotify_init1": 294, "fanotify_init": 300},
     "i386": {"add_key": 286, "request_key": 287, "keyctl": 288, "fallocate": 324, "io_uring_setup": 425,
              "clone3": 435, "ioctl": 54, "clone": 120, "unshare": 310, "io_setup": 245, "inotify_init": 291,
-             "inotify_init1": 332},
+             "inotify_init1": 332, "fanotify_init": 338},
     "aarch64": {"add_key": 217, "request_key": 218, "keyctl": 219, "fallocate": 47, "io_uring_setup": 425,
-                "clone3": 435, "ioctl": 29, "clone": 220, "unshare": 97, "io_setup": 0, "inotify_init1": 26},
+                "clone3": 435, "ioctl": 29, "clone": 220, "unshare": 97, "io_setup": 0, "inotify_init1": 26,
+                "fanotify_init": 262},
     "arm": {"add_key": 309, "request_key": 310, "keyctl": 311, "fallocate": 352, "io_uring_setup": 425,
             "clone3": 435, "ioctl": 54, "clone": 120, "unshare": 337, "io_setup": 243, "inotify_init": 316,
-            "inotify_init1": 360},
+            "inotify_init1": 360, "fanotify_init": 367},
 }
 # The architectures a process on this machine can make system calls as (64-bit hosts run 32-bit programs).
 _ABIS = {"x86_64": ("x86_64", "i386"), "aarch64": ("aarch64", "arm")}

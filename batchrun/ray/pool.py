@@ -211,13 +211,13 @@ class RayWorkerPool:
         if (head_gone := self._head_gone()) is not None:
             raise PoolStartError(f"{head_gone}; no prompt has started")
 
-    def _clean_other_nodes(self, timeout: float = ACTOR_START_TIMEOUT) -> None:
+    def _clean_other_nodes(self, timeout: float = ACTOR_START_TIMEOUT, among: set[int] | None = None) -> None:
         """Environments' leftovers on the nodes other than this one (the parent cleans its own), by one
-        actor per node: before the first session and after the last."""
+        actor per node (of those ``among``, where given): before the first session and after the last."""
         ray = self.ray
         here, cleaners = ray.get_runtime_context().get_node_id(), dict[str, Any]()
         for index, (actor, node) in enumerate(zip(self._actors, self._nodes, strict=False)):
-            if index not in self._lost and node["node_id"] != here:
+            if index not in self._lost and node["node_id"] != here and (among is None or index in among):
                 cleaners.setdefault(node["node_id"], actor)
         if cleaners:
             ray.get([actor.remove_leftovers.remote() for actor in cleaners.values()], timeout=timeout)
@@ -329,11 +329,10 @@ class RayWorkerPool:
             self._dispatch(self._retries.popleft())
         return messages
 
-    def _spending_answers(self, rows_from: set[int], deadline: float | None = None) -> list[Spent]:
+    def _spending_answers(self, rows_from: set[int]) -> list[Spent]:
         """The replies' usage the actors have answered with (see _ask_for_spending). An actor in
-        ``rows_from`` has rows about to be read: its answer is waited for (each up to STOP_GRACE_SECONDS, or
-        all until ``deadline``), since a question asked before those rows came back may hold replies of
-        theirs, which must reach the parent first."""
+        ``rows_from`` has rows about to be read: its answer is waited for, since a question asked before
+        those rows came back may hold replies of theirs, which must reach the parent first."""
         ray = self.ray
         collected: list[Spent] = []
         asked = list(self._draining.values())
@@ -343,7 +342,7 @@ class RayWorkerPool:
                 continue
             del self._draining[actor]
             try:
-                collected.extend(ray.get(ref, timeout=STOP_GRACE_SECONDS if deadline is None else _left(deadline)))
+                collected.extend(ray.get(ref, timeout=STOP_GRACE_SECONDS))
             except Exception:
                 pass        # its actor is gone: what it spent since its last answer is not known
         return collected
@@ -472,29 +471,30 @@ class RayWorkerPool:
         Returns the rows that finished meanwhile, to be persisted like any other (a session that
         ended just before the stop has been paid for), and what the stopped sessions spent.
 
-        Every wait on the actors shares one deadline, STOP_GRACE_SECONDS, as a worker process's stop does: a
-        node that answers nothing (stopped, cut off) held a SIGTERM's stop for a minute, past the grace a
-        scheduler gives before it kills (30 s under Kubernetes and Slurm), and the merge with it. What a node
-        does not clean up by then stays for the next start of this run, which removes it."""
+        The actors get STOP_GRACE_SECONDS in all to stop their sessions, as worker processes do; only those that
+        answered are then asked what their sessions spent, and then to clean their nodes, each step with that
+        much time again: a node that answers nothing (stopped, cut off) held a SIGTERM's stop for a minute
+        (each wait on it ran to its end, the clean-up's for 180 s), past the grace a scheduler gives before it
+        kills (30 s under Kubernetes and Slurm), and the merge with it. What such a node spent since its last
+        answer is not counted; what it left stays for the next start of this run, which removes it."""
         if self._stopped:
             return []
         self._stopped = True
         ray = self.ray
         finished: list[Finished | Spent] = []
-        deadline = time.monotonic() + STOP_GRACE_SECONDS
         try:
             if ray is not None and ray.is_initialized() and not self._head_lost:
+                live = {index for index in range(len(self._actors)) if index not in self._lost}
                 if self._pending:
-                    live = [actor for index, actor in enumerate(self._actors) if index not in self._lost]
-                    try:
-                        ray.get([actor.stop.remote() for actor in live], timeout=_left(deadline))
-                    except Exception:
-                        pass
-                    finished = self._finished_meanwhile(deadline)
-                finished += self._spent_at_stop(deadline)
+                    stops = {self._actors[index].stop.remote(): index for index in live}
+                    stopped, _ = ray.wait(list(stops), num_returns=len(stops), timeout=STOP_GRACE_SECONDS)
+                    live = {stops[ref] for ref in stopped}
+                    finished = self._finished_meanwhile(live)
+                spent, live = self._spent_at_stop(live)
+                finished += spent
                 try:
                     if not self._clean_up_failed:
-                        self._clean_other_nodes(_left(deadline))
+                        self._clean_other_nodes(STOP_GRACE_SECONDS, among=live)
                 except Exception:
                     pass
                 if self._keeper is not None:
@@ -515,12 +515,13 @@ class RayWorkerPool:
                 self._watcher.close()
         return finished
 
-    def _finished_meanwhile(self, deadline: float) -> list[Finished | Spent]:
+    def _finished_meanwhile(self, answering: set[int]) -> list[Finished | Spent]:
         """The rows of the sessions that ended before the stop reached them, each after its spending
-        (and after what the actors' earlier answers hold, which may be theirs too)."""
+        (and after what the actors' earlier answers hold, which may be theirs too: waited for from the
+        ``answering`` actors)."""
         ray = self.ray
         ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=0)
-        finished: list[Finished | Spent] = [*self._spending_answers(set(self._draining), deadline)]
+        finished: list[Finished | Spent] = [*self._spending_answers(answering)]
         for ref in ready:
             try:
                 messages = ray.get(ref)
@@ -529,22 +530,20 @@ class RayWorkerPool:
             finished += [message for message in messages if isinstance(message, (Finished, Spent))]
         return finished
 
-    def _spent_at_stop(self, deadline: float) -> list[Spent]:
-        """What the stopped sessions spent that the parent has not heard of yet: they leave no row."""
+    def _spent_at_stop(self, answering: set[int]) -> tuple[list[Spent], set[int]]:
+        """What the stopped sessions of the ``answering`` actors spent that the parent has not heard of yet
+        (they leave no row), asked of all at once and waited for at most STOP_GRACE_SECONDS; and those that
+        answered."""
         ray = self.ray
-        spent = self._spending_answers(set(self._draining), deadline)
-        asked = [actor.drain_spent.remote() for index, actor in enumerate(self._actors) if index not in self._lost]
-        for ref in asked:
+        spent = self._spending_answers(answering)
+        asked = {self._actors[index].drain_spent.remote(): index for index in answering}
+        answered, _ = ray.wait(list(asked), num_returns=len(asked), timeout=STOP_GRACE_SECONDS) if asked else ([], [])
+        for ref in answered:
             try:
-                spent.extend(ray.get(ref, timeout=_left(deadline)))
+                spent.extend(ray.get(ref, timeout=0))
             except Exception:
                 pass        # its actor is gone
-        return spent
-
-
-def _left(deadline: float) -> float:
-    """The seconds until ``deadline`` (time.monotonic), none once it is past."""
-    return max(0.0, deadline - time.monotonic())
+        return spent, {asked[ref] for ref in answered}
 
 
 def _ray_said(exc: BaseException) -> str:
