@@ -537,13 +537,15 @@ class RayWorkerPool:
         ray = self.ray
         spent = self._spending_answers(answering)
         asked = {self._actors[index].drain_spent.remote(): index for index in answering}
-        answered, _ = ray.wait(list(asked), num_returns=len(asked), timeout=STOP_GRACE_SECONDS) if asked else ([], [])
-        for ref in answered:
+        ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=STOP_GRACE_SECONDS) if asked else ([], [])
+        answered = set()
+        for ref in ready:
             try:
                 spent.extend(ray.get(ref, timeout=0))
             except Exception:
-                pass        # its actor is gone
-        return spent, {asked[ref] for ref in answered}
+                continue    # its actor is gone
+            answered.add(asked[ref])
+        return spent, answered
 
 
 def _ray_said(exc: BaseException) -> str:
