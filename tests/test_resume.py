@@ -1219,6 +1219,5 @@ def test_a_failed_prompt_whose_rows_name_two_lines_counts_once_among_those_that_
     failed = rows.content_key("P", None, None)
     dataset = write_dataset(tmp_path / "dataset.jsonl", ["Q", "P"])
     scan = ScanResult(failed_units={rows.unit_key(0, failed), rows.unit_key(1, failed)})
-    scan.other_units = set(scan.failed_units)
     plan = plan_dataset(dataset, max_samples=None, done_units=Counter(), warn=print, other_units=scan.other_units)
     assert plan.pending == 2 and _failures_retried(scan, plan) == 1

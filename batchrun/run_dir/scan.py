@@ -34,9 +34,6 @@ class ScanResult:
     # Rows the merge writes to trajectories.jsonl, by sample index (a few numbers, whatever the run's length).
     merged_by_sample: Counter = field(default_factory=Counter)
     failed_units: set[str] = field(default_factory=set)          # the units of failure rows
-    # The units of rows that count nothing done, failures and corrupted rows: the planner finds where
-    # they are now when the dataset changed, as it does for the rows counted done.
-    other_units: set[str] = field(default_factory=set)
 
     def add(self, other: ScanResult) -> None:
         add_usage(self.usage, other.usage)
@@ -47,7 +44,12 @@ class ScanResult:
         self.rows_by_status.update(other.rows_by_status)
         self.corrupted_units.extend(other.corrupted_units)
         self.unreadable += other.unreadable
-        self.other_units |= other.other_units
+
+    @property
+    def other_units(self) -> set[str]:
+        """The units of rows that count nothing done, failures and corrupted rows: the planner finds where
+        they are now when the dataset changed, as it does for the rows counted done."""
+        return self.failed_units.union(self.corrupted_units)
 
     @property
     def corrupted_by_key(self) -> Counter:
@@ -117,7 +119,6 @@ def scan_ranges(ranges: list[FileRange]) -> ScanResult:
                 if row.status != rows.DISCARDED:
                     result.merged_by_sample[row.sample_index] += 1
                 continue
-            result.other_units.add(row.unit_key)
             if row.status == rows.FAILED:
                 result.failed_units.add(row.unit_key)
             else:
